@@ -1,0 +1,36 @@
+"""gpumagic: drive a rented GPU machine from a notebook on your laptop, over SSH.
+
+Plain Python::
+
+    import gpumagic
+    m = gpumagic.connect("mygpu")
+    m.run("nvidia-smi")
+
+IPython / Jupyter::
+
+    %load_ext gpumagic
+    %gpu connect mygpu
+    %%remote
+    nvidia-smi
+"""
+
+from .errors import GpumagicError
+from .machine import Machine, connect
+
+__version__ = "0.1.0"
+__all__ = ["connect", "Machine", "GpumagicError", "load_ipython_extension", "__version__"]
+
+
+def load_ipython_extension(ipython):
+    """Register ``%gpu`` and ``%%remote`` (called by ``%load_ext gpumagic``)."""
+    from .magics import GpuMagics
+
+    magics = GpuMagics(shell=ipython)
+    ipython.register_magics(magics)
+    ipython._gpumagic = magics  # reached by unload and by tests
+
+
+def unload_ipython_extension(ipython):
+    magics = getattr(ipython, "_gpumagic", None)
+    if magics is not None:
+        magics.session.close_all()

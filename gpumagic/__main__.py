@@ -1,0 +1,94 @@
+"""Command line: ``python -m gpumagic sandbox`` and ``python -m gpumagic run-notebook``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import GpumagicError
+
+
+def _sandbox(args) -> int:
+    from .sandbox import Sandbox
+
+    with Sandbox(fake_gpu=args.fake_gpu) as sb:
+        s = sb.server
+        print(f"sandbox sshd running at {s.host}:{s.port} as {s.user} (keys in {s.dir})")
+        print("reach it with:\n  " + " ".join(s.ssh_command()))
+        print("or add to ~/.ssh/config:\n" + s.ssh_config_block())
+        print("Ctrl-C stops it.")
+        try:
+            while s.running:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
+                 kernel_name: str = "python3") -> Path:
+    """Execute a notebook with nbclient and write the executed copy; returns its path.
+
+    Raises
+    ------
+    nbclient.exceptions.CellExecutionError
+        When a cell fails (the executed copy is still written, with the error in it).
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    out = Path(output_dir) / path.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    finally:
+        nbformat.write(nb, out)
+    return out
+
+
+def _run_notebook(args) -> int:
+    try:
+        from nbclient.exceptions import CellExecutionError
+    except ImportError:
+        print("run-notebook needs nbclient and ipykernel: pip install 'gpumagic[notebook]'",
+              file=sys.stderr)
+        return 2
+    try:
+        out = run_notebook(args.notebook, args.output_dir, timeout=args.timeout)
+    except CellExecutionError as e:
+        print(f"a cell failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        print(f"executed copy (with the error): {Path(args.output_dir) / Path(args.notebook).name}",
+              file=sys.stderr)
+        return 1
+    print(f"executed notebook written to {out.resolve()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpumagic")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sandbox", help="run the local sandbox sshd until Ctrl-C")
+    s.add_argument("--fake-gpu", metavar="RECORDING",
+                   help="replay a recorded GPU through a stand-in nvidia-smi (h200-idle, h200-load)")
+    s.set_defaults(func=_sandbox)
+    r = sub.add_parser("run-notebook", help="execute a notebook and write the executed copy")
+    r.add_argument("notebook")
+    r.add_argument("--output-dir", default="build/executed")
+    r.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    r.set_defaults(func=_run_notebook)
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except GpumagicError as e:
+        print(f"gpumagic: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

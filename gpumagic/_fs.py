@@ -1,0 +1,43 @@
+"""Small local-file helpers shared by every module that writes user files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int | None = None,
+                 backup: str | os.PathLike | None = None) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new file, never half.
+
+    The data goes to a temporary file in the same directory, is fsynced, then renamed over
+    ``path``.  ``mode`` sets the permission bits (default: keep the old file's, else 0600).
+    ``backup``, if given, receives a copy of the previous file first.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o600
+    if backup is not None and path.exists():
+        shutil.copy2(path, backup)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,457 @@
+"""One SSH connection: open/close, host-key policy, keys, ProxyJump, keepalive, reconnect.
+
+A :class:`Connection` is lazy: it opens on first use and re-opens by itself after the link
+dropped (``ensure_open``).  Host keys follow OpenSSH's ``known_hosts`` rules and are never
+accepted silently.  Private keys are read like OpenSSH reads them (refused when readable by
+group or others; a passphrase is asked with ``getpass`` and kept only in memory).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from dataclasses import replace
+from typing import Callable
+
+import paramiko
+
+from . import known_hosts
+from .errors import (
+    AuthenticationFailed,
+    ChangedHostKey,
+    ConnectionLost,
+    ConnectionRefused,
+    ConnectTimeout,
+    GpumagicError,
+    HostNotFound,
+    InsecureKeyFile,
+    UnknownHostKey,
+    WrongPassphrase,
+)
+from .hosts import HostSpec, default_identity_files, resolve
+
+log = logging.getLogger(__name__)
+
+#: Flow-control window and packet size asked of the server (bytes).  A larger window than
+#: paramiko's default keeps bulk transfers (sync, tunnels) from stalling on round trips.
+WINDOW_SIZE = 8 * 1024 * 1024
+MAX_PACKET_SIZE = 32768
+
+PassphrasePrompt = Callable[[str], str]
+
+
+def _default_prompt(path: str) -> str:
+    return getpass.getpass(f"Passphrase for key {path}: ")
+
+
+def check_key_permissions(path: str) -> None:
+    """Refuse a private key file that group or others can read, as OpenSSH does.
+
+    Raises
+    ------
+    InsecureKeyFile
+        With the ``chmod 600`` fix.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if os.name == "posix" and stat.S_IMODE(mode) & 0o077:
+        raise InsecureKeyFile(
+            f"private key {path} is readable by others (mode {stat.S_IMODE(mode):04o}); "
+            "OpenSSH refuses it and so does gpumagic",
+            f"run: chmod 600 {path}",
+        )
+
+
+def load_private_key(path: str, prompt: PassphrasePrompt = _default_prompt) -> paramiko.PKey:
+    """Load a private key file (OpenSSH or PEM format), asking for a passphrase if needed.
+
+    Raises
+    ------
+    InsecureKeyFile
+        Mode allows group/others access.
+    WrongPassphrase
+        The passphrase does not decrypt the key (names the file).
+    GpumagicError
+        The file is not a private key gpumagic can read.
+    """
+    check_key_permissions(path)
+    try:
+        return paramiko.PKey.from_path(path)
+    except paramiko.PasswordRequiredException:
+        pass
+    except FileNotFoundError:
+        raise
+    except (paramiko.SSHException, ValueError, TypeError) as e:
+        raise GpumagicError(f"cannot read private key {path}: {e}",
+                            "point IdentityFile (or -i) at an OpenSSH private key file")
+    passphrase = prompt(path)
+    try:
+        return paramiko.PKey.from_path(path, passphrase=passphrase)
+    except (paramiko.SSHException, ValueError, TypeError):
+        raise WrongPassphrase(f"wrong passphrase for key {path}",
+                              "connect again and type the passphrase of that key file")
+
+
+class Connection:
+    """One SSH connection to one machine (possibly through ProxyJump hops).
+
+    Parameters
+    ----------
+    spec : HostSpec
+        Where and how to connect (see :func:`gpumagic.hosts.resolve`).
+    trust_new_host : bool
+        Add an unknown host's key to known_hosts (OpenSSH format) instead of refusing.
+        A *changed* key is always refused.
+    passphrase_prompt : callable
+        ``prompt(path) -> str`` for encrypted keys; default asks with ``getpass``.
+    home : str, optional
+        The local home directory whose ``~/.ssh`` is read (default ``$HOME``).
+    use_agent : bool
+        Offer ssh-agent keys (``$SSH_AUTH_SOCK``) unless ``IdentitiesOnly yes``.
+
+    Use as a context manager, or call :meth:`open` / :meth:`close` (safe to call twice).
+    """
+
+    def __init__(self, spec: HostSpec, *, trust_new_host: bool = False,
+                 passphrase_prompt: PassphrasePrompt = _default_prompt,
+                 home: str | None = None, use_agent: bool = True,
+                 via: "Connection | None" = None):
+        self.spec = spec
+        self.via = via
+        self.trust_new_host = trust_new_host
+        self.passphrase_prompt = passphrase_prompt
+        self.home = home
+        self.use_agent = use_agent
+        self.transport: paramiko.Transport | None = None
+        self._hops: list[Connection] = []
+        self._keys: dict[str, paramiko.PKey] = {}  # decrypted keys, in memory only
+        self._lock = threading.RLock()
+        self._keepalive_stop = threading.Event()
+        self._lost_reason: str | None = None
+        self._sftp: paramiko.SFTPClient | None = None
+        self.opened_count = 0
+        #: Messages for the user from the last open (e.g. a host key that was trusted).
+        self.notes: list[str] = []
+
+    # -- life cycle -------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        """True while the SSH transport is up and authenticated."""
+        t = self.transport
+        return bool(t is not None and t.is_active() and t.is_authenticated())
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the last transport ended on its own (keepalive timeout, reset), if it did."""
+        return self._lost_reason
+
+    def __enter__(self) -> "Connection":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def ensure_open(self) -> "Connection":
+        """Open the connection unless it is already up (re-opens after a drop)."""
+        with self._lock:
+            if not self.is_connected:
+                self._teardown()
+                self.open()
+        return self
+
+    def open(self) -> "Connection":
+        """Connect, check the host key, authenticate, start keepalives.
+
+        Raises
+        ------
+        HostNotFound, ConnectionRefused, ConnectTimeout, UnknownHostKey, ChangedHostKey,
+        AuthenticationFailed, WrongPassphrase, InsecureKeyFile
+            Each with a one-line hint.
+        """
+        with self._lock:
+            if self.is_connected:
+                return self
+            sock = self._open_socket()
+            t = paramiko.Transport(sock, default_window_size=WINDOW_SIZE,
+                                   default_max_packet_size=MAX_PACKET_SIZE)
+            try:
+                self._prefer_known_key_types(t)
+                try:
+                    t.start_client(timeout=self.spec.connect_timeout)
+                except (paramiko.SSHException, EOFError, OSError) as e:
+                    raise ConnectionLost(
+                        f"SSH handshake with {self.spec.address} failed: {e or type(e).__name__}",
+                        "check that the port is the machine's SSH port and that sshd is running there",
+                    )
+                self._check_host_key(t)
+                self._authenticate(t)
+            except BaseException:
+                t.close()
+                raise
+            self.transport = t
+            self._lost_reason = None
+            self.opened_count += 1
+            self._start_keepalive(t)
+            return self
+
+    def close(self) -> None:
+        """Close the connection and every ProxyJump hop; safe to call more than once."""
+        with self._lock:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._keepalive_stop.set()
+        if self._sftp is not None:
+            try:
+                self._sftp.close()
+            except Exception:
+                pass
+            self._sftp = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        for hop in reversed(self._hops):
+            hop.close()
+        self._hops = []
+
+    # -- socket and hops --------------------------------------------------------------
+
+    def _open_socket(self):
+        spec = self.spec
+        if self.via is not None:
+            return _direct(self.via, spec)
+        if spec.proxy_jump:
+            return self._open_via_jumps()
+        try:
+            sock = socket.create_connection((spec.hostname, spec.port), timeout=spec.connect_timeout)
+        except socket.gaierror:
+            raise HostNotFound(
+                f"cannot find host {spec.hostname!r}: it is not a ~/.ssh/config alias and DNS does not know it",
+                "check the spelling, or add a Host block (`%gpu add-host`) or use user@IP:port",
+            )
+        except ConnectionRefusedError:
+            raise ConnectionRefused(
+                f"connection refused by {spec.address}: nothing accepts SSH on that port",
+                "check the port (the platform's ssh command shows it after -p) and that the instance is running",
+            )
+        except (socket.timeout, TimeoutError):
+            raise ConnectTimeout(
+                f"no answer from {spec.address} within {spec.connect_timeout:g} s",
+                "check the address and that the instance is running; a firewall may drop the port",
+            )
+        except OSError as e:
+            raise ConnectionRefused(f"cannot reach {spec.address}: {e.strerror or e}",
+                                    "check the address and your network")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        return sock
+
+    def _open_via_jumps(self):
+        """Connect hop by hop in the order written; each hop is resolved like a target."""
+        prev: Connection | None = None
+        for hop_text in self.spec.proxy_jump:
+            # Inside a chain a hop's own ProxyJump is not followed (as OpenSSH does for -J a,b).
+            hop_spec = replace(resolve(hop_text, home=self.home), proxy_jump=())
+            hop = Connection(hop_spec, trust_new_host=self.trust_new_host,
+                             passphrase_prompt=self.passphrase_prompt, home=self.home,
+                             use_agent=self.use_agent, via=prev)
+            hop._keys = self._keys
+            hop.open()
+            self._hops.append(hop)
+            prev = hop
+        assert prev is not None
+        return _direct(prev, self.spec)
+
+    # -- host keys --------------------------------------------------------------------
+
+    def _prefer_known_key_types(self, t: paramiko.Transport) -> None:
+        stored = known_hosts.lookup(self.spec.known_hosts, self.spec.hostname, self.spec.port)
+        if not stored:
+            return
+        opts = t.get_security_options()
+        want = [k.get_name() for k in stored]
+        types = list(opts.key_types)
+        opts.key_types = tuple([k for k in types if k in want] + [k for k in types if k not in want])
+
+    def _check_host_key(self, t: paramiko.Transport) -> None:
+        spec = self.spec
+        key = t.get_remote_server_key()
+        stored = known_hosts.lookup(spec.known_hosts, spec.hostname, spec.port)
+        fp = known_hosts.fingerprint(key)
+        same_type = [k for k in stored if k.get_name() == key.get_name()]
+        if any(k == key for k in same_type):
+            return
+        name = f"{spec.hostname}:{spec.port}"
+        if same_type:
+            raise ChangedHostKey(
+                f"the host key of {name} has CHANGED (now {key.get_name()} {fp}); refusing to connect",
+                f"if you rebuilt or re-rented the instance run `%gpu forget {name}`, then connect again; "
+                "otherwise someone may be intercepting the connection",
+                host=name, fingerprint=fp,
+            )
+        if self.trust_new_host:
+            known_hosts.add(spec.known_hosts, spec.hostname, spec.port, key)
+            self.notes.append(f"trusted new host {spec.known_hosts_name}: added its {key.get_name()} "
+                              f"key {fp} to {spec.known_hosts}")
+            return
+        raise UnknownHostKey(
+            f"{name} is not a known host; its {key.get_name()} key fingerprint is {fp}",
+            f"if that matches your machine, connect again with --trust-new-host "
+            f"(e.g. `%gpu connect {spec.alias} --trust-new-host`)",
+            host=name, fingerprint=fp,
+        )
+
+    # -- authentication ---------------------------------------------------------------
+
+    def _candidate_keys(self):
+        """Yield (label, loader) pairs in OpenSSH's order: agent, IdentityFile, defaults."""
+        spec = self.spec
+        if self.use_agent and not spec.identities_only and os.environ.get("SSH_AUTH_SOCK"):
+            try:
+                for k in paramiko.Agent().get_keys():
+                    yield f"agent key {known_hosts.fingerprint(k)}", (lambda k=k: k)
+            except Exception:  # a broken agent socket must not stop file keys
+                pass
+        files = list(spec.identity_files)
+        if not spec.identities_only or not files:
+            files += [f for f in default_identity_files(self.home) if f not in files]
+        for path in files:
+            if not os.path.exists(path):
+                continue
+            yield path, (lambda p=path: self._load_key(p))
+
+    def _load_key(self, path: str) -> paramiko.PKey:
+        if path not in self._keys:
+            self._keys[path] = load_private_key(path, self.passphrase_prompt)
+        return self._keys[path]
+
+    def _authenticate(self, t: paramiko.Transport) -> None:
+        spec = self.spec
+        tried = []
+        for label, loader in self._candidate_keys():
+            key = loader()
+            tried.append(label)
+            try:
+                t.auth_publickey(spec.user, key)
+            except paramiko.BadAuthenticationType as e:
+                raise AuthenticationFailed(
+                    f"{spec.user}@{spec.address} does not accept key logins (it allows: {', '.join(e.allowed_types)})",
+                    f"install your public key once with `%gpu install-key {spec.user}@{spec.address}`",
+                )
+            except paramiko.AuthenticationException:
+                continue
+            except (paramiko.SSHException, EOFError, OSError) as e:
+                raise ConnectionLost(f"connection to {spec.address} dropped during login: {e}",
+                                     "connect again; if it repeats, check the machine's sshd")
+            if t.is_authenticated():
+                return
+        keys = ", ".join(tried) if tried else "none (no IdentityFile, no ~/.ssh/id_* key, no agent)"
+        raise AuthenticationFailed(
+            f"{spec.user}@{spec.address} refused every key offered; keys tried: {keys}",
+            f"check the user name ({spec.user!r}) and that your public key is in "
+            f"~/.ssh/authorized_keys on the machine, or pass the right key with -i",
+        )
+
+    # -- keepalive --------------------------------------------------------------------
+
+    def _start_keepalive(self, t: paramiko.Transport) -> None:
+        interval = self.spec.server_alive_interval
+        self._keepalive_stop = stop = threading.Event()
+        if interval <= 0:
+            return
+        limit = interval * max(1, self.spec.server_alive_count_max)
+
+        def ping_loop():
+            while not stop.wait(interval):
+                if not t.is_active():
+                    return
+                answered = threading.Event()
+
+                def ping():
+                    try:
+                        t.global_request("keepalive@openssh.com", wait=True)
+                    finally:
+                        answered.set()
+
+                threading.Thread(target=ping, daemon=True, name="gpumagic-ping").start()
+                if not answered.wait(limit) and not stop.is_set():
+                    self._lost_reason = (f"{self.spec.address} did not answer keepalives for "
+                                         f"{limit:g} s (ServerAliveInterval x ServerAliveCountMax)")
+                    t.close()
+                    return
+
+        threading.Thread(target=ping_loop, daemon=True, name="gpumagic-keepalive").start()
+
+    # -- channels ---------------------------------------------------------------------
+
+    def open_session(self) -> paramiko.Channel:
+        """A new session channel (re-opening the connection first if it dropped).
+
+        Raises
+        ------
+        ConnectionLost
+            When no channel can be opened even on a fresh connection.
+        """
+        self.ensure_open()
+        assert self.transport is not None
+        try:
+            return self.transport.open_session(timeout=self.spec.connect_timeout)
+        except (paramiko.SSHException, EOFError, OSError):
+            # The transport looked alive but was not: reconnect once.
+            self.close()
+            self.ensure_open()
+            try:
+                return self.transport.open_session(timeout=self.spec.connect_timeout)
+            except (paramiko.SSHException, EOFError, OSError) as e:
+                raise ConnectionLost(f"cannot open a channel to {self.spec.address}: {e}",
+                                     "run `%gpu connect` again")
+
+    def sftp(self) -> paramiko.SFTPClient:
+        """An SFTP client on this connection (one, reused while the connection is up)."""
+        with self._lock:
+            self.ensure_open()
+            if self._sftp is None or self._sftp.sock.closed:
+                self._sftp = paramiko.SFTPClient.from_transport(self.transport)
+            return self._sftp
+
+    def __repr__(self) -> str:
+        state = "connected" if self.is_connected else "closed"
+        return f"<Connection {self.spec.user}@{self.spec.address} {state}>"
+
+
+def _direct(via: Connection, spec: HostSpec):
+    """A ``direct-tcpip`` channel from ``via`` to ``spec``'s host and port (one ProxyJump hop)."""
+    assert via.transport is not None
+    try:
+        return via.transport.open_channel(
+            "direct-tcpip", (spec.hostname, spec.port), ("127.0.0.1", 0),
+            timeout=spec.connect_timeout,
+            window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET_SIZE,
+        )
+    except paramiko.ChannelException as e:
+        raise ConnectionRefused(
+            f"jump host {via.spec.address} could not reach {spec.address}: {e.text or e}",
+            "check HostName and Port of the target as the jump host sees them",
+        )
+    except (paramiko.SSHException, EOFError, OSError) as e:
+        raise ConnectionLost(f"jump host {via.spec.address} dropped: {e}", "connect again")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -1,0 +1,132 @@
+"""One exception family for gpumagic.
+
+Every error a user can cause or meet carries a one-line ``hint`` that says what to do.
+The IPython layer shows ``str(error)`` (message, then the hint) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class GpumagicError(Exception):
+    """Base of every gpumagic error.
+
+    Parameters
+    ----------
+    message : str
+        What went wrong, one line.
+    hint : str, optional
+        What to do about it, one line.
+    """
+
+    hint: str = ""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if hint is not None:
+            self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our traceback.
+        return [f"{type(self).__name__}: {self}"]
+
+
+class ConfigError(GpumagicError):
+    """A target, an ssh_config entry or an option cannot be understood."""
+
+
+class HostNotFound(GpumagicError):
+    """The name is neither a ~/.ssh/config alias nor resolvable by DNS."""
+
+
+class ConnectionRefused(GpumagicError):
+    """Nothing listens on the port (wrong port, or sshd not running)."""
+
+
+class ConnectTimeout(GpumagicError):
+    """The host did not answer within ConnectTimeout seconds."""
+
+
+class AuthenticationFailed(GpumagicError):
+    """The server refused every key that was offered."""
+
+
+class WrongPassphrase(GpumagicError):
+    """A private key file could not be decrypted with the passphrase given."""
+
+
+class InsecureKeyFile(GpumagicError):
+    """A private key file is readable by group or others (OpenSSH refuses it too)."""
+
+
+class HostKeyError(GpumagicError):
+    """Base for host-key problems."""
+
+
+class UnknownHostKey(HostKeyError):
+    """The server's host key is not in known_hosts; nothing was trusted."""
+
+    def __init__(self, message: str, hint: str, *, host: str, fingerprint: str):
+        super().__init__(message, hint)
+        self.host = host
+        self.fingerprint = fingerprint
+
+
+class ChangedHostKey(HostKeyError):
+    """The server's host key differs from the one in known_hosts."""
+
+    def __init__(self, message: str, hint: str, *, host: str, fingerprint: str):
+        super().__init__(message, hint)
+        self.host = host
+        self.fingerprint = fingerprint
+
+
+class ConnectionLost(GpumagicError):
+    """The SSH connection dropped while something was running on it."""
+
+
+class NotConnected(GpumagicError):
+    """No machine is connected (or the named one is not)."""
+
+
+class RemoteTimeout(GpumagicError):
+    """A remote command ran longer than its timeout and was stopped."""
+
+
+class RemoteCommandError(GpumagicError):
+    """A remote command or cell exited with a non-zero status.
+
+    Attributes
+    ----------
+    exit_code : int
+        The remote exit status (128 + N when killed by signal N; -1 if unknown).
+    stdout, stderr : str
+        Everything the command wrote (decoded as UTF-8 with replacement).
+    """
+
+    def __init__(self, message: str, *, exit_code: int, stdout: str = "", stderr: str = "",
+                 hint: str | None = None):
+        super().__init__(message, hint)
+        self.exit_code = exit_code
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def _render_traceback_(self) -> list[str]:
+        # The remote output (traceback included) has already streamed into the cell.
+        # Show only the last line of the remote error, never gpumagic's own frames.
+        lines = [ln for ln in self.stderr.splitlines() if ln.strip()]
+        out = [f"RemoteCommandError: {self.message}"]
+        if lines and lines[-1] not in self.message:
+            out.append(f"  last line of remote stderr: {lines[-1]}")
+        if self.hint:
+            out.append(f"  hint: {self.hint}")
+        return out
+
+
+class SandboxError(GpumagicError):
+    """The local sandbox machine could not be started."""

@@ -1,0 +1,225 @@
+"""The plain-Python API: a :class:`Machine` is one rented (or sandbox) computer.
+
+>>> import gpumagic
+>>> m = gpumagic.connect("mygpu")            # ~/.ssh/config alias or user@host:port
+>>> m.run("nvidia-smi -L").stdout
+>>> m.run("import torch; print(torch.cuda.is_available())", python=True)
+
+The IPython magics are a thin layer over this module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Mapping, Sequence
+
+from . import execution
+from .connection import Connection, PassphrasePrompt, _default_prompt
+from .errors import RemoteCommandError
+from .execution import RunResult
+from .hosts import HostSpec, resolve
+
+
+class Machine:
+    """One remote machine reached over SSH.
+
+    Parameters
+    ----------
+    spec : HostSpec
+        Where and how to connect.
+    name : str, optional
+        Name used by ``%%remote --host NAME`` (default: the alias typed).
+    cwd : str, optional
+        Working directory for cells (absolute, ``~/...``, or relative to the login dir).
+    trust_new_host : bool
+        Add an unknown host key to known_hosts instead of refusing (never for a changed key).
+    """
+
+    def __init__(self, spec: HostSpec, *, name: str | None = None, cwd: str | None = None,
+                 trust_new_host: bool = False, home: str | None = None,
+                 passphrase_prompt: PassphrasePrompt = _default_prompt, sandbox=None):
+        self.spec = spec
+        self.name = name or spec.alias
+        self.cwd = cwd
+        self.sandbox = sandbox
+        self.connection = Connection(spec, trust_new_host=trust_new_host, home=home,
+                                     passphrase_prompt=passphrase_prompt)
+        self._login_env: tuple[int, dict] | None = None
+
+    def login_env(self) -> dict[str, str | None]:
+        """Environment differences of an interactive ``ssh host`` login, read once per connection.
+
+        See :func:`gpumagic.execution.login_env_delta`.
+        """
+        self.connection.ensure_open()
+        opened = self.connection.opened_count
+        if self._login_env is None or self._login_env[0] != opened:
+            self._login_env = (opened, execution.login_env_delta(self.connection))
+        return self._login_env[1]
+
+    # -- life cycle -------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        return self.connection.is_connected
+
+    def connect(self) -> "Machine":
+        """Open the SSH connection now (otherwise it opens on first use)."""
+        self.connection.ensure_open()
+        return self
+
+    def close(self) -> None:
+        """Close the connection (and stop the sandbox sshd if this is the sandbox)."""
+        self.connection.close()
+        if self.sandbox is not None:
+            self.sandbox.stop()
+            self.sandbox = None
+
+    def __enter__(self) -> "Machine":
+        return self.connect()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def cd(self, path: str) -> str:
+        """Set the working directory for later cells after checking it exists.
+
+        Raises
+        ------
+        RemoteCommandError
+            When the directory does not exist on the machine.
+        """
+        r = self.run(["sh", "-c", 'cd -- "$1" && pwd -P', "sh", path], quiet=True)
+        if r.exit_code != 0:
+            raise RemoteCommandError(f"no directory {path} on {self.name}", exit_code=r.exit_code,
+                                     stderr=r.stderr, hint=f"create it first: %%remote\\nmkdir -p {path}")
+        self.cwd = r.stdout.strip()
+        return self.cwd
+
+    # -- running ----------------------------------------------------------------------
+
+    def run(self, command: str | Sequence[str], *, python: bool = False, cwd: str | None = None,
+            env: Mapping[str, str] | None = None, timeout: float | None = None,
+            check: bool = False, quiet: bool = False,
+            stdout: Callable[[str], None] | None = None,
+            stderr: Callable[[str], None] | None = None, capture: bool = True) -> RunResult:
+        """Run a command or a cell on the machine, streaming its output.
+
+        Parameters
+        ----------
+        command : str or sequence of str
+            A bash script (str), Python source with ``python=True``, or an argv list run
+            without a shell.
+        python : bool
+            Run ``command`` with the remote ``python3 -u``.
+        cwd, env, timeout, capture
+            See :func:`gpumagic.execution.run` (timeout in seconds).
+        check : bool
+            Raise :class:`RemoteCommandError` on a non-zero exit.
+        quiet : bool
+            Do not echo output to this process's stdout/stderr.
+        stdout, stderr : callable, optional
+            Receive decoded chunks as they arrive (instead of echoing).
+
+        Returns
+        -------
+        RunResult
+            ``stdout``, ``stderr``, ``exit_code``, ``seconds``.
+
+        Raises
+        ------
+        ConnectionLost, RemoteTimeout, RemoteCommandError, KeyboardInterrupt
+        """
+        if isinstance(command, str):
+            argv = execution.cell_argv(command, python=python)
+        else:
+            argv = list(command)
+        if not quiet:
+            stdout = stdout or _echo(sys.stdout)
+            stderr = stderr or _echo(sys.stderr)
+        full_env = {**self.login_env(), **(env or {})}
+        result = execution.run(self.connection, argv, cwd=cwd if cwd is not None else self.cwd,
+                               env=full_env, stdout=stdout, stderr=stderr, timeout=timeout,
+                               capture=capture)
+        if check and result.exit_code != 0:
+            raise RemoteCommandError(
+                f"{'python cell' if python else 'command'} on {self.name} exited with code {result.exit_code}",
+                exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr)
+        return result
+
+    def exec(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 60) -> RunResult:
+        """Run a short shell command in one round trip, output captured, nothing echoed.
+
+        For quick queries (``df``, ``nvidia-smi --query-gpu=...``); user code goes
+        through :meth:`run`, which stops remote children on interrupt.
+        """
+        return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
+
+    def __repr__(self) -> str:
+        state = "connected" if self.is_connected else "not connected"
+        return f"<Machine {self.name} {self.spec.user}@{self.spec.address} {state}>"
+
+
+def _echo(stream):
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+    return write
+
+
+def connect(target: str | None = None, *, port: int | None = None, key: str | None = None,
+            jump: str | None = None, user: str | None = None, name: str | None = None,
+            cwd: str | None = None, trust_new_host: bool = False, sandbox: bool = False,
+            home: str | None = None, lazy: bool = False, fake_gpu: str | None = None,
+            passphrase_prompt: PassphrasePrompt = _default_prompt) -> Machine:
+    """Connect to a machine and return it.
+
+    Parameters
+    ----------
+    target : str
+        A ``~/.ssh/config`` alias or ``[user@]host[:port]``.
+    port, key, jump, user : optional
+        Like ``ssh -p``, ``-i``, ``-J``, ``-l``; they win over ~/.ssh/config.
+    name : str, optional
+        The machine's name in gpumagic (default: ``target``).
+    cwd : str, optional
+        Working directory for cells.
+    trust_new_host : bool
+        Add an unknown host's key to known_hosts (prints its SHA256 fingerprint).
+    sandbox : bool
+        Start the local sandbox sshd and connect to it (``target`` is ignored).
+    fake_gpu : str, optional
+        Sandbox only: replay a recorded GPU (``h200-idle``, ``h200-load``).
+    lazy : bool
+        Do not open the connection until first use.
+
+    Raises
+    ------
+    GpumagicError
+        One of its kinds (HostNotFound, ConnectionRefused, ConnectTimeout,
+        AuthenticationFailed, WrongPassphrase, InsecureKeyFile, UnknownHostKey,
+        ChangedHostKey), each with a one-line hint.
+    """
+    sb = None
+    if sandbox:
+        from .sandbox import Sandbox
+
+        sb = Sandbox(fake_gpu=fake_gpu).start()
+        spec = sb.spec()
+        name = name or "sandbox"
+    else:
+        if not target:
+            from .errors import ConfigError
+
+            raise ConfigError("no machine given", "name a ~/.ssh/config alias or user@host[:port]")
+        spec = resolve(target, home=home, port=port, user=user, identity_file=key, proxy_jump=jump)
+    m = Machine(spec, name=name, cwd=cwd, trust_new_host=trust_new_host, home=home,
+                passphrase_prompt=passphrase_prompt, sandbox=sb)
+    if not lazy:
+        try:
+            m.connect()
+        except BaseException:
+            m.close()
+            raise
+    return m

@@ -1,0 +1,318 @@
+"""A throwaway local OpenSSH ``sshd`` on 127.0.0.1: the embedded default machine.
+
+:class:`SshServer` starts a real ``sshd`` as the current user with its own ed25519 host
+and client keys in a private directory.  The sandbox uses it so that every tutorial can
+run without renting anything; the test suite uses the same class for its servers.
+
+The sandbox is trusted automatically *because gpumagic made its host key*: its key goes
+into the sandbox's own known_hosts file, never into the user's ``~/.ssh/known_hosts``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from .errors import SandboxError
+from .hosts import HostSpec
+
+SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/opt/homebrew/sbin/sshd",
+                   "/sbin/sshd")
+FAKE_DIR = Path(__file__).parent / "fake"
+INSTALL_HINT = ("install OpenSSH's server: `sudo apt-get install openssh-server` "
+                "(Debian/Ubuntu), `brew install openssh` (macOS)")
+
+
+def find_sshd() -> str:
+    """Path of the ``sshd`` binary.
+
+    Raises
+    ------
+    SandboxError
+        With the install command when no sshd exists.
+    """
+    for c in SSHD_CANDIDATES:
+        if os.access(c, os.X_OK):
+            return c
+    found = shutil.which("sshd")
+    if found:
+        return found
+    raise SandboxError("no sshd found on this computer, so the sandbox machine cannot start",
+                       INSTALL_HINT)
+
+
+def make_keypair(path: Path, comment: str = "gpumagic") -> str:
+    """Write an ed25519 private key (OpenSSH format, mode 0600) and ``.pub``; returns the pub line."""
+    key = Ed25519PrivateKey.generate()
+    priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                             serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                        serialization.PublicFormat.OpenSSH).decode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(priv)
+    line = f"{pub} {comment}"
+    Path(str(path) + ".pub").write_text(line + "\n")
+    return line
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+class SshServer:
+    """A real OpenSSH sshd on 127.0.0.1 with throwaway keys, run as the current user.
+
+    Parameters
+    ----------
+    directory : path
+        Where keys, config, log and ``bin/`` live (created).
+    extra_config : str
+        More sshd_config lines (e.g. ``"MaxStartups 1"``).
+    env : dict
+        Environment for sessions, through sshd_config ``SetEnv`` (``PATH`` defaults to
+        ``DIR/bin`` then this process's PATH, so stand-in programs in ``bin/`` win).
+    fake_gpu : str, optional
+        Put the replaying ``nvidia-smi`` in ``bin/`` with this recording
+        (``h200-idle``, ``h200-load``; change later with :meth:`set_gpu`).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, extra_config: str = "",
+                 env: dict | None = None, fake_gpu: str | None = None, alias: str = "sandbox"):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bin = self.dir / "bin"
+        self.bin.mkdir(exist_ok=True)
+        self.alias = alias
+        self.extra_config = extra_config
+        self.env = dict(env or {})
+        self.user = local_user()
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.host_key = self.dir / "host_ed25519"
+        self.client_key = self.dir / "client_ed25519"
+        self.known_hosts = self.dir / "known_hosts"
+        self.log = self.dir / "sshd.log"
+        self.gpu_state = self.dir / "gpu-state"
+        if not self.host_key.exists():
+            make_keypair(self.host_key, "gpumagic-sandbox-host")
+        if not self.client_key.exists():
+            self.client_pub = make_keypair(self.client_key, "gpumagic-sandbox-client")
+        else:
+            self.client_pub = Path(str(self.client_key) + ".pub").read_text().strip()
+        self.authorized_keys = self.dir / "authorized_keys"
+        if not self.authorized_keys.exists():
+            self.authorized_keys.write_text(self.client_pub + "\n")
+            os.chmod(self.authorized_keys, 0o600)
+        if fake_gpu:
+            self.install_fake_gpu(fake_gpu)
+        self._finalizer = weakref.finalize(self, _kill, None)
+
+    # -- programs on the server's PATH -------------------------------------------------
+
+    def install_bin(self, name: str, script: str) -> Path:
+        """Put an executable ``script`` named ``name`` first on the sessions' PATH."""
+        p = self.bin / name
+        p.write_text(script)
+        p.chmod(0o755)
+        return p
+
+    def install_fake_gpu(self, recording: str = "h200-idle") -> None:
+        """Install the replaying ``nvidia-smi`` (see ``gpumagic/fake/nvidia_smi.py``)."""
+        self.install_bin("nvidia-smi",
+                         f"#!/bin/sh\nexec {sys.executable} {FAKE_DIR / 'nvidia_smi.py'} \"$@\"\n")
+        self.env.setdefault("GPUMAGIC_FAKE_GPU_STATE", str(self.gpu_state))
+        self.set_gpu(recording)
+
+    def set_gpu(self, recording: str) -> None:
+        """Choose what the fake nvidia-smi replays: a recording name or dir, ``mismatch``, ``no-driver``."""
+        self.gpu_state.write_text(recording + "\n")
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def config_text(self) -> str:
+        env = {"PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", **self.env}
+        setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
+        lines = [
+            f"Port {self.port}",
+            f"ListenAddress {self.host}",
+            f"HostKey {self.host_key}",
+            f"PidFile {self.dir / 'sshd.pid'}",
+            f"AuthorizedKeysFile {self.authorized_keys}",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "PermitRootLogin prohibit-password",
+            "StrictModes no",
+            "UsePAM no",
+            "AllowTcpForwarding yes",
+            "PermitTunnel no",
+            "X11Forwarding no",
+            "PrintMotd no",
+            "LogLevel VERBOSE",
+            "MaxSessions 64",
+            "MaxStartups 64:30:128",
+            "Subsystem sftp internal-sftp",
+            f"SetEnv {setenv}",
+        ]
+        return "\n".join(lines) + "\n" + self.extra_config + "\n"
+
+    def start(self, timeout: float = 10.0) -> "SshServer":
+        """Start sshd and wait until it accepts connections.
+
+        Raises
+        ------
+        SandboxError
+            When sshd is missing or exits (its log's last lines are in the message).
+        """
+        if self.proc and self.proc.poll() is None:
+            return self
+        sshd = find_sshd()
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        last = ""
+        for _attempt in range(3):
+            self.port = self.port or free_port()
+            cfg = self.dir / "sshd_config"
+            cfg.write_text(self.config_text())
+            log = open(self.log, "ab")
+            self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(cfg)], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log, start_new_session=True)
+            log.close()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _kill, self.proc)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                        s.settimeout(2)
+                        if s.recv(4).startswith(b"SSH-"):
+                            self._write_known_hosts()
+                            return self
+                except OSError:
+                    time.sleep(0.05)
+            last = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+            self.stop()
+            self.port = 0  # maybe the port was taken in between: try another
+        raise SandboxError(f"sshd did not start: {' | '.join(last)}",
+                           f"see {self.log}; {INSTALL_HINT}")
+
+    def _write_known_hosts(self) -> None:
+        pub = Path(str(self.host_key) + ".pub").read_text().split()
+        self.known_hosts.write_text(f"[{self.host}]:{self.port} {pub[0]} {pub[1]}\n")
+
+    def stop(self) -> None:
+        """Stop sshd (safe to call twice)."""
+        if self.proc is not None:
+            _kill(self.proc)
+            self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> "SshServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- how clients reach it ---------------------------------------------------------
+
+    def spec(self, alias: str | None = None) -> HostSpec:
+        """A :class:`HostSpec` for this server, trusted through its own known_hosts."""
+        return HostSpec(alias=alias or self.alias, hostname=self.host, port=self.port,
+                        user=self.user, identity_files=(str(self.client_key),),
+                        identities_only=True, server_alive_interval=15,
+                        server_alive_count_max=3, connect_timeout=10,
+                        known_hosts=str(self.known_hosts))
+
+    def ssh_config_block(self, alias: str | None = None) -> str:
+        """A ``Host`` block for ``~/.ssh/config`` (uses this server's own known_hosts)."""
+        return (f"Host {alias or self.alias}\n"
+                f"  HostName {self.host}\n  Port {self.port}\n  User {self.user}\n"
+                f"  IdentityFile {self.client_key}\n  IdentitiesOnly yes\n"
+                f"  UserKnownHostsFile {self.known_hosts}\n")
+
+    def ssh_command(self, *remote: str) -> list[str]:
+        """argv for the OpenSSH client reaching this server (``-i`` passed explicitly)."""
+        return ["ssh", "-F", "/dev/null", "-i", str(self.client_key), "-p", str(self.port),
+                "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+                "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+                f"{self.user}@{self.host}", *remote]
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, 15)
+    except (ProcessLookupError, PermissionError):
+        proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+
+class Sandbox:
+    """The embedded default machine: an :class:`SshServer` in a temp dir, removed on stop.
+
+    Parameters
+    ----------
+    fake_gpu : str, optional
+        Replay a recorded GPU (``h200-idle`` / ``h200-load``) through a stand-in
+        ``nvidia-smi``.  Off by default: the sandbox has no GPU and says so.
+    """
+
+    def __init__(self, *, fake_gpu: str | None = None, directory: str | None = None):
+        self._tmp = None
+        if directory is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="gpumagic-sandbox-")
+            directory = self._tmp.name
+        self.server = SshServer(directory, fake_gpu=fake_gpu)
+
+    def start(self) -> "Sandbox":
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def spec(self) -> HostSpec:
+        return self.server.spec("sandbox")
+
+    def __enter__(self) -> "Sandbox":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,82 @@
+"""A set of named machines with a default: what one notebook kernel is connected to.
+
+No module-level state: the IPython extension owns one :class:`Session`; scripts may make
+their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+from .errors import NotConnected
+from .machine import Machine, connect
+
+
+class Session:
+    """Named machines, the last connected being the default.
+
+    ``close_all`` runs when the interpreter exits (stopping a sandbox sshd too).
+    """
+
+    def __init__(self):
+        self.machines: dict[str, Machine] = {}
+        self.default: str | None = None
+        ref = weakref.ref(self)
+        atexit.register(lambda: (s := ref()) is not None and s.close_all())
+
+    def connect(self, target: str | None = None, **options) -> Machine:
+        """Connect (see :func:`gpumagic.connect`) and make the machine the default.
+
+        Connecting again under a name already used replaces (and closes) the old one.
+        """
+        m = connect(target, **options)
+        old = self.machines.pop(m.name, None)
+        if old is not None and old is not m:
+            old.close()
+        self.machines[m.name] = m
+        self.default = m.name
+        return m
+
+    def add(self, machine: Machine) -> Machine:
+        self.machines[machine.name] = machine
+        self.default = machine.name
+        return machine
+
+    def get(self, name: str | None = None) -> Machine:
+        """The named machine, or the default.
+
+        Raises
+        ------
+        NotConnected
+            Naming the machines that are connected.
+        """
+        if name is None:
+            if self.default is None:
+                raise NotConnected("no machine is connected",
+                                   "run `%gpu connect ALIAS` (or `%gpu connect --sandbox` to try it locally)")
+            name = self.default
+        try:
+            return self.machines[name]
+        except KeyError:
+            known = ", ".join(sorted(self.machines)) or "none"
+            raise NotConnected(f"no machine named {name!r} is connected (connected: {known})",
+                               f"run `%gpu connect {name}` first")
+
+    def disconnect(self, name: str | None = None) -> Machine:
+        """Close and forget one machine (default: the default one)."""
+        m = self.get(name)
+        m.close()
+        del self.machines[m.name]
+        if self.default == m.name:
+            self.default = next(reversed(self.machines), None) if self.machines else None
+        return m
+
+    def close_all(self) -> None:
+        for m in list(self.machines.values()):
+            try:
+                m.close()
+            except Exception:
+                pass
+        self.machines.clear()
+        self.default = None

@@ -1,0 +1,33 @@
+# Sourced by quickstart.sh and test.sh: system packages, then the project's venv in .venv.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+need=()
+[ -x /usr/sbin/sshd ] || command -v sshd >/dev/null 2>&1 || need+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
+command -v rsync >/dev/null 2>&1 || need+=(rsync)
+command -v tmux >/dev/null 2>&1 || need+=(tmux)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "gpumagic: installing ${need[*]} with apt-get" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "gpumagic: missing ${need[*]}; install them first, e.g.:" >&2
+    echo "  sudo apt-get install ${need[*]}" >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.gpumagic-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi

@@ -1,0 +1,99 @@
+"""Test bed: real OpenSSH sshd servers on 127.0.0.1 and an isolated client HOME.
+
+Tests never read the developer's ~/.ssh: HOME points at a temp dir for the whole run, and
+SSH_AUTH_SOCK is removed.  The main server ``sshd`` replays the H200 recordings through a
+stand-in nvidia-smi (``sshd.set_gpu("h200-load")`` switches it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpumagic.sandbox import SshServer
+
+_TMP = tempfile.mkdtemp(prefix="gpumagic-tests-")
+CLIENT_HOME = Path(_TMP) / "client-home"
+_saved_env = {}
+
+
+def pytest_configure(config):
+    for var in ("HOME", "SSH_AUTH_SOCK"):
+        _saved_env[var] = os.environ.get(var)
+    CLIENT_HOME.mkdir(parents=True, exist_ok=True)
+    os.environ["HOME"] = str(CLIENT_HOME)
+    os.environ.pop("SSH_AUTH_SOCK", None)
+
+
+def pytest_unconfigure(config):
+    for var, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    shutil.rmtree(_TMP, ignore_errors=True)
+
+
+def make_server(name: str, **kwargs) -> SshServer:
+    """A started SshServer under the test temp dir with its own remote HOME."""
+    base = Path(_TMP) / name
+    remote_home = base / "home"
+    remote_home.mkdir(parents=True, exist_ok=True)
+    env = {"HOME": str(remote_home), **kwargs.pop("env", {})}
+    return SshServer(base, env=env, alias=name, **kwargs).start()
+
+
+def add_client_entry(server: SshServer, alias: str, extra: str = "") -> None:
+    """Add a Host block for ``server`` to the client's ~/.ssh/config and trust its key in
+    the client's ~/.ssh/known_hosts (the real OpenSSH files that gpumagic reads)."""
+    ssh = CLIENT_HOME / ".ssh"
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    with open(ssh / "config", "a") as f:
+        f.write(f"\nHost {alias}\n  HostName {server.host}\n  Port {server.port}\n"
+                f"  User {server.user}\n  IdentityFile {server.client_key}\n  IdentitiesOnly yes\n{extra}")
+    with open(ssh / "known_hosts", "a") as f:
+        f.write(server.known_hosts.read_text())
+
+
+@pytest.fixture(scope="session")
+def client_home() -> Path:
+    return CLIENT_HOME
+
+
+@pytest.fixture(scope="session")
+def sshd() -> SshServer:
+    """The main test server, reachable as the alias ``testgpu``."""
+    server = make_server("testgpu", fake_gpu="h200-idle")
+    add_client_entry(server, "testgpu")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def machine(sshd):
+    import gpumagic
+
+    m = gpumagic.connect("testgpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def _ipython():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "gpumagic")
+    return shell
+
+
+@pytest.fixture
+def ip(_ipython, sshd):
+    """A real InteractiveShell with gpumagic loaded and no machine connected."""
+    _ipython._gpumagic.session.close_all()
+    yield _ipython
+    _ipython._gpumagic.session.close_all()
