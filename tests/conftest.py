@@ -85,8 +85,11 @@ def machine(sshd):
 @pytest.fixture(scope="session")
 def _ipython():
     from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
 
-    shell = InteractiveShell.instance()
+    c = Config()
+    c.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell.instance(config=c)
     shell.run_line_magic("load_ext", "gpumagic")
     return shell
 

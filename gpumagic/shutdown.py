@@ -1,0 +1,83 @@
+"""Can this machine shut itself down, and how: shared by jobs (``--then-shutdown``) and the
+budget guard.
+
+Many rented "machines" are containers where ``shutdown`` exists but cannot work (PID 1 is
+not an init system) or the user is not root.  :func:`find_shutdown` answers in one round
+trip, before anything is armed, so a student is told at once instead of paying all night.
+
+Rules, in order:
+
+1. privilege: root, or ``sudo -n true`` succeeds (then the command is prefixed ``sudo -n``);
+2. a command on PATH: ``shutdown`` (run as ``shutdown -h now``), else ``poweroff``;
+3. it can act: PID 1 is an init system (``systemd``, ``init``), or the command found is not
+   the distribution's own (not under ``/sbin``, ``/usr/sbin``, ``/bin``, ``/usr/bin``): a
+   wrapper the user or platform put earlier on PATH is trusted to know what it does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROBE = r"""
+priv=""
+if [ "$(id -u)" != 0 ]; then
+  if sudo -n true 2>/dev/null; then priv="sudo -n "; else echo "noroot"; exit 0; fi
+fi
+cmd=$(command -v shutdown 2>/dev/null) && args=" -h now" || { cmd=$(command -v poweroff 2>/dev/null) && args=""; }
+[ -n "$cmd" ] || { echo "nocmd"; exit 0; }
+init=$(cat /proc/1/comm 2>/dev/null)
+case "$cmd" in
+  /sbin/*|/usr/sbin/*|/bin/*|/usr/bin/*)
+    case "$init" in systemd|init) ;; *) echo "noinit $init"; exit 0 ;; esac ;;
+esac
+echo "ok ${priv}${cmd}${args}"
+"""
+
+CONTAINER_HINT = ("this machine looks like a container (PID 1 is {init!r}, not an init system), "
+                  "so it cannot power itself off; stop the instance from the platform's console "
+                  "or CLI (AutoDL: 关机 in the console; vast.ai: `vastai stop instance ID`; "
+                  "RunPod: `runpodctl stop pod ID`)")
+
+
+@dataclass(frozen=True)
+class ShutdownPlan:
+    """How the machine can shut down.
+
+    Attributes
+    ----------
+    command : str or None
+        The shell command that powers the machine off (``None`` when none can).
+    reason : str
+        Why none can, with what to do instead (empty when ``command`` is set).
+    """
+
+    command: str | None
+    reason: str = ""
+
+    @property
+    def possible(self) -> bool:
+        return self.command is not None
+
+
+def parse_probe(output: str) -> ShutdownPlan:
+    """Read the output of :data:`PROBE`."""
+    line = output.strip().splitlines()[-1] if output.strip() else ""
+    word, _, rest = line.partition(" ")
+    if word == "ok" and rest:
+        return ShutdownPlan(rest)
+    if word == "noroot":
+        return ShutdownPlan(None, "not root and `sudo -n` needs a password, so no shutdown command "
+                                  "can run; run as root, allow passwordless sudo for shutdown, or "
+                                  "stop the instance from the platform's console")
+    if word == "nocmd":
+        return ShutdownPlan(None, "neither `shutdown` nor `poweroff` exists on this machine; "
+                                  "stop the instance from the platform's console")
+    if word == "noinit":
+        return ShutdownPlan(None, CONTAINER_HINT.format(init=rest or "?"))
+    return ShutdownPlan(None, f"could not tell whether this machine can shut down ({line!r})")
+
+
+def find_shutdown(machine) -> ShutdownPlan:
+    """Ask ``machine`` (a :class:`gpumagic.Machine`) how it can shut down; one round trip."""
+    r = machine.run(["sh", "-c", PROBE], quiet=True)
+    return parse_probe(r.stdout)
