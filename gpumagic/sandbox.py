@@ -151,7 +151,10 @@ class SshServer:
     # -- life cycle -------------------------------------------------------------------
 
     def config_text(self) -> str:
-        env = {"PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", **self.env}
+        # bin/ (stand-ins) first, then this Python's own bin (the venv that runs gpumagic, so the
+        # sandbox's python3 has what this environment has), then this process's PATH.
+        pybin = os.path.dirname(sys.executable)
+        env = {"PATH": f"{self.bin}:{pybin}:{os.environ.get('PATH', '/usr/bin:/bin')}", **self.env}
         setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
         lines = [
             f"Port {self.port}",
