@@ -94,16 +94,20 @@ class SshServer:
     fake_gpu : str, optional
         Put the replaying ``nvidia-smi`` in ``bin/`` with this recording
         (``h200-idle``, ``h200-load``; change later with :meth:`set_gpu`).
+    log_level : str
+        sshd ``LogLevel`` (``DEBUG1`` logs forwarded connections, e.g. ProxyJump hops).
     """
 
     def __init__(self, directory: str | os.PathLike, *, extra_config: str = "",
-                 env: dict | None = None, fake_gpu: str | None = None, alias: str = "sandbox"):
+                 env: dict | None = None, fake_gpu: str | None = None, alias: str = "sandbox",
+                 log_level: str = "VERBOSE"):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.bin = self.dir / "bin"
         self.bin.mkdir(exist_ok=True)
         self.alias = alias
         self.extra_config = extra_config
+        self.log_level = log_level
         self.env = dict(env or {})
         self.user = local_user()
         self.host = "127.0.0.1"
@@ -172,7 +176,7 @@ class SshServer:
             "PermitTunnel no",
             "X11Forwarding no",
             "PrintMotd no",
-            "LogLevel VERBOSE",
+            f"LogLevel {self.log_level}",
             "MaxSessions 64",
             "MaxStartups 64:30:128",
             "Subsystem sftp internal-sftp",
