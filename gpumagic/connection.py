@@ -89,11 +89,13 @@ def load_private_key(path: str, prompt: PassphrasePrompt = _default_prompt) -> p
     except FileNotFoundError:
         raise
     except (paramiko.SSHException, ValueError, TypeError) as e:
-        raise GpumagicError(f"cannot read private key {path}: {e}",
-                            "point IdentityFile (or -i) at an OpenSSH private key file")
+        # cryptography says "Key is password-protected, but password was not provided."
+        if "password" not in str(e).lower():
+            raise GpumagicError(f"cannot read private key {path}: {e}",
+                                "point IdentityFile (or -i) at an OpenSSH private key file")
     passphrase = prompt(path)
     try:
-        return paramiko.PKey.from_path(path, passphrase=passphrase)
+        return paramiko.PKey.from_path(path, password=passphrase.encode())
     except (paramiko.SSHException, ValueError, TypeError):
         raise WrongPassphrase(f"wrong passphrase for key {path}",
                               "connect again and type the passphrase of that key file")

@@ -8,7 +8,8 @@ pyenv set the same environment as ``ssh host cmd``).  A small POSIX-sh wrapper t
 * prints a marker line with its PID -- sshd made that shell a session leader, so the PID is
   also the process group of everything the cell starts;
 * runs the cell (``bash -c`` or ``python3 -u -c``) with stdin from ``/dev/null``;
-* watches the channel's stdin: when the channel closes (interrupt, timeout, dropped
+* watches the channel's stdin from a small background ``sh`` (handed fd 3, since an
+  asynchronous list's own stdin is /dev/null; its command line holds no cell text): when the channel closes (interrupt, timeout, dropped
   connection, killed sshd) it sends SIGTERM to the whole process group, then SIGKILL one
   second later.  Nothing the cell started is left running.
 
@@ -44,14 +45,11 @@ if [ -n "$d" ] && ! cd -- "$d" 2>/dev/null; then
   printf 'gpumagic: cannot enter directory %s on this machine\n' "$d" >&2; exit 97
 fi
 shift 2
-(
-  trap '' TERM
-  while IFS= read -r _; do :; done
-  kill -TERM -- -$$ 2>/dev/null
-  sleep %(grace)s
-  kill -KILL -- -$$ 2>/dev/null
-) >/dev/null 2>&1 &
+exec 3<&0
+exec sh -c 'trap "" TERM; while IFS= read -r _; do :; done; kill -TERM 0; sleep %(grace)s; kill -KILL 0' \
+  gpumagic-watchdog <&3 >/dev/null 2>&1 &
 watchdog=$!
+exec 3<&-
 "$@" </dev/null
 rc=$?
 kill -KILL $watchdog 2>/dev/null
@@ -246,13 +244,10 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
                     got = True
             if got:
                 continue
-            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                if chan.eof_received or chan.closed:
-                    break
-            if chan.closed or not conn.is_connected:
-                if not chan.exit_status_ready():
-                    raise _lost(conn)
+            if chan.exit_status_ready() and (chan.eof_received or chan.closed):
                 break
+            if not conn.is_connected:
+                raise _lost(conn)
             if timeout is not None and time.monotonic() - start > timeout:
                 _stop(chan)
                 raise RemoteTimeout(
@@ -263,6 +258,8 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         out.feed(marker.flush(), final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()
+        if code == -1 and not conn.is_connected:
+            raise _lost(conn)
     except KeyboardInterrupt:
         _stop(chan)
         raise
@@ -333,10 +330,8 @@ def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
                 continue
             if chan.exit_status_ready() and (chan.eof_received or chan.closed):
                 break
-            if chan.closed or not conn.is_connected:
-                if not chan.exit_status_ready():
-                    raise _lost(conn)
-                break
+            if not conn.is_connected:
+                raise _lost(conn)
             if timeout is not None and time.monotonic() - start > timeout:
                 raise RemoteTimeout(f"`{command[:60]}` took longer than {timeout:g} s",
                                     "check the machine's load, then try again")
@@ -344,6 +339,8 @@ def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
         out.feed(b"", final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()
+        if code == -1 and not conn.is_connected:
+            raise _lost(conn)
     except (paramiko.SSHException, EOFError, OSError) as e:
         raise _lost(conn, e)
     finally:

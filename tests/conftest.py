@@ -100,3 +100,9 @@ def ip(_ipython, sshd):
     _ipython._gpumagic.session.close_all()
     yield _ipython
     _ipython._gpumagic.session.close_all()
+
+
+def session_sshd_pid(machine) -> int:
+    """PID of the sshd process serving ``machine``'s connection (the cell shell's grandparent),
+    for injecting faults: SIGSTOP it (peer stops answering) or SIGKILL it (connection drops)."""
+    return int(machine.run("cut -d' ' -f4 /proc/$PPID/stat", quiet=True).stdout)

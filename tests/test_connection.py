@@ -1,0 +1,176 @@
+"""Connecting: keys, errors, ProxyJump and keepalive against real sshd servers."""
+
+import os
+import signal
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+import gpumagic
+from conftest import CLIENT_HOME, add_client_entry, make_server, session_sshd_pid
+from gpumagic.errors import (
+    AuthenticationFailed,
+    ConnectionLost,
+    ConnectionRefused,
+    HostNotFound,
+    InsecureKeyFile,
+    WrongPassphrase,
+)
+from gpumagic.sandbox import free_port, make_keypair
+
+
+def encrypted_key(path: Path, passphrase: bytes) -> str:
+    key = Ed25519PrivateKey.generate()
+    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                             serialization.BestAvailableEncryption(passphrase))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                         serialization.PublicFormat.OpenSSH).decode()
+
+
+def test_connect_by_alias_runs_a_command(machine):
+    assert machine.is_connected
+    r = machine.run(["echo", "hello from", "the server"], quiet=True)
+    assert (r.stdout, r.exit_code) == ("hello from the server\n", 0)
+
+
+def test_close_is_safe_twice_and_reopens_lazily(machine):
+    machine.close()
+    machine.close()
+    assert not machine.is_connected
+    assert machine.run(["true"], quiet=True).exit_code == 0
+    assert machine.is_connected
+
+
+def test_private_key_readable_by_others_is_refused_with_chmod_fix(sshd, tmp_path):
+    key = tmp_path / "id_loose"
+    key.write_bytes(sshd.client_key.read_bytes())
+    key.chmod(0o644)
+    with pytest.raises(InsecureKeyFile) as e:
+        gpumagic.connect("testgpu", key=str(key))
+    assert f"chmod 600 {key}" in e.value.hint
+    assert "0644" in e.value.message
+
+
+def test_wrong_passphrase_names_the_key_file_not_authentication(sshd, tmp_path):
+    key = tmp_path / "id_locked"
+    pub = encrypted_key(key, b"correct horse")
+    server = make_server("passphrase")
+    server.authorized_keys.write_text(pub + "\n")
+    spec = replace(server.spec(), identity_files=(str(key),))
+    prompts = []
+    with pytest.raises(WrongPassphrase) as e:
+        gpumagic.Machine(spec, passphrase_prompt=lambda p: prompts.append(p) or "wrong").connect()
+    assert str(key) in e.value.message and "wrong passphrase" in e.value.message
+    assert prompts == [str(key)]
+    # the right passphrase logs in, asked once, kept only in memory for reconnects
+    m = gpumagic.Machine(spec, passphrase_prompt=lambda p: prompts.append(p) or "correct horse")
+    m.connect()
+    m.connection.close()
+    assert m.run(["echo", "ok"], quiet=True).stdout == "ok\n"
+    assert prompts == [str(key), str(key)]
+    m.close()
+    server.stop()
+
+
+def test_three_failures_give_three_different_one_line_messages(sshd, tmp_path):
+    port = free_port()  # nothing listens there
+    with pytest.raises(ConnectionRefused) as refused:
+        gpumagic.connect(f"127.0.0.1:{port}")
+    with pytest.raises(HostNotFound) as unknown:
+        gpumagic.connect("no-such-alias.invalid")
+    stranger = tmp_path / "id_stranger"
+    make_keypair(stranger)
+    with pytest.raises(AuthenticationFailed) as denied:
+        gpumagic.connect(f"{sshd.user}@127.0.0.1:{sshd.port}", key=str(stranger))
+    msgs = [refused.value.message, unknown.value.message, denied.value.message]
+    assert len(set(msgs)) == 3
+    assert all("\n" not in m for m in msgs)
+    assert f"127.0.0.1:{port}" in msgs[0] and "port" in refused.value.hint
+    assert "no-such-alias.invalid" in msgs[1] and "~/.ssh/config" in msgs[1]
+    assert f"{sshd.user}@127.0.0.1:{sshd.port}" in msgs[2] and str(stranger) in msgs[2]
+    assert "authorized_keys" in denied.value.hint
+
+
+def test_connect_error_has_no_paramiko_traceback_in_ipython(ip, capsys):
+    port = free_port()
+    ip.run_cell(f"%gpu connect 127.0.0.1:{port}")
+    err = capsys.readouterr()
+    shown = err.out + err.err
+    assert "ConnectionRefused: connection refused by" in shown
+    assert "Traceback" not in shown and "paramiko" not in shown
+
+
+def test_proxyjump_goes_through_the_bastion(sshd):
+    bastion = make_server("bastion", log_level="DEBUG1")
+    behind = make_server("gpu-behind-srv")
+    add_client_entry(bastion, "bastion")
+    add_client_entry(behind, "gpu-behind", extra="  ProxyJump bastion\n")
+    with gpumagic.connect("gpu-behind") as m:
+        assert m.run(["echo", "behind"], quiet=True).stdout == "behind\n"
+        assert [h.spec.alias for h in m.connection._hops] == ["bastion"]
+    log = bastion.log.read_text()
+    assert f"target 127.0.0.1 port {behind.port}" in log
+    bastion.stop()
+    behind.stop()
+
+
+def test_two_hop_proxyjump_chain_in_written_order(sshd):
+    a = make_server("hop-a", log_level="DEBUG1")
+    b = make_server("hop-b", log_level="DEBUG1")
+    target = make_server("hop-target")
+    add_client_entry(a, "hop-a")
+    add_client_entry(b, "hop-b")
+    add_client_entry(target, "hop-target", extra="  ProxyJump hop-a,hop-b\n")
+    with gpumagic.connect("hop-target") as m:
+        assert m.run(["echo", "two hops"], quiet=True).stdout == "two hops\n"
+    assert f"target 127.0.0.1 port {b.port}" in a.log.read_text()
+    assert f"target 127.0.0.1 port {target.port}" in b.log.read_text()
+    assert f"port {target.port}" not in a.log.read_text()
+    for s in (a, b, target):
+        s.stop()
+
+
+def test_command_line_jump_none_overrides_config(sshd):
+    # ProxyJump none on the command line connects directly even if the config says a hop.
+    add_client_entry(sshd, "testgpu-via-nowhere", extra="  ProxyJump nowhere.invalid\n")
+    with gpumagic.connect("testgpu-via-nowhere", jump="none") as m:
+        assert m.run(["true"], quiet=True).exit_code == 0
+
+
+def test_dead_peer_is_reported_after_interval_times_count(sshd):
+    spec = replace(sshd.spec(), server_alive_interval=0.5, server_alive_count_max=2)
+    m = gpumagic.Machine(spec).connect()
+    sshd_child = session_sshd_pid(m)
+    os.kill(sshd_child, signal.SIGSTOP)  # the server stops answering, TCP stays up
+    try:
+        start = time.monotonic()
+        while m.is_connected and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        waited = time.monotonic() - start
+        assert not m.is_connected
+        assert 0.9 <= waited <= 4, waited
+        assert "did not answer keepalives for 1 s" in m.connection.lost_reason
+    finally:
+        os.kill(sshd_child, signal.SIGCONT)
+        os.kill(sshd_child, signal.SIGKILL)
+    # the next use reconnects by itself
+    assert m.run(["echo", "back"], quiet=True).stdout == "back\n"
+    m.close()
+
+
+def test_tcp_nodelay_is_set(machine):
+    sock = machine.connection.transport.sock
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_client_home_is_isolated():
+    assert os.path.expanduser("~") == str(CLIENT_HOME)
+    assert "SSH_AUTH_SOCK" not in os.environ

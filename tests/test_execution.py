@@ -1,0 +1,149 @@
+"""Remote execution: streaming, decoding, exit codes, interrupt, timeout, dropped connections."""
+
+import _thread
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import gpumagic
+from conftest import make_server, session_sshd_pid
+from gpumagic.errors import ConnectionLost, RemoteCommandError, RemoteTimeout
+from gpumagic.execution import _MarkerFilter, _Stream
+
+
+def no_process(machine_or_server_check, pattern):
+    """True when no process whose command line matches ``pattern`` exists on the server."""
+    r = machine_or_server_check.run(["pgrep", "-f", pattern], quiet=True)
+    return r.exit_code == 1 and r.stdout == ""
+
+
+def test_ten_mib_on_both_streams_arrive_whole_without_deadlock(machine):
+    cell = ("bash -c 'yes 0123456789abcdef | head -c 10485760 & "
+            "yes EEEEEEEEEEEEEEE | head -c 10485760 >&2; wait'")
+    r = machine.run(cell, quiet=True, timeout=120)
+    assert r.exit_code == 0
+    assert (r.stdout_bytes, r.stderr_bytes) == (10485760, 10485760)
+    assert len(r.stdout) == 10485760 and len(r.stderr) == 10485760
+    assert r.stdout[:17] == "0123456789abcdef\n" and set(r.stderr) == {"E", "\n"}
+
+
+def test_streams_arrive_live_not_at_the_end(machine):
+    seen = []
+    start = time.monotonic()
+    machine.run("echo first; sleep 1; echo second", stdout=lambda t: seen.append((time.monotonic() - start, t)))
+    first = next(t for t, text in seen if "first" in text)
+    assert first < 0.9
+
+
+def test_utf8_split_across_reads_stays_whole():
+    s = _Stream(None, True)
+    data = "训练 loss ✓".encode()
+    for i in range(len(data)):  # one byte at a time
+        s.feed(data[i:i + 1])
+    s.feed(b"", final=True)
+    assert s.text == "训练 loss ✓"
+
+
+def test_invalid_utf8_is_replaced_never_raises(machine):
+    r = machine.run(r"printf 'ok \377\376 end\n'; printf 'half \xe2\x82'", quiet=True)
+    assert r.stdout == "ok \ufffd\ufffd end\nhalf \ufffd"
+
+
+def test_carriage_return_updates_are_passed_through(machine):
+    chunks = []
+    r = machine.run(r"for i in 1 2 3; do printf '\rstep %s/3' $i; sleep 0.05; done; echo",
+                    stdout=chunks.append)
+    assert r.stdout == "\rstep 1/3\rstep 2/3\rstep 3/3\n"
+
+
+def test_marker_line_is_stripped_even_after_chatty_rc_output():
+    f = _MarkerFilter("abc")
+    out = f.feed(b"welcome from bashrc\n\x1egpumagic-abc 4")
+    out += f.feed(b"242\nreal output\n")
+    assert out == b"welcome from bashrc\nreal output\n"
+    assert f.pid == 4242
+
+
+def test_exit_code_and_raise_with_check(machine):
+    assert machine.run("exit 7", quiet=True).exit_code == 7
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run("echo oops >&2; exit 3", quiet=True, check=True)
+    assert e.value.exit_code == 3 and e.value.stderr == "oops\n"
+
+
+def test_python_cell_shows_the_remote_traceback(machine):
+    r = machine.run("x = 1\nprint('before')\nx / 0", python=True, quiet=True)
+    assert r.exit_code == 1 and r.stdout == "before\n"
+    assert 'File "<string>", line 3' in r.stderr
+    assert r.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+
+
+def test_cwd_env_and_tilde(machine):
+    r = machine.run('pwd; echo "$GREETING"', cwd="/tmp", env={"GREETING": "hi there"}, quiet=True)
+    assert r.stdout == "/tmp\nhi there\n"
+    home = machine.run("echo $HOME", quiet=True).stdout.strip()
+    assert machine.run(["pwd"], cwd="~", quiet=True).stdout.strip() == home
+    r = machine.run(["pwd"], cwd="/no/such/dir", quiet=True)
+    assert r.exit_code == 97 and "cannot enter directory /no/such/dir" in r.stderr
+
+
+def test_interrupt_stops_the_whole_remote_tree_within_two_seconds(machine, sshd):
+    # case 2: interrupted after about 3 s -> KeyboardInterrupt; no such process remains;
+    # the next cell on the same machine works.
+    cell = 'python3 -c "import time; [time.sleep(1) for _ in range(600)]" & wait'
+    timer = threading.Timer(3, _thread.interrupt_main)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        machine.run(cell, quiet=True)
+    stopped = time.monotonic()
+    assert 2.5 < stopped - start < 3 + 2.0
+    with gpumagic.connect("testgpu") as other:  # a separate connection
+        assert no_process(other, r"rang[e]\(600\)")
+    assert machine.run(["echo", "still usable"], quiet=True).stdout == "still usable\n"
+
+
+def test_timeout_stops_the_process_and_raises(machine):
+    with pytest.raises(RemoteTimeout) as e:
+        machine.run("sleep 300 # timeout-probe", timeout=1, quiet=True)
+    assert "1 s" in e.value.message
+    assert no_process(machine, "sleep 30[0] # timeout-probe") or no_process(machine, r"slee[p] 300")
+
+
+def test_killed_sshd_child_raises_connection_lost_and_next_cell_reconnects(sshd):
+    m = gpumagic.connect("testgpu")
+    pid = session_sshd_pid(m)
+    threading.Timer(1, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(ConnectionLost) as e:
+        m.run("sleep 120 # lost-probe", quiet=True)
+    assert "lost the connection" in e.value.message and "again" in e.value.hint
+    assert m.run(["echo", "reconnected"], quiet=True).stdout == "reconnected\n"
+    assert m.connection.opened_count == 2
+    # sshd closed the channel's pipes, so the wrapper stopped the cell's processes
+    deadline = time.monotonic() + 5
+    while not no_process(m, r"slee[p] 120 # lost-probe") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert no_process(m, r"slee[p] 120 # lost-probe")
+    m.close()
+
+
+def test_cells_get_the_interactive_login_environment():
+    # Debian's ~/.bashrc returns early for non-interactive shells; what comes after it
+    # (conda init, exports) is what `ssh host` gives, and cells must see it too.
+    server = make_server("loginenv")
+    home = server.env["HOME"]
+    with open(os.path.join(home, ".profile"), "w") as f:
+        f.write('[ -f ~/.bashrc ] && . ~/.bashrc\n')
+    with open(os.path.join(home, ".bashrc"), "w") as f:
+        f.write('echo "chatty rc"\ncase $- in *i*) ;; *) return;; esac\n'
+                'export CONDA_DEFAULT_ENV=train\nexport PATH="$HOME/miniconda/bin:$PATH"\n')
+    with gpumagic.Machine(server.spec()) as m:
+        r = m.run('echo "$CONDA_DEFAULT_ENV"; echo "$PATH"', quiet=True)
+        env, path = r.stdout.splitlines()[-2:]
+        assert env == "train"
+        assert path.startswith(str(server.bin) + ":")  # the server's own PATH entries stay first
+        assert f"{home}/miniconda/bin" in path.split(":")
+    server.stop()
