@@ -507,7 +507,8 @@ def resolve_ssh_command(text: str, *, home=None, **overrides) -> tuple[HostSpec,
     ``UserKnownHostsFile``, ``HostName``) are applied; the rest are listed in the notes.
     """
     cmd = parse_ssh_command(text)
-    spec = resolve(cmd.host, home=home, port=overrides.get("port") or cmd.port,
+    target = f"[{cmd.host}]" if ":" in cmd.host else cmd.host  # an IPv6 address
+    spec = resolve(target, home=home, port=overrides.get("port") or cmd.port,
                    user=overrides.get("user") or cmd.user,
                    identity_file=overrides.get("key") or cmd.key,
                    proxy_jump=overrides.get("jump") or cmd.jump)

@@ -309,6 +309,9 @@ def _save_target(args) -> str:
         port, user, key, jump = cmd.port, cmd.user, cmd.key, cmd.jump
     else:
         t = parse_target(args.target)
+        if t.host in config_aliases(load_ssh_config()):
+            raise UsageError(f"{t.host} is already a Host in ~/.ssh/config; connect to it by name, "
+                             f"or use `%gpu add-host {args.save} --hostname ...`")
         opts, host, port, user, key, jump = {}, t.host, t.port, t.user, None, None
     result = setup.add_host(args.save, host, port=args.port or port, user=args.user or user,
                             key=args.identity or key, jump=args.jump or jump, options=opts,

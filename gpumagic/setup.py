@@ -453,21 +453,24 @@ def _shadowed(text: str, name: str, block: str, home) -> list[str]:
                              f"ssh offers it before {v[0]}")
             continue
         if str(got.get(k)) != str(v):
-            notes.append(f"an earlier block in ~/.ssh/config sets {k} {got.get(k)}, which wins over "
-                         f"this block's {v} (OpenSSH uses the first value): move `Host {name}` above it")
+            kw = HONOURED_KEYWORDS.get(k, k)
+            notes.append(f"an earlier block in ~/.ssh/config sets {kw} {got.get(k)}, which wins over "
+                         f"this block's {kw} {v} (OpenSSH uses the first value): move `Host {name}` "
+                         "above that block")
     return notes
 
 
 # -- install-key -------------------------------------------------------------------------
 
-#: POSIX sh run on the machine: the key line arrives on stdin.  Creates ~/.ssh (0700) and
+#: POSIX sh run on the machine (``sh -s -- LINE``, script on stdin, so a fish or tcsh login
+#: shell does not matter): the key line is ``$1``.  Creates ~/.ssh (0700) and
 #: authorized_keys (0600) when missing, removes group/other write bits (sshd's StrictModes
 #: refuses such files), and appends the line unless a line already holds the same key blob
 #: (so a key with another comment or with options is not added twice).
 _AUTHORIZE_SH = r'''
 set -e
 umask 077
-IFS= read -r line
+line=$1
 blob=$(printf '%s\n' "$line" | awk '{print $2}')
 d="$HOME/.ssh"; f="$d/authorized_keys"
 [ -d "$d" ] || mkdir -m 700 "$d"
@@ -496,8 +499,14 @@ def authorize_key(connection: Connection, public_key: str) -> str:
     """
     from .execution import exec_simple
 
+    import shlex
+
     _key_type_and_blob(public_key)
-    r = exec_simple(connection, _AUTHORIZE_SH, stdin=(public_key.strip() + "\n").encode(), timeout=60)
+    line = public_key.strip()
+    if "\n" in line or "\r" in line:
+        raise ConfigError("the public key spans several lines", "give one .pub line")
+    r = exec_simple(connection, f"sh -s -- {shlex.quote(line)}", stdin=_AUTHORIZE_SH.encode(),
+                    timeout=60)
     state = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     if r.exit_code != 0 or state not in ("added", "present"):
         raise GpumagicError(f"could not update ~/.ssh/authorized_keys on {connection.spec.address}: "
@@ -606,8 +615,10 @@ def install_key(target: str, *, key: str | os.PathLike | None = None, port: int 
     key_spec = spec.with_options(identity_files=(key,), identities_only=True)
     used_password = False
     conn: Connection | None = None
+    decrypted: dict = {}  # one passphrase prompt for the probe and the final check
     if try_key_first:
         probe = Connection(key_spec, trust_new_host=trust_new_host, home=home, use_agent=False)
+        probe._keys = decrypted
         try:
             probe.open()
             conn = probe
@@ -624,6 +635,7 @@ def install_key(target: str, *, key: str | os.PathLike | None = None, port: int 
         if conn is not None:
             conn.close()
     check = Connection(key_spec, trust_new_host=False, home=home, use_agent=False)
+    check._keys = decrypted
     try:
         check.open()
     except AuthenticationFailed:

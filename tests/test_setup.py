@@ -62,6 +62,19 @@ def test_pasted_ssh_line_option_forms_and_first_value_wins():
     assert (uri.host, uri.port, uri.user) == ("2001:db8::1", 2222, "carol")
 
 
+def test_pasted_ssh_line_resolves_with_honoured_options(tmp_path):
+    from gpumagic.hosts import resolve_ssh_command
+
+    spec, notes = resolve_ssh_command(
+        "ssh -o ConnectTimeout=5 -o ServerAliveCountMax=9 -o StrictHostKeyChecking=no "
+        "-i ~/k -p 41022 root@2001:db8::1", home=tmp_path)
+    assert (spec.hostname, spec.port, spec.user) == ("2001:db8::1", 41022, "root")
+    assert spec.identity_files == (str(tmp_path / "k"),)
+    assert (spec.connect_timeout, spec.server_alive_count_max) == (5, 9)
+    assert notes == ["ignored -o StrictHostKeyChecking=no (gpumagic never accepts a host key "
+                     "silently; compare the fingerprint and connect with --trust-new-host)"]
+
+
 def test_pasted_ssh_line_lists_ignored_options_with_reason():
     cmd = parse_ssh_command("ssh -o StrictHostKeyChecking=no -L 8888:localhost:8888 -N -p 22 root@h")
     assert cmd.port == 22
@@ -118,7 +131,7 @@ def test_add_host_keeps_every_earlier_byte_and_appends_one_block_once(tmp_path):
     r = setup.add_host("new", "203.0.113.10", port=41022, user="root", key="~/.ssh/id_ed25519",
                        home=home)
     after = cfg.read_bytes()
-    assert r.action == "added"
+    assert r.action == "added" and r.notes == []
     assert after.startswith(CONFIG_BEFORE)
     assert after[len(CONFIG_BEFORE):] == (b"\n\nHost new\n  HostName 203.0.113.10\n  Port 41022\n"
                                           b"  User root\n  IdentityFile ~/.ssh/id_ed25519\n"
@@ -162,7 +175,7 @@ def test_add_host_replace_shows_old_block_and_swaps_it_in_place(tmp_path):
 def test_add_host_warns_when_an_earlier_host_star_block_wins(tmp_path):
     home = _home_with_config(tmp_path, b"Host *\n  User ubuntu\n")
     r = setup.add_host("gpu", "203.0.113.10", user="root", home=home)
-    assert any("sets user ubuntu" in n and "first value" in n for n in r.notes)
+    assert any("sets User ubuntu" in n and "first value" in n for n in r.notes), r.notes
 
 
 def test_add_host_writes_through_a_symlinked_config_and_keeps_crlf(tmp_path):
@@ -448,16 +461,22 @@ def test_install_key_magic_uses_getpass_once_and_never_prints_it(ip, capsys, mon
 # -- tutorial ----------------------------------------------------------------------------
 
 
-def test_tutorial_00_first_setup_runs_and_shows_each_step(tmp_path):
+def test_tutorial_00_first_setup_runs_and_shows_each_step(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     pytest.importorskip("nbclient")
     from gpumagic.__main__ import run_notebook
+
+    # The kernel runs in example-notebooks/: make this checkout importable there.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 
     out = run_notebook(REPO / "example-notebooks" / "00-first-setup.ipynb", tmp_path)
     nb = nbformat.read(out, as_version=4)
     text = "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
                      for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "public key:" in text and "ssh-ed25519 " in text
+    keygen_out = [o for c in nb.cells if c.source.startswith("%gpu keygen") for o in c.outputs]
+    assert "application/vnd.jupyter.widget-view+json" in keygen_out[0]["data"]
     assert "added to" in text and "Host mybox" in text
     assert "connected to mybox" in text
     assert "hello from mybox" in text
