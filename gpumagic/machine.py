@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 from . import execution
 from .connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import RemoteCommandError
+from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
 from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 
@@ -231,6 +231,12 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     if not lazy:
         try:
             m.connect()
+        except UnknownHostKey as e:
+            m.close()
+            if target and is_ssh_command(target):  # the alias-based hint would lose -p etc.
+                e.hint = ("if that matches the fingerprint your platform shows, run the same "
+                          "line again with --trust-new-host added")
+            raise
         except BaseException:
             m.close()
             raise

@@ -157,8 +157,7 @@ def _connect(magics: GpuMagics, line: str):
         if args.target:
             raise UsageError(f"give either the ssh command or a target, not both ({args.target!r})")
         args.target = pasted
-    if args.save:
-        args.target = _save_target(args)
+    save = _prepare_save(args) if args.save else None
     if not args.target and not args.sandbox:
         raise UsageError("name a machine: `%gpu connect ALIAS` or `%gpu connect user@host:port` "
                          "(or `%gpu connect --sandbox` to try gpumagic locally)")
@@ -180,6 +179,8 @@ def _connect(magics: GpuMagics, line: str):
         print(note)
     print(f"connected to {m.name} ({m.spec.user}@{m.spec.address}) in "
           f"{time.monotonic() - start:.2f} s; %%remote cells run there")
+    if save is not None:  # only after the line proved to work: no block from a mistyped line
+        _print_add_host(save())
 
 
 @subcommand("disconnect", "close a machine's connection (default: the current one)")
@@ -294,16 +295,18 @@ def split_pasted_ssh(line: str, with_value: tuple[str, ...] = _CONNECT_LONG_WITH
     return shlex.join(ssh_part), shlex.join(ours)
 
 
-def _save_target(args) -> str:
-    """``--save NAME``: write the Host block for the target, then connect by NAME."""
+def _prepare_save(args) -> Callable[[], "setup.AddHostResult"]:
+    """``--save NAME``: check now that the Host block can be written; write it when called.
+
+    Checked before connecting (bad name, a different ``Host NAME`` already there), written
+    after the connection succeeded.
+    """
     if args.sandbox:
         raise UsageError("--save does not apply to --sandbox (its port changes every time)")
     if not args.target:
         raise UsageError("--save NAME needs a machine: the pasted ssh line or user@host[:port]")
     if is_ssh_command(args.target):
         cmd = parse_ssh_command(args.target)
-        for item in cmd.ignored:
-            print(f"ignored {item}")
         opts = dict(cmd.options)
         host = opts.pop("HostName", cmd.host)
         port, user, key, jump = cmd.port, cmd.user, cmd.key, cmd.jump
@@ -313,13 +316,12 @@ def _save_target(args) -> str:
             raise UsageError(f"{t.host} is already a Host in ~/.ssh/config; connect to it by name, "
                              f"or use `%gpu add-host {args.save} --hostname ...`")
         opts, host, port, user, key, jump = {}, t.host, t.port, t.user, None, None
-    result = setup.add_host(args.save, host, port=args.port or port, user=args.user or user,
-                            key=args.identity or key, jump=args.jump or jump, options=opts,
-                            replace=args.replace)
-    _print_add_host(result)
-    args.port = args.user = args.identity = args.jump = None
+    block = dict(name=args.save, hostname=host, port=args.port or port, user=args.user or user,
+                 key=args.identity or key, jump=args.jump or jump, options=opts,
+                 replace=args.replace)
+    setup.add_host(dry_run=True, **block)  # raises HostExists / ConfigError before connecting
     args.name = args.name or args.save
-    return args.save
+    return lambda: setup.add_host(**block)
 
 
 def _print_add_host(result: "setup.AddHostResult") -> None:

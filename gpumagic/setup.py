@@ -108,14 +108,29 @@ def _link_new(data: bytes, path: Path, mode: int) -> None:
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, mode)
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:
+            pass  # no hard links here (some network/FUSE mounts): exclusive create instead
     finally:
         os.unlink(tmp)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(path)
+        raise
 
 
 def _ensure_ssh_dir(directory: Path, home: str | os.PathLike | None = None) -> None:
@@ -302,6 +317,8 @@ def host_block(name: str, hostname: str, *, port: int | None = None, user: str |
         rows.append((canon, v))
     lines = [f"Host {name}"]
     for keyword, value in rows:
+        if keyword not in ("IdentityFile", "UserKnownHostsFile") and re.search(r"\s", str(value or "")):
+            raise ConfigError(f"{keyword} {value!r} has a space in it", f"give {keyword} without spaces")
         if value is not None and value != "":
             lines.append(f"  {keyword} {_check_value(keyword, str(value))}")
     return newline.join(lines) + newline
@@ -344,7 +361,7 @@ def config_path(home: str | os.PathLike | None = None) -> Path:
 def add_host(name: str, hostname: str, *, port: int | None = None, user: str | None = None,
              key: str | None = None, jump: str | None = None,
              server_alive_interval: int | None = 30, server_alive_count_max: int | None = 3,
-             options: dict | None = None, replace: bool = False,
+             options: dict | None = None, replace: bool = False, dry_run: bool = False,
              home: str | os.PathLike | None = None) -> AddHostResult:
     """Add ``Host name`` to ``~/.ssh/config``, keeping every existing byte.
 
@@ -367,6 +384,8 @@ def add_host(name: str, hostname: str, *, port: int | None = None, user: str | N
         More honoured keywords, e.g. ``{"ConnectTimeout": "20"}``.
     replace : bool
         Replace a block with the same name instead of refusing.
+    dry_run : bool
+        Check and compute everything, write nothing (``backup`` is then None).
 
     Returns
     -------
@@ -420,6 +439,8 @@ def add_host(name: str, hostname: str, *, port: int | None = None, user: str | N
         new_text = prefix + block
         action = "added"
     notes = _shadowed(new_text, name, block, home)
+    if dry_run:
+        return AddHostResult(path=path, block=block, action=action, old_block=old_block, notes=notes)
     backup = Path(str(path) + ".bak") if old else None
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.parent == ssh_dir(home):
@@ -480,6 +501,7 @@ chmod go-w "$f"
 if grep -qF -- "$blob" "$f"; then echo present; exit 0; fi
 if [ -s "$f" ] && [ -n "$(tail -c 1 "$f")" ]; then printf '\n' >> "$f"; fi
 printf '%s\n' "$line" >> "$f"
+if command -v restorecon >/dev/null 2>&1; then restorecon -F "$d" "$f" >/dev/null 2>&1 || :; fi
 echo added
 '''
 

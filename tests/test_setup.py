@@ -314,8 +314,9 @@ def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_na
     g = _ssh_G(cfg, "pasted")
     assert (g["hostname"], g["port"], g["user"]) == (sshd.host, str(sshd.port), sshd.user)
     assert g["identityfile"] == str(sshd.client_key)
+    assert out.index("connected to pasted") < out.index("added to")  # saved once it worked
     m = ip._gpumagic.session.get("pasted")
-    assert m.spec.from_config and m.spec.alias == "pasted"
+    assert m.name == "pasted" and m.spec.port == sshd.port
     ip.run_cell_magic("remote", "--out r", "echo saved-host")
     assert ip.user_ns["r"].stdout == "saved-host\n"
     # Saving again the same way changes nothing.
@@ -323,6 +324,49 @@ def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_na
     ip.run_line_magic("gpu", f'connect "ssh -p {sshd.port} -i {sshd.client_key} {sshd.user}@{sshd.host}" --save pasted')
     assert "nothing changed" in capsys.readouterr().out
     assert cfg.read_bytes() == before
+
+
+def test_connect_save_writes_no_block_when_the_pasted_line_fails(ip, sshd):
+    from gpumagic.errors import ConnectionRefused
+    from gpumagic.sandbox import free_port
+
+    cfg = CLIENT_HOME / ".ssh" / "config"
+    before = cfg.read_bytes()
+    with pytest.raises(ConnectionRefused):
+        ip.run_line_magic("gpu", f"connect ssh -p {free_port()} {sshd.user}@{sshd.host} --save typo")
+    assert cfg.read_bytes() == before
+
+
+def test_connect_save_refuses_a_different_existing_block_before_connecting(ip, sshd):
+    cfg = CLIENT_HOME / ".ssh" / "config"
+    before = cfg.read_bytes()
+    with pytest.raises(setup.HostExists):  # Host testgpu exists with other settings
+        ip.run_line_magic("gpu", f"connect ssh -p {sshd.port} root@192.0.2.1 --save testgpu")
+    assert cfg.read_bytes() == before
+    assert ip._gpumagic.session.machines == {}
+
+
+def test_connect_pasted_line_to_unknown_host_key_hints_the_same_line(keygen_server):
+    s = keygen_server  # its host key is not in the client's known_hosts
+    with pytest.raises(UnknownHostKey) as e:
+        gpumagic.connect(f"ssh -p {s.port} -i {s.client_key} {s.user}@{s.host}")
+    assert "same line again with --trust-new-host" in e.value.hint
+    assert e.value.fingerprint == s.host_key_fingerprint
+
+
+def test_keygen_magic_passphrase_is_asked_twice_without_echo(ip, capsys, monkeypatch, tmp_path):
+    answers = iter(["s3cret pass", "s3cret pass"])
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": next(answers))
+    path = tmp_path / "enc"
+    ip.run_line_magic("gpu", f"keygen --path {path} --passphrase")
+    assert "s3cret" not in capsys.readouterr().out
+    paramiko.Ed25519Key.from_private_key_file(str(path), password="s3cret pass")
+    answers = iter(["one", "two"])
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpu", f"keygen --path {tmp_path / 'other'} --passphrase")
+    assert not (tmp_path / "other").exists()
 
 
 def test_add_host_magic_then_connect_by_name(ip, capsys, sshd):
