@@ -41,6 +41,10 @@ def subcommand(name: str, summary: str):
 def parse(fn, line: str, name: str):
     """Parse ``line`` with ``fn``'s magic_arguments parser; ``-h`` prints help."""
     fn.parser.prog = f"%gpu {name}"
+    if any(tok in ("-h", "--help") for tok in line.split()):  # IPython's parser has add_help=False
+        # IPython's parser formats help for docstrings ("::", "%%"); show it as typed.
+        print("usage: " + fn.parser.format_help().lstrip(": \n").replace("%%", "%"))
+        return None
     try:
         return parse_argstring(fn, line)
     except SystemExit:  # argparse after printing --help

@@ -369,6 +369,15 @@ def test_keygen_magic_passphrase_is_asked_twice_without_echo(ip, capsys, monkeyp
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.parametrize("sub", ["keygen", "add-host", "install-key", "connect"])
+def test_subcommand_dash_h_prints_its_options(ip, capsys, sub):
+    ip.run_line_magic("gpu", f"{sub} -h")
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: %gpu {sub}")
+    assert {"keygen": "--passphrase", "add-host": "--hostname", "install-key": "--trust-new-host",
+            "connect": "--save"}[sub] in out
+
+
 def test_add_host_magic_then_connect_by_name(ip, capsys, sshd):
     ip.run_line_magic("gpu", f"add-host byname --hostname {sshd.host} -p {sshd.port} "
                              f"-l {sshd.user} -i {sshd.client_key}")
