@@ -279,15 +279,20 @@ def split_pasted_ssh(line: str, with_value: tuple[str, ...] = _CONNECT_LONG_WITH
         tokens = shlex.split(line)
     except ValueError:
         return None, line
+    ours: list[str] = []
+    while tokens and tokens[0].startswith("--"):  # our options may also come first
+        ours.append(tokens.pop(0))
+        if ours[-1] in with_value and tokens:
+            ours.append(tokens.pop(0))
     if tokens and tokens[0] == "$":
         tokens = tokens[1:]
     if not tokens:
         return None, line
     if is_ssh_command(tokens[0]) and tokens[0] != "ssh":  # quoted as one argument
-        return tokens[0], shlex.join(tokens[1:])
+        return tokens[0], shlex.join(ours + tokens[1:])
     if tokens[0] != "ssh":
         return None, line
-    ssh_part, ours = ["ssh"], []
+    ssh_part = ["ssh"]
     it = iter(tokens[1:])
     for tok in it:
         if tok.startswith("--") and len(tok) > 2:

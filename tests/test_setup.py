@@ -378,6 +378,16 @@ def test_subcommand_dash_h_prints_its_options(ip, capsys, sub):
             "connect": "--save"}[sub] in out
 
 
+def test_split_pasted_ssh_separates_gpumagic_options_on_either_side():
+    from gpumagic.magics import split_pasted_ssh
+
+    assert split_pasted_ssh("--trust-new-host ssh -p 41022 root@h --save gpu") == (
+        "ssh -p 41022 root@h", "--trust-new-host --save gpu")
+    assert split_pasted_ssh('"ssh -p 41022 -i \'~/my key\' root@h" --name g') == (
+        "ssh -p 41022 -i '~/my key' root@h", "--name g")
+    assert split_pasted_ssh("mygpu --cwd /data") == (None, "mygpu --cwd /data")
+
+
 def test_add_host_magic_then_connect_by_name(ip, capsys, sshd):
     ip.run_line_magic("gpu", f"add-host byname --hostname {sshd.host} -p {sshd.port} "
                              f"-l {sshd.user} -i {sshd.client_key}")
@@ -403,8 +413,9 @@ def password_server():
     base = Path(tempfile.mkdtemp(prefix="gpumagic-pwuser-"))
     base.chmod(0o755)  # the user's session must reach its home
     home = base / "home"
-    subprocess.run(["useradd", "-m", "-d", str(home), "-s", "/bin/sh", name], check=True,
-                   capture_output=True)
+    if not _retry_locked(["useradd", "-m", "-d", str(home), "-s", "/bin/sh", name]):
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"useradd could not create the password-login user {name}")
     password = secrets.token_urlsafe(18)
     server = None
     try:
@@ -416,8 +427,20 @@ def password_server():
     finally:
         if server is not None:
             server.stop()
-        subprocess.run(["userdel", "-r", name], capture_output=True)
+        _retry_locked(["userdel", "-r", name])
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _retry_locked(argv) -> bool:
+    """Run useradd/userdel, retrying while another process holds /etc/passwd's lock."""
+    import time
+
+    for attempt in range(20):
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode == 0 or "lock" not in r.stderr:
+            return r.returncode == 0 or "mail spool" in r.stderr
+        time.sleep(0.1 * (attempt + 1))
+    return False
 
 
 @pytest.fixture
