@@ -319,6 +319,11 @@ def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_na
     assert m.name == "pasted" and m.spec.port == sshd.port
     ip.run_cell_magic("remote", "--out r", "echo saved-host")
     assert ip.user_ns["r"].stdout == "saved-host\n"
+    # The real OpenSSH client logs in with the saved block (as VS Code Remote-SSH would).
+    plain = subprocess.run(["ssh", "-F", str(cfg), "-o", "BatchMode=yes",
+                            "-o", f"UserKnownHostsFile={CLIENT_HOME / '.ssh' / 'known_hosts'}",
+                            "pasted", "echo", "plain-ssh"], capture_output=True, text=True, timeout=30)
+    assert plain.stdout == "plain-ssh\n", plain.stderr
     # Saving again the same way changes nothing.
     before = cfg.read_bytes()
     ip.run_line_magic("gpu", f'connect "ssh -p {sshd.port} -i {sshd.client_key} {sshd.user}@{sshd.host}" --save pasted')
