@@ -16,9 +16,9 @@ from typing import Callable, Mapping, Sequence
 
 from . import execution
 from .connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import RemoteCommandError
+from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
-from .hosts import HostSpec, resolve
+from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 
 
 class Machine:
@@ -178,9 +178,12 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     Parameters
     ----------
     target : str
-        A ``~/.ssh/config`` alias or ``[user@]host[:port]``.
+        A ``~/.ssh/config`` alias, ``[user@]host[:port]``, or a pasted ``ssh ...`` command
+        line (``ssh -p 41022 -i ~/.ssh/key root@203.0.113.10``; see
+        :func:`gpumagic.hosts.parse_ssh_command`).
     port, key, jump, user : optional
-        Like ``ssh -p``, ``-i``, ``-J``, ``-l``; they win over ~/.ssh/config.
+        Like ``ssh -p``, ``-i``, ``-J``, ``-l``; they win over ~/.ssh/config and over the
+        values in a pasted ssh line.
     name : str, optional
         The machine's name in gpumagic (default: ``target``).
     cwd : str, optional
@@ -213,12 +216,27 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
             from .errors import ConfigError
 
             raise ConfigError("no machine given", "name a ~/.ssh/config alias or user@host[:port]")
-        spec = resolve(target, home=home, port=port, user=user, identity_file=key, proxy_jump=jump)
+        notes = []
+        if is_ssh_command(target):
+            spec, notes = resolve_ssh_command(target, home=home, port=port, user=user, key=key,
+                                              jump=jump)
+            name = name or spec.alias
+        else:
+            spec = resolve(target, home=home, port=port, user=user, identity_file=key,
+                           proxy_jump=jump)
     m = Machine(spec, name=name, cwd=cwd, trust_new_host=trust_new_host, home=home,
                 passphrase_prompt=passphrase_prompt, sandbox=sb)
+    if not sandbox:
+        m.connection.notes.extend(notes)
     if not lazy:
         try:
             m.connect()
+        except UnknownHostKey as e:
+            m.close()
+            if target and is_ssh_command(target):  # the alias-based hint would lose -p etc.
+                e.hint = ("if that matches the fingerprint your platform shows, run the same "
+                          "line again with --trust-new-host added")
+            raise
         except BaseException:
             m.close()
             raise
