@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, Mapping, Sequence
 
-from . import execution
+from . import execution, gpu
 from .connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
@@ -155,6 +155,31 @@ class Machine:
         through :meth:`run`, which stops remote children on interrupt.
         """
         return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
+
+    # -- GPU status and preflight (gpumagic/gpu.py) -----------------------------------------
+
+    def gpu_status(self, *, cuda_version: str | None = None) -> gpu.GpuStatus:
+        """A snapshot of the GPUs in one round trip; see :func:`gpumagic.gpu.query_status`.
+
+        Whatever nvidia-smi says (no driver, driver/library mismatch) becomes the
+        status's ``kind``; only connection trouble raises.
+        """
+        return gpu.query_status(self, cuda_version=cuda_version)
+
+    def doctor(self, *, expect_gpu: str | None = None, expect_count: int | None = None,
+               sample: int = 0) -> gpu.DoctorReport:
+        """Preflight checks gathered in one round trip; see :func:`gpumagic.gpu.run_doctor`.
+
+        Parameters
+        ----------
+        expect_gpu : str, optional
+            The model rented ("H200"); matched inside the GPU name.
+        expect_count : int, optional
+            The number of GPUs rented.
+        sample : int
+            Seconds to sample GPU and CPU utilisation for (0: no sampling).
+        """
+        return gpu.run_doctor(self, expect_gpu=expect_gpu, expect_count=expect_count, sample=sample)
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

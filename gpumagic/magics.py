@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import getpass
 import shlex
+import sys
 import time
 from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display as ipy_display
 from traitlets import Unicode
 
-from . import known_hosts, setup
+from . import known_hosts, setup, widgets
+from .display import render_doctor, render_status
 from .errors import RemoteCommandError
+from .gpu import Watcher, failure_hint
 from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
                     ssh_dir)
 from .session import Session
@@ -73,6 +77,8 @@ class GpuMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.session = Session()
+        #: machine name -> running ``%gpu status --watch`` (a gpu.Watcher)
+        self.status_watchers: dict = {}
 
     # -- %gpu ---------------------------------------------------------------------------
 
@@ -122,11 +128,14 @@ class GpuMagics(Magics):
                              timeout=args.timeout)
         if args.out:
             self.shell.user_ns[args.out] = result
+        hint = failure_hint(result.stderr, result.exit_code) if result.exit_code != 0 else None
         if result.exit_code != 0 and not args.no_raise_error:
             kind = "python cell" if args.python else "cell"
             raise RemoteCommandError(f"{kind} on {machine.name} exited with code {result.exit_code}",
                                      exit_code=result.exit_code, stdout=result.stdout,
-                                     stderr=result.stderr)
+                                     stderr=result.stderr, hint=hint)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
         return None
 
 
@@ -424,3 +433,68 @@ def _install_key(magics: GpuMagics, line: str):
     else:
         print(f"key {r.fingerprint} was already in ~/.ssh/authorized_keys on {where}; nothing added")
     print(f"key login to {where} works" + ("" if r.used_password else " (no password was needed)"))
+
+
+# -- GPU status and doctor ---------------------------------------------------------------
+
+
+@subcommand("status", "GPU memory, utilisation, temperature, power and processes (--watch N refreshes)")
+@magic_arguments()
+@argument("--watch", metavar="SECONDS", type=float, help="refresh in place every SECONDS (>= 1)")
+@argument("--stop", action="store_true", help="stop a running --watch")
+@argument("--text", action="store_true", help="plain text instead of the widget")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _status(magics: GpuMagics, line: str):
+    args = parse(_status, line, "status")
+    if args is None:
+        return
+    if args.stop:
+        names = [args.host] if args.host else list(magics.status_watchers)
+        stopped = []
+        for name in names:
+            watcher = magics.status_watchers.pop(name, None)
+            if watcher is not None and watcher.running:
+                watcher.stop()
+                stopped.append(name)
+        print(f"stopped watching {', '.join(stopped)}" if stopped else "no --watch is running")
+        return
+    if args.watch is not None and args.watch < 1:
+        raise UsageError("--watch takes a refresh interval in seconds, at least 1 (e.g. --watch 2)")
+    if args.watch is not None and (args.text or not widgets.available()):
+        raise UsageError("--watch updates a widget in place: drop --text (and pip install ipywidgets)")
+    m = magics.session.get(args.host)
+    status = m.gpu_status()
+    if args.text or not widgets.available():
+        ipy_display(render_status(status))
+        return
+    view = widgets.status_widget(status)
+    ipy_display(view)
+    if args.watch is not None:
+        old = magics.status_watchers.pop(m.name, None)
+        if old is not None:
+            old.stop()
+        view.set_note(f"refreshing every {args.watch:g} s; `%gpu status --stop` stops it")
+        magics.status_watchers[m.name] = Watcher(
+            lambda prev: m.gpu_status(cuda_version=prev.known_cuda if prev else None),
+            view.update, view.set_note, interval=args.watch,
+            is_connected=lambda: m.is_connected, previous=status).start()
+
+
+@subcommand("doctor", "preflight: GPU model and memory, PyTorch CUDA vs driver, disks, python, tools")
+@magic_arguments()
+@argument("--expect-gpu", metavar="NAME", help='GPU model rented, e.g. "H200" (matched in the name)')
+@argument("--expect-count", metavar="N", type=int, help="number of GPUs rented")
+@argument("--sample", metavar="SECONDS", type=int, default=0,
+          help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _doctor(magics: GpuMagics, line: str):
+    args = parse(_doctor, line, "doctor")
+    if args is None:
+        return
+    if not 0 <= args.sample <= 600:
+        raise UsageError("--sample takes seconds between 1 and 600 (e.g. --sample 20)")
+    if args.expect_count is not None and args.expect_count < 1:
+        raise UsageError("--expect-count takes the number of GPUs rented, at least 1")
+    m = magics.session.get(args.host)
+    ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
+                                       sample=args.sample)))
