@@ -45,19 +45,30 @@ GPU_FIELDS = ("index", "uuid", "name", "driver_version", "memory.total", "memory
 APP_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
 
 
-def query_gpu_command(fields: Sequence[str] = GPU_FIELDS) -> str:
+def query_gpu_command(fields: Sequence[str] = GPU_FIELDS, program: str = "nvidia-smi") -> str:
     """``nvidia-smi --query-gpu=... --format=csv,noheader,nounits`` for ``fields``."""
-    return f"nvidia-smi --query-gpu={','.join(fields)} --format=csv,noheader,nounits"
+    return f"{program} --query-gpu={','.join(fields)} --format=csv,noheader,nounits"
 
 
-def query_apps_command(fields: Sequence[str] = APP_FIELDS) -> str:
+def query_apps_command(fields: Sequence[str] = APP_FIELDS, program: str = "nvidia-smi") -> str:
     """``nvidia-smi --query-compute-apps=... --format=csv,noheader,nounits``."""
-    return f"nvidia-smi --query-compute-apps={','.join(fields)} --format=csv,noheader,nounits"
+    return f"{program} --query-compute-apps={','.join(fields)} --format=csv,noheader,nounits"
 
+
+#: Seconds one nvidia-smi call may take in a gathered script; a GPU in a bad state can
+#: make nvidia-smi hang for minutes, and the remote call must not outlive the query.
+SMI_TIMEOUT = 20
+
+#: Defines ``smi``: nvidia-smi under ``timeout`` (exit 124 when it hangs) where coreutils
+#: has it, found also in the directories container images put it in without a login PATH.
+SMI_PREAMBLE = (
+    'PATH="$PATH:/usr/local/nvidia/bin:/usr/lib/wsl/lib"; export PATH\n'
+    "if command -v timeout >/dev/null 2>&1; then smi() { timeout %d nvidia-smi \"$@\"; }\n"
+    'else smi() { nvidia-smi "$@"; }; fi\n' % SMI_TIMEOUT)
 
 #: Prints the newest CUDA version the driver supports; old drivers lack ``--version``, so
 #: the banner of plain ``nvidia-smi`` is the fallback.
-VERSION_COMMAND = "nvidia-smi --version || nvidia-smi | head -n 4"
+VERSION_COMMAND = "smi --version || smi | head -n 4"
 
 # -- sections: several commands, one round trip ---------------------------------------------
 
@@ -78,13 +89,14 @@ class Section:
         return self.rc == 127
 
 
-def sections_script(commands: Mapping[str, str]) -> str:
+def sections_script(commands: Mapping[str, str], preamble: str = SMI_PREAMBLE) -> str:
     """A POSIX sh script running each command in turn, framing its output as a section.
 
     Each command's stdout and stderr are merged; its exit status follows it.  Parse the
-    output with :func:`split_sections`.
+    output with :func:`split_sections`.  ``preamble`` runs first (by default it defines
+    ``smi``, see :data:`SMI_PREAMBLE`).
     """
-    parts = []
+    parts = [preamble.rstrip("\n")] if preamble else []
     for name, cmd in commands.items():
         if not re.fullmatch(r"[\w.-]+", name):
             raise ValueError(f"section name {name!r}")
@@ -340,6 +352,7 @@ class StatusKind(str, enum.Enum):
     NO_NVIDIA_SMI = "no nvidia-smi"
     MISMATCH = "driver/library mismatch"
     NO_DRIVER = "driver not reachable"
+    HUNG = "nvidia-smi hung"
     FAILED = "nvidia-smi failed"
 
 
@@ -422,6 +435,10 @@ def classify_failure(text: str, rc: int) -> tuple[StatusKind, str, str, str | Un
         return (StatusKind.NO_NVIDIA_SMI, "this machine has no nvidia-smi (no NVIDIA driver installed)",
                 "rent an instance with a GPU, or install the NVIDIA driver "
                 "(on a container platform, pick a CUDA image)", NOT_QUERIED)
+    if rc == 124:
+        return (StatusKind.HUNG, f"nvidia-smi did not answer within {SMI_TIMEOUT} s and was stopped",
+                "the GPU or its driver is stuck (often after an Xid error, see `dmesg`): reboot the "
+                "machine", NOT_QUERIED)
     if "Driver/library version mismatch" in text:
         m = re.search(r"NVML library version:\s*([\d.]+)", text)
         lib = m.group(1) if m else Unknown("nvidia-smi did not print it")
@@ -441,7 +458,7 @@ def classify_failure(text: str, rc: int) -> tuple[StatusKind, str, str, str | Un
 
 def status_commands(with_version: bool = True) -> dict[str, str]:
     """The sections gathered for one status snapshot (see :func:`status_from_sections`)."""
-    cmds = {"gpus": query_gpu_command(), "apps": query_apps_command()}
+    cmds = {"gpus": query_gpu_command(program="smi"), "apps": query_apps_command(program="smi")}
     if with_version:
         cmds["version"] = VERSION_COMMAND
     return cmds
@@ -505,6 +522,9 @@ def query_status(machine, *, cuda_version: str | Unknown | None = None,
         Only for the connection; whatever nvidia-smi says becomes the status kind.
     """
     script = sections_script(status_commands(with_version=cuda_version is None))
+    login_path = machine.login_env().get("PATH")  # read once per connection
+    if login_path:  # where ~/.bashrc or /etc/profile put nvidia-smi, as over `ssh host`
+        script = f"PATH={shlex.quote(login_path)}; export PATH\n{script}"
     r = machine.exec(shlex.join(shell(script)), timeout=timeout)
     return status_from_sections(split_sections(r.stdout), host=machine.name,
                                 cuda_version=cuda_version)
@@ -602,7 +622,7 @@ def failure_hint(stderr: str, exit_code: int) -> str | None:
     Looks at the last 64 KiB of ``stderr``.  Returns None when nothing is recognised.
     """
     tail = stderr[-65536:]
-    if "CUDA out of memory" in tail or "OutOfMemoryError" in tail:
+    if re.search(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory", tail):
         return ("GPU memory ran out: halve the batch size, use mixed precision "
                 "(torch.autocast(\"cuda\", dtype=torch.bfloat16)), or gradient checkpointing; "
                 "`%gpu status` shows what holds the memory")
@@ -681,7 +701,7 @@ ENV_PROBE = ('printf "VIRTUAL_ENV=%s\\nCONDA_DEFAULT_ENV=%s\\npython3=%s\\ntmux=
 def sample_command(seconds: int) -> str:
     """Read ``/proc/stat`` before and after ``seconds`` of GPU utilisation samples (1 per s)."""
     return (f"grep '^cpu' /proc/stat; echo '--gpu'; i=0; while [ $i -lt {int(seconds)} ]; do "
-            "nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits; sleep 1; "
+            "smi --query-gpu=utilization.gpu --format=csv,noheader,nounits; sleep 1; "
             "i=$((i+1)); done; echo '--end'; grep '^cpu' /proc/stat")
 
 

@@ -464,7 +464,10 @@ def _status(magics: GpuMagics, line: str):
         raise UsageError("--watch updates a widget in place: drop --text (and pip install ipywidgets)")
     m = magics.session.get(args.host)
     status = m.gpu_status()
-    if args.text or not widgets.available():
+    if args.text:
+        print(render_status(status).text)
+        return
+    if not widgets.available():
         ipy_display(render_status(status))
         return
     view = widgets.status_widget(status)

@@ -170,6 +170,7 @@ def test_driver_library_mismatch_becomes_a_status_kind_with_library_version():
     ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure "
      "that the latest NVIDIA driver is installed and running.\n\n", 9, StatusKind.NO_DRIVER),
     ("No devices were found\n", 6, StatusKind.FAILED),
+    ("", 124, StatusKind.HUNG),  # `timeout 20 nvidia-smi` stopped it
 ])
 def test_whole_call_failures_become_kinds_with_hints(text, rc, kind):
     status = gpu.status_from_sections({"gpus": Section(text, rc)})

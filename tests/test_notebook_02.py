@@ -30,8 +30,10 @@ def cell_outputs(nb, source: str) -> tuple[str, str, list]:
 def test_check_the_machine_notebook_runs_and_shows_status_doctor_and_hint(tmp_path):
     nb = nbformat.read(run_notebook(NOTEBOOK, tmp_path), as_version=4)
     line = "GPU0 NVIDIA H200 | util 100% | mem 20213/143771 MiB | 58C | 691/700 W"
-    _, plain, _ = cell_outputs(nb, "%gpu status --text")
-    assert plain.splitlines()[1:] == [line, "  python3 (pid 485) 20204 MiB"]
+    streams, plain, _ = cell_outputs(nb, "%gpu status --text")
+    assert plain == ""  # --text: plain text only, no HTML
+    assert streams.splitlines() == ["sandbox: driver 580.159.04, CUDA 13.0 (driver maximum)", line,
+                                    "  python3 (pid 485) 20204 MiB"]
     cell = next(c for c in nb.cells if c.cell_type == "code" and c.source == "%gpu status")
     widget, = [o for o in cell.outputs if o.output_type == "display_data"]
     assert "application/vnd.jupyter.widget-view+json" in widget.data

@@ -34,7 +34,7 @@ def _count_channels(machine) -> list:
 
 def test_status_on_h200_load_in_one_round_trip(machine, set_gpu):
     set_gpu("h200-load")
-    machine.connect()
+    machine.login_env()  # read once per connection (the PATH nvidia-smi is looked up in)
     opened = _count_channels(machine)
     status = machine.gpu_status()
     assert len(opened) == 1
@@ -46,6 +46,8 @@ def test_status_on_h200_load_in_one_round_trip(machine, set_gpu):
     p, = status.processes
     assert (p.pid, p.name, p.used_mib) == (485, "python3", 20204)
     assert (status.driver_version, status.cuda_version) == ("580.159.04", "13.0")
+    again = machine.gpu_status(cuda_version=status.known_cuda)  # what each --watch refresh does
+    assert len(opened) == 2 and again.cuda_version == "13.0" and again.gpus == status.gpus
 
 
 @pytest.mark.parametrize("state, kind", [("mismatch", StatusKind.MISMATCH),
