@@ -411,3 +411,48 @@ def test_status_widget_values_and_plain_text_form():
     assert view.rows == [] and "driver/library mismatch" in view.header.value
     view.update(load)
     assert len(view.rows) == 1 and view.rows[0].util.value == 100
+
+
+# -- sections gathered on a real H200 by the doctor's own script (tests/recordings) -------------
+
+LIVE = ROOT / "tests" / "recordings" / "h200-sections"
+
+
+def test_live_idle_h200_doctor_sections():
+    secs = gpu.split_sections(read(LIVE, "idle.txt"))
+    assert sorted(secs) == ["apps", "cwd", "df", "env", "gpus", "sample", "torch", "version"]
+    assert all(s.rc == 0 for s in secs.values())
+    report = gpu.diagnose(secs, host="h200", expect_gpu="H200", expect_count=1, sample=3)
+    g, = report.status.gpus
+    assert (g.name, g.memory_used_mib, g.memory_total_mib, g.clock_sm_mhz, g.mig_mode) == (
+        "NVIDIA H200", 0, 143771, 345, "Disabled")
+    assert g.fan_pct.raw == "[N/A]" and report.status.processes == []
+    checks = {c.name: c for c in report.checks}
+    assert checks["PyTorch CUDA"].level is Level.OK
+    assert checks["PyTorch CUDA"].summary == ("torch 2.11.0+cu130 built for CUDA 13.0, "
+                                              "driver supports up to 13.0")
+    assert checks["environment"].summary == "venv /opt/torch/.venv"
+    assert checks["rsync"].level is Level.WARN and checks["tmux"].level is Level.OK
+    assert [m.mountpoint for m in gpu.data_mounts(gpu.parse_df(secs["df"].text))] == ["/"]
+    assert checks["utilisation"].level is Level.WARN and "mostly idle" in checks["utilisation"].summary
+    assert "data loading" not in checks["utilisation"].summary  # CPUs were idle too
+
+
+def test_live_loaded_h200_status_process_and_sample():
+    secs = gpu.split_sections(read(LIVE, "load.txt"))
+    report = gpu.diagnose(secs, host="h200", expect_gpu="A100", sample=3)
+    g, = report.status.gpus
+    assert (g.utilization_gpu_pct, g.memory_used_mib, g.power_draw_w) == (95, 11251, 694.05)
+    p, = report.status.processes
+    assert (p.pid, p.name, p.used_mib) == (529, "python3", 11242)
+    checks = {c.name: c for c in report.checks}
+    assert checks["GPU model"].summary == "expected A100, the machine has NVIDIA H200"
+    sample = gpu.parse_sample(secs["sample"].text)
+    assert sample.gpu_mean_pct == 95 and sample.cores == 16
+    assert sample.busiest_core_pct > 90  # the matmul loop's thread, spinning on synchronize()
+    assert checks["utilisation"].level is Level.OK
+
+
+def test_live_cuda_oom_message_gets_the_oom_hint():
+    hint = gpu.failure_hint(read(LIVE, "oom.txt"), 1)
+    assert hint.startswith("GPU memory ran out: halve the batch size")
