@@ -3,7 +3,7 @@
 Everything here is either a *query* (a shell script sent in one SSH round trip whose
 output is split into named sections) or a *pure function* over the text those commands
 print, so every parser and check is tested on recorded output from real machines
-(``gpumagic/fake/recordings``).
+(``gpumagic/fake/recordings``, ``tests/recordings``).
 
 Formats
 -------
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .errors import GpumagicError
+from .errors import GpumagicError, RemoteCommandError
 
 # -- query strings --------------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ def read_value(raw: str, kind: type = str):
             break
     try:
         return kind(float(s)) if kind is int else kind(s)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: int(float("inf"))
         return Unknown(f"not a number: {raw.strip()!r}", raw.strip())
 
 
@@ -254,7 +254,17 @@ _GPU_MAP = {
 }
 _APP_MAP = {"pid": ("pid", int), "process_name": ("name", str), "used_memory": ("used_mib", int),
             "used_gpu_memory": ("used_mib", int), "gpu_uuid": ("gpu_uuid", str)}
-_HEADER_COL = re.compile(r"[a-z_.]+( \[[^\]]*\])?")
+_HEADER_COL = re.compile(r"([a-z_.]+)( \[[^\]]*\])?")
+
+
+def _is_header(line: str, fields: Sequence[str], mapping: Mapping) -> bool:
+    """``index, memory.total [MiB], ...``: every column a field name (nvidia-smi's header
+    may spell a field differently, e.g. ``clocks.current.sm`` for ``clocks.sm``)."""
+    for col in line.split(","):
+        m = _HEADER_COL.fullmatch(col.strip())
+        if not m or (m.group(1) not in fields and m.group(1) not in mapping):
+            return False
+    return True
 
 
 def _split_line(line: str, fields: Sequence[str]) -> list[str] | None:
@@ -280,7 +290,7 @@ def parse_csv(text: str, fields: Sequence[str], mapping: Mapping[str, tuple[str,
     for line in text.splitlines():
         if not line.strip():
             continue
-        if all(_HEADER_COL.fullmatch(c.strip()) for c in line.split(",")):
+        if _is_header(line, fields, mapping):
             continue
         cols = _split_line(line.strip(), fields)
         if cols is None:
@@ -1120,8 +1130,17 @@ def run_doctor(machine, *, expect_gpu: str | None = None, expect_count: int | No
     Raises
     ------
     ConnectionLost, RemoteTimeout
+    RemoteCommandError
+        When the script printed nothing to check (e.g. the working directory is gone).
     """
     script = sections_script(doctor_commands(sample))
     r = machine.run(shell(script), quiet=True, timeout=timeout + sample)
-    return diagnose(split_sections(r.stdout), host=machine.name, expect_gpu=expect_gpu,
+    sections = split_sections(r.stdout)
+    if not sections:
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.exit_code}"])[-1]
+        raise RemoteCommandError(f"the doctor's checks did not run on {machine.name}: {last}",
+                                 exit_code=r.exit_code, stdout=r.stdout, stderr=r.stderr,
+                                 hint="fix the working directory with `%gpu cd DIR`, then run "
+                                      "`%gpu doctor` again")
+    return diagnose(sections, host=machine.name, expect_gpu=expect_gpu,
                     expect_count=expect_count, sample=sample)

@@ -212,3 +212,11 @@ def test_failed_cell_without_known_message_gets_no_hint(ip):
     with pytest.raises(RemoteCommandError) as e:
         ip.run_cell_magic("remote", "", "echo 'ValueError: nope' >&2; exit 3")
     assert e.value.hint == ""
+
+
+def test_doctor_in_a_vanished_working_directory_says_what_to_do(machine):
+    machine.cwd = "/no/such/dir"
+    with pytest.raises(RemoteCommandError) as e:
+        machine.doctor()
+    assert "cannot enter directory /no/such/dir" in e.value.message
+    assert "%gpu cd" in e.value.hint
