@@ -445,6 +445,11 @@ def _install_key(magics: GpuMagics, line: str):
 @argument("--text", action="store_true", help="plain text instead of the widget")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def _status(magics: GpuMagics, line: str):
+    """Per GPU: memory and utilisation bars, temperature, power, and the processes using it.
+
+    One SSH round trip per refresh.  With --watch the widget refreshes in place from a background
+    thread until `%gpu status --stop`, a disconnect, or three failed refreshes in a row.
+    """
     args = parse(_status, line, "status")
     if args is None:
         return
@@ -491,6 +496,12 @@ def _status(magics: GpuMagics, line: str):
           help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def _doctor(magics: GpuMagics, line: str):
+    """Preflight checks, each ok / WARN / FAIL with a one-line fix, gathered in one round trip.
+
+    GPU model and count against what was rented, GPU memory already in use, the remote
+    PyTorch's CUDA build against the driver, disks (the largest data disk, a small system
+    disk holding the working directory, disks over 90% full), Python, venv/conda, tmux, rsync.
+    """
     args = parse(_doctor, line, "doctor")
     if args is None:
         return
