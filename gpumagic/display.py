@@ -69,6 +69,7 @@ def process_lines(status: GpuStatus, gpu: Gpu) -> list[str]:
 
 
 def status_header(status: GpuStatus) -> str:
+    """``host: driver 580.159.04, CUDA 13.0 (driver maximum)``, or the failure kind and message."""
     who = status.host or "machine"
     if not status.ok:
         return f"{who}: {status.kind.value}: {status.message}"
@@ -122,6 +123,7 @@ def status_html(status: GpuStatus) -> str:
 
 
 def render_status(status: GpuStatus) -> Rendered:
+    """The status as text/plain and text/html."""
     return Rendered(status_text(status), status_html(status))
 
 
@@ -132,6 +134,7 @@ _LEVEL_COLOR = {Level.OK: "#2e7d32", Level.WARN: "#b26a00", Level.FAIL: "#c62828
 
 
 def doctor_summary(report: DoctorReport) -> str:
+    """``host doctor: 1 fail, 2 warn, 7 ok``."""
     counts = {lv: sum(c.level is lv for c in report.checks) for lv in Level}
     return (f"{report.host or 'machine'} doctor: {counts[Level.FAIL]} fail, "
             f"{counts[Level.WARN]} warn, {counts[Level.OK]} ok")
@@ -149,6 +152,7 @@ def doctor_text(report: DoctorReport) -> str:
 
 
 def doctor_html(report: DoctorReport) -> str:
+    """The checks as an HTML table, the level coloured."""
     rows = "".join(
         f"<tr><td style='color:{_LEVEL_COLOR[c.level]};font-weight:bold'>{_LEVEL_TEXT[c.level]}</td>"
         f"<td>{_esc(c.name)}</td><td>{_esc(c.summary)}"
@@ -158,4 +162,5 @@ def doctor_html(report: DoctorReport) -> str:
 
 
 def render_doctor(report: DoctorReport) -> Rendered:
+    """The doctor's table as text/plain and text/html."""
     return Rendered(doctor_text(report), doctor_html(report))

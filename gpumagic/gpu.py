@@ -227,6 +227,7 @@ class Gpu:
 
     @property
     def label(self) -> str:
+        """``GPU0`` (``GPU?`` when the index was not read)."""
         return f"GPU{self.index}" if known(self.index) else "GPU?"
 
 
@@ -581,6 +582,7 @@ class Watcher:
         self.refreshes = 0
         self.failures = 0
         self.reason = ""
+        self._stop_reason = "stopped (%gpu status --stop)"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gpumagic-status-watch", daemon=True)
 
@@ -592,8 +594,10 @@ class Watcher:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self, wait: float = 5.0) -> None:
-        """Ask the thread to end, and wait for it (``wait`` seconds at most)."""
+    def stop(self, reason: str = "stopped (%gpu status --stop)", wait: float = 5.0) -> None:
+        """Ask the thread to end, and wait for it (``wait`` seconds at most); ``on_stop``
+        receives ``reason``."""
+        self._stop_reason = reason
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(wait)
@@ -619,7 +623,7 @@ class Watcher:
                 self.previous = status
                 self.on_update(status)
             else:
-                reason = "stopped (%gpu status --stop)"
+                reason = self._stop_reason
         except Exception as e:  # a bug in on_update: say so instead of dying silently
             reason = f"stopped: {type(e).__name__}: {e}"
         self.reason = reason
@@ -659,6 +663,8 @@ def failure_hint(stderr: str, exit_code: int) -> str | None:
 
 
 class Level(str, enum.Enum):
+    """A doctor check's result."""
+
     OK = "ok"
     WARN = "warn"
     FAIL = "fail"
@@ -831,6 +837,7 @@ def check_disks(df_text: str, cwd: str) -> list[Check]:
 
 
 def check_driver(status: GpuStatus) -> Check:
+    """The driver answered (its version and CUDA maximum), or what is wrong and the fix."""
     if status.ok:
         return Check("driver", Level.OK,
                      f"driver {status.driver_version}, supports CUDA up to {status.cuda_version}")

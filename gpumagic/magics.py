@@ -480,7 +480,7 @@ def _status(magics: GpuMagics, line: str):
     if args.watch is not None:
         old = magics.status_watchers.pop(m.name, None)
         if old is not None:
-            old.stop()
+            old.stop("stopped: a newer `%gpu status --watch` took over")
         view.set_note(f"refreshing every {args.watch:g} s; `%gpu status --stop` stops it")
         magics.status_watchers[m.name] = Watcher(
             lambda prev: m.gpu_status(cuda_version=prev.known_cuda if prev else None),

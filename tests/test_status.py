@@ -220,3 +220,16 @@ def test_doctor_in_a_vanished_working_directory_says_what_to_do(machine):
         machine.doctor()
     assert "cannot enter directory /no/such/dir" in e.value.message
     assert "%gpu cd" in e.value.hint
+
+
+def test_a_second_watch_replaces_the_first_saying_so(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "status --watch 5")
+    first = ip._gpumagic.status_watchers["testgpu"]
+    first_view = first.on_update.__self__
+    ip.run_line_magic("gpu", "status --watch 5")
+    second = ip._gpumagic.status_watchers["testgpu"]
+    assert second is not first and not first.running and second.running
+    assert first_view.note_text == "stopped: a newer `%gpu status --watch` took over"
+    ip.run_line_magic("gpu", "status --stop")
+    assert not second.running
