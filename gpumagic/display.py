@@ -31,18 +31,19 @@ class Rendered:
     __repr__ = __str__
 
 
-def _esc(x) -> str:
+def escape(x) -> str:
+    """``str(x)`` made safe for HTML."""
     return html.escape(str(x))
 
 
 # -- GPU status (%gpu status) ----------------------------------------------------------------
 
-def _num(v, fmt="{}", unit="") -> str:
+def reading(v, fmt="{}", unit="") -> str:
     """A reading, or ``n/a`` when unknown."""
     return (fmt.format(v) + unit) if known(v) else "n/a"
 
 
-def _watts(v) -> str:
+def watts(v) -> str:
     # nvidia-smi's own table truncates watts (691.68 W is shown as 691W).
     return str(int(v)) if known(v) else "n/a"
 
@@ -50,15 +51,15 @@ def _watts(v) -> str:
 def gpu_line(gpu: Gpu) -> str:
     """``GPU0 NVIDIA H200 | util 100% | mem 20213/143771 MiB | 58C | 691/700 W``."""
     name = gpu.name if known(gpu.name) else "(name unknown)"
-    mem = f"{_num(gpu.memory_used_mib)}/{_num(gpu.memory_total_mib)} MiB"
-    return (f"{gpu.label} {name} | util {_num(gpu.utilization_gpu_pct, unit='%')} | mem {mem} | "
-            f"{_num(gpu.temperature_c, unit='C')} | {_watts(gpu.power_draw_w)}/{_watts(gpu.power_limit_w)} W")
+    mem = f"{reading(gpu.memory_used_mib)}/{reading(gpu.memory_total_mib)} MiB"
+    return (f"{gpu.label} {name} | util {reading(gpu.utilization_gpu_pct, unit='%')} | mem {mem} | "
+            f"{reading(gpu.temperature_c, unit='C')} | {watts(gpu.power_draw_w)}/{watts(gpu.power_limit_w)} W")
 
 
 def process_lines(status: GpuStatus, gpu: Gpu) -> list[str]:
     """The processes on ``gpu``, or why none are listed."""
     procs = status.processes_on(gpu)
-    out = [f"  {p.name} (pid {p.pid}) {_num(p.used_mib)} MiB" for p in procs]
+    out = [f"  {p.name} (pid {p.pid}) {reading(p.used_mib)} MiB" for p in procs]
     hidden = status.hidden_use_mib(gpu)
     if hidden:
         out.append(f"  {hidden} MiB in use by processes not visible here "
@@ -101,23 +102,23 @@ def _bar(pct: float, color: str) -> str:
 def status_html(status: GpuStatus) -> str:
     """HTML status: per GPU, memory and utilisation bars, temperature, power, processes."""
     if not status.ok:
-        return (f"<div><b>{_esc(status_header(status))}</b><br>"
-                f"<span>hint: {_esc(status.hint)}</span></div>")
+        return (f"<div><b>{escape(status_header(status))}</b><br>"
+                f"<span>hint: {escape(status.hint)}</span></div>")
     rows = []
     for g in status.gpus:
         mem_pct = (100.0 * g.memory_used_mib / g.memory_total_mib
                    if known(g.memory_used_mib) and known(g.memory_total_mib) and g.memory_total_mib else 0.0)
         util = g.utilization_gpu_pct if known(g.utilization_gpu_pct) else 0
-        procs = "<br>".join(_esc(x.strip()) for x in process_lines(status, g))
+        procs = "<br>".join(escape(x.strip()) for x in process_lines(status, g))
         rows.append(
-            f"<tr><td><b>{_esc(g.label)}</b> {_esc(g.name)}</td>"
-            f"<td>{_bar(mem_pct, '#4a90d9')} {_esc(_num(g.memory_used_mib))}/"
-            f"{_esc(_num(g.memory_total_mib))} MiB</td>"
-            f"<td>{_bar(util, '#5cb85c')} {_esc(_num(g.utilization_gpu_pct, unit='%'))}</td>"
-            f"<td>{_esc(_num(g.temperature_c, unit=' C'))}</td>"
-            f"<td>{_esc(_watts(g.power_draw_w))}/{_esc(_watts(g.power_limit_w))} W</td>"
+            f"<tr><td><b>{escape(g.label)}</b> {escape(g.name)}</td>"
+            f"<td>{_bar(mem_pct, '#4a90d9')} {escape(reading(g.memory_used_mib))}/"
+            f"{escape(reading(g.memory_total_mib))} MiB</td>"
+            f"<td>{_bar(util, '#5cb85c')} {escape(reading(g.utilization_gpu_pct, unit='%'))}</td>"
+            f"<td>{escape(reading(g.temperature_c, unit=' C'))}</td>"
+            f"<td>{escape(watts(g.power_draw_w))}/{escape(watts(g.power_limit_w))} W</td>"
             f"<td>{procs}</td></tr>")
-    return (f"<div><b>{_esc(status_header(status))}</b><table>"
+    return (f"<div><b>{escape(status_header(status))}</b><table>"
             "<tr><th>GPU</th><th>memory</th><th>utilisation</th><th>temp</th><th>power</th>"
             "<th>processes</th></tr>" + "".join(rows) + "</table></div>")
 
@@ -155,10 +156,10 @@ def doctor_html(report: DoctorReport) -> str:
     """The checks as an HTML table, the level coloured."""
     rows = "".join(
         f"<tr><td style='color:{_LEVEL_COLOR[c.level]};font-weight:bold'>{_LEVEL_TEXT[c.level]}</td>"
-        f"<td>{_esc(c.name)}</td><td>{_esc(c.summary)}"
-        + (f"<br><i>fix: {_esc(c.fix)}</i>" if c.fix and c.level is not Level.OK else "")
+        f"<td>{escape(c.name)}</td><td>{escape(c.summary)}"
+        + (f"<br><i>fix: {escape(c.fix)}</i>" if c.fix and c.level is not Level.OK else "")
         + "</td></tr>" for c in report.checks)
-    return f"<div><b>{_esc(doctor_summary(report))}</b><table>{rows}</table></div>"
+    return f"<div><b>{escape(doctor_summary(report))}</b><table>{rows}</table></div>"
 
 
 def render_doctor(report: DoctorReport) -> Rendered:

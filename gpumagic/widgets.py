@@ -42,16 +42,16 @@ class _GpuRow:
                            w.HBox([self.util, self.util_label]), self.sensors, self.procs])
 
     def update(self, status: GpuStatus, g: Gpu) -> None:
-        self.title.value = f"<b>{display._esc(g.label)}</b> {display._esc(g.name)}"
+        self.title.value = f"<b>{display.escape(g.label)}</b> {display.escape(g.name)}"
         self.mem.value = _mem_pct(g)
-        self.mem_label.value = f"{display._num(g.memory_used_mib)}/{display._num(g.memory_total_mib)} MiB"
+        self.mem_label.value = f"{display.reading(g.memory_used_mib)}/{display.reading(g.memory_total_mib)} MiB"
         self.util.value = float(g.utilization_gpu_pct) if known(g.utilization_gpu_pct) else 0.0
-        self.util_label.value = display._num(g.utilization_gpu_pct, unit="%")
-        self.sensors.value = (f"{display._num(g.temperature_c, unit=' C')}, "
-                              f"{display._watts(g.power_draw_w)}/{display._watts(g.power_limit_w)} W, "
-                              f"SM {display._num(g.clock_sm_mhz, unit=' MHz')}, "
-                              f"fan {display._num(g.fan_pct, unit='%')}")
-        self.procs.value = "<br>".join(display._esc(x.strip())
+        self.util_label.value = display.reading(g.utilization_gpu_pct, unit="%")
+        self.sensors.value = (f"{display.reading(g.temperature_c, unit=' C')}, "
+                              f"{display.watts(g.power_draw_w)}/{display.watts(g.power_limit_w)} W, "
+                              f"SM {display.reading(g.clock_sm_mhz, unit=' MHz')}, "
+                              f"fan {display.reading(g.fan_pct, unit='%')}")
+        self.procs.value = "<br>".join(display.escape(x.strip())
                                        for x in display.process_lines(status, g))
 
 
@@ -76,9 +76,9 @@ def status_widget(status: GpuStatus):
         def update(self, status: GpuStatus) -> None:
             """Show ``status`` (safe to call from a background thread)."""
             self.status = status
-            header = display._esc(display.status_header(status))
+            header = display.escape(display.status_header(status))
             if not status.ok and status.hint:
-                header += f"<br>hint: {display._esc(status.hint)}"
+                header += f"<br>hint: {display.escape(status.hint)}"
             self.header.value = f"<b>{header}</b>"
             gpus = status.gpus if status.ok else []
             if len(self.rows) != len(gpus):
@@ -90,7 +90,7 @@ def status_widget(status: GpuStatus):
         def set_note(self, text: str) -> None:
             """A line under the status (e.g. why a --watch stopped)."""
             self.note_text = text
-            self.note.value = display._esc(text)
+            self.note.value = display.escape(text)
 
         @property
         def text(self) -> str:

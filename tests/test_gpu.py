@@ -456,3 +456,15 @@ def test_live_loaded_h200_status_process_and_sample():
 def test_live_cuda_oom_message_gets_the_oom_hint():
     hint = gpu.failure_hint(read(LIVE, "oom.txt"), 1)
     assert hint.startswith("GPU memory ran out: halve the batch size")
+
+
+def test_processes_are_matched_to_their_gpu_by_uuid_on_a_two_gpu_machine():
+    gpus = "0, GPU-aaa, NVIDIA A100-SXM4-80GB, 81920, 600\n1, GPU-bbb, NVIDIA A100-SXM4-80GB, 81920, 40000\n"
+    apps = "900, python3, 39990, GPU-bbb\n"
+    status = gpu.status_from_sections({"gpus": Section(gpus, 0), "apps": Section(apps, 0)},
+                                      fields=["index", "uuid", "name", "memory.total", "memory.used"])
+    g0, g1 = status.gpus
+    assert status.processes_on(g0) == [] and [p.pid for p in status.processes_on(g1)] == [900]
+    assert status.hidden_use_mib(g0) == 600 and status.hidden_use_mib(g1) == 0
+    text = status_text(status)
+    assert "600 MiB in use by processes not visible here" in text and "python3 (pid 900) 39990 MiB" in text
