@@ -10,7 +10,7 @@ import pytest
 from gpumagic import gpu
 from gpumagic.display import gpu_line, render_doctor, render_status, status_text
 from gpumagic.errors import ConnectionLost
-from gpumagic.gpu import Level, Section, StatusKind, Unknown, known
+from gpumagic.gpu import Level, Section, StatusKind, known
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGED = ROOT / "gpumagic" / "fake" / "recordings"
