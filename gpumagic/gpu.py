@@ -638,7 +638,9 @@ _NOSPACE_PATH = re.compile(r"No space left on device: '([^']+)'")
 def failure_hint(stderr: str, exit_code: int) -> str | None:
     """One line of advice for a failed cell whose stderr shows a well-known failure.
 
-    Looks at the last 64 KiB of ``stderr``.  Returns None when nothing is recognised.
+    Looks at the last 64 KiB of ``stderr``: CUDA out of memory, a CUDA driver older than
+    PyTorch's build, a full disk; and at ``exit_code`` 137 (killed by SIGKILL, usually the
+    OOM killer).  Returns None when nothing is recognised.
     """
     tail = stderr[-65536:]
     if re.search(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory", tail):
@@ -653,9 +655,12 @@ def failure_hint(stderr: str, exit_code: int) -> str | None:
         where = f"the disk holding {m.group(1)}" if m else "a disk"
         return (f"{where} is full: `%gpu doctor` lists each mount with its free space "
                 "(write large files to the data disk)")
-    if exit_code == 137 and re.search(r"(^|\s)Killed(\s|$)", tail):
-        return ("the process was killed (exit 137), most often by the kernel when host RAM ran out: "
-                "use fewer DataLoader workers, load data lazily, or check `free -g`")
+    if exit_code == 137:
+        # SIGKILL from outside: gpumagic's own stops raise KeyboardInterrupt/RemoteTimeout
+        # instead.  The shell usually prints "Killed", but not every shell does.
+        return ("the process was killed (SIGKILL, exit 137), most often by the kernel's OOM killer "
+                "when host RAM ran out: use fewer DataLoader workers, load data lazily, or check "
+                "`free -g` and `dmesg | tail`")
     return None
 
 

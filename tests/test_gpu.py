@@ -345,10 +345,14 @@ def test_failure_hint_for_known_messages(stderr, code, expect):
     assert expect in gpu.failure_hint("Traceback ...\n" + stderr + "\n", code)
 
 
+def test_python_cell_killed_silently_with_137_gets_the_host_ram_hint():
+    assert "OOM killer" in gpu.failure_hint("", 137)  # a killed python3 -c prints nothing
+
+
 def test_no_failure_hint_for_other_errors():
     assert gpu.failure_hint("ValueError: bad\n", 1) is None
     assert gpu.failure_hint("Killed\n", 1) is None  # "Killed" needs exit 137
-    assert gpu.failure_hint("", 137) is None
+    assert gpu.failure_hint("", 2) is None
 
 
 # -- watch loop (a plain thread; fetch functions stand in for the machine) ---------------------

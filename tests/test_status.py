@@ -205,6 +205,10 @@ def test_oom_killed_cell_exit_137_gets_the_host_ram_hint(ip, capsys):
     assert e.value.exit_code == 137
     assert "Killed" in e.value.stderr
     assert "host RAM" in e.value.hint
+    with pytest.raises(RemoteCommandError) as e:  # a python cell killed itself
+        ip.run_cell_magic("remote", "--python", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert e.value.exit_code == 137
+    assert "host RAM" in e.value.hint
 
 
 def test_failed_cell_without_known_message_gets_no_hint(ip):
