@@ -237,3 +237,18 @@ def test_a_second_watch_replaces_the_first_saying_so(ip):
     assert first_view.note_text == "stopped: a newer `%gpu status --watch` took over"
     ip.run_line_magic("gpu", "status --stop")
     assert not second.running
+
+
+def test_watch_refreshes_while_cells_run_on_the_same_connection(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "status --watch 1")
+    watcher = ip._gpumagic.status_watchers["testgpu"]
+    outputs = []
+    for i in range(60):  # cells keep running until the thread has refreshed twice
+        ip.run_cell_magic("remote", "--out r", f"sleep 0.5; echo cell {i}")
+        outputs.append(ip.user_ns["r"].stdout)
+        if watcher.refreshes >= 2:
+            break
+    assert watcher.refreshes >= 2 and watcher.failures == 0
+    assert outputs == [f"cell {i}\n" for i in range(len(outputs))]
+    ip.run_line_magic("gpu", "status --stop")
