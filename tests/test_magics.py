@@ -2,6 +2,7 @@
 
 import _thread
 import threading
+import uuid
 
 import pytest
 from IPython.core.error import UsageError
@@ -79,10 +80,11 @@ def test_failed_python_cell_renders_the_remote_error_not_gpumagic_frames(ip, cap
 
 def test_interrupted_cell_reraises_keyboard_interrupt(ip):
     ip.run_line_magic("gpu", "connect testgpu")
+    token = "gm" + uuid.uuid4().hex[:12]
     threading.Timer(1.5, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
-        ip.run_cell_magic("remote", "", "sleep 60 # magic-interrupt")
-    r = ip.run_cell_magic("remote", "--out r", "pgrep -f 'slee[p] 60 # magic-interrupt' || echo none")
+        ip.run_cell_magic("remote", "", f"sleep 60 & wait # {token}")
+    ip.run_cell_magic("remote", "--out r", f"pgrep -f '{token[:-1]}[{token[-1]}]' || echo none")
     assert ip.user_ns["r"].stdout == "none\n"
 
 

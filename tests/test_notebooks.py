@@ -5,6 +5,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -61,14 +62,15 @@ def _pgrep(pattern):
 def test_interrupting_a_cell_stops_run_all_and_the_remote_process(tmp_path):
     # case 2, notebook half: cell 2 writes a file; interrupting cell 1 means it never ran.
     marker = tmp_path / "cell2-ran"
+    token = "gm" + uuid.uuid4().hex[:12]  # other test runs may share this machine
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell("%load_ext gpumagic\n%gpu connect --sandbox"),
-        nbformat.v4.new_code_cell('%%remote\npython3 -c "import time; [time.sleep(1) for _ in range(600)]" # nb-interrupt'),
+        nbformat.v4.new_code_cell(f'%%remote\npython3 -c "import time; [time.sleep(1) for _ in range(600)]" {token}'),
         nbformat.v4.new_code_cell(f"open({str(marker)!r}, 'w').write('ran')"),
     ]
     client = NotebookClient(nb, timeout=60, kernel_name="python3")
-    pattern = r"range\(600\)\]\" # nb-interrup[t]"
+    pattern = f"{token[:-1]}[{token[-1]}]"
     fired = {}
 
     def interrupt_when_running():
