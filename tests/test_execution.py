@@ -158,3 +158,11 @@ def test_cells_get_the_interactive_login_environment():
         assert path.startswith(str(server.bin) + ":")  # the server's own PATH entries stay first
         assert f"{home}/miniconda/bin" in path.split(":")
     server.stop()
+
+
+def test_exec_sends_megabytes_of_stdin_while_reading_output(machine):
+    # `cat` echoes while we are still sending: without interleaving, both sides would block.
+    data = bytes(range(256)) * (8 * 4096)  # 8 MiB
+    r = machine.exec("cat; echo done >&2", stdin=data, timeout=120)
+    assert r.exit_code == 0 and r.stdout_bytes == len(data) and r.stderr == "done\n"
+    assert machine.exec("wc -c", stdin=b"").stdout.strip() == "0"
