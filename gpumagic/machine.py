@@ -156,6 +156,30 @@ class Machine:
         """
         return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
 
+    # -- files ----------------------------------------------------------------------------
+
+    def push(self, src: str, dst: str, **options) -> "SyncSummary":
+        """Copy a local tree or file to this machine, sending only what differs.
+
+        ``dir/`` copies the contents of ``dir``, ``dir`` the directory itself (rsync's
+        rule).  Options: ``delete``, ``exclude``, ``ignore_files``, ``dry_run``,
+        ``checksum``, ``update``, ``progress``; see :func:`gpumagic.sync.push`.
+
+        Returns
+        -------
+        SyncSummary
+            Files and bytes sent, skipped, deleted, seconds.
+        """
+        from . import sync
+
+        return sync.push(self, src, dst, **options)
+
+    def pull(self, src: str, dst: str, **options) -> "SyncSummary":
+        """Copy a tree or file from this machine to a local path; see :func:`gpumagic.sync.pull`."""
+        from . import sync
+
+        return sync.pull(self, src, dst, **options)
+
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"
         return f"<Machine {self.name} {self.spec.user}@{self.spec.address} {state}>"
