@@ -7,23 +7,28 @@ library.
 
 Operations (argv after the source)
 ----------------------------------
-``list ROOT CWD HASH NAMES``
-    One listing of ROOT in one round trip: NUL-terminated fields, :data:`FIELDS` per
+``serve ROOT CWD HASH NAMES``
+    Writes the listing of ROOT (an 8-byte big-endian length, then the records), then reads
+    one command from stdin on the same channel: a 4-byte big-endian length and a JSON
+    header ``{"op": "recv", ...}`` (see below) or ``{"op": "send", "paths": [...]}``; EOF
+    instead ends it.  So a push or a pull of small files costs one channel.
+
+    The listing: NUL-terminated fields, :data:`FIELDS` per
     record (kind, path, size, mtime_ns, mode, link target or text, sha256).  Kinds: ``f``
     file, ``d`` directory, ``l`` symlink (never followed), ``p`` a partial transfer left
     beside its target, ``i`` the text of a ``.gitignore``/``.gpuignore``, ``e`` an
     unreadable directory.  ``HASH`` is ``1`` to add sha256 digests of files; ``NAMES`` is
     ``-`` or a JSON list that limits the listing to those entries of ROOT.
-``recv ROOT CWD``
-    stdin: a 4-byte big-endian length, a JSON header ``{"delete": [paths], "meta":
-    [[path, mode, mtime_ns]]}`` (removals first; mode/mtime of files equal in content),
-    then a tar stream.  Every file is written to a temporary name beside its target and
+``recv`` (a ``serve`` command)
+    ``{"op": "recv", "delete": [paths], "meta": [[path, mode, mtime_ns]]}`` (removals
+    first; mode/mtime of files equal in content), then a tar stream follows on stdin.
+    Every file is written to a temporary name beside its target and
     renamed into place when complete; directories get their mode and mtime last.
 ``put ROOT CWD REL SIZE MTIME_NS MODE OFFSET SHA256``
     One large file with resume: if the partial file holds OFFSET bytes whose sha256 is
     SHA256 they are kept; prints ``OFFSET n`` then reads SIZE - n bytes from stdin.
-``send ROOT CWD``
-    stdin: NUL-separated relative paths; stdout: a tar stream of those files.
+``send`` (a ``serve`` command)
+    ``{"op": "send", "paths": [...]}``: stdout then carries a tar stream of those files.
 ``get ROOT CWD REL OFFSET SHA256``
     Prints ``OFFSET n`` (n = OFFSET when the first OFFSET bytes hash to SHA256, else 0),
     then the file's bytes from n.
@@ -393,43 +398,66 @@ def _fail(rec, stream):
 MARKER = b"\x1egpumagic-sync\n"
 
 
+def apply_push(root, head, inp, out):
+    """The ``recv`` command: removals, metadata, then the tar stream from ``inp``."""
+    current = [root]
+    try:
+        for rel in head.get("delete", []):
+            current[0] = os.path.join(root, check_rel(rel))
+            remove(current[0])
+        for rel, mode, mtime in head.get("meta", []):
+            current[0] = os.path.join(root, check_rel(rel))
+            set_meta(current[0], mode, mtime)
+
+        def on_file(name):
+            current[0] = os.path.join(root, name)
+
+        written = extract(root, inp, on_file)
+        out.write((json.dumps({"ok": True, "files": written}) + "\n").encode())
+    except (OSError, AgentError, tarfile.TarError, EOFError, ValueError) as e:
+        _fail(error_record(e, current[0]), out)
+
+
+def send_tar(root, rels, out):
+    """The ``send`` command: a tar stream of the files ``rels`` (whole-second mtimes)."""
+    path = root
+    try:
+        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK,
+                          encoding="utf-8", errors="surrogateescape") as tf:
+            for rel in rels:
+                path = os.path.join(root, check_rel(rel))
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    ti = tarfile.TarInfo(rel)
+                    ti.size, ti.mode, ti.mtime = st.st_size, stat.S_IMODE(st.st_mode), int(st.st_mtime)
+                    tf.addfile(ti, f)
+    except (OSError, AgentError) as e:
+        _fail(error_record(e, path), sys.stderr.buffer)
+
+
 def main(argv):
     op, root, cwd = argv[0], argv[1], argv[2]
     root = resolve(root, cwd)
     out = sys.stdout.buffer
     out.write(MARKER)
     inp = sys.stdin.buffer
-    if op == "list":
+    if op == "serve":
         names = None if argv[4] == "-" else json.loads(argv[4])
         try:
-            recs = list_tree(root, argv[3] == "1", names)
+            data = b"".join(r + b"\0" for r in list_tree(root, argv[3] == "1", names))
         except OSError as e:
             _fail(error_record(e, root), sys.stderr.buffer)
-        out.write(b"".join(r + b"\0" for r in recs))
-        return
-    if op == "recv":
-        current = [root]
-        try:
-            (n,) = struct.unpack(">I", inp.read(4))
-            head = json.loads(inp.read(n).decode("utf-8", "surrogateescape"))
-            deleted = []
-            for rel in head.get("delete", []):
-                current[0] = os.path.join(root, check_rel(rel))
-                remove(current[0])
-                deleted.append(rel)
-            for rel, mode, mtime in head.get("meta", []):
-                current[0] = os.path.join(root, check_rel(rel))
-                set_meta(current[0], mode, mtime)
-            count = [0]
-
-            def on_file(name):
-                count[0] += 1
-                current[0] = os.path.join(root, name)
-
-            written = extract(root, inp, on_file)
-            out.write((json.dumps({"ok": True, "files": written}) + "\n").encode())
-        except (OSError, AgentError, tarfile.TarError, EOFError, ValueError, struct.error) as e:
-            _fail(error_record(e, current[0]), out)
+        out.write(struct.pack(">Q", len(data)) + data)
+        out.flush()
+        raw = inp.read(4)
+        if len(raw) < 4:
+            return
+        (n,) = struct.unpack(">I", raw)
+        head = json.loads(inp.read(n).decode("ascii"))
+        if head["op"] == "recv":
+            apply_push(root, head, inp, out)
+        elif head["op"] == "send":
+            send_tar(root, head["paths"], out)
         return
     if op == "put":
         rel = check_rel(argv[3])
@@ -444,23 +472,6 @@ def main(argv):
             out.write(b'{"ok": true}\n')
         except (OSError, AgentError, EOFError) as e:
             _fail(error_record(e, path), out)
-        return
-    if op == "send":
-        rels = [r for r in inp.read().split(b"\0") if r]
-        try:
-            with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK,
-                              encoding="utf-8", errors="surrogateescape") as tf:
-                for r in rels:
-                    rel = check_rel(os.fsdecode(r))
-                    path = os.path.join(root, rel)
-                    ti = tf.gettarinfo(path, arcname=rel)
-                    ti.uname = ti.gname = ""
-                    ti.uid = ti.gid = 0
-                    if ti.isreg():
-                        with open(path, "rb") as f:
-                            tf.addfile(ti, f)
-        except (OSError, AgentError) as e:
-            _fail(error_record(e, root), sys.stderr.buffer)
         return
     if op == "get":
         rel = check_rel(argv[3])

@@ -554,7 +554,7 @@ class _Channel:
         self.op = op
         conn = machine.connection
         self.chan: paramiko.Channel = conn.open_session()
-        self.buf = b""
+        self.buf = bytearray()
         self.marked = False
         try:
             self.chan.exec_command(agent_command(op, *args))
@@ -581,22 +581,35 @@ class _Channel:
         if not self.marked:
             i = self.buf.find(agent.MARKER)
             if i < 0:
-                self.buf = self.buf[-len(agent.MARKER):]
+                del self.buf[:-len(agent.MARKER)]
                 return True
-            self.buf = self.buf[i + len(agent.MARKER):]
+            del self.buf[:i + len(agent.MARKER)]
             self.marked = True
         return True
 
-    def read(self, n: int = -1) -> bytes:
-        while (n < 0 or len(self.buf) < n) and self._fill():
-            pass
-        if not self.marked:
-            self.buf = b""
-        if n < 0:
-            out, self.buf = self.buf, b""
-        else:
-            out, self.buf = self.buf[:n], self.buf[n:]
+    def _take(self, n: int) -> bytes:
+        out = bytes(self.buf[:n])
+        del self.buf[:n]  # O(1) at the front of a bytearray
         return out
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (fewer when that is what has arrived; ``b""`` at the end), or
+        everything until EOF when ``n < 0``.  File-like, for tarfile's stream mode."""
+        if n < 0:
+            while self._fill():
+                pass
+        else:
+            while not (self.marked and self.buf) and self._fill():
+                pass
+        if not self.marked:
+            return b""
+        return self._take(len(self.buf) if n < 0 else n)
+
+    def read_exact(self, n: int) -> bytes:
+        """Exactly ``n`` bytes, or fewer only at the end of the stream."""
+        while len(self.buf) < n and self._fill():
+            pass
+        return self._take(n) if self.marked else b""
 
     def readline(self) -> bytes:
         while b"\n" not in self.buf and self._fill():
@@ -604,15 +617,15 @@ class _Channel:
         if not self.marked:
             return b""
         i = self.buf.find(b"\n")
-        if i < 0:
-            out, self.buf = self.buf, b""
-        else:
-            out, self.buf = self.buf[:i + 1], self.buf[i + 1:]
-        return out
+        return self._take(len(self.buf) if i < 0 else i + 1)
 
     def send(self, data: bytes) -> None:
         try:
-            self.chan.sendall(data)
+            # paramiko's sendall re-slices the rest after each packet (quadratic copying for
+            # large buffers): hand it one packet's worth at a time.
+            step = self.chan.out_max_packet_size or 32768
+            for i in range(0, len(data), step):
+                self.chan.sendall(data[i:i + step])
         except (paramiko.SSHException, EOFError, OSError) as e:
             if self.machine.connection.is_connected and self.chan.exit_status_ready() \
                     and self.chan.exit_status != -1:
@@ -640,7 +653,7 @@ class _Channel:
                 raise _lost(self.machine)
             select.select([self.chan], [], [], 0.5)
             while self.chan.recv_ready():
-                self.buf += self.chan.recv(1 << 20)
+                self.buf += self.chan.recv(1 << 20)  # drained so the agent can exit
 
     def failure(self, text: bytes = b"") -> Exception:
         """The error the agent reported (stdout ``text`` or stderr), as a GpumagicError."""
@@ -703,18 +716,35 @@ def _lost(machine, exc: Exception | None = None) -> ConnectionLost:
         "run the same sync again: completed files are kept and a partly sent large file resumes")
 
 
+def open_listing(machine, root: str, *, digests: bool = False,
+                 names: list[str] | None = None) -> "_Channel":
+    """Start the agent's ``serve`` operation on ``root``: it lists the tree at once, then
+    waits on the same channel for one command (see :mod:`gpumagic._sync_agent`)."""
+    return _Channel(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
+                    json.dumps(names) if names is not None else "-")
+
+
+def read_listing(ch: "_Channel") -> Listing:
+    """Read the listing a ``serve`` channel sends first (length-prefixed records)."""
+    head = ch.read_exact(8)
+    if len(head) < 8:
+        raise ch.failure()
+    (n,) = struct.unpack(">Q", head)
+    data = ch.read_exact(n)
+    if len(data) < n:
+        raise ch.failure()
+    return parse_listing(data)
+
+
 def remote_listing(machine, root: str, *, digests: bool = False,
                    names: list[str] | None = None) -> Listing:
     """List ``root`` on the machine in one round trip (see :func:`parse_listing`)."""
-    ch = _Channel(machine, "list", root, machine.cwd or "", "1" if digests else "0",
-                  json.dumps(names) if names is not None else "-")
+    ch = open_listing(machine, root, digests=digests, names=names)
     try:
+        listing = read_listing(ch)
         ch.close_stdin()
-        data = ch.read()
-        code = ch.finish()
-        if code != 0 or not ch.marked:
-            raise ch.failure()
-        return parse_listing(data)
+        ch.finish()
+        return listing
     finally:
         ch.close()
 
@@ -815,7 +845,7 @@ def _prefix_digest(path: str, n: int) -> str:
 def _tarinfo(e: Entry, kind: bytes | None = None) -> tarfile.TarInfo:
     ti = tarfile.TarInfo(e.path)
     ti.mode = e.mode
-    ti.mtime = e.mtime_ns / 1e9
+    ti.mtime = e.mtime_ns // 1_000_000_000  # whole seconds: no pax header per file
     ti.uname = ti.gname = ""
     if e.kind == "d":
         ti.type = tarfile.DIRTYPE
@@ -882,35 +912,45 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
                         f"the notebook's directory, {os.getcwd()})")
     rules = IgnoreRules(exclude, use_files=ignore_files)
-    if os.path.isdir(src):
+    is_dir = os.path.isdir(src)
+    if is_dir:
         dst_root = destination_root(src, dst, src_seps=seps)
-        local = walk_local(src, rules, digests=checksum)
-        remote = remote_listing(machine, dst_root, digests=checksum)
-        src_entries = local.entries
+        ch = open_listing(machine, dst_root, digests=checksum)
     else:
-        name = os.path.basename(src)
-        dst_root, remote, name = _single_file_target(machine, dst, name, checksum)
-        local = walk_local(src, None, digests=checksum)
-        src_entries = _resolve_single_file(local, name)
-    if remote.root is not None and remote.root.kind != "d":
-        raise SyncError(f"{machine.name}:{dst_root} exists and is not a directory",
-                        "choose another destination, or remove that file first")
-    plan = make_plan(src_entries, remote.entries, delete=delete, checksum=checksum,
-                     update=update, rules=rules)
-    summary = SyncSummary("push", src, f"{machine.name}:{remote_root(machine, dst_root)}",
-                          skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run)
-    summary.deleted = list(plan.delete)
-    if dry_run:
-        summary.would_send = [e.path for e in plan.send]
-        summary.seconds = time.monotonic() - start
-        return summary
-    run = _Run(plan, summary, progress)
-    large = [e for e in plan.send if e.size >= LARGE_FILE]
-    small = [e for e in plan.send if e.size < LARGE_FILE]
-    for e in large:
-        _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
-    if small or plan.links or plan.dirs or plan.meta or plan.removals or remote.root is None:
-        _push_tar(machine, run, src, dst_root, plan, small)
+        dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
+        ch = open_listing(machine, dst_root, digests=checksum, names=[name])
+    try:
+        # The local walk runs while the remote one does.
+        local = walk_local(src, rules if is_dir else None, digests=checksum)
+        src_entries = local.entries if is_dir else _resolve_single_file(local, name)
+        remote = read_listing(ch)
+        if remote.root is not None and remote.root.kind != "d":
+            raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        plan = make_plan(src_entries, remote.entries, delete=delete, checksum=checksum,
+                         update=update, rules=rules)
+        summary = SyncSummary("push", src, f"{machine.name}:{remote_root(machine, dst_root)}",
+                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              deleted=list(plan.delete))
+        large = [e for e in plan.send if e.size >= LARGE_FILE]
+        small = [e for e in plan.send if e.size < LARGE_FILE]
+        rest = small or plan.links or plan.dirs or plan.meta or plan.removals
+        if dry_run or not (large or rest):
+            ch.close_stdin()
+            ch.finish()
+            summary.would_send = [e.path for e in plan.send] if dry_run else []
+            summary.seconds = time.monotonic() - start
+            return summary
+        run = _Run(plan, summary, progress)
+        for e in large:
+            _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
+        if rest:
+            _push_tar(ch, run, src, plan, small)
+        else:
+            ch.close_stdin()
+            ch.finish()
+    finally:
+        ch.close()
     summary.links = len(plan.links)
     summary.dirs = len(plan.dirs)
     run.done()
@@ -918,23 +958,22 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
     return summary
 
 
-def _single_file_target(machine, dst: str, name: str, checksum: bool):
-    """For a single-file SRC: (remote dir, listing of that dir limited to the name, name)."""
-    if not dst.endswith("/"):
-        listing = remote_listing(machine, dst, digests=checksum, names=[name])
-        if listing.root is None or listing.root.kind != "d":
-            d, n = posixpath.split(dst.rstrip("/"))
-            d = d or "."
-            lst = remote_listing(machine, d, digests=checksum, names=[n])
-            return d, lst, n
-        return dst, listing, name
-    return dst, remote_listing(machine, dst, digests=checksum, names=[name]), name
+def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
+    """For a single-file SRC: (remote directory, file name), as rsync decides: into DST when
+    it ends in ``/`` or is a directory, else DST is the file's new path."""
+    if dst.endswith("/"):
+        return dst, name
+    probe = remote_listing(machine, dst, names=[])
+    if probe.root is not None and probe.root.kind == "d":
+        return dst, name
+    d, n = posixpath.split(dst)
+    return d or ".", n
 
 
-def _push_tar(machine, run: _Run, src: str, dst_root: str, plan: Plan, small: list[Entry]) -> None:
-    ch = _Channel(machine, "recv", dst_root, machine.cwd or "")
+def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry]) -> None:
+    """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the result."""
     try:
-        head = _json_bytes({"delete": plan.removals,
+        head = _json_bytes({"op": "recv", "delete": plan.removals,
                             "meta": [[p, m, t] for p, m, t in plan.meta]})
         ch.send(struct.pack(">I", len(head)) + head)
         sink = _TarSink(ch, run.add_bytes)
@@ -945,7 +984,7 @@ def _push_tar(machine, run: _Run, src: str, dst_root: str, plan: Plan, small: li
                 try:
                     f = open(path, "rb")
                 except OSError as exc:
-                    raise agent_error(agent.error_record(exc, path), "") from None
+                    raise agent_error(agent.error_record(exc, path), "this computer") from None
                 with f:
                     tf.addfile(_tarinfo(e), _Counting(f, run.add_bytes))
                 run.file_done(e.path)
@@ -956,18 +995,17 @@ def _push_tar(machine, run: _Run, src: str, dst_root: str, plan: Plan, small: li
         sink.flush()
         ch.close_stdin()
         reply = ch.read()
-        code = ch.finish()
-        if code != 0:
+        if ch.finish() != 0:
             raise ch.failure(reply)
     except KeyboardInterrupt:
         ch.close()
         raise
-    finally:
-        ch.close()
 
 
 def _json_bytes(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogateescape")
+    """JSON as ASCII: names that are not UTF-8 travel as ``\\udcXX`` escapes and come back
+    as the same bytes through ``surrogateescape``."""
+    return json.dumps(obj, ensure_ascii=True).encode("ascii")
 
 
 def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int) -> None:
@@ -1020,58 +1058,72 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
     """
     start = time.monotonic()
     rules = IgnoreRules(exclude, use_files=ignore_files)
-    remote = remote_listing(machine, src, digests=checksum)
-    if remote.root is None:
-        raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
-                        f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
-    if remote.root.kind == "d":
-        remote = filter_listing(remote, rules)
-        dst_root = destination_root(src, dst, dst_join=os.path.join)
-        src_entries = remote.entries
-        src_root = src
-    else:
-        name = posixpath.basename(src)
-        if dst.endswith(tuple(_local_seps())) or os.path.isdir(dst):
-            dst_root = dst
-        else:
-            dst_root, name = os.path.split(dst)
-            dst_root = dst_root or "."
-        src_entries = _resolve_single_file(remote, name)
-        src_root = posixpath.dirname(src) or "."
-    if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
-        raise SyncError(f"{dst_root} exists and is not a directory",
-                        "choose another destination, or remove that file first")
-    local = parse_listing(b"".join(r + b"\0" for r in agent.list_tree(
-        dst_root, checksum, None if remote.root.kind == "d" else list(src_entries))))
-    plan = make_plan(src_entries, local.entries, delete=delete, checksum=checksum,
-                     update=update, rules=rules)
-    summary = SyncSummary("pull", f"{machine.name}:{remote_root(machine, src)}", dst_root,
-                          skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                          deleted=list(plan.delete))
-    if dry_run:
-        summary.would_send = [e.path for e in plan.send]
-        summary.seconds = time.monotonic() - start
-        return summary
-    run = _Run(plan, summary, progress)
+    ch = open_listing(machine, src, digests=checksum)
     try:
-        for rel in plan.removals:
-            agent.remove(_local_path(dst_root, rel))
-        os.makedirs(dst_root, exist_ok=True)
-        for e in plan.dirs:
-            agent.make_dir(_local_path(dst_root, e.path), e.mode)
-        large = [e for e in plan.send if e.size >= LARGE_FILE]
-        small = [e for e in plan.send if e.size < LARGE_FILE]
-        if small:
-            _pull_tar(machine, run, src_root, dst_root, small)
-        for e in large:
-            _pull_large(machine, run, src_root, dst_root, e)
-        for e in plan.links:
-            agent.make_link(_local_path(dst_root, e.path), e.target)
-        for rel, mode, mtime in plan.meta:
-            agent.set_meta(_local_path(dst_root, rel), mode, mtime)
-        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
-    except OSError as exc:
-        raise agent_error(agent.error_record(exc), "this computer") from None
+        # Listed while the remote side lists (assuming SRC is a directory, the usual case).
+        dst_root = destination_root(src, dst, dst_join=os.path.join)
+        local = _local_listing(dst_root, checksum, None)
+        remote = read_listing(ch)
+        if remote.root is None:
+            raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
+                            f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
+        single = remote.root.kind != "d"
+        if single:
+            # One file: fetched with `get` (resumable) from its directory.
+            ch.close_stdin()
+            ch.finish()
+            name = posixpath.basename(src)
+            if dst.endswith(tuple(_local_seps())) or os.path.isdir(dst):
+                dst_root = dst
+            else:
+                dst_root, name = os.path.split(dst)
+                dst_root = dst_root or "."
+            src_entries = _resolve_single_file(remote, name)
+            local = _local_listing(dst_root, checksum, [name])
+        else:
+            src_entries = filter_listing(remote, rules).entries
+        if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
+            raise SyncError(f"{dst_root} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        plan = make_plan(src_entries, local.entries, delete=delete, checksum=checksum,
+                         update=update, rules=rules)
+        summary = SyncSummary("pull", f"{machine.name}:{remote_root(machine, src)}", dst_root,
+                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              deleted=list(plan.delete))
+        large = [e for e in plan.send if e.size >= LARGE_FILE or single]
+        small = [e for e in plan.send if e.size < LARGE_FILE and not single]
+        if dry_run or not small:
+            if not single:
+                ch.close_stdin()
+                ch.finish()
+            if dry_run:
+                summary.would_send = [e.path for e in plan.send]
+                summary.seconds = time.monotonic() - start
+                return summary
+        run = _Run(plan, summary, progress)
+        try:
+            for rel in plan.removals:
+                agent.remove(_local_path(dst_root, rel))
+            os.makedirs(dst_root, exist_ok=True)
+            for e in plan.dirs:
+                agent.make_dir(_local_path(dst_root, e.path), e.mode)
+            if small:
+                _pull_tar(ch, run, dst_root, small)
+            for e in large:
+                if single:
+                    _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
+                                posixpath.basename(src))
+                else:
+                    _pull_large(machine, run, src, dst_root, e, e.path)
+            for e in plan.links:
+                agent.make_link(_local_path(dst_root, e.path), e.target)
+            for rel, mode, mtime in plan.meta:
+                agent.set_meta(_local_path(dst_root, rel), mode, mtime)
+            agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
+        except OSError as exc:
+            raise agent_error(agent.error_record(exc), "this computer") from None
+    finally:
+        ch.close()
     summary.links = len(plan.links)
     summary.dirs = len(plan.dirs)
     run.done()
@@ -1079,27 +1131,29 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
     return summary
 
 
-def _pull_tar(machine, run: _Run, src_root: str, dst_root: str, small: list[Entry]) -> None:
-    ch = _Channel(machine, "send", src_root, machine.cwd or "")
+def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:
+    """The local destination, listed by the agent's own code (partials included)."""
+    return parse_listing(b"".join(r + b"\0" for r in agent.list_tree(root, digests, names)))
+
+
+def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
+    """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
+    head = _json_bytes({"op": "send", "paths": [e.path for e in small]})
+    ch.send(struct.pack(">I", len(head)) + head)
+    ch.close_stdin()
     try:
-        ch.send(b"".join(e.path.encode("utf-8", "surrogateescape") + b"\0" for e in small))
-        ch.close_stdin()
-        try:
-            agent.extract(dst_root, ch,
-                          on_file=run.file_done, on_bytes=run.add_bytes)
-        except (tarfile.TarError, EOFError) as exc:
-            code = ch.finish()
-            if code != 0:
-                raise ch.failure() from None
-            raise SyncError(f"the file stream from {machine.name} was cut short: {exc}",
-                            "run the sync again") from None
+        agent.extract(dst_root, ch, on_file=run.file_done, on_bytes=run.add_bytes)
+    except (tarfile.TarError, EOFError) as exc:
         if ch.finish() != 0:
-            raise ch.failure()
-    finally:
-        ch.close()
+            raise ch.failure() from None
+        raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
+                        "run the sync again: files already complete are kept") from None
+    if ch.finish() != 0:
+        raise ch.failure()
 
 
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry) -> None:
+def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
+    """Fetch one file on its own channel, continuing a verified local partial."""
     path = _local_path(dst_root, e.path)
     part = agent.part_name(path)
     try:
@@ -1107,7 +1161,7 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry) -> N
     except OSError:
         have = 0
     digest = _prefix_digest(part, have)
-    ch = _Channel(machine, "get", src_root, machine.cwd or "", e.path, str(have), digest)
+    ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(have), digest)
     try:
         line = ch.readline()
         if not line.startswith(b"OFFSET "):
