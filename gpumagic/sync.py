@@ -42,6 +42,8 @@ from .errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPe
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
 LARGE_FILE = 8 * 1024 * 1024
+#: Seconds between progress callbacks (the last one always comes).
+PROGRESS_INTERVAL = 0.1
 #: Bytes buffered before one ``sendall`` on the tar channel.
 SEND_BUFFER = 256 * 1024
 IGNORE_FILES = agent.IGNORE_FILES
@@ -829,7 +831,7 @@ class _Run:
         if self.progress is None:
             return
         now = time.monotonic()
-        if force or now - self.last >= 0.1:
+        if force or now - self.last >= PROGRESS_INTERVAL:
             self.last = now
             self.progress(self.state)
 

@@ -283,6 +283,60 @@ def test_cut_large_push_leaves_no_file_and_rerun_sends_only_the_rest(machine, tm
     assert not (remote / ".big.bin.gpumagic-part").exists()
 
 
+def test_interrupt_during_large_push_keeps_part_and_rerun_resumes(machine, tmp_path):
+    size = 20 * 1024 * 1024
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(size))
+
+    def interrupt(p):
+        if p.bytes_done >= size // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        machine.push(str(src) + "/", str(tmp_path / "remote"), progress=interrupt)
+    assert not (tmp_path / "remote" / "w.bin").exists()
+    again = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert again.bytes_resumed > 0 and again.bytes_sent + again.bytes_resumed == size
+    assert _sha(tmp_path / "remote" / "w.bin") == _sha(src / "w.bin")
+
+
+def test_cut_during_small_files_leaves_only_complete_files(machine, tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):
+        (src / f"f{i:03d}.txt").write_bytes(os.urandom(6000))
+    remote = tmp_path / "remote"
+
+    def cut(p):
+        if p.files_done >= 100 and machine.connection.transport is not None:
+            machine.connection.transport.sock.close()
+
+    with pytest.raises(ConnectionLost):
+        machine.push(str(src) + "/", str(remote), progress=cut)
+    arrived = [p for p in remote.iterdir() if not p.name.endswith(".gpumagic-part")] \
+        if remote.exists() else []
+    assert len(arrived) < 300  # the cut happened mid-stream
+    for p in arrived:
+        assert p.read_bytes() == (src / p.name).read_bytes(), p.name
+    machine.push(str(src) + "/", str(remote))
+    assert _snapshot(remote) == _snapshot(src)
+
+
+def test_no_change_resync_is_one_channel_round_trip(machine, tmp_path, monkeypatch):
+    src = _tree(tmp_path / "proj")
+    machine.push(str(src) + "/", str(tmp_path / "remote"))
+    opened = []
+    real = machine.connection.open_session
+    monkeypatch.setattr(machine.connection, "open_session", lambda: opened.append(1) or real())
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.bytes_sent == 0 and len(opened) == 1
+    (src / "train.py").write_text("changed\n")
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.files_sent == 1 and len(opened) == 2
+
+
 def test_large_pull_resumes_from_a_verified_partial(machine, tmp_path):
     size = 12 * 1024 * 1024
     remote = tmp_path / "remote"
@@ -395,3 +449,32 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
         p.finished = True
         t(p)
     assert "done in" in t.text
+
+
+# -- tutorial --------------------------------------------------------------------------------
+
+
+def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
+    import nbformat
+
+    from gpumagic.__main__ import run_notebook
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("PYTHONPATH", str(repo))
+    out = run_notebook(repo / "example-notebooks" / "03-sync-code-and-results.ipynb", tmp_path,
+                       timeout=120)
+    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+
+    def text(i):
+        return "".join(o.get("text", "") for o in cells[i].outputs if o.output_type == "stream")
+
+    assert "connected to sandbox" in text(1)
+    assert "push project/ -> sandbox:" in text(2) and ": 3 files," in text(2)
+    assert ": 0 files, 0 B sent, 3 unchanged" in text(3)
+    assert "trained; wrote ['metrics.json', 'model.ckpt']" in text(4)
+    assert ": 2 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
+    assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
+    assert "1 files," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
+    # the progress bar was a widget, with a text fallback
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+               for o in cells[2].outputs)
