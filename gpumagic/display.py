@@ -59,11 +59,15 @@ def sync_summary_text(s) -> str:
         head = (f"dry run, nothing changed: {arrow}: would send {len(s.would_send)} files, "
                 f"delete {len(s.deleted)}, {s.skipped} unchanged")
         lines = [head] + _paths("would send", s.would_send) + _paths("would delete", s.deleted)
-        return "\n".join(lines)
+        return "\n".join(lines + _unreadable(s))
     head = (f"{s.direction} {arrow}: {s.files_sent} files, {format_bytes(s.bytes_sent)} sent"
             + (f" (+{format_bytes(s.bytes_resumed)} resumed)" if s.bytes_resumed else "")
             + f", {s.skipped} unchanged"
             + (f", {len(s.deleted)} deleted" if s.deleted else "")
             + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
             + f" in {format_seconds(s.seconds)}")
-    return "\n".join([head] + _paths("deleted", s.deleted))
+    return "\n".join([head] + _paths("deleted", s.deleted) + _unreadable(s))
+
+
+def _unreadable(s) -> list[str]:
+    return _paths("could not read, not synced", [f"{p}: {why}" for p, why in s.unreadable.items()])

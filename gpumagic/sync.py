@@ -18,7 +18,6 @@ real name; a large file's part is kept and continued after its prefix hash is ch
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -93,28 +92,34 @@ def parse_endpoint(text: str, *, windows: bool = os.name == "nt") -> Endpoint:
     return Endpoint(path or ".", name)
 
 
+def _last_component(path: str, seps: str) -> str:
+    name = path.rstrip(seps)
+    for sep in seps:
+        name = name.rsplit(sep, 1)[-1]
+    return name
+
+
 def copies_contents(path: str, *, seps: str = "/") -> bool:
-    """rsync's rule: a SRC ending in a slash (or ``.``) copies its contents, not itself."""
-    return path.endswith(tuple(seps)) or path.rstrip(seps).rsplit(seps[0], 1)[-1] in ("", ".", "..") \
-        or os.path.basename(path.rstrip(seps)) in ("", ".", "..")
+    """rsync's rule: a SRC ending in a slash (or naming ``.``/``..``/``/``) copies its
+    contents, not the directory itself."""
+    return path.endswith(tuple(seps)) or _last_component(path, seps) in ("", ".", "..")
 
 
 def destination_root(src: str, dst: str, *, src_seps: str = "/", dst_join=posixpath.join) -> str:
     """Where SRC's directory lands: DST itself for ``src/``, ``DST/basename(src)`` for ``src``.
 
     ``sync source :/ws`` -> ``/ws/source``; ``sync source/ :/ws2`` -> ``/ws2``
-    (rsync(1), "a trailing slash on the source").
+    (rsync(1), "a trailing slash on the source").  ``src_seps`` are SRC's separators
+    (``"/\\"`` for a Windows path); ``dst_join`` joins DST's kind of path.
     """
     if copies_contents(src, seps=src_seps):
         return dst
-    name = src.rstrip(src_seps)
-    for sep in src_seps:
-        name = name.rsplit(sep, 1)[-1]
-    return dst_join(dst, name)
+    return dst_join(dst, _last_component(src, src_seps))
 
 
 def _local_seps() -> str:
-    return "/" + (os.sep if os.sep != "/" else "") + (os.altsep or "").replace("/", "")
+    """Separators of local paths: ``/``, plus ``\\`` on Windows."""
+    return "/" if os.sep == "/" else "/" + os.sep
 
 
 # -- listings --------------------------------------------------------------------------
@@ -405,14 +410,16 @@ class Plan:
 
 def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = False,
               checksum: bool = False, update: bool = False,
-              rules: IgnoreRules | None = None) -> Plan:
+              rules: IgnoreRules | None = None, unreadable: Iterable[str] = ()) -> Plan:
     """Compare two listings as rsync ``-a`` does.
 
     A file is unchanged when size and mtime (whole seconds) match, or with ``checksum``
     when the sha256 digests match; ``update`` never replaces a newer destination file.
     With ``delete``, destination paths absent from the source are deleted, except those the
-    rules ignore (rsync: excluded files are protected from deletion).
+    rules ignore (rsync: excluded files are protected from deletion), and except what lies
+    under a source path that could not be read (``unreadable``).
     """
+    spared = tuple(p + "/" for p in unreadable if p != ".")
     plan = Plan()
     touched_dirs: set[str] = set()
     for rel in sorted(src, key=lambda p: p.split("/")):
@@ -452,6 +459,8 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
             if rel == "." or rel in src:
                 continue
             if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
+                continue
+            if "." in unreadable or (rel + "/").startswith(spared):
                 continue
             plan.delete.append(rel)
             touched_dirs.add(posixpath.dirname(rel) or ".")
@@ -493,6 +502,8 @@ class SyncSummary:
         Paths deleted (or, with ``dry_run``, that would be).
     would_send : list of str
         With ``dry_run``: the files that would be sent.
+    unreadable : dict of str to str
+        Source paths that could not be read (path -> reason); they were not synced.
     seconds : float
         Wall time.
     dry_run : bool
@@ -510,6 +521,7 @@ class SyncSummary:
     newer: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     would_send: list[str] = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     dry_run: bool = False
 
@@ -684,8 +696,9 @@ class _Channel:
             pass  # the transport is already gone
 
 
-def agent_error(rec: dict, where: str) -> Exception:
-    """Map an agent error record to SyncDiskFull / SyncPermissionDenied / SyncError."""
+def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
+    """Map an agent error record (see :func:`gpumagic._sync_agent.error_record`) to
+    SyncDiskFull / SyncPermissionDenied / SyncError, naming the path and its mount."""
     path = rec.get("path", "?")
     mount = rec.get("mount")
     on = f" on {where}" if where else ""
@@ -697,7 +710,7 @@ def agent_error(rec: dict, where: str) -> Exception:
                             "run the sync again: files already complete are kept")
     if code in ("EACCES", "EPERM", "EROFS"):
         why = "read-only file system" if code == "EROFS" else "permission denied"
-        return SyncPermissionDenied(f"{why}{on} writing {path}{at}",
+        return SyncPermissionDenied(f"{why}{on} {doing} {path}{at}",
                                     "sync into a directory you own (e.g. under ~ or your workspace), "
                                     "or fix its permissions")
     return SyncError(f"sync failed{on} at {path}{at}: {rec.get('error')}",
@@ -930,10 +943,10 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
             raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
                             "choose another destination, or remove that file first")
         plan = make_plan(src_entries, remote.entries, delete=delete, checksum=checksum,
-                         update=update, rules=rules)
+                         update=update, rules=rules, unreadable=local.errors)
         summary = SyncSummary("push", src, f"{machine.name}:{remote_root(machine, dst_root)}",
                               skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete))
+                              deleted=list(plan.delete), unreadable=local.errors)
         large = [e for e in plan.send if e.size >= LARGE_FILE]
         small = [e for e in plan.send if e.size < LARGE_FILE]
         rest = small or plan.links or plan.dirs or plan.meta or plan.removals
@@ -986,7 +999,7 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
                 try:
                     f = open(path, "rb")
                 except OSError as exc:
-                    raise agent_error(agent.error_record(exc, path), "this computer") from None
+                    raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
                 with f:
                     tf.addfile(_tarinfo(e), _Counting(f, run.add_bytes))
                 run.file_done(e.path)
@@ -1088,10 +1101,10 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
             raise SyncError(f"{dst_root} exists and is not a directory",
                             "choose another destination, or remove that file first")
         plan = make_plan(src_entries, local.entries, delete=delete, checksum=checksum,
-                         update=update, rules=rules)
+                         update=update, rules=rules, unreadable=remote.errors)
         summary = SyncSummary("pull", f"{machine.name}:{remote_root(machine, src)}", dst_root,
                               skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete))
+                              deleted=list(plan.delete), unreadable=remote.errors)
         large = [e for e in plan.send if e.size >= LARGE_FILE or single]
         small = [e for e in plan.send if e.size < LARGE_FILE and not single]
         if dry_run or not small:

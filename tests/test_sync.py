@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import gpumagic
 from gpumagic import sync
 from gpumagic import _sync_agent as agent
 from gpumagic.errors import ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
@@ -126,6 +125,23 @@ def test_plan_delete_keeps_paths_the_rules_ignore():
     plan = make_plan({".": Entry(".", "d")}, {".": Entry(".", "d"), "m.ckpt": _f("m.ckpt"),
                                               "old.py": _f("old.py")}, delete=True, rules=rules)
     assert plan.delete == ["old.py"]
+
+
+def test_plan_delete_spares_what_lies_under_an_unreadable_source_dir():
+    src = {".": Entry(".", "d"), "logs": Entry("logs", "d")}
+    dst = {".": Entry(".", "d"), "logs": Entry("logs", "d"), "logs/a.txt": _f("logs/a.txt"),
+           "old.txt": _f("old.txt")}
+    plan = make_plan(src, dst, delete=True, unreadable={"logs": "Permission denied"})
+    assert plan.delete == ["old.txt"]
+
+
+def test_summary_text_lists_deleted_and_unreadable():
+    s = sync.SyncSummary("pull", "gpu1:/ws/runs", "runs", files_sent=2, bytes_sent=3 * 1024 * 1024,
+                         skipped=5, deleted=["a", "b/c"], unreadable={"secret": "Permission denied"},
+                         seconds=1.25)
+    assert str(s) == ("pull gpu1:/ws/runs -> runs: 2 files, 3.0 MiB sent, 5 unchanged, 2 deleted in 1.2 s\n"
+                      "deleted (2):\n  a\n  b/c\n"
+                      "could not read, not synced (1):\n  secret: Permission denied")
 
 
 def test_agent_error_names_path_and_mount_for_disk_full_and_permission(tmp_path):
