@@ -192,18 +192,19 @@ def parse_listing(data: bytes) -> Listing:
     if len(fields) % agent.FIELDS:
         raise SyncError("the remote listing was cut short", "run the sync again")
     out = Listing()
-    dec = lambda b: b.decode("utf-8", "surrogateescape")  # noqa: E731
     for i in range(0, len(fields), agent.FIELDS):
         kind, path, size, mtime, mode, text, digest = fields[i:i + agent.FIELDS]
-        kind, path = dec(kind), dec(path)
-        if kind in ("f", "d", "l"):
-            out.entries[path] = Entry(path, kind, int(size), int(mtime), int(mode, 8), dec(text), dec(digest))
-        elif kind == "p":
+        path = path.decode("utf-8", "surrogateescape")
+        if kind in (b"f", b"d", b"l"):
+            out.entries[path] = Entry(path, kind.decode(), int(size), int(mtime), int(mode, 8),
+                                      text.decode("utf-8", "surrogateescape") if text else "",
+                                      digest.decode() if digest else "")
+        elif kind == b"p":
             out.partials[path] = int(size)
-        elif kind == "i":
-            out.ignore_texts[path] = dec(text)
-        elif kind == "e":
-            out.errors[path] = dec(text)
+        elif kind == b"i":
+            out.ignore_texts[path] = text.decode("utf-8", "surrogateescape")
+        elif kind == b"e":
+            out.errors[path] = text.decode("utf-8", "surrogateescape")
     return out
 
 
@@ -236,9 +237,14 @@ class IgnoreRules:
             self._lines[d] = text.splitlines() + lines
         self._specs[d] = pathspec.GitIgnoreSpec.from_lines(self._lines[d])
 
+    @property
+    def active(self) -> bool:
+        """Whether any rule exists yet (a walk skips matching while none does)."""
+        return self.excludes is not None or bool(self._specs)
+
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """Whether ``rel`` itself matches (parents are not checked; see :meth:`covers`)."""
-        if rel in (".", ""):
+        if rel in (".", "") or not self.active:
             return False
         name = rel + "/" if is_dir else rel
         if self.excludes is not None and self.excludes.match_file(name):
@@ -311,7 +317,7 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
                 out.errors[r] = e.strerror or str(e)
                 continue
             is_dir = stat.S_ISDIR(st.st_mode)
-            if rules is not None and rules.ignored(r, is_dir):
+            if rules is not None and rules.active and rules.ignored(r, is_dir):
                 continue
             e = _entry(r, item.path, st, digests)
             if e is None:
