@@ -28,7 +28,10 @@ import shlex
 import stat
 import struct
 import tarfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -822,7 +825,11 @@ class _Counting:
 
 
 class _Run:
-    """Shared state of one push or pull: the plan, counters, progress throttling."""
+    """Shared state of one push or pull: the plan, counters, progress throttling.
+
+    Counters may be updated from a worker thread (large files beside the tar stream); the
+    progress callback only ever runs on the thread that started the sync.
+    """
 
     def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None):
         self.plan = plan
@@ -830,24 +837,28 @@ class _Run:
         self.progress = progress
         self.state = SyncProgress(len(plan.send), plan.bytes_to_send)
         self.last = 0.0
+        self.owner = threading.get_ident()
+        self.lock = threading.Lock()
         self.tick(force=True)
 
     def add_bytes(self, n: int, resumed: bool = False) -> None:
-        self.state.bytes_done += n
-        if resumed:
-            self.summary.bytes_resumed += n
-        else:
-            self.summary.bytes_sent += n
+        with self.lock:
+            self.state.bytes_done += n
+            if resumed:
+                self.summary.bytes_resumed += n
+            else:
+                self.summary.bytes_sent += n
         self.tick()
 
     def file_done(self, name: str) -> None:
-        self.state.files_done += 1
-        self.state.current = name
-        self.summary.files_sent += 1
+        with self.lock:
+            self.state.files_done += 1
+            self.state.current = name
+            self.summary.files_sent += 1
         self.tick()
 
     def tick(self, force: bool = False) -> None:
-        if self.progress is None:
+        if self.progress is None or threading.get_ident() != self.owner:
             return
         now = time.monotonic()
         if force or now - self.last >= PROGRESS_INTERVAL:
@@ -963,13 +974,16 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
             summary.seconds = time.monotonic() - start
             return summary
         run = _Run(plan, summary, progress)
-        for e in large:
-            _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
-        if rest:
-            _push_tar(ch, run, src, plan, small)
+        if large and small:
+            _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials)
         else:
-            ch.close_stdin()
-            ch.finish()
+            for e in large:
+                _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
+            if rest:
+                _push_tar(ch, run, src, plan, small)
+            else:
+                ch.close_stdin()
+                ch.finish()
     finally:
         ch.close()
     summary.links = len(plan.links)
@@ -991,7 +1005,44 @@ def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
     return d or ".", n
 
 
-def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry]) -> None:
+def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str, plan: Plan,
+                     small: list[Entry], large: list[Entry], partials: dict[str, int]) -> None:
+    """Large files on a worker thread while the tar of small files streams.
+
+    The remote side of a many-small-files tar is bound by file creation, not the network,
+    so the large files' bytes flow meanwhile.  Directory entries (stamped last by the agent)
+    are written only after the large files are in place, so their mtimes stay right.
+    """
+    stop = threading.Event()
+    channels: list[_Channel] = []
+
+    def worker() -> None:
+        for e in large:
+            if stop.is_set():
+                return
+            _push_large(machine, run, src, dst_root, e, partials.get(e.path, 0), channels)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
+        fut = pool.submit(worker)
+
+        def wait_for_large() -> None:
+            while True:
+                try:
+                    return fut.result(timeout=0.05)
+                except FutureTimeout:
+                    run.tick()
+
+        try:
+            _push_tar(ch, run, src, plan, small, before_dirs=wait_for_large)
+        except BaseException:
+            stop.set()
+            for c in list(channels):
+                c.close()
+            raise
+
+
+def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
+              before_dirs: Callable[[], None] | None = None) -> None:
     """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the result."""
     try:
         head = _json_bytes({"op": "recv", "delete": plan.removals,
@@ -1011,6 +1062,8 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
                 run.file_done(e.path)
             for e in plan.links:
                 tf.addfile(_tarinfo(e))
+            if before_dirs is not None:
+                before_dirs()
             for e in plan.dirs:
                 tf.addfile(_tarinfo(e))
         sink.flush()
@@ -1029,12 +1082,16 @@ def _json_bytes(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=True).encode("ascii")
 
 
-def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int) -> None:
+def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int,
+                channels: list | None = None) -> None:
+    """Send one file on its own channel, continuing a remote partial whose prefix matches."""
     path = _local_path(src, e.path)
     offset = partial if 0 < partial <= e.size else 0
     digest = _prefix_digest(path, offset)
     ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
                   str(e.mtime_ns), "%o" % e.mode, str(offset), digest)
+    if channels is not None:
+        channels.append(ch)
     try:
         line = ch.readline()
         if not line.startswith(b"OFFSET "):

@@ -183,7 +183,7 @@ def _snapshot(root: Path) -> dict:
             if p.is_symlink():
                 out[rel] = ("l", os.readlink(p))
             elif p.is_dir():
-                out[rel] = ("d", st.st_mode & 0o777)
+                out[rel] = ("d", st.st_mode & 0o777, int(st.st_mtime))
             else:
                 out[rel] = ("f", p.read_bytes(), st.st_mode & 0o777, int(st.st_mtime))
     return out
@@ -204,6 +204,16 @@ def test_push_then_pull_gives_identical_tree_and_second_push_sends_nothing(machi
     assert pulled.files_sent == 6
     assert _snapshot(back) == _snapshot(src)
     assert (back / "empty").is_dir()
+
+
+def test_small_files_and_large_file_together_keep_every_mtime(machine, tmp_path):
+    src = _tree(tmp_path / "proj")
+    (src / "data" / "weights.bin").write_bytes(os.urandom(sync.LARGE_FILE + 12345))
+    os.utime(src / "data", (1_600_000_000, 1_600_000_000))
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.files_sent == 7 and s.bytes_sent == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert _snapshot(tmp_path / "remote") == _snapshot(src)
+    assert int(os.stat(tmp_path / "remote" / "data").st_mtime) == 1_600_000_000
 
 
 def test_symlinks_are_recreated_and_never_followed(machine, tmp_path):
