@@ -1185,15 +1185,13 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
             os.makedirs(dst_root, exist_ok=True)
             for e in plan.dirs:
                 agent.make_dir(_local_path(dst_root, e.path), e.mode)
-            if single:
-                _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, large[0],
-                            posixpath.basename(src))
-            elif small and large:
-                _pull_overlapped(machine, ch, run, src, dst_root, small, large)
-            else:
-                if small:
-                    _pull_tar(ch, run, dst_root, small)
-                for e in large:
+            if small:
+                _pull_tar(ch, run, dst_root, small)
+            for e in large:
+                if single:
+                    _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
+                                posixpath.basename(src))
+                else:
                     _pull_large(machine, run, src, dst_root, e, e.path)
             for e in plan.links:
                 agent.make_link(_local_path(dst_root, e.path), e.target)
@@ -1216,36 +1214,6 @@ def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing
     return parse_listing(b"".join(r + b"\0" for r in agent.list_tree(root, digests, names)))
 
 
-def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
-                     small: list[Entry], large: list[Entry]) -> None:
-    """Large files on a worker thread while the small files' tar is extracted here (the
-    extraction is bound by file creation, so the network would otherwise idle)."""
-    stop = threading.Event()
-    channels: list[_Channel] = []
-
-    def worker() -> None:
-        for e in large:
-            if stop.is_set():
-                return
-            _pull_large(machine, run, src, dst_root, e, e.path, channels)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
-        fut = pool.submit(worker)
-        try:
-            _pull_tar(ch, run, dst_root, small)
-            while True:
-                try:
-                    fut.result(timeout=0.05)
-                    break
-                except FutureTimeout:
-                    run.tick()
-        except BaseException:
-            stop.set()
-            for c in list(channels):
-                c.close()
-            raise
-
-
 def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
     """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
     head = _json_bytes({"op": "send", "paths": [e.path for e in small]})
@@ -1262,8 +1230,7 @@ def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> N
         raise ch.failure()
 
 
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str,
-                channels: list | None = None) -> None:
+def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
     """Fetch one file on its own channel, continuing a verified local partial."""
     path = _local_path(dst_root, e.path)
     part = agent.part_name(path)
@@ -1273,8 +1240,6 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
         have = 0
     digest = _prefix_digest(part, have)
     ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(have), digest)
-    if channels is not None:
-        channels.append(ch)
     try:
         line = ch.readline()
         if not line.startswith(b"OFFSET "):
