@@ -214,6 +214,9 @@ def test_small_files_and_large_file_together_keep_every_mtime(machine, tmp_path)
     assert s.files_sent == 7 and s.bytes_sent == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
     assert _snapshot(tmp_path / "remote") == _snapshot(src)
     assert int(os.stat(tmp_path / "remote" / "data").st_mtime) == 1_600_000_000
+    pulled = machine.pull(str(tmp_path / "remote") + "/", str(tmp_path / "back"))
+    assert pulled.files_sent == 7
+    assert _snapshot(tmp_path / "back") == _snapshot(src)
 
 
 def test_symlinks_are_recreated_and_never_followed(machine, tmp_path):
