@@ -47,7 +47,14 @@ class SyncProgressBar:
         if display:
             from IPython.display import display as show
 
-            show(self.box)
+            show(self)
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        # The widget for Jupyter; readable text where widgets cannot render (the summary line
+        # printed after the sync carries the numbers).
+        bundle = self.box._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = f"sync progress: {self.text or 'starting'}"
+        return bundle
 
     def __call__(self, p) -> None:
         self.bar.max = max(p.bytes_total, 1)

@@ -475,6 +475,9 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
     bar(p)
     assert (bar.bar.value, bar.bar.max) == (1024, 4096)
     assert bar.label.value.startswith("1/4 files  1.0 KiB/4.0 KiB  ") and "ETA" in bar.label.value
+    bundle = bar._repr_mimebundle_()
+    assert bundle["text/plain"].startswith("sync progress: 1/4 files")
+    assert "application/vnd.jupyter.widget-view+json" in bundle
     with open(tmp_path / "err.txt", "w") as f:
         t = SyncProgressText(file=f)
         t(p)
@@ -508,5 +511,5 @@ def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
     assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
     assert "1 files," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
     # the progress bar was a widget, with a text fallback
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
-               for o in cells[2].outputs)
+    bars = [o["data"] for o in cells[2].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(bars) == 1 and bars[0]["text/plain"].startswith("sync progress:")
