@@ -513,3 +513,18 @@ def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
     # the progress bar was a widget, with a text fallback
     bars = [o["data"] for o in cells[2].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(bars) == 1 and bars[0]["text/plain"].startswith("sync progress:")
+
+
+def test_missing_remote_python3_is_a_clear_error(tmp_path):
+    from conftest import make_server
+
+    from gpumagic.machine import Machine
+
+    server = make_server("nopython", env={"PATH": str(tmp_path / "empty-bin")})
+    try:
+        with Machine(server.spec()) as m:
+            with pytest.raises(SyncError, match="has no python3") as e:
+                m.push(str(tmp_path) + "/", "ws")
+            assert "apt-get install -y python3" in e.value.hint
+    finally:
+        server.stop()
