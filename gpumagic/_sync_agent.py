@@ -13,8 +13,8 @@ Operations (argv after the source)
     header ``{"op": "recv", ...}`` (see below) or ``{"op": "send", "paths": [...]}``; EOF
     instead ends it.  So a push or a pull of small files costs one channel.
 
-    The listing: NUL-terminated fields, :data:`FIELDS` per
-    record (kind, path, size, mtime_ns, mode, link target or text, sha256).  Kinds: ``f``
+    The listing: NUL-terminated fields, :data:`FIELDS` per record (kind, path, size,
+    mtime_ns, mode, link target or text, sha256).  Kinds: ``f``
     file, ``d`` directory, ``l`` symlink (never followed), ``p`` a partial transfer left
     beside its target, ``i`` the text of a ``.gitignore``/``.gpuignore``, ``e`` an
     unreadable directory.  ``HASH`` is ``1`` to add sha256 digests of files; ``NAMES`` is
@@ -22,8 +22,8 @@ Operations (argv after the source)
 ``recv`` (a ``serve`` command)
     ``{"op": "recv", "delete": [paths], "meta": [[path, mode, mtime_ns]]}`` (removals
     first; mode/mtime of files equal in content), then a tar stream follows on stdin.
-    Every file is written to a temporary name beside its target and
-    renamed into place when complete; directories get their mode and mtime last.
+    Every file is written to a temporary name beside its target and renamed into place
+    when complete; directories get their mode and mtime last.
 ``put ROOT CWD REL SIZE MTIME_NS MODE OFFSET SHA256``
     One large file with resume: if the partial file holds OFFSET bytes whose sha256 is
     SHA256 they are kept; prints ``OFFSET n`` then reads SIZE - n bytes from stdin.
@@ -33,7 +33,8 @@ Operations (argv after the source)
     Prints ``OFFSET n`` (n = OFFSET when the first OFFSET bytes hash to SHA256, else 0),
     then the file's bytes from n.
 
-Errors print one JSON line ``{"error": ..., "errno": ..., "path": ..., "mount": ...}`` on
+Every operation first writes :data:`MARKER` on stdout (whatever a shell start-up file
+printed before it is skipped).  Errors print one JSON line ``{"error": ..., "errno": ..., "path": ..., "mount": ...}`` on
 stderr (stdout for ``recv``/``put``) and exit with status 3.
 """
 
@@ -315,9 +316,11 @@ def stamp_dirs(dirs):
             pass
 
 
-def extract(root, stream, on_file=None, on_bytes=None):
+def extract(root, stream, on_file=None, on_bytes=None, allowed=None):
     """Apply a tar stream under ``root``: files via temp names, links, dirs stamped last.
 
+    ``allowed``, when given, is the set of regular-file names that may arrive (a pull takes
+    only the files it asked for; anything else in the stream is refused).
     Returns the number of regular files written.
     """
     import tarfile
@@ -330,6 +333,8 @@ def extract(root, stream, on_file=None, on_bytes=None):
                 dirs.append((root, m.mode, m.mtime))
                 continue
             path = os.path.join(root, check_rel(m.name))
+            if allowed is not None and not (m.isreg() and m.name in allowed):
+                raise AgentError("unexpected entry %r in the file stream" % m.name)
             if m.isdir():
                 make_dir(path, m.mode)
                 dirs.append((path, m.mode, m.mtime))

@@ -1220,7 +1220,11 @@ def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> N
     ch.send(struct.pack(">I", len(head)) + head)
     ch.close_stdin()
     try:
-        agent.extract(dst_root, ch, on_file=run.file_done, on_bytes=run.add_bytes)
+        agent.extract(dst_root, ch, on_file=run.file_done, on_bytes=run.add_bytes,
+                      allowed={e.path for e in small})
+    except agent.AgentError as exc:
+        raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
+                        "run the sync again; if it repeats, check the machine") from None
     except (tarfile.TarError, EOFError) as exc:
         if ch.finish() != 0:
             raise ch.failure() from None

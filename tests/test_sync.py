@@ -528,3 +528,20 @@ def test_missing_remote_python3_is_a_clear_error(tmp_path):
             assert "apt-get install -y python3" in e.value.hint
     finally:
         server.stop()
+
+
+def test_pull_extraction_refuses_entries_it_did_not_ask_for(tmp_path):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        ti = tarfile.TarInfo("data")
+        ti.type, ti.linkname = tarfile.SYMTYPE, "/etc"
+        tf.addfile(ti)
+    buf.seek(0)
+    with pytest.raises(agent.AgentError, match="unexpected entry 'data'"):
+        agent.extract(str(tmp_path / "out"), buf, allowed={"data/passwd"})
+    assert not os.path.lexists(tmp_path / "out" / "data")
+    with pytest.raises(agent.AgentError, match="unsafe path"):
+        agent.check_rel("../escape")
