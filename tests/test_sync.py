@@ -545,3 +545,30 @@ def test_pull_extraction_refuses_entries_it_did_not_ask_for(tmp_path):
     assert not os.path.lexists(tmp_path / "out" / "data")
     with pytest.raises(agent.AgentError, match="unsafe path"):
         agent.check_rel("../escape")
+
+
+def test_checksum_sends_a_file_whose_size_and_mtime_match_but_content_differs(machine, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cfg.yaml").write_text("lr: 0.1\n")
+    remote = tmp_path / "remote"
+    machine.push(str(src) + "/", str(remote))
+    (remote / "cfg.yaml").write_text("lr: 0.9\n")
+    st = (src / "cfg.yaml").stat()
+    os.utime(remote / "cfg.yaml", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert machine.push(str(src) + "/", str(remote)).files_sent == 0
+    assert machine.push(str(src) + "/", str(remote), checksum=True).files_sent == 1
+    assert (remote / "cfg.yaml").read_text() == "lr: 0.1\n"
+
+
+def test_update_keeps_a_newer_remote_file(machine, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.txt").write_text("old local")
+    os.utime(src / "notes.txt", (1_600_000_000, 1_600_000_000))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "notes.txt").write_text("edited on the machine")
+    s = machine.push(str(src) + "/", str(remote), update=True)
+    assert s.newer == ["notes.txt"] and s.files_sent == 0
+    assert (remote / "notes.txt").read_text() == "edited on the machine"
