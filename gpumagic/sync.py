@@ -787,11 +787,10 @@ def remote_root(machine, root: str) -> str:
 class _TarSink(io.RawIOBase):
     """A write-only file that buffers into ``SEND_BUFFER`` chunks for the channel."""
 
-    def __init__(self, ch: _Channel, on_bytes: Callable[[int], None]):
+    def __init__(self, ch: _Channel):
         self.ch = ch
         self.parts: list[bytes] = []
         self.n = 0
-        self.on_bytes = on_bytes
 
     def writable(self) -> bool:
         return True
@@ -874,7 +873,7 @@ def _prefix_digest(path: str, n: int) -> str:
     return agent._sha256(path, n) if n > 0 else "-"
 
 
-def _tarinfo(e: Entry, kind: bytes | None = None) -> tarfile.TarInfo:
+def _tarinfo(e: Entry) -> tarfile.TarInfo:
     ti = tarfile.TarInfo(e.path)
     ti.mode = e.mode
     ti.mtime = e.mtime_ns // 1_000_000_000  # whole seconds: no pax header per file
@@ -1048,7 +1047,7 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
         head = _json_bytes({"op": "recv", "delete": plan.removals,
                             "meta": [[p, m, t] for p, m, t in plan.meta]})
         ch.send(struct.pack(">I", len(head)) + head)
-        sink = _TarSink(ch, run.add_bytes)
+        sink = _TarSink(ch)
         with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
                           errors="surrogateescape", bufsize=SEND_BUFFER) as tf:
             for e in small:
