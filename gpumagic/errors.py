@@ -130,3 +130,15 @@ class RemoteCommandError(GpumagicError):
 
 class SandboxError(GpumagicError):
     """The local sandbox machine could not be started."""
+
+
+class SyncError(GpumagicError):
+    """A sync could not complete (files already complete stay complete)."""
+
+
+class SyncDiskFull(SyncError):
+    """The destination disk (or quota) is full; the message names the path and mount."""
+
+
+class SyncPermissionDenied(SyncError):
+    """The destination path cannot be written (permissions or a read-only mount)."""

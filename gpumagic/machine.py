@@ -180,6 +180,29 @@ class Machine:
             Seconds to sample GPU and CPU utilisation for (0: no sampling).
         """
         return gpu.run_doctor(self, expect_gpu=expect_gpu, expect_count=expect_count, sample=sample)
+    # -- files ----------------------------------------------------------------------------
+
+    def push(self, src: str, dst: str, **options) -> "SyncSummary":
+        """Copy a local tree or file to this machine, sending only what differs.
+
+        ``dir/`` copies the contents of ``dir``, ``dir`` the directory itself (rsync's
+        rule).  Options: ``delete``, ``exclude``, ``ignore_files``, ``dry_run``,
+        ``checksum``, ``update``, ``progress``; see :func:`gpumagic.sync.push`.
+
+        Returns
+        -------
+        SyncSummary
+            Files and bytes sent, skipped, deleted, seconds.
+        """
+        from . import sync
+
+        return sync.push(self, src, dst, **options)
+
+    def pull(self, src: str, dst: str, **options) -> "SyncSummary":
+        """Copy a tree or file from this machine to a local path; see :func:`gpumagic.sync.pull`."""
+        from . import sync
+
+        return sync.pull(self, src, dst, **options)
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

@@ -512,3 +512,44 @@ def _doctor(magics: GpuMagics, line: str):
     m = magics.session.get(args.host)
     ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
                                        sample=args.sample)))
+
+
+# -- sync ---------------------------------------------------------------------------------
+
+
+@subcommand("sync", "copy files to or from a machine, sending only what changed (like rsync -a)")
+@magic_arguments()
+@argument("src", help="source: local path, or :REMOTE_PATH / NAME:REMOTE_PATH; a trailing / copies the contents")
+@argument("dst", help="destination: the other side (exactly one side is remote)")
+@argument("--delete", action="store_true", help="delete destination files the source lacks (listed)")
+@argument("--exclude", metavar="PATTERN", action="append", default=[],
+          help="leave out paths matching this gitignore-style pattern (repeatable)")
+@argument("--no-ignore-files", action="store_true", help="do not honour .gitignore / .gpuignore files")
+@argument("--dry-run", action="store_true", help="change nothing; list what would be sent and deleted")
+@argument("--checksum", action="store_true", help="compare files by content hash, not size and mtime")
+@argument("--update", action="store_true", help="never replace a destination file that is newer")
+@argument("--host", metavar="NAME", help="machine for :PATH (default: the current one)")
+def _sync(magics: GpuMagics, line: str):
+    args = parse(_sync, line, "sync")
+    if args is None:
+        return
+    from . import sync, widgets
+    from .errors import ConfigError
+
+    try:
+        src, dst = sync.parse_endpoint(args.src), sync.parse_endpoint(args.dst)
+    except ConfigError as e:
+        raise UsageError(e.message) from None
+    if src.remote == dst.remote:
+        raise UsageError("exactly one side must be remote: `%gpu sync ./project/ :/workspace/project/` "
+                         "pushes, `%gpu sync :/workspace/runs/ ./runs/` pulls")
+    remote = src if src.remote else dst
+    if remote.host and args.host and remote.host != args.host:
+        raise UsageError(f"{remote.host}:... and --host {args.host} name different machines; use one")
+    m = magics.session.get(remote.host or args.host)
+    options = dict(delete=args.delete, exclude=args.exclude, ignore_files=not args.no_ignore_files,
+                   dry_run=args.dry_run, checksum=args.checksum, update=args.update)
+    if not args.dry_run:
+        options["progress"] = widgets.sync_progress()
+    summary = m.pull(src.path, dst.path, **options) if src.remote else m.push(src.path, dst.path, **options)
+    print(summary)

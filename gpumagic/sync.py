@@ -1,0 +1,1259 @@
+"""``%gpu sync``: incremental push and pull over the open SSH connection.
+
+Two halves:
+
+* a pure plan -- where files go (rsync's trailing-slash rule), which are ignored
+  (``.gitignore`` / ``.gpuignore`` in gitignore syntax via :mod:`pathspec`, plus
+  ``--exclude``), and what differs between two listings (size and mtime to the second,
+  or sha256 with ``checksum``);
+* a transfer engine -- one round trip lists the remote tree, small files travel in one tar
+  stream over one exec channel, files of :data:`LARGE_FILE` bytes or more stream on their
+  own channel with resume.  The remote half is :mod:`gpumagic._sync_agent`, run by the
+  machine's ``python3`` (stdlib only; its source is sent with each request).
+
+Every file is written to ``.NAME.gpumagic-part`` beside its target and renamed when
+complete, on both sides, so a dropped connection never leaves a half-written file at its
+real name; a large file's part is kept and continued after its prefix hash is checked.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import re
+import select
+import shlex
+import stat
+import struct
+import tarfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import paramiko
+import pathspec
+
+from . import _sync_agent as agent
+from .errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
+
+#: Files of at least this many bytes go on their own channel with resume (bytes).
+LARGE_FILE = 8 * 1024 * 1024
+#: Seconds between progress callbacks (the last one always comes).
+PROGRESS_INTERVAL = 0.1
+#: Bytes buffered before one ``sendall`` on the tar channel.
+SEND_BUFFER = 256 * 1024
+IGNORE_FILES = agent.IGNORE_FILES
+AGENT_SOURCE = Path(agent.__file__).read_text(encoding="utf-8")
+
+# -- paths -----------------------------------------------------------------------------
+
+_HOST_RE = re.compile(r"^([A-Za-z0-9._@-]*):(.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One side of a sync: a local path, or a path on a machine.
+
+    Attributes
+    ----------
+    path : str
+        As typed (a trailing slash is kept: it matters for SRC).
+    host : str or None
+        ``None`` for a local path; ``""`` for the default machine (``:path``); else the
+        machine's name (``NAME:path``).
+    """
+
+    path: str
+    host: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.host is not None
+
+
+def parse_endpoint(text: str, *, windows: bool = os.name == "nt") -> Endpoint:
+    """Parse ``:path`` / ``NAME:path`` (remote) or a local path, as rsync does.
+
+    A colon makes the path remote unless a ``/`` comes before it (``./a:b`` is local); on
+    Windows a one-letter name followed by a slash is a drive (``C:\\data``).
+    ``NAME:`` alone means the machine's working directory.
+    """
+    if not text:
+        raise ConfigError("empty sync path", "write a local path, :REMOTE_PATH or NAME:REMOTE_PATH")
+    m = _HOST_RE.match(text)
+    if m is None or "/" in m.group(1):
+        return Endpoint(text)
+    name, path = m.groups()
+    if windows and len(name) == 1 and name.isalpha() and path[:1] in ("\\", "/", ""):
+        return Endpoint(text)
+    return Endpoint(path or ".", name)
+
+
+def _last_component(path: str, seps: str) -> str:
+    name = path.rstrip(seps)
+    for sep in seps:
+        name = name.rsplit(sep, 1)[-1]
+    return name
+
+
+def copies_contents(path: str, *, seps: str = "/") -> bool:
+    """rsync's rule: a SRC ending in a slash (or naming ``.``/``..``/``/``) copies its
+    contents, not the directory itself."""
+    return path.endswith(tuple(seps)) or _last_component(path, seps) in ("", ".", "..")
+
+
+def destination_root(src: str, dst: str, *, src_seps: str = "/", dst_join=posixpath.join) -> str:
+    """Where SRC's directory lands: DST itself for ``src/``, ``DST/basename(src)`` for ``src``.
+
+    ``sync source :/ws`` -> ``/ws/source``; ``sync source/ :/ws2`` -> ``/ws2``
+    (rsync(1), "a trailing slash on the source").  ``src_seps`` are SRC's separators
+    (``"/\\"`` for a Windows path); ``dst_join`` joins DST's kind of path.
+    """
+    if copies_contents(src, seps=src_seps):
+        return dst
+    return dst_join(dst, _last_component(src, src_seps))
+
+
+def _local_seps() -> str:
+    """Separators of local paths: ``/``, plus ``\\`` on Windows."""
+    return "/" if os.sep == "/" else "/" + os.sep
+
+
+# -- listings --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing in a tree, relative to the sync root.
+
+    Attributes
+    ----------
+    path : str
+        Relative path with ``/`` separators; ``"."`` is the root itself.
+    kind : str
+        ``"f"`` file, ``"d"`` directory, ``"l"`` symlink.
+    size : int
+        Bytes (files).
+    mtime_ns : int
+        Modification time, nanoseconds since the epoch (``st_mtime_ns``).
+    mode : int
+        Permission bits (``S_IMODE``).
+    target : str
+        A symlink's target, as stored (never followed).
+    digest : str
+        sha256 hex of a file's content, when asked for (``checksum``).
+    """
+
+    path: str
+    kind: str
+    size: int = 0
+    mtime_ns: int = 0
+    mode: int = 0
+    target: str = ""
+    digest: str = ""
+
+    @property
+    def mtime_s(self) -> int:
+        return self.mtime_ns // 1_000_000_000
+
+
+@dataclass
+class Listing:
+    """A tree as listed: entries, partial transfers, ignore-file texts, unreadable dirs."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    partials: dict[str, int] = field(default_factory=dict)
+    ignore_texts: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def root(self) -> Entry | None:
+        return self.entries.get(".")
+
+
+def parse_listing(data: bytes) -> Listing:
+    """Parse the agent's ``list`` output (see :mod:`gpumagic._sync_agent`).
+
+    Records are :data:`gpumagic._sync_agent.FIELDS` NUL-terminated fields: kind, path,
+    size, mtime_ns, mode (octal), link target or text, sha256.  Names are decoded as UTF-8
+    with ``surrogateescape`` so that any byte string survives the round trip.
+
+    Raises
+    ------
+    SyncError
+        When the text is not a whole number of records.
+    """
+    fields = data.split(b"\0")
+    if fields and fields[-1] == b"":
+        fields.pop()
+    if len(fields) % agent.FIELDS:
+        raise SyncError("the remote listing was cut short", "run the sync again")
+    out = Listing()
+    for i in range(0, len(fields), agent.FIELDS):
+        kind, path, size, mtime, mode, text, digest = fields[i:i + agent.FIELDS]
+        path = path.decode("utf-8", "surrogateescape")
+        if kind in (b"f", b"d", b"l"):
+            out.entries[path] = Entry(path, kind.decode(), int(size), int(mtime), int(mode, 8),
+                                      text.decode("utf-8", "surrogateescape") if text else "",
+                                      digest.decode() if digest else "")
+        elif kind == b"p":
+            out.partials[path] = int(size)
+        elif kind == b"i":
+            out.ignore_texts[path] = text.decode("utf-8", "surrogateescape")
+        elif kind == b"e":
+            out.errors[path] = text.decode("utf-8", "surrogateescape")
+    return out
+
+
+class IgnoreRules:
+    """gitignore rules from ``.gitignore``/``.gpuignore`` files plus ``--exclude`` patterns.
+
+    Each ignore file applies to its own directory and below, deeper files winning (git's
+    precedence); ``.gpuignore`` lines come after ``.gitignore`` lines of the same
+    directory, so they win.  ``--exclude`` patterns (gitignore syntax, relative to the
+    sync root) always exclude.  Patterns are compiled by :class:`pathspec.GitIgnoreSpec`.
+    """
+
+    def __init__(self, excludes: Iterable[str] = (), *, use_files: bool = True):
+        excludes = [e for e in excludes if e]
+        self.excludes = pathspec.GitIgnoreSpec.from_lines(excludes) if excludes else None
+        self.use_files = use_files
+        self._lines: dict[str, list[str]] = {}
+        self._specs: dict[str, pathspec.GitIgnoreSpec] = {}
+
+    def add_file(self, rel_file: str, text: str) -> None:
+        """Add the rules of the ignore file at ``rel_file`` (relative path of the file)."""
+        if not self.use_files:
+            return
+        d = posixpath.dirname(rel_file)
+        d = "" if d in ("", ".") else d
+        lines = self._lines.setdefault(d, [])
+        if posixpath.basename(rel_file) == ".gpuignore":
+            lines.extend(text.splitlines())
+        else:
+            self._lines[d] = text.splitlines() + lines
+        self._specs[d] = pathspec.GitIgnoreSpec.from_lines(self._lines[d])
+
+    @property
+    def active(self) -> bool:
+        """Whether any rule exists yet (a walk skips matching while none does)."""
+        return self.excludes is not None or bool(self._specs)
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        """Whether ``rel`` itself matches (parents are not checked; see :meth:`covers`)."""
+        if rel in (".", "") or not self.active:
+            return False
+        name = rel + "/" if is_dir else rel
+        if self.excludes is not None and self.excludes.match_file(name):
+            return True
+        result = None
+        parts = rel.split("/")
+        for i in range(len(parts)):
+            spec = self._specs.get("/".join(parts[:i]))
+            if spec is None:
+                continue
+            sub = "/".join(parts[i:]) + ("/" if is_dir else "")
+            r = spec.check_file(sub)
+            if r.include is not None:
+                result = r.include
+        return bool(result)
+
+    def covers(self, rel: str, is_dir: bool) -> bool:
+        """Whether ``rel`` or one of its parent directories is ignored."""
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            if self.ignored("/".join(parts[:i]), True):
+                return True
+        return self.ignored(rel, is_dir)
+
+
+def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
+               digests: bool = False) -> Listing:
+    """List a local tree like the agent does, skipping ignored paths (ignored directories
+    are not entered).  Symlinks are listed, never followed; sockets/FIFOs are skipped."""
+    root = os.fspath(root)
+    out = Listing()
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return out
+    if not stat.S_ISDIR(st.st_mode):
+        out.entries["."] = _entry(".", root, st, digests)
+        return out
+    out.entries["."] = _entry(".", root, st, digests)
+    stack = [(root, "")]
+    while stack:
+        d, rel = stack.pop()
+        try:
+            items = list(os.scandir(d))
+        except OSError as e:
+            out.errors[rel or "."] = e.strerror or str(e)
+            continue
+        if rules is not None and rules.use_files:
+            for item in items:
+                if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
+                    r = f"{rel}/{item.name}" if rel else item.name
+                    try:
+                        text = Path(item.path).read_text(encoding="utf-8", errors="replace")
+                    except OSError:
+                        continue
+                    rules.add_file(r, text)
+                    out.ignore_texts[r] = text
+        for item in items:
+            r = f"{rel}/{item.name}" if rel else item.name
+            if agent.real_name(item.name) is not None:
+                try:
+                    out.partials[f"{rel}/{agent.real_name(item.name)}" if rel else agent.real_name(item.name)] = \
+                        item.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+                continue
+            try:
+                st = item.stat(follow_symlinks=False)
+            except OSError as e:
+                out.errors[r] = e.strerror or str(e)
+                continue
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if rules is not None and rules.active and rules.ignored(r, is_dir):
+                continue
+            e = _entry(r, item.path, st, digests)
+            if e is None:
+                continue
+            out.entries[r] = e
+            if is_dir:
+                stack.append((item.path, r))
+    return out
+
+
+def _entry(rel: str, path: str, st: os.stat_result, digests: bool) -> Entry | None:
+    m = st.st_mode
+    if stat.S_ISLNK(m):
+        return Entry(rel, "l", st.st_size, st.st_mtime_ns, 0, os.readlink(path))
+    if stat.S_ISDIR(m):
+        return Entry(rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(m))
+    if stat.S_ISREG(m):
+        return Entry(rel, "f", st.st_size, st.st_mtime_ns, stat.S_IMODE(m), "",
+                     agent._sha256(path) if digests else "")
+    return None
+
+
+def filter_listing(listing: Listing, rules: IgnoreRules) -> Listing:
+    """Drop ignored entries from a listing (used for remote sources), pruning ignored dirs."""
+    for rel, text in listing.ignore_texts.items():
+        if rel in listing.entries:
+            rules.add_file(rel, text)
+    keep: dict[str, Entry] = {}
+    pruned: list[str] = []
+    for rel in sorted(listing.entries, key=lambda p: p.split("/")):
+        e = listing.entries[rel]
+        if pruned and (rel + "/").startswith(pruned[-1]):
+            continue
+        if rules.ignored(rel, e.kind == "d"):
+            if e.kind == "d":
+                pruned.append(rel + "/")
+            continue
+        keep[rel] = e
+    listing.entries = keep
+    return listing
+
+
+# -- plan ------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What a sync will do, from two listings.  Paths are relative to the roots.
+
+    Attributes
+    ----------
+    send : list of Entry
+        Files whose content goes over (new or different).
+    links : list of Entry
+        Symlinks to (re)create.
+    dirs : list of Entry
+        Directories to create, or whose mode/mtime to set (parents of changed entries too).
+    meta : list of (path, mode, mtime_ns)
+        Files equal in content whose mode or mtime differ (``checksum``).
+    replace : list of str
+        Destination paths of another type, removed first (a dir where a file goes).
+    delete : list of str
+        Extra destination paths (only with ``delete``), every one listed, parents first.
+    unchanged : int
+        Files and links that already match.
+    newer : list of str
+        Files skipped because the destination is newer (``update``).
+    """
+
+    send: list[Entry] = field(default_factory=list)
+    links: list[Entry] = field(default_factory=list)
+    dirs: list[Entry] = field(default_factory=list)
+    meta: list[tuple[str, int, int]] = field(default_factory=list)
+    replace: list[str] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    newer: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_to_send(self) -> int:
+        return sum(e.size for e in self.send)
+
+    @property
+    def removals(self) -> list[str]:
+        """Top-most paths to remove (replacements and deletions; children go with them)."""
+        out: list[str] = []
+        for p in sorted(set(self.replace) | set(self.delete), key=lambda p: p.split("/")):
+            if not out or not p.startswith(out[-1] + "/"):
+                out.append(p)
+        return out
+
+    @property
+    def empty(self) -> bool:
+        return not (self.send or self.links or self.dirs or self.meta or self.replace or self.delete)
+
+
+def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = False,
+              checksum: bool = False, update: bool = False,
+              rules: IgnoreRules | None = None, unreadable: Iterable[str] = ()) -> Plan:
+    """Compare two listings as rsync ``-a`` does.
+
+    A file is unchanged when size and mtime (whole seconds) match, or with ``checksum``
+    when the sha256 digests match; ``update`` never replaces a newer destination file.
+    With ``delete``, destination paths absent from the source are deleted, except those the
+    rules ignore (rsync: excluded files are protected from deletion), and except what lies
+    under a source path that could not be read (``unreadable``).
+    """
+    spared = tuple(p + "/" for p in unreadable if p != ".")
+    plan = Plan()
+    touched_dirs: set[str] = set()
+    for rel in sorted(src, key=lambda p: p.split("/")):
+        s, d = src[rel], dst.get(rel)
+        changed = False
+        if d is not None and d.kind != s.kind and not (s.kind == "d" and d.kind == "d"):
+            if rel != ".":
+                plan.replace.append(rel)
+            d = None
+        if s.kind == "d":
+            if d is None or d.mode != s.mode or d.mtime_s != s.mtime_s:
+                plan.dirs.append(s)
+            changed = d is None
+        elif s.kind == "l":
+            if d is None or d.target != s.target:
+                plan.links.append(s)
+                changed = True
+            else:
+                plan.unchanged += 1
+        else:
+            if d is None:
+                plan.send.append(s)
+                changed = True
+            elif update and d.mtime_s > s.mtime_s:
+                plan.newer.append(rel)
+            elif (s.digest == d.digest) if checksum else (s.size == d.size and s.mtime_s == d.mtime_s):
+                plan.unchanged += 1
+                if d.mode != s.mode or d.mtime_s != s.mtime_s:
+                    plan.meta.append((rel, s.mode, s.mtime_ns))
+            else:
+                plan.send.append(s)
+                changed = True
+        if changed and rel != ".":
+            touched_dirs.add(posixpath.dirname(rel) or ".")
+    if delete:
+        for rel in sorted(dst, key=lambda p: p.split("/")):
+            if rel == "." or rel in src:
+                continue
+            if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
+                continue
+            if "." in unreadable or (rel + "/").startswith(spared):
+                continue
+            plan.delete.append(rel)
+            touched_dirs.add(posixpath.dirname(rel) or ".")
+    for rel in plan.replace:
+        touched_dirs.add(posixpath.dirname(rel) or ".")
+    listed = {e.path for e in plan.dirs}
+    for rel in sorted(touched_dirs, key=lambda p: p.split("/")):
+        if rel not in listed and rel in src and src[rel].kind == "d":
+            plan.dirs.append(src[rel])
+    return plan
+
+
+# -- summary and progress --------------------------------------------------------------
+
+
+@dataclass
+class SyncSummary:
+    """What a sync did (or, with ``dry_run``, would do).
+
+    Attributes
+    ----------
+    direction : str
+        ``"push"`` or ``"pull"``.
+    source, destination : str
+        The roots, as resolved (``NAME:/abs/path`` for the remote side).
+    files_sent : int
+        Files whose content was transferred (fully or the rest of a partial one).
+    bytes_sent : int
+        Content bytes transferred (a resumed file counts only the part sent this time).
+    bytes_resumed : int
+        Bytes of partial files kept from an earlier, interrupted run.
+    links, dirs : int
+        Symlinks created; directories created or stamped.
+    skipped : int
+        Files and links that already matched.
+    newer : list of str
+        Files left alone because the destination was newer (``update``).
+    deleted : list of str
+        Paths deleted (or, with ``dry_run``, that would be).
+    would_send : list of str
+        With ``dry_run``: the files that would be sent.
+    unreadable : dict of str to str
+        Source paths that could not be read (path -> reason); they were not synced.
+    seconds : float
+        Wall time.
+    dry_run : bool
+    """
+
+    direction: str
+    source: str
+    destination: str
+    files_sent: int = 0
+    bytes_sent: int = 0
+    bytes_resumed: int = 0
+    links: int = 0
+    dirs: int = 0
+    skipped: int = 0
+    newer: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    would_send: list[str] = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    def __str__(self) -> str:
+        from .display import sync_summary_text
+
+        return sync_summary_text(self)
+
+
+@dataclass
+class SyncProgress:
+    """Progress so far, handed to the ``progress`` callback (bytes and seconds)."""
+
+    files_total: int
+    bytes_total: int
+    files_done: int = 0
+    bytes_done: int = 0
+    current: str = ""
+    started: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+ProgressCallback = Callable[[SyncProgress], None]
+
+
+# -- remote channel helpers --------------------------------------------------------------
+
+
+def agent_command(op: str, *args: str) -> str:
+    """The exec line that runs the agent operation ``op`` with the remote ``python3``."""
+    argv = ["python3", "-I", "-S", "-c", AGENT_SOURCE, op, *args]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+class _Channel:
+    """An agent exec channel: buffered reads after the start marker, errors mapped."""
+
+    def __init__(self, machine, op: str, *args: str):
+        self.machine = machine
+        self.op = op
+        conn = machine.connection
+        self.chan: paramiko.Channel = conn.open_session()
+        self.buf = bytearray()
+        self.marked = False
+        try:
+            self.chan.exec_command(agent_command(op, *args))
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            self.chan.close()
+            raise _lost(machine, e)
+
+    def _recv(self) -> bytes:
+        try:
+            while True:
+                if self.chan.recv_ready() or self.chan.eof_received or self.chan.closed:
+                    return self.chan.recv(1 << 20)
+                select.select([self.chan], [], [], 0.5)
+                if not self.machine.connection.is_connected and not self.chan.recv_ready():
+                    raise _lost(self.machine)
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise _lost(self.machine, e)
+
+    def _fill(self) -> bool:
+        data = self._recv()
+        if not data:
+            return False
+        self.buf += data
+        if not self.marked:
+            i = self.buf.find(agent.MARKER)
+            if i < 0:
+                del self.buf[:-len(agent.MARKER)]
+                return True
+            del self.buf[:i + len(agent.MARKER)]
+            self.marked = True
+        return True
+
+    def _take(self, n: int) -> bytes:
+        out = bytes(self.buf[:n])
+        del self.buf[:n]  # O(1) at the front of a bytearray
+        return out
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (fewer when that is what has arrived; ``b""`` at the end), or
+        everything until EOF when ``n < 0``.  File-like, for tarfile's stream mode."""
+        if n < 0:
+            while self._fill():
+                pass
+        else:
+            while not (self.marked and self.buf) and self._fill():
+                pass
+        if not self.marked:
+            return b""
+        return self._take(len(self.buf) if n < 0 else n)
+
+    def read_exact(self, n: int) -> bytes:
+        """Exactly ``n`` bytes, or fewer only at the end of the stream."""
+        while len(self.buf) < n and self._fill():
+            pass
+        return self._take(n) if self.marked else b""
+
+    def readline(self) -> bytes:
+        while b"\n" not in self.buf and self._fill():
+            pass
+        if not self.marked:
+            return b""
+        i = self.buf.find(b"\n")
+        return self._take(len(self.buf) if i < 0 else i + 1)
+
+    def send(self, data: bytes) -> None:
+        try:
+            # paramiko's sendall re-slices the rest after each packet (quadratic copying for
+            # large buffers): hand it one packet's worth at a time.
+            step = self.chan.out_max_packet_size or 32768
+            for i in range(0, len(data), step):
+                self.chan.sendall(data[i:i + step])
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            if self.machine.connection.is_connected and self.chan.exit_status_ready() \
+                    and self.chan.exit_status != -1:
+                raise self.failure(self.read()) from None  # the agent stopped (disk full...)
+            raise _lost(self.machine, e) from None
+
+    def close_stdin(self) -> None:
+        try:
+            self.chan.shutdown_write()
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise _lost(self.machine, e)
+
+    def stderr(self) -> bytes:
+        out = b""
+        while self.chan.recv_stderr_ready():
+            out += self.chan.recv_stderr(65536)
+        return out
+
+    def finish(self) -> int:
+        """Wait for the exit status; returns it."""
+        while True:
+            if self.chan.exit_status_ready():
+                return self.chan.recv_exit_status()
+            if not self.machine.connection.is_connected:
+                raise _lost(self.machine)
+            select.select([self.chan], [], [], 0.5)
+            while self.chan.recv_ready():
+                self.buf += self.chan.recv(1 << 20)  # drained so the agent can exit
+
+    def failure(self, text: bytes = b"") -> Exception:
+        """The error the agent reported (stdout ``text`` or stderr), as a GpumagicError."""
+        code = self.finish()
+        err = self.stderr()
+        for blob in (text, err):
+            for line in reversed(blob.splitlines()):
+                if line.startswith(b"{"):
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if "error" in rec:
+                        return agent_error(rec, self.machine.name)
+        if code == 127 or b"python3" in err and b"not found" in err:
+            return SyncError(f"{self.machine.name} has no python3, which %gpu sync runs on the remote side",
+                             "install it there (e.g. `apt-get install -y python3`)")
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no message"]
+        return SyncError(f"sync helper on {self.machine.name} failed ({self.op}, exit {code}): {tail[0]}",
+                         "run the sync again; if it repeats, report it with this message")
+
+    def close(self) -> None:
+        try:
+            self.chan.close()
+        except (paramiko.SSHException, EOFError, OSError):
+            pass  # the transport is already gone
+
+
+def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
+    """Map an agent error record (see :func:`gpumagic._sync_agent.error_record`) to
+    SyncDiskFull / SyncPermissionDenied / SyncError, naming the path and its mount."""
+    path = rec.get("path", "?")
+    mount = rec.get("mount")
+    on = f" on {where}" if where else ""
+    at = f" (mount {mount}" + (f", {_fmt_bytes(rec['free'])} free)" if "free" in rec else ")") if mount else ""
+    code = rec.get("errno", "")
+    if code in ("ENOSPC", "EDQUOT"):
+        return SyncDiskFull(f"disk full{on} writing {path}{at}",
+                            f"free space on {mount or 'that disk'} (old checkpoints?) or sync elsewhere, then "
+                            "run the sync again: files already complete are kept")
+    if code in ("EACCES", "EPERM", "EROFS"):
+        why = "read-only file system" if code == "EROFS" else "permission denied"
+        return SyncPermissionDenied(f"{why}{on} {doing} {path}{at}",
+                                    "sync into a directory you own (e.g. under ~ or your workspace), "
+                                    "or fix its permissions")
+    return SyncError(f"sync failed{on} at {path}{at}: {rec.get('error')}",
+                     "run the sync again; completed files are kept")
+
+
+def _fmt_bytes(n: float) -> str:
+    from .display import format_bytes
+
+    return format_bytes(n)
+
+
+def _lost(machine, exc: Exception | None = None) -> ConnectionLost:
+    why = machine.connection.lost_reason or (str(exc) or type(exc).__name__ if exc else
+                                            "the connection closed")
+    return ConnectionLost(
+        f"lost the connection to {machine.name} during the sync ({why})",
+        "run the same sync again: completed files are kept and a partly sent large file resumes")
+
+
+def open_listing(machine, root: str, *, digests: bool = False,
+                 names: list[str] | None = None) -> "_Channel":
+    """Start the agent's ``serve`` operation on ``root``: it lists the tree at once, then
+    waits on the same channel for one command (see :mod:`gpumagic._sync_agent`)."""
+    return _Channel(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
+                    json.dumps(names) if names is not None else "-")
+
+
+def read_listing(ch: "_Channel") -> Listing:
+    """Read the listing a ``serve`` channel sends first (length-prefixed records)."""
+    head = ch.read_exact(8)
+    if len(head) < 8:
+        raise ch.failure()
+    (n,) = struct.unpack(">Q", head)
+    data = ch.read_exact(n)
+    if len(data) < n:
+        raise ch.failure()
+    return parse_listing(data)
+
+
+def remote_listing(machine, root: str, *, digests: bool = False,
+                   names: list[str] | None = None) -> Listing:
+    """List ``root`` on the machine in one round trip (see :func:`parse_listing`)."""
+    ch = open_listing(machine, root, digests=digests, names=names)
+    try:
+        listing = read_listing(ch)
+        ch.close_stdin()
+        ch.finish()
+        return listing
+    finally:
+        ch.close()
+
+
+def remote_root(machine, root: str) -> str:
+    """The absolute remote path the agent resolves ``root`` to (for messages)."""
+    if root.startswith("/"):
+        return posixpath.normpath(root)
+    cwd = machine.cwd or ""
+    return posixpath.normpath(posixpath.join(cwd, root)) if cwd else root
+
+
+# -- the engine ------------------------------------------------------------------------
+
+
+class _TarSink(io.RawIOBase):
+    """A write-only file that buffers into ``SEND_BUFFER`` chunks for the channel."""
+
+    def __init__(self, ch: _Channel):
+        self.ch = ch
+        self.parts: list[bytes] = []
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        b = bytes(b)
+        self.parts.append(b)
+        self.n += len(b)
+        if self.n >= SEND_BUFFER:
+            self.flush()
+        return len(b)
+
+    def flush(self) -> None:
+        if self.parts:
+            data = b"".join(self.parts)
+            self.parts, self.n = [], 0
+            self.ch.send(data)
+
+
+class _Counting:
+    """A read-only file wrapper that reports bytes read."""
+
+    def __init__(self, f, on_bytes: Callable[[int], None]):
+        self.f = f
+        self.on_bytes = on_bytes
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.f.read(n)
+        self.on_bytes(len(b))
+        return b
+
+
+class _Run:
+    """Shared state of one push or pull: the plan, counters, progress throttling.
+
+    Counters may be updated from a worker thread (large files beside the tar stream); the
+    progress callback only ever runs on the thread that started the sync.
+    """
+
+    def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None):
+        self.plan = plan
+        self.summary = summary
+        self.progress = progress
+        self.state = SyncProgress(len(plan.send), plan.bytes_to_send)
+        self.last = 0.0
+        self.owner = threading.get_ident()
+        self.lock = threading.Lock()
+        self.tick(force=True)
+
+    def add_bytes(self, n: int, resumed: bool = False) -> None:
+        with self.lock:
+            self.state.bytes_done += n
+            if resumed:
+                self.summary.bytes_resumed += n
+            else:
+                self.summary.bytes_sent += n
+        self.tick()
+
+    def file_done(self, name: str) -> None:
+        with self.lock:
+            self.state.files_done += 1
+            self.state.current = name
+            self.summary.files_sent += 1
+        self.tick()
+
+    def tick(self, force: bool = False) -> None:
+        if self.progress is None or threading.get_ident() != self.owner:
+            return
+        now = time.monotonic()
+        if force or now - self.last >= PROGRESS_INTERVAL:
+            self.last = now
+            self.progress(self.state)
+
+    def done(self) -> None:
+        self.state.finished = True
+        self.tick(force=True)
+
+
+def _prefix_digest(path: str, n: int) -> str:
+    return agent._sha256(path, n) if n > 0 else "-"
+
+
+def _tarinfo(e: Entry) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(e.path)
+    ti.mode = e.mode
+    ti.mtime = e.mtime_ns // 1_000_000_000  # whole seconds: no pax header per file
+    ti.uname = ti.gname = ""
+    if e.kind == "d":
+        ti.type = tarfile.DIRTYPE
+    elif e.kind == "l":
+        ti.type = tarfile.SYMTYPE
+        ti.linkname = e.target
+    else:
+        ti.size = e.size
+    return ti
+
+
+def _local_path(root: str, rel: str) -> str:
+    """Local path of ``rel`` under ``root``; a ``root`` that is a file stands for itself
+    (a single-file SRC whose destination name may differ)."""
+    if rel == "." or os.path.isfile(root):
+        return root
+    return os.path.join(root, *rel.split("/"))
+
+
+def _resolve_single_file(src_entries: Listing, name: str) -> dict[str, Entry]:
+    e = src_entries.entries["."]
+    return {name: Entry(name, e.kind, e.size, e.mtime_ns, e.mode, e.target, e.digest)}
+
+
+def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
+         ignore_files: bool = True, dry_run: bool = False, checksum: bool = False,
+         update: bool = False, progress: ProgressCallback | None = None) -> SyncSummary:
+    """Copy a local tree (or file) to the machine, sending only what differs.
+
+    Parameters
+    ----------
+    machine : Machine
+        Connected (or connectable) machine; relative ``dst`` is under its ``cwd``.
+    src : str
+        Local path; ``dir/`` copies the contents of ``dir``, ``dir`` copies ``dir`` itself
+        (rsync's trailing-slash rule).
+    dst : str
+        Remote path (without the ``NAME:`` prefix).
+    delete : bool
+        Delete remote paths that the source lacks (ignored paths are kept).
+    exclude : iterable of str
+        gitignore-syntax patterns to leave out.
+    ignore_files : bool
+        Honour ``.gitignore`` and ``.gpuignore`` files in the source tree.
+    dry_run : bool
+        Change nothing; the summary lists what would be sent and deleted.
+    checksum, update : bool
+        Compare by sha256 instead of size+mtime; never replace a newer remote file.
+    progress : callable, optional
+        Called with a :class:`SyncProgress` (at most every 0.1 s, and at the end).
+
+    Returns
+    -------
+    SyncSummary
+
+    Raises
+    ------
+    SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
+        Files already complete stay complete; a re-run resumes.
+    """
+    start = time.monotonic()
+    seps = _local_seps()
+    if not os.path.lexists(src.rstrip(seps) or src):
+        raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
+                        f"the notebook's directory, {os.getcwd()})")
+    rules = IgnoreRules(exclude, use_files=ignore_files)
+    is_dir = os.path.isdir(src)
+    if is_dir:
+        dst_root = destination_root(src, dst, src_seps=seps)
+        ch = open_listing(machine, dst_root, digests=checksum)
+    else:
+        dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
+        ch = open_listing(machine, dst_root, digests=checksum, names=[name])
+    try:
+        # The local walk runs while the remote one does.
+        local = walk_local(src, rules if is_dir else None, digests=checksum)
+        src_entries = local.entries if is_dir else _resolve_single_file(local, name)
+        remote = read_listing(ch)
+        if remote.root is not None and remote.root.kind != "d":
+            raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        plan = make_plan(src_entries, remote.entries, delete=delete, checksum=checksum,
+                         update=update, rules=rules, unreadable=local.errors)
+        summary = SyncSummary("push", src, f"{machine.name}:{remote_root(machine, dst_root)}",
+                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              deleted=list(plan.delete), unreadable=local.errors)
+        large = [e for e in plan.send if e.size >= LARGE_FILE]
+        small = [e for e in plan.send if e.size < LARGE_FILE]
+        rest = small or plan.links or plan.dirs or plan.meta or plan.removals
+        if dry_run or not (large or rest):
+            ch.close_stdin()
+            ch.finish()
+            summary.would_send = [e.path for e in plan.send] if dry_run else []
+            summary.seconds = time.monotonic() - start
+            return summary
+        run = _Run(plan, summary, progress)
+        if large and small:
+            _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials)
+        else:
+            for e in large:
+                _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
+            if rest:
+                _push_tar(ch, run, src, plan, small)
+            else:
+                ch.close_stdin()
+                ch.finish()
+    finally:
+        ch.close()
+    summary.links = len(plan.links)
+    summary.dirs = len(plan.dirs)
+    run.done()
+    summary.seconds = time.monotonic() - start
+    return summary
+
+
+def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
+    """For a single-file SRC: (remote directory, file name), as rsync decides: into DST when
+    it ends in ``/`` or is a directory, else DST is the file's new path."""
+    if dst.endswith("/"):
+        return dst, name
+    probe = remote_listing(machine, dst, names=[])
+    if probe.root is not None and probe.root.kind == "d":
+        return dst, name
+    d, n = posixpath.split(dst)
+    return d or ".", n
+
+
+def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str, plan: Plan,
+                     small: list[Entry], large: list[Entry], partials: dict[str, int]) -> None:
+    """Large files on a worker thread while the tar of small files streams.
+
+    The remote side of a many-small-files tar is bound by file creation, not the network,
+    so the large files' bytes flow meanwhile.  Directory entries (stamped last by the agent)
+    are written only after the large files are in place, so their mtimes stay right.
+    """
+    stop = threading.Event()
+    channels: list[_Channel] = []
+
+    def worker() -> None:
+        for e in large:
+            if stop.is_set():
+                return
+            _push_large(machine, run, src, dst_root, e, partials.get(e.path, 0), channels)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
+        fut = pool.submit(worker)
+
+        def wait_for_large() -> None:
+            while True:
+                try:
+                    return fut.result(timeout=0.05)
+                except FutureTimeout:
+                    run.tick()
+
+        try:
+            _push_tar(ch, run, src, plan, small, before_dirs=wait_for_large)
+        except BaseException:
+            stop.set()
+            for c in list(channels):
+                c.close()
+            raise
+
+
+def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
+              before_dirs: Callable[[], None] | None = None) -> None:
+    """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the result."""
+    try:
+        head = _json_bytes({"op": "recv", "delete": plan.removals,
+                            "meta": [[p, m, t] for p, m, t in plan.meta]})
+        ch.send(struct.pack(">I", len(head)) + head)
+        sink = _TarSink(ch)
+        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
+                          errors="surrogateescape", bufsize=SEND_BUFFER) as tf:
+            for e in small:
+                path = _local_path(src, e.path)
+                try:
+                    f = open(path, "rb")
+                except OSError as exc:
+                    raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
+                with f:
+                    tf.addfile(_tarinfo(e), _Counting(f, run.add_bytes))
+                run.file_done(e.path)
+            for e in plan.links:
+                tf.addfile(_tarinfo(e))
+            if before_dirs is not None:
+                before_dirs()
+            for e in plan.dirs:
+                tf.addfile(_tarinfo(e))
+        sink.flush()
+        ch.close_stdin()
+        reply = ch.read()
+        if ch.finish() != 0:
+            raise ch.failure(reply)
+    except KeyboardInterrupt:
+        ch.close()
+        raise
+
+
+def _json_bytes(obj) -> bytes:
+    """JSON as ASCII: names that are not UTF-8 travel as ``\\udcXX`` escapes and come back
+    as the same bytes through ``surrogateescape``."""
+    return json.dumps(obj, ensure_ascii=True).encode("ascii")
+
+
+def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int,
+                channels: list | None = None) -> None:
+    """Send one file on its own channel, continuing a remote partial whose prefix matches."""
+    path = _local_path(src, e.path)
+    offset = partial if 0 < partial <= e.size else 0
+    digest = _prefix_digest(path, offset)
+    ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
+                  str(e.mtime_ns), "%o" % e.mode, str(offset), digest)
+    if channels is not None:
+        channels.append(ch)
+    try:
+        line = ch.readline()
+        if not line.startswith(b"OFFSET "):
+            raise ch.failure(line + ch.read())
+        kept = int(line.split()[1])
+        run.add_bytes(kept, resumed=True)
+        with open(path, "rb") as f:
+            f.seek(kept)
+            left = e.size - kept
+            while left > 0:
+                b = f.read(min(1 << 20, left))
+                if not b:
+                    raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
+                ch.send(b)
+                left -= len(b)
+                run.add_bytes(len(b))
+        ch.close_stdin()
+        reply = ch.read()
+        if ch.finish() != 0:
+            raise ch.failure(reply)
+        run.file_done(e.path)
+    finally:
+        ch.close()
+
+
+def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
+         ignore_files: bool = True, dry_run: bool = False, checksum: bool = False,
+         update: bool = False, progress: ProgressCallback | None = None) -> SyncSummary:
+    """Copy a remote tree (or file) to a local path, fetching only what differs.
+
+    Parameters are those of :func:`push`, with ``src`` remote (relative to the machine's
+    ``cwd``) and ``dst`` local.  ``.gitignore``/``.gpuignore`` files of the remote tree
+    are honoured (their texts come with the listing).
+
+    Returns
+    -------
+    SyncSummary
+
+    Raises
+    ------
+    SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
+    """
+    start = time.monotonic()
+    rules = IgnoreRules(exclude, use_files=ignore_files)
+    ch = open_listing(machine, src, digests=checksum)
+    try:
+        # Listed while the remote side lists (assuming SRC is a directory, the usual case).
+        dst_root = destination_root(src, dst, dst_join=os.path.join)
+        local = _local_listing(dst_root, checksum, None)
+        remote = read_listing(ch)
+        if remote.root is None:
+            raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
+                            f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
+        single = remote.root.kind != "d"
+        if single:
+            # One file: fetched with `get` (resumable) from its directory.
+            ch.close_stdin()
+            ch.finish()
+            name = posixpath.basename(src)
+            if dst.endswith(tuple(_local_seps())) or os.path.isdir(dst):
+                dst_root = dst
+            else:
+                dst_root, name = os.path.split(dst)
+                dst_root = dst_root or "."
+            src_entries = _resolve_single_file(remote, name)
+            local = _local_listing(dst_root, checksum, [name])
+        else:
+            src_entries = filter_listing(remote, rules).entries
+        if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
+            raise SyncError(f"{dst_root} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        plan = make_plan(src_entries, local.entries, delete=delete, checksum=checksum,
+                         update=update, rules=rules, unreadable=remote.errors)
+        summary = SyncSummary("pull", f"{machine.name}:{remote_root(machine, src)}", dst_root,
+                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              deleted=list(plan.delete), unreadable=remote.errors)
+        large = [e for e in plan.send if e.size >= LARGE_FILE or single]
+        small = [e for e in plan.send if e.size < LARGE_FILE and not single]
+        if dry_run or not small:
+            if not single:
+                ch.close_stdin()
+                ch.finish()
+            if dry_run:
+                summary.would_send = [e.path for e in plan.send]
+                summary.seconds = time.monotonic() - start
+                return summary
+        run = _Run(plan, summary, progress)
+        try:
+            for rel in plan.removals:
+                agent.remove(_local_path(dst_root, rel))
+            os.makedirs(dst_root, exist_ok=True)
+            for e in plan.dirs:
+                agent.make_dir(_local_path(dst_root, e.path), e.mode)
+            if small:
+                _pull_tar(ch, run, dst_root, small)
+            for e in large:
+                if single:
+                    _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
+                                posixpath.basename(src))
+                else:
+                    _pull_large(machine, run, src, dst_root, e, e.path)
+            for e in plan.links:
+                agent.make_link(_local_path(dst_root, e.path), e.target)
+            for rel, mode, mtime in plan.meta:
+                agent.set_meta(_local_path(dst_root, rel), mode, mtime)
+            agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
+        except OSError as exc:
+            raise agent_error(agent.error_record(exc), "this computer") from None
+    finally:
+        ch.close()
+    summary.links = len(plan.links)
+    summary.dirs = len(plan.dirs)
+    run.done()
+    summary.seconds = time.monotonic() - start
+    return summary
+
+
+def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:
+    """The local destination, listed by the agent's own code (partials included)."""
+    return parse_listing(b"".join(r + b"\0" for r in agent.list_tree(root, digests, names)))
+
+
+def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
+    """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
+    head = _json_bytes({"op": "send", "paths": [e.path for e in small]})
+    ch.send(struct.pack(">I", len(head)) + head)
+    ch.close_stdin()
+    try:
+        agent.extract(dst_root, ch, on_file=run.file_done, on_bytes=run.add_bytes,
+                      allowed={e.path for e in small})
+    except agent.AgentError as exc:
+        raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
+                        "run the sync again; if it repeats, check the machine") from None
+    except (tarfile.TarError, EOFError) as exc:
+        if ch.finish() != 0:
+            raise ch.failure() from None
+        raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
+                        "run the sync again: files already complete are kept") from None
+    if ch.finish() != 0:
+        raise ch.failure()
+
+
+def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
+    """Fetch one file on its own channel, continuing a verified local partial."""
+    path = _local_path(dst_root, e.path)
+    part = agent.part_name(path)
+    try:
+        have = min(os.path.getsize(part), e.size)
+    except OSError:
+        have = 0
+    digest = _prefix_digest(part, have)
+    ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(have), digest)
+    try:
+        line = ch.readline()
+        if not line.startswith(b"OFFSET "):
+            raise ch.failure(line)
+        kept = int(line.split()[1])
+        agent.receive_large(path, ch, e.size, e.mode, e.mtime_ns, kept, digest if kept else "-",
+                            lambda k: run.add_bytes(k, resumed=True), on_bytes=run.add_bytes)
+        if ch.finish() != 0:
+            raise ch.failure()
+        run.file_done(e.path)
+    except EOFError:
+        raise _lost(machine) from None
+    finally:
+        ch.close()

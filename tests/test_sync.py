@@ -1,0 +1,574 @@
+"""%gpu sync: pure plan (paths, ignore rules, listings, diff) and real transfers over sshd."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpumagic import sync
+from gpumagic import _sync_agent as agent
+from gpumagic.errors import ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
+from gpumagic.sync import Entry, IgnoreRules, make_plan, parse_endpoint
+
+# `python -c 'list_tree(...)'` output of the agent for a small tree (recorded): a root dir,
+# a symlink to ".", a .gitignore (with its text), a dir, an executable, a name with a space,
+# and a partial transfer ".big.bin.gpumagic-part" of 3 bytes.
+RECORDED_LISTING = (
+    b'd\x00.\x000\x001767323045123456789\x00755\x00\x00\x00l\x00self\x001\x001795995579908014744'
+    b'\x000\x00.\x00\x00f\x00.gitignore\x007\x001767323045123456789\x00644\x00\x0073bb41afa1d24a'
+    b'26dd5cdade54c3e2547aefcfdb4d8809406ca8015bef68e4ec\x00i\x00.gitignore\x000\x000\x000\x00*.'
+    b'ckpt\n\x00\x00d\x00sub\x000\x001767323045123456789\x00755\x00\x00\x00f\x00train.py\x009\x00'
+    b'1767323045123456789\x00755\x00\x00cc42155088fca5730758db72b2a5bca33112a941dfaa2d43098ec422'
+    b'ce4ea213\x00f\x00sub/a b.txt\x001\x001767323045123456789\x00644\x00\x002d711642b726b04401'
+    b'627ca9fbac32f5c8530fb1903cc4db02258717921a4881\x00p\x00sub/big.bin\x003\x000\x000\x00\x00\x00'
+)
+
+
+# -- pure: paths -------------------------------------------------------------------------
+
+
+def test_parse_endpoint_remote_default_named_and_local():
+    assert parse_endpoint(":/ws") == sync.Endpoint("/ws", "")
+    assert parse_endpoint("gpu2:runs/") == sync.Endpoint("runs/", "gpu2")
+    assert parse_endpoint("gpu2:") == sync.Endpoint(".", "gpu2")
+    assert parse_endpoint("./a:b") == sync.Endpoint("./a:b", None)
+    assert parse_endpoint("data/x") == sync.Endpoint("data/x", None)
+    assert parse_endpoint("C:\\data", windows=True) == sync.Endpoint("C:\\data", None)
+
+
+def test_destination_root_follows_rsync_trailing_slash_rule():
+    assert sync.destination_root("source", "/ws") == "/ws/source"
+    assert sync.destination_root("source/", "/ws2") == "/ws2"
+    assert sync.destination_root("a/b/source", "/ws") == "/ws/source"
+    assert sync.destination_root(".", "/ws") == "/ws"
+    assert sync.destination_root("/", "/ws") == "/ws"
+
+
+# -- pure: listings, ignore rules, plan ------------------------------------------------------
+
+
+def test_parse_listing_reads_recorded_agent_output():
+    lst = sync.parse_listing(RECORDED_LISTING)
+    assert lst.root == Entry(".", "d", 0, 1767323045123456789, 0o755)
+    assert lst.entries["self"].kind == "l" and lst.entries["self"].target == "."
+    assert lst.entries["train.py"].mode == 0o755 and lst.entries["train.py"].size == 9
+    assert lst.entries["train.py"].mtime_s == 1767323045
+    assert lst.entries["sub/a b.txt"].digest.startswith("2d711642")
+    assert lst.ignore_texts == {".gitignore": "*.ckpt\n"}
+    assert lst.partials == {"sub/big.bin": 3}
+    assert "sub/.big.bin.gpumagic-part" not in lst.entries
+
+
+def test_parse_listing_refuses_a_cut_listing():
+    with pytest.raises(SyncError, match="cut short"):
+        sync.parse_listing(RECORDED_LISTING[:-20])
+
+
+def test_ignore_rules_nested_files_negation_and_excludes():
+    r = IgnoreRules(["*.log"])
+    r.add_file(".gitignore", "*.ckpt\n__pycache__/\n/top.txt\n")
+    r.add_file("sub/.gitignore", "!keep.ckpt\n")
+    r.add_file(".gpuignore", "data/raw/\n")
+    assert r.ignored("a.ckpt", False)
+    assert r.ignored("sub/deep/b.ckpt", False)
+    assert not r.ignored("sub/keep.ckpt", False)
+    assert r.ignored("x/__pycache__", True) and not r.ignored("x/__pycache__", False)
+    assert r.ignored("top.txt", False) and not r.ignored("sub/top.txt", False)
+    assert r.ignored("data/raw", True) and not r.ignored("data", True)
+    assert r.ignored("run.log", False)
+    assert r.covers("data/raw/x.bin", False)
+    off = IgnoreRules([], use_files=False)
+    off.add_file(".gitignore", "*.ckpt\n")
+    assert not off.ignored("a.ckpt", False)
+
+
+def _f(path, size=1, mtime_s=100, mode=0o644, digest=""):
+    return Entry(path, "f", size, mtime_s * 10**9, mode, "", digest)
+
+
+def test_plan_compares_size_and_mtime_to_the_second():
+    src = {".": Entry(".", "d", 0, 5 * 10**9, 0o755), "same": _f("same"),
+           "sub_second": Entry("sub_second", "f", 1, 100 * 10**9 + 5, 0o644),
+           "grown": _f("grown", size=2), "touched": _f("touched", mtime_s=101),
+           "new": _f("new"), "link": Entry("link", "l", target="same")}
+    dst = {".": Entry(".", "d", 0, 5 * 10**9, 0o755), "same": _f("same"),
+           "sub_second": _f("sub_second"), "grown": _f("grown"), "touched": _f("touched"),
+           "link": Entry("link", "l", target="other"), "extra": _f("extra")}
+    plan = make_plan(src, dst)
+    assert sorted(e.path for e in plan.send) == ["grown", "new", "touched"]
+    assert [e.path for e in plan.links] == ["link"]
+    assert plan.unchanged == 2
+    assert plan.delete == []
+    assert [e.path for e in plan.dirs] == ["."]  # the root's mtime changes: restamped
+    assert make_plan(src, dst, delete=True).delete == ["extra"]
+
+
+def test_plan_update_checksum_and_type_change():
+    src = {"a": _f("a", mtime_s=100, digest="h1"), "b": _f("b", mtime_s=100, digest="h2"),
+           "d": _f("d")}
+    dst = {"a": _f("a", mtime_s=200, digest="zz"), "b": _f("b", mtime_s=300, mode=0o600, digest="h2"),
+           "d": Entry("d", "d", mode=0o755), "d/x": _f("d/x")}
+    up = make_plan(src, dst, update=True)
+    assert up.newer == ["a", "b"] and [e.path for e in up.send] == ["d"]
+    ck = make_plan(src, dst, checksum=True)
+    assert [e.path for e in ck.send] == ["a", "d"]
+    assert ck.meta == [("b", 0o644, 100 * 10**9)]
+    assert ck.replace == ["d"] and ck.removals == ["d"]
+
+
+def test_plan_delete_keeps_paths_the_rules_ignore():
+    rules = IgnoreRules(["*.ckpt"])
+    plan = make_plan({".": Entry(".", "d")}, {".": Entry(".", "d"), "m.ckpt": _f("m.ckpt"),
+                                              "old.py": _f("old.py")}, delete=True, rules=rules)
+    assert plan.delete == ["old.py"]
+
+
+def test_plan_delete_spares_what_lies_under_an_unreadable_source_dir():
+    src = {".": Entry(".", "d"), "logs": Entry("logs", "d")}
+    dst = {".": Entry(".", "d"), "logs": Entry("logs", "d"), "logs/a.txt": _f("logs/a.txt"),
+           "old.txt": _f("old.txt")}
+    plan = make_plan(src, dst, delete=True, unreadable={"logs": "Permission denied"})
+    assert plan.delete == ["old.txt"]
+
+
+def test_summary_text_lists_deleted_and_unreadable():
+    s = sync.SyncSummary("pull", "gpu1:/ws/runs", "runs", files_sent=2, bytes_sent=3 * 1024 * 1024,
+                         skipped=5, deleted=["a", "b/c"], unreadable={"secret": "Permission denied"},
+                         seconds=1.25)
+    assert str(s) == ("pull gpu1:/ws/runs -> runs: 2 files, 3.0 MiB sent, 5 unchanged, 2 deleted in 1.2 s\n"
+                      "deleted (2):\n  a\n  b/c\n"
+                      "could not read, not synced (1):\n  secret: Permission denied")
+
+
+def test_agent_error_names_path_and_mount_for_disk_full_and_permission(tmp_path):
+    import errno
+
+    rec = agent.error_record(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "f")))
+    err = sync.agent_error(rec, "gpu1")
+    assert isinstance(err, SyncDiskFull)
+    assert str(tmp_path / "f") in err.message and f"mount {agent.mount_of(str(tmp_path))}" in err.message
+    rec = agent.error_record(OSError(errno.EACCES, "Permission denied", "/etc/x"))
+    assert isinstance(sync.agent_error(rec, "gpu1"), SyncPermissionDenied)
+
+
+# -- real transfers ------------------------------------------------------------------------
+
+
+def _tree(root: Path) -> Path:
+    """The tree of issue case 2."""
+    (root / "data").mkdir(parents=True)
+    (root / "train.py").write_text("import torch\nprint('train')\n")
+    (root / "data" / "a b.txt").write_text("a file with a space\n")
+    (root / "data" / "--help").write_text("not an option\n")
+    (root / "数据").mkdir()
+    (root / "数据" / "样本.txt").write_text("样本\n", encoding="utf-8")
+    (root / "empty").mkdir()
+    (root / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "it's \"quoted\"").write_text("q")
+    return root
+
+
+def _snapshot(root: Path) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            st = p.lstat()
+            if p.is_symlink():
+                out[rel] = ("l", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("d", st.st_mode & 0o777, int(st.st_mtime))
+            else:
+                out[rel] = ("f", p.read_bytes(), st.st_mode & 0o777, int(st.st_mtime))
+    return out
+
+
+def test_push_then_pull_gives_identical_tree_and_second_push_sends_nothing(machine, tmp_path):
+    src = _tree(tmp_path / "proj")
+    remote = tmp_path / "remote"
+    first = machine.push(str(src) + "/", str(remote))
+    assert first.files_sent == 6 and first.bytes_sent == sum(
+        p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert _snapshot(remote) == _snapshot(src)
+    assert os.stat(remote / "run.sh").st_mode & 0o111 == 0o111
+    again = machine.push(str(src) + "/", str(remote))
+    assert (again.files_sent, again.bytes_sent, again.skipped) == (0, 0, 6)
+    back = tmp_path / "back"
+    pulled = machine.pull(str(remote) + "/", str(back))
+    assert pulled.files_sent == 6
+    assert _snapshot(back) == _snapshot(src)
+    assert (back / "empty").is_dir()
+
+
+def test_small_files_and_large_file_together_keep_every_mtime(machine, tmp_path):
+    src = _tree(tmp_path / "proj")
+    (src / "data" / "weights.bin").write_bytes(os.urandom(sync.LARGE_FILE + 12345))
+    os.utime(src / "data", (1_600_000_000, 1_600_000_000))
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.files_sent == 7 and s.bytes_sent == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert _snapshot(tmp_path / "remote") == _snapshot(src)
+    assert int(os.stat(tmp_path / "remote" / "data").st_mtime) == 1_600_000_000
+    pulled = machine.pull(str(tmp_path / "remote") + "/", str(tmp_path / "back"))
+    assert pulled.files_sent == 7
+    assert _snapshot(tmp_path / "back") == _snapshot(src)
+
+
+def test_symlinks_are_recreated_and_never_followed(machine, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.txt").write_text("x")
+    os.symlink(".", src / "loop")
+    os.symlink("f.txt", src / "alias")
+    os.symlink("/nonexistent/target", src / "dangling")
+    s = machine.push(str(src) + "/", str(tmp_path / "dst"))
+    assert s.links == 3 and s.files_sent == 1
+    assert os.readlink(tmp_path / "dst" / "loop") == "."
+    assert os.readlink(tmp_path / "dst" / "dangling") == "/nonexistent/target"
+    machine.pull(str(tmp_path / "dst") + "/", str(tmp_path / "back"))
+    assert os.readlink(tmp_path / "back" / "alias") == "f.txt"
+
+
+def test_delete_removes_extra_remote_file_and_lists_it(machine, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "keep.py").write_text("k")
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "stale.py").write_text("old")
+    (remote / "old_dir").mkdir()
+    (remote / "old_dir" / "x").write_text("x")
+    kept = machine.push(str(src) + "/", str(remote))
+    assert (remote / "stale.py").exists() and kept.deleted == []
+    dry = machine.push(str(src) + "/", str(remote), delete=True, dry_run=True)
+    assert dry.deleted == ["old_dir", "old_dir/x", "stale.py"]
+    assert (remote / "stale.py").exists()
+    done = machine.push(str(src) + "/", str(remote), delete=True)
+    assert done.deleted == ["old_dir", "old_dir/x", "stale.py"]
+    assert sorted(os.listdir(remote)) == ["keep.py"]
+    assert "deleted (3):" in str(done) and "  stale.py" in str(done)
+
+
+def test_gitignore_ckpt_and_pycache_not_pushed_unless_no_ignore_files(machine, tmp_path):
+    src = tmp_path / "src"
+    (src / "__pycache__").mkdir(parents=True)
+    (src / "pkg" / "__pycache__").mkdir(parents=True)
+    (src / ".gitignore").write_text("*.ckpt\n__pycache__/\n")
+    (src / "model.ckpt").write_bytes(b"\0" * 100)
+    (src / "train.py").write_text("t")
+    (src / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"pyc")
+    (src / "pkg" / "__pycache__" / "m.pyc").write_bytes(b"pyc")
+    machine.push(str(src) + "/", str(tmp_path / "a"))
+    assert sorted(str(p.relative_to(tmp_path / "a")) for p in (tmp_path / "a").rglob("*")) == \
+        [".gitignore", "pkg", "train.py"]
+    machine.push(str(src) + "/", str(tmp_path / "b"), ignore_files=False)
+    assert (tmp_path / "b" / "model.ckpt").exists()
+    assert (tmp_path / "b" / "pkg" / "__pycache__" / "m.pyc").exists()
+
+
+def test_pull_honours_remote_gitignore_and_exclude(machine, tmp_path):
+    remote = tmp_path / "runs"
+    (remote / "logs").mkdir(parents=True)
+    (remote / ".gpuignore").write_text("scratch/\n")
+    (remote / "scratch").mkdir()
+    (remote / "scratch" / "tmp.bin").write_text("t")
+    (remote / "logs" / "train.log").write_text("loss 0.1")
+    (remote / "logs" / "debug.trace").write_text("trace")
+    s = machine.pull(str(remote) + "/", str(tmp_path / "local"), exclude=["*.trace"])
+    got = sorted(str(p.relative_to(tmp_path / "local")) for p in (tmp_path / "local").rglob("*"))
+    assert got == [".gpuignore", "logs", "logs/train.log"]
+    assert s.files_sent == 2
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_cut_large_push_leaves_no_file_and_rerun_sends_only_the_rest(machine, tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)  # a callback per 1 MiB chunk
+    size = 50 * 1024 * 1024
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(size))
+    remote = tmp_path / "remote"
+
+    def cut(p):
+        if p.bytes_done >= size // 2 and machine.connection.transport is not None:
+            machine.connection.transport.sock.close()
+
+    with pytest.raises(ConnectionLost):
+        machine.push(str(src) + "/", str(remote), progress=cut)
+    assert not (remote / "big.bin").exists()
+    second = machine.push(str(src) + "/", str(remote))
+    assert second.files_sent == 1
+    assert second.bytes_resumed > size // 5
+    assert second.bytes_sent + second.bytes_resumed == size
+    assert second.bytes_sent < size * 4 // 5
+    assert second.bytes_sent <= size // 2 + 8 * 1024 * 1024  # the rest, plus at most a window in flight
+    assert _sha(remote / "big.bin") == _sha(src / "big.bin")
+    assert not (remote / ".big.bin.gpumagic-part").exists()
+
+
+def test_interrupt_during_large_push_keeps_part_and_rerun_resumes(machine, tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    size = 20 * 1024 * 1024
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(size))
+
+    def interrupt(p):
+        if p.bytes_done >= size // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        machine.push(str(src) + "/", str(tmp_path / "remote"), progress=interrupt)
+    assert not (tmp_path / "remote" / "w.bin").exists()
+    again = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert again.bytes_resumed > 0 and again.bytes_sent + again.bytes_resumed == size
+    assert _sha(tmp_path / "remote" / "w.bin") == _sha(src / "w.bin")
+
+
+def test_cut_during_small_files_leaves_only_complete_files(machine, tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):
+        (src / f"f{i:03d}.txt").write_bytes(os.urandom(6000))
+    remote = tmp_path / "remote"
+
+    def cut(p):
+        if p.files_done >= 100 and machine.connection.transport is not None:
+            machine.connection.transport.sock.close()
+
+    with pytest.raises(ConnectionLost):
+        machine.push(str(src) + "/", str(remote), progress=cut)
+    arrived = [p for p in remote.iterdir() if not p.name.endswith(".gpumagic-part")] \
+        if remote.exists() else []
+    assert len(arrived) < 300  # the cut happened mid-stream
+    for p in arrived:
+        assert p.read_bytes() == (src / p.name).read_bytes(), p.name
+    machine.push(str(src) + "/", str(remote))
+    assert _snapshot(remote) == _snapshot(src)
+
+
+def test_no_change_resync_is_one_channel_round_trip(machine, tmp_path, monkeypatch):
+    src = _tree(tmp_path / "proj")
+    machine.push(str(src) + "/", str(tmp_path / "remote"))
+    opened = []
+    real = machine.connection.open_session
+    monkeypatch.setattr(machine.connection, "open_session", lambda: opened.append(1) or real())
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.bytes_sent == 0 and len(opened) == 1
+    (src / "train.py").write_text("changed\n")
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.files_sent == 1 and len(opened) == 2
+
+
+def test_large_pull_resumes_from_a_verified_partial(machine, tmp_path):
+    size = 12 * 1024 * 1024
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    data = os.urandom(size)
+    (remote / "ckpt.pt").write_bytes(data)
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / ".ckpt.pt.gpumagic-part").write_bytes(data[:5_000_000])
+    s = machine.pull(str(remote) + "/", str(local))
+    assert (s.bytes_resumed, s.bytes_sent) == (5_000_000, size - 5_000_000)
+    assert (local / "ckpt.pt").read_bytes() == data
+    # A partial whose bytes differ from the source is not trusted: the file starts over.
+    (local / "ckpt.pt").unlink()
+    (local / ".ckpt.pt.gpumagic-part").write_bytes(b"x" * 1000)
+    s = machine.pull(str(remote) + "/", str(local))
+    assert (s.bytes_resumed, s.bytes_sent) == (0, size)
+    assert (local / "ckpt.pt").read_bytes() == data
+
+
+def test_single_file_push_into_directory_and_to_new_name(machine, tmp_path):
+    f = tmp_path / "model.py"
+    f.write_text("m")
+    (tmp_path / "ws").mkdir()
+    machine.push(str(f), str(tmp_path / "ws"))
+    assert (tmp_path / "ws" / "model.py").read_text() == "m"
+    machine.push(str(f), str(tmp_path / "ws" / "renamed.py"))
+    assert (tmp_path / "ws" / "renamed.py").read_text() == "m"
+    machine.pull(str(tmp_path / "ws" / "renamed.py"), str(tmp_path / "back") + "/")
+    assert (tmp_path / "back" / "renamed.py").read_text() == "m"
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A real 1 MiB tmpfs (needs root, which can mount)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_remote_disk_full_names_path_and_mount_and_keeps_complete_files(machine, tmp_path, small_mount):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a_small.txt").write_text("fits")
+    (src / "b_big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    with pytest.raises(SyncDiskFull) as e:
+        machine.push(str(src) + "/", str(small_mount / "ws"))
+    assert f"mount {small_mount}" in e.value.message
+    assert str(small_mount / "ws") in e.value.message
+    assert (small_mount / "ws" / "a_small.txt").read_text() == "fits"
+    assert not (small_mount / "ws" / "b_big.bin").exists()
+
+
+def test_remote_read_only_or_forbidden_dir_is_a_clear_error(machine, tmp_path, small_mount):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.py").write_text("x")
+    with pytest.raises(SyncPermissionDenied) as e:
+        machine.push(str(src) + "/", str(small_mount / "ws"))
+    assert "read-only" in e.value.message and f"mount {small_mount}" in e.value.message
+
+
+def test_missing_local_source_is_a_clear_error(machine, tmp_path):
+    with pytest.raises(SyncError, match="no local file or directory"):
+        machine.push(str(tmp_path / "nope") + "/", str(tmp_path / "x"))
+
+
+# -- magics ----------------------------------------------------------------------------------
+
+
+def test_magic_sync_trailing_slash_rule(ip, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "some_data").write_text("d")
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"sync source :{tmp_path}/ws")
+    ip.run_line_magic("gpu", f"sync source/ testgpu:{tmp_path}/ws2")
+    assert (tmp_path / "ws" / "source" / "some_data").read_text() == "d"
+    assert (tmp_path / "ws2" / "some_data").read_text() == "d"
+    out = capsys.readouterr().out
+    assert f"push source -> testgpu:{tmp_path}/ws/source: 1 files" in out
+
+
+def test_magic_sync_bad_arguments_are_usage_errors(ip, tmp_path):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(UsageError, match="exactly one side must be remote"):
+        ip.run_line_magic("gpu", f"sync {tmp_path} {tmp_path}/x")
+    with pytest.raises(UsageError, match="name different machines"):
+        ip.run_line_magic("gpu", f"sync {tmp_path} other:/x --host testgpu")
+
+
+def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
+    from gpumagic.widgets import SyncProgressBar, SyncProgressText
+
+    p = sync.SyncProgress(files_total=4, bytes_total=4096, files_done=1, bytes_done=1024)
+    bar = SyncProgressBar(display=False)
+    bar(p)
+    assert (bar.bar.value, bar.bar.max) == (1024, 4096)
+    assert bar.label.value.startswith("1/4 files  1.0 KiB/4.0 KiB  ") and "ETA" in bar.label.value
+    bundle = bar._repr_mimebundle_()
+    assert bundle["text/plain"].startswith("sync progress: 1/4 files")
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    with open(tmp_path / "err.txt", "w") as f:
+        t = SyncProgressText(file=f)
+        t(p)
+        p.finished = True
+        t(p)
+    assert "done in" in t.text
+
+
+# -- tutorial --------------------------------------------------------------------------------
+
+
+def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
+    import nbformat
+
+    from gpumagic.__main__ import run_notebook
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("PYTHONPATH", str(repo))
+    out = run_notebook(repo / "example-notebooks" / "03-sync-code-and-results.ipynb", tmp_path,
+                       timeout=120)
+    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+
+    def text(i):
+        return "".join(o.get("text", "") for o in cells[i].outputs if o.output_type == "stream")
+
+    assert "connected to sandbox" in text(1)
+    assert "push project/ -> sandbox:" in text(2) and ": 3 files," in text(2)
+    assert ": 0 files, 0 B sent, 3 unchanged" in text(3)
+    assert "trained; wrote ['metrics.json', 'model.ckpt']" in text(4)
+    assert ": 2 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
+    assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
+    assert "1 files," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
+    # the progress bar was a widget, with a text fallback
+    bars = [o["data"] for o in cells[2].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(bars) == 1 and bars[0]["text/plain"].startswith("sync progress:")
+
+
+def test_missing_remote_python3_is_a_clear_error(tmp_path):
+    from conftest import make_server
+
+    from gpumagic.machine import Machine
+
+    server = make_server("nopython", env={"PATH": str(tmp_path / "empty-bin")})
+    try:
+        with Machine(server.spec()) as m:
+            with pytest.raises(SyncError, match="has no python3") as e:
+                m.push(str(tmp_path) + "/", "ws")
+            assert "apt-get install -y python3" in e.value.hint
+    finally:
+        server.stop()
+
+
+def test_pull_extraction_refuses_entries_it_did_not_ask_for(tmp_path):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        ti = tarfile.TarInfo("data")
+        ti.type, ti.linkname = tarfile.SYMTYPE, "/etc"
+        tf.addfile(ti)
+    buf.seek(0)
+    with pytest.raises(agent.AgentError, match="unexpected entry 'data'"):
+        agent.extract(str(tmp_path / "out"), buf, allowed={"data/passwd"})
+    assert not os.path.lexists(tmp_path / "out" / "data")
+    with pytest.raises(agent.AgentError, match="unsafe path"):
+        agent.check_rel("../escape")
+
+
+def test_checksum_sends_a_file_whose_size_and_mtime_match_but_content_differs(machine, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cfg.yaml").write_text("lr: 0.1\n")
+    remote = tmp_path / "remote"
+    machine.push(str(src) + "/", str(remote))
+    (remote / "cfg.yaml").write_text("lr: 0.9\n")
+    st = (src / "cfg.yaml").stat()
+    os.utime(remote / "cfg.yaml", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert machine.push(str(src) + "/", str(remote)).files_sent == 0
+    assert machine.push(str(src) + "/", str(remote), checksum=True).files_sent == 1
+    assert (remote / "cfg.yaml").read_text() == "lr: 0.1\n"
+
+
+def test_update_keeps_a_newer_remote_file(machine, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.txt").write_text("old local")
+    os.utime(src / "notes.txt", (1_600_000_000, 1_600_000_000))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "notes.txt").write_text("edited on the machine")
+    s = machine.push(str(src) + "/", str(remote), update=True)
+    assert s.newer == ["notes.txt"] and s.files_sent == 0
+    assert (remote / "notes.txt").read_text() == "edited on the machine"
