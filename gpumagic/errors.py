@@ -130,3 +130,7 @@ class RemoteCommandError(GpumagicError):
 
 class SandboxError(GpumagicError):
     """The local sandbox machine could not be started."""
+
+
+class JobError(GpumagicError):
+    """A detached job cannot be started, found or stopped as asked."""
