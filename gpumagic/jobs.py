@@ -350,6 +350,7 @@ jd=$(pwd -P)
 . ./env.sh
 export PYTHONUNBUFFERED="${PYTHONUNBUFFERED-1}"
 export GPUMAGIC_JOB="$(cat name)"
+echo "gpumagic job $GPUMAGIC_JOB: its output goes to $jd/log (tail -f it; Ctrl-b d detaches)"
 if [ -s stop_on ]; then
   /bin/sh ./watch.sh </dev/null >/dev/null 2>&1 &
 fi
@@ -415,7 +416,8 @@ reason=${1:-user}
 if [ -e exit_code ]; then echo "ended"; exit 0; fi
 pg=$(cat pid 2>/dev/null)
 tree() {  # the runner, its session and process group, and all their descendants (not us)
-  ps -e -o pid= -o ppid= -o sid= -o pgid= 2>/dev/null | awk -v root="$pg" -v me="$$" '
+  ps -e -o pid= -o ppid= -o sid= -o pgid= -o stat= 2>/dev/null | awk -v root="$pg" -v me="$$" '
+    $5 ~ /^Z/ { next }  # zombies are already dead (waiting for a parent to reap them)
     { pid[NR] = $1; pp[$1] = $2; if ($1 == root || $3 == root || $4 == root) keep[$1] = 1 }
     END {
       mine[me] = 1
@@ -539,7 +541,9 @@ for d in "$base"/*; do
   done
   [ -e "$d/stopped_by" ] && printf 'stopped_by\t%s\n' "$(head -n 1 "$d/stopped_by" | cut -c1-300)"
   p=$(cat "$d/pid" 2>/dev/null)
-  if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then printf 'alive\t1\n'; fi
+  if [ -n "$p" ] && kill -0 "$p" 2>/dev/null && ! ps -o stat= -p "$p" 2>/dev/null | grep -q '^Z'; then
+    printf 'alive\t1\n'
+  fi
   [ -f "$d/log" ] || continue
   printf 'last\t%s\n' "$(tail -c 4096 "$d/log" | tr '\r' '\n' | grep -a -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300)"
   tail -c "$scan" "$d/log" | tr '\r' '\n' | grep -a -i -E -m 6 -e "$are" | cut -c1-300 | while IFS= read -r l; do
@@ -592,7 +596,11 @@ cd "$d" || exit 0
 [ -e shutdown_command ] || { echo "none"; exit 0; }
 stop_timer() {
   p=$(cat shutdown_pid 2>/dev/null)
-  [ -n "$p" ] && kill -TERM "$p" 2>/dev/null && pkill -TERM -P "$p" 2>/dev/null
+  [ -n "$p" ] || return 0
+  for c in $(ps -e -o pid= -o ppid= 2>/dev/null | awk -v p="$p" '$2 == p { print $1 }'); do
+    kill -TERM "$c" 2>/dev/null
+  done
+  kill -TERM "$p" 2>/dev/null
 }
 if mv shutdown shutdown_cancelled 2>/dev/null; then stop_timer; echo "cancelled"; exit 0; fi
 [ -e shutdown_started ] && { echo "started"; exit 0; }
