@@ -342,11 +342,29 @@ find_tool() {  # find_tool NAME -> absolute path on $search
 }
 """
 
+#: ``procs``: one line per process, ``PID PPID SID PGID STATE``, from ``ps`` or, where
+#: ``ps`` is missing (slim containers), from ``/proc/PID/stat`` (proc(5): the fields after
+#: the parenthesised command name are state, ppid, pgrp, session).
+_PROCS_FN = r"""
+procs() {
+  if command -v ps >/dev/null 2>&1; then
+    ps -e -o pid= -o ppid= -o sid= -o pgid= -o stat= 2>/dev/null; return
+  fi
+  for f in /proc/[0-9]*/stat; do
+    read -r l < "$f" 2>/dev/null || continue
+    p=${f#/proc/}; p=${p%/stat}
+    set -- ${l##*) }
+    echo "$p $2 $4 $3 $1"
+  done
+}
+"""
+
 #: Runs the job: ``/bin/sh ./run.sh`` in the job directory (its pid is the group leader).
 RUN_SCRIPT = r"""# gpumagic job runner (do not edit while the job runs)
 echo $$ > pid.tmp && mv pid.tmp pid
 trap 'sig=1' TERM INT HUP
 jd=$(pwd -P)
+interp=$(cat interp)
 . ./env.sh
 export PYTHONUNBUFFERED="${PYTHONUNBUFFERED-1}"
 export GPUMAGIC_JOB="$(cat name)"
@@ -360,13 +378,13 @@ fi
   if [ -n "$wd" ] && ! cd -- "$wd" 2>/dev/null; then
     echo "gpumagic: cannot enter directory $wd on this machine"; exit 97
   fi
-  if [ "$(cat interp)" = python3 ]; then exec python3 -u "$jd/command"; fi
+  if [ "$interp" = python3 ]; then exec python3 -u "$jd/command"; fi
   exec bash "$jd/command"
 ) >>log 2>&1 </dev/null
 rc=$?
 date +%s > ended.tmp && mv ended.tmp ended
 # The job is over: stop whatever it left in its process group (the watcher too).
-for p in $(ps -e -o pid= -o pgid= 2>/dev/null | awk -v g=$$ '$2 == g && $1 != g { print $1 }'); do
+for p in $(procs | awk -v g=$$ '$4 == g && $1 != g && $5 !~ /^Z/ { print $1 }'); do
   kill -TERM "$p" 2>/dev/null
 done
 if [ "$rc" = 0 ] && [ -s shutdown_command ] && [ ! -e killed ]; then
@@ -387,7 +405,8 @@ if [ "$rc" = 0 ] && [ -s shutdown_command ] && [ ! -e killed ]; then
   fi
 fi
 echo "$rc" > exit_code.tmp && mv exit_code.tmp exit_code
-"""
+""".replace("# gpumagic job runner (do not edit while the job runs)\n",
+            "# gpumagic job runner (do not edit while the job runs)\n" + _PROCS_FN, 1)
 
 #: Follows the log and stops the job at the first line matching ``stop_on_re``.
 WATCH_SCRIPT = r"""# gpumagic --stop-on watcher: runs next to the job, on this machine
@@ -416,7 +435,7 @@ reason=${1:-user}
 if [ -e exit_code ]; then echo "ended"; exit 0; fi
 pg=$(cat pid 2>/dev/null)
 tree() {  # the runner, its session and process group, and all their descendants (not us)
-  ps -e -o pid= -o ppid= -o sid= -o pgid= -o stat= 2>/dev/null | awk -v root="$pg" -v me="$$" '
+  procs | awk -v root="$pg" -v me="$$" '
     $5 ~ /^Z/ { next }  # zombies are already dead (waiting for a parent to reap them)
     { pid[NR] = $1; pp[$1] = $2; if ($1 == root || $3 == root || $4 == root) keep[$1] = 1 }
     END {
@@ -454,7 +473,7 @@ fi
 echo "killed"
 kill -KILL -"$pg" 2>/dev/null
 exit 0
-""".replace("%(ticks)s", str(KILL_GRACE * 10))
+""".replace("%(ticks)s", str(KILL_GRACE * 10)).replace("# gpumagic job killer\n", "# gpumagic job killer\n" + _PROCS_FN, 1)
 
 #: One round trip that creates the job directory and starts the runner.
 #: Arguments: NAME WORKDIR INTERP STOP_ON SHUTDOWN_CMD SHUTDOWN_GRACE ALERTS TOOLDIRS ENV...
@@ -541,8 +560,9 @@ for d in "$base"/*; do
   done
   [ -e "$d/stopped_by" ] && printf 'stopped_by\t%s\n' "$(head -n 1 "$d/stopped_by" | cut -c1-300)"
   p=$(cat "$d/pid" 2>/dev/null)
-  if [ -n "$p" ] && kill -0 "$p" 2>/dev/null && ! ps -o stat= -p "$p" 2>/dev/null | grep -q '^Z'; then
-    printf 'alive\t1\n'
+  if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then
+    st=; read -r st < "/proc/$p/stat" 2>/dev/null; st=${st##*) }
+    case $st in Z*) ;; *) printf 'alive\t1\n' ;; esac  # a zombie has ended
   fi
   [ -f "$d/log" ] || continue
   printf 'last\t%s\n' "$(tail -c 4096 "$d/log" | tr '\r' '\n' | grep -a -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300)"

@@ -24,7 +24,7 @@ from IPython.utils.capture import capture_output
 from conftest import add_client_entry, make_server
 from gpumagic import jobs
 from gpumagic.display import job_alert, jobs_table
-from gpumagic.errors import JobError, RemoteTimeout
+from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
 from gpumagic.machine import Machine
 from gpumagic.jobs import Alert, JobInfo, classify, parse_listing, parse_stop_on, scan_alerts
 from gpumagic.shutdown import find_shutdown
@@ -498,21 +498,76 @@ def test_job_options_without_job_and_bad_values_are_usage_errors(ip):
         assert type(e.value) is UsageError and msg in str(e.value), line
 
 
-# -- case 5, the end: the recorder ran once, about a minute after the successful job -------
+@needs_tmux
+def test_job_runs_in_its_directory_with_its_env_and_pythonunbuffered_unless_set(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    a, b = jname("env1"), jname("env2")
+    ip.run_cell_magic("remote", f"--job {a} --cwd /tmp --env FOO=bar", 'echo "$PWD $FOO $PYTHONUNBUFFERED"')
+    ip.run_cell_magic("remote", f"--job {b} --env PYTHONUNBUFFERED=0", 'echo "$PYTHONUNBUFFERED $GPUMAGIC_JOB"')
+    assert m.job(a).wait(timeout=30).state_text == "exited 0"
+    m.job(b).wait(timeout=30)
+    assert (m.job(a).logs(), m.job(b).logs()) == ("/tmp bar 1\n", f"0 {b}\n")
 
 
 @needs_tmux
-def test_then_shutdown_calls_the_recorder_about_a_minute_after_success_and_not_after_failure(shutdown_jobs):
-    m, names, recorder = shutdown_jobs
-    ok = m.job(names["ok"]).wait(timeout=30)
-    assert wait_for(recorder.exists, ok.ended + 80 - time.time(), interval=0.5)
-    time.sleep(3)  # the failed and cancelled jobs ended at the same time as the ok one
-    calls = recorder.read_text().splitlines()
-    assert len(calls) == 1
-    when, job, args = calls[0].split(" ", 2)
-    assert (job, args) == (names["ok"], "-h now")
-    assert 58 <= int(when) - ok.ended <= 70
-    assert m.job(names["ok"]).info().shutdown_text == "shutdown ran"
+def test_no_alerts_hides_alerts_when_listing_and_following(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    name = jname("quiet")
+    ip.run_cell_magic("remote", f"--job {name} --no-alerts", "echo 'step 5 loss nan'")
+    with capture_output() as c:
+        ip.run_line_magic("gpu", f"logs {name} --follow")
+        ip.run_line_magic("gpu", "jobs")
+    assert "step 5 loss nan" in c.stdout and f"job {name} exited 0" in c.stdout
+    assert not any(name in o.data.get("text/plain", "") and "ALERT" in o.data.get("text/plain", "")
+                   for o in c.outputs)
+
+
+@needs_tmux
+def test_dropped_connection_while_following_leaves_the_job_running(machine):
+    job = machine.start_job(jname("drop"), "for i in 1 2 3 4 5; do echo tick $i; sleep 0.5; done")
+
+    def out(text):
+        machine.connection.transport.sock.close()
+
+    with pytest.raises(ConnectionLost) as e:
+        job.follow(out=out)
+    assert "the job keeps running there" in str(e.value) and "%gpu attach" in e.value.hint
+    assert job.info().state == "running"  # the next call reconnected by itself
+    assert job.wait(timeout=30).state_text == "exited 0"
+    assert job.logs() == "".join(f"tick {i}\n" for i in range(1, 6))
+
+
+@needs_tmux
+def test_a_job_whose_runner_was_killed_outright_reads_lost(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    job = m.start_job(jname("lost"), "sleep 600")
+    os.killpg(job.pid, 9)  # what a reboot or `kill -9 -PGID` does: no exit_code is written
+    assert wait_for(lambda: job.info().state == "lost", 5)
+    with capture_output() as c:
+        ip.run_line_magic("gpu", f"kill {job.name}")
+    assert f"job {job.name} is not running (lost); nothing to kill" in c.stdout
+
+
+def test_kill_on_a_machine_without_ps_still_ends_the_tree_and_escalates_to_sigkill(tmp_path_factory):
+    bindir = link_bin(tmp_path_factory.mktemp("bin-no-ps"), {"tmux", "ps"})
+    server = make_server("jobs-nops", env={"PATH": str(bindir)})
+    m = Machine(server.spec(), name="nops")
+    m.tool_dirs = ()
+    try:
+        assert m.exec("command -v ps").exit_code != 0
+        n = secrets.randbelow(900) + 100
+        marks = [f"sleep 73{n}1", f"sleep 73{n}2"]
+        job = m.start_job(jname("nops"), f"sh -c 'trap \"\" TERM; {marks[0]}' & {marks[1]}")
+        assert job.runner == "nohup"
+        assert wait_for(lambda: all(processes(x) for x in marks), 10)
+        assert job.kill().state_text == "killed (user)"
+        assert processes("|".join(marks)) == []
+    finally:
+        kill_all_jobs(Path(server.env["HOME"]))
+        m.close()
+        server.stop()
 
 
 # -- tutorial 04 ----------------------------------------------------------------------------
@@ -526,6 +581,7 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     names = ("tutorial-train", "tutorial-eval")
     home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # the sandbox's remote HOME is this user's
+    made = [p for p in (home / ".gpumagic", home / ".gpumagic" / "jobs") if not p.exists()]
     for n in names:
         if (home / ".gpumagic" / "jobs" / n / "pid").exists():
             subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=home / ".gpumagic/jobs" / n,
@@ -539,6 +595,9 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
             if (d / "kill.sh").exists():
                 subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
             shutil.rmtree(d, ignore_errors=True)
+        for p in reversed(made):  # leave this user's HOME as it was
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
 
     def text(cell):
         parts = []
@@ -556,3 +615,20 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
     assert re.search(r"tutorial-train\s+killed \(nan\)", everything)
     assert "cancelled the shutdown of sandbox armed by job tutorial-eval" in everything
     assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", []))
+
+
+# -- case 5, the end: the recorder ran once, about a minute after the successful job -------
+
+
+@needs_tmux
+def test_then_shutdown_calls_the_recorder_about_a_minute_after_success_and_not_after_failure(shutdown_jobs):
+    m, names, recorder = shutdown_jobs
+    ok = m.job(names["ok"]).wait(timeout=30)
+    assert wait_for(recorder.exists, ok.ended + 80 - time.time(), interval=0.5)
+    time.sleep(3)  # the failed and cancelled jobs ended at the same time as the ok one
+    calls = recorder.read_text().splitlines()
+    assert len(calls) == 1
+    when, job, args = calls[0].split(" ", 2)
+    assert (job, args) == (names["ok"], "-h now")
+    assert 58 <= int(when) - ok.ended <= 70
+    assert m.job(names["ok"]).info().shutdown_text == "shutdown ran"
