@@ -35,13 +35,6 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def html_table(rows: Sequence[Sequence[str]]) -> str:
-    head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r)
-                   + "</tr>" for r in rows[1:])
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
 # -- jobs -----------------------------------------------------------------------------------
 
 _STATE_COLOURS = {"running": "#1a7f37", "exited": "#57606a", "killed": "#cf222e", "lost": "#9a6700"}
@@ -100,8 +93,7 @@ def job_alert(job_name: str, alert, stopped: bool = False) -> Rendered:
 
 def job_started(job, machine_name: str) -> str:
     """One line: the job started, how to watch it."""
-    how = (f"tmux session {job.runner and 'gpumagic-' + job.name}" if job.runner == "tmux"
-           else "setsid nohup")
+    how = f"tmux session gpumagic-{job.name}" if job.runner == "tmux" else "setsid nohup"
     kept = f"; the earlier finished job of that name is kept as {job.archived}" if job.archived else ""
     return (f"started job {job.name} on {machine_name} ({how}){kept}; "
             f"`%gpu logs {job.name} --follow` to watch, `%gpu jobs` to list")

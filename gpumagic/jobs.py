@@ -29,10 +29,17 @@ user's login environment, as for ``%%remote`` cells), sets ``PYTHONUNBUFFERED=1`
 already set, runs the command with output appended to ``log``, and writes ``exit_code``.
 When the job ends, whatever it left in its process group is stopped.
 
+The job sees ``GPUMAGIC_JOB=<name>``.  A tmux user can watch it with
+``tmux attach -t gpumagic-<name>`` (the pane says where the log is).
+
 ``--stop-on`` starts ``watch.sh`` next to the command *on the remote*: it follows the log
 with ``grep -E`` and, at the first matching line, runs ``kill.sh REASON``.  ``kill.sh``
-sends SIGTERM to the process group, the session and every descendant of the runner, waits
-:data:`KILL_GRACE` seconds, then SIGKILLs what is left.  ``--then-shutdown`` makes
+first checks that the pid is still this job's runner (its ``/proc/PID/cwd`` is the job
+directory, so a pid reused after a reboot is never signalled), then sends SIGTERM to the
+process group, the session and every descendant of the runner (read from ``ps``, or from
+``/proc/*/stat`` where ``ps`` is missing), waits up to :data:`KILL_GRACE` seconds, and
+SIGKILLs what is left.  Processes that daemonize away (double fork) escape, as from any
+process-tree kill.  Zombies count as ended (some container init processes never reap them).  ``--then-shutdown`` makes
 ``run.sh`` arm a timer after a successful exit (code 0) that runs the command found by
 :func:`gpumagic.shutdown.find_shutdown` after the grace, unless cancelled.
 
@@ -362,7 +369,7 @@ procs() {
 #: Runs the job: ``/bin/sh ./run.sh`` in the job directory (its pid is the group leader).
 RUN_SCRIPT = r"""# gpumagic job runner (do not edit while the job runs)
 echo $$ > pid.tmp && mv pid.tmp pid
-trap 'sig=1' TERM INT HUP
+trap 'sig=1' TERM INT HUP  # a signal for the job must not stop us before exit_code is written
 jd=$(pwd -P)
 interp=$(cat interp)
 . ./env.sh
@@ -491,6 +498,7 @@ if [ -d "$d" ]; then
     echo "running"; exit 0
   fi
   old=$name-$(cat "$d/started" 2>/dev/null || date +%s)
+  [ -e "$base/$old" ] && old=$old-$$
   mv "$d" "$base/$old" 2>/dev/null && echo "archived $old"
 fi
 mkdir "$d" 2>/dev/null || { echo "running"; exit 0; }
@@ -524,6 +532,8 @@ export -p > env.sh
 tmux=$(find_tool tmux) || tmux=
 why=
 if [ -n "$tmux" ]; then
+  # A finished job's session kept open by a `remain-on-exit` setting would block the name.
+  "$tmux" kill-session -t "=gpumagic-$name" 2>/dev/null
   if err=$("$tmux" new-session -d -s "gpumagic-$name" -c "$d" /bin/sh ./run.sh 2>&1 </dev/null); then
     echo tmux > runner
   else
@@ -543,9 +553,11 @@ if [ -n "$tmux" ]; then echo "ok tmux $tmux $(cat pid 2>/dev/null)"
 else echo "ok nohup $setsid $(cat pid 2>/dev/null) $why"; fi
 """
 
-#: Lists jobs: ``sh -c LIST_SCRIPT list SCAN_BYTES ALERT_RE [NAME]``.
+#: Lists jobs: ``sh -c LIST_SCRIPT list SCAN_BYTES NAME_OR_EMPTY ALERT_RE...`` (one ERE per
+#: alert kind; the first two matching lines of each kind are reported).
 LIST_SCRIPT = r"""
-scan=$1 are=$2 only=$3
+scan=$1 only=$2
+shift 2
 printf 'now\t%s\n' "$(date +%s)"
 base=$HOME/.gpumagic/jobs
 [ -d "$base" ] || exit 0
@@ -566,8 +578,9 @@ for d in "$base"/*; do
   fi
   [ -f "$d/log" ] || continue
   printf 'last\t%s\n' "$(tail -c 4096 "$d/log" | tr '\r' '\n' | grep -a -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300)"
-  tail -c "$scan" "$d/log" | tr '\r' '\n' | grep -a -i -E -m 6 -e "$are" | cut -c1-300 | while IFS= read -r l; do
-    printf 'alert\t%s\n' "$l"
+  for are in "$@"; do
+    tail -c "$scan" "$d/log" | tr '\r' '\n' | grep -a -i -E -m 2 -e "$are" | cut -c1-300 |
+      while IFS= read -r l; do printf 'alert\t%s\n' "$l"; done
   done
 done
 """
@@ -775,6 +788,10 @@ class Job:
         except RemoteTimeout:
             raise RemoteTimeout(f"job {self.name} still runs after {timeout:g} s",
                                 f"wait longer, or `%gpu kill {self.name}`") from None
+        except ConnectionLost as e:
+            raise ConnectionLost(
+                f"lost the connection to {self.machine.name} while waiting for job {self.name}; "
+                "the job keeps running there", "wait again: gpumagic reconnects by itself") from e
         return self.info()
 
     def kill(self, reason: str = "user") -> JobInfo:
@@ -825,9 +842,7 @@ class _LineScanner:
 
 def list_jobs(machine, only: str | None = None) -> list[JobInfo]:
     """Every job on ``machine`` (one round trip), oldest first."""
-    args = [str(ALERT_SCAN_BYTES), _alert_re(ALERTS)]
-    if only:
-        args.append(only)
+    args = [str(ALERT_SCAN_BYTES), only or ""] + [pattern for pattern, _ in ALERTS.values()]
     r = machine.exec(_sh(LIST_SCRIPT, *args), timeout=120)
     return sorted(parse_listing(r.stdout), key=lambda j: (j.started or 0, j.name))
 

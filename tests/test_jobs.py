@@ -332,7 +332,7 @@ def test_tmux_only_in_local_bin_with_exec_path_lacking_it_runs_the_job_in_tmux(p
         job = m.start_job(name, "echo in tmux: $TMUX_PANE; sleep 1")
         home = path_server.env["HOME"]
         assert (job.runner, job.runner_path, job.note) == ("tmux", f"{home}/.local/bin/tmux", "")
-        assert m.exec(f"{home}/.local/bin/tmux has-session -t gpumagic-{name}").exit_code == 0
+        assert m.exec(f"{home}/.local/bin/tmux has-session -t =gpumagic-{name}").exit_code == 0
         assert job.wait(timeout=30).state_text == "exited 0"
         assert re.fullmatch(r"in tmux: %\d+\n", job.logs())
 
@@ -348,7 +348,7 @@ def test_without_tmux_the_job_runs_under_nohup_and_the_message_says_so_once(ip, 
     assert c.stdout.count("runs under setsid nohup instead") == 1
     assert "jobs-path has no usable tmux" in c.stdout
     assert f"started job {second} on jobs-path (setsid nohup)" in c.stdout
-    assert m.exec(f"{TMUX or 'tmux'} has-session -t gpumagic-{first}").exit_code != 0
+    assert m.exec(f"{TMUX or 'tmux'} has-session -t =gpumagic-{first}").exit_code != 0
     info = m.job(first).wait(timeout=30)
     assert (info.runner, info.state_text, m.job(first).logs()) == ("nohup", "exited 0", "one\n")
 
