@@ -887,6 +887,8 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
     """
     check_name(name)
     kinds = parse_stop_on(stop_on)
+    tool_dirs = tuple(tool_dirs)
+    searched = "its PATH" + (f" and {', '.join(tool_dirs)}" if tool_dirs else "")
     sd_cmd, grace = "", 0
     if then_shutdown is not None:
         if then_shutdown < 0:
@@ -911,10 +913,11 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
             continue  # not a shell variable name (e.g. an exported bash function)
         items.append(f"-{k}" if v is None else f"{k}={v}")
     work = cwd if cwd is not None else (machine.cwd or "")
-    stdin_env = {"RUN": RUN_SCRIPT, "KILL": KILL_SCRIPT, "WATCH": WATCH_SCRIPT,
-                 "STOP_RE": _alert_re(kinds) if kinds else ""}
-    stdin_env.update({f"RE_{k}": ALERTS[k][0] for k in ALERTS})
-    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in stdin_env.items())
+    # The launcher receives the job's scripts and patterns as environment variables.
+    launcher_env = {"RUN": RUN_SCRIPT, "KILL": KILL_SCRIPT, "WATCH": WATCH_SCRIPT,
+                    "STOP_RE": _alert_re(kinds) if kinds else ""}
+    launcher_env.update({f"RE_{k}": ALERTS[k][0] for k in ALERTS})
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in launcher_env.items())
     line = prefix + " " + _q(["/bin/sh", "-c", LAUNCH_SCRIPT, "launch", name, work,
                               "python3" if python else "bash", ",".join(kinds), sd_cmd, str(grace),
                               "1" if alerts else "0", ":".join(tool_dirs), *items])
@@ -926,7 +929,7 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
                        f"pick another name, or `%gpu kill {name}` first")
     if res["status"] == "norunner":
         raise JobError(f"cannot start a detached job on {machine.name}: neither tmux nor "
-                       f"setsid+nohup was found (searched its PATH and {', '.join(tool_dirs)})",
+                       f"setsid+nohup was found (searched {searched})",
                        f"install tmux on {machine.name}: `apt install tmux` "
                        "(or `conda install -c conda-forge tmux`)")
     if res["status"] != "ok":
@@ -934,8 +937,7 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
                        "check the remote HOME is writable (`df -h ~`)")
     note = ""
     if res["runner"] == "nohup":
-        why = f" (tmux failed: {res['tmux_error']})" if res["tmux_error"] else " (no tmux on its PATH or in " \
-              f"{', '.join(tool_dirs)})"
+        why = f" (tmux failed: {res['tmux_error']})" if res["tmux_error"] else f" (searched {searched})"
         note = (f"{machine.name} has no usable tmux{why}: job {name} runs under setsid nohup instead; "
                 "it survives disconnects, but `tmux attach` will not show it (`apt install tmux` for that)")
     return Job(machine, name, runner=res["runner"], runner_path=res["path"], note=note,

@@ -343,14 +343,14 @@ def test_without_tmux_the_job_runs_under_nohup_and_the_message_says_so_once(ip, 
     m.tool_dirs = ()  # nothing after the exec PATH, which has no tmux
     first, second = jname("nohup1"), jname("nohup2")
     with capture_output() as c:
-        ip.run_cell_magic("remote", f"--job {first}", "echo one; sleep 1")
+        ip.run_cell_magic("remote", f"--job {first}", "echo one ${TMUX_PANE:-outside-tmux}; sleep 1")
         ip.run_cell_magic("remote", f"--job {second}", "echo two")
     assert c.stdout.count("runs under setsid nohup instead") == 1
     assert "jobs-path has no usable tmux" in c.stdout
     assert f"started job {second} on jobs-path (setsid nohup)" in c.stdout
     assert m.exec(f"{TMUX or 'tmux'} has-session -t =gpumagic-{first}").exit_code != 0
     info = m.job(first).wait(timeout=30)
-    assert (info.runner, info.state_text, m.job(first).logs()) == ("nohup", "exited 0", "one\n")
+    assert (info.runner, info.state_text, m.job(first).logs()) == ("nohup", "exited 0", "one outside-tmux\n")
 
 
 def test_with_neither_tmux_nor_nohup_the_error_names_the_machine_and_apt_install(tmp_path_factory):
