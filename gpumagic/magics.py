@@ -256,6 +256,14 @@ def _cd(magics: GpuMagics, line: str):
 # -- jobs ---------------------------------------------------------------------------------
 
 
+def _job_name(name: str) -> str:
+    from .jobs import NAME_RE
+
+    if not NAME_RE.fullmatch(name):
+        raise UsageError(f"{name!r} is not a job name: use letters, digits, '-' and '_' (see `%gpu jobs`)")
+    return name
+
+
 def _display(obj) -> None:
     from IPython.display import display
 
@@ -321,7 +329,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
     from . import display as show
 
     machine = magics.session.get(host)
-    job = machine.job(name)
+    job = machine.job(_job_name(name))
     before = job.info()
     seen: set[str] = set()
 
@@ -356,7 +364,7 @@ def _logs(magics: GpuMagics, line: str):
     if args.follow:
         return _follow(magics, args.name, args.host, lines)
     machine = magics.session.get(args.host)
-    job = machine.job(args.name)
+    job = machine.job(_job_name(args.name))
     text = job.logs(lines)
     print(text, end="" if text.endswith("\n") or not text else "\n")
     info = job.info()
@@ -391,7 +399,7 @@ def _kill(magics: GpuMagics, line: str):
     if args is None:
         return
     machine = magics.session.get(args.host)
-    job = machine.job(args.name)
+    job = machine.job(_job_name(args.name))
     if args.shutdown:
         what = job.cancel_shutdown()
         print({"cancelled": f"cancelled the shutdown of {machine.name} armed by job {args.name}",
