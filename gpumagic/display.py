@@ -83,7 +83,7 @@ def jobs_table(jobs, machine_name: str) -> Rendered:
 
 def job_alert(job_name: str, alert, stopped: bool = False) -> Rendered:
     """A visible alert for a log line (:class:`gpumagic.jobs.Alert`)."""
-    action = " -- the job was stopped (--stop-on)" if stopped else ""
+    action = " -- --stop-on stops the job" if stopped else ""
     text = f"!! ALERT job {job_name}: {alert.label} in the log{action}\n   {alert.line}"
     return Rendered(text, (
         "<div style='border-left:4px solid #cf222e;background:#ffebe9;padding:4px 8px;margin:4px 0'>"
@@ -104,7 +104,10 @@ def job_ended(info) -> str:
     from .jobs import format_duration
 
     line = f"job {info.name} {info.state_text} after {format_duration(info.run_seconds)}"
-    if info.state == "running":
+    if info.state == "lost":
+        line = (f"job {info.name} is lost: its runner is gone without an exit code "
+                "(the machine rebooted, or something killed it with SIGKILL)")
+    elif info.state == "running":
         line = f"job {info.name} is still running ({format_duration(info.run_seconds)} so far)"
     if info.shutdown_text:
         line += f"; {info.shutdown_text}"

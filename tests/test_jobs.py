@@ -382,7 +382,7 @@ def test_stop_on_nan_alerts_with_the_line_kills_the_job_and_reads_killed_nan(ip)
         ip.run_line_magic("gpu", f"attach {name}")
     alerts = [o for o in c.outputs if "ALERT" in o.data.get("text/plain", "")]
     assert len(alerts) == 1
-    assert "NaN/inf loss in the log -- the job was stopped (--stop-on)" in alerts[0].data["text/plain"]
+    assert "NaN/inf loss in the log -- --stop-on stops the job" in alerts[0].data["text/plain"]
     assert "step 20 loss nan" in alerts[0].data["text/plain"]
     assert "step 20 loss nan" in alerts[0].data["text/html"]
     assert c.stdout.startswith("step 10 loss 2.31\nstep 20 loss nan\n")
@@ -548,6 +548,9 @@ def test_a_job_whose_runner_was_killed_outright_reads_lost(ip):
     with capture_output() as c:
         ip.run_line_magic("gpu", f"kill {job.name}")
     assert f"job {job.name} is not running (lost); nothing to kill" in c.stdout
+    with capture_output() as c:
+        ip.run_line_magic("gpu", f"logs {job.name} --follow")
+    assert f"job {job.name} is lost: its runner is gone without an exit code" in c.stdout
 
 
 def test_kill_on_a_machine_without_ps_still_ends_the_tree_and_escalates_to_sigkill(tmp_path_factory):
@@ -610,7 +613,7 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
     everything = "\n".join(text(c) for c in code)
     assert "started job tutorial-train on sandbox" in everything
     assert re.search(r"tutorial-train\s+running", everything)  # listed again after reconnecting
-    assert "NaN/inf loss in the log -- the job was stopped (--stop-on)" in everything
+    assert "NaN/inf loss in the log -- --stop-on stops the job" in everything
     assert "job tutorial-train killed (nan) after" in everything
     assert re.search(r"tutorial-train\s+killed \(nan\)", everything)
     assert "cancelled the shutdown of sandbox armed by job tutorial-eval" in everything
