@@ -265,6 +265,24 @@ def test_then_shutdown_is_refused_where_the_machine_cannot_shut_down(machine):
     assert name not in [j.name for j in machine.jobs()]
 
 
+def test_then_shutdown_is_never_armed_for_real_on_the_sandbox(shutdown_server):
+    from types import SimpleNamespace
+
+    # A machine that could shut down (the recorder server) but is marked as the sandbox,
+    # i.e. this computer, whose own stand-in directory the plan does not point into.
+    m = Machine(shutdown_server.spec(), name="sandbox",
+                sandbox=SimpleNamespace(server=SimpleNamespace(bin=Path("/nonexistent-sandbox-bin"))))
+    try:
+        name = jname("sd-sandbox")
+        with pytest.raises(JobError) as e:
+            m.start_job(name, "exit 1", then_shutdown=1)
+        assert "the sandbox is this computer, and gpumagic will not arm a real shutdown" in str(e.value)
+        assert name not in [j.name for j in m.jobs()]
+    finally:
+        m.sandbox = None  # not a real sandbox: nothing to stop
+        m.close()
+
+
 # -- case 1: a job survives the connection and the shell that started it -------------------
 
 _STARTER = """
@@ -393,6 +411,14 @@ def test_stop_on_nan_alerts_with_the_line_kills_the_job_and_reads_killed_nan(ip)
     assert "never" not in m.job(name).logs()
     pid = int(m.exec(f"cat ~/.gpumagic/jobs/{name}/pid").stdout)
     assert wait_for(lambda: not session_members(pid), 5) is True
+
+
+@needs_tmux
+def test_stop_on_oom_names_the_kind_that_matched(machine):
+    job = machine.start_job(jname("oomstop"), "echo 'RuntimeError: CUDA error: out of memory'; sleep 30",
+                            stop_on="nan,oom")
+    info = job.wait(timeout=30)
+    assert (info.state_text, info.stopped_by) == ("killed (oom)", "RuntimeError: CUDA error: out of memory")
 
 
 # -- case 4: %gpu kill leaves no process of the job ------------------------------------------
