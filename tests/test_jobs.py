@@ -296,29 +296,28 @@ shell.run_cell_magic("remote", "--job {name}", "for i in $(seq 1 20); do echo li
 """
 
 
-@needs_tmux
-def test_job_survives_closing_connection_and_shell_then_exits_0_with_all_20_lines(ip):
+@pytest.fixture(scope="module")
+def survivor(sshd):
+    """A job started by another Python process (its own IPython shell and SSH connection),
+    which then exits.  Started once, early: the job runs 20 s while other tests run."""
     name = jname("survive")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", _STARTER.format(name=name)], env=env,
                        capture_output=True, text=True, timeout=60)
+    return name, r
+
+
+@needs_tmux
+def test_job_survives_closing_connection_and_shell_and_a_fresh_shell_lists_it_running(ip, survivor):
+    name, r = survivor
     assert r.returncode == 0, r.stderr
     assert f"started job {name} on testgpu (tmux session gpumagic-{name})" in r.stdout
-    # That process (its kernel and its SSH connection) is gone; a fresh shell connects.
+    # That process (its shell and its SSH connection) is gone; a fresh shell connects.
     ip.run_line_magic("gpu", "connect testgpu")
     with capture_output() as c:
         ip.run_line_magic("gpu", "jobs")
     row = next(ln for ln in shown(c).splitlines() if ln.startswith(name))
     assert row.split()[1] == "running"
-    m = ip._gpumagic.session.get()
-    info = m.job(name).wait(timeout=60)
-    assert info.state_text == "exited 0"
-    assert info.run_seconds >= 19  # it ran its whole course, not cut short by the disconnect
-    assert m.job(name).logs(None) == "".join(f"line {i}\n" for i in range(1, 21))
-    with capture_output() as c:
-        ip.run_line_magic("gpu", "jobs")
-    row = next(ln for ln in shown(c).splitlines() if ln.startswith(name))
-    assert "exited 0" in row and row.endswith("line 20")
 
 
 # -- case 2: tmux found outside the exec PATH; nohup fallback; neither ---------------------
@@ -482,7 +481,7 @@ def test_python_job_output_reaches_the_log_unbuffered_and_wait_times_out(machine
     assert job.info().state == "running"
     with pytest.raises(RemoteTimeout):
         job.wait(timeout=0.5)
-    assert job.wait(timeout=30).state_text == "exited 0"
+    assert job.kill().state_text == "killed (user)"
 
 
 @needs_tmux
@@ -597,6 +596,21 @@ def test_kill_on_a_machine_without_ps_still_ends_the_tree_and_escalates_to_sigki
         kill_all_jobs(Path(server.env["HOME"]))
         m.close()
         server.stop()
+
+
+@needs_tmux
+def test_the_surviving_job_later_shows_exited_0_with_all_20_lines_in_its_log(ip, survivor):
+    name, _ = survivor
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    info = m.job(name).wait(timeout=60)
+    assert info.state_text == "exited 0"
+    assert info.run_seconds >= 19  # it ran its whole course, not cut short by the disconnect
+    assert m.job(name).logs(None) == "".join(f"line {i}\n" for i in range(1, 21))
+    with capture_output() as c:
+        ip.run_line_magic("gpu", "jobs")
+    row = next(ln for ln in shown(c).splitlines() if ln.startswith(name))
+    assert "exited 0" in row and row.endswith("line 20")
 
 
 # -- tutorial 04 ----------------------------------------------------------------------------
