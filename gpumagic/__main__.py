@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ def _sandbox(args) -> int:
     with Sandbox(fake_gpu=args.fake_gpu) as sb:
         s = sb.server
         print(f"sandbox sshd running at {s.host}:{s.port} as {s.user} (keys in {s.dir})")
-        print("reach it with:\n  " + " ".join(s.ssh_command()))
+        print("reach it with:\n  " + shlex.join(s.ssh_command()))
         print("or add to ~/.ssh/config:\n" + s.ssh_config_block())
         print("Ctrl-C stops it.")
         try:

@@ -187,11 +187,24 @@ class Connection:
                                    default_max_packet_size=MAX_PACKET_SIZE)
             try:
                 self._prefer_known_key_types(t)
+                t.banner_timeout = t.handshake_timeout = self.spec.connect_timeout
                 try:
-                    t.start_client(timeout=self.spec.connect_timeout)
+                    # start_client returns silently when its own timeout passes first.
+                    t.start_client(timeout=self.spec.connect_timeout + 1)
+                    handshake_done = t.is_active() and getattr(t, "host_key", None) is not None
+                    error = None
                 except (paramiko.SSHException, EOFError, OSError) as e:
+                    handshake_done, error = False, e
+                if not handshake_done:
+                    if error is None or "banner" in str(error).lower() or isinstance(
+                            error, (socket.timeout, TimeoutError)):
+                        raise ConnectTimeout(
+                            f"{self.spec.address} accepted the connection but the SSH handshake did "
+                            f"not finish within {self.spec.connect_timeout:g} s",
+                            "check that this port is the machine's SSH port (not a web or Jupyter port)",
+                        )
                     raise ConnectionLost(
-                        f"SSH handshake with {self.spec.address} failed: {e or type(e).__name__}",
+                        f"SSH handshake with {self.spec.address} failed: {error or type(error).__name__}",
                         "check that the port is the machine's SSH port and that sshd is running there",
                     )
                 self._check_host_key(t)

@@ -1,7 +1,7 @@
-"""Text and HTML renderings (no IPython, no ipywidgets): the magics display these.
+"""Text and HTML renderings (no ipywidgets, no IPython).
 
-Each rendering is a :class:`Rendered` with a readable ``text/plain`` form (its ``repr``)
-and an HTML form for notebooks.
+Each view is a :class:`Rendered` (text/plain and text/html), which IPython displays through
+``_repr_mimebundle_``; a front end without HTML shows the text, never a repr or JSON.
 """
 
 from __future__ import annotations
@@ -11,22 +11,165 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from .gpu import DoctorReport, Gpu, GpuStatus, Level, known
+
 
 @dataclass(frozen=True)
 class Rendered:
-    """Something to display: ``text`` for terminals and logs, ``html`` for notebooks."""
+    """A view with a text/plain form and, optionally, a text/html form."""
 
     text: str
     html: str = ""
 
-    def __repr__(self) -> str:
-        return self.text
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        data = {"text/plain": self.text}
+        if self.html:
+            data["text/html"] = self.html
+        return data
 
     def __str__(self) -> str:
         return self.text
 
-    def _repr_html_(self) -> str | None:
-        return self.html or None
+    __repr__ = __str__
+
+
+def escape(x) -> str:
+    """``str(x)`` made safe for HTML."""
+    return html.escape(str(x))
+
+
+# -- GPU status (%gpu status) ----------------------------------------------------------------
+
+def reading(v, fmt="{}", unit="") -> str:
+    """A reading, or ``n/a`` when unknown."""
+    return (fmt.format(v) + unit) if known(v) else "n/a"
+
+
+def watts(v) -> str:
+    # nvidia-smi's own table truncates watts (691.68 W is shown as 691W).
+    return str(int(v)) if known(v) else "n/a"
+
+
+def gpu_line(gpu: Gpu) -> str:
+    """``GPU0 NVIDIA H200 | util 100% | mem 20213/143771 MiB | 58C | 691/700 W``."""
+    name = gpu.name if known(gpu.name) else "(name unknown)"
+    mem = f"{reading(gpu.memory_used_mib)}/{reading(gpu.memory_total_mib)} MiB"
+    return (f"{gpu.label} {name} | util {reading(gpu.utilization_gpu_pct, unit='%')} | mem {mem} | "
+            f"{reading(gpu.temperature_c, unit='C')} | {watts(gpu.power_draw_w)}/{watts(gpu.power_limit_w)} W")
+
+
+def process_lines(status: GpuStatus, gpu: Gpu) -> list[str]:
+    """The processes on ``gpu``, or why none are listed."""
+    procs = status.processes_on(gpu)
+    out = [f"  {p.name} (pid {p.pid}) {reading(p.used_mib)} MiB" for p in procs]
+    hidden = status.hidden_use_mib(gpu)
+    if hidden:
+        out.append(f"  {hidden} MiB in use by processes not visible here "
+                   "(other containers on this GPU, or outside your namespace)")
+    if not out:
+        out.append("  no processes")
+    return out
+
+
+def status_header(status: GpuStatus) -> str:
+    """``host: driver 580.159.04, CUDA 13.0 (driver maximum)``, or the failure kind and message."""
+    who = status.host or "machine"
+    if not status.ok:
+        return f"{who}: {status.kind.value}: {status.message}"
+    return f"{who}: driver {status.driver_version}, CUDA {status.cuda_version} (driver maximum)"
+
+
+def status_text(status: GpuStatus) -> str:
+    """Plain-text status: a header, one line per GPU, its processes."""
+    lines = [status_header(status)]
+    if not status.ok:
+        if status.hint:
+            lines.append(f"  hint: {status.hint}")
+        return "\n".join(lines)
+    for g in status.gpus:
+        lines.append(gpu_line(g))
+        lines += process_lines(status, g)
+    for bad in status.skipped:
+        lines.append(f"  (unreadable line from nvidia-smi: {bad})")
+    return "\n".join(lines)
+
+
+def _bar(pct: float, color: str) -> str:
+    pct = max(0.0, min(100.0, pct))
+    return (f'<div style="display:inline-block;width:160px;height:10px;background:#e5e5e5;'
+            f'vertical-align:middle"><div style="width:{pct:.0f}%;height:100%;background:{color}">'
+            "</div></div>")
+
+
+def status_html(status: GpuStatus) -> str:
+    """HTML status: per GPU, memory and utilisation bars, temperature, power, processes."""
+    if not status.ok:
+        return (f"<div><b>{escape(status_header(status))}</b><br>"
+                f"<span>hint: {escape(status.hint)}</span></div>")
+    rows = []
+    for g in status.gpus:
+        mem_pct = (100.0 * g.memory_used_mib / g.memory_total_mib
+                   if known(g.memory_used_mib) and known(g.memory_total_mib) and g.memory_total_mib else 0.0)
+        util = g.utilization_gpu_pct if known(g.utilization_gpu_pct) else 0
+        procs = "<br>".join(escape(x.strip()) for x in process_lines(status, g))
+        rows.append(
+            f"<tr><td><b>{escape(g.label)}</b> {escape(g.name)}</td>"
+            f"<td>{_bar(mem_pct, '#4a90d9')} {escape(reading(g.memory_used_mib))}/"
+            f"{escape(reading(g.memory_total_mib))} MiB</td>"
+            f"<td>{_bar(util, '#5cb85c')} {escape(reading(g.utilization_gpu_pct, unit='%'))}</td>"
+            f"<td>{escape(reading(g.temperature_c, unit=' C'))}</td>"
+            f"<td>{escape(watts(g.power_draw_w))}/{escape(watts(g.power_limit_w))} W</td>"
+            f"<td>{procs}</td></tr>")
+    return (f"<div><b>{escape(status_header(status))}</b><table>"
+            "<tr><th>GPU</th><th>memory</th><th>utilisation</th><th>temp</th><th>power</th>"
+            "<th>processes</th></tr>" + "".join(rows) + "</table></div>")
+
+
+def render_status(status: GpuStatus) -> Rendered:
+    """The status as text/plain and text/html."""
+    return Rendered(status_text(status), status_html(status))
+
+
+# -- doctor (%gpu doctor) ----------------------------------------------------------------------
+
+_LEVEL_TEXT = {Level.OK: "ok", Level.WARN: "WARN", Level.FAIL: "FAIL"}
+_LEVEL_COLOR = {Level.OK: "#2e7d32", Level.WARN: "#b26a00", Level.FAIL: "#c62828"}
+
+
+def doctor_summary(report: DoctorReport) -> str:
+    """``host doctor: 1 fail, 2 warn, 7 ok``."""
+    counts = {lv: sum(c.level is lv for c in report.checks) for lv in Level}
+    return (f"{report.host or 'machine'} doctor: {counts[Level.FAIL]} fail, "
+            f"{counts[Level.WARN]} warn, {counts[Level.OK]} ok")
+
+
+def doctor_text(report: DoctorReport) -> str:
+    """The checks as a text table; each warning or failure followed by its fix."""
+    width = max((len(c.name) for c in report.checks), default=4)
+    lines = [doctor_summary(report)]
+    for c in report.checks:
+        lines.append(f"  {_LEVEL_TEXT[c.level]:<4}  {c.name:<{width}}  {c.summary}")
+        if c.fix and c.level is not Level.OK:
+            lines.append(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def doctor_html(report: DoctorReport) -> str:
+    """The checks as an HTML table, the level coloured."""
+    rows = "".join(
+        f"<tr><td style='color:{_LEVEL_COLOR[c.level]};font-weight:bold'>{_LEVEL_TEXT[c.level]}</td>"
+        f"<td>{escape(c.name)}</td><td>{escape(c.summary)}"
+        + (f"<br><i>fix: {escape(c.fix)}</i>" if c.fix and c.level is not Level.OK else "")
+        + "</td></tr>" for c in report.checks)
+    return f"<div><b>{escape(doctor_summary(report))}</b><table>{rows}</table></div>"
+
+
+def render_doctor(report: DoctorReport) -> Rendered:
+    """The doctor's table as text/plain and text/html."""
+    return Rendered(doctor_text(report), doctor_html(report))
+
+
+# -- jobs (%%remote --job, %gpu jobs/logs/attach/kill) --------------------------------------
 
 
 def text_table(rows: Sequence[Sequence[str]]) -> str:
@@ -34,8 +177,6 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
-
-# -- jobs -----------------------------------------------------------------------------------
 
 _STATE_COLOURS = {"running": "#1a7f37", "exited": "#57606a", "killed": "#cf222e", "lost": "#9a6700"}
 

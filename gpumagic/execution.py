@@ -229,32 +229,14 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     start = time.monotonic()
     try:
         chan.exec_command(command)
-        chan.setblocking(False)
-        while True:
-            got = False
-            if chan.recv_ready():
-                data = chan.recv(65536)
-                if data:
-                    out.feed(marker.feed(data))
-                    got = True
-            if chan.recv_stderr_ready():
-                data = chan.recv_stderr(65536)
-                if data:
-                    err.feed(data)
-                    got = True
-            if got:
-                continue
-            if chan.exit_status_ready() and (chan.eof_received or chan.closed):
-                break
-            if not conn.is_connected:
-                raise _lost(conn)
-            if timeout is not None and time.monotonic() - start > timeout:
-                _stop(chan)
-                raise RemoteTimeout(
-                    f"the command ran past its timeout of {timeout:g} s and was stopped",
-                    "raise --timeout, or run it as a job (%%remote --job) if it is meant to run long",
-                )
-            select.select([chan], [], [], 0.2)
+        try:
+            _pump(conn, chan, lambda data: out.feed(marker.feed(data)), err.feed, timeout, start)
+        except _Timeout:
+            _stop(chan)
+            raise RemoteTimeout(
+                f"the command ran past its timeout of {timeout:g} s and was stopped",
+                "raise --timeout, or run it as a job (%%remote --job) if it is meant to run long",
+            )
         out.feed(marker.flush(), final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()
@@ -272,6 +254,59 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         raise RemoteCommandError(f"remote command exited with code {code}", exit_code=code,
                                  stdout=result.stdout, stderr=result.stderr)
     return result
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], None],
+          on_err: Callable[[bytes], None], timeout: float | None, start: float,
+          stdin: bytes | None = None) -> None:
+    """Move data until the command exits: read stdout and stderr as they come (never one
+    while the other's window fills up), and send ``stdin`` (then EOF) as the channel takes it.
+
+    ``stdin=None`` leaves the channel's stdin open (the cell wrapper's watchdog needs it).
+
+    Raises
+    ------
+    ConnectionLost
+        The transport died before an exit status arrived.
+    _Timeout
+        ``timeout`` seconds passed since ``start``.
+    """
+    chan.setblocking(False)
+    pending = memoryview(stdin) if stdin else None
+    if stdin is not None and not stdin:
+        chan.shutdown_write()
+    while True:
+        busy = False
+        if pending is not None and chan.send_ready():
+            sent = chan.send(pending[:65536])
+            pending = pending[sent:]
+            if not pending:
+                chan.shutdown_write()
+                pending = None
+            busy = True
+        if chan.recv_ready():
+            data = chan.recv(65536)
+            if data:
+                on_out(data)
+                busy = True
+        if chan.recv_stderr_ready():
+            data = chan.recv_stderr(65536)
+            if data:
+                on_err(data)
+                busy = True
+        if busy:
+            continue
+        if chan.exit_status_ready() and (chan.eof_received or chan.closed):
+            return
+        if not conn.is_connected:
+            raise _lost(conn)
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise _Timeout()
+        select.select([chan], [], [], 0.01 if pending is not None else 0.2)
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
@@ -313,29 +348,12 @@ def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
     start = time.monotonic()
     out, err = _Stream(None, True), _Stream(None, True)
     try:
-        if timeout is not None:
-            chan.settimeout(timeout)
         chan.exec_command(command)
-        if stdin is not None:
-            chan.sendall(stdin)
-        chan.shutdown_write()
-        chan.setblocking(False)
-        while True:
-            got = False
-            if chan.recv_ready():
-                out.feed(chan.recv(65536)); got = True
-            if chan.recv_stderr_ready():
-                err.feed(chan.recv_stderr(65536)); got = True
-            if got:
-                continue
-            if chan.exit_status_ready() and (chan.eof_received or chan.closed):
-                break
-            if not conn.is_connected:
-                raise _lost(conn)
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise RemoteTimeout(f"`{command[:60]}` took longer than {timeout:g} s",
-                                    "check the machine's load, then try again")
-            select.select([chan], [], [], 0.2)
+        try:
+            _pump(conn, chan, out.feed, err.feed, timeout, start, stdin=stdin or b"")
+        except _Timeout:
+            raise RemoteTimeout(f"`{command[:60]}` took longer than {timeout:g} s",
+                                "check the machine's load, then try again")
         out.feed(b"", final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()

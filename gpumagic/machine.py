@@ -14,11 +14,11 @@ import os
 import sys
 from typing import Callable, Mapping, Sequence
 
-from . import execution, jobs
+from . import execution, gpu, jobs
 from .connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import RemoteCommandError
+from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
-from .hosts import HostSpec, resolve
+from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 
 
 class Machine:
@@ -160,6 +160,31 @@ class Machine:
         """
         return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
 
+    # -- GPU status and preflight (gpumagic/gpu.py) -----------------------------------------
+
+    def gpu_status(self, *, cuda_version: str | None = None) -> gpu.GpuStatus:
+        """A snapshot of the GPUs in one round trip; see :func:`gpumagic.gpu.query_status`.
+
+        Whatever nvidia-smi says (no driver, driver/library mismatch) becomes the
+        status's ``kind``; only connection trouble raises.
+        """
+        return gpu.query_status(self, cuda_version=cuda_version)
+
+    def doctor(self, *, expect_gpu: str | None = None, expect_count: int | None = None,
+               sample: int = 0) -> gpu.DoctorReport:
+        """Preflight checks gathered in one round trip; see :func:`gpumagic.gpu.run_doctor`.
+
+        Parameters
+        ----------
+        expect_gpu : str, optional
+            The model rented ("H200"); matched inside the GPU name.
+        expect_count : int, optional
+            The number of GPUs rented.
+        sample : int
+            Seconds to sample GPU and CPU utilisation for (0: no sampling).
+        """
+        return gpu.run_doctor(self, expect_gpu=expect_gpu, expect_count=expect_count, sample=sample)
+
     # -- detached jobs (gpumagic/jobs.py) --------------------------------------------------
 
     def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
@@ -211,9 +236,12 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     Parameters
     ----------
     target : str
-        A ``~/.ssh/config`` alias or ``[user@]host[:port]``.
+        A ``~/.ssh/config`` alias, ``[user@]host[:port]``, or a pasted ``ssh ...`` command
+        line (``ssh -p 41022 -i ~/.ssh/key root@203.0.113.10``; see
+        :func:`gpumagic.hosts.parse_ssh_command`).
     port, key, jump, user : optional
-        Like ``ssh -p``, ``-i``, ``-J``, ``-l``; they win over ~/.ssh/config.
+        Like ``ssh -p``, ``-i``, ``-J``, ``-l``; they win over ~/.ssh/config and over the
+        values in a pasted ssh line.
     name : str, optional
         The machine's name in gpumagic (default: ``target``).
     cwd : str, optional
@@ -246,12 +274,27 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
             from .errors import ConfigError
 
             raise ConfigError("no machine given", "name a ~/.ssh/config alias or user@host[:port]")
-        spec = resolve(target, home=home, port=port, user=user, identity_file=key, proxy_jump=jump)
+        notes = []
+        if is_ssh_command(target):
+            spec, notes = resolve_ssh_command(target, home=home, port=port, user=user, key=key,
+                                              jump=jump)
+            name = name or spec.alias
+        else:
+            spec = resolve(target, home=home, port=port, user=user, identity_file=key,
+                           proxy_jump=jump)
     m = Machine(spec, name=name, cwd=cwd, trust_new_host=trust_new_host, home=home,
                 passphrase_prompt=passphrase_prompt, sandbox=sb)
+    if not sandbox:
+        m.connection.notes.extend(notes)
     if not lazy:
         try:
             m.connect()
+        except UnknownHostKey as e:
+            m.close()
+            if target and is_ssh_command(target):  # the alias-based hint would lose -p etc.
+                e.hint = ("if that matches the fingerprint your platform shows, run the same "
+                          "line again with --trust-new-host added")
+            raise
         except BaseException:
             m.close()
             raise

@@ -8,17 +8,25 @@ arguments raise exactly ``UsageError``; everything else is a ``GpumagicError`` w
 
 from __future__ import annotations
 
+import getpass
+import shlex
+import sys
 import time
 from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display as ipy_display
 from traitlets import Unicode
 
-from . import known_hosts
+from . import known_hosts, setup, widgets
+from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from .errors import RemoteCommandError
-from .hosts import config_aliases, load_ssh_config, parse_target, ssh_dir
+from .gpu import Watcher, failure_hint
+from .jobs import NAME_RE, parse_stop_on, scan_alerts
+from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
+                    ssh_dir)
 from .session import Session
 
 #: name -> (function(magics, line), one-line help).  Filled by ``@subcommand`` below.
@@ -38,6 +46,10 @@ def subcommand(name: str, summary: str):
 def parse(fn, line: str, name: str):
     """Parse ``line`` with ``fn``'s magic_arguments parser; ``-h`` prints help."""
     fn.parser.prog = f"%gpu {name}"
+    if any(tok in ("-h", "--help") for tok in line.split()):  # IPython's parser has add_help=False
+        # IPython's parser formats help for docstrings ("::", "%%"); show it as typed.
+        print("usage: " + fn.parser.format_help().lstrip(": \n").replace("%%", "%"))
+        return None
     try:
         return parse_argstring(fn, line)
     except SystemExit:  # argparse after printing --help
@@ -66,6 +78,8 @@ class GpuMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.session = Session()
+        #: machine name -> running ``%gpu status --watch`` (a gpu.Watcher)
+        self.status_watchers: dict = {}
 
     # -- %gpu ---------------------------------------------------------------------------
 
@@ -128,20 +142,25 @@ class GpuMagics(Magics):
                              timeout=args.timeout)
         if args.out:
             self.shell.user_ns[args.out] = result
+        hint = failure_hint(result.stderr, result.exit_code) if result.exit_code != 0 else None
         if result.exit_code != 0 and not args.no_raise_error:
             kind = "python cell" if args.python else "cell"
             raise RemoteCommandError(f"{kind} on {machine.name} exited with code {result.exit_code}",
                                      exit_code=result.exit_code, stdout=result.stdout,
-                                     stderr=result.stderr)
+                                     stderr=result.stderr, hint=hint)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
         return None
 
 
 # -- sub-commands ------------------------------------------------------------------------
 
 
-@subcommand("connect", "connect to a machine: ~/.ssh/config alias or user@host[:port]")
+@subcommand("connect", "connect to a machine: ~/.ssh/config alias, user@host[:port] or a pasted ssh line")
 @magic_arguments()
-@argument("target", nargs="?", help="~/.ssh/config alias or [user@]host[:port]")
+@argument("target", nargs="?",
+          help="~/.ssh/config alias, [user@]host[:port], or the platform's ssh command line "
+               "(ssh -p 41022 root@203.0.113.10), quoted or not")
 @argument("-p", "--port", type=int, help="SSH port (like ssh -p)")
 @argument("-i", "--identity", metavar="KEYFILE", help="private key file (like ssh -i)")
 @argument("-J", "--jump", metavar="JUMP", help="ProxyJump host(s), comma-separated (like ssh -J)")
@@ -153,10 +172,19 @@ class GpuMagics(Magics):
 @argument("--sandbox", action="store_true", help="start a local throwaway sshd and connect to it")
 @argument("--fake-gpu", metavar="RECORDING",
           help="sandbox only: replay a recorded GPU through a stand-in nvidia-smi (h200-idle, h200-load)")
+@argument("--save", metavar="NAME",
+          help="also write a `Host NAME` block to ~/.ssh/config (for ssh NAME and VS Code) and connect by it")
+@argument("--replace", action="store_true", help="with --save: replace an existing Host NAME block")
 def _connect(magics: GpuMagics, line: str):
+    pasted, line = split_pasted_ssh(line)
     args = parse(_connect, line, "connect")
     if args is None:
         return
+    if pasted is not None:
+        if args.target:
+            raise UsageError(f"give either the ssh command or a target, not both ({args.target!r})")
+        args.target = pasted
+    save = _prepare_save(args) if args.save else None
     if not args.target and not args.sandbox:
         raise UsageError("name a machine: `%gpu connect ALIAS` or `%gpu connect user@host:port` "
                          "(or `%gpu connect --sandbox` to try gpumagic locally)")
@@ -178,6 +206,8 @@ def _connect(magics: GpuMagics, line: str):
         print(note)
     print(f"connected to {m.name} ({m.spec.user}@{m.spec.address}) in "
           f"{time.monotonic() - start:.2f} s; %%remote cells run there")
+    if save is not None:  # only after the line proved to work: no block from a mistyped line
+        _print_add_host(save())
 
 
 @subcommand("disconnect", "close a machine's connection (default: the current one)")
@@ -253,28 +283,262 @@ def _cd(magics: GpuMagics, line: str):
     print(f"{m.name}: cells now run in {m.cd(args.dir)}")
 
 
+# -- setup: keygen, add-host, install-key, pasted ssh lines ------------------------------
+
+#: gpumagic's own ``%gpu connect`` options that may follow an unquoted pasted ssh line
+#: (ssh itself has no long options, so a ``--word`` there is always ours).
+_CONNECT_LONG_WITH_VALUE = ("--save", "--name", "--cwd")
+
+
+def split_pasted_ssh(line: str, with_value: tuple[str, ...] = _CONNECT_LONG_WITH_VALUE
+                     ) -> tuple[str | None, str]:
+    """Separate a pasted ``ssh ...`` command from ``%gpu connect``'s own options.
+
+    ``%gpu connect "ssh -p 41022 root@h" --save gpu`` and the unquoted
+    ``%gpu connect ssh -p 41022 root@h --save gpu`` both give
+    ``("ssh -p 41022 root@h", "--save gpu")``.  Any other line comes back unchanged with None.
+    """
+    try:
+        tokens = shlex.split(line)
+    except ValueError:
+        return None, line
+    ours: list[str] = []
+    while tokens and tokens[0].startswith("--"):  # our options may also come first
+        ours.append(tokens.pop(0))
+        if ours[-1] in with_value and tokens:
+            ours.append(tokens.pop(0))
+    if tokens and tokens[0] == "$":
+        tokens = tokens[1:]
+    if not tokens:
+        return None, line
+    if is_ssh_command(tokens[0]) and tokens[0] != "ssh":  # quoted as one argument
+        return tokens[0], shlex.join(ours + tokens[1:])
+    if tokens[0] != "ssh":
+        return None, line
+    ssh_part = ["ssh"]
+    it = iter(tokens[1:])
+    for tok in it:
+        if tok.startswith("--") and len(tok) > 2:
+            ours.append(tok)
+            if tok in with_value:
+                ours.append(next(it, ""))
+        else:
+            ssh_part.append(tok)
+    return shlex.join(ssh_part), shlex.join(ours)
+
+
+def _prepare_save(args) -> Callable[[], "setup.AddHostResult"]:
+    """``--save NAME``: check now that the Host block can be written; write it when called.
+
+    Checked before connecting (bad name, a different ``Host NAME`` already there), written
+    after the connection succeeded.
+    """
+    if args.sandbox:
+        raise UsageError("--save does not apply to --sandbox (its port changes every time)")
+    if not args.target:
+        raise UsageError("--save NAME needs a machine: the pasted ssh line or user@host[:port]")
+    if is_ssh_command(args.target):
+        cmd = parse_ssh_command(args.target)
+        opts = dict(cmd.options)
+        host = opts.pop("HostName", cmd.host)
+        port, user, key, jump = cmd.port, cmd.user, cmd.key, cmd.jump
+    else:
+        t = parse_target(args.target)
+        if t.host in config_aliases(load_ssh_config()):
+            raise UsageError(f"{t.host} is already a Host in ~/.ssh/config; connect to it by name, "
+                             f"or use `%gpu add-host {args.save} --hostname ...`")
+        opts, host, port, user, key, jump = {}, t.host, t.port, t.user, None, None
+    block = dict(name=args.save, hostname=host, port=args.port or port, user=args.user or user,
+                 key=args.identity or key, jump=args.jump or jump, options=opts,
+                 replace=args.replace)
+    setup.add_host(dry_run=True, **block)  # raises HostExists / ConfigError before connecting
+    args.name = args.name or args.save
+    return lambda: setup.add_host(**block)
+
+
+def _print_add_host(result: "setup.AddHostResult") -> None:
+    name = result.block.split()[1]
+    if result.action == "unchanged":
+        print(f"{result.path} already has this `Host {name}` block; nothing changed")
+        return
+    if result.action == "replaced":
+        print(f"replaced this block in {result.path}:\n{result.old_block.rstrip()}\nwith:")
+    else:
+        print(f"added to {result.path}:")
+    print(result.block.rstrip())
+    if result.backup is not None:
+        print(f"(previous file kept as {result.backup})")
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"now `ssh {name}`, VS Code Remote-SSH and `%gpu connect {name}` all reach it")
+
+
+def _ask_new_passphrase() -> str:
+    first = getpass.getpass("Passphrase for the new key: ")
+    if not first:
+        raise UsageError("empty passphrase: leave out --passphrase for a key without one")
+    if getpass.getpass("Same passphrase again: ") != first:
+        raise UsageError("the two passphrases differ; run keygen again")
+    return first
+
+
+@subcommand("keygen", "make an ed25519 SSH key pair and show the public key to paste")
+@magic_arguments()
+@argument("--path", metavar="FILE", help="private key file (default ~/.ssh/id_ed25519; FILE.pub gets the public key)")
+@argument("--comment", metavar="TEXT", help="comment at the end of the public key (default user@host)")
+@argument("--passphrase", action="store_true", help="encrypt the private key; asks for the passphrase (not echoed)")
+def _keygen(magics: GpuMagics, line: str):
+    args = parse(_keygen, line, "keygen")
+    if args is None:
+        return
+    passphrase = _ask_new_passphrase() if args.passphrase else None
+    pair = setup.keygen(args.path, comment=args.comment, passphrase=passphrase)
+    from .setup_widgets import show_public_key
+
+    show_public_key(pair, magics.shell)
+
+
+@subcommand("add-host", "add a Host block to ~/.ssh/config (keeps the rest of the file as it is)")
+@magic_arguments()
+@argument("name", help="the alias: then `ssh NAME`, VS Code Remote-SSH and `%%gpu connect NAME` work")
+@argument("--hostname", required=True, metavar="H", help="address or DNS name of the machine")
+@argument("-p", "--port", type=int, help="SSH port")
+@argument("-l", "--user", help="login user")
+@argument("-i", "--key", metavar="FILE", help="private key file (IdentityFile)")
+@argument("-J", "--jump", metavar="JUMP", help="ProxyJump host(s), comma-separated")
+@argument("--alive-interval", type=int, default=30, metavar="S",
+          help="ServerAliveInterval in seconds (default 30; 0 leaves it out)")
+@argument("--alive-count", type=int, default=3, metavar="N", help="ServerAliveCountMax (default 3)")
+@argument("--replace", action="store_true", help="replace an existing Host NAME block (shows the old one)")
+def _add_host(magics: GpuMagics, line: str):
+    args = parse(_add_host, line, "add-host")
+    if args is None:
+        return
+    interval = args.alive_interval or None
+    result = setup.add_host(args.name, args.hostname, port=args.port, user=args.user, key=args.key,
+                            jump=args.jump, server_alive_interval=interval,
+                            server_alive_count_max=args.alive_count if interval else None,
+                            replace=args.replace)
+    _print_add_host(result)
+
+
+@subcommand("install-key", "copy your public key to a machine that allows a password login (once)")
+@magic_arguments()
+@argument("target", nargs="?", help="[user@]host[:port], a ~/.ssh/config alias, or the platform's ssh line")
+@argument("-i", "--key", metavar="FILE", help="private key whose .pub to install (default: the host's IdentityFile or ~/.ssh/id_ed25519)")
+@argument("-p", "--port", type=int, help="SSH port")
+@argument("-l", "--user", help="login user")
+@argument("-J", "--jump", metavar="JUMP", help="ProxyJump host(s)")
+@argument("--trust-new-host", action="store_true", help="add an unknown host key to known_hosts (never a changed one)")
+def _install_key(magics: GpuMagics, line: str):
+    pasted, line = split_pasted_ssh(line, with_value=("--key",))
+    args = parse(_install_key, line, "install-key")
+    if args is None:
+        return
+    args.target = pasted or args.target
+    if not args.target:
+        raise UsageError("name the machine: `%gpu install-key root@203.0.113.10:41022` "
+                         "or paste its ssh line after install-key")
+    r = setup.install_key(args.target, key=args.key, port=args.port, user=args.user, jump=args.jump,
+                          trust_new_host=args.trust_new_host, password_prompt=getpass.getpass)
+    where = f"{r.spec.user}@{r.spec.address}"
+    if r.state == "added":
+        print(f"added key {r.fingerprint} to ~/.ssh/authorized_keys on {where}")
+    else:
+        print(f"key {r.fingerprint} was already in ~/.ssh/authorized_keys on {where}; nothing added")
+    print(f"key login to {where} works" + ("" if r.used_password else " (no password was needed)"))
+
+
+# -- GPU status and doctor ---------------------------------------------------------------
+
+
+@subcommand("status", "GPU memory, utilisation, temperature, power and processes (--watch N refreshes)")
+@magic_arguments()
+@argument("--watch", metavar="SECONDS", type=float, help="refresh in place every SECONDS (>= 1)")
+@argument("--stop", action="store_true", help="stop a running --watch")
+@argument("--text", action="store_true", help="plain text instead of the widget")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _status(magics: GpuMagics, line: str):
+    """Per GPU: memory and utilisation bars, temperature, power, and the processes using it.
+
+    One SSH round trip per refresh.  With --watch the widget refreshes in place from a background
+    thread until `%gpu status --stop`, a disconnect, or three failed refreshes in a row.
+    """
+    args = parse(_status, line, "status")
+    if args is None:
+        return
+    if args.stop:
+        names = [args.host] if args.host else list(magics.status_watchers)
+        stopped = []
+        for name in names:
+            watcher = magics.status_watchers.pop(name, None)
+            if watcher is not None and watcher.running:
+                watcher.stop()
+                stopped.append(name)
+        print(f"stopped watching {', '.join(stopped)}" if stopped else "no --watch is running")
+        return
+    if args.watch is not None and args.watch < 1:
+        raise UsageError("--watch takes a refresh interval in seconds, at least 1 (e.g. --watch 2)")
+    if args.watch is not None and (args.text or not widgets.available()):
+        raise UsageError("--watch updates a widget in place: drop --text (and pip install ipywidgets)")
+    m = magics.session.get(args.host)
+    status = m.gpu_status()
+    if args.text:
+        print(render_status(status).text)
+        return
+    if not widgets.available():
+        ipy_display(render_status(status))
+        return
+    view = widgets.status_widget(status)
+    ipy_display(view)
+    if args.watch is not None:
+        old = magics.status_watchers.pop(m.name, None)
+        if old is not None:
+            old.stop("stopped: a newer `%gpu status --watch` took over")
+        view.set_note(f"refreshing every {args.watch:g} s; `%gpu status --stop` stops it")
+        magics.status_watchers[m.name] = Watcher(
+            lambda prev: m.gpu_status(cuda_version=prev.known_cuda if prev else None),
+            view.update, view.set_note, interval=args.watch,
+            is_connected=lambda: m.is_connected, previous=status).start()
+
+
+@subcommand("doctor", "preflight: GPU model and memory, PyTorch CUDA vs driver, disks, python, tools")
+@magic_arguments()
+@argument("--expect-gpu", metavar="NAME", help='GPU model rented, e.g. "H200" (matched in the name)')
+@argument("--expect-count", metavar="N", type=int, help="number of GPUs rented")
+@argument("--sample", metavar="SECONDS", type=int, default=0,
+          help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _doctor(magics: GpuMagics, line: str):
+    """Preflight checks, each ok / WARN / FAIL with a one-line fix, gathered in one round trip.
+
+    GPU model and count against what was rented, GPU memory already in use, the remote
+    PyTorch's CUDA build against the driver, disks (the largest data disk, a small system
+    disk holding the working directory, disks over 90% full), Python, venv/conda, tmux, rsync.
+    """
+    args = parse(_doctor, line, "doctor")
+    if args is None:
+        return
+    if not 0 <= args.sample <= 600:
+        raise UsageError("--sample takes seconds between 1 and 600 (e.g. --sample 20)")
+    if args.expect_count is not None and args.expect_count < 1:
+        raise UsageError("--expect-count takes the number of GPUs rented, at least 1")
+    m = magics.session.get(args.host)
+    ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
+                                       sample=args.sample)))
+
+
 # -- jobs ---------------------------------------------------------------------------------
 
 
 def _job_name(name: str) -> str:
-    from .jobs import NAME_RE
-
     if not NAME_RE.fullmatch(name):
         raise UsageError(f"{name!r} is not a job name: use letters, digits, '-' and '_' (see `%gpu jobs`)")
     return name
 
 
-def _display(obj) -> None:
-    from IPython.display import display
-
-    display(obj)
-
-
 def _remote_job(magics: GpuMagics, args, cell: str):
     """``%%remote --job NAME ...``: start the cell detached and return at once."""
-    from . import display as show
-    from .jobs import NAME_RE, parse_stop_on
-
     if args.job is None:
         raise UsageError("--stop-on, --then-shutdown and --no-alerts need --job NAME")
     if not NAME_RE.fullmatch(args.job):
@@ -294,19 +558,17 @@ def _remote_job(magics: GpuMagics, args, cell: str):
     if job.note and job.runner not in machine.notes_shown:
         machine.notes_shown.add(job.runner)
         print(job.note)
-    print(show.job_started(job, machine.name))
+    print(job_started(job, machine.name))
     if args.out:
         magics.shell.user_ns[args.out] = job
 
 
 def _show_alerts(info, alerts=None) -> None:
-    from . import display as show
-
     seen = set()
     for a in (info.alerts if alerts is None else alerts):
         if a.kind not in seen:
             seen.add(a.kind)
-            _display(show.job_alert(info.name, a, stopped=(info.killed == a.kind)))
+            ipy_display(job_alert(info.name, a, stopped=(info.killed == a.kind)))
 
 
 @subcommand("jobs", "list the detached jobs on a machine: state, start, run time, last line")
@@ -316,18 +578,14 @@ def _jobs(magics: GpuMagics, line: str):
     args = parse(_jobs, line, "jobs")
     if args is None:
         return
-    from . import display as show
-
     machine = magics.session.get(args.host)
     infos = machine.jobs()
-    _display(show.jobs_table(infos, machine.name))
+    ipy_display(jobs_table(infos, machine.name))
     for info in infos:
         _show_alerts(info)
 
 
 def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:
-    from . import display as show
-
     machine = magics.session.get(host)
     job = machine.job(_job_name(name))
     before = job.info()
@@ -336,7 +594,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
     def alert(a):
         if a.kind not in seen:  # one alert per kind while following
             seen.add(a.kind)
-            _display(show.job_alert(name, a, stopped=a.kind in before.stop_on))
+            ipy_display(job_alert(name, a, stopped=a.kind in before.stop_on))
 
     try:
         info = job.follow(alert=alert, lines=lines)
@@ -344,7 +602,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
         print(f"\nstopped following {name}; the job keeps running on {machine.name} "
               f"(`%gpu attach {name}` follows it again)")
         raise
-    print(show.job_ended(info))
+    print(job_ended(info))
 
 
 @subcommand("logs", "show a job's output; --follow streams it until the job ends")
@@ -369,8 +627,6 @@ def _logs(magics: GpuMagics, line: str):
     print(text, end="" if text.endswith("\n") or not text else "\n")
     info = job.info()
     if info.alerts_enabled:
-        from .jobs import scan_alerts
-
         _show_alerts(info, scan_alerts(text.splitlines()))
 
 

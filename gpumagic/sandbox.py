@@ -132,6 +132,32 @@ class SshServer:
             self.install_fake_gpu(fake_gpu)
         self._finalizer = weakref.finalize(self, _kill, None)
 
+    # -- keys -------------------------------------------------------------------------
+
+    def authorize(self, public_key: str) -> None:
+        """Accept logins with ``public_key`` (one ``.pub`` line): what a platform's SSH-key page does.
+
+        Appends it to this server's authorized_keys unless the same key is there already.
+        """
+        fields = public_key.strip().split()
+        if len(fields) < 2 or "\n" in public_key.strip():
+            raise ValueError("expected one OpenSSH public key line (ssh-ed25519 AAAA... comment)")
+        text = self.authorized_keys.read_text()
+        if any(line.split()[1:2] == [fields[1]] for line in text.splitlines() if line.strip()):
+            return
+        with open(self.authorized_keys, "a") as f:
+            f.write(("" if not text or text.endswith("\n") else "\n") + public_key.strip() + "\n")
+
+    @property
+    def host_key_fingerprint(self) -> str:
+        """``SHA256:...`` of the host key, as ``ssh`` shows it on first contact."""
+        import base64
+        import hashlib
+
+        blob = Path(str(self.host_key) + ".pub").read_text().split()[1]
+        digest = hashlib.sha256(base64.b64decode(blob)).digest()
+        return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
     # -- programs on the server's PATH -------------------------------------------------
 
     def install_bin(self, name: str, script: str) -> Path:

@@ -17,6 +17,7 @@ from gpumagic.errors import (
     AuthenticationFailed,
     ConnectionLost,
     ConnectionRefused,
+    ConnectTimeout,
     HostNotFound,
     InsecureKeyFile,
     WrongPassphrase,
@@ -174,3 +175,49 @@ def test_tcp_nodelay_is_set(machine):
 def test_client_home_is_isolated():
     assert os.path.expanduser("~") == str(CLIENT_HOME)
     assert "SSH_AUTH_SOCK" not in os.environ
+
+
+def test_silent_port_times_out_after_connect_timeout(sshd):
+    # A port that accepts TCP but never speaks SSH (a wrong port forward, a hung sshd).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(5)
+    port = listener.getsockname()[1]
+    spec = replace(sshd.spec(), port=port, connect_timeout=1)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConnectTimeout) as e:
+            gpumagic.Machine(spec).connect()
+    finally:
+        listener.close()
+    assert 0.9 < time.monotonic() - start < 5
+    assert f"127.0.0.1:{port}" in e.value.message and "within 1 s" in e.value.message
+    assert "SSH port" in e.value.hint
+
+
+def test_ssh_agent_keys_are_offered(sshd, tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+    if not shutil.which("ssh-agent"):
+        pytest.skip("ssh-agent is not installed")
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
+        subprocess.run(["ssh-add", "-q", str(sshd.client_key)], env=env, check=True)
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        # no IdentityFile and no ~/.ssh/id_* key: only the agent can log in
+        spec = replace(sshd.spec(), identity_files=(), identities_only=False)
+        with gpumagic.Machine(spec) as m:
+            assert m.run(["echo", "agent"], quiet=True).stdout == "agent\n"
+        monkeypatch.delenv("SSH_AUTH_SOCK")
+        with pytest.raises(AuthenticationFailed) as e:
+            gpumagic.Machine(spec).connect()
+        assert "no IdentityFile, no ~/.ssh/id_* key, no agent" in e.value.message
+    finally:
+        agent.terminate()
+        agent.wait(5)

@@ -5,6 +5,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -12,6 +13,13 @@ import gpumagic
 from conftest import make_server, session_sshd_pid
 from gpumagic.errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 from gpumagic.execution import _MarkerFilter, _Stream
+
+
+def unique_tag():
+    """A token to find this test's processes (other test runs may share the machine) and a
+    pgrep pattern for it that does not match the pgrep command line itself."""
+    token = "gm" + uuid.uuid4().hex[:12]
+    return token, f"{token[:-1]}[{token[-1]}]"
 
 
 def no_process(machine_or_server_check, pattern):
@@ -93,7 +101,8 @@ def test_cwd_env_and_tilde(machine):
 def test_interrupt_stops_the_whole_remote_tree_within_two_seconds(machine, sshd):
     # case 2: interrupted after about 3 s -> KeyboardInterrupt; no such process remains;
     # the next cell on the same machine works.
-    cell = 'python3 -c "import time; [time.sleep(1) for _ in range(600)]" & wait'
+    token, pattern = unique_tag()
+    cell = f'python3 -c "import time; [time.sleep(1) for _ in range(600)]" {token} & wait'
     timer = threading.Timer(3, _thread.interrupt_main)
     timer.start()
     start = time.monotonic()
@@ -102,31 +111,33 @@ def test_interrupt_stops_the_whole_remote_tree_within_two_seconds(machine, sshd)
     stopped = time.monotonic()
     assert 2.5 < stopped - start < 3 + 2.0
     with gpumagic.connect("testgpu") as other:  # a separate connection
-        assert no_process(other, r"rang[e]\(600\)")
+        assert no_process(other, pattern)
     assert machine.run(["echo", "still usable"], quiet=True).stdout == "still usable\n"
 
 
 def test_timeout_stops_the_process_and_raises(machine):
+    token, pattern = unique_tag()
     with pytest.raises(RemoteTimeout) as e:
-        machine.run("sleep 300 # timeout-probe", timeout=1, quiet=True)
+        machine.run(f"sleep 300 & wait # {token}", timeout=1, quiet=True)
     assert "1 s" in e.value.message
-    assert no_process(machine, "sleep 30[0] # timeout-probe") or no_process(machine, r"slee[p] 300")
+    assert no_process(machine, pattern)
 
 
 def test_killed_sshd_child_raises_connection_lost_and_next_cell_reconnects(sshd):
     m = gpumagic.connect("testgpu")
     pid = session_sshd_pid(m)
+    token, pattern = unique_tag()
     threading.Timer(1, os.kill, (pid, signal.SIGKILL)).start()
     with pytest.raises(ConnectionLost) as e:
-        m.run("sleep 120 # lost-probe", quiet=True)
+        m.run(f"sleep 120 & wait # {token}", quiet=True)
     assert "lost the connection" in e.value.message and "again" in e.value.hint
     assert m.run(["echo", "reconnected"], quiet=True).stdout == "reconnected\n"
     assert m.connection.opened_count == 2
     # sshd closed the channel's pipes, so the wrapper stopped the cell's processes
     deadline = time.monotonic() + 5
-    while not no_process(m, r"slee[p] 120 # lost-probe") and time.monotonic() < deadline:
+    while not no_process(m, pattern) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert no_process(m, r"slee[p] 120 # lost-probe")
+    assert no_process(m, pattern)
     m.close()
 
 
@@ -147,3 +158,11 @@ def test_cells_get_the_interactive_login_environment():
         assert path.startswith(str(server.bin) + ":")  # the server's own PATH entries stay first
         assert f"{home}/miniconda/bin" in path.split(":")
     server.stop()
+
+
+def test_exec_sends_megabytes_of_stdin_while_reading_output(machine):
+    # `cat` echoes while we are still sending: without interleaving, both sides would block.
+    data = bytes(range(256)) * (8 * 4096)  # 8 MiB
+    r = machine.exec("cat; echo done >&2", stdin=data, timeout=120)
+    assert r.exit_code == 0 and r.stdout_bytes == len(data) and r.stderr == "done\n"
+    assert machine.exec("wc -c", stdin=b"").stdout.strip() == "0"

@@ -200,9 +200,9 @@ def test_bad_names_and_stop_on_kinds_are_refused_with_the_fix():
 def test_job_renderings_have_text_and_html():
     infos = parse_listing(RECORDED_LISTING)
     table = jobs_table(infos, "gpu1")
-    assert "diverged  killed (nan)" in table.text and "<table>" in table._repr_html_()
+    assert "diverged  killed (nan)" in table.text and "<table>" in table._repr_mimebundle_()["text/html"]
     alert = job_alert("diverged", Alert("nan", "step 20 loss <nan>"), stopped=True)
-    assert "step 20 loss <nan>" in repr(alert) and "step 20 loss &lt;nan&gt;" in alert._repr_html_()
+    assert "step 20 loss <nan>" in repr(alert) and "step 20 loss &lt;nan&gt;" in alert._repr_mimebundle_()["text/html"]
     assert "no jobs on gpu1" in jobs_table([], "gpu1").text
 
 

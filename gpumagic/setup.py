@@ -1,0 +1,680 @@
+"""First-time set-up: make a key, add a ``Host`` block, install a key over a password login.
+
+Each step is one call, safe to repeat, and never weakens security:
+
+* :func:`keygen` writes an ed25519 key pair in OpenSSH's format (private key 0600, ``~/.ssh``
+  0700) and never overwrites a file.
+* :func:`add_host` appends a ``Host`` block to ``~/.ssh/config`` keeping every existing byte,
+  refuses a duplicate name (``replace=True`` swaps the old block in place), writes atomically
+  and keeps the previous file as ``config.bak``.
+* :func:`install_key` logs in once with a password (asked after the host key was checked,
+  never stored), appends the public key to the remote ``~/.ssh/authorized_keys`` unless it is
+  there already, then proves that a key login works.
+
+Nothing here imports IPython; the magics in :mod:`gpumagic.magics` call these functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import hashlib
+import os
+import re
+import socket
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import paramiko
+
+from ._fs import atomic_write
+from .connection import Connection, load_private_key
+from .errors import AuthenticationFailed, ConfigError, GpumagicError
+from .hosts import HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, resolve, ssh_dir
+
+PasswordPrompt = Callable[[str], str]
+
+
+class KeyExists(GpumagicError):
+    """A key file is already there; gpumagic never overwrites one."""
+
+
+class HostExists(GpumagicError):
+    """``~/.ssh/config`` already has a ``Host`` block with that name."""
+
+
+def _getpass(prompt: str) -> str:
+    return getpass.getpass(prompt)
+
+
+# -- keys --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A key pair on disk.
+
+    Attributes
+    ----------
+    path : Path
+        The private key file (the public key is ``path`` + ``.pub``).
+    public_key : str
+        The ``.pub`` line: ``ssh-ed25519 AAAA... comment`` (what goes into authorized_keys).
+    fingerprint : str
+        ``SHA256:...`` as ``ssh-keygen -l`` prints it.
+    """
+
+    path: Path
+    public_key: str
+    fingerprint: str
+
+    @property
+    def public_path(self) -> Path:
+        return Path(str(self.path) + ".pub")
+
+
+def public_key_fingerprint(line: str) -> str:
+    """The ``SHA256:...`` fingerprint of a ``.pub`` / authorized_keys line (``ssh-keygen -lf``)."""
+    _, blob = _key_type_and_blob(line)
+    digest = hashlib.sha256(base64.b64decode(blob)).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+_KEY_TYPE_RE = re.compile(r"^(ssh-(ed25519|rsa|dss)|ecdsa-sha2-nistp\d+|sk-\S+@openssh\.com)$")
+
+
+def _key_type_and_blob(line: str) -> tuple[str, str]:
+    """(type, base64) of a public key line (the format of ``sshd(8)`` AUTHORIZED_KEYS, no options)."""
+    fields = (line or "").strip().split()
+    if len(fields) < 2 or not _KEY_TYPE_RE.match(fields[0]):
+        raise ConfigError(f"{(line or '').strip()[:40]!r}... is not an OpenSSH public key line",
+                          "use the .pub file (it starts with ssh-ed25519, ssh-rsa or ecdsa-sha2-...)")
+    try:
+        base64.b64decode(fields[1], validate=True)
+    except ValueError:
+        raise ConfigError("the public key's base64 part is damaged", "copy the .pub line again, whole")
+    return fields[0], fields[1]
+
+
+def _link_new(data: bytes, path: Path, mode: int) -> None:
+    """Create ``path`` with ``data`` and ``mode`` all at once, failing if it exists.
+
+    The bytes go to a temp file in the same directory (fsynced), which is then hard-linked to
+    ``path``: ``link(2)`` fails with EEXIST instead of overwriting, so a key is never half
+    written and never replaced.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:
+            pass  # no hard links here (some network/FUSE mounts): exclusive create instead
+    finally:
+        os.unlink(tmp)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
+def _ensure_ssh_dir(directory: Path, home: str | os.PathLike | None = None) -> None:
+    """Create ``directory``; ``~/.ssh`` itself is made (or tightened to) mode 0700."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if directory.resolve() == ssh_dir(home).resolve():
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        if mode != 0o700:
+            os.chmod(directory, 0o700)
+
+
+def default_key_path(home: str | os.PathLike | None = None) -> Path:
+    """``~/.ssh/id_ed25519``: the first key OpenSSH's client tries."""
+    return ssh_dir(home) / "id_ed25519"
+
+
+def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
+           passphrase: str | None = None, home: str | os.PathLike | None = None) -> KeyPair:
+    """Create an ed25519 key pair in OpenSSH's format, like ``ssh-keygen -t ed25519``.
+
+    Parameters
+    ----------
+    path : path, optional
+        The private key file (default ``~/.ssh/id_ed25519``; ``~`` is expanded).  The public
+        key goes to ``path.pub``.
+    comment : str, optional
+        The public key's comment (default ``user@hostname``, as ssh-keygen writes).
+    passphrase : str, optional
+        Encrypt the private key with it (OpenSSH's bcrypt KDF + aes256-ctr).  None or empty:
+        not encrypted.
+    home : path, optional
+        The local home directory (default ``$HOME``).
+
+    Returns
+    -------
+    KeyPair
+
+    Raises
+    ------
+    KeyExists
+        When ``path`` or ``path.pub`` exists (nothing is written).
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    path = Path(os.path.expanduser(str(path))) if path else default_key_path(home)
+    pub_path = Path(str(path) + ".pub")
+    for p in (path, pub_path):
+        if p.exists() or p.is_symlink():
+            raise KeyExists(f"{p} already exists; gpumagic never overwrites a key",
+                            f"use that key (its public half is {pub_path}), or pick another file "
+                            "with --path ~/.ssh/id_ed25519_gpu")
+    if comment is None:
+        comment = f"{_local_user()}@{socket.gethostname()}"
+    if any(c in comment for c in "\r\n"):
+        raise ConfigError("the key comment has a line break", "use a one-line comment")
+    _ensure_ssh_dir(path.parent, home)
+    key = Ed25519PrivateKey.generate()
+    encryption = (serialization.BestAvailableEncryption(passphrase.encode()) if passphrase
+                  else serialization.NoEncryption())
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                encryption)
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH).decode()
+    line = f"{public} {comment}".rstrip()
+    try:
+        _link_new(private, path, 0o600)
+    except FileExistsError:
+        raise KeyExists(f"{path} appeared while the key was made; it was left as it was",
+                        "run keygen again with another --path")
+    try:
+        _link_new((line + "\n").encode(), pub_path, 0o644)
+    except BaseException:
+        path.unlink()  # no private key without its public half
+        raise
+    return KeyPair(path=path, public_key=line, fingerprint=public_key_fingerprint(line))
+
+
+def read_public_key(key_path: str | os.PathLike, *, prompt=None) -> str:
+    """The public key line for private key ``key_path``: its ``.pub`` file, else derived.
+
+    Raises
+    ------
+    ConfigError
+        When neither the private key nor its ``.pub`` file exists.
+    """
+    key_path = Path(os.path.expanduser(str(key_path)))
+    pub = Path(str(key_path) + ".pub")
+    if pub.exists():
+        line = pub.read_text(encoding="utf-8", errors="replace").strip().splitlines()[0]
+        _key_type_and_blob(line)
+        return line
+    if not key_path.exists():
+        raise ConfigError(f"no key at {key_path}",
+                          "make one with `%gpu keygen`, or name your key with --key PATH")
+    kw = {"prompt": prompt} if prompt else {}
+    k = load_private_key(str(key_path), **kw)
+    return f"{k.get_name()} {k.get_base64()}"
+
+
+def public_key_text(pair: KeyPair) -> str:
+    """Plain-text view of a new key: where it is and the line to paste into the platform."""
+    return (f"private key: {pair.path} (mode 0600; never share it)\n"
+            f"public key:  {pair.public_path}  ({pair.fingerprint})\n\n"
+            f"{pair.public_key}\n\n"
+            "Paste the line above into your GPU platform's SSH-key settings (or run "
+            "`%gpu install-key user@host` where a password login works).")
+
+
+# -- ~/.ssh/config -----------------------------------------------------------------------
+
+
+@dataclass
+class AddHostResult:
+    """What :func:`add_host` did.
+
+    Attributes
+    ----------
+    path : Path
+        The config file written (a symlink's target when ``~/.ssh/config`` is a link).
+    block : str
+        The ``Host`` block as written.
+    action : str
+        ``"added"``, ``"replaced"`` or ``"unchanged"`` (the same block was there already).
+    old_block : str or None
+        The block that was replaced (``replace=True``) or found.
+    backup : Path or None
+        Copy of the previous file (``config.bak``), when the file existed and changed.
+    notes : list of str
+        Warnings, e.g. an earlier ``Host *`` block whose values win over this block's.
+    """
+
+    path: Path
+    block: str
+    action: str
+    old_block: str | None = None
+    backup: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+_VALUE_OK = re.compile(r'^[^\s"#]+$')
+_HEADER_RE = re.compile(r"^\s*(host|match)(?:\s*=\s*|\s+)(.*?)\s*$", re.IGNORECASE)
+
+
+def _check_value(what: str, value: str) -> str:
+    value = str(value)
+    if not value or "\n" in value or "\r" in value or '"' in value:
+        raise ConfigError(f"{what} {value!r} cannot go into ~/.ssh/config",
+                          f"give a one-line {what} without quotes")
+    if _VALUE_OK.match(value):
+        return value
+    return f'"{value}"'  # ssh_config quoting for a value with spaces (readconf.c argv_split)
+
+
+def host_block(name: str, hostname: str, *, port: int | None = None, user: str | None = None,
+               key: str | None = None, jump: str | None = None,
+               server_alive_interval: int | None = 30, server_alive_count_max: int | None = 3,
+               options: dict | None = None, newline: str = "\n") -> str:
+    """The text of one ``Host NAME`` block (ssh_config(5) keywords, two-space indent).
+
+    ``IdentitiesOnly yes`` goes with a key so that an agent full of keys cannot exhaust the
+    server's ``MaxAuthTries`` first.  ``server_alive_interval`` in seconds; None leaves the
+    keyword out.  ``options`` adds other honoured keywords (``ConnectTimeout``...).
+
+    Raises
+    ------
+    ConfigError
+        For a name with spaces or wildcards, a bad port, or a value with quotes/line breaks.
+    """
+    if not name or not re.match(r"^[A-Za-z0-9_.@-]+$", name) or name.startswith("-"):
+        raise ConfigError(f"{name!r} is not a usable host name for ~/.ssh/config",
+                          "use letters, digits, '-', '_' or '.', e.g. mygpu (no spaces or *?!)")
+    if port is not None and not 0 < int(port) < 65536:
+        raise ConfigError(f"port {port} is out of range", "use a port between 1 and 65535")
+    rows = [("HostName", hostname), ("Port", port), ("User", user), ("IdentityFile", key),
+            ("IdentitiesOnly", "yes" if key else None), ("ProxyJump", jump),
+            ("ServerAliveInterval", server_alive_interval),
+            ("ServerAliveCountMax", server_alive_count_max)]
+    given = {k for k, _ in rows}
+    for k, v in (options or {}).items():
+        canon = HONOURED_KEYWORDS.get(k.lower(), k)
+        if canon in given:
+            continue
+        rows.append((canon, v))
+    lines = [f"Host {name}"]
+    for keyword, value in rows:
+        if keyword not in ("IdentityFile", "UserKnownHostsFile") and re.search(r"\s", str(value or "")):
+            raise ConfigError(f"{keyword} {value!r} has a space in it", f"give {keyword} without spaces")
+        if value is not None and value != "":
+            lines.append(f"  {keyword} {_check_value(keyword, str(value))}")
+    return newline.join(lines) + newline
+
+
+@dataclass
+class _Section:
+    start: int          # index of the header line ("Host ..." / "Match ..."), -1 for the top
+    end: int            # index after the last line that belongs to it
+    kind: str           # "top", "host" or "match"
+    patterns: list[str]
+
+
+def _sections(lines: list[str]) -> list[_Section]:
+    """Split config lines into the top part and Host/Match sections (ssh_config(5))."""
+    out = [_Section(-1, 0, "top", [])]
+    for i, line in enumerate(lines):
+        m = _HEADER_RE.match(line)
+        if m:
+            out[-1].end = i
+            out.append(_Section(i, i + 1, m.group(1).lower(), m.group(2).split()))
+        else:
+            out[-1].end = i + 1
+    return out
+
+
+def _block_text(lines: list[str], sec: _Section) -> str:
+    end = sec.end
+    while end > sec.start + 1 and not lines[end - 1].strip():  # trailing blank lines
+        end -= 1
+    return "".join(lines[sec.start:end])
+
+
+def config_path(home: str | os.PathLike | None = None) -> Path:
+    """``~/.ssh/config``; when it is a symlink (dotfile managers), the file it points to."""
+    p = ssh_dir(home) / "config"
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
+def add_host(name: str, hostname: str, *, port: int | None = None, user: str | None = None,
+             key: str | None = None, jump: str | None = None,
+             server_alive_interval: int | None = 30, server_alive_count_max: int | None = 3,
+             options: dict | None = None, replace: bool = False, dry_run: bool = False,
+             home: str | os.PathLike | None = None) -> AddHostResult:
+    """Add ``Host name`` to ``~/.ssh/config``, keeping every existing byte.
+
+    The block is appended (after a blank line; the file's line ending, LF or CRLF, is kept).
+    With ``replace=True`` an existing ``Host name`` block is swapped in place, so its position
+    (and so OpenSSH's first-value-wins order) stays.  The write is atomic
+    (:func:`gpumagic._fs.atomic_write`) and the previous file is kept as ``config.bak``.
+
+    Parameters
+    ----------
+    name : str
+        The alias (``ssh NAME``, VS Code Remote-SSH, ``%gpu connect NAME``).
+    hostname, port, user, key, jump
+        ``HostName``, ``Port``, ``User``, ``IdentityFile`` (``~`` kept as written), ``ProxyJump``.
+    server_alive_interval : int or None
+        ``ServerAliveInterval`` in seconds (default 30; None: leave it out).
+    server_alive_count_max : int or None
+        ``ServerAliveCountMax`` (default 3; None: leave it out).
+    options : dict, optional
+        More honoured keywords, e.g. ``{"ConnectTimeout": "20"}``.
+    replace : bool
+        Replace a block with the same name instead of refusing.
+    dry_run : bool
+        Check and compute everything, write nothing (``backup`` is then None).
+
+    Returns
+    -------
+    AddHostResult
+        ``action`` is ``"unchanged"`` when an identical block is already there.
+
+    Raises
+    ------
+    HostExists
+        A different ``Host name`` block exists and ``replace`` is False (the hint shows how
+        to replace it), or the name shares its ``Host`` line with other names.
+    ConfigError
+        Bad name or values.
+    """
+    path = config_path(home)
+    try:
+        old = path.read_bytes()
+    except FileNotFoundError:
+        old = b""
+    text = old.decode("utf-8", errors="surrogateescape")
+    newline = "\r\n" if "\r\n" in text else "\n"
+    block = host_block(name, hostname, port=port, user=user, key=key, jump=jump,
+                       server_alive_interval=server_alive_interval,
+                       server_alive_count_max=server_alive_count_max, options=options,
+                       newline=newline)
+    lines = text.splitlines(keepends=True)
+    found = [s for s in _sections(lines)
+             if s.kind == "host" and any(p.lower() == name.lower() for p in s.patterns)]
+    old_block = None
+    if found:
+        sec = found[0]
+        old_block = _block_text(lines, sec)
+        if old_block.replace("\r\n", "\n") == block.replace("\r\n", "\n"):
+            return AddHostResult(path=path, block=block, action="unchanged", old_block=old_block)
+        if not replace:
+            raise HostExists(f"{path} already has a different `Host {name}` block:\n{old_block.rstrip()}",
+                             f"pass --replace to swap it for the new one (the old file is kept as "
+                             f"{path.name}.bak), or choose another name")
+        if len(sec.patterns) != 1:
+            raise HostExists(f"`Host {name}` shares its line with {' '.join(sec.patterns)} in {path}",
+                             "edit that block by hand, or add this machine under another name")
+        end = sec.start + len(old_block.splitlines())
+        new_text = "".join(lines[:sec.start]) + block + "".join(lines[end:])
+        action = "replaced"
+    else:
+        prefix = text
+        if prefix and not prefix.endswith(("\n", "\r")):
+            prefix += newline
+        if prefix.strip() and not prefix.endswith(newline * 2):
+            prefix += newline
+        new_text = prefix + block
+        action = "added"
+    notes = _shadowed(new_text, name, block, home)
+    if dry_run:
+        return AddHostResult(path=path, block=block, action=action, old_block=old_block, notes=notes)
+    backup = Path(str(path) + ".bak") if old else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent == ssh_dir(home):
+        _ensure_ssh_dir(path.parent, home)
+    atomic_write(path, new_text.encode("utf-8", errors="surrogateescape"),
+                 mode=None if old else 0o600, backup=backup)
+    return AddHostResult(path=path, block=block, action=action, old_block=old_block,
+                         backup=backup, notes=notes)
+
+
+def _shadowed(text: str, name: str, block: str, home) -> list[str]:
+    """Warnings for keywords of ``block`` that an earlier block (e.g. ``Host *``) overrides.
+
+    OpenSSH uses the first value it reads for a keyword, so ``User`` in a ``Host *`` block
+    above the new one wins over the new block's ``User``.
+    """
+    from .hosts import expand_includes
+
+    try:
+        whole = paramiko.SSHConfig.from_text(expand_includes(text, ssh_dir(home)))
+        mine = paramiko.SSHConfig.from_text(block)
+    except Exception:
+        return []
+    got, want = whole.lookup(name), mine.lookup(name)
+    notes = []
+    for k, v in want.items():
+        if k == "identityfile":
+            first = (got.get(k) or [None])[0]
+            if first != v[0]:
+                notes.append(f"an earlier block in ~/.ssh/config lists IdentityFile {first} first; "
+                             f"ssh offers it before {v[0]}")
+            continue
+        if str(got.get(k)) != str(v):
+            kw = HONOURED_KEYWORDS.get(k, k)
+            notes.append(f"an earlier block in ~/.ssh/config sets {kw} {got.get(k)}, which wins over "
+                         f"this block's {kw} {v} (OpenSSH uses the first value): move `Host {name}` "
+                         "above that block")
+    return notes
+
+
+# -- install-key -------------------------------------------------------------------------
+
+#: POSIX sh run on the machine (``sh -s -- LINE``, script on stdin, so a fish or tcsh login
+#: shell does not matter): the key line is ``$1``.  Creates ~/.ssh (0700) and
+#: authorized_keys (0600) when missing, removes group/other write bits (sshd's StrictModes
+#: refuses such files), and appends the line unless a line already holds the same key blob
+#: (so a key with another comment or with options is not added twice).
+_AUTHORIZE_SH = r'''
+set -e
+umask 077
+line=$1
+blob=$(printf '%s\n' "$line" | awk '{print $2}')
+d="$HOME/.ssh"; f="$d/authorized_keys"
+[ -d "$d" ] || mkdir -m 700 "$d"
+chmod go-w "$d"
+if [ ! -e "$f" ]; then : > "$f"; chmod 600 "$f"; fi
+chmod go-w "$f"
+if grep -qF -- "$blob" "$f"; then echo present; exit 0; fi
+if [ -s "$f" ] && [ -n "$(tail -c 1 "$f")" ]; then printf '\n' >> "$f"; fi
+printf '%s\n' "$line" >> "$f"
+if command -v restorecon >/dev/null 2>&1; then restorecon -F "$d" "$f" >/dev/null 2>&1 || :; fi
+echo added
+'''
+
+
+def authorize_key(connection: Connection, public_key: str) -> str:
+    """Append ``public_key`` to the remote ``~/.ssh/authorized_keys`` unless it is there.
+
+    Returns
+    -------
+    str
+        ``"added"`` or ``"present"``.
+
+    Raises
+    ------
+    GpumagicError
+        When the remote shell cannot write the file (its stderr in the message).
+    """
+    from .execution import exec_simple
+
+    import shlex
+
+    _key_type_and_blob(public_key)
+    line = public_key.strip()
+    if "\n" in line or "\r" in line:
+        raise ConfigError("the public key spans several lines", "give one .pub line")
+    r = exec_simple(connection, f"sh -s -- {shlex.quote(line)}", stdin=_AUTHORIZE_SH.encode(),
+                    timeout=60)
+    state = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    if r.exit_code != 0 or state not in ("added", "present"):
+        raise GpumagicError(f"could not update ~/.ssh/authorized_keys on {connection.spec.address}: "
+                            f"{(r.stderr or r.stdout).strip()[-300:]}",
+                            "check the disk space and the permissions of ~/.ssh on the machine")
+    return state
+
+
+class _PasswordConnection(Connection):
+    """A :class:`Connection` that logs in with a password instead of keys.
+
+    The host key is checked exactly as for key logins before the password is asked, so a
+    password is never sent to an unverified server.  The password is asked once and
+    dropped right after use.
+    """
+
+    def __init__(self, spec: HostSpec, *, password_prompt: PasswordPrompt, **kw):
+        super().__init__(spec, **kw)
+        self._password_prompt = password_prompt
+
+    def _authenticate(self, t: paramiko.Transport) -> None:
+        spec = self.spec
+        password = self._password_prompt(f"Password for {spec.user}@{spec.address}: ")
+        try:
+            # fallback=True: servers that offer only keyboard-interactive get the same password
+            t.auth_password(spec.user, password, fallback=True)
+        except paramiko.BadAuthenticationType as e:
+            raise AuthenticationFailed(
+                f"{spec.user}@{spec.address} does not accept passwords (it allows: {', '.join(e.allowed_types)})",
+                "add the public key in your platform's console (SSH keys page) instead")
+        except paramiko.AuthenticationException:
+            raise AuthenticationFailed(f"{spec.user}@{spec.address} refused the password",
+                                       "check the user name and the password the platform shows")
+        finally:
+            password = None  # noqa: F841 -- drop our reference right away
+
+
+@dataclass(frozen=True)
+class InstallKeyResult:
+    """What :func:`install_key` did.
+
+    Attributes
+    ----------
+    spec : HostSpec
+        The machine.
+    state : str
+        ``"added"`` (appended), ``"present"`` (the key was there already).
+    used_password : bool
+        False when a key login already worked, so no password was asked.
+    fingerprint : str
+        ``SHA256:...`` of the installed key.
+    """
+
+    spec: HostSpec
+    state: str
+    used_password: bool
+    fingerprint: str
+
+
+def install_key(target: str, *, key: str | os.PathLike | None = None, port: int | None = None,
+                user: str | None = None, jump: str | None = None, trust_new_host: bool = False,
+                password_prompt: PasswordPrompt = _getpass, try_key_first: bool = True,
+                home: str | os.PathLike | None = None) -> InstallKeyResult:
+    """Put the public key of ``key`` into the machine's ``~/.ssh/authorized_keys``, like ssh-copy-id.
+
+    Order: check the host key (never trusted silently); try a key login first when
+    ``try_key_first`` (then no password is needed); otherwise ask the password once with
+    ``password_prompt`` and log in with it; append the key unless already there (creating
+    ``~/.ssh`` 0700 and the file 0600); finally open a fresh connection with only that key
+    to prove a key login works.
+
+    Parameters
+    ----------
+    target : str
+        ``[user@]host[:port]``, a ``~/.ssh/config`` alias, or a pasted ``ssh ...`` line.
+    key : path, optional
+        The private key whose ``.pub`` is installed (default: the target's first
+        ``IdentityFile``, else ``~/.ssh/id_ed25519``).
+    password_prompt : callable
+        ``prompt(text) -> password``; default ``getpass.getpass`` (no echo).  The password is
+        never stored or logged.
+
+    Raises
+    ------
+    UnknownHostKey, ChangedHostKey
+        Before any password is asked.
+    AuthenticationFailed
+        Password refused, password logins disabled, or the key login still fails afterwards
+        (e.g. the server reads keys from another AuthorizedKeysFile).
+    ConfigError
+        No key file.
+    """
+    if is_ssh_command(target):
+        cmd = parse_ssh_command(target)
+        target = cmd.host
+        port, user, jump = port or cmd.port, user or cmd.user, jump or cmd.jump
+        key = key or cmd.key
+    spec = resolve(target, home=home, port=port, user=user, proxy_jump=jump)
+    if key is None:
+        key = next((f for f in spec.identity_files if os.path.exists(f)), None) or default_key_path(home)
+    key = str(Path(os.path.expanduser(str(key))))
+    if not os.path.exists(key):
+        raise ConfigError(f"no private key at {key}",
+                          "make one first with `%gpu keygen`, or name yours with --key PATH")
+    line = read_public_key(key)
+    key_spec = spec.with_options(identity_files=(key,), identities_only=True)
+    used_password = False
+    conn: Connection | None = None
+    decrypted: dict = {}  # one passphrase prompt for the probe and the final check
+    if try_key_first:
+        probe = Connection(key_spec, trust_new_host=trust_new_host, home=home, use_agent=False)
+        probe._keys = decrypted
+        try:
+            probe.open()
+            conn = probe
+        except AuthenticationFailed:
+            probe.close()
+    try:
+        if conn is None:
+            conn = _PasswordConnection(spec, password_prompt=password_prompt,
+                                       trust_new_host=trust_new_host, home=home, use_agent=False)
+            conn.open()
+            used_password = True
+        state = authorize_key(conn, line)
+    finally:
+        if conn is not None:
+            conn.close()
+    check = Connection(key_spec, trust_new_host=False, home=home, use_agent=False)
+    check._keys = decrypted
+    try:
+        check.open()
+    except AuthenticationFailed:
+        raise AuthenticationFailed(
+            f"the key is in ~/.ssh/authorized_keys on {spec.address}, but a key login still fails",
+            "the server may read keys from another file (AuthorizedKeysFile in its sshd_config) "
+            "or refuse loose permissions on the home directory; add the key in the platform's console")
+    finally:
+        check.close()
+    return InstallKeyResult(spec=spec, state=state, used_password=used_password,
+                            fingerprint=public_key_fingerprint(line))
+
+
+def _local_user() -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except Exception:
+        return os.environ.get("USER", "user")

@@ -1,0 +1,150 @@
+"""The IPython layer, driven through a real InteractiveShell."""
+
+import _thread
+import threading
+import uuid
+
+import pytest
+from IPython.core.error import UsageError
+
+from gpumagic.errors import NotConnected, RemoteCommandError
+from gpumagic.magics import SUBCOMMANDS
+
+
+def test_gpu_alone_and_help_list_every_subcommand(ip, capsys):
+    ip.run_line_magic("gpu", "")
+    alone = capsys.readouterr().out
+    ip.run_line_magic("gpu", "help")
+    assert capsys.readouterr().out == alone
+    for name in SUBCOMMANDS:
+        assert f"%gpu {name}" in alone
+    assert "%%remote" in alone
+
+
+def test_unknown_subcommand_is_a_usage_error_naming_the_valid_ones(ip):
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "conect mygpu")
+    assert type(e.value) is UsageError
+    assert "'conect'" in str(e.value) and "connect" in str(e.value) and "disconnect" in str(e.value)
+
+
+def test_remote_help_shows_real_options(ip):
+    doc = ip.find_cell_magic("remote").__doc__
+    for opt in ("--python", "--host", "--cwd", "--env", "--timeout", "--no-raise-error", "--out"):
+        assert opt in doc
+
+
+def test_bad_arguments_are_exactly_usage_error(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    for line, cell in [("--timeout soon", "true"), ("--env NOEQUALS", "true"), ("--bogus", "true")]:
+        with pytest.raises(UsageError) as e:
+            ip.run_cell_magic("remote", line, cell)
+        assert type(e.value) is UsageError
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpu", "connect")
+
+
+def test_remote_cell_streams_and_out_stores_the_result(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_cell_magic("remote", "--out res", "echo to-stdout; echo to-stderr >&2")
+    seen = capsys.readouterr()
+    assert "to-stdout" in seen.out and "to-stderr" in seen.err
+    res = ip.user_ns["res"]
+    assert (res.stdout, res.stderr, res.exit_code) == ("to-stdout\n", "to-stderr\n", 0)
+
+
+def test_python_cell_runs_on_the_remote_python(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_cell_magic("remote", "--python --out r", "import sys\nprint(sys.argv[0], 6 * 7)")
+    assert ip.user_ns["r"].stdout == "-c 42\n"
+
+
+def test_failing_cell_raises_with_exit_code_and_no_raise_error_opts_out(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(RemoteCommandError) as e:
+        ip.run_cell_magic("remote", "", "echo bad >&2; exit 4")
+    assert e.value.exit_code == 4 and "exited with code 4" in str(e.value)
+    assert ip.run_cell_magic("remote", "--no-raise-error --out r", "exit 4") is None
+    assert ip.user_ns["r"].exit_code == 4
+
+
+def test_failed_python_cell_renders_the_remote_error_not_gpumagic_frames(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    result = ip.run_cell("%%remote --python\nraise ValueError('remote boom')")
+    assert not result.success
+    shown = capsys.readouterr()
+    text = shown.out + shown.err
+    assert "ValueError: remote boom" in text
+    assert "gpumagic/execution.py" not in text and "gpumagic/magics.py" not in text
+
+
+def test_interrupted_cell_reraises_keyboard_interrupt(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    token = "gm" + uuid.uuid4().hex[:12]
+    threading.Timer(1.5, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("remote", "", f"sleep 60 & wait # {token}")
+    ip.run_cell_magic("remote", "--out r", f"pgrep -f '{token[:-1]}[{token[-1]}]' || echo none")
+    assert ip.user_ns["r"].stdout == "none\n"
+
+
+def test_several_machines_last_connected_is_default_and_host_picks(ip, sshd):
+    ip.run_line_magic("gpu", "connect testgpu --name one --cwd /tmp")
+    ip.run_line_magic("gpu", "connect testgpu --name two --cwd /")
+    ip.run_cell_magic("remote", "--out a", "pwd")
+    ip.run_cell_magic("remote", "--host one --out b", "pwd")
+    assert (ip.user_ns["a"].stdout, ip.user_ns["b"].stdout) == ("/\n", "/tmp\n")
+    with pytest.raises(NotConnected) as e:
+        ip.run_cell_magic("remote", "--host three", "pwd")
+    assert "one, two" in e.value.message
+
+
+def test_cd_sets_the_directory_and_rejects_missing_ones(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "cd /usr")
+    ip.run_line_magic("gpu", "cd lib")
+    ip.run_cell_magic("remote", "--out r", "pwd")
+    assert ip.user_ns["r"].stdout == "/usr/lib\n"
+    with pytest.raises(RemoteCommandError) as e:
+        ip.run_line_magic("gpu", "cd /no/such/place")
+    assert "/no/such/place" in e.value.message
+
+
+def test_hosts_lists_config_aliases_and_connected_machines(ip, capsys, sshd):
+    ip.run_line_magic("gpu", "connect testgpu --name work")
+    ip.run_line_magic("gpu", "hosts")
+    out = capsys.readouterr().out
+    assert "testgpu" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("work"))
+    assert f"127.0.0.1:{sshd.port}" in line and "connected (default)" in line
+
+
+def test_disconnect_and_forget(ip, capsys, client_home, sshd):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "disconnect")
+    assert "disconnected from testgpu" in capsys.readouterr().out
+    with pytest.raises(NotConnected):
+        ip.run_cell_magic("remote", "", "true")
+    kh = client_home / ".ssh" / "known_hosts"
+    before = kh.read_text()
+    kh.write_text(before + "[203.0.113.10]:41022 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n")
+    ip.run_line_magic("gpu", "forget 203.0.113.10:41022")
+    assert "removed 1 line(s) for [203.0.113.10]:41022" in capsys.readouterr().out
+    assert kh.read_text() == before
+
+
+def test_connected_magic_unknown_host_prints_fingerprint_and_trust_option(ip, capsys, sshd, client_home):
+    kh = client_home / ".ssh" / "known_hosts"
+    saved = kh.read_text()
+    kh.write_text("")
+    try:
+        result = ip.run_cell("%gpu connect testgpu")
+        text = "".join(capsys.readouterr())
+        assert not result.success
+        assert "UnknownHostKey" in text and "SHA256:" in text and "--trust-new-host" in text
+        assert kh.read_text() == ""
+        ip.run_line_magic("gpu", "connect testgpu --trust-new-host")
+        assert "trusted new host" in capsys.readouterr().out
+        assert f"[127.0.0.1]:{sshd.port} ssh-ed25519" in kh.read_text()
+    finally:
+        kh.write_text(saved)

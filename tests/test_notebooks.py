@@ -1,0 +1,96 @@
+"""Notebooks executed with nbclient against the sandbox machine."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from gpumagic.__main__ import run_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "example-notebooks"
+
+
+@pytest.fixture(autouse=True)
+def kernel_imports_this_checkout(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def outputs(nb, startswith):
+    cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith(startswith))
+    text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    errors = [o for o in cell.outputs if o.output_type == "error"]
+    return text, errors
+
+
+def test_quickstart_notebook_runs_end_to_end(tmp_path):
+    out = run_notebook(NOTEBOOKS / "01-quickstart.ipynb", tmp_path)
+    nb = nbformat.read(out, as_version=4)
+    text, _ = outputs(nb, "%gpu connect --sandbox")
+    assert "sandbox machine up" in text and "connected to sandbox" in text
+    text, _ = outputs(nb, '%%remote\necho "hello')
+    assert "hello from" in text and "step 3" in text
+    text, _ = outputs(nb, "%%remote --python\nimport platform")
+    assert "sum of squares: 332833500" in text
+    text, _ = outputs(nb, "%%remote --python\nimport time")
+    assert text.endswith("\rtraining 100%\n")
+    text, errors = outputs(nb, '%%remote --python\ndata = {"lr"')
+    assert "KeyError: 'batch_size'" in text
+    assert errors and errors[0].ename == "RemoteCommandError"
+    assert not any("gpumagic/" in line for line in errors[0].traceback)
+    text, _ = outputs(nb, 'print("exit code:"')
+    assert "exit code: 2" in text and "No such file or directory" in text
+    text, _ = outputs(nb, "free_gb")
+    assert text.startswith("free on /: ") and text.rstrip().endswith("GB")
+    text, _ = outputs(nb, "%gpu disconnect")
+    assert text == "disconnected from sandbox\n"
+
+
+def _pgrep(pattern):
+    r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return r.stdout.split()
+
+
+def test_interrupting_a_cell_stops_run_all_and_the_remote_process(tmp_path):
+    # case 2, notebook half: cell 2 writes a file; interrupting cell 1 means it never ran.
+    marker = tmp_path / "cell2-ran"
+    token = "gm" + uuid.uuid4().hex[:12]  # other test runs may share this machine
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext gpumagic\n%gpu connect --sandbox"),
+        nbformat.v4.new_code_cell(f'%%remote\npython3 -c "import time; [time.sleep(1) for _ in range(600)]" {token}'),
+        nbformat.v4.new_code_cell(f"open({str(marker)!r}, 'w').write('ran')"),
+    ]
+    client = NotebookClient(nb, timeout=60, kernel_name="python3")
+    pattern = f"{token[:-1]}[{token[-1]}]"
+    fired = {}
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 60
+        while not _pgrep(pattern) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)
+        fired["pids"] = _pgrep(pattern)
+        fired["at"] = time.monotonic()
+        os.kill(client.km.provisioner.pid, signal.SIGINT)  # what Jupyter's interrupt sends
+
+    t = threading.Thread(target=interrupt_when_running, daemon=True)
+    t.start()
+    with pytest.raises(CellExecutionError) as e:
+        client.execute()
+    t.join()
+    assert fired["pids"], "the remote cell never started"
+    assert "KeyboardInterrupt" in str(e.value)
+    assert not marker.exists()
+    deadline = fired["at"] + 2
+    while _pgrep(pattern) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pgrep(pattern) == []

@@ -1,0 +1,88 @@
+"""The sandbox machine: a throwaway sshd that gpumagic starts, trusts, and stops."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gpumagic
+from gpumagic import sandbox
+from gpumagic.errors import SandboxError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill -0
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sandbox_connects_without_touching_the_users_known_hosts(client_home):
+    kh = client_home / ".ssh" / "known_hosts"
+    before = kh.read_text() if kh.exists() else None
+    m = gpumagic.connect(sandbox=True)
+    try:
+        assert m.run(["echo", "sandboxed"], quiet=True).stdout == "sandboxed\n"
+        pid = m.sandbox.server.proc.pid
+        assert m.spec.known_hosts.startswith(str(m.sandbox.server.dir))
+    finally:
+        m.close()
+    assert not alive(pid)
+    assert (kh.read_text() if kh.exists() else None) == before
+
+
+def test_sandbox_with_fake_gpu_replays_the_recording():
+    with gpumagic.connect(sandbox=True, fake_gpu="h200-load") as m:
+        r = m.run(["nvidia-smi", "--query-gpu=name,memory.used,utilization.gpu",
+                   "--format=csv,noheader,nounits"], quiet=True)
+    assert r.stdout == "NVIDIA H200, 20213, 100\n"
+
+
+def test_no_sshd_gives_the_install_command(monkeypatch):
+    monkeypatch.setattr(sandbox, "SSHD_CANDIDATES", ())
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxError) as e:
+        gpumagic.connect(sandbox=True)
+    assert "no sshd" in e.value.message and "apt-get install openssh-server" in e.value.hint
+
+
+def test_sandbox_stops_when_the_python_process_exits(tmp_path):
+    code = ("import gpumagic, sys\n"
+            "m = gpumagic.connect(sandbox=True)\n"
+            "print(m.sandbox.server.proc.pid, flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_command_line_sandbox_is_reachable_with_the_ssh_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "gpumagic", "sandbox"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        while not any(line.startswith("reach it with:") for line in lines):
+            lines.append(proc.stdout.readline())
+            assert proc.poll() is None, lines
+        ssh_cmd = proc.stdout.readline().split()
+        r = subprocess.run(ssh_cmd + ["echo", "via-openssh"], capture_output=True, text=True, timeout=30)
+        assert r.stdout == "via-openssh\n", r.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+    assert proc.returncode == 0

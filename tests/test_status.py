@@ -1,0 +1,254 @@
+"""`%gpu status`, `%gpu doctor` and the %%remote failure hints, end to end over the test
+sshd with the replaying nvidia-smi (``sshd.set_gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from gpumagic.errors import RemoteCommandError
+from gpumagic.gpu import Level, StatusKind
+
+from conftest import make_server
+
+
+@pytest.fixture
+def set_gpu(sshd):
+    """Switch the fake nvidia-smi; put back 'h200-idle' afterwards."""
+    yield sshd.set_gpu
+    sshd.set_gpu("h200-idle")
+
+
+def _count_channels(machine) -> list:
+    """Count the SSH channels the machine opens from now on (one per round trip)."""
+    opened = []
+    real = machine.connection.open_session
+
+    def counting():
+        opened.append(1)
+        return real()
+
+    machine.connection.open_session = counting
+    return opened
+
+
+def test_status_on_h200_load_in_one_round_trip(machine, set_gpu):
+    set_gpu("h200-load")
+    machine.login_env()  # read once per connection (the PATH nvidia-smi is looked up in)
+    opened = _count_channels(machine)
+    status = machine.gpu_status()
+    assert len(opened) == 1
+    assert status.kind is StatusKind.OK and status.host == "testgpu"
+    g, = status.gpus
+    assert (g.name, g.utilization_gpu_pct, g.memory_used_mib, g.memory_total_mib) == (
+        "NVIDIA H200", 100, 20213, 143771)
+    assert (g.temperature_c, g.power_limit_w, g.fan_pct.raw) == (58, 700.0, "[N/A]")
+    p, = status.processes
+    assert (p.pid, p.name, p.used_mib) == (485, "python3", 20204)
+    assert (status.driver_version, status.cuda_version) == ("580.159.04", "13.0")
+    again = machine.gpu_status(cuda_version=status.known_cuda)  # what each --watch refresh does
+    assert len(opened) == 2 and again.cuda_version == "13.0" and again.gpus == status.gpus
+
+
+@pytest.mark.parametrize("state, kind", [("mismatch", StatusKind.MISMATCH),
+                                         ("no-driver", StatusKind.NO_DRIVER)])
+def test_status_driver_failures_become_kinds_over_ssh(machine, set_gpu, state, kind):
+    set_gpu(state)
+    status = machine.gpu_status()
+    assert status.kind is kind and status.hint
+    if kind is StatusKind.MISMATCH:
+        assert status.library_version == "570.124"
+
+
+def test_status_on_a_machine_without_nvidia_smi():
+    import gpumagic
+
+    server = make_server("nogpu")  # no fake nvidia-smi on its PATH
+    try:
+        with gpumagic.Machine(server.spec(), name="nogpu") as m:
+            if m.exec("command -v nvidia-smi").exit_code == 0:
+                pytest.skip("this host has a real nvidia-smi")
+            status = m.gpu_status()
+        assert status.kind is StatusKind.NO_NVIDIA_SMI
+        assert "no nvidia-smi" in status.message and "driver" in status.hint
+    finally:
+        server.stop()
+
+
+def test_status_text_magic_prints_one_line_per_gpu(ip, set_gpu, capsys):
+    set_gpu("h200-load")
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "status --text")
+    out = capsys.readouterr().out
+    assert "GPU0 NVIDIA H200 | util 100% | mem 20213/143771 MiB | 58C | 691/700 W\n" in out
+    assert "python3 (pid 485) 20204 MiB" in out
+
+
+def test_status_widget_plain_text_is_the_status_not_a_repr(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "status")  # a terminal shell prints the widget's text/plain
+    out = capsys.readouterr().out
+    assert "GPU0 NVIDIA H200 | util 0% | mem 0/143771 MiB | 37C | 127/700 W" in out
+    assert "  no processes" in out
+    assert "VBox" not in out and "model_id" not in out
+
+
+def test_status_bad_arguments_are_usage_errors(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(UsageError, match="at least 1"):
+        ip.run_line_magic("gpu", "status --watch 0.2")
+    with pytest.raises(UsageError, match="drop --text"):
+        ip.run_line_magic("gpu", "status --watch 2 --text")
+    with pytest.raises(UsageError, match="--sample"):
+        ip.run_line_magic("gpu", "doctor --sample 9999")
+
+
+def _wait(thread_owner, predicate, limit=60.0):
+    """Wait for ``predicate()`` while the watch thread runs (bounded, not a timing assertion)."""
+    waited = 0.0
+    while not predicate() and waited < limit:
+        thread_owner._thread.join(0.05)
+        waited += 0.05
+    return predicate()
+
+
+def test_watch_keeps_running_through_a_mismatch_and_stops_on_stop(ip, set_gpu, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "status --watch 1")
+    watcher = ip._gpumagic.status_watchers["testgpu"]
+    view = watcher.on_update.__self__
+    assert view.status.kind is StatusKind.OK and "refreshing every 1 s" in view.note_text
+    set_gpu("mismatch")
+    assert _wait(watcher, lambda: view.status.kind is StatusKind.MISMATCH)
+    assert view.rows == [] and "driver/library mismatch" in view.header.value
+    set_gpu("h200-load")
+    assert _wait(watcher, lambda: view.status.ok and view.rows)
+    assert watcher.running and view.rows[0].util.value == 100
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "status --stop")
+    assert capsys.readouterr().out == "stopped watching testgpu\n"
+    assert not watcher.running
+    assert view.note_text == "stopped (%gpu status --stop)"
+    ip.run_line_magic("gpu", "status --stop")
+    assert capsys.readouterr().out == "no --watch is running\n"
+
+
+def test_watch_stops_on_disconnect_saying_so(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "status --watch 1")
+    watcher = ip._gpumagic.status_watchers["testgpu"]
+    view = watcher.on_update.__self__
+    ip.run_line_magic("gpu", "disconnect")
+    watcher._thread.join(30)
+    assert not watcher.running
+    assert view.note_text == "stopped: the machine is disconnected"
+
+
+def test_doctor_expect_a100_on_h200_load_fails_naming_both_in_one_round_trip(machine, set_gpu):
+    set_gpu("h200-load")
+    machine.login_env()  # read once per connection by every run()
+    opened = _count_channels(machine)
+    report = machine.doctor(expect_gpu="A100")
+    assert len(opened) == 1
+    checks = {c.name: c for c in report.checks}
+    assert checks["GPU model"].level is Level.FAIL
+    assert checks["GPU model"].summary == "expected A100, the machine has NVIDIA H200"
+    assert checks["driver"].level is Level.OK and "CUDA up to 13.0" in checks["driver"].summary
+    assert checks["GPU0 memory"].level is Level.WARN
+    # The test server's python3 (this venv) has no torch: said, not guessed.
+    assert checks["PyTorch CUDA"].level is Level.WARN
+    assert "not importable" in checks["PyTorch CUDA"].summary
+    assert checks["disks"].level is Level.OK and "largest data disk" in checks["disks"].summary
+    assert checks["python"].level is Level.OK
+    assert report.worst is Level.FAIL
+
+
+def test_doctor_on_a_mismatched_driver_fails_the_driver_check(machine, set_gpu):
+    set_gpu("mismatch")
+    report = machine.doctor(expect_gpu="H200", expect_count=1)
+    checks = {c.name: c for c in report.checks}
+    assert checks["driver"].level is Level.FAIL and "570.124" in checks["driver"].summary
+    assert "reboot" in checks["driver"].fix
+    assert checks["GPU model"].level is Level.FAIL
+
+
+def test_doctor_sample_reads_gpu_utilisation(ip, set_gpu, capsys):
+    set_gpu("h200-load")
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "doctor --expect-gpu H200 --expect-count 1 --sample 1")
+    out = capsys.readouterr().out
+    assert "0 fail" in out.splitlines()[0]
+    assert "ok    GPU model" in out and "NVIDIA H200 (expected H200)" in out
+    assert "utilisation" in out and "GPU 100% busy" in out
+
+
+def test_failed_cell_with_cuda_oom_gets_a_hint_line(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    cell = "echo 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB' >&2; exit 1"
+    with pytest.raises(RemoteCommandError) as e:
+        ip.run_cell_magic("remote", "", cell)
+    assert "halve the batch size" in e.value.hint
+    assert e.value._render_traceback_()[-1].startswith("  hint: GPU memory ran out")
+    capsys.readouterr()
+    ip.run_cell_magic("remote", "--no-raise-error", cell)
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("hint: GPU memory ran out")
+
+
+def test_oom_killed_cell_exit_137_gets_the_host_ram_hint(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(RemoteCommandError) as e:
+        ip.run_cell_magic("remote", "", "python3 -c 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'")
+    assert e.value.exit_code == 137
+    assert "Killed" in e.value.stderr
+    assert "host RAM" in e.value.hint
+    with pytest.raises(RemoteCommandError) as e:  # a python cell killed itself
+        ip.run_cell_magic("remote", "--python", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert e.value.exit_code == 137
+    assert "host RAM" in e.value.hint
+
+
+def test_failed_cell_without_known_message_gets_no_hint(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(RemoteCommandError) as e:
+        ip.run_cell_magic("remote", "", "echo 'ValueError: nope' >&2; exit 3")
+    assert e.value.hint == ""
+
+
+def test_doctor_in_a_vanished_working_directory_says_what_to_do(machine):
+    machine.cwd = "/no/such/dir"
+    with pytest.raises(RemoteCommandError) as e:
+        machine.doctor()
+    assert "cannot enter directory /no/such/dir" in e.value.message
+    assert "%gpu cd" in e.value.hint
+
+
+def test_a_second_watch_replaces_the_first_saying_so(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "status --watch 5")
+    first = ip._gpumagic.status_watchers["testgpu"]
+    first_view = first.on_update.__self__
+    ip.run_line_magic("gpu", "status --watch 5")
+    second = ip._gpumagic.status_watchers["testgpu"]
+    assert second is not first and not first.running and second.running
+    assert first_view.note_text == "stopped: a newer `%gpu status --watch` took over"
+    ip.run_line_magic("gpu", "status --stop")
+    assert not second.running
+
+
+def test_watch_refreshes_while_cells_run_on_the_same_connection(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "status --watch 1")
+    watcher = ip._gpumagic.status_watchers["testgpu"]
+    outputs = []
+    for i in range(60):  # cells keep running until the thread has refreshed twice
+        ip.run_cell_magic("remote", "--out r", f"sleep 0.5; echo cell {i}")
+        outputs.append(ip.user_ns["r"].stdout)
+        if watcher.refreshes >= 2:
+            break
+    assert watcher.refreshes >= 2 and watcher.failures == 0
+    assert outputs == [f"cell {i}\n" for i in range(len(outputs))]
+    ip.run_line_magic("gpu", "status --stop")
