@@ -65,8 +65,6 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 TOOL_DIRS = ("~/.local/bin", "/usr/local/bin", "/opt/homebrew/bin", "/usr/bin", "/bin")
 #: Seconds between SIGTERM and SIGKILL when a job is killed.
 KILL_GRACE = 3
-#: Prefix of the tmux session names.
-TMUX_PREFIX = "gpumagic-"
 #: Bytes of the end of a log that a listing scans for alerts (16 MiB).
 ALERT_SCAN_BYTES = 16 * 1024 * 1024
 
