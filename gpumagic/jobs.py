@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
