@@ -25,8 +25,8 @@ from conftest import add_client_entry, make_server
 from gpumagic import jobs
 from gpumagic.display import job_alert, jobs_table
 from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
+from gpumagic.jobs import Alert, classify, parse_listing, parse_stop_on, scan_alerts
 from gpumagic.machine import Machine
-from gpumagic.jobs import Alert, JobInfo, classify, parse_listing, parse_stop_on, scan_alerts
 from gpumagic.shutdown import find_shutdown
 
 TOKEN = secrets.token_hex(3)
