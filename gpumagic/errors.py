@@ -142,3 +142,7 @@ class SyncDiskFull(SyncError):
 
 class SyncPermissionDenied(SyncError):
     """The destination path cannot be written (permissions or a read-only mount)."""
+
+
+class JobError(GpumagicError):
+    """A detached job cannot be started, found or stopped as asked."""

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, Mapping, Sequence
 
-from . import execution, gpu
+from . import execution, gpu, jobs
 from .connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
@@ -46,6 +46,10 @@ class Machine:
         self.connection = Connection(spec, trust_new_host=trust_new_host, home=home,
                                      passphrase_prompt=passphrase_prompt)
         self._login_env: tuple[int, dict] | None = None
+        #: Directories searched for tmux (then setsid/nohup) after the remote PATH.
+        self.tool_dirs: tuple[str, ...] = jobs.TOOL_DIRS
+        #: One-time notes already shown for this machine (e.g. the nohup fallback).
+        self.notes_shown: set[str] = set()
 
     def login_env(self) -> dict[str, str | None]:
         """Environment differences of an interactive ``ssh host`` login, read once per connection.
@@ -203,6 +207,35 @@ class Machine:
         from . import sync
 
         return sync.pull(self, src, dst, **options)
+
+    # -- detached jobs (gpumagic/jobs.py) --------------------------------------------------
+
+    def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
+                  env: Mapping[str, str] | None = None, stop_on=None,
+                  then_shutdown: float | None = None, alerts: bool = True) -> "jobs.Job":
+        """Start ``command`` as a detached job that survives disconnects; returns at once.
+
+        >>> job = m.start_job("train", "python train.py", stop_on="nan")
+        >>> job.state, job.logs(20), job.wait(), job.kill()
+
+        Runs in tmux (``gpumagic-NAME``; found on the remote PATH or in
+        :data:`gpumagic.jobs.TOOL_DIRS`, see :attr:`tool_dirs`), else under ``setsid nohup``.
+        ``then_shutdown`` is in minutes after a successful end.  See :func:`gpumagic.jobs.start`.
+
+        Raises
+        ------
+        JobError
+        """
+        return jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
+                          then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
+
+    def jobs(self) -> list["jobs.JobInfo"]:
+        """Every job on this machine, read from ``~/.gpumagic/jobs`` (one round trip)."""
+        return jobs.list_jobs(self)
+
+    def job(self, name: str) -> "jobs.Job":
+        """A handle on an existing job (started from this or any earlier kernel)."""
+        return jobs.Job(self, jobs.check_name(name))
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

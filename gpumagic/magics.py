@@ -21,9 +21,10 @@ from IPython.display import display as ipy_display
 from traitlets import Unicode
 
 from . import known_hosts, setup, widgets
-from .display import render_doctor, render_status
+from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from .errors import RemoteCommandError
 from .gpu import Watcher, failure_hint
+from .jobs import NAME_RE, parse_stop_on, scan_alerts
 from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
                     ssh_dir)
 from .session import Session
@@ -113,7 +114,18 @@ class GpuMagics(Magics):
     @argument("--timeout", metavar="S", type=float, help="stop the cell after S seconds")
     @argument("--no-raise-error", action="store_true",
               help="do not raise when the cell exits non-zero (Run All continues)")
-    @argument("--out", metavar="VAR", help="store the RunResult (stdout, stderr, exit_code) in VAR")
+    @argument("--out", metavar="VAR", help="store the RunResult (stdout, stderr, exit_code) in VAR "
+                                           "(with --job: the Job handle)")
+    @argument("--job", metavar="NAME",
+              help="start the cell as a detached job that survives disconnects, and return at once "
+                   "(see `%%gpu jobs`, `%%gpu logs NAME --follow`, `%%gpu kill NAME`)")
+    @argument("--stop-on", metavar="KINDS",
+              help="with --job: kill the job when its log shows one of nan,oom,traceback "
+                   "(comma-separated; watched on the machine, so it works with the laptop closed)")
+    @argument("--then-shutdown", metavar="MINUTES", type=float,
+              help="with --job: shut the machine down MINUTES after the job succeeds (exit 0)")
+    @argument("--no-alerts", action="store_true",
+              help="with --job: do not show NaN/OOM/traceback alerts when following or listing")
     @cell_magic
     def remote(self, line: str, cell: str):
         """Run this cell on the remote machine, with output streamed live.
@@ -123,6 +135,8 @@ class GpuMagics(Magics):
         cell's whole remote process tree, then raises KeyboardInterrupt.
         """
         args = parse_argstring(self.remote, line)
+        if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
+            return _remote_job(self, args, cell)
         machine = self.session.get(args.host)
         result = machine.run(cell, python=args.python, cwd=args.cwd, env=_env_pairs(args.env),
                              timeout=args.timeout)
@@ -553,3 +567,146 @@ def _sync(magics: GpuMagics, line: str):
         options["progress"] = widgets.sync_progress()
     summary = m.pull(src.path, dst.path, **options) if src.remote else m.push(src.path, dst.path, **options)
     print(summary)
+# -- jobs ---------------------------------------------------------------------------------
+
+
+def _job_name(name: str) -> str:
+    if not NAME_RE.fullmatch(name):
+        raise UsageError(f"{name!r} is not a job name: use letters, digits, '-' and '_' (see `%gpu jobs`)")
+    return name
+
+
+def _remote_job(magics: GpuMagics, args, cell: str):
+    """``%%remote --job NAME ...``: start the cell detached and return at once."""
+    if args.job is None:
+        raise UsageError("--stop-on, --then-shutdown and --no-alerts need --job NAME")
+    if not NAME_RE.fullmatch(args.job):
+        raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
+    if args.timeout is not None:
+        raise UsageError("--timeout does not apply to --job (a job runs until it ends or `%gpu kill NAME`)")
+    if args.then_shutdown is not None and args.then_shutdown < 0:
+        raise UsageError("--then-shutdown takes minutes >= 0, e.g. --then-shutdown 10")
+    try:
+        stop_on = parse_stop_on(args.stop_on)
+    except Exception as e:
+        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    machine = magics.session.get(args.host)
+    job = machine.start_job(args.job, cell, python=args.python, cwd=args.cwd,
+                            env=_env_pairs(args.env), stop_on=stop_on,
+                            then_shutdown=args.then_shutdown, alerts=not args.no_alerts)
+    if job.note and job.runner not in machine.notes_shown:
+        machine.notes_shown.add(job.runner)
+        print(job.note)
+    print(job_started(job, machine.name))
+    if args.out:
+        magics.shell.user_ns[args.out] = job
+
+
+def _show_alerts(info, alerts=None) -> None:
+    seen = set()
+    for a in (info.alerts if alerts is None else alerts):
+        if a.kind not in seen:
+            seen.add(a.kind)
+            ipy_display(job_alert(info.name, a, stopped=(info.killed == a.kind)))
+
+
+@subcommand("jobs", "list the detached jobs on a machine: state, start, run time, last line")
+@magic_arguments()
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _jobs(magics: GpuMagics, line: str):
+    args = parse(_jobs, line, "jobs")
+    if args is None:
+        return
+    machine = magics.session.get(args.host)
+    infos = machine.jobs()
+    ipy_display(jobs_table(infos, machine.name))
+    for info in infos:
+        _show_alerts(info)
+
+
+def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:
+    machine = magics.session.get(host)
+    job = machine.job(_job_name(name))
+    before = job.info()
+    seen: set[str] = set()
+
+    def alert(a):
+        if a.kind not in seen:  # one alert per kind while following
+            seen.add(a.kind)
+            ipy_display(job_alert(name, a, stopped=a.kind in before.stop_on))
+
+    try:
+        info = job.follow(alert=alert, lines=lines)
+    except KeyboardInterrupt:
+        print(f"\nstopped following {name}; the job keeps running on {machine.name} "
+              f"(`%gpu attach {name}` follows it again)")
+        raise
+    print(job_ended(info))
+
+
+@subcommand("logs", "show a job's output; --follow streams it until the job ends")
+@magic_arguments()
+@argument("name", help="job name (see `%%gpu jobs`)")
+@argument("-n", "--lines", type=int, default=100, help="how many last lines to show (default 100; 0: all)")
+@argument("-f", "--follow", action="store_true",
+          help="keep printing new output until the job ends (interrupting stops following, never the job)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _logs(magics: GpuMagics, line: str):
+    args = parse(_logs, line, "logs")
+    if args is None:
+        return
+    if args.lines < 0:
+        raise UsageError("-n takes a number of lines >= 0 (0: the whole log)")
+    lines = args.lines or None
+    if args.follow:
+        return _follow(magics, args.name, args.host, lines)
+    machine = magics.session.get(args.host)
+    job = machine.job(_job_name(args.name))
+    text = job.logs(lines)
+    print(text, end="" if text.endswith("\n") or not text else "\n")
+    info = job.info()
+    if info.alerts_enabled:
+        _show_alerts(info, scan_alerts(text.splitlines()))
+
+
+@subcommand("attach", "show a job's earlier output, then follow it until it ends")
+@magic_arguments()
+@argument("name", help="job name (see `%%gpu jobs`)")
+@argument("-n", "--lines", type=int, default=1000, help="earlier lines to show first (default 1000; 0: all)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _attach(magics: GpuMagics, line: str):
+    args = parse(_attach, line, "attach")
+    if args is None:
+        return
+    if args.lines < 0:
+        raise UsageError("-n takes a number of lines >= 0 (0: the whole log)")
+    _follow(magics, args.name, args.host, args.lines or None)
+
+
+@subcommand("kill", "end a job's whole process tree; --shutdown cancels its pending shutdown")
+@magic_arguments()
+@argument("name", help="job name (see `%%gpu jobs`)")
+@argument("--shutdown", action="store_true",
+          help="cancel the shutdown armed by --then-shutdown instead (the job itself is left alone)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _kill(magics: GpuMagics, line: str):
+    args = parse(_kill, line, "kill")
+    if args is None:
+        return
+    machine = magics.session.get(args.host)
+    job = machine.job(_job_name(args.name))
+    if args.shutdown:
+        what = job.cancel_shutdown()
+        print({"cancelled": f"cancelled the shutdown of {machine.name} armed by job {args.name}",
+               "none": f"job {args.name} armed no shutdown; nothing to cancel",
+               "started": f"too late: the shutdown armed by job {args.name} has already run"}[what])
+        return
+    info = job.info()
+    if not info.running:
+        extra = (f"; its {info.shutdown_text} (`%gpu kill {args.name} --shutdown` cancels it)"
+                 if info.shutdown_state == "pending" else "")
+        print(f"job {args.name} is not running ({info.state_text}); nothing to kill{extra}")
+        return
+    info = job.kill()
+    print(f"killed job {args.name} on {machine.name}: {info.state_text}; "
+          "its whole process tree was stopped")
