@@ -693,6 +693,8 @@ class GuardStatus:
         Its last measurement (``idle ...``, ``busy ...``, ``unknown ...``).
     checks : int
         Measurements made.
+    checked : float or None
+        Remote epoch seconds of its last check (for ``fired``: when it acted).
     remote_now : float
     warning : str
         The alert text the guard wrote before acting (empty when none).
@@ -712,6 +714,7 @@ class GuardStatus:
     warning: str = ""
     log: tuple = ()
     settings: dict = field(default_factory=dict)
+    checked: float | None = None
 
     @property
     def fires_in(self) -> float | None:
@@ -752,7 +755,7 @@ def parse_status(text: str) -> tuple[Clock, GuardStatus]:
     return clock, GuardStatus(state=state, alive=alive, fire_at=num("fire_at"),
                               reason=kv.get("reason", ""), idle=kv.get("idle", ""),
                               checks=int(num("checks") or 0), remote_now=clock.remote_now,
-                              warning=warning, log=log, settings=settings)
+                              warning=warning, log=log, settings=settings, checked=num("checked"))
 
 
 # -- the guard ----------------------------------------------------------------------------
@@ -955,10 +958,11 @@ def _launch_command() -> str:
     # new one in its own session with no terminal, stdio on /dev/null: it outlives this SSH
     # connection and the laptop.  The script's path names it for `kill` checks.
     return (f'd={d}; mkdir -p "$d" && cat > "$d/gpumagic-guard.sh.tmp" && '
-            f'mv -f "$d/gpumagic-guard.sh.tmp" "$d/gpumagic-guard.sh" && {_STOP} '
-            f'rm -f "$d/state" "$d/alert" && '
-            f'(if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi; '
-            f'cd / && $s nohup sh "$d/gpumagic-guard.sh" run "$d" >/dev/null 2>&1 </dev/null &)')
+            f'mv -f "$d/gpumagic-guard.sh.tmp" "$d/gpumagic-guard.sh" || exit 1; {_STOP} '
+            f'rm -f "$d/state" "$d/alert" || exit 1; '
+            f'if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi; cd / || exit 1; '
+            # a simple command with all three fds redirected: nothing keeps the SSH channel open
+            f'$s nohup sh "$d/gpumagic-guard.sh" run "$d" >/dev/null 2>&1 </dev/null &')
 
 
 _STOP = ('p=$(cat "$d/pid" 2>/dev/null); case "$p" in ""|*[!0-9]*) ;; *) '

@@ -72,10 +72,16 @@ def guard_text(g, *, local_now: float | None = None) -> str:
         return line
     if g.state == "gone":
         return "guard: not running any more (the machine restarted?); arm it again"
+    at = ""
+    if g.checked:
+        ago = max(0.0, g.remote_now - g.checked)
+        at = f" {duration(ago)} ago" if ago >= 60 else " just now"
     if g.state in ("fired", "firing"):
-        return f"guard: shut the machine down ({g.reason})"
+        return f"guard: shut the machine down{at} ({g.reason})"
     if g.state == "failed":
-        return f"guard: FAILED to shut the machine down ({g.reason}): stop it from the platform"
+        return f"guard: FAILED to shut the machine down{at} ({g.reason}): stop it from the platform"
+    if g.state == "cancelled":
+        return "guard: not armed (cancelled)"
     return f"guard: {g.state}"
 
 
@@ -214,4 +220,7 @@ class GuardView(_View):
         self.note = note
 
     def text(self) -> str:
-        return guard_text(self.status) + (f"\n{self.note}" if self.note else "")
+        out = guard_text(self.status)
+        if self.status.state in ("fired", "failed", "firing", "gone") and self.status.log:
+            out += "\n  its log on the machine ends with:\n" + "\n".join(f"    {ln}" for ln in self.status.log)
+        return out + (f"\n{self.note}" if self.note else "")

@@ -181,3 +181,290 @@ def test_ledger_written_by_a_newer_gpumagic_is_left_alone(tmp_path):
 def test_ledger_path_follows_GPUMAGIC_DATA_DIR(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "d"))
     assert Ledger().path == tmp_path / "d" / "ledger.json"
+
+
+# -- the guard on real servers (cases 4 and 5) --------------------------------------------
+
+IDLE = 120  # case 4: "idle 2 min", in real time
+POLL = 2
+STAND_IN = '#!/bin/sh\nprintf "%s %s\\n" "$(date +%s)" "$*" >> "$(dirname "$0")/../shutdown-calls"\n'
+
+
+def _recording_814_mib_78_percent(dest: Path) -> Path:
+    """The h200-idle recording with memory.used 814 MiB and utilization.gpu 78 % (the case's
+    numbers; no process listed, as in a container that hides other processes)."""
+    shutil.copytree(RECORDINGS / "h200-idle", dest)
+    for name in ("query-gpu.csv", "query-gpu-noheader-nounits.csv"):
+        lines = (dest / name).read_text().splitlines()
+        out = []
+        for line in lines:
+            cols = line.split(", ")
+            if cols[0] == "0":
+                units = cols[6].endswith("MiB")
+                cols[6] = "814 MiB" if units else "814"
+                cols[7] = "142342 MiB" if units else "142342"
+                cols[8] = "78 %" if units else "78"
+            out.append(", ".join(cols))
+        (dest / name).write_text("\n".join(out) + "\n")
+    return dest
+
+
+class Guarded:
+    def __init__(self, name, server, machine, status, armed_at):
+        self.name, self.server, self.machine, self.status, self.armed_at = name, server, machine, status, armed_at
+
+    @property
+    def calls(self) -> list[str]:
+        f = self.server.dir / "shutdown-calls"
+        return f.read_text().splitlines() if f.exists() else []
+
+    def log(self) -> str:
+        return (Path(self.server.env["HOME"]) / ".gpumagic/guard/log").read_text()
+
+
+@pytest.fixture(scope="module")
+def guards(tmp_path_factory):
+    """Four servers, each with a stand-in shutdown, guards armed at once (their waits overlap)."""
+    from gpumagic.shutdown import find_shutdown
+
+    tmp = tmp_path_factory.mktemp("guards")
+    ledger = Ledger(tmp / "ledger.json")
+    setups = {"g-idle": "h200-idle", "g-mismatch": "mismatch",
+              "g-hidden": str(_recording_814_mib_78_percent(tmp / "h200-814mib-78pct")), "g-limit": None}
+    out = {}
+    for alias, gpu in setups.items():
+        server = make_server(alias, fake_gpu=gpu or "h200-idle")
+        server.install_bin("shutdown", STAND_IN)
+        add_client_entry(server, alias)
+        m = gpumagic.connect(alias)
+        plan = find_shutdown(m)
+        # never a real shutdown: the command found must be this server's stand-in
+        assert plan.command == f"{server.bin}/shutdown -h now", plan
+        if alias == "g-limit":
+            # rate 60/h per second, started 10 min ago: 10 spent, limit 11 falls 1 min ahead
+            m.budget_set(60, currency="CNY", limit=11, started_at=time.time() - 600, ledger=ledger)
+            status = m.budget_guard(at_limit=True, grace=30, poll=POLL, ledger=ledger, plan=plan)
+        else:
+            status = m.budget_guard(idle=IDLE, grace=30, poll=POLL, ledger=ledger, plan=plan)
+        out[alias] = Guarded(alias, server, m, status, time.time())
+    yield out
+    for g in out.values():
+        try:
+            g.machine.budget_guard_cancel(ledger=ledger)
+        finally:
+            g.machine.close()
+            g.server.stop()
+
+
+def _wait(cond, timeout: float, step: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def test_guards_arm_and_report_their_first_measurement(guards):
+    assert guards["g-idle"].status.state == "armed"
+    assert guards["g-idle"].status.idle.startswith("idle GPU utilisation 0%")
+    assert guards["g-mismatch"].status.idle.startswith("unknown nvidia-smi failed: Failed to initialize NVML")
+    assert guards["g-hidden"].status.idle == ("busy 814 MiB of GPU memory in use by no visible process; "
+                                              "GPU utilisation 78% (idle below 5%)")
+    assert guards["g-limit"].status.settings["limit_in"] in (59, 60, 61)
+
+
+def test_guard_refuses_where_no_shutdown_can_run_and_says_how_to_stop(tmp_path):
+    server = make_server("g-noroot")
+    server.install_bin("id", "#!/bin/sh\necho 1000\n")      # the probe sees a non-root user
+    server.install_bin("sudo", "#!/bin/sh\nexit 1\n")        # whose sudo needs a password
+    add_client_entry(server, "g-noroot")
+    try:
+        with gpumagic.connect("g-noroot") as m:
+            with pytest.raises(budget.BudgetError) as e:
+                m.budget_guard(idle=60, ledger=Ledger(tmp_path / "l.json"))
+            assert "no shutdown command can run" in str(e.value)
+            assert "sudo" in e.value.hint and "console" in e.value.hint
+            assert m.budget_guard_status().state == "none"
+    finally:
+        server.stop()
+
+
+def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
+    """The jobs layout: ~/.gpumagic/jobs/NAME/pid, exit_code absent while running."""
+    script = tmp_path / "g.sh"
+    script.write_text(budget.guard_script(GuardSettings(idle_s=60), "true"))
+    jobs = tmp_path / "home/.gpumagic/jobs"
+    (jobs / "train").mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        (jobs / "train/pid").write_text(f"{sleeper.pid}\n")
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        (bindir / "nvidia-smi").write_text(
+            f"#!/bin/sh\nexec {sys.executable} {RECORDINGS.parent / 'nvidia_smi.py'} \"$@\"\n")
+        (bindir / "nvidia-smi").chmod(0o755)
+        env = {**os.environ, "HOME": str(tmp_path / "home"), "PATH": f"{bindir}:{os.environ['PATH']}"}
+        env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
+
+        def measure():
+            return subprocess.run(["sh", str(script), "measure"], env=env, capture_output=True,
+                                  text=True).stdout.strip()
+
+        assert measure() == f"busy gpumagic job train is running (pid {sleeper.pid})"
+        (jobs / "train/exit_code").write_text("0\n")
+        assert measure().startswith("idle GPU utilisation 0%")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# -- the magics ---------------------------------------------------------------------------
+
+
+def _run(ip, line):
+    """Run a line magic; return (printed text, displayed text/plain outputs)."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", line)
+    return cap.stdout, [o.data.get("text/plain", "") for o in cap.outputs]
+
+
+@pytest.fixture
+def budget_ip(ip, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    server = make_server(f"b-magic-{os.getpid()}-{time.monotonic_ns()}", fake_gpu="h200-idle")
+    server.install_bin("shutdown", STAND_IN)
+    add_client_entry(server, server.alias)
+    ip.run_line_magic("gpu", f"connect {server.alias}")
+    yield ip, server
+    ip._gpumagic.session.close_all()
+    server.stop()
+
+
+def test_budget_magics_set_meter_alerts_once_estimate_history(budget_ip):
+    ip, server = budget_ip
+    out, _ = _run(ip, "budget set --rate 12 --currency CNY --billing hour --started-at -61m "
+                      "--alert 10,20 --limit 50 --storage-gb 100 --storage-rate-month 0.3")
+    assert "12.0417 CNY/h" in out.replace(",", "") or "12.04 CNY/h" in out
+    _, shown = _run(ip, "budget")
+    meter_text = shown[0]
+    assert "spent 24" in meter_text and "stopping now costs the same as stopping in 59 min" in meter_text
+    assert "storage 0.0417 CNY" in meter_text
+    alerts = [s for s in shown[1:] if "alert" in s]
+    assert len(alerts) == 2 and "alert at 10.00 CNY" in alerts[0] and "alert at 20.00 CNY" in alerts[1]
+    _, again = _run(ip, "budget")
+    assert not [s for s in again[1:] if "alert" in s]  # once per threshold
+
+    _, est = _run(ip, "budget estimate --hours 200 --spot-rate 5")
+    assert "on-demand" in est[0] and "2,408.33 CNY" in est[0]  # 200 h x (12 + 0.0417)
+    _, hist = _run(ip, "budget history")
+    assert server.alias in hist[0] and "total" in hist[0]
+
+
+def test_budget_magics_bad_input_is_a_usage_error(budget_ip):
+    from IPython.core.error import UsageError
+
+    ip, _ = budget_ip
+    for line in ("budget set --storage-rate 0.3 --rate 1",  # which unit? month or day
+                 "budget set --rate 1 --alert ten",
+                 "budget guard --idle '30 minutes'",
+                 "budget frobnicate"):
+        with pytest.raises(UsageError) as e:
+            ip.run_line_magic("gpu", line)
+        assert type(e.value) is UsageError, line
+
+
+def test_budget_guard_magic_arms_shows_and_cancels(budget_ip):
+    ip, server = budget_ip
+    _run(ip, "budget set --rate 2.5 --platform runpod")
+    _, shown = _run(ip, "budget guard --idle 30m --poll 5")
+    assert shown[0].startswith("guard: armed (idle 30 min)")
+    _, meter_out = _run(ip, "budget")
+    assert "guard: armed (idle 30 min)" in meter_out[0]
+    out, _ = _run(ip, "budget guard --cancel")
+    assert "guard disarmed" in out
+    assert not (server.dir / "shutdown-calls").exists()
+
+
+def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
+    from gpumagic.__main__ import run_notebook
+    import nbformat
+
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = run_notebook(ROOT / "example-notebooks" / "06-budget.ipynb", tmp_path / "executed", timeout=120)
+    nb = nbformat.read(out, as_version=4)
+
+    def text(i):
+        parts = []
+        for o in nb.cells[i].get("outputs", []):
+            parts.append(o.get("text", "") or o.get("data", {}).get("text/plain", ""))
+        return "\n".join(parts)
+
+    src = {i: c.source for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    idx = {key: next(i for i, s in src.items() if s.startswith(key)) for key in (
+        "%gpu budget set", "%gpu budget estimate", "%gpu budget guard --idle", "%gpu budget guard --deadline",
+        "import time", "%gpu budget guard --cancel", "%gpu budget history", "from gpumagic import budget")}
+    meter_cells = [i for i, s in src.items() if s == "%gpu budget"]
+    assert "AutoDL: data disk /root/autodl-tmp" in text(idx["%gpu budget set"])
+    first = text(meter_cells[0])
+    assert "sandbox: spent 5.0" in first and "alert at 1.00 CNY" in first and "alert at 5.00 CNY" in first
+    assert first.index("alert at 1.00 CNY") < first.index("alert at 5.00 CNY")
+    assert "alert at" not in text(meter_cells[1])  # each threshold once
+    assert text(idx["from gpumagic import budget"]).split() [:2] == ["24.0", "12.2"]
+    assert "buy the card" in text(idx["%gpu budget estimate"])
+    assert text(idx["%gpu budget guard --idle"]).startswith("guard: armed (idle 30 min)")
+    assert "guard: armed (idle 30 min)" in text(meter_cells[2])
+    fired = text(idx["import time"])
+    assert "guard: shut the machine down just now (deadline reached)" in fired
+    assert "shutdown command succeeded" in fired
+    assert "guard disarmed" in text(idx["%gpu budget guard --cancel"])
+    assert "sandbox" in text(idx["%gpu budget history"])
+
+
+# -- the guard's waits (last, so the tests above overlap them) ---------------------------
+
+
+def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
+    g = guards["g-limit"]
+    assert _wait(lambda: g.calls, timeout=120), g.log()
+    time.sleep(3 * POLL)  # a guard that kept looping would call again
+    assert len(g.calls) == 1, g.calls
+    called = float(g.calls[0].split()[0])
+    assert called - g.armed_at >= 58  # not before the limit (1 min after arming)
+    assert g.calls[0].split()[1:] == ["-h", "now"]
+    status = g.machine.budget_guard_status()
+    assert status.state == "fired" and not status.alive
+    log = g.log()
+    assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
+
+
+def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(guards):
+    g = guards["g-idle"]
+    assert _wait(lambda: g.calls, timeout=IDLE + 60), g.log()
+    called = float(g.calls[0].split()[0])
+    elapsed = called - g.armed_at
+    assert elapsed >= IDLE - 2, elapsed  # armed_at is taken after the first measurement
+    assert elapsed <= IDLE + 4 * POLL, elapsed
+    time.sleep(2 * POLL)
+    assert len(g.calls) == 1
+    assert "WARNING: shutting down in" in g.log() and "SHUTDOWN: GPU idle for 120s" in g.log()
+
+
+@pytest.mark.parametrize("alias, reading", [
+    ("g-mismatch", "unknown nvidia-smi failed: Failed to initialize NVML: Driver/library version mismatch"),
+    ("g-hidden", "busy 814 MiB of GPU memory in use by no visible process"),
+])
+def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
+    g = guards[alias]
+    _wait(lambda: time.time() > g.armed_at + IDLE + 3 * POLL, timeout=IDLE + 60)
+    status = g.machine.budget_guard_status()
+    assert g.calls == []
+    assert status.state == "armed" and status.alive
+    assert status.idle.startswith(reading)
+    assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole 2 min
+    assert status.fire_at is None
+    cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
+    assert cancelled.state == "cancelled" and not cancelled.alive
