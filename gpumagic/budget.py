@@ -792,7 +792,9 @@ measure() {
     [ -e "${d}exit_code" ] && continue
     p=$(cat "${d}pid" 2>/dev/null)
     case "$p" in ''|*[!0-9]*) continue ;; esac
-    if kill -0 "$p" 2>/dev/null; then
+    # a zombie (exited, never reaped: containers without an init) still answers kill -0,
+    # but its cmdline is empty
+    if kill -0 "$p" 2>/dev/null && { [ ! -d "/proc/$p" ] || [ -n "$(tr -d '\000' < "/proc/$p/cmdline" 2>/dev/null)" ]; }; then
       echo "busy gpumagic job $(basename "$d") is running (pid $p)"; return
     fi
   done
@@ -965,10 +967,14 @@ def _launch_command() -> str:
             f'$s nohup sh "$d/gpumagic-guard.sh" run "$d" >/dev/null 2>&1 </dev/null &')
 
 
+# A guard is gone once its /proc/PID/cmdline no longer names it: an exited process whose
+# parent never reaps it (a container whose PID 1 is not an init) stays a zombie, and a zombie
+# still answers `kill -0` (its cmdline is empty).
 _STOP = ('p=$(cat "$d/pid" 2>/dev/null); case "$p" in ""|*[!0-9]*) ;; *) '
          'if grep -q gpumagic-guard "/proc/$p/cmdline" 2>/dev/null; then '
          'kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; '
-         'i=0; while [ $i -lt 50 ] && kill -0 "$p" 2>/dev/null; do sleep 0.1; i=$((i+1)); done; '
+         'i=0; while [ $i -lt 50 ] && grep -q gpumagic-guard "/proc/$p/cmdline" 2>/dev/null; '
+         'do sleep 0.1; i=$((i+1)); done; '
          'kill -KILL -"$p" 2>/dev/null; fi ;; esac; rm -f "$d/pid";')
 
 

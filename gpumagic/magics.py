@@ -354,6 +354,13 @@ def _budget_set(magics: GpuMagics, line: str):
           + (f"; alerts at {', '.join(prices.money(a) for a in rec['alerts'])}" if rec.get("alerts") else ""))
     if preset:
         print(f"{preset['name']}: data disk {preset['data_disk'] or '-'}; to stop: {preset['stop']}")
+    m = magics.session.machines.get(name)
+    if m is not None and m.is_connected:  # record the session now, so alerts can fire after any cell
+        from .display import AlertView
+
+        reading = m.budget_meter(ledger=ledger)
+        for t in reading.crossed:
+            _show(AlertView(f"{name} has spent {prices.money(reading.spent)}, past your alert at {prices.money(t)}"))
 
 
 @magic_arguments()

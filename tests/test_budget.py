@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -314,6 +315,14 @@ def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
         assert measure() == f"busy gpumagic job train is running (pid {sleeper.pid})"
         (jobs / "train/exit_code").write_text("0\n")
         assert measure().startswith("idle GPU utilisation 0%")
+        # a job that died without an exit_code, left a zombie (never reaped): not running
+        zombie = subprocess.Popen(["true"])
+        while Path(f"/proc/{zombie.pid}/cmdline").read_bytes():
+            time.sleep(0.01)
+        (jobs / "crashed").mkdir()
+        (jobs / "crashed/pid").write_text(f"{zombie.pid}\n")
+        assert measure().startswith("idle GPU utilisation 0%")
+        zombie.wait()
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -345,17 +354,15 @@ def budget_ip(ip, tmp_path, monkeypatch):
 
 def test_budget_magics_set_meter_alerts_once_estimate_history(budget_ip):
     ip, server = budget_ip
-    out, _ = _run(ip, "budget set --rate 12 --currency CNY --billing hour --started-at -61m "
-                      "--alert 10,20 --limit 50 --storage-gb 100 --storage-rate-month 0.3")
-    assert "12.0417 CNY/h" in out.replace(",", "") or "12.04 CNY/h" in out
+    out, alerts = _run(ip, "budget set --rate 12 --currency CNY --billing hour --started-at -61m "
+                           "--alert 10,20 --limit 50 --storage-gb 100 --storage-rate-month 0.3")
+    assert "12.04 CNY/h (instance 12.00 CNY/h, storage 0.0417 CNY/h), billed per hour" in out
+    # case 3 through the magics: 24 spent crosses 10 then 20: two alerts, in order
+    assert len(alerts) == 2 and "alert at 10.00 CNY" in alerts[0] and "alert at 20.00 CNY" in alerts[1]
     _, shown = _run(ip, "budget")
     meter_text = shown[0]
     assert "spent 24" in meter_text and "stopping now costs the same as stopping in 59 min" in meter_text
-    assert "storage 0.0417 CNY" in meter_text
-    alerts = [s for s in shown[1:] if "alert" in s]
-    assert len(alerts) == 2 and "alert at 10.00 CNY" in alerts[0] and "alert at 20.00 CNY" in alerts[1]
-    _, again = _run(ip, "budget")
-    assert not [s for s in again[1:] if "alert" in s]  # once per threshold
+    assert not [s for s in shown[1:] if "alert" in s]  # once per threshold
 
     _, est = _run(ip, "budget estimate --hours 200 --spot-rate 5")
     assert "on-demand" in est[0] and "2,408.33 CNY" in est[0]  # 200 h x (12 + 0.0417)
@@ -408,11 +415,12 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
         "%gpu budget set", "%gpu budget estimate", "%gpu budget guard --idle", "%gpu budget guard --deadline",
         "import time", "%gpu budget guard --cancel", "%gpu budget history", "from gpumagic import budget")}
     meter_cells = [i for i, s in src.items() if s == "%gpu budget"]
-    assert "AutoDL: data disk /root/autodl-tmp" in text(idx["%gpu budget set"])
-    first = text(meter_cells[0])
-    assert "sandbox: spent 5.0" in first and "alert at 1.00 CNY" in first and "alert at 5.00 CNY" in first
-    assert first.index("alert at 1.00 CNY") < first.index("alert at 5.00 CNY")
-    assert "alert at" not in text(meter_cells[1])  # each threshold once
+    set_out = text(idx["%gpu budget set"])
+    assert "AutoDL: data disk /root/autodl-tmp" in set_out
+    assert set_out.count("past your alert") == 2
+    assert set_out.index("alert at 1.00 CNY") < set_out.index("alert at 5.00 CNY")
+    assert "sandbox: spent 5.0" in text(meter_cells[0])
+    assert "alert at" not in text(meter_cells[0]) + text(meter_cells[1])  # each threshold once
     assert text(idx["from gpumagic import budget"]).split() [:2] == ["24.0", "12.2"]
     assert "buy the card" in text(idx["%gpu budget estimate"])
     assert text(idx["%gpu budget guard --idle"]).startswith("guard: armed (idle 30 min)")
@@ -459,7 +467,7 @@ def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(
 ])
 def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
     g = guards[alias]
-    _wait(lambda: time.time() > g.armed_at + IDLE + 3 * POLL, timeout=IDLE + 60)
+    _wait(lambda: time.time() > g.armed_at + IDLE + POLL + 1, timeout=IDLE + 60)
     status = g.machine.budget_guard_status()
     assert g.calls == []
     assert status.state == "armed" and status.alive
@@ -468,3 +476,90 @@ def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, 
     assert status.fire_at is None
     cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
     assert cancelled.state == "cancelled" and not cancelled.alive
+
+
+def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):
+    from IPython.utils.capture import capture_output
+
+    from gpumagic.magics import budget_alert_hook
+
+    ip, server = budget_ip
+    magics = ip._gpumagic
+    _run(ip, "budget set --rate 12 --currency CNY --started-at -61m --alert 20,30")  # 12.20 spent
+    with capture_output():
+        assert budget_alert_hook(magics) == []
+        now = time.time()
+        first = budget_alert_hook(magics, now=now + 50 * 60)    # 22.20
+        second = budget_alert_hook(magics, now=now + 51 * 60)
+        third = budget_alert_hook(magics, now=now + 120 * 60)   # 36.20
+    assert [("alert at 20.00 CNY" in m) for m in first] == [True]
+    assert second == []
+    assert [("alert at 30.00 CNY" in m) for m in third] == [True]
+    assert any(getattr(cb, "__qualname__", "").startswith("_budget_post_run_cell")
+               for cb in ip.events.callbacks["post_run_cell"])
+
+
+def test_meter_default_start_is_when_the_machine_started(budget_ip, tmp_path):
+    ip, server = budget_ip
+    m = ip._gpumagic.session.get()
+    ledger = Ledger(tmp_path / "own.json")
+    m.budget_set(1.0, ledger=ledger)
+    r = m.budget_meter(ledger=ledger)
+    # the test server is this computer: PID 1's start, from /proc as proc(5) describes it
+    btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime"))
+    ticks = int(open("/proc/1/stat").read().rsplit(")", 1)[1].split()[19])
+    expected = btime + ticks / os.sysconf("SC_CLK_TCK")
+    assert abs(r.started_at - expected) < 3
+
+
+def test_parse_status_reads_the_probe_output():
+    text = ("clock 1800000000 1799990000 123400 100\nguard-state\nstate=armed\nsince=1799999000\n"
+            "checked=1799999990\nchecks=7\nfire_at=1800000600\nreason=GPU idle for 1800s\n"
+            "idle=idle GPU utilisation 0%, 0 MiB used, 0 visible process(es)\nidle_s=1800\nlimit_in=\n"
+            "deadline_in=\ngrace_s=600\npoll_s=30\nguard-end\nguard-alive 1\n"
+            "guard-alert shutting down in 600s (GPU idle for 1800s)\nguard-log\nline one\n")
+    clock, g = budget.parse_status(text)
+    assert clock.remote_now == 1800000000 and clock.started == 1799990000 + 1234
+    assert (g.state, g.alive, g.fires_in, g.checks) == ("armed", True, 600, 7)
+    assert g.settings == {"idle_s": 1800, "grace_s": 600, "poll_s": 30}
+    assert g.warning.startswith("shutting down in 600s") and g.log == ("line one",)
+    _, gone = budget.parse_status(text.replace("guard-alive 1", "guard-alive 0"))
+    assert gone.state == "gone"
+
+
+def test_ledger_survives_writers_killed_mid_write(tmp_path):
+    """kill -9 a process rewriting the ledger in a loop, many times: it always reads whole."""
+    path = tmp_path / "ledger.json"
+    code = ("import sys; from gpumagic.budget import Ledger, Prices, set_prices\n"
+            "l = Ledger(sys.argv[1]); i = 0\n"
+            "while True:\n  i += 1; set_prices(l, f'm{i % 50}', Prices(rate=i, currency='X' * 2000))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for _ in range(8):
+        p = subprocess.Popen([sys.executable, "-c", code, str(path)], env=env)
+        time.sleep(0.4)
+        p.kill()
+        p.wait()
+        ledger = Ledger(path)
+        data = ledger.read()
+        assert ledger.notes == [] and data["machines"]
+    assert not list(tmp_path.glob("ledger.json.corrupt-*"))
+
+
+def test_guard_warning_reaches_the_notebook_as_an_alert(budget_ip):
+    from IPython.utils.capture import capture_output
+
+    from gpumagic.magics import budget_alert_hook
+
+    ip, server = budget_ip
+    _run(ip, "budget set --rate 2.5")
+    # a deadline 1 h ahead with 2 h of grace: the guard warns at once
+    _, shown = _run(ip, "budget guard --deadline +1h --grace 2h --poll 5")
+    assert re.search(r"WARNING from the guard: shutting down in 3[56]\d\ds \(deadline reached\)", shown[0])
+    with capture_output() as cap:
+        msgs = budget_alert_hook(ip._gpumagic)
+        again = budget_alert_hook(ip._gpumagic)
+    assert len(msgs) == 1 and msgs[0].startswith(f"{server.alias}: guard: shutting down in")
+    assert "gpumagic budget alert" in cap.outputs[0].data["text/plain"]
+    assert again == []  # polled at most once a minute, and shown once
+    _run(ip, "budget guard --cancel")
+    assert not (server.dir / "shutdown-calls").exists()
