@@ -553,7 +553,12 @@ class Ledger:
             raise LedgerError(f"the budget ledger {self.path} was written by a newer gpumagic "
                               f"(version {data.get('version')})", "upgrade gpumagic: pip install -U gpumagic")
         aside = self._aside()
-        os.replace(self.path, aside)
+        try:
+            os.replace(self.path, aside)
+        except OSError as e:
+            raise LedgerError(f"the budget ledger {self.path} could not be read ({problem}) and could "
+                              f"not be moved aside to {aside}: {e.strerror}",
+                              "move it away yourself (it is kept as it is), then run the command again")
         self.notes.append(f"the budget ledger {self.path} could not be read ({problem}); it was kept "
                           f"as {aside} and a new ledger was started")
         return _empty()

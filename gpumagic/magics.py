@@ -348,6 +348,9 @@ def _budget_set(magics: GpuMagics, line: str):
     alerts = _usage(budget.parse_amounts, args.alert) if args.alert else None
     rec = budget.set_prices(ledger, name, prices, limit=args.limit, alerts=alerts, started_at=started)
     _budget_notes(ledger)
+    if (rec.get("guard") or {}).get("limit_in") is not None:
+        print("note: the armed guard still acts at the limit computed with the old prices; "
+              "re-arm it with `%gpu budget guard --at-limit`")
     parts = ", ".join(f"{k} {prices.money(v)}/h" for k, v in prices.per_hour().items() if v)
     print(f"{name}: {prices.money(prices.hourly)}/h ({parts}), billed per {prices.billing}"
           + (f"; limit {prices.money(rec['limit'])}" if rec.get("limit") is not None else "")
@@ -505,9 +508,13 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None) -> list[st
 
 
 def _budget_post_run_cell(magics: GpuMagics):
+    said: set[str] = set()
+
     def hook(*_):
         try:
             budget_alert_hook(magics)
         except Exception as e:  # never break the user's cell; say why once
-            print(f"gpumagic: budget alert check failed: {e}")
+            if str(e) not in said:
+                said.add(str(e))
+                print(f"gpumagic: budget alert check failed: {e}")
     return hook

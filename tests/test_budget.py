@@ -534,14 +534,19 @@ def test_ledger_survives_writers_killed_mid_write(tmp_path):
             "l = Ledger(sys.argv[1]); i = 0\n"
             "while True:\n  i += 1; set_prices(l, f'm{i % 50}', Prices(rate=i, currency='X' * 2000))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for _ in range(8):
+    import random
+
+    for i in range(8):
         p = subprocess.Popen([sys.executable, "-c", code, str(path)], env=env)
-        time.sleep(0.4)
+        assert _wait(lambda: path.exists() and path.stat().st_mtime_ns != last, timeout=30, step=0.02) \
+            if i else _wait(path.exists, timeout=30, step=0.02)
+        time.sleep(random.uniform(0, 0.3))  # now it is rewriting the file in a loop
         p.kill()
         p.wait()
         ledger = Ledger(path)
         data = ledger.read()
         assert ledger.notes == [] and data["machines"]
+        last = path.stat().st_mtime_ns
     assert not list(tmp_path.glob("ledger.json.corrupt-*"))
 
 
