@@ -1178,6 +1178,15 @@ def arm_machine_guard(machine, ledger: Ledger, *, idle_s: float | None = None, a
             raise BudgetError("the deadline is in the past", "give a later time, e.g. --deadline +2h")
     settings = GuardSettings(idle_s=idle_s, limit_in=limit_in, deadline_in=deadline_in,
                              grace_s=grace_s, poll_s=poll_s, idle_util=idle_util)
+    if plan is None and getattr(machine, "sandbox", None) is None:
+        from .shutdown import find_shutdown
+
+        plan = find_shutdown(machine)
+        preset = ((ledger.machine(machine.name) or {}).get("prices") or {}).get("platform")
+        if not plan.possible and preset and preset != "generic":
+            how = platforms().get(preset, {}).get("stop")
+            if how:
+                plan = replace(plan, reason=f"{plan.reason}. On {platforms()[preset]['name']}: {how}")
     status = arm_guard(machine, settings, plan=plan)
     with ledger.update() as data:
         rec = data["machines"].setdefault(machine.name, {})

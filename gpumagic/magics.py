@@ -447,8 +447,12 @@ def _budget_guard(magics: GpuMagics, line: str):
     status = m.budget_guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
     magics._budget_seen = {}
-    _show(GuardView(status, note=f"armed on {m.name}; its log: ~/.gpumagic/guard/log there; "
-                                 "`%gpu budget guard --cancel` disarms it"))
+    note = (f"armed on {m.name}; its log: ~/.gpumagic/guard/log there; "
+            "`%gpu budget guard --cancel` disarms it")
+    if idle is not None and not status.idle.startswith(("idle", "busy")):
+        note += (f"\nnote: the GPU cannot be measured now ({status.idle}), so the idle rule cannot "
+                 "fire until it can (an unreadable GPU never counts as idle)")
+    _show(GuardView(status, note=note))
 
 
 _BUDGET_SUBS = {"set": _budget_set, "estimate": _budget_estimate, "history": _budget_history,

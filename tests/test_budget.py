@@ -568,3 +568,35 @@ def test_guard_warning_reaches_the_notebook_as_an_alert(budget_ip):
     assert again == []  # polled at most once a minute, and shown once
     _run(ip, "budget guard --cancel")
     assert not (server.dir / "shutdown-calls").exists()
+
+
+def test_platform_preset_sets_billing_and_says_how_to_stop(budget_ip):
+    ip, server = budget_ip
+    out, _ = _run(ip, "budget set --platform lambda --rate 1.1 --currency USD")
+    assert "billed per minute" in out
+    assert "Lambda Cloud: data disk /home/ubuntu; to stop: Terminate the instance" in out
+
+
+def test_refusal_names_the_platforms_way_to_stop(tmp_path):
+    server = make_server("g-noroot-vast")
+    server.install_bin("id", "#!/bin/sh\necho 1000\n")
+    server.install_bin("sudo", "#!/bin/sh\nexit 1\n")
+    add_client_entry(server, "g-noroot-vast")
+    ledger = Ledger(tmp_path / "l.json")
+    try:
+        with gpumagic.connect("g-noroot-vast") as m:
+            m.budget_set(0.4, platform="vastai", ledger=ledger)
+            with pytest.raises(budget.BudgetError) as e:
+                m.budget_guard(idle=60, ledger=ledger)
+            assert "On vast.ai: `vastai stop instance ID`" in e.value.hint
+    finally:
+        server.stop()
+
+
+def test_hh_mm_deadline_is_the_next_such_local_time():
+    import datetime as dt
+
+    now = dt.datetime(2027, 3, 1, 22, 0).astimezone().timestamp()
+    assert budget.parse_time("23:30", now, future=True) == now + 5400
+    assert budget.parse_time("21:00", now, future=True) == now + 23 * 3600
+    assert budget.parse_time("21:00", now, future=False) == now - 3600
