@@ -959,17 +959,30 @@ def guard_script(settings: GuardSettings, shutdown_cmd: str, jobs_dir: str = "$H
     return "\n".join(lines) + "\n" + GUARD_SCRIPT.lstrip("\n")
 
 
-def _launch_command() -> str:
-    d = f'"$HOME/{GUARD_DIR}"'
+def _launch_script(script: str) -> str:
+    """The ``sh`` program that installs ``script`` and starts it (fed to ``sh -s``)."""
+    if "\nGPUMAGIC_GUARD_EOF\n" in script:
+        raise ValueError("the guard script contains its own here-document delimiter")
     # Stop a previous guard (its whole process group: the loop and its sleep), then start the
     # new one in its own session with no terminal, stdio on /dev/null: it outlives this SSH
     # connection and the laptop.  The script's path names it for `kill` checks.
-    return (f'd={d}; mkdir -p "$d" && cat > "$d/gpumagic-guard.sh.tmp" && '
-            f'mv -f "$d/gpumagic-guard.sh.tmp" "$d/gpumagic-guard.sh" || exit 1; {_STOP} '
-            f'rm -f "$d/state" "$d/alert" || exit 1; '
-            f'if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi; cd / || exit 1; '
+    return (f'd="$HOME/{GUARD_DIR}"\n'
+            f'mkdir -p "$d" || exit 1\n'
+            f"cat > \"$d/gpumagic-guard.sh.tmp\" <<'GPUMAGIC_GUARD_EOF' || exit 1\n"
+            f"{script.rstrip()}\nGPUMAGIC_GUARD_EOF\n"
+            f'mv -f "$d/gpumagic-guard.sh.tmp" "$d/gpumagic-guard.sh" || exit 1\n'
+            f'{_STOP}\n'
+            f'rm -f "$d/state" "$d/alert" || exit 1\n'
+            f'if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi\n'
+            f'cd / || exit 1\n'
             # a simple command with all three fds redirected: nothing keeps the SSH channel open
-            f'$s nohup sh "$d/gpumagic-guard.sh" run "$d" >/dev/null 2>&1 </dev/null &')
+            f'$s nohup sh "$d/gpumagic-guard.sh" run "$d" >/dev/null 2>&1 </dev/null &\n')
+
+
+def _sh(machine, program: str):
+    """Run a POSIX ``sh`` program on ``machine`` whatever its login shell is (bash, zsh, fish,
+    csh): the program travels on stdin to ``sh -s``, so no shell quoting is involved."""
+    return machine.exec("sh -s", stdin=program.encode())
 
 
 # A guard is gone once its /proc/PID/cmdline no longer names it: an exited process whose
@@ -985,7 +998,7 @@ _STOP = ('p=$(cat "$d/pid" 2>/dev/null); case "$p" in ""|*[!0-9]*) ;; *) '
 
 def read_status(machine) -> tuple[Clock, GuardStatus]:
     """One round trip: the remote clock, the machine's start, and the guard's state."""
-    r = machine.exec(STATUS_PROBE)
+    r = _sh(machine, STATUS_PROBE)
     return parse_status(r.stdout)
 
 
@@ -1014,7 +1027,7 @@ def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0
         raise BudgetError(f"the guard cannot shut {machine.name} down: no shutdown command can run there",
                           plan.reason)
     script = guard_script(settings, plan.command)
-    r = machine.exec(_launch_command(), stdin=script.encode())
+    r = _sh(machine, _launch_script(script))
     if r.exit_code != 0:
         raise BudgetError(f"could not start the guard on {machine.name}: {r.stderr.strip()[-300:]}",
                           "check that $HOME is writable on the machine")
@@ -1031,7 +1044,7 @@ def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0
 
 def cancel_guard(machine) -> GuardStatus:
     """Stop the guard (its whole process group); returns the status after."""
-    machine.exec(f'd="$HOME/{GUARD_DIR}"; [ -d "$d" ] || exit 0; {_STOP} rm -f "$d/alert"; '
+    _sh(machine, f'd="$HOME/{GUARD_DIR}"; [ -d "$d" ] || exit 0; {_STOP} rm -f "$d/alert"; '
                  f'if [ -f "$d/state" ] && grep -q "^state=armed" "$d/state"; then '
                  f'sed "s/^state=armed/state=cancelled/" "$d/state" > "$d/state.tmp" && '
                  f'mv -f "$d/state.tmp" "$d/state"; fi')

@@ -441,6 +441,7 @@ def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
     time.sleep(3 * POLL)  # a guard that kept looping would call again
     assert len(g.calls) == 1, g.calls
     called = float(g.calls[0].split()[0])
+    print(f"\nat-limit guard: shutdown called {called - g.armed_at:.1f} s after arming (limit 60 s ahead)")
     assert called - g.armed_at >= 58  # not before the limit (1 min after arming)
     assert g.calls[0].split()[1:] == ["-h", "now"]
     status = g.machine.budget_guard_status()
@@ -454,6 +455,7 @@ def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(
     assert _wait(lambda: g.calls, timeout=IDLE + 60), g.log()
     called = float(g.calls[0].split()[0])
     elapsed = called - g.armed_at
+    print(f"\nidle guard: shutdown called {elapsed:.1f} s after arming (idle {IDLE} s, poll {POLL} s)")
     assert elapsed >= IDLE - 2, elapsed  # armed_at is taken after the first measurement
     assert elapsed <= IDLE + 4 * POLL, elapsed
     time.sleep(2 * POLL)
@@ -474,6 +476,7 @@ def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, 
     assert status.idle.startswith(reading)
     assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole 2 min
     assert status.fire_at is None
+    print(f"\n{alias}: {status.checks} checks over {time.time() - g.armed_at:.0f} s, never idle: {status.idle}")
     cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
     assert cancelled.state == "cancelled" and not cancelled.alive
 
