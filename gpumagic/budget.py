@@ -641,7 +641,7 @@ def record_session(rec: dict, start: float, now: float, prices: Prices) -> dict:
 STATUS_PROBE = r"""
 printf 'clock %s %s %s %s\n' "$(date +%s)" "$(awk '/^btime/{print $2}' /proc/stat 2>/dev/null)" \
   "$(sed 's/.*) //' /proc/1/stat 2>/dev/null | awk '{print $20}')" "$(getconf CLK_TCK 2>/dev/null)"
-d="$HOME/.gpumagic/guard"
+d=@GUARD_DIR@
 if [ -f "$d/state" ]; then
   echo "guard-state"; cat "$d/state"; echo "guard-end"
   p=$(cat "$d/pid" 2>/dev/null)
@@ -903,6 +903,22 @@ esac
 GUARD_DIR = ".gpumagic/guard"
 
 
+def guard_dir(machine) -> str:
+    """The guard's directory on ``machine`` as a shell word: ``"$HOME/.gpumagic/guard"``, or on
+    the sandbox (which is this computer) a folder inside the sandbox's own directory, so the
+    tutorial never leaves a guard's files in the user's real home."""
+    sandbox = getattr(machine, "sandbox", None)
+    if sandbox is not None:
+        return shlex.quote(str(Path(sandbox.server.dir) / "guard"))
+    return f'"$HOME/{GUARD_DIR}"'
+
+
+def guard_log_path(machine) -> str:
+    """Where the guard's log is on ``machine``, for messages."""
+    sandbox = getattr(machine, "sandbox", None)
+    return str(Path(sandbox.server.dir) / "guard" / "log") if sandbox is not None else f"~/{GUARD_DIR}/log"
+
+
 @dataclass(frozen=True)
 class GuardSettings:
     """What to arm the guard with (seconds; ``None`` = that trigger is off).
@@ -959,14 +975,14 @@ def guard_script(settings: GuardSettings, shutdown_cmd: str, jobs_dir: str = "$H
     return "\n".join(lines) + "\n" + GUARD_SCRIPT.lstrip("\n")
 
 
-def _launch_script(script: str) -> str:
+def _launch_script(script: str, gdir: str = f'"$HOME/{GUARD_DIR}"') -> str:
     """The ``sh`` program that installs ``script`` and starts it (fed to ``sh -s``)."""
     if "\nGPUMAGIC_GUARD_EOF\n" in script:
         raise ValueError("the guard script contains its own here-document delimiter")
     # Stop a previous guard (its whole process group: the loop and its sleep), then start the
     # new one in its own session with no terminal, stdio on /dev/null: it outlives this SSH
     # connection and the laptop.  The script's path names it for `kill` checks.
-    return (f'd="$HOME/{GUARD_DIR}"\n'
+    return (f'd={gdir}\n'
             f'mkdir -p "$d" || exit 1\n'
             f"cat > \"$d/gpumagic-guard.sh.tmp\" <<'GPUMAGIC_GUARD_EOF' || exit 1\n"
             f"{script.rstrip()}\nGPUMAGIC_GUARD_EOF\n"
@@ -998,7 +1014,7 @@ _STOP = ('p=$(cat "$d/pid" 2>/dev/null); case "$p" in ""|*[!0-9]*) ;; *) '
 
 def read_status(machine) -> tuple[Clock, GuardStatus]:
     """One round trip: the remote clock, the machine's start, and the guard's state."""
-    r = _sh(machine, STATUS_PROBE)
+    r = _sh(machine, STATUS_PROBE.replace("@GUARD_DIR@", guard_dir(machine)))
     return parse_status(r.stdout)
 
 
@@ -1027,7 +1043,7 @@ def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0
         raise BudgetError(f"the guard cannot shut {machine.name} down: no shutdown command can run there",
                           plan.reason)
     script = guard_script(settings, plan.command)
-    r = _sh(machine, _launch_script(script))
+    r = _sh(machine, _launch_script(script, guard_dir(machine)))
     if r.exit_code != 0:
         raise BudgetError(f"could not start the guard on {machine.name}: {r.stderr.strip()[-300:]}",
                           "check that $HOME is writable on the machine")
@@ -1044,7 +1060,7 @@ def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0
 
 def cancel_guard(machine) -> GuardStatus:
     """Stop the guard (its whole process group); returns the status after."""
-    _sh(machine, f'd="$HOME/{GUARD_DIR}"; [ -d "$d" ] || exit 0; {_STOP} rm -f "$d/alert"; '
+    _sh(machine, f'd={guard_dir(machine)}; [ -d "$d" ] || exit 0; {_STOP} rm -f "$d/alert"; '
                  f'if [ -f "$d/state" ] && grep -q "^state=armed" "$d/state"; then '
                  f'sed "s/^state=armed/state=cancelled/" "$d/state" > "$d/state.tmp" && '
                  f'mv -f "$d/state.tmp" "$d/state"; fi')

@@ -447,7 +447,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     status = m.budget_guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
     magics._budget_seen = {}
-    note = (f"armed on {m.name}; its log: ~/.gpumagic/guard/log there; "
+    note = (f"armed on {m.name}; its log: {budget.guard_log_path(m)} there; "
             "`%gpu budget guard --cancel` disarms it")
     if idle is not None and not status.idle.startswith(("idle", "busy")):
         note += (f"\nnote: the GPU cannot be measured now ({status.idle}), so the idle rule cannot "
