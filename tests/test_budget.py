@@ -432,55 +432,6 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
     assert "sandbox" in text(idx["%gpu budget history"])
 
 
-# -- the guard's waits (last, so the tests above overlap them) ---------------------------
-
-
-def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
-    g = guards["g-limit"]
-    assert _wait(lambda: g.calls, timeout=120), g.log()
-    time.sleep(3 * POLL)  # a guard that kept looping would call again
-    assert len(g.calls) == 1, g.calls
-    called = float(g.calls[0].split()[0])
-    print(f"\nat-limit guard: shutdown called {called - g.armed_at:.1f} s after arming (limit 60 s ahead)")
-    assert called - g.armed_at >= 58  # not before the limit (1 min after arming)
-    assert g.calls[0].split()[1:] == ["-h", "now"]
-    status = g.machine.budget_guard_status()
-    assert status.state == "fired" and not status.alive
-    log = g.log()
-    assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
-
-
-def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(guards):
-    g = guards["g-idle"]
-    assert _wait(lambda: g.calls, timeout=IDLE + 60), g.log()
-    called = float(g.calls[0].split()[0])
-    elapsed = called - g.armed_at
-    print(f"\nidle guard: shutdown called {elapsed:.1f} s after arming (idle {IDLE} s, poll {POLL} s)")
-    assert elapsed >= IDLE - 2, elapsed  # armed_at is taken after the first measurement
-    assert elapsed <= IDLE + 4 * POLL, elapsed
-    time.sleep(2 * POLL)
-    assert len(g.calls) == 1
-    assert "WARNING: shutting down in" in g.log() and "SHUTDOWN: GPU idle for 120s" in g.log()
-
-
-@pytest.mark.parametrize("alias, reading", [
-    ("g-mismatch", "unknown nvidia-smi failed: Failed to initialize NVML: Driver/library version mismatch"),
-    ("g-hidden", "busy 814 MiB of GPU memory in use by no visible process"),
-])
-def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
-    g = guards[alias]
-    _wait(lambda: time.time() > g.armed_at + IDLE + POLL + 1, timeout=IDLE + 60)
-    status = g.machine.budget_guard_status()
-    assert g.calls == []
-    assert status.state == "armed" and status.alive
-    assert status.idle.startswith(reading)
-    assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole 2 min
-    assert status.fire_at is None
-    print(f"\n{alias}: {status.checks} checks over {time.time() - g.armed_at:.0f} s, never idle: {status.idle}")
-    cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
-    assert cancelled.state == "cancelled" and not cancelled.alive
-
-
 def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):
     from IPython.utils.capture import capture_output
 
@@ -603,3 +554,52 @@ def test_hh_mm_deadline_is_the_next_such_local_time():
     assert budget.parse_time("23:30", now, future=True) == now + 5400
     assert budget.parse_time("21:00", now, future=True) == now + 23 * 3600
     assert budget.parse_time("21:00", now, future=False) == now - 3600
+
+
+# -- the guard's waits (last, so the tests above overlap them) ---------------------------
+
+
+def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
+    g = guards["g-limit"]
+    assert _wait(lambda: g.calls, timeout=120), g.log()
+    time.sleep(3 * POLL)  # a guard that kept looping would call again
+    assert len(g.calls) == 1, g.calls
+    called = float(g.calls[0].split()[0])
+    print(f"\nat-limit guard: shutdown called {called - g.armed_at:.1f} s after arming (limit 60 s ahead)")
+    assert called - g.armed_at >= 58  # not before the limit (1 min after arming)
+    assert g.calls[0].split()[1:] == ["-h", "now"]
+    status = g.machine.budget_guard_status()
+    assert status.state == "fired" and not status.alive
+    log = g.log()
+    assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
+
+
+def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(guards):
+    g = guards["g-idle"]
+    assert _wait(lambda: g.calls, timeout=IDLE + 60), g.log()
+    called = float(g.calls[0].split()[0])
+    elapsed = called - g.armed_at
+    print(f"\nidle guard: shutdown called {elapsed:.1f} s after arming (idle {IDLE} s, poll {POLL} s)")
+    assert elapsed >= IDLE - 2, elapsed  # armed_at is taken after the first measurement
+    assert elapsed <= IDLE + 4 * POLL, elapsed
+    time.sleep(2 * POLL)
+    assert len(g.calls) == 1
+    assert "WARNING: shutting down in" in g.log() and "SHUTDOWN: GPU idle for 120s" in g.log()
+
+
+@pytest.mark.parametrize("alias, reading", [
+    ("g-mismatch", "unknown nvidia-smi failed: Failed to initialize NVML: Driver/library version mismatch"),
+    ("g-hidden", "busy 814 MiB of GPU memory in use by no visible process"),
+])
+def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
+    g = guards[alias]
+    _wait(lambda: time.time() > g.armed_at + IDLE + POLL + 1, timeout=IDLE + 60)
+    status = g.machine.budget_guard_status()
+    assert g.calls == []
+    assert status.state == "armed" and status.alive
+    assert status.idle.startswith(reading)
+    assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole 2 min
+    assert status.fire_at is None
+    print(f"\n{alias}: {status.checks} checks over {time.time() - g.armed_at:.0f} s, never idle: {status.idle}")
+    cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
+    assert cancelled.state == "cancelled" and not cancelled.alive
