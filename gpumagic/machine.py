@@ -236,6 +236,50 @@ class Machine:
     def job(self, name: str) -> "jobs.Job":
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
+    # -- budget (see gpumagic/budget.py) ----------------------------------------------
+
+    def budget_set(self, rate: float, *, ledger=None, limit: float | None = None,
+                   alerts=None, started_at: float | None = None, **prices):
+        """Store this machine's prices (per hour; see :class:`gpumagic.budget.Prices` for
+        ``currency``, ``billing``, ``storage_gb``/``storage_rate``/``storage_per``, ``ip_rate``,
+        ``image_*``, ``platform``), an optional ``limit``, ``alerts`` thresholds and billing
+        start (epoch s; default: the machine's start).  Returns the ledger record."""
+        from . import budget
+
+        return budget.set_prices(ledger or budget.Ledger(), self.name, budget.Prices(rate=rate, **prices),
+                                 limit=limit, alerts=alerts, started_at=started_at)
+
+    def budget_meter(self, *, ledger=None):
+        """Read the meter: spent, rate, limit, next billing boundary, guard (one round trip).
+
+        Returns a :class:`gpumagic.budget.MeterReading`."""
+        from . import budget
+
+        return budget.read_meter(self, ledger or budget.Ledger())
+
+    def budget_guard(self, *, idle: float | None = None, at_limit: bool = False,
+                     deadline: float | None = None, grace: float = 600, poll: float = 30,
+                     ledger=None, plan=None):
+        """Arm the remote guard: shut down after ``idle`` seconds of measured GPU idleness, at
+        the budget limit, or at epoch ``deadline``; warn ``grace`` seconds before.
+
+        Raises :class:`gpumagic.budget.BudgetError` where no shutdown command can run."""
+        from . import budget
+
+        return budget.arm_machine_guard(self, ledger or budget.Ledger(), idle_s=idle, at_limit=at_limit,
+                                        deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
+
+    def budget_guard_cancel(self, *, ledger=None):
+        """Disarm the remote guard; returns its status after."""
+        from . import budget
+
+        return budget.disarm_machine_guard(self, ledger or budget.Ledger())
+
+    def budget_guard_status(self):
+        """The remote guard's status (:class:`gpumagic.budget.GuardStatus`)."""
+        from . import budget
+
+        return budget.read_status(self)[1]
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

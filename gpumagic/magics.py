@@ -9,6 +9,7 @@ arguments raise exactly ``UsageError``; everything else is a ``GpumagicError`` w
 from __future__ import annotations
 
 import getpass
+import re
 import shlex
 import sys
 import time
@@ -80,6 +81,8 @@ class GpuMagics(Magics):
         self.session = Session()
         #: machine name -> running ``%gpu status --watch`` (a gpu.Watcher)
         self.status_watchers: dict = {}
+        if shell is not None:  # budget alerts after each cell (see the budget section)
+            shell.events.register("post_run_cell", _budget_post_run_cell(self))
 
     # -- %gpu ---------------------------------------------------------------------------
 
@@ -710,3 +713,282 @@ def _kill(magics: GpuMagics, line: str):
     info = job.kill()
     print(f"killed job {args.name} on {machine.name}: {info.state_text}; "
           "its whole process tree was stopped")
+# -- budget ------------------------------------------------------------------------------
+
+
+def _budget_ledger(magics: GpuMagics):
+    """The ledger (a fresh object per command, so notes are this command's)."""
+    from .budget import Ledger
+
+    return Ledger()
+
+
+def _show(obj) -> None:
+    from IPython.display import display
+
+    display(obj)
+
+
+def _budget_notes(ledger) -> None:
+    from .display import AlertView
+
+    for note in ledger.notes:
+        _show(AlertView(note))
+
+
+def _usage(fn, *args, **kw):
+    """Call a pure parser; its ValueError becomes exactly UsageError."""
+    try:
+        return fn(*args, **kw)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+@magic_arguments()
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _budget_meter(magics: GpuMagics, line: str):
+    """Show the meter: spent so far, rate, limit, next billing boundary, the guard."""
+    args = parse(_budget_meter, line, "budget")
+    if args is None:
+        return
+    from .display import AlertView, MeterView
+
+    ledger = _budget_ledger(magics)
+    reading = magics.session.get(args.host).budget_meter(ledger=ledger)
+    _budget_notes(ledger)
+    _show(MeterView(reading))
+    for t in reading.crossed:
+        _show(AlertView(f"{reading.machine} has spent {reading.prices.money(reading.spent)}, "
+                        f"past your alert at {reading.prices.money(t)}"))
+
+
+@magic_arguments()
+@argument("--rate", type=float, metavar="PER_HOUR", help="instance (GPU) price per hour")
+@argument("--currency", help="shown after amounts (CNY, USD, ...); never converted")
+@argument("--billing", choices=("second", "minute", "hour"), help="billing granularity (a started unit costs in full)")
+@argument("--platform", help="preset: generic, autodl, vastai, runpod, lambda (billing, data disk, how to stop)")
+@argument("--storage-gb", type=float, metavar="GB", help="extra disk size")
+@argument("--storage-rate-month", type=float, metavar="PER_GB_MONTH", help="disk price per GB per month (30 days)")
+@argument("--storage-rate-day", type=float, metavar="PER_GB_DAY", help="disk price per GB per day")
+@argument("--image-gb", type=float, metavar="GB", help="saved images / snapshots size")
+@argument("--image-rate-month", type=float, metavar="PER_GB_MONTH", help="image price per GB per month")
+@argument("--image-rate-day", type=float, metavar="PER_GB_DAY", help="image price per GB per day")
+@argument("--ip-rate", type=float, metavar="PER_HOUR", help="reserved public IP price per hour")
+@argument("--started-at", metavar="TIME", help="billing start: HH:MM, -2h, ISO time (default: the machine's start)")
+@argument("--alert", metavar="AMOUNTS", help="alert thresholds, e.g. 10,20")
+@argument("--limit", type=float, metavar="AMOUNT", help="spending limit (meter bar; --at-limit guard)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _budget_set(magics: GpuMagics, line: str):
+    """Store the machine's prices and thresholds (kept in the ledger across kernel restarts)."""
+    # `--started-at -2h` reads naturally; argparse would take -2h for an option
+    line = re.sub(r"(--started-at)\s+(-\S+)", r"\1=\2", line)
+    args = parse(_budget_set, line, "budget set")
+    if args is None:
+        return
+    import dataclasses
+
+    from . import budget
+
+    for kind in ("storage", "image"):
+        if getattr(args, f"{kind}_rate_month") is not None and getattr(args, f"{kind}_rate_day") is not None:
+            raise UsageError(f"give --{kind}-rate-month or --{kind}-rate-day, not both")
+    name = args.host or magics.session.get(None).name
+    ledger = _budget_ledger(magics)
+    old = ledger.machine(name)
+    changes = {k: getattr(args, k) for k in ("rate", "currency", "billing", "storage_gb", "image_gb", "ip_rate")
+               if getattr(args, k) is not None}
+    for kind in ("storage", "image"):
+        for per in ("month", "day"):
+            v = getattr(args, f"{kind}_rate_{per}")
+            if v is not None:
+                changes[f"{kind}_rate"], changes[f"{kind}_per"] = v, per
+    preset = None
+    if args.platform:
+        preset = budget.platform(args.platform)
+        changes["platform"] = args.platform.lower()
+        changes.setdefault("billing", preset["billing"])
+    if old and "prices" in old:
+        prices = dataclasses.replace(budget.Prices.from_dict(old["prices"]), **changes)
+    elif "rate" in changes:
+        prices = budget.Prices(**changes)
+    else:
+        raise UsageError(f"no prices stored for {name} yet: give at least --rate PRICE_PER_HOUR")
+    now = time.time()
+    started = _usage(budget.parse_time, args.started_at, now, future=False) if args.started_at else None
+    alerts = _usage(budget.parse_amounts, args.alert) if args.alert else None
+    rec = budget.set_prices(ledger, name, prices, limit=args.limit, alerts=alerts, started_at=started)
+    _budget_notes(ledger)
+    if (rec.get("guard") or {}).get("limit_in") is not None:
+        print("note: the armed guard still acts at the limit computed with the old prices; "
+              "re-arm it with `%gpu budget guard --at-limit`")
+    parts = ", ".join(f"{k} {prices.money(v)}/h" for k, v in prices.per_hour().items() if v)
+    print(f"{name}: {prices.money(prices.hourly)}/h ({parts}), billed per {prices.billing}"
+          + (f"; limit {prices.money(rec['limit'])}" if rec.get("limit") is not None else "")
+          + (f"; alerts at {', '.join(prices.money(a) for a in rec['alerts'])}" if rec.get("alerts") else ""))
+    if preset:
+        print(f"{preset['name']}: data disk {preset['data_disk'] or '-'}; to stop: {preset['stop']}")
+    m = magics.session.machines.get(name)
+    if m is not None and m.is_connected:  # record the session now, so alerts can fire after any cell
+        from .display import AlertView
+
+        reading = m.budget_meter(ledger=ledger)
+        for t in reading.crossed:
+            _show(AlertView(f"{name} has spent {prices.money(reading.spent)}, past your alert at {prices.money(t)}"))
+
+
+@magic_arguments()
+@argument("--hours", type=float, required=True, help="planned GPU hours")
+@argument("--rate", type=float, metavar="PER_HOUR", help="on-demand price per hour (default: the machine's)")
+@argument("--spot-rate", type=float, metavar="PER_HOUR", help="spot / preemptible price per hour")
+@argument("--card-price", type=float, help="buying instead: the card's price")
+@argument("--power-w", type=float, metavar="WATTS", help="the card's power draw (W)")
+@argument("--kwh-price", type=float, help="electricity price per kWh")
+@argument("--resale", type=float, default=0.0, help="what the card sells for afterwards")
+@argument("--currency", help="shown after amounts")
+@argument("--host", metavar="NAME", help="take the rate and extra costs from this machine's prices")
+def _budget_estimate(magics: GpuMagics, line: str):
+    """What a planned run costs: on-demand vs spot, and renting vs buying the card."""
+    args = parse(_budget_estimate, line, "budget estimate")
+    if args is None:
+        return
+    from . import budget
+    from .display import EstimateView
+
+    stored = None
+    name = args.host or magics.session.default
+    if name:
+        rec = _budget_ledger(magics).machine(name)
+        if rec and "prices" in rec:
+            stored = budget.Prices.from_dict(rec["prices"])
+    rate = args.rate if args.rate is not None else stored.rate if stored else None
+    if rate is None:
+        raise UsageError("give --rate PRICE_PER_HOUR (or set the machine's prices with `%gpu budget set`)")
+    extra = stored.hourly - stored.rate if stored else 0.0
+    rows = budget.estimate(args.hours, rate, spot_rate=args.spot_rate, extra_per_hour=extra,
+                           card_price=args.card_price, power_w=args.power_w,
+                           kwh_price=args.kwh_price, resale=args.resale)
+    _show(EstimateView(rows, args.currency or (stored.currency if stored else "")))
+
+
+@magic_arguments()
+@argument("--host", metavar="NAME", help="only this machine")
+def _budget_history(magics: GpuMagics, line: str):
+    """Spending per machine and per day, from the local ledger."""
+    args = parse(_budget_history, line, "budget history")
+    if args is None:
+        return
+    from . import budget
+    from .display import HistoryView
+
+    ledger = _budget_ledger(magics)
+    rows = budget.history(ledger.read(), time.time())
+    _budget_notes(ledger)
+    _show(HistoryView([r for r in rows if args.host in (None, r[0])]))
+
+
+@magic_arguments()
+@argument("--idle", metavar="DURATION", help="shut down after the GPU was idle this long (30m, 2h)")
+@argument("--at-limit", action="store_true", help="shut down when the spending limit is reached")
+@argument("--deadline", metavar="TIME", help="shut down at this time (HH:MM, +3h, ISO time)")
+@argument("--grace", metavar="DURATION", default="10m", help="warn this long before (default 10m)")
+@argument("--poll", metavar="SECONDS", type=float, default=30, help="seconds between checks (default 30)")
+@argument("--cancel", action="store_true", help="disarm the guard")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _budget_guard(magics: GpuMagics, line: str):
+    """Arm a watchdog ON the machine (works with the laptop closed) that shuts it down."""
+    args = parse(_budget_guard, line, "budget guard")
+    if args is None:
+        return
+    from . import budget
+    from .display import GuardView
+
+    m = magics.session.get(args.host)
+    ledger = _budget_ledger(magics)
+    if args.cancel:
+        status = m.budget_guard_cancel(ledger=ledger)
+        print(f"{m.name}: guard disarmed" if status.state != "armed" else f"{m.name}: guard still running!")
+        return
+    if not (args.idle or args.at_limit or args.deadline):
+        _show(GuardView(m.budget_guard_status()))
+        return
+    idle = _usage(budget.parse_duration, args.idle) if args.idle else None
+    deadline = _usage(budget.parse_time, args.deadline, time.time(), future=True) if args.deadline else None
+    grace = _usage(budget.parse_duration, args.grace)
+    status = m.budget_guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
+                            poll=args.poll, ledger=ledger)
+    magics._budget_seen = {}
+    note = (f"armed on {m.name}; its log: {budget.guard_log_path(m)} there; "
+            "`%gpu budget guard --cancel` disarms it")
+    if idle is not None and not status.idle.startswith(("idle", "busy")):
+        note += (f"\nnote: the GPU cannot be measured now ({status.idle}), so the idle rule cannot "
+                 "fire until it can (an unreadable GPU never counts as idle)")
+    _show(GuardView(status, note=note))
+
+
+_BUDGET_SUBS = {"set": _budget_set, "estimate": _budget_estimate, "history": _budget_history,
+                "guard": _budget_guard}
+
+
+@subcommand("budget", "what the rental costs: set prices, meter, estimate, history, guard")
+def _budget(magics: GpuMagics, line: str):
+    """`%gpu budget [set|estimate|history|guard] ...`; no sub-command shows the meter."""
+    word, _, rest = line.strip().partition(" ")
+    if word in _BUDGET_SUBS:
+        return _BUDGET_SUBS[word](magics, rest)
+    if word and not word.startswith("-"):
+        raise UsageError(f"unknown budget command {word!r}; valid: {', '.join(_BUDGET_SUBS)} "
+                         "(or none, for the meter)")
+    return _budget_meter(magics, line)
+
+
+#: Seconds between checks of a remote guard's warning from the post-run-cell hook.
+GUARD_ALERT_POLL = 60.0
+
+
+def budget_alert_hook(magics: GpuMagics, *, now: float | None = None) -> list[str]:
+    """After each cell: show newly crossed alert thresholds (local arithmetic, no round trip)
+    and, at most every GUARD_ALERT_POLL s, a pending guard warning from connected machines
+    whose guard this ledger knows of.  Returns the messages shown."""
+    from . import budget
+    from .display import AlertView
+
+    shown: list[str] = []
+    ledger = budget.Ledger()
+    if not magics.session.machines or not ledger.path.exists():
+        return shown
+    seen = getattr(magics, "_budget_seen", None)
+    if seen is None:
+        seen = magics._budget_seen = {}
+    for name, m in list(magics.session.machines.items()):
+        reading, crossed = budget.check_alerts(ledger, name, now=now)
+        for t in crossed:
+            shown.append(f"{name} has spent {reading.prices.money(reading.spent)}, "
+                         f"past your alert at {reading.prices.money(t)}")
+        rec = ledger.machine(name) or {}
+        last = seen.get(name, (0.0, ""))
+        if rec.get("guard") and m.is_connected and time.monotonic() - last[0] >= GUARD_ALERT_POLL:
+            try:
+                status = m.budget_guard_status()
+            except Exception:  # a hook must never break the user's cell
+                status = None
+            warning = status.warning if status else ""
+            if warning and warning != last[1]:
+                shown.append(f"{name}: guard: {warning}")
+            seen[name] = (time.monotonic(), warning or last[1])
+    shown += ledger.notes
+    for msg in shown:
+        _show(AlertView(msg))
+    return shown
+
+
+def _budget_post_run_cell(magics: GpuMagics):
+    said: set[str] = set()
+
+    def hook(*_):
+        try:
+            budget_alert_hook(magics)
+        except Exception as e:  # never break the user's cell; say why once
+            if str(e) not in said:
+                said.add(str(e))
+                print(f"gpumagic: budget alert check failed: {e}")
+    return hook

@@ -1,0 +1,605 @@
+"""``%gpu budget``: price arithmetic, alerts, the ledger, and the remote guard.
+
+The guard cases (4, 5) run on servers of their own with a stand-in ``shutdown`` that records
+its calls; they are armed together at the start of the module and checked at its end, so
+their real waiting (2 min for "idle 2 min") overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gpumagic
+from gpumagic import budget
+from gpumagic.budget import GuardSettings, Ledger, Prices
+from gpumagic.errors import GpumagicError
+
+from conftest import add_client_entry, make_server
+
+RECORDINGS = Path(gpumagic.__file__).parent / "fake" / "recordings"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- case 1: billing granularity ---------------------------------------------------------
+
+
+def test_hourly_billing_61_minutes_costs_two_started_hours_and_next_hour_in_59_min():
+    p = Prices(rate=12, billing="hour")
+    assert budget.spent(p, 61 * 60) == 24
+    assert budget.next_boundary_in(61 * 60, "hour") == 59 * 60
+
+
+def test_per_second_billing_61_minutes_at_12_per_hour_costs_12_2():
+    p = Prices(rate=12, billing="second")
+    assert budget.spent(p, 61 * 60) == pytest.approx(12.2, abs=1e-9)
+
+
+def test_meter_reading_for_case_1_shows_spent_and_next_boundary():
+    now = 1_800_000_000.0
+    r = budget.meter("m", Prices(rate=12, billing="hour"), now - 61 * 60, now, limit=50)
+    assert r.spent == 24 and r.next_boundary_s == 59 * 60
+    # 50 allows 4 started hours: stop by 4 h after the start, 2 h 59 min from now
+    assert r.limit_in_s == 4 * 3600 - 61 * 60
+    from gpumagic import display
+
+    text = display.meter_text(r)
+    assert "24.00" in text and "stopping now costs the same as stopping in 59 min" in text
+
+
+# -- case 2: storage in the hourly rate ---------------------------------------------------
+
+
+def test_storage_100_gb_at_0_3_per_gb_month_adds_0_0417_per_hour():
+    p = Prices(rate=3, storage_gb=100, storage_rate=0.3, storage_per="month")
+    assert round(p.per_hour()["storage"], 4) == 0.0417
+    assert round(p.hourly, 4) == 3.0417
+
+
+# -- case 3: alerts -----------------------------------------------------------------------
+
+
+def test_alerts_10_and_20_crossed_by_a_rising_meter_fire_exactly_twice_in_order():
+    alerted: list[float] = []
+    shown = []
+    for spent_now in [0.5, 5, 9.99, 10.0, 12, 19.5, 20.01, 25, 30]:
+        new = budget.new_alerts([10, 20], alerted, spent_now)
+        shown += new
+        alerted += new
+    assert shown == [10.0, 20.0]
+
+
+def test_alerts_through_the_ledger_fire_once_per_threshold(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.json")
+    t0 = 1_800_000_000.0
+    budget.set_prices(ledger, "m", Prices(rate=6, billing="second"), alerts=[10, 20], started_at=t0)
+    with ledger.update() as data:
+        budget.record_session(data["machines"]["m"], t0, t0, Prices(rate=6))
+    fired = []
+    for minutes in (30, 90, 110, 150, 210, 300):  # 3, 9, 11, 15, 21, 30 spent
+        _, new = budget.check_alerts(ledger, "m", now=t0 + minutes * 60)
+        fired += new
+    assert fired == [10.0, 20.0]
+
+
+# -- other arithmetic ---------------------------------------------------------------------
+
+
+def test_limit_deadline_per_second_and_hourly():
+    assert budget.limit_deadline(Prices(rate=60), 11) == 11 * 60
+    # hourly at 12: 24 after 2 started hours, 36 after 3; a limit of 30 allows stopping by 2 h
+    assert budget.limit_deadline(Prices(rate=12, billing="hour"), 30) == 7200
+    assert budget.limit_deadline(Prices(rate=0), 10) is None
+
+
+def test_guard_acts_a_minute_before_an_hour_boundary_at_the_limit():
+    assert budget.guard_limit_in(Prices(rate=12, billing="hour"), 30, 600) == 7200 - 60 - 600
+
+
+def test_estimate_on_demand_spot_and_buying():
+    rows = {r.label: r for r in budget.estimate(200, 2.5, spot_rate=1.0, card_price=2000,
+                                                power_w=350, kwh_price=0.2, resale=800)}
+    assert rows["on-demand"].cost == 500
+    assert rows["spot / preemptible"].cost == 200
+    assert rows["buy the card"].cost == pytest.approx(2000 - 800 + 0.35 * 200 * 0.2)
+    assert "494 GPU hours" in rows["break-even"].note  # 1200 / (2.5 - 0.07)
+
+
+def test_durations_and_times_parse_or_say_what_to_write():
+    assert budget.parse_duration("1h30m") == 5400
+    assert budget.parse_duration("2m") == 120
+    with pytest.raises(ValueError, match="30m, 2h"):
+        budget.parse_duration("30 minutes")
+    now = 1_800_000_000.0
+    assert budget.parse_time("-61m", now, future=False) == now - 3660
+    assert budget.parse_time("+2h", now, future=True) == now + 7200
+    assert budget.parse_time("2027-01-01T00:00+00:00", now, future=True) == 1798761600
+
+
+def test_history_spreads_a_session_over_the_days_it_covers(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.json")
+    import datetime as dt
+
+    midnight = dt.datetime(2027, 1, 2).astimezone().timestamp()
+    budget.set_prices(ledger, "m", Prices(rate=10, currency="CNY"))
+    with ledger.update() as data:
+        s = budget.record_session(data["machines"]["m"], midnight - 3600, midnight - 3600, Prices(rate=10, currency="CNY"))
+        s["last_seen"] = midnight + 2 * 3600
+    rows = budget.history(ledger.read(), midnight + 5 * 3600)
+    assert [(r[1], round(r[2], 6), r[3]) for r in rows] == [("2027-01-01", 10, "CNY"), ("2027-01-02", 20, "CNY")]
+
+
+def test_platform_presets_name_billing_disk_and_how_to_stop_but_no_prices():
+    presets = budget.platforms()
+    assert {"generic", "autodl", "vastai", "runpod", "lambda"} <= set(presets)
+    for name, p in presets.items():
+        assert p["billing"] in budget.BILLING_UNITS, name
+        assert p["stop"] and "data_disk" in p, name
+        assert not any("price" in k or "rate" in k for k in p), name
+    with pytest.raises(GpumagicError, match="no platform preset"):
+        budget.platform("nosuchcloud")
+
+
+# -- case 6: the ledger -------------------------------------------------------------------
+
+
+def test_truncated_ledger_is_reported_moved_aside_kept_and_a_new_one_started(tmp_path):
+    path = tmp_path / "ledger.json"
+    good = Ledger(path)
+    budget.set_prices(good, "m", Prices(rate=12, currency="CNY"), limit=50)
+    full = path.read_bytes()
+    truncated = full[: len(full) // 2]  # what a crash in the middle of a plain write leaves
+    path.write_bytes(truncated)
+
+    ledger = Ledger(path)
+    data = ledger.read()
+    assert data["machines"] == {}
+    assert len(ledger.notes) == 1 and "could not be read" in ledger.notes[0]
+    kept = list(tmp_path.glob("ledger.json.corrupt-*"))
+    assert len(kept) == 1 and str(kept[0]) in ledger.notes[0]
+    assert kept[0].read_bytes() == truncated
+    budget.set_prices(ledger, "m2", Prices(rate=3))
+    assert set(json.loads(path.read_text())["machines"]) == {"m2"}
+    assert kept[0].read_bytes() == truncated  # never overwritten
+
+
+def test_ledger_written_by_a_newer_gpumagic_is_left_alone(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps({"format": "gpumagic-ledger", "version": 99, "machines": {}}))
+    with pytest.raises(GpumagicError, match="newer gpumagic"):
+        Ledger(path).read()
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_ledger_path_follows_GPUMAGIC_DATA_DIR(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "d"))
+    assert Ledger().path == tmp_path / "d" / "ledger.json"
+
+
+# -- the guard on real servers (cases 4 and 5) --------------------------------------------
+
+IDLE = 120  # case 4: "idle 2 min", in real time
+POLL = 2
+STAND_IN = '#!/bin/sh\nprintf "%s %s\\n" "$(date +%s)" "$*" >> "$(dirname "$0")/../shutdown-calls"\n'
+
+
+def _recording_814_mib_78_percent(dest: Path) -> Path:
+    """The h200-idle recording with memory.used 814 MiB and utilization.gpu 78 % (the case's
+    numbers; no process listed, as in a container that hides other processes)."""
+    shutil.copytree(RECORDINGS / "h200-idle", dest)
+    for name in ("query-gpu.csv", "query-gpu-noheader-nounits.csv"):
+        lines = (dest / name).read_text().splitlines()
+        out = []
+        for line in lines:
+            cols = line.split(", ")
+            if cols[0] == "0":
+                units = cols[6].endswith("MiB")
+                cols[6] = "814 MiB" if units else "814"
+                cols[7] = "142342 MiB" if units else "142342"
+                cols[8] = "78 %" if units else "78"
+            out.append(", ".join(cols))
+        (dest / name).write_text("\n".join(out) + "\n")
+    return dest
+
+
+class Guarded:
+    def __init__(self, name, server, machine, status, armed_at):
+        self.name, self.server, self.machine, self.status, self.armed_at = name, server, machine, status, armed_at
+
+    @property
+    def calls(self) -> list[str]:
+        f = self.server.dir / "shutdown-calls"
+        return f.read_text().splitlines() if f.exists() else []
+
+    def log(self) -> str:
+        return (Path(self.server.env["HOME"]) / ".gpumagic/guard/log").read_text()
+
+
+@pytest.fixture(scope="module")
+def guards(tmp_path_factory):
+    """Four servers, each with a stand-in shutdown, guards armed at once (their waits overlap)."""
+    from gpumagic.shutdown import find_shutdown
+
+    tmp = tmp_path_factory.mktemp("guards")
+    ledger = Ledger(tmp / "ledger.json")
+    setups = {"g-idle": "h200-idle", "g-mismatch": "mismatch",
+              "g-hidden": str(_recording_814_mib_78_percent(tmp / "h200-814mib-78pct")), "g-limit": None}
+    out = {}
+    for alias, gpu in setups.items():
+        server = make_server(alias, fake_gpu=gpu or "h200-idle")
+        server.install_bin("shutdown", STAND_IN)
+        add_client_entry(server, alias)
+        m = gpumagic.connect(alias)
+        plan = find_shutdown(m)
+        # never a real shutdown: the command found must be this server's stand-in
+        assert plan.command == f"{server.bin}/shutdown -h now", plan
+        if alias == "g-limit":
+            # rate 60/h per second, started 10 min ago: 10 spent, limit 11 falls 1 min ahead
+            m.budget_set(60, currency="CNY", limit=11, started_at=time.time() - 600, ledger=ledger)
+            status = m.budget_guard(at_limit=True, grace=30, poll=POLL, ledger=ledger, plan=plan)
+        else:
+            status = m.budget_guard(idle=IDLE, grace=30, poll=POLL, ledger=ledger, plan=plan)
+        out[alias] = Guarded(alias, server, m, status, time.time())
+    yield out
+    for g in out.values():
+        try:
+            g.machine.budget_guard_cancel(ledger=ledger)
+        finally:
+            g.machine.close()
+            g.server.stop()
+
+
+def _wait(cond, timeout: float, step: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def test_guards_arm_and_report_their_first_measurement(guards):
+    assert guards["g-idle"].status.state == "armed"
+    assert guards["g-idle"].status.idle.startswith("idle GPU utilisation 0%")
+    assert guards["g-mismatch"].status.idle.startswith("unknown nvidia-smi failed: Failed to initialize NVML")
+    assert guards["g-hidden"].status.idle == ("busy 814 MiB of GPU memory in use by no visible process; "
+                                              "GPU utilisation 78% (idle below 5%)")
+    assert guards["g-limit"].status.settings["limit_in"] in (59, 60, 61)
+
+
+def test_guard_refuses_where_no_shutdown_can_run_and_says_how_to_stop(tmp_path):
+    server = make_server("g-noroot")
+    server.install_bin("id", "#!/bin/sh\necho 1000\n")      # the probe sees a non-root user
+    server.install_bin("sudo", "#!/bin/sh\nexit 1\n")        # whose sudo needs a password
+    add_client_entry(server, "g-noroot")
+    try:
+        with gpumagic.connect("g-noroot") as m:
+            with pytest.raises(budget.BudgetError) as e:
+                m.budget_guard(idle=60, ledger=Ledger(tmp_path / "l.json"))
+            assert "no shutdown command can run" in str(e.value)
+            assert "sudo" in e.value.hint and "console" in e.value.hint
+            assert m.budget_guard_status().state == "none"
+    finally:
+        server.stop()
+
+
+def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
+    """The jobs layout: ~/.gpumagic/jobs/NAME/pid, exit_code absent while running."""
+    script = tmp_path / "g.sh"
+    script.write_text(budget.guard_script(GuardSettings(idle_s=60), "true"))
+    jobs = tmp_path / "home/.gpumagic/jobs"
+    (jobs / "train").mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        (jobs / "train/pid").write_text(f"{sleeper.pid}\n")
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        (bindir / "nvidia-smi").write_text(
+            f"#!/bin/sh\nexec {sys.executable} {RECORDINGS.parent / 'nvidia_smi.py'} \"$@\"\n")
+        (bindir / "nvidia-smi").chmod(0o755)
+        env = {**os.environ, "HOME": str(tmp_path / "home"), "PATH": f"{bindir}:{os.environ['PATH']}"}
+        env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
+
+        def measure():
+            return subprocess.run(["sh", str(script), "measure"], env=env, capture_output=True,
+                                  text=True).stdout.strip()
+
+        assert measure() == f"busy gpumagic job train is running (pid {sleeper.pid})"
+        (jobs / "train/exit_code").write_text("0\n")
+        assert measure().startswith("idle GPU utilisation 0%")
+        # a job that died without an exit_code, left a zombie (never reaped): not running
+        zombie = subprocess.Popen(["true"])
+        while Path(f"/proc/{zombie.pid}/cmdline").read_bytes():
+            time.sleep(0.01)
+        (jobs / "crashed").mkdir()
+        (jobs / "crashed/pid").write_text(f"{zombie.pid}\n")
+        assert measure().startswith("idle GPU utilisation 0%")
+        zombie.wait()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# -- the magics ---------------------------------------------------------------------------
+
+
+def _run(ip, line):
+    """Run a line magic; return (printed text, displayed text/plain outputs)."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", line)
+    return cap.stdout, [o.data.get("text/plain", "") for o in cap.outputs]
+
+
+@pytest.fixture
+def budget_ip(ip, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    server = make_server(f"b-magic-{os.getpid()}-{time.monotonic_ns()}", fake_gpu="h200-idle")
+    server.install_bin("shutdown", STAND_IN)
+    add_client_entry(server, server.alias)
+    ip.run_line_magic("gpu", f"connect {server.alias}")
+    yield ip, server
+    ip._gpumagic.session.close_all()
+    server.stop()
+
+
+def test_budget_magics_set_meter_alerts_once_estimate_history(budget_ip):
+    ip, server = budget_ip
+    out, alerts = _run(ip, "budget set --rate 12 --currency CNY --billing hour --started-at -61m "
+                           "--alert 10,20 --limit 50 --storage-gb 100 --storage-rate-month 0.3")
+    assert "12.04 CNY/h (instance 12.00 CNY/h, storage 0.0417 CNY/h), billed per hour" in out
+    # case 3 through the magics: 24 spent crosses 10 then 20: two alerts, in order
+    assert len(alerts) == 2 and "alert at 10.00 CNY" in alerts[0] and "alert at 20.00 CNY" in alerts[1]
+    _, shown = _run(ip, "budget")
+    meter_text = shown[0]
+    assert "spent 24" in meter_text and "stopping now costs the same as stopping in 59 min" in meter_text
+    assert not [s for s in shown[1:] if "alert" in s]  # once per threshold
+
+    _, est = _run(ip, "budget estimate --hours 200 --spot-rate 5")
+    assert "on-demand" in est[0] and "2,408.33 CNY" in est[0]  # 200 h x (12 + 0.0417)
+    _, hist = _run(ip, "budget history")
+    assert server.alias in hist[0] and "total" in hist[0]
+
+
+def test_budget_magics_bad_input_is_a_usage_error(budget_ip):
+    from IPython.core.error import UsageError
+
+    ip, _ = budget_ip
+    for line in ("budget set --storage-rate 0.3 --rate 1",  # which unit? month or day
+                 "budget set --rate 1 --alert ten",
+                 "budget guard --idle '30 minutes'",
+                 "budget frobnicate"):
+        with pytest.raises(UsageError) as e:
+            ip.run_line_magic("gpu", line)
+        assert type(e.value) is UsageError, line
+
+
+def test_budget_guard_magic_arms_shows_and_cancels(budget_ip):
+    ip, server = budget_ip
+    _run(ip, "budget set --rate 2.5 --platform runpod")
+    _, shown = _run(ip, "budget guard --idle 30m --poll 5")
+    assert shown[0].startswith("guard: armed (idle 30 min)")
+    _, meter_out = _run(ip, "budget")
+    assert "guard: armed (idle 30 min)" in meter_out[0]
+    out, _ = _run(ip, "budget guard --cancel")
+    assert "guard disarmed" in out
+    assert not (server.dir / "shutdown-calls").exists()
+
+
+def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
+    from gpumagic.__main__ import run_notebook
+    import nbformat
+
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = run_notebook(ROOT / "example-notebooks" / "06-budget.ipynb", tmp_path / "executed", timeout=120)
+    nb = nbformat.read(out, as_version=4)
+
+    def text(i):
+        parts = []
+        for o in nb.cells[i].get("outputs", []):
+            parts.append(o.get("text", "") or o.get("data", {}).get("text/plain", ""))
+        return "\n".join(parts)
+
+    src = {i: c.source for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    idx = {key: next(i for i, s in src.items() if s.startswith(key)) for key in (
+        "%gpu budget set", "%gpu budget estimate", "%gpu budget guard --idle", "%gpu budget guard --deadline",
+        "import time", "%gpu budget guard --cancel", "%gpu budget history", "from gpumagic import budget")}
+    meter_cells = [i for i, s in src.items() if s == "%gpu budget"]
+    set_out = text(idx["%gpu budget set"])
+    assert "AutoDL: data disk /root/autodl-tmp" in set_out
+    assert set_out.count("past your alert") == 2
+    assert set_out.index("alert at 1.00 CNY") < set_out.index("alert at 5.00 CNY")
+    assert "sandbox: spent 5.0" in text(meter_cells[0])
+    assert "alert at" not in text(meter_cells[0]) + text(meter_cells[1])  # each threshold once
+    assert text(idx["from gpumagic import budget"]).split() [:2] == ["24.0", "12.2"]
+    assert "buy the card" in text(idx["%gpu budget estimate"])
+    assert text(idx["%gpu budget guard --idle"]).startswith("guard: armed (idle 30 min)")
+    assert "guard: armed (idle 30 min)" in text(meter_cells[2])
+    fired = text(idx["import time"])
+    assert "guard: shut the machine down just now (deadline reached)" in fired
+    assert "shutdown command succeeded" in fired
+    assert "guard disarmed" in text(idx["%gpu budget guard --cancel"])
+    assert "sandbox" in text(idx["%gpu budget history"])
+
+
+def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):
+    from IPython.utils.capture import capture_output
+
+    from gpumagic.magics import budget_alert_hook
+
+    ip, server = budget_ip
+    magics = ip._gpumagic
+    _run(ip, "budget set --rate 12 --currency CNY --started-at -61m --alert 20,30")  # 12.20 spent
+    with capture_output():
+        assert budget_alert_hook(magics) == []
+        now = time.time()
+        first = budget_alert_hook(magics, now=now + 50 * 60)    # 22.20
+        second = budget_alert_hook(magics, now=now + 51 * 60)
+        third = budget_alert_hook(magics, now=now + 120 * 60)   # 36.20
+    assert [("alert at 20.00 CNY" in m) for m in first] == [True]
+    assert second == []
+    assert [("alert at 30.00 CNY" in m) for m in third] == [True]
+    assert any(getattr(cb, "__qualname__", "").startswith("_budget_post_run_cell")
+               for cb in ip.events.callbacks["post_run_cell"])
+
+
+def test_meter_default_start_is_when_the_machine_started(budget_ip, tmp_path):
+    ip, server = budget_ip
+    m = ip._gpumagic.session.get()
+    ledger = Ledger(tmp_path / "own.json")
+    m.budget_set(1.0, ledger=ledger)
+    r = m.budget_meter(ledger=ledger)
+    # the test server is this computer: PID 1's start, from /proc as proc(5) describes it
+    btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime"))
+    ticks = int(open("/proc/1/stat").read().rsplit(")", 1)[1].split()[19])
+    expected = btime + ticks / os.sysconf("SC_CLK_TCK")
+    assert abs(r.started_at - expected) < 3
+
+
+def test_parse_status_reads_the_probe_output():
+    text = ("clock 1800000000 1799990000 123400 100\nguard-state\nstate=armed\nsince=1799999000\n"
+            "checked=1799999990\nchecks=7\nfire_at=1800000600\nreason=GPU idle for 1800s\n"
+            "idle=idle GPU utilisation 0%, 0 MiB used, 0 visible process(es)\nidle_s=1800\nlimit_in=\n"
+            "deadline_in=\ngrace_s=600\npoll_s=30\nguard-end\nguard-alive 1\n"
+            "guard-alert shutting down in 600s (GPU idle for 1800s)\nguard-log\nline one\n")
+    clock, g = budget.parse_status(text)
+    assert clock.remote_now == 1800000000 and clock.started == 1799990000 + 1234
+    assert (g.state, g.alive, g.fires_in, g.checks) == ("armed", True, 600, 7)
+    assert g.settings == {"idle_s": 1800, "grace_s": 600, "poll_s": 30}
+    assert g.warning.startswith("shutting down in 600s") and g.log == ("line one",)
+    _, gone = budget.parse_status(text.replace("guard-alive 1", "guard-alive 0"))
+    assert gone.state == "gone"
+
+
+def test_ledger_survives_writers_killed_mid_write(tmp_path):
+    """kill -9 a process rewriting the ledger in a loop, many times: it always reads whole."""
+    path = tmp_path / "ledger.json"
+    code = ("import sys; from gpumagic.budget import Ledger, Prices, set_prices\n"
+            "l = Ledger(sys.argv[1]); i = 0\n"
+            "while True:\n  i += 1; set_prices(l, f'm{i % 50}', Prices(rate=i, currency='X' * 2000))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    import random
+
+    for i in range(8):
+        p = subprocess.Popen([sys.executable, "-c", code, str(path)], env=env)
+        assert _wait(lambda: path.exists() and path.stat().st_mtime_ns != last, timeout=30, step=0.02) \
+            if i else _wait(path.exists, timeout=30, step=0.02)
+        time.sleep(random.uniform(0, 0.3))  # now it is rewriting the file in a loop
+        p.kill()
+        p.wait()
+        ledger = Ledger(path)
+        data = ledger.read()
+        assert ledger.notes == [] and data["machines"]
+        last = path.stat().st_mtime_ns
+    assert not list(tmp_path.glob("ledger.json.corrupt-*"))
+
+
+def test_guard_warning_reaches_the_notebook_as_an_alert(budget_ip):
+    from IPython.utils.capture import capture_output
+
+    from gpumagic.magics import budget_alert_hook
+
+    ip, server = budget_ip
+    _run(ip, "budget set --rate 2.5")
+    # a deadline 1 h ahead with 2 h of grace: the guard warns at once
+    _, shown = _run(ip, "budget guard --deadline +1h --grace 2h --poll 5")
+    assert re.search(r"WARNING from the guard: shutting down in 3[56]\d\ds \(deadline reached\)", shown[0])
+    with capture_output() as cap:
+        msgs = budget_alert_hook(ip._gpumagic)
+        again = budget_alert_hook(ip._gpumagic)
+    assert len(msgs) == 1 and msgs[0].startswith(f"{server.alias}: guard: shutting down in")
+    assert "gpumagic budget alert" in cap.outputs[0].data["text/plain"]
+    assert again == []  # polled at most once a minute, and shown once
+    _run(ip, "budget guard --cancel")
+    assert not (server.dir / "shutdown-calls").exists()
+
+
+def test_platform_preset_sets_billing_and_says_how_to_stop(budget_ip):
+    ip, server = budget_ip
+    out, _ = _run(ip, "budget set --platform lambda --rate 1.1 --currency USD")
+    assert "billed per minute" in out
+    assert "Lambda Cloud: data disk /home/ubuntu; to stop: Terminate the instance" in out
+
+
+def test_refusal_names_the_platforms_way_to_stop(tmp_path):
+    server = make_server("g-noroot-vast")
+    server.install_bin("id", "#!/bin/sh\necho 1000\n")
+    server.install_bin("sudo", "#!/bin/sh\nexit 1\n")
+    add_client_entry(server, "g-noroot-vast")
+    ledger = Ledger(tmp_path / "l.json")
+    try:
+        with gpumagic.connect("g-noroot-vast") as m:
+            m.budget_set(0.4, platform="vastai", ledger=ledger)
+            with pytest.raises(budget.BudgetError) as e:
+                m.budget_guard(idle=60, ledger=ledger)
+            assert "On vast.ai: `vastai stop instance ID`" in e.value.hint
+    finally:
+        server.stop()
+
+
+def test_hh_mm_deadline_is_the_next_such_local_time():
+    import datetime as dt
+
+    now = dt.datetime(2027, 3, 1, 22, 0).astimezone().timestamp()
+    assert budget.parse_time("23:30", now, future=True) == now + 5400
+    assert budget.parse_time("21:00", now, future=True) == now + 23 * 3600
+    assert budget.parse_time("21:00", now, future=False) == now - 3600
+
+
+# -- the guard's waits (last, so the tests above overlap them) ---------------------------
+
+
+def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
+    g = guards["g-limit"]
+    assert _wait(lambda: g.calls, timeout=120), g.log()
+    time.sleep(3 * POLL)  # a guard that kept looping would call again
+    assert len(g.calls) == 1, g.calls
+    called = float(g.calls[0].split()[0])
+    print(f"\nat-limit guard: shutdown called {called - g.armed_at:.1f} s after arming (limit 60 s ahead)")
+    assert called - g.armed_at >= 58  # not before the limit (1 min after arming)
+    assert g.calls[0].split()[1:] == ["-h", "now"]
+    status = g.machine.budget_guard_status()
+    assert status.state == "fired" and not status.alive
+    log = g.log()
+    assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
+
+
+def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(guards):
+    g = guards["g-idle"]
+    assert _wait(lambda: g.calls, timeout=IDLE + 60), g.log()
+    called = float(g.calls[0].split()[0])
+    elapsed = called - g.armed_at
+    print(f"\nidle guard: shutdown called {elapsed:.1f} s after arming (idle {IDLE} s, poll {POLL} s)")
+    assert elapsed >= IDLE - 2, elapsed  # armed_at is taken after the first measurement
+    assert elapsed <= IDLE + 4 * POLL, elapsed
+    time.sleep(2 * POLL)
+    assert len(g.calls) == 1
+    assert "WARNING: shutting down in" in g.log() and "SHUTDOWN: GPU idle for 120s" in g.log()
+
+
+@pytest.mark.parametrize("alias, reading", [
+    ("g-mismatch", "unknown nvidia-smi failed: Failed to initialize NVML: Driver/library version mismatch"),
+    ("g-hidden", "busy 814 MiB of GPU memory in use by no visible process"),
+])
+def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
+    g = guards[alias]
+    _wait(lambda: time.time() > g.armed_at + IDLE + POLL + 1, timeout=IDLE + 60)
+    status = g.machine.budget_guard_status()
+    assert g.calls == []
+    assert status.state == "armed" and status.alive
+    assert status.idle.startswith(reading)
+    assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole 2 min
+    assert status.fire_at is None
+    print(f"\n{alias}: {status.checks} checks over {time.time() - g.armed_at:.0f} s, never idle: {status.idle}")
+    cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
+    assert cancelled.state == "cancelled" and not cancelled.alive
