@@ -336,6 +336,7 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
         sb = Sandbox(fake_gpu=fake_gpu).start()
         spec = sb.spec()
         name = name or "sandbox"
+        cwd = cwd or "~"  # the sandbox's own HOME, not the directory sshd starts in
     else:
         if not target:
             from .errors import ConfigError

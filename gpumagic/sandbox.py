@@ -314,8 +314,24 @@ def _kill(proc: subprocess.Popen | None) -> None:
         proc.wait(5)
 
 
+def sandbox_home() -> Path:
+    """The sandbox machine's ``$HOME``: ``gpumagic/sandbox-home`` in the user data directory.
+
+    Kept between sandboxes (a job started in one is seen by the next, as on a rented
+    machine), and apart from the user's real home, so tutorials never write there.
+    """
+    import platformdirs
+
+    home = Path(platformdirs.user_data_dir("gpumagic")) / "sandbox-home"
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
 class Sandbox:
     """The embedded default machine: an :class:`SshServer` in a temp dir, removed on stop.
+
+    Sessions run as the current user with ``HOME`` set to :func:`sandbox_home` (cells start
+    there), so nothing a tutorial does lands in the user's own home directory.
 
     Parameters
     ----------
@@ -329,7 +345,8 @@ class Sandbox:
         if directory is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="gpumagic-sandbox-")
             directory = self._tmp.name
-        self.server = SshServer(directory, fake_gpu=fake_gpu)
+        self.home = sandbox_home()
+        self.server = SshServer(directory, fake_gpu=fake_gpu, env={"HOME": str(self.home)})
 
     def start(self) -> "Sandbox":
         self.server.start()

@@ -86,3 +86,13 @@ def test_command_line_sandbox_is_reachable_with_the_ssh_command(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(10)
     assert proc.returncode == 0
+
+
+def test_sandbox_cells_run_in_its_own_home_not_the_users(client_home):
+    import pwd
+    real_home = pwd.getpwuid(os.getuid()).pw_dir
+    with gpumagic.connect(sandbox=True) as m:
+        r = m.run('echo "$HOME"; pwd; mkdir -p ~/.gpumagic && echo ok', quiet=True)
+        home, cwd, ok = r.stdout.split()
+    assert home == cwd == str(sandbox.sandbox_home()) and ok == "ok"
+    assert home != real_home and home.startswith(str(client_home))
