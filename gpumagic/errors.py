@@ -130,3 +130,7 @@ class RemoteCommandError(GpumagicError):
 
 class SandboxError(GpumagicError):
     """The local sandbox machine could not be started."""
+
+
+class TunnelError(GpumagicError):
+    """A port forward could not start, or failed on its background thread."""
