@@ -74,8 +74,8 @@ class Machine:
 
     def close(self) -> None:
         """Close every tunnel and the connection (and stop the sandbox sshd if this is the
-        sandbox)."""
-        self.tunnels.close_all()
+        sandbox, with the TensorBoard/Jupyter servers gpumagic started there)."""
+        self.tunnels.close_all(stop_service=self.sandbox is not None)
         self.connection.close()
         if self.sandbox is not None:
             self.sandbox.stop()
@@ -213,6 +213,25 @@ class Machine:
         if t is None:
             t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
                                   name=f"tensorboard {logdir}", path=service.path)
+        t.service = service
+        return t
+
+    def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
+        """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
+        bound to the machine's 127.0.0.1, when none runs); ``.url`` includes the token.
+
+        Raises
+        ------
+        TunnelError
+            Jupyter missing on the machine (the hint has the pip command) or not starting.
+        """
+        from .tunnel import start_jupyter
+
+        service = start_jupyter(self)
+        t = self.tunnels.find("127.0.0.1", service.port)
+        if t is None:
+            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
+                                  name="jupyter", path=service.path)
         t.service = service
         return t
 

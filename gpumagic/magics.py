@@ -288,6 +288,7 @@ def _tunnel(magics: GpuMagics, line: str):
 @argument("--path", default="/", help="URL path to show (default: /)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 @argument("--inline", action="store_true", help="also show the page in the cell")
+@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
 def _tunnel_port(magics: GpuMagics, line: str):
     args = parse(_tunnel_port, line, "tunnel")
     if args is None:
@@ -298,6 +299,8 @@ def _tunnel_port(magics: GpuMagics, line: str):
     t = m.tunnel(args.port, local_port=args.local_port, remote_host=args.remote_host,
                  path=args.path)
     _show(display.tunnel_opened(t, m.name, _moved_note(t), inline=args.inline))
+    if args.out:
+        magics.shell.user_ns[args.out] = t
 
 
 @magic_arguments()
@@ -306,6 +309,7 @@ def _tunnel_port(magics: GpuMagics, line: str):
 @argument("--local-port", type=int, default=6006, metavar="N", help="local port (default 6006; another if taken)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 @argument("--inline", action="store_true", help="also show TensorBoard in the cell")
+@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
 def _tunnel_tensorboard(magics: GpuMagics, line: str):
     args = parse(_tunnel_tensorboard, line, "tunnel tensorboard")
     if args is None:
@@ -316,12 +320,15 @@ def _tunnel_tensorboard(magics: GpuMagics, line: str):
            if t.service.started else f"TensorBoard already serving on {m.name} (pid {t.service.pid})")
     note = "\n".join(x for x in (how, _moved_note(t)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
+    if args.out:
+        magics.shell.user_ns[args.out] = t
 
 
 @magic_arguments()
 @argument("--local-port", type=int, default=8888, metavar="N", help="local port (default 8888; another if taken)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 @argument("--inline", action="store_true", help="also show Jupyter in the cell")
+@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
 def _tunnel_jupyter(magics: GpuMagics, line: str):
     args = parse(_tunnel_jupyter, line, "tunnel jupyter")
     if args is None:
@@ -332,6 +339,8 @@ def _tunnel_jupyter(magics: GpuMagics, line: str):
            if t.service.started else f"Jupyter already serving on {m.name} (pid {t.service.pid})")
     note = "\n".join(x for x in (how, _moved_note(t)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
+    if args.out:
+        magics.shell.user_ns[args.out] = t
 
 
 def _all_tunnels(session: Session):
@@ -348,6 +357,8 @@ def _tunnel_list(magics: GpuMagics, line: str):
 
 @magic_arguments()
 @argument("id", help="the tunnel's ID (its local port, see `%%gpu tunnel list`) or `all`")
+@argument("--stop", action="store_true",
+          help="also stop the TensorBoard/Jupyter server gpumagic started for it on the machine")
 def _tunnel_close(magics: GpuMagics, line: str):
     args = parse(_tunnel_close, line, "tunnel close")
     if args is None:
@@ -357,15 +368,18 @@ def _tunnel_close(magics: GpuMagics, line: str):
     closed = []
     for m in magics.session.machines.values():
         if args.id == "all":
-            closed += m.tunnels.close_all()
+            closed += m.tunnels.close_all(stop_service=args.stop)
         elif int(args.id) in m.tunnels.tunnels:
-            closed.append(m.tunnels.close(int(args.id)))
+            closed.append(m.tunnels.close(int(args.id), stop_service=args.stop))
     if not closed and args.id != "all":
         ids = ", ".join(str(t.local_port) for _, t in _all_tunnels(magics.session)) or "none"
         raise UsageError(f"no tunnel with ID {args.id} (open: {ids})")
     for t in closed:
         print(f"closed tunnel {t.local_port} -> {t.target} ({t.name}); "
               f"{t.connections_total} connection(s), {display.format_bytes(t.bytes_down)} down")
+        if args.stop and t.service is not None:
+            print(f"  stopped its server on the machine (pid {t.service.pid})" if t.service.started
+                  else "  its server was already running before gpumagic; left running")
         for f in t.unreported_faults():
             print(f"  error on connection {f.connection}: {f.message}")
     if not closed:

@@ -575,8 +575,11 @@ class TunnelManager:
                 return t
         return None
 
-    def close(self, local_port: int) -> Tunnel:
+    def close(self, local_port: int, stop_service: bool = False) -> Tunnel:
         """Stop and forget one tunnel; its unreported faults stay on the returned object.
+
+        With ``stop_service``, also stop the remote TensorBoard/Jupyter that gpumagic
+        started for it (one that was already running is left alone).
 
         Raises
         ------
@@ -589,13 +592,15 @@ class TunnelManager:
             raise TunnelError(f"no tunnel on local port {local_port} (open: {known})",
                               "`%gpu tunnel list` shows the IDs (local ports)")
         t.stop(raise_errors=False)
+        if stop_service and t.service is not None and self.connection.is_connected:
+            stop_remote_service(self.connection, t.service)
         return t
 
-    def close_all(self) -> list[Tunnel]:
+    def close_all(self, stop_service: bool = False) -> list[Tunnel]:
         """Stop every tunnel (on disconnect and when the kernel exits)."""
         closed = []
         for port in list(self.tunnels):
-            closed.append(self.close(port))
+            closed.append(self.close(port, stop_service=stop_service))
         return closed
 
     def __iter__(self):
@@ -780,24 +785,105 @@ def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> R
         TensorBoard is not installed for the machine's ``python3`` (hint: the pip command),
         or it did not start (the last lines of its log).
     """
+    info = _run_service_script(machine, "TensorBoard", _TENSORBOARD_SCRIPT, timeout, "tensorboard",
+                               logdir=logdir)
+    prefix = (info.get("path_prefix") or "").rstrip("/")
+    return RemoteService(port=int(info["port"]), path=prefix + "/", pid=int(info["pid"]),
+                         started=bool(info["started"]), log=info.get("log"))
+
+
+# -- remote services: Jupyter -------------------------------------------------------------
+
+#: Runs with the machine's ``python3``: reuse a running Jupyter server (its runtime files,
+#: ``jupyter_server.serverapp.list_running_servers()``), else start JupyterLab (or Notebook 7,
+#: or a bare Jupyter Server) detached, bound to 127.0.0.1 on 8888 or the next free port
+#: (``port_retries``), without a browser.  Prints one JSON line with the token.
+_JUPYTER_SCRIPT = r'''
+import importlib.util, json, os, subprocess, sys, time
+try:
+    from jupyter_server.serverapp import list_running_servers
+except ImportError:
+    print(json.dumps({"missing": sys.executable})); sys.exit(0)
+def report(info, started, log=None):
+    print(json.dumps({"port": info["port"], "pid": info["pid"], "token": info.get("token", ""),
+                      "base_url": info.get("base_url", "/"), "started": started, "log": log}))
+for info in list_running_servers():
+    report(info, False); sys.exit(0)
+app = next((m for m in ("jupyterlab", "notebook") if importlib.util.find_spec(m)), "jupyter_server")
+state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
+log = os.path.join(state, "jupyter-%d.log" % int(time.time() * 1000))
+with open(log, "ab") as out:
+    p = subprocess.Popen([sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
+                          "--ServerApp.port=8888", "--ServerApp.open_browser=False"],
+                         stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                         start_new_session=True, close_fds=True)
+deadline = time.time() + __TIMEOUT__
+while time.time() < deadline:
+    for info in list_running_servers():
+        if info["pid"] == p.pid:
+            report(info, True, log); sys.exit(0)
+    if p.poll() is not None:
+        break
+    time.sleep(0.2)
+with open(log, "rb") as f:
+    tail = f.read().decode("utf-8", "replace").strip().splitlines()[-3:]
+if p.poll() is None:
+    p.kill()
+print(json.dumps({"failed": " | ".join(tail) or "no output", "log": log}))
+'''
+
+
+def start_jupyter(machine, timeout: float = 90.0) -> RemoteService:
+    """Find a running Jupyter server on the machine, or start one detached.
+
+    Returns
+    -------
+    RemoteService
+        ``path`` is ``BASE_URL?token=TOKEN`` (the token from the server's runtime file).
+
+    Raises
+    ------
+    TunnelError
+        Jupyter is not installed for the machine's ``python3`` (hint: the pip command), or
+        it did not start (the last lines of its log).
+    """
+    info = _run_service_script(machine, "Jupyter", _JUPYTER_SCRIPT, timeout, "jupyterlab")
+    base = info.get("base_url") or "/"
+    path = base + (f"?token={info['token']}" if info.get("token") else "")
+    return RemoteService(port=int(info["port"]), path=path, pid=int(info["pid"]),
+                         started=bool(info["started"]), log=info.get("log"))
+
+
+def _run_service_script(machine, what: str, script: str, timeout: float, package: str,
+                        logdir: str | None = None) -> dict:
+    """Run a service script with the machine's python3; its JSON answer or a TunnelError."""
     import json
     import shlex
 
-    script = (_TENSORBOARD_SCRIPT.replace("__LOGDIR__", repr(logdir))
-              .replace("__TIMEOUT__", repr(float(timeout))))
+    script = script.replace("__TIMEOUT__", repr(float(timeout)))
+    if logdir is not None:
+        script = script.replace("__LOGDIR__", repr(logdir))
     r = machine.run(script, python=True, quiet=True, timeout=timeout + 30)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.exit_code != 0 or not lines:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise TunnelError(f"could not start TensorBoard on {machine.name}: {last}",
+        raise TunnelError(f"could not start {what} on {machine.name}: {last}",
                           "check that `python3` works on the machine (`%%remote python3 -V`)")
     info = json.loads(lines[-1])
     if "missing" in info:
-        raise TunnelError(f"TensorBoard is not installed for {info['missing']} on {machine.name}",
-                          f"install it there: %%remote\\n{shlex.quote(info['missing'])} -m pip install tensorboard")
+        raise TunnelError(f"{what} is not installed for {info['missing']} on {machine.name}",
+                          f"install it there: %%remote\\n{shlex.quote(info['missing'])} -m pip install {package}")
     if "failed" in info:
-        raise TunnelError(f"TensorBoard did not start on {machine.name}: {info['failed']}",
+        raise TunnelError(f"{what} did not start on {machine.name}: {info['failed']}",
                           f"its log on the machine: {info['log']}")
-    prefix = (info.get("path_prefix") or "").rstrip("/")
-    return RemoteService(port=int(info["port"]), path=prefix + "/", pid=int(info["pid"]),
-                         started=bool(info["started"]), log=info.get("log"))
+    return info
+
+
+def stop_remote_service(connection, service: RemoteService) -> None:
+    """Stop a service gpumagic started (its whole process group: TensorBoard's data server
+    too); a service that was already running is left alone."""
+    from .execution import exec_simple
+
+    if service.started:
+        exec_simple(connection, f"kill -TERM -- -{int(service.pid)} 2>/dev/null || kill -TERM {int(service.pid)}",
+                    timeout=30)
