@@ -814,7 +814,10 @@ state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
 log = os.path.join(state, "jupyter-%d.log" % int(time.time() * 1000))
 with open(log, "ab") as out:
     p = subprocess.Popen([sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
-                          "--ServerApp.port=8888", "--ServerApp.open_browser=False"],
+                          "--ServerApp.port=8888", "--ServerApp.open_browser=False"]
+                         # rented machines often log in as root; the server stays on 127.0.0.1
+                         # behind its token
+                         + (["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else []),
                          stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                          start_new_session=True, close_fds=True)
 deadline = time.time() + __TIMEOUT__

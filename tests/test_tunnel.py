@@ -300,3 +300,29 @@ def test_tensorboard_missing_on_machine_names_the_pip_command(tmp_path):
         assert "-m pip install tensorboard" in info.value.hint
     finally:
         server.stop()
+
+
+def test_jupyter_tunnel_url_carries_the_token_and_stop_ends_the_server(machine):
+    import json
+    import urllib.error
+
+    t = machine.jupyter(local_port=0)
+    pid = t.service.pid
+    try:
+        token = re.search(r"\?token=(\w+)$", t.url)
+        assert token and t.service.started, t.url
+        base = f"http://127.0.0.1:{t.local_port}/api/status"
+        assert "started" in json.loads(fetch(f"{base}?token={token.group(1)}"))
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            fetch(base)
+        assert denied.value.code == 403
+        assert machine.jupyter(local_port=0) is t  # found running: reused, not started twice
+        assert not t.service.started
+    finally:
+        machine.tunnels.close(t.local_port, stop_service=True)
+    t.service.started = True  # the first call started it: stop it for real
+    from gpumagic.tunnel import stop_remote_service
+
+    stop_remote_service(machine.connection, t.service)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                      open(f"/proc/{pid}/stat").read().split()[2] == "Z", 15)
