@@ -213,7 +213,8 @@ class Machine:
         if t is None:
             t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
                                   name=f"tensorboard {logdir}", path=service.path)
-        t.service = service
+        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
+            t.service = service
         return t
 
     def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
@@ -232,7 +233,8 @@ class Machine:
         if t is None:
             t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
                                   name="jupyter", path=service.path)
-        t.service = service
+        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
+            t.service = service
         return t
 
     def __repr__(self) -> str:

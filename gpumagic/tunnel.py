@@ -18,6 +18,9 @@ How it moves bytes
 
 Failures
 --------
+* When the remote side ends a connection (EOF), the local connection is closed too.  (OpenSSH
+  keeps the client's sending half open until the client closes; for HTTP, WebSocket and
+  the other protocols a browser speaks this makes no difference.)
 * When the SSH connection dropped, the next local connection re-opens it
   (``Connection.ensure_open``), so the same URL keeps working.
 * Anything that goes wrong on a background thread is recorded as a :class:`TunnelFault`
@@ -98,6 +101,7 @@ class _Workers:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
+        self._closing = False
         self.threads: list[threading.Thread] = []
 
     def submit(self, fn, *args) -> None:
@@ -119,11 +123,14 @@ class _Workers:
             fn, args = item
             fn(*args)  # tasks record their own faults
             with self._lock:
+                if self._closing:
+                    return
                 self._idle += 1
 
     def shutdown(self, timeout: float) -> None:
         """Let every worker finish its task and exit; wait up to ``timeout`` seconds."""
         with self._lock:
+            self._closing = True
             threads = list(self.threads)
         for _ in threads:
             self._queue.put(None)
@@ -221,6 +228,7 @@ class Tunnel:
         self._wake_w: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._state = "new"  # new -> open -> closed | failed
+        self._opened_seen = 0  # connection.opened_count when last seen
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -525,10 +533,10 @@ class Tunnel:
         conn = self.connection
         origin = (peer[0], peer[1]) if isinstance(peer, tuple) else ("127.0.0.1", 0)
         for attempt in range(2):
-            before = conn.opened_count
             conn.ensure_open()
-            if conn.opened_count != before:
-                with self._lock:
+            with self._lock:  # count each re-opened connection once, whoever re-opened it
+                if conn.opened_count != self._opened_seen:
+                    self._opened_seen = conn.opened_count
                     self.reconnects += 1
             transport = conn.transport
             try:
