@@ -256,6 +256,19 @@ def _moved_note(t) -> str:
             f"using {t.local_port} instead")
 
 
+_TUNNEL_HELP = """\
+%gpu tunnel: open a port of the machine in your browser, over the SSH connection
+(local side on 127.0.0.1 only; nothing is opened to the internet).
+
+  %gpu tunnel tensorboard [--logdir DIR]   start TensorBoard there if needed, link to it
+  %gpu tunnel jupyter                      the machine's Jupyter server (URL with token)
+  %gpu tunnel PORT [--local-port N]        any port (like ssh -N -L N:localhost:PORT)
+  %gpu tunnel list                         local URL, remote target, connections, bytes, state
+  %gpu tunnel close ID|all [--stop]        close (and stop what gpumagic started)
+
+`%gpu tunnel tensorboard -h` (and so on) shows each one's options."""
+
+
 @subcommand("tunnel", "open a remote port in your browser: tensorboard, jupyter, PORT, list, close")
 @magic_arguments()
 @argument("what", help="tensorboard | jupyter | PORT | list | close (`%%gpu tunnel WHAT -h` for options)")
@@ -268,10 +281,17 @@ def _tunnel(magics: GpuMagics, line: str):
     """
     what, _, rest = line.strip().partition(" ")
     if what in ("", "-h", "--help"):
-        parse(_tunnel, "-h", "tunnel")
+        print(_TUNNEL_HELP)
         return
     sub = {"tensorboard": _tunnel_tensorboard, "jupyter": _tunnel_jupyter,
            "list": _tunnel_list, "close": _tunnel_close}.get(what)
+    if sub is None and what.isdigit():
+        sub, rest = _tunnel_port, line
+    if sub is not None and {"-h", "--help"} & set(rest.split()):
+        # IPython's magic parsers have no -h of their own (their help is `%gpu?`).
+        sub.parser.prog = f"gpu tunnel {what if sub is not _tunnel_port else ''}".rstrip()
+        print(sub.parser.format_help())
+        return
     if sub is not None:
         return sub(magics, rest)
     if not what.isdigit():
