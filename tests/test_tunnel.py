@@ -29,6 +29,7 @@ import hashlib, http.server, socket, sys
 host, port, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 block = hashlib.sha256(marker.encode()).digest() * 2048  # 64 KiB
 class H(http.server.BaseHTTPRequestHandler):
+    wbufsize = 1 << 16  # headers and a small body in one write (no Nagle/delayed-ACK wait)
     def do_GET(self):
         if self.path.startswith("/bytes/"):
             n = int(self.path.split("/")[2])
@@ -197,6 +198,27 @@ def test_drop_during_a_transfer_resets_the_client_and_is_reported(machine, http_
     assert got < size
     with pytest.raises(TunnelError, match="the SSH connection dropped during a transfer"):
         t.stop()
+
+
+def test_many_short_connections_never_break_the_ssh_connection(machine, http_server, sshd):
+    # Each client closes just as the server closes: paramiko's own shutdown_write/sendall
+    # could then send EOF/DATA after the channel's CLOSE, and sshd drops the whole
+    # connection ("ieof packet referred to nonexistent channel"); seen about 1 in 1000.
+    port = http_server(marker="short")
+    opened = machine.connection.opened_count
+    log_before = sshd.log.read_text(errors="replace").count("nonexistent channel")
+    with machine.tunnel(port, local_port=0) as t:
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", t.local_port), timeout=20) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                s.shutdown(socket.SHUT_WR)
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+            assert reply.endswith(b"short")
+    assert sshd.log.read_text(errors="replace").count("nonexistent channel") == log_before
+    assert machine.connection.opened_count == opened
+    assert t.reconnects == 0
 
 
 def test_gpumagic_listens_only_on_127_0_0_1(machine, http_server):
