@@ -145,6 +145,29 @@ def test_taken_local_port_moves_tunnel_and_other_program_keeps_it(ip, http_serve
         other.wait()
 
 
+def test_port_held_on_ipv6_loopback_counts_as_taken(machine, http_server):
+    # A browser may resolve "localhost" to ::1: a port another program holds there is
+    # not offered, even though 127.0.0.1 with that port is free.
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this computer")
+    holder = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        holder.bind(("::1", 0))
+    except OSError:
+        holder.close()
+        pytest.skip("no ::1 on this computer")
+    holder.listen()
+    held = holder.getsockname()[1]
+    try:
+        port = http_server(marker="v6")
+        with machine.tunnel(port, local_port=held) as t:
+            assert t.local_port != held and t.moved_from == held
+            assert fetch(t.url) == b"v6"
+    finally:
+        holder.close()
+
+
 def test_remote_servers_on_loopback_and_all_interfaces_both_reachable(machine, http_server):
     on_loopback = http_server("127.0.0.1", marker="bound-127")
     on_all = http_server("0.0.0.0", marker="bound-all")
