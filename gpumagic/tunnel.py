@@ -7,17 +7,21 @@ reachable without opening it to the internet.
 
 How it moves bytes
 ------------------
-* One accept thread waits on the listening socket and a wake-up socket pair (a selector, no
-  polling).  Each accepted connection gets its own thread that opens the channel (so a slow
-  or refused remote service never stalls the others) and then copies remote -> local, plus
-  one thread copying local -> remote.  Both copy loops block on large reads (1 MiB), so bytes
-  move as soon as they arrive with no sleep and little per-chunk overhead.
+* One thread at a time waits on the listening socket and a wake-up socket pair (a selector,
+  no polling).  The thread that accepts a connection serves it and hands listening on to an
+  idle worker (leader/follower: no thread handoff before the first request); it opens the
+  channel (so a slow or refused remote service never stalls the others), sends the request
+  that is usually already waiting, then copies remote -> local while a second worker copies
+  local -> remote.  Both copy loops block on large reads (1 MiB): bytes move as soon as they
+  arrive, with no sleep and little per-chunk overhead.  Worker threads are reused.
 * Channels ask for a 16 MiB window and 256 KiB - 1 KiB packets (OpenSSH accepts packets up to
   256 KiB; paramiko's default of 32 KiB costs one Python round trip per 32 KiB).  Local
   sockets have ``TCP_NODELAY`` so small requests are not held back by Nagle's algorithm.
 
 Failures
 --------
+* DATA and EOF on a channel are sent while holding the transport's send lock, so they can never
+  follow the channel's CLOSE (see ``_send_in_order``: sshd drops the whole connection then).
 * When the remote side ends a connection (EOF), the local connection is closed too.  (OpenSSH
   keeps the client's sending half open until the client closes; for HTTP, WebSocket and
   the other protocols a browser speaks this makes no difference.)
@@ -601,7 +605,10 @@ class TunnelManager:
                               "`%gpu tunnel list` shows the IDs (local ports)")
         t.stop(raise_errors=False)
         if stop_service and t.service is not None and self.connection.is_connected:
-            stop_remote_service(self.connection, t.service)
+            try:
+                stop_remote_service(self.connection, t.service)
+            except GpumagicError as e:  # closing must go on; the caller shows the fault
+                t._fault(None, f"could not stop its server (pid {t.service.pid}): {e.message}", e)
         return t
 
     def close_all(self, stop_service: bool = False) -> list[Tunnel]:
