@@ -687,6 +687,8 @@ def _ipv6_loopback_taken(port: int) -> bool:
 # The functions below hold the transport's send lock from the "is the channel still open?"
 # check until the message is on the wire, so a CLOSE can only follow them.  Lock order:
 # transport.clear_to_send_lock, then channel.lock (paramiko never takes them the other way).
+# (paramiko's recv can still send a WINDOW_ADJUST late; sshd only logs that one:
+# channel_input_window_adjust, "Received window adjust for non-open channel".)
 
 _ORDERED = (all(hasattr(paramiko.Transport, a) for a in ("_send_message", "_send_user_message"))
             and all(hasattr(paramiko.Channel, a) for a in ("_send_eof", "_wait_for_send_window")))
