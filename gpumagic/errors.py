@@ -146,3 +146,5 @@ class SyncPermissionDenied(SyncError):
 
 class JobError(GpumagicError):
     """A detached job cannot be started, found or stopped as asked."""
+class TunnelError(GpumagicError):
+    """A port forward could not start, or failed on its background thread."""

@@ -19,6 +19,7 @@ from .connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
 from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
+from .tunnel import Tunnel, TunnelManager
 
 
 class Machine:
@@ -50,6 +51,8 @@ class Machine:
         self.tool_dirs: tuple[str, ...] = jobs.TOOL_DIRS
         #: One-time notes already shown for this machine (e.g. the nohup fallback).
         self.notes_shown: set[str] = set()
+        #: Local port forwards over this machine's connection (closed with it).
+        self.tunnels = TunnelManager(self.connection)
 
     def login_env(self) -> dict[str, str | None]:
         """Environment differences of an interactive ``ssh host`` login, read once per connection.
@@ -74,7 +77,9 @@ class Machine:
         return self
 
     def close(self) -> None:
-        """Close the connection (and stop the sandbox sshd if this is the sandbox)."""
+        """Close every tunnel and the connection (and stop the sandbox sshd if this is the
+        sandbox, with the TensorBoard/Jupyter servers gpumagic started there)."""
+        self.tunnels.close_all(stop_service=self.sandbox is not None)
         self.connection.close()
         if self.sandbox is not None:
             self.sandbox.stop()
@@ -280,6 +285,81 @@ class Machine:
         from . import budget
 
         return budget.read_status(self)[1]
+    # -- tunnels ----------------------------------------------------------------------
+
+    def tunnel(self, remote_port: int, *, local_port: int | None = None,
+               remote_host: str = "localhost", name: str = "", path: str = "/") -> Tunnel:
+        """Forward a local port on 127.0.0.1 to ``remote_host:remote_port`` as seen from the
+        machine (like ``ssh -N -L``), started and listed in :attr:`tunnels`.
+
+        Parameters
+        ----------
+        remote_port : int
+            Port on the machine.
+        local_port : int, optional
+            Wanted local port (default: ``remote_port``); a free one is used when taken
+            (``tunnel.local_port``, ``tunnel.moved_from``).
+        remote_host : str
+            Host as the machine resolves it (default ``localhost``).
+        name, path : str
+            Label for listings; URL path (and query) of :attr:`Tunnel.url`.
+
+        Returns
+        -------
+        Tunnel
+            Already listening; ``with machine.tunnel(8000) as t:`` closes it at the end.
+
+        Raises
+        ------
+        TunnelError, ConnectionLost
+        """
+        return self.tunnels.open(remote_port, local_port=local_port, remote_host=remote_host,
+                                 name=name, path=path)
+
+    def tensorboard(self, logdir: str = "runs", *, local_port: int | None = 6006) -> Tunnel:
+        """Open TensorBoard on ``logdir`` through a tunnel, starting it on the machine if no
+        TensorBoard serves that directory yet (bound to the machine's 127.0.0.1).
+
+        Returns
+        -------
+        Tunnel
+            ``.url`` opens TensorBoard; ``.service`` tells its remote port and pid.
+
+        Raises
+        ------
+        TunnelError
+            TensorBoard missing on the machine (the hint has the pip command) or not starting.
+        """
+        from .tunnel import start_tensorboard
+
+        service = start_tensorboard(self, logdir)
+        t = self.tunnels.find("127.0.0.1", service.port)
+        if t is None:
+            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
+                                  name=f"tensorboard {logdir}", path=service.path)
+        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
+            t.service = service
+        return t
+
+    def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
+        """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
+        bound to the machine's 127.0.0.1, when none runs); ``.url`` includes the token.
+
+        Raises
+        ------
+        TunnelError
+            Jupyter missing on the machine (the hint has the pip command) or not starting.
+        """
+        from .tunnel import start_jupyter
+
+        service = start_jupyter(self)
+        t = self.tunnels.find("127.0.0.1", service.port)
+        if t is None:
+            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
+                                  name="jupyter", path=service.path)
+        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
+            t.service = service
+        return t
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

@@ -21,13 +21,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display as ipy_display
 from traitlets import Unicode
 
-from . import known_hosts, setup, widgets
+from . import display, known_hosts, setup, widgets
 from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from .errors import RemoteCommandError
 from .gpu import Watcher, failure_hint
-from .jobs import NAME_RE, parse_stop_on, scan_alerts
 from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
                     ssh_dir)
+from .jobs import NAME_RE, parse_stop_on, scan_alerts
 from .session import Session
 
 #: name -> (function(magics, line), one-line help).  Filled by ``@subcommand`` below.
@@ -721,6 +721,7 @@ def _budget_ledger(magics: GpuMagics):
     from .budget import Ledger
 
     return Ledger()
+# -- tunnels -----------------------------------------------------------------------------
 
 
 def _show(obj) -> None:
@@ -992,3 +993,158 @@ def _budget_post_run_cell(magics: GpuMagics):
                 said.add(str(e))
                 print(f"gpumagic: budget alert check failed: {e}")
     return hook
+def _moved_note(t) -> str:
+    if t.moved_from is None:
+        return ""
+    return (f"local port {t.moved_from} is taken by another program (left alone); "
+            f"using {t.local_port} instead")
+
+
+_TUNNEL_HELP = """\
+%gpu tunnel: open a port of the machine in your browser, over the SSH connection
+(local side on 127.0.0.1 only; nothing is opened to the internet).
+
+  %gpu tunnel tensorboard [--logdir DIR]   start TensorBoard there if needed, link to it
+  %gpu tunnel jupyter                      the machine's Jupyter server (URL with token)
+  %gpu tunnel PORT [--local-port N]        any port (like ssh -N -L N:localhost:PORT)
+  %gpu tunnel list                         local URL, remote target, connections, bytes, state
+  %gpu tunnel close ID|all [--stop]        close (and stop what gpumagic started)
+
+`%gpu tunnel tensorboard -h` (and so on) shows each one's options."""
+
+
+@subcommand("tunnel", "open a remote port in your browser: tensorboard, jupyter, PORT, list, close")
+@magic_arguments()
+@argument("what", help="tensorboard | jupyter | PORT | list | close (`%%gpu tunnel WHAT -h` for options)")
+@argument("rest", nargs="*", help="options of WHAT")
+def _tunnel(magics: GpuMagics, line: str):
+    """Forward a local port on 127.0.0.1 to a port on the machine, over the SSH connection.
+
+    `%gpu tunnel tensorboard [--logdir DIR]`, `%gpu tunnel jupyter`, `%gpu tunnel 8000`,
+    `%gpu tunnel list`, `%gpu tunnel close ID|all`.
+    """
+    what, _, rest = line.strip().partition(" ")
+    if what in ("", "-h", "--help"):
+        print(_TUNNEL_HELP)
+        return
+    sub = {"tensorboard": _tunnel_tensorboard, "jupyter": _tunnel_jupyter,
+           "list": _tunnel_list, "close": _tunnel_close}.get(what)
+    if sub is None and what.isdigit():
+        sub, rest = _tunnel_port, line
+    if sub is not None and {"-h", "--help"} & set(rest.split()):
+        # IPython's magic parsers have no -h of their own (their help is `%gpu?`).
+        sub.parser.prog = f"gpu tunnel {what if sub is not _tunnel_port else ''}".rstrip()
+        print(sub.parser.format_help())
+        return
+    if sub is not None:
+        return sub(magics, rest)
+    if not what.isdigit():
+        raise UsageError(f"`%gpu tunnel {what}`: give a port number, or one of tensorboard, "
+                         "jupyter, list, close")
+    return _tunnel_port(magics, line)
+
+
+@magic_arguments()
+@argument("port", type=int, help="port on the machine")
+@argument("--local-port", type=int, metavar="N", help="local port (default: the same; another if taken)")
+@argument("--remote-host", metavar="H", default="localhost",
+          help="host to reach from the machine (default: localhost)")
+@argument("--path", default="/", help="URL path to show (default: /)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@argument("--inline", action="store_true", help="also show the page in the cell")
+@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
+def _tunnel_port(magics: GpuMagics, line: str):
+    args = parse(_tunnel_port, line, "tunnel")
+    if args is None:
+        return
+    if not 0 < args.port < 65536 or (args.local_port is not None and not 0 <= args.local_port < 65536):
+        raise UsageError("ports are numbers from 1 to 65535")
+    m = magics.session.get(args.host)
+    t = m.tunnel(args.port, local_port=args.local_port, remote_host=args.remote_host,
+                 path=args.path)
+    _show(display.tunnel_opened(t, m.name, _moved_note(t), inline=args.inline))
+    if args.out:
+        magics.shell.user_ns[args.out] = t
+
+
+@magic_arguments()
+@argument("--logdir", default="runs", metavar="DIR",
+          help="event files directory on the machine (default: runs, relative to the cell directory)")
+@argument("--local-port", type=int, default=6006, metavar="N", help="local port (default 6006; another if taken)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@argument("--inline", action="store_true", help="also show TensorBoard in the cell")
+@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
+def _tunnel_tensorboard(magics: GpuMagics, line: str):
+    args = parse(_tunnel_tensorboard, line, "tunnel tensorboard")
+    if args is None:
+        return
+    m = magics.session.get(args.host)
+    t = m.tensorboard(args.logdir, local_port=args.local_port)
+    how = (f"started TensorBoard on {m.name} (pid {t.service.pid}, log {t.service.log})"
+           if t.service.started else f"TensorBoard already serving on {m.name} (pid {t.service.pid})")
+    note = "\n".join(x for x in (how, _moved_note(t)) if x)
+    _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
+    if args.out:
+        magics.shell.user_ns[args.out] = t
+
+
+@magic_arguments()
+@argument("--local-port", type=int, default=8888, metavar="N", help="local port (default 8888; another if taken)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@argument("--inline", action="store_true", help="also show Jupyter in the cell")
+@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
+def _tunnel_jupyter(magics: GpuMagics, line: str):
+    args = parse(_tunnel_jupyter, line, "tunnel jupyter")
+    if args is None:
+        return
+    m = magics.session.get(args.host)
+    t = m.jupyter(local_port=args.local_port)
+    how = (f"started Jupyter on {m.name} (pid {t.service.pid}, log {t.service.log})"
+           if t.service.started else f"Jupyter already serving on {m.name} (pid {t.service.pid})")
+    note = "\n".join(x for x in (how, _moved_note(t)) if x)
+    _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
+    if args.out:
+        magics.shell.user_ns[args.out] = t
+
+
+def _all_tunnels(session: Session):
+    return [(m.name, t) for m in session.machines.values() for t in m.tunnels]
+
+
+@magic_arguments()
+def _tunnel_list(magics: GpuMagics, line: str):
+    if parse(_tunnel_list, line, "tunnel list") is None:
+        return
+    rows = _all_tunnels(magics.session)
+    _show(display.Rendered(display.tunnel_table(rows), display.tunnel_table_html(rows)))
+
+
+@magic_arguments()
+@argument("id", help="the tunnel's ID (its local port, see `%%gpu tunnel list`) or `all`")
+@argument("--stop", action="store_true",
+          help="also stop the TensorBoard/Jupyter server gpumagic started for it on the machine")
+def _tunnel_close(magics: GpuMagics, line: str):
+    args = parse(_tunnel_close, line, "tunnel close")
+    if args is None:
+        return
+    if args.id != "all" and not args.id.isdigit():
+        raise UsageError(f"`%gpu tunnel close {args.id}`: give an ID from `%gpu tunnel list` or `all`")
+    closed = []
+    for m in magics.session.machines.values():
+        if args.id == "all":
+            closed += m.tunnels.close_all(stop_service=args.stop)
+        elif int(args.id) in m.tunnels.tunnels:
+            closed.append(m.tunnels.close(int(args.id), stop_service=args.stop))
+    if not closed and args.id != "all":
+        ids = ", ".join(str(t.local_port) for _, t in _all_tunnels(magics.session)) or "none"
+        raise UsageError(f"no tunnel with ID {args.id} (open: {ids})")
+    for t in closed:
+        print(f"closed tunnel {t.local_port} -> {t.target} ({t.name}); "
+              f"{t.connections_total} connection(s), {display.format_bytes(t.bytes_down)} down")
+        if args.stop and t.service is not None:
+            print(f"  stopped its server on the machine (pid {t.service.pid})" if t.service.started
+                  else "  its server was already running before gpumagic; left running")
+        for f in t.unreported_faults():
+            print(f"  error on connection {f.connection}: {f.message}")
+    if not closed:
+        print("no tunnels were open")

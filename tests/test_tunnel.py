@@ -1,0 +1,376 @@
+"""Tunnels (``machine.tunnel``, ``%gpu tunnel``) against the real test sshd.
+
+The test sshd runs on this computer, so "the machine's 127.0.0.1" is this computer's too:
+the services reached through tunnels are HTTP servers started here as separate processes,
+and only ever reached through the SSH connection's direct-tcpip channels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gpumagic.connection import wait_until
+from gpumagic.errors import TunnelError
+from gpumagic.sandbox import free_port
+
+# A threaded HTTP server: GET /marker -> the marker text; GET /bytes/N -> N deterministic bytes.
+_SERVER = r"""
+import hashlib, http.server, socket, sys
+host, port, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+block = hashlib.sha256(marker.encode()).digest() * 2048  # 64 KiB
+class H(http.server.BaseHTTPRequestHandler):
+    wbufsize = 1 << 16  # headers and a small body in one write (no Nagle/delayed-ACK wait)
+    def do_GET(self):
+        if self.path.startswith("/bytes/"):
+            n = int(self.path.split("/")[2])
+            self.send_response(200); self.send_header("Content-Length", str(n)); self.end_headers()
+            while n > 0:
+                chunk = block[:min(n, len(block))]
+                self.wfile.write(chunk); n -= len(chunk)
+            return
+        body = marker.encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer.address_family = socket.AF_INET
+s = http.server.ThreadingHTTPServer((host, port), H)
+print("ready", flush=True)
+s.serve_forever()
+"""
+
+
+def expected_bytes(marker: str, n: int) -> bytes:
+    block = hashlib.sha256(marker.encode()).digest() * 2048
+    return (block * (n // len(block) + 1))[:n]
+
+
+@pytest.fixture
+def http_server():
+    """Start HTTP servers (host, marker) -> port; all stopped at the end."""
+    procs = []
+
+    def start(host: str = "127.0.0.1", marker: str = "remote-content", port: int | None = None) -> int:
+        port = port or free_port()
+        p = subprocess.Popen([sys.executable, "-c", _SERVER, host, str(port), marker],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs.append(p)
+        assert p.stdout.readline().strip() == b"ready", p.stderr.read()
+        return port
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def fetch(url: str, timeout: float = 20) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def listening_sockets_of_this_process() -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that this process owns.
+
+    Reads /proc/net/tcp and /proc/net/tcp6 (columns from the kernel's
+    ``tcp4_seq_show``: local_address as hex IP:port, st 0A = LISTEN, inode) and keeps the
+    inodes that /proc/self/fd links to.
+    """
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        m = re.fullmatch(r"socket:\[(\d+)\]", target)
+        if m:
+            inodes.add(m.group(1))
+    found = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = open(f"/proc/net/{name}").read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:
+                continue
+            hexip, hexport = local.split(":")
+            raw = bytes.fromhex(hexip)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, raw), int(hexport, 16)))
+    return found
+
+
+# -- cases of the issue -------------------------------------------------------------------
+
+
+def test_taken_local_port_moves_tunnel_and_other_program_keeps_it(ip, http_server, capsys):
+    held = 6006
+    other = subprocess.Popen([sys.executable, "-c", _SERVER, "127.0.0.1", str(held), "other-program"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if other.stdout.readline().strip() != b"ready":  # 6006 already used on this computer
+            other.wait()
+            held = free_port()
+            other = subprocess.Popen([sys.executable, "-c", _SERVER, "127.0.0.1", str(held), "other-program"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert other.stdout.readline().strip() == b"ready"
+        remote = http_server(marker="remote-content")
+        ip.run_line_magic("gpu", "connect testgpu")
+        capsys.readouterr()
+        ip.run_line_magic("gpu", f"tunnel {remote} --local-port {held}")
+        out = capsys.readouterr().out
+        assert f"local port {held} is taken by another program" in out
+        url = re.search(r"-> (http://127\.0\.0\.1:(\d+)/)", out)
+        assert url is not None, out
+        assert int(url.group(2)) != held
+        assert fetch(url.group(1)) == b"remote-content"
+        assert fetch(f"http://127.0.0.1:{held}/") == b"other-program"
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_port_held_on_ipv6_loopback_counts_as_taken(machine, http_server):
+    # A browser may resolve "localhost" to ::1: a port another program holds there is
+    # not offered, even though 127.0.0.1 with that port is free.
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this computer")
+    holder = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        holder.bind(("::1", 0))
+    except OSError:
+        holder.close()
+        pytest.skip("no ::1 on this computer")
+    holder.listen()
+    held = holder.getsockname()[1]
+    try:
+        port = http_server(marker="v6")
+        with machine.tunnel(port, local_port=held) as t:
+            assert t.local_port != held and t.moved_from == held
+            assert fetch(t.url) == b"v6"
+    finally:
+        holder.close()
+
+
+def test_remote_servers_on_loopback_and_all_interfaces_both_reachable(machine, http_server):
+    on_loopback = http_server("127.0.0.1", marker="bound-127")
+    on_all = http_server("0.0.0.0", marker="bound-all")
+    with machine.tunnel(on_loopback, local_port=0) as a, machine.tunnel(on_all, local_port=0) as b:
+        assert fetch(a.url) == b"bound-127"
+        assert fetch(b.url) == b"bound-all"
+
+
+def test_twenty_parallel_5mb_downloads_complete_with_correct_bytes(machine, http_server):
+    port = http_server(marker="parallel")
+    size = 5 * 1024 * 1024
+    want = hashlib.sha256(expected_bytes("parallel", size)).hexdigest()
+    with machine.tunnel(port, local_port=0) as t:
+        with ThreadPoolExecutor(20) as pool:
+            bodies = list(pool.map(lambda i: fetch(f"http://127.0.0.1:{t.local_port}/bytes/{size}", 60),
+                                   range(20)))
+        assert [len(b) for b in bodies] == [size] * 20
+        assert {hashlib.sha256(b).hexdigest() for b in bodies} == {want}
+        assert t.connections_total == 20
+        assert t.bytes_down >= 20 * size
+        assert t.faults == []
+
+
+def test_killed_ssh_connection_next_request_through_same_url_succeeds(machine, http_server):
+    port = http_server(marker="after-drop")
+    with machine.tunnel(port, local_port=0) as t:
+        assert fetch(t.url) == b"after-drop"
+        assert wait_until(lambda: t.active_connections == 0, 10)
+        machine.connection.transport.sock.close()
+        assert wait_until(lambda: not machine.connection.is_connected, 10)
+        assert t.state == "SSH connection lost: reconnects on the next request"
+        assert fetch(t.url) == b"after-drop"
+        assert machine.connection.is_connected
+        assert t.reconnects == 1
+        assert t.state == "open, reconnected 1x"
+
+
+def test_drop_during_a_transfer_resets_the_client_and_is_reported(machine, http_server):
+    port = http_server(marker="big")
+    size = 64 * 1024 * 1024  # more than the channel window: the server waits for us
+    t = machine.tunnel(port, local_port=0)
+    with socket.create_connection(("127.0.0.1", t.local_port), timeout=20) as s:
+        s.sendall(f"GET /bytes/{size} HTTP/1.0\r\n\r\n".encode())
+        got = len(s.recv(65536))
+        machine.connection.transport.sock.close()
+        with pytest.raises(ConnectionResetError):
+            while True:
+                chunk = s.recv(1 << 20)
+                assert chunk, "the tunnel ended a cut transfer with a clean close"
+                got += len(chunk)
+    assert got < size
+    with pytest.raises(TunnelError, match="the SSH connection dropped during a transfer"):
+        t.stop()
+
+
+def test_many_short_connections_never_break_the_ssh_connection(machine, http_server, sshd):
+    # Each client closes just as the server closes: paramiko's own shutdown_write/sendall
+    # could then send EOF/DATA after the channel's CLOSE, and sshd drops the whole
+    # connection ("ieof packet referred to nonexistent channel"); seen about 1 in 1000.
+    port = http_server(marker="short")
+    opened = machine.connection.opened_count
+    log_before = sshd.log.read_text(errors="replace").count("nonexistent channel")
+    with machine.tunnel(port, local_port=0) as t:
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", t.local_port), timeout=20) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                s.shutdown(socket.SHUT_WR)
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+            assert reply.endswith(b"short")
+    assert sshd.log.read_text(errors="replace").count("nonexistent channel") == log_before
+    assert machine.connection.opened_count == opened
+    assert t.reconnects == 0
+
+
+def test_gpumagic_listens_only_on_127_0_0_1(machine, http_server):
+    port = http_server(marker="x")
+    with machine.tunnel(port) as same, machine.tunnel(port, local_port=0) as other:
+        mine = listening_sockets_of_this_process()
+        ports = {p for _, p in mine}
+        assert {same.local_port, other.local_port} <= ports
+        assert {addr for addr, _ in mine} == {"127.0.0.1"}, mine
+
+
+# -- more behaviour ------------------------------------------------------------------------
+
+
+def test_listing_parser_reads_proc_net_tcp_hex_addresses():
+    # 127.0.0.1:6006 prints as 0100007F:1776 on little-endian Linux.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert ("127.0.0.1", s.getsockname()[1]) in listening_sockets_of_this_process()
+
+
+def test_refused_remote_port_is_recorded_and_raised_when_the_block_ends(machine):
+    dead = free_port()
+    with pytest.raises(TunnelError, match=f"could not connect to localhost:{dead}") as info:
+        with machine.tunnel(dead, local_port=0) as t:
+            with pytest.raises(OSError):
+                fetch(t.url, timeout=10)
+            assert wait_until(lambda: t.faults, 10)
+            assert t.faults[0].connection == 1
+    assert "check that the service is running" in info.value.hint
+
+
+def test_slow_connection_does_not_stall_others(machine, http_server):
+    port = http_server(marker="fast")
+    with machine.tunnel(port, local_port=0) as t:
+        idle = socket.create_connection(("127.0.0.1", t.local_port))  # never sends a request
+        try:
+            assert fetch(t.url, timeout=10) == b"fast"
+            assert wait_until(lambda: t.active_connections == 1, 10)
+            assert t.connections_total == 2
+        finally:
+            idle.close()
+
+
+def test_stop_closes_listener_and_machine_close_closes_every_tunnel(sshd, http_server):
+    import gpumagic
+
+    port = http_server(marker="y")
+    m = gpumagic.connect("testgpu")
+    t = m.tunnel(port, local_port=0)
+    assert fetch(t.url) == b"y"
+    m.close()
+    assert not t.is_open and len(m.tunnels) == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", t.local_port), timeout=5).close()
+
+
+def test_magic_list_and_close(ip, http_server, capsys):
+    port = http_server(marker="z")
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"tunnel {port} --local-port 0")
+    m = ip._gpumagic.session.get()
+    (t,) = list(m.tunnels)
+    fetch(t.url)
+    assert wait_until(lambda: t.active_connections == 0, 10)
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "tunnel list")
+    out = capsys.readouterr().out
+    row = [ln for ln in out.splitlines() if ln.startswith(str(t.local_port))]
+    assert len(row) == 1 and f"localhost:{port}" in row[0] and "0/1" in row[0] and row[0].endswith("open"), out
+    ip.run_line_magic("gpu", f"tunnel close {t.local_port}")
+    assert f"closed tunnel {t.local_port}" in capsys.readouterr().out
+    assert len(m.tunnels) == 0
+    ip.run_line_magic("gpu", "tunnel list")
+    assert "no tunnels open" in capsys.readouterr().out
+
+
+def test_magic_bad_arguments_are_usage_errors(ip):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    for line in ("tunnel nonsense", "tunnel close abc", "tunnel close 1", "tunnel 70000"):
+        with pytest.raises(UsageError):
+            ip.run_line_magic("gpu", line)
+
+
+def test_tensorboard_missing_on_machine_names_the_pip_command(tmp_path):
+    from conftest import add_client_entry, make_server
+
+    import gpumagic
+
+    server = make_server("notensorboard")
+    server.install_bin("python3", "#!/bin/sh\nexec /usr/bin/python3 \"$@\"\n")
+    add_client_entry(server, "notensorboard")
+    try:
+        with gpumagic.connect("notensorboard") as m:
+            with pytest.raises(TunnelError) as info:
+                m.tensorboard()
+        assert "TensorBoard is not installed" in info.value.message
+        assert "-m pip install tensorboard" in info.value.hint
+    finally:
+        server.stop()
+
+
+def test_jupyter_tunnel_url_carries_the_token_and_stop_ends_the_server(machine):
+    import json
+    import urllib.error
+
+    t = machine.jupyter(local_port=0)
+    pid = t.service.pid
+    try:
+        token = re.search(r"\?token=(\w+)$", t.url)
+        assert token and t.service.started, t.url
+        base = f"http://127.0.0.1:{t.local_port}/api/status"
+        assert "started" in json.loads(fetch(f"{base}?token={token.group(1)}"))
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            fetch(base)
+        assert denied.value.code == 403
+        assert machine.jupyter(local_port=0) is t  # found running: reused, not started twice
+        assert t.service.pid == pid and t.service.started
+    finally:
+        machine.tunnels.close(t.local_port, stop_service=True)
+    assert wait_until(lambda: process_gone(pid), 15)
+
+
+def process_gone(pid: int) -> bool:
+    """True when no process ``pid`` runs on this computer (a zombie counts as gone)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
