@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 import paramiko
 
-from .connection import Connection
+from .connection import Connection, send_eof, sendall_ordered
 from .errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.
@@ -278,14 +278,16 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
     chan.setblocking(False)
     pending = memoryview(stdin) if stdin else None
     if stdin is not None and not stdin:
-        chan.shutdown_write()
+        send_eof(chan)
     while True:
         busy = False
         if pending is not None and chan.send_ready():
-            sent = chan.send(pending[:65536])
-            pending = pending[sent:]
+            # no more than the window allows, so this never blocks; never after a CLOSE
+            size = max(1, min(65536, chan.out_window_size))
+            sendall_ordered(chan, bytes(pending[:size]))
+            pending = pending[size:]
             if not pending:
-                chan.shutdown_write()
+                send_eof(chan)
                 pending = None
             busy = True
         if chan.recv_ready():
@@ -321,7 +323,7 @@ def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
 def _stop(chan: paramiko.Channel) -> None:
     """Close the cell's stdin: the remote wrapper then stops the whole process group."""
     try:
-        chan.shutdown_write()
+        send_eof(chan)
         deadline = time.monotonic() + KILL_GRACE + 2
         while not chan.exit_status_ready() and time.monotonic() < deadline and not chan.closed:
             while chan.recv_ready():

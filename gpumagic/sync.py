@@ -40,6 +40,7 @@ import paramiko
 import pathspec
 
 from . import _sync_agent as agent
+from .connection import send_eof, sendall_ordered
 from .errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
@@ -644,11 +645,7 @@ class _Channel:
 
     def send(self, data: bytes) -> None:
         try:
-            # paramiko's sendall re-slices the rest after each packet (quadratic copying for
-            # large buffers): hand it one packet's worth at a time.
-            step = self.chan.out_max_packet_size or 32768
-            for i in range(0, len(data), step):
-                self.chan.sendall(data[i:i + step])
+            sendall_ordered(self.chan, data)  # never after the agent's CLOSE (sshd would drop us)
         except (paramiko.SSHException, EOFError, OSError) as e:
             if self.machine.connection.is_connected and self.chan.exit_status_ready() \
                     and self.chan.exit_status != -1:
@@ -657,7 +654,7 @@ class _Channel:
 
     def close_stdin(self) -> None:
         try:
-            self.chan.shutdown_write()
+            send_eof(self.chan)
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise _lost(self.machine, e)
 

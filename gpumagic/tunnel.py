@@ -21,7 +21,7 @@ How it moves bytes
 Failures
 --------
 * DATA and EOF on a channel are sent while holding the transport's send lock, so they can never
-  follow the channel's CLOSE (see ``_send_in_order``: sshd drops the whole connection then).
+  follow the channel's CLOSE (see ``connection.send_eof``: sshd drops the whole connection then).
 * When the remote side ends a connection (EOF), the local connection is closed too.  (OpenSSH
   keeps the client's sending half open until the client closes; for HTTP, WebSocket and
   the other protocols a browser speaks this makes no difference.)
@@ -47,8 +47,8 @@ import time
 from dataclasses import dataclass, field
 
 import paramiko
-from paramiko.common import cMSG_CHANNEL_DATA as _MSG_CHANNEL_DATA
 
+from .connection import send_eof, sendall_ordered
 from .errors import ConnectionLost, GpumagicError, TunnelError
 
 log = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ class Tunnel:
             except _LOCAL_GONE:
                 return
             if first:
-                _channel_sendall(fwd.chan, first)
+                sendall_ordered(fwd.chan, first)
                 fwd.up += len(first)
             up_done = threading.Event()
             self._workers.submit(self._copy_up, fwd, up_done)
@@ -509,9 +509,9 @@ class Tunnel:
                 data = recv(CHUNK)
                 if not data:
                     break
-                _channel_sendall(chan, data)
+                sendall_ordered(chan, data)
                 fwd.up += len(data)
-            _channel_eof(chan)
+            send_eof(chan)
         except _LOCAL_GONE:
             fwd.abort()
         except (OSError, EOFError, paramiko.SSHException) as e:
@@ -674,93 +674,6 @@ def _ipv6_loopback_taken(port: int) -> bool:
         return e.errno == errno.EADDRINUSE
     finally:
         s.close()
-
-
-# -- sending on a channel without racing its close ----------------------------------------
-#
-# paramiko builds a channel's DATA or EOF message under the channel's lock but sends it after
-# releasing the lock, while the transport thread answers the server's CLOSE with our CLOSE.
-# A DATA or EOF that leaves after that CLOSE names a channel the server has already freed,
-# and OpenSSH's sshd then drops the WHOLE connection ("ieof packet referred to nonexistent
-# channel", channels.c channel_from_packet_id), killing every cell running on it.  Measured
-# here: about one small request in 1000 when the browser closes as the server does.
-# The functions below hold the transport's send lock from the "is the channel still open?"
-# check until the message is on the wire, so a CLOSE can only follow them.  Lock order:
-# transport.clear_to_send_lock, then channel.lock (paramiko never takes them the other way).
-# (paramiko's recv can still send a WINDOW_ADJUST late; sshd only logs that one:
-# channel_input_window_adjust, "Received window adjust for non-open channel".)
-
-_ORDERED = (all(hasattr(paramiko.Transport, a) for a in ("_send_message", "_send_user_message"))
-            and all(hasattr(paramiko.Channel, a) for a in ("_send_eof", "_wait_for_send_window")))
-
-
-def _send_in_order(chan: paramiko.Channel, build) -> bool:
-    """Send the message ``build()`` makes (called under the channel's lock) unless the
-    channel is closed; False when it was closed.
-
-    Waits like paramiko's ``Transport._send_user_message`` while a key exchange runs.
-    """
-    t = chan.transport
-    start = time.monotonic()
-    while True:
-        t.clear_to_send.wait(0.1)
-        if not t.active:
-            raise EOFError("the SSH connection is closed")
-        t.clear_to_send_lock.acquire()
-        if t.clear_to_send.is_set():
-            break
-        t.clear_to_send_lock.release()
-        if time.monotonic() > start + t.clear_to_send_timeout:
-            raise paramiko.SSHException("key exchange timed out waiting to send")
-    try:
-        with chan.lock:
-            if chan.closed:
-                return False
-            m = build()
-        if m is not None:
-            t._send_message(m)
-        return True
-    finally:
-        t.clear_to_send_lock.release()
-
-
-def _channel_sendall(chan: paramiko.Channel, data: bytes) -> None:
-    """``chan.sendall(data)`` that never sends after the channel's CLOSE.
-
-    Raises
-    ------
-    OSError
-        The channel was closed (by the remote side) before everything was sent.
-    """
-    if not _ORDERED:
-        chan.sendall(data)
-        return
-    view = memoryview(data)
-    while view:
-        with chan.lock:
-            size = chan._wait_for_send_window(len(view))  # blocks while the window is 0
-        if size == 0:
-            raise OSError(errno.EPIPE, "the remote side closed the channel")
-        chunk = bytes(view[:size])
-
-        def build(chunk=chunk):
-            m = paramiko.Message()
-            m.add_byte(_MSG_CHANNEL_DATA)
-            m.add_int(chan.remote_chanid)
-            m.add_string(chunk)
-            return m
-
-        if not _send_in_order(chan, build):
-            raise OSError(errno.EPIPE, "the remote side closed the channel")
-        view = view[size:]
-
-
-def _channel_eof(chan: paramiko.Channel) -> None:
-    """``chan.shutdown_write()`` that never sends the EOF after the channel's CLOSE."""
-    if _ORDERED:
-        _send_in_order(chan, chan._send_eof)
-    else:  # no safe EOF without paramiko's internals: close instead (loses half-close)
-        chan.close()
 
 
 def _dropped(transport) -> bool:
