@@ -396,8 +396,6 @@ def _keygen(magics: GpuMagics, line: str):
         return
     passphrase = _ask_new_passphrase() if args.passphrase else None
     pair = setup.keygen(args.path, comment=args.comment, passphrase=passphrase)
-    from .setup_widgets import show_public_key
-
     show_public_key(pair, magics.shell)
 
 
@@ -1148,3 +1146,16 @@ def _tunnel_close(magics: GpuMagics, line: str):
             print(f"  error on connection {f.connection}: {f.message}")
     if not closed:
         print("no tunnels were open")
+
+
+def show_public_key(pair: "setup.KeyPair", shell=None) -> None:
+    """Show the key: the widget plus its text fallback in a kernel, plain text otherwise."""
+    text = setup.public_key_text(pair)
+    in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
+    view = widgets.public_key_widget(pair) if in_kernel else None
+    if view is None:
+        print(text)
+        return
+    ipy_display({"text/plain": text,
+                 "application/vnd.jupyter.widget-view+json": {
+                     "version_major": 2, "version_minor": 0, "model_id": view.model_id}}, raw=True)

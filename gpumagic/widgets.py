@@ -9,6 +9,7 @@ values (thread-safe traitlets), never ``with out:``.
 
 from __future__ import annotations
 
+import html
 import sys
 
 from . import display
@@ -194,3 +195,28 @@ def sync_progress(display: bool = True):
         except ImportError:
             pass
     return SyncProgressText()
+
+
+# -- setup (%gpu keygen) -----------------------------------------------------------------
+
+
+def public_key_widget(pair):
+    """An ipywidgets ``VBox``: heading, read-only-looking text box with the key, copy button.
+
+    The copy button uses the browser's ``navigator.clipboard``; where a front end blocks it,
+    the text box still lets the user select the line.  Returns None without ipywidgets.
+    """
+    try:
+        import ipywidgets as w
+    except ImportError:
+        return None
+    heading = w.HTML(f"<b>New SSH key</b> {html.escape(str(pair.path))} "
+                     f"<code>{html.escape(pair.fingerprint)}</code><br>"
+                     "Paste this public key into your GPU platform's SSH-key settings:")
+    box = w.Textarea(value=pair.public_key, layout=w.Layout(width="100%", height="4.5em"))
+    key_attr = html.escape(pair.public_key, quote=True)
+    button = w.HTML(
+        f'<button class="jupyter-button" data-key="{key_attr}" '
+        "onclick=\"navigator.clipboard.writeText(this.dataset.key)"
+        ".then(()=>{this.textContent='copied'})\">copy public key</button>")
+    return w.VBox([heading, box, button])

@@ -272,7 +272,7 @@ def test_keygen_magic_prints_the_public_key_to_paste(ip, capsys, tmp_path):
 
 
 def test_public_key_widget_holds_the_key_and_a_copy_button(tmp_path):
-    from gpumagic.setup_widgets import public_key_widget
+    from gpumagic.widgets import public_key_widget
 
     pair = setup.keygen(tmp_path / "w", comment='a<b>"c"')
     view = public_key_widget(pair)
