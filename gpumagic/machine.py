@@ -241,6 +241,7 @@ class Machine:
     def job(self, name: str) -> "jobs.Job":
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
+
     # -- budget (see gpumagic/budget.py) ----------------------------------------------
 
     def budget_set(self, rate: float, *, ledger=None, limit: float | None = None,
