@@ -27,7 +27,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.gpumagic-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "gpumagic: installing into .venv (log: .venv/pip.log)" >&2
+  if ! { .venv/bin/python -m pip install --upgrade pip &&
+         .venv/bin/python -m pip install -e ".[test]"; } > .venv/pip.log 2>&1; then
+    tail -n 20 .venv/pip.log >&2
+    echo "gpumagic: pip install failed; the whole log is .venv/pip.log" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
