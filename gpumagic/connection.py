@@ -12,6 +12,7 @@ import errno
 import getpass
 import logging
 import os
+import select
 import socket
 import stat
 import threading
@@ -488,6 +489,20 @@ def _direct(via: Connection, spec: HostSpec):
         )
     except (paramiko.SSHException, EOFError, OSError) as e:
         raise ConnectionLost(f"jump host {via.spec.address} dropped: {e}", "connect again")
+
+
+def wait_readable(chan: paramiko.Channel, timeout: float) -> None:
+    """Block until ``chan`` has data or EOF, or ``timeout`` seconds pass.
+
+    Uses poll(2) where it exists: select(2) fails once the process holds more than 1024
+    file descriptors, which a long-running notebook kernel can reach.
+    """
+    if hasattr(select, "poll"):
+        p = select.poll()
+        p.register(chan.fileno(), select.POLLIN)
+        p.poll(timeout * 1000)
+    else:  # Windows: select works on sockets there, without the 1024 limit
+        select.select([chan], [], [], timeout)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import codecs
 import secrets
-import select
 import shlex
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 
 import paramiko
 
-from .connection import Connection, send_eof, sendall_ordered
+from .connection import Connection, send_eof, sendall_ordered, wait_readable
 from .errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.
@@ -308,7 +307,7 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
             raise _lost(conn)
         if timeout is not None and time.monotonic() - start > timeout:
             raise _Timeout()
-        select.select([chan], [], [], 0.01 if pending is not None else 0.2)
+        wait_readable(chan, 0.01 if pending is not None else 0.2)
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:

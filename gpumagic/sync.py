@@ -23,7 +23,6 @@ import json
 import os
 import posixpath
 import re
-import select
 import shlex
 import stat
 import struct
@@ -40,7 +39,7 @@ import paramiko
 import pathspec
 
 from . import _sync_agent as agent
-from .connection import send_eof, sendall_ordered
+from .connection import send_eof, sendall_ordered, wait_readable
 from .errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
@@ -591,7 +590,7 @@ class _Channel:
             while True:
                 if self.chan.recv_ready() or self.chan.eof_received or self.chan.closed:
                     return self.chan.recv(1 << 20)
-                select.select([self.chan], [], [], 0.5)
+                wait_readable(self.chan, 0.5)
                 if not self.machine.connection.is_connected and not self.chan.recv_ready():
                     raise _lost(self.machine)
         except (paramiko.SSHException, EOFError, OSError) as e:
@@ -671,7 +670,7 @@ class _Channel:
                 return self.chan.recv_exit_status()
             if not self.machine.connection.is_connected:
                 raise _lost(self.machine)
-            select.select([self.chan], [], [], 0.5)
+            wait_readable(self.chan, 0.5)
             while self.chan.recv_ready():
                 self.buf += self.chan.recv(1 << 20)  # drained so the agent can exit
 

@@ -166,3 +166,22 @@ def test_exec_sends_megabytes_of_stdin_while_reading_output(machine):
     r = machine.exec("cat; echo done >&2", stdin=data, timeout=120)
     assert r.exit_code == 0 and r.stdout_bytes == len(data) and r.stderr == "done\n"
     assert machine.exec("wc -c", stdin=b"").stdout.strip() == "0"
+
+
+def test_cells_work_with_more_than_1024_open_file_descriptors(machine):
+    # A long-running kernel can hold many descriptors; select(2) breaks past 1024.
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [open(os.devnull) for _ in range(1100)]
+    try:
+        machine.connection.close()  # the new connection's socket gets a descriptor above 1024
+        r = machine.run("echo high", quiet=True)
+        assert r.stdout == "high\n"
+        assert machine.exec("echo quick").stdout == "quick\n"
+    finally:
+        for f in held:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
