@@ -14,10 +14,16 @@ IPython / Jupyter::
     nvidia-smi
 """
 
+import logging as _logging
+
 from .errors import GpumagicError
 from .machine import Machine, connect
 
 __version__ = "0.1.0"
+
+# A library never prints through logging's last-resort handler (paramiko's transport logs
+# go under "gpumagic.ssh"); an application that configures logging sees everything.
+_logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
 __all__ = ["connect", "Machine", "GpumagicError", "load_ipython_extension", "__version__"]
 
 

@@ -193,11 +193,14 @@ class Connection:
             sock = self._open_socket()
             t = paramiko.Transport(sock, default_window_size=WINDOW_SIZE,
                                    default_max_packet_size=MAX_PACKET_SIZE)
+            # paramiko logs its own tracebacks (e.g. "Error reading SSH protocol banner");
+            # gpumagic reports every failure itself, so they go under its silent logger.
+            t.set_log_channel("gpumagic.ssh")
             try:
                 self._prefer_fast_ciphers(t)
                 self._prefer_known_key_types(t)
                 t.banner_timeout = t.handshake_timeout = self.spec.connect_timeout
-                _prefer_aead_ciphers(t)
+                started = time.monotonic()
                 try:
                     # start_client returns silently when its own timeout passes first.
                     t.start_client(timeout=self.spec.connect_timeout + 1)
@@ -206,17 +209,7 @@ class Connection:
                 except (paramiko.SSHException, EOFError, OSError) as e:
                     handshake_done, error = False, e
                 if not handshake_done:
-                    if error is None or "banner" in str(error).lower() or isinstance(
-                            error, (socket.timeout, TimeoutError)):
-                        raise ConnectTimeout(
-                            f"{self.spec.address} accepted the connection but the SSH handshake did "
-                            f"not finish within {self.spec.connect_timeout:g} s",
-                            "check that this port is the machine's SSH port (not a web or Jupyter port)",
-                        )
-                    raise ConnectionLost(
-                        f"SSH handshake with {self.spec.address} failed: {error or type(error).__name__}",
-                        "check that the port is the machine's SSH port and that sshd is running there",
-                    )
+                    raise self._handshake_error(error, time.monotonic() - started)
                 self._check_host_key(t)
                 self._authenticate(t)
             except BaseException:
@@ -227,6 +220,20 @@ class Connection:
             self.opened_count += 1
             self._start_keepalive(t)
             return self
+
+    def _handshake_error(self, error: Exception | None, seconds: float) -> GpumagicError:
+        address, limit = self.spec.address, self.spec.connect_timeout
+        hint = "check that this port is the machine's SSH port (not a web or Jupyter port)"
+        if seconds < limit - 0.5 and (error is None or "banner" in str(error).lower()
+                                      or isinstance(error, EOFError)):
+            return ConnectionRefused(
+                f"{address} is not an SSH server: it closed the connection without an SSH greeting", hint)
+        if error is None or "banner" in str(error).lower() or isinstance(error, (socket.timeout, TimeoutError)):
+            return ConnectTimeout(
+                f"{address} accepted the connection but the SSH handshake did not finish within {limit:g} s",
+                hint)
+        return ConnectionLost(f"SSH handshake with {address} failed: {error}",
+                              "check that the port is the machine's SSH port and that sshd is running there")
 
     def close(self) -> None:
         """Close the connection and every ProxyJump hop; safe to call more than once."""

@@ -221,3 +221,23 @@ def test_ssh_agent_keys_are_offered(sshd, tmp_path, monkeypatch):
     finally:
         agent.terminate()
         agent.wait(5)
+
+
+def test_a_port_that_is_not_ssh_says_so_at_once_without_paramiko_noise(sshd, capfd):
+    # A web server on the port: it answers paramiko's greeting with an HTTP error and closes.
+    import http.server
+    import threading
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConnectionRefused) as e:
+            gpumagic.connect(f"127.0.0.1:{port}")
+    finally:
+        server.shutdown()
+    assert time.monotonic() - start < 5
+    assert e.value.message == f"127.0.0.1:{port} is not an SSH server: it closed the connection without an SSH greeting"
+    assert "SSH port" in e.value.hint
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.err and "SSHException" not in printed.err
