@@ -128,6 +128,17 @@ class RemoteCommandError(GpumagicError):
         return out
 
 
+class Interrupted(KeyboardInterrupt):
+    """A kernel interrupt that gpumagic has cleaned up after (remote processes stopped).
+
+    It is a ``KeyboardInterrupt`` (so "Run All" stops and ``except KeyboardInterrupt``
+    works); IPython shows its one-line message instead of gpumagic's frames.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 class SandboxError(GpumagicError):
     """The local sandbox machine could not be started."""
 

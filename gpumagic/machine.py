@@ -151,6 +151,11 @@ class Machine:
         result = execution.run(self.connection, argv, cwd=cwd if cwd is not None else self.cwd,
                                env=full_env, stdout=stdout, stderr=stderr, timeout=timeout,
                                capture=capture)
+        if result.exit_code == 97 and result.stderr.startswith("gpumagic: cannot enter directory"):
+            where = cwd if cwd is not None else self.cwd
+            raise RemoteCommandError(
+                f"no directory {where} on {self.name}", exit_code=97, stderr=result.stderr,
+                hint="create it first (`mkdir -p DIR` in a cell), or fix --cwd / `%gpu cd`")
         if check and result.exit_code != 0:
             raise RemoteCommandError(
                 f"{'python cell' if python else 'command'} on {self.name} exited with code {result.exit_code}",

@@ -9,6 +9,8 @@ arguments raise exactly ``UsageError``; everything else is a ``GpumagicError`` w
 from __future__ import annotations
 
 import getpass
+import keyword
+import os
 import re
 import shlex
 import sys
@@ -17,13 +19,13 @@ from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
-from traitlets import Unicode
+from traitlets import Int, Unicode
 
 from . import display, known_hosts, setup, widgets
 from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
-from .errors import RemoteCommandError
+from .errors import Interrupted, RemoteCommandError
 from .gpu import Watcher, failure_hint
 from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
                     ssh_dir)
@@ -44,15 +46,40 @@ def subcommand(name: str, summary: str):
     return wrap
 
 
-def parse(fn, line: str, name: str):
-    """Parse ``line`` with ``fn``'s magic_arguments parser; ``-h`` prints help."""
-    fn.parser.prog = f"%gpu {name}"
-    if any(tok in ("-h", "--help") for tok in line.split()):  # IPython's parser has add_help=False
+def split_args(line: str) -> list[str]:
+    """Split a magic's argument line the way a shell would (``'./my dir/'``, ``X=a\\ b``).
+
+    IPython's own splitter keeps the quotes in the words.  On Windows, backslashes are path
+    separators, so only quotes are honoured there.
+
+    Raises
+    ------
+    UsageError
+        For an unclosed quote.
+    """
+    try:
+        if os.name == "nt":
+            return [w[1:-1] if len(w) > 1 and w[0] == w[-1] and w[0] in "'\"" else w
+                    for w in shlex.split(line, posix=False)]
+        return shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"cannot read the arguments ({e}): close the quote") from None
+
+
+def parse(fn, line: str, name: str | None = None):
+    """Parse ``line`` with ``fn``'s magic_arguments parser; ``-h`` prints help.
+
+    Returns None after printing help.  Bad arguments raise exactly ``UsageError``.
+    """
+    if name is not None:
+        fn.parser.prog = f"%gpu {name}"
+    argv = split_args(line)
+    if any(tok in ("-h", "--help") for tok in argv):  # IPython's parser has add_help=False
         # IPython's parser formats help for docstrings ("::", "%%"); show it as typed.
         print("usage: " + fn.parser.format_help().lstrip(": \n").replace("%%", "%"))
         return None
     try:
-        return parse_argstring(fn, line)
+        return fn.parser.parse_args(argv)
     except SystemExit:  # argparse after printing --help
         return None
 
@@ -70,6 +97,12 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
 @magics_class
 class GpuMagics(Magics):
     """``%gpu`` and ``%%remote``: run notebook cells on a rented GPU machine over SSH."""
+
+    max_display_bytes = Int(
+        5_000_000, config=True,
+        help="Most characters of one cell's output shown in the notebook (the rest is still "
+             "kept by --out); a browser tab slows down on tens of megabytes.",
+    )
 
     default_cwd = Unicode(
         None, allow_none=True, config=True,
@@ -137,12 +170,21 @@ class GpuMagics(Magics):
         "Run All" stops) unless --no-raise-error.  Interrupting the kernel stops the
         cell's whole remote process tree, then raises KeyboardInterrupt.
         """
-        args = parse_argstring(self.remote, line)
+        args = parse(self.remote, line)
+        if args is None:
+            return None
         if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
             return _remote_job(self, args, cell)
+        if args.out and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
+            raise UsageError(f"--out {args.out!r} is not a Python variable name; e.g. --out result")
         machine = self.session.get(args.host)
-        result = machine.run(cell, python=args.python, cwd=args.cwd, env=_env_pairs(args.env),
-                             timeout=args.timeout)
+        echo = _CappedEcho(self.max_display_bytes)
+        try:
+            result = machine.run(cell, python=args.python, cwd=args.cwd, env=_env_pairs(args.env),
+                                 timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; the cell's processes on {machine.name} were stopped") from None
+        echo.finish()
         if args.out:
             self.shell.user_ns[args.out] = result
         hint = failure_hint(result.stderr, result.exit_code) if result.exit_code != 0 else None
@@ -151,9 +193,46 @@ class GpuMagics(Magics):
             raise RemoteCommandError(f"{kind} on {machine.name} exited with code {result.exit_code}",
                                      exit_code=result.exit_code, stdout=result.stdout,
                                      stderr=result.stderr, hint=hint)
+        if result.exit_code != 0:
+            print(f"(exit code {result.exit_code})", file=sys.stderr)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
         return None
+
+
+class _CappedEcho:
+    """Echo a cell's output to this kernel's stdout/stderr, up to ``limit`` characters in all.
+
+    A browser tab slows to a crawl on tens of megabytes of output; past the limit the rest is
+    not displayed (``--out VAR`` still keeps all of it) and one line says so.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.shown = 0
+        self.dropped = 0
+
+    def _write(self, stream, text: str) -> None:
+        room = self.limit - self.shown
+        if room > 0:
+            part = text[:room]
+            stream.write(part)
+            stream.flush()
+            self.shown += len(part)
+            text = text[room:]
+        self.dropped += len(text)
+
+    def stdout(self, text: str) -> None:
+        self._write(sys.stdout, text)
+
+    def stderr(self, text: str) -> None:
+        self._write(sys.stderr, text)
+
+    def finish(self) -> None:
+        if self.dropped:
+            print(f"\n[gpumagic: {self.dropped:,} more characters were not displayed (limit "
+                  f"{self.limit:,}); --out VAR keeps all output; raise it with "
+                  f"%config GpuMagics.max_display_bytes = N]", file=sys.stderr)
 
 
 # -- sub-commands ------------------------------------------------------------------------
@@ -639,9 +718,8 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
     try:
         info = job.follow(alert=alert, lines=lines)
     except KeyboardInterrupt:
-        print(f"\nstopped following {name}; the job keeps running on {machine.name} "
-              f"(`%gpu attach {name}` follows it again)")
-        raise
+        raise Interrupted(f"stopped following {name}; the job keeps running on {machine.name} "
+                          f"(`%gpu attach {name}` follows it again)") from None
     print(job_ended(info))
 
 

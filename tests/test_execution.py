@@ -94,8 +94,9 @@ def test_cwd_env_and_tilde(machine):
     assert r.stdout == "/tmp\nhi there\n"
     home = machine.run("echo $HOME", quiet=True).stdout.strip()
     assert machine.run(["pwd"], cwd="~", quiet=True).stdout.strip() == home
-    r = machine.run(["pwd"], cwd="/no/such/dir", quiet=True)
-    assert r.exit_code == 97 and "cannot enter directory /no/such/dir" in r.stderr
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run(["pwd"], cwd="/no/such/dir", quiet=True)
+    assert e.value.message == "no directory /no/such/dir on testgpu" and "mkdir -p" in e.value.hint
 
 
 def test_interrupt_stops_the_whole_remote_tree_within_two_seconds(machine, sshd):

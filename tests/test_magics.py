@@ -148,3 +148,58 @@ def test_connected_magic_unknown_host_prints_fingerprint_and_trust_option(ip, ca
         assert f"[127.0.0.1]:{sshd.port} ssh-ed25519" in kh.read_text()
     finally:
         kh.write_text(saved)
+
+
+def test_quoted_arguments_are_read_like_a_shell_would(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_cell_magic("remote", "", "mkdir -p '/tmp/gm dir'")
+    ip.run_cell_magic("remote", "--cwd '/tmp/gm dir' --env 'GREETING=hello there' --env X=a\\ b --out r",
+                      'pwd; echo "$GREETING|$X"')
+    assert ip.user_ns["r"].stdout == "/tmp/gm dir\nhello there|a b\n"
+    with pytest.raises(UsageError) as e:
+        ip.run_cell_magic("remote", "--cwd '/tmp/gm dir", "pwd")
+    assert type(e.value) is UsageError and "quote" in str(e.value)
+
+
+def test_out_must_be_a_variable_name(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    for bad in ("1bad", "class", "a-b"):
+        with pytest.raises(UsageError) as e:
+            ip.run_cell_magic("remote", f"--out {bad}", "true")
+        assert "not a Python variable name" in str(e.value)
+
+
+def test_missing_cwd_is_named_not_an_exit_code(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(RemoteCommandError) as e:
+        ip.run_cell_magic("remote", "--cwd /no/such/place", "pwd")
+    assert e.value.message == "no directory /no/such/place on testgpu"
+
+
+def test_no_raise_error_still_says_the_exit_code(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_cell_magic("remote", "--no-raise-error", "exit 3")
+    assert "(exit code 3)" in capsys.readouterr().err
+
+
+def test_interrupt_shows_one_line_not_gpumagic_frames(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    result = ip.run_cell("%%remote\nsleep 30")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    shown = "".join(capsys.readouterr())
+    assert "KeyboardInterrupt: interrupted; the cell's processes on testgpu were stopped" in shown
+    assert "execution.py" not in shown and "Traceback" not in shown
+
+
+def test_huge_output_is_capped_in_the_notebook_but_kept_by_out(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    try:
+        ip.run_cell_magic("remote", "--python --out big", "import sys; sys.stdout.write('x' * 5000)")
+    finally:
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+    seen = capsys.readouterr()
+    assert seen.out.count("x") == 1000
+    assert "4,000 more characters were not displayed" in seen.err
+    assert ip.user_ns["big"].stdout == "x" * 5000
