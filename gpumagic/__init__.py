@@ -27,6 +27,19 @@ _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
 __all__ = ["connect", "Machine", "GpumagicError", "load_ipython_extension", "__version__"]
 
 
+_SUBMODULES = ("budget", "display", "execution", "gpu", "hosts", "jobs", "known_hosts", "sandbox",
+               "setup", "shutdown", "sync", "tunnel", "widgets")
+
+
+def __getattr__(name):
+    # `import gpumagic` then `gpumagic.setup.keygen()`: import submodules on first use.
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'gpumagic' has no attribute {name!r}")
+
+
 def load_ipython_extension(ipython):
     """Register ``%gpu`` and ``%%remote`` (called by ``%load_ext gpumagic``)."""
     from .magics import GpuMagics

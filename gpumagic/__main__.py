@@ -12,19 +12,28 @@ from .errors import GpumagicError
 
 
 def _sandbox(args) -> int:
+    import signal
+
     from .sandbox import Sandbox
 
-    with Sandbox(fake_gpu=args.fake_gpu) as sb:
-        s = sb.server
-        print(f"sandbox sshd running at {s.host}:{s.port} as {s.user} (keys in {s.dir})")
-        print("reach it with:\n  " + shlex.join(s.ssh_command()))
-        print("or add to ~/.ssh/config:\n" + s.ssh_config_block())
-        print("Ctrl-C stops it.")
-        try:
+    def stop(signum, frame):  # a closed terminal or `kill` stops the sandbox like Ctrl-C
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+    try:
+        with Sandbox(fake_gpu=args.fake_gpu) as sb:  # leaving the block stops sshd
+            s = sb.server
+            print(f"sandbox sshd running at {s.host}:{s.port} as {s.user} (keys in {s.dir})",
+                  flush=True)
+            print("reach it with:\n  " + shlex.join(s.ssh_command()))
+            print("or add to ~/.ssh/config:\n" + s.ssh_config_block())
+            print("Ctrl-C stops it.", flush=True)
             while s.running:
                 time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

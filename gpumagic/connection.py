@@ -33,6 +33,7 @@ from .errors import (
     GpumagicError,
     HostNotFound,
     InsecureKeyFile,
+    NotConnected,
     UnknownHostKey,
     WrongPassphrase,
 )
@@ -149,6 +150,8 @@ class Connection:
         self.opened_count = 0
         #: Messages for the user from the last open (e.g. a host key that was trusted).
         self.notes: list[str] = []
+        #: (message, hint) when this connection must not open again (a stopped sandbox).
+        self.refuse_reopen: tuple[str, str] | None = None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -190,6 +193,8 @@ class Connection:
         with self._lock:
             if self.is_connected:
                 return self
+            if self.refuse_reopen is not None:
+                raise NotConnected(*self.refuse_reopen)
             sock = self._open_socket()
             t = paramiko.Transport(sock, default_window_size=WINDOW_SIZE,
                                    default_max_packet_size=MAX_PACKET_SIZE)

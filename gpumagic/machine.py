@@ -78,12 +78,18 @@ class Machine:
 
     def close(self) -> None:
         """Close every tunnel and the connection (and stop the sandbox sshd if this is the
-        sandbox, with the TensorBoard/Jupyter servers gpumagic started there)."""
+        sandbox, with the TensorBoard/Jupyter servers gpumagic started there); safe twice.
+
+        A closed machine re-opens on its next use, except the sandbox, whose server is gone.
+        """
         self.tunnels.close_all(stop_service=self.sandbox is not None)
         self.connection.close()
         if self.sandbox is not None:
             self.sandbox.stop()
             self.sandbox = None
+            self.connection.refuse_reopen = ("the sandbox machine was stopped when it was closed",
+                                             "start a new one: `%gpu connect --sandbox` "
+                                             "(gpumagic.connect(sandbox=True))")
 
     def __enter__(self) -> "Machine":
         return self.connect()

@@ -73,6 +73,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def recordings() -> list[str]:
+    """Names of the recorded GPUs the fake ``nvidia-smi`` can replay (``h200-idle``, ...)."""
+    base = FAKE_DIR / "recordings"
+    return sorted(p.name for p in base.iterdir() if p.is_dir() and p.name != "host")
+
+
 def local_user() -> str:
     import pwd
 
@@ -168,7 +174,17 @@ class SshServer:
         return p
 
     def install_fake_gpu(self, recording: str = "h200-idle") -> None:
-        """Install the replaying ``nvidia-smi`` (see ``gpumagic/fake/nvidia_smi.py``)."""
+        """Install the replaying ``nvidia-smi`` (see ``gpumagic/fake/nvidia_smi.py``).
+
+        Raises
+        ------
+        SandboxError
+            For a recording that does not exist (naming those that do).
+        """
+        known = recordings()
+        if recording not in known and not os.path.isabs(recording):
+            raise SandboxError(f"no GPU recording named {recording!r}",
+                               f"use one of: {', '.join(known)}")
         self.install_bin("nvidia-smi",
                          f"#!/bin/sh\nexec {sys.executable} {FAKE_DIR / 'nvidia_smi.py'} \"$@\"\n")
         self.env.setdefault("GPUMAGIC_FAKE_GPU_STATE", str(self.gpu_state))
@@ -230,7 +246,8 @@ class SshServer:
             cfg.write_text(self.config_text())
             log = open(self.log, "ab")
             self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(cfg)], stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log, start_new_session=True)
+                                         stdout=log, stderr=log, start_new_session=True,
+                                         preexec_fn=_parent_death_signal())
             log.close()
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _kill, self.proc)
@@ -295,6 +312,22 @@ class SshServer:
                 "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
                 "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
                 f"{self.user}@{self.host}", *remote]
+
+
+def _parent_death_signal():
+    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies, however it dies
+    (SIGKILL, SIGTERM, a closed terminal), so no sshd is left behind.  Linux only (prctl
+    PR_SET_PDEATHSIG); elsewhere None, and the atexit/finalizer clean-up is all there is.
+    The function is looked up here, in the parent, so the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
 
 
 def _kill(proc: subprocess.Popen | None) -> None:

@@ -33,7 +33,9 @@ class Session:
         m = connect(target, **options)
         old = self.machines.pop(m.name, None)
         if old is not None and old is not m:
+            was = "sandbox (stopped)" if old.sandbox is not None else old.spec.address
             old.close()
+            m.connection.notes.append(f"replaced the earlier {m.name}: {was}")
         self.machines[m.name] = m
         self.default = m.name
         return m

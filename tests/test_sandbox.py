@@ -96,3 +96,54 @@ def test_sandbox_cells_run_in_its_own_home_not_the_users(client_home):
         home, cwd, ok = r.stdout.split()
     assert home == cwd == str(sandbox.sandbox_home()) and ok == "ok"
     assert home != real_home and home.startswith(str(client_home))
+
+
+def test_unknown_fake_gpu_is_refused_naming_the_recordings():
+    with pytest.raises(SandboxError) as e:
+        gpumagic.connect(sandbox=True, fake_gpu="nosuch")
+    assert "'nosuch'" in e.value.message and "h200-idle, h200-load" in e.value.hint
+
+
+def test_a_closed_sandbox_says_so_instead_of_connection_refused():
+    m = gpumagic.connect(sandbox=True)
+    m.close()
+    with pytest.raises(gpumagic.errors.NotConnected) as e:
+        m.run(["true"], quiet=True)
+    assert "sandbox machine was stopped" in e.value.message and "--sandbox" in e.value.hint
+
+
+def test_sandbox_sshd_dies_with_a_killed_python_process():
+    code = ("import gpumagic, time\n"
+            "m = gpumagic.connect(sandbox=True)\n"
+            "print(m.sandbox.server.proc.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(proc.stdout.readline())
+    proc.kill()  # SIGKILL: no atexit, no finalizer runs
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_command_line_sandbox_stops_on_sigterm_and_sighup():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen([sys.executable, "-m", "gpumagic", "sandbox"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+        line = proc.stdout.readline()  # "sandbox sshd running at 127.0.0.1:PORT ..."
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        proc.send_signal(sig)
+        assert proc.wait(10) == 0
+        with pytest.raises(OSError):
+            import socket
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_submodules_are_reachable_after_import_gpumagic():
+    code = "import gpumagic; print(gpumagic.setup.keygen.__name__, gpumagic.sync.push.__name__)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.stdout == "keygen push\n", r.stderr
