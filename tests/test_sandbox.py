@@ -101,7 +101,7 @@ def test_sandbox_cells_run_in_its_own_home_not_the_users(client_home):
 def test_unknown_fake_gpu_is_refused_naming_the_recordings():
     with pytest.raises(SandboxError) as e:
         gpumagic.connect(sandbox=True, fake_gpu="nosuch")
-    assert "'nosuch'" in e.value.message and "h200-idle, h200-load" in e.value.hint
+    assert "'nosuch'" in e.value.message and "h200-idle, h200-load, mismatch, no-driver" in e.value.hint
 
 
 def test_a_closed_sandbox_says_so_instead_of_connection_refused():
