@@ -991,11 +991,17 @@ def _budget_post_run_cell(magics: GpuMagics):
                 said.add(str(e))
                 print(f"gpumagic: budget alert check failed: {e}")
     return hook
-def _moved_note(t) -> str:
+def _moved_note(t, session: Session | None = None) -> str:
+    """Why ``t`` is not on the local port asked for ("" when it is)."""
     if t.moved_from is None:
         return ""
-    return (f"local port {t.moved_from} is taken by another program (left alone); "
-            f"using {t.local_port} instead")
+    why = t.moved_reason
+    holder = next(((name, o) for name, o in (_all_tunnels(session) if session else [])
+                   if o is not t and o.local_port == t.moved_from), None)
+    if holder is not None and holder[1].connection is not t.connection:  # another machine's
+        name, o = holder
+        why = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} on {name} ({o.name})"
+    return f"local port {t.moved_from} {why}; using {t.local_port} instead"
 
 
 _TUNNEL_HELP = """\
@@ -1058,9 +1064,12 @@ def _tunnel_port(magics: GpuMagics, line: str):
     if not 0 < args.port < 65536 or (args.local_port is not None and not 0 <= args.local_port < 65536):
         raise UsageError("ports are numbers from 1 to 65535")
     m = magics.session.get(args.host)
+    before = m.tunnels.find(args.remote_host, args.port)
     t = m.tunnel(args.port, local_port=args.local_port, remote_host=args.remote_host,
                  path=args.path)
-    _show(display.tunnel_opened(t, m.name, _moved_note(t), inline=args.inline))
+    note = (f"a tunnel to {t.target} is already open at {t.url} (the same one)" if t is before
+            else _moved_note(t, magics.session))
+    _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t
 
@@ -1080,7 +1089,7 @@ def _tunnel_tensorboard(magics: GpuMagics, line: str):
     t = m.tensorboard(args.logdir, local_port=args.local_port)
     how = (f"started TensorBoard on {m.name} (pid {t.service.pid}, log {t.service.log})"
            if t.service.started else f"TensorBoard already serving on {m.name} (pid {t.service.pid})")
-    note = "\n".join(x for x in (how, _moved_note(t)) if x)
+    note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t
@@ -1099,7 +1108,7 @@ def _tunnel_jupyter(magics: GpuMagics, line: str):
     t = m.jupyter(local_port=args.local_port)
     how = (f"started Jupyter on {m.name} (pid {t.service.pid}, log {t.service.log})"
            if t.service.started else f"Jupyter already serving on {m.name} (pid {t.service.pid})")
-    note = "\n".join(x for x in (how, _moved_note(t)) if x)
+    note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t

@@ -188,7 +188,11 @@ class Tunnel:
         bound to 127.0.0.1, ::1 or all interfaces).
     local_port : int, optional
         Wanted local port (default: the same number as ``remote_port``).  When it is taken,
-        the next free one is used (see :attr:`local_port` and :attr:`moved_from`).
+        the next free one is used (see :attr:`local_port`, :attr:`moved_from` and
+        :attr:`moved_reason`).
+    avoid_ports : dict of int to str, optional
+        Local ports never to bind, each with the reason to show when the wanted one is among
+        them (:class:`TunnelManager` passes those its other tunnels hold).
     name : str
         What is forwarded ("tensorboard", "jupyter", "port 8000"), for listings.
     path : str
@@ -199,6 +203,7 @@ class Tunnel:
 
     def __init__(self, connection, remote_port: int, *, remote_host: str = "localhost",
                  local_port: int | None = None, name: str = "", path: str = "/",
+                 avoid_ports: dict[int, str] | None = None,
                  window_size: int = WINDOW_SIZE, max_packet_size: int = MAX_PACKET_SIZE):
         if not 0 < int(remote_port) < 65536:
             raise TunnelError(f"remote port {remote_port} is not a TCP port number",
@@ -210,6 +215,7 @@ class Tunnel:
         self.remote_host = remote_host
         self.remote_port = int(remote_port)
         self.wanted_port = int(remote_port if local_port is None else local_port)
+        self.avoid_ports = dict(avoid_ports or {})
         self.name = name or f"port {remote_port}"
         self.path = path if path.startswith("/") else "/" + path
         self.window_size = window_size
@@ -217,6 +223,9 @@ class Tunnel:
         self.local_port: int | None = None
         #: The port that was wanted but taken, when the tunnel moved to another one.
         self.moved_from: int | None = None
+        #: Why it moved, completing "local port N ..." (e.g. "is taken by another program
+        #: (left alone)"); empty when it did not move.
+        self.moved_reason = ""
         self.faults: list[TunnelFault] = []
         #: The remote service (TensorBoard, Jupyter) this tunnel was opened for, if any.
         self.service: RemoteService | None = None
@@ -256,10 +265,12 @@ class Tunnel:
             raise TunnelError(f"tunnel {self.name} was closed", "open a new tunnel")
         self.connection.ensure_open()
         self._opened_seen = self.connection.opened_count
-        self._listener = _bind_local(self.wanted_port)
+        self._listener = _bind_local(self.wanted_port, avoid=self.avoid_ports)
         self.local_port = self._listener.getsockname()[1]
         if self.local_port != self.wanted_port and self.wanted_port != 0:
             self.moved_from = self.wanted_port
+            self.moved_reason = self.avoid_ports.get(self.wanted_port,
+                                                     "is taken by another program (left alone)")
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
@@ -574,9 +585,26 @@ class TunnelManager:
         self.connection = connection
         self.tunnels: dict[int, Tunnel] = {}
 
-    def open(self, remote_port: int, **options) -> Tunnel:
-        """Start a :class:`Tunnel` (options as its constructor) and keep it listed."""
-        t = Tunnel(self.connection, remote_port, **options).start()
+    def open(self, remote_port: int, *, remote_host: str = "localhost",
+             local_port: int | None = None, **options) -> Tunnel:
+        """Start a :class:`Tunnel` (options as its constructor) and keep it listed.
+
+        An open tunnel to the same ``remote_host:remote_port`` is returned instead of a new
+        one, unless another ``local_port`` is asked for than the one it has or was moved
+        from (0: a new one on any free port).  A wanted local port held by another of these
+        tunnels moves the new one to a free port, :attr:`Tunnel.moved_reason` naming the
+        holder.
+        """
+        same = self.find(remote_host, int(remote_port))
+        if same is not None and local_port in (None, same.local_port, same.moved_from):
+            return same
+        wanted = int(remote_port if local_port is None else local_port)
+        avoid = {}
+        for o in self:
+            if o.local_port == wanted and wanted not in avoid:
+                avoid[wanted] = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} ({o.name})"
+        t = Tunnel(self.connection, remote_port, remote_host=remote_host, local_port=local_port,
+                   avoid_ports=avoid, **options).start()
         self.tunnels[t.local_port] = t
         return t
 
@@ -629,8 +657,9 @@ class TunnelManager:
         return len(self.tunnels)
 
 
-def _bind_local(wanted: int) -> socket.socket:
-    """A socket listening on 127.0.0.1: ``wanted``, else one of the next ports, else any.
+def _bind_local(wanted: int, avoid=()) -> socket.socket:
+    """A socket listening on 127.0.0.1: ``wanted``, else one of the next ports, else any;
+    never one of the ``avoid`` ports.
 
     A port counts as taken when binding 127.0.0.1 fails, and also when another program
     listens on ::1 with it (a browser given ``localhost:PORT`` may go there).  No
@@ -642,8 +671,9 @@ def _bind_local(wanted: int) -> socket.socket:
     TunnelError
         When no port can be bound at all.
     """
-    candidates = [] if wanted == 0 else [p for p in range(wanted, min(wanted + PORT_SCAN, 65536))]
-    candidates.append(0)
+    candidates = [] if wanted == 0 else [p for p in range(wanted, min(wanted + PORT_SCAN, 65536))
+                                         if p not in avoid]
+    candidates += [0] * 3  # any free port (asked again if the OS picks one to avoid)
     last: OSError | None = None
     for port in candidates:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -654,6 +684,8 @@ def _bind_local(wanted: int) -> socket.socket:
             s.listen(128)
             if port and _ipv6_loopback_taken(port):
                 raise OSError(errno.EADDRINUSE, "in use on ::1")
+            if s.getsockname()[1] in avoid:  # the OS's pick: ask again
+                raise OSError(errno.EADDRINUSE, "a port to avoid")
             return s
         except OSError as e:
             s.close()
