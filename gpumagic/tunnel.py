@@ -25,6 +25,9 @@ Failures
 * When the remote side ends a connection (EOF), the local connection is closed too.  (OpenSSH
   keeps the client's sending half open until the client closes; for HTTP, WebSocket and
   the other protocols a browser speaks this makes no difference.)
+* When the machine is this computer (the sandbox), a tunnel never listens on a port that its
+  own remote side (or another tunnel's) would connect to: that would forward in a loop until
+  the file descriptors run out (see :meth:`TunnelManager.open`).
 * When the SSH connection dropped, the next local connection re-opens it
   (``Connection.ensure_open``), so the same URL keeps working.
 * Anything that goes wrong on a background thread is recorded as a :class:`TunnelFault`
@@ -36,6 +39,7 @@ Failures
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import queue
 import selectors
@@ -192,7 +196,8 @@ class Tunnel:
         :attr:`moved_reason`).
     avoid_ports : dict of int to str, optional
         Local ports never to bind, each with the reason to show when the wanted one is among
-        them (:class:`TunnelManager` passes those its other tunnels hold).
+        them (:class:`TunnelManager` passes the ports whose listener would be reached by a
+        tunnel's own remote side when the machine is this computer).
     name : str
         What is forwarded ("tensorboard", "jupyter", "port 8000"), for listings.
     path : str
@@ -593,13 +598,23 @@ class TunnelManager:
         one, unless another ``local_port`` is asked for than the one it has or was moved
         from (0: a new one on any free port).  A wanted local port held by another of these
         tunnels moves the new one to a free port, :attr:`Tunnel.moved_reason` naming the
-        holder.
+        holder.  When the machine is this computer (its SSH address is loopback: the
+        sandbox), a loopback target's own port and the targets of the other loopback
+        tunnels are never bound: the machine's side would connect back into gpumagic's own
+        listener and forward in a loop.
         """
         same = self.find(remote_host, int(remote_port))
         if same is not None and local_port in (None, same.local_port, same.moved_from):
             return same
         wanted = int(remote_port if local_port is None else local_port)
         avoid = {}
+        if machine_is_this_computer(self.connection) and is_loopback(remote_host):
+            here = f"({self.connection.spec.address} is this computer)"
+            avoid = {o.remote_port: f"is the target of tunnel {o.local_port} {here}: listening there "
+                                    "would forward in a loop"
+                     for o in self if is_loopback(o.remote_host)}
+            avoid[int(remote_port)] = (f"is {remote_host}:{remote_port} on the machine too {here}: "
+                                       "listening there, the tunnel would forward to itself in a loop")
         for o in self:
             if o.local_port == wanted and wanted not in avoid:
                 avoid[wanted] = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} ({o.name})"
@@ -692,6 +707,29 @@ def _bind_local(wanted: int, avoid=()) -> socket.socket:
             last = e
     raise TunnelError(f"cannot listen on any local port on 127.0.0.1: {last}",
                       "close some programs holding ports, then try again")
+
+
+def is_loopback(host: str) -> bool:
+    """True for a name or address that means "this computer" to whoever connects to it
+    (``localhost``, 127.0.0.0/8, ``::1``, and 0.0.0.0 / ``::``, which Linux connects to
+    as loopback)."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def machine_is_this_computer(connection) -> bool:
+    """True when the machine's SSH address is this computer's loopback (the sandbox, a
+    local test server) with no ProxyJump: its ``localhost`` is then ours too.  (An
+    ``ssh -L`` forward to another computer looks the same; treating it as here only moves
+    a tunnel to another local port.)"""
+    spec = connection.spec
+    return not spec.proxy_jump and is_loopback(spec.hostname)
 
 
 def _ipv6_loopback_taken(port: int) -> bool:

@@ -422,3 +422,25 @@ def test_local_port_held_by_own_tunnel_to_another_target_names_that_tunnel(ip, h
     assert other.local_port != local and other.moved_from == local
     assert fetch(other.url) == b"b" and fetch(f"http://127.0.0.1:{local}/") == b"a"
 
+
+def test_tunnel_on_the_sandbox_to_an_unused_port_never_loops_into_itself(tmp_path):
+    import gpumagic
+
+    dead = free_port()  # nothing listens there, on the sandbox (this computer) or here
+    with gpumagic.connect(sandbox=True) as m:
+        t = m.tunnel(dead)
+        try:
+            assert t.local_port != dead and t.moved_from == dead
+            assert "the tunnel would forward to itself in a loop" in t.moved_reason
+            with pytest.raises(OSError):  # closed without a reply, like a proxy's 502
+                fetch(t.url, timeout=10)
+            assert wait_until(lambda: t.faults and t.active_connections == 0, 10)
+            assert t.faults[0].message.startswith(f"the machine could not connect to localhost:{dead}")
+            assert t.connections_total == 1
+            # An explicit --local-port equal to the target's port is refused the same way.
+            again = m.tunnel(dead, local_port=dead)
+            assert again is t
+            second = m.tunnel(t.local_port, local_port=dead)  # would close a two-tunnel cycle
+            assert second.local_port != dead and second.local_port != t.local_port
+        finally:
+            t.stop(raise_errors=False)
