@@ -564,9 +564,13 @@ def _sync(magics: GpuMagics, line: str):
     m = magics.session.get(remote.host or args.host)
     options = dict(delete=args.delete, exclude=args.exclude, ignore_files=not args.no_ignore_files,
                    dry_run=args.dry_run, checksum=args.checksum, update=args.update)
-    if not args.dry_run:
-        options["progress"] = widgets.sync_progress()
-    summary = m.pull(src.path, dst.path, **options) if src.remote else m.push(src.path, dst.path, **options)
+    progress = options["progress"] = None if args.dry_run else widgets.sync_progress()
+    summary = None
+    try:
+        summary = m.pull(src.path, dst.path, **options) if src.remote else m.push(src.path, dst.path, **options)
+    finally:  # the bar's line ends before an error is shown
+        if progress is not None:
+            progress.close(failed=summary is None)
     print(summary)
 # -- jobs ---------------------------------------------------------------------------------
 
