@@ -480,15 +480,20 @@ def _status(magics: GpuMagics, line: str):
         return
     if args.watch is not None and args.watch < 1:
         raise UsageError("--watch takes a refresh interval in seconds, at least 1 (e.g. --watch 2)")
-    if args.watch is not None and (args.text or not widgets.available()):
-        raise UsageError("--watch updates a widget in place: drop --text (and pip install ipywidgets)")
+    if args.watch is not None and args.text:
+        raise UsageError("--watch updates a widget in place: drop --text")
     m = magics.session.get(args.host)
     status = m.gpu_status()
     if args.text:
         print(render_status(status).text)
         return
-    if not widgets.available():
+    if not widgets.available() or (args.watch is not None and not widgets.can_show(magics.shell)):
         ipy_display(render_status(status))
+        if args.watch is not None:  # no thread refreshing a view nobody sees
+            why = ("ipywidgets is not installed (pip install ipywidgets)" if not widgets.available()
+                   else "this front end (no Jupyter kernel) cannot show one")
+            print(f"not watching: --watch refreshes a widget, and {why}; "
+                  "run `%gpu status --text` again, or use a notebook")
         return
     view = widgets.status_widget(status)
     ipy_display(view)

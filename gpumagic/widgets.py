@@ -26,6 +26,13 @@ def available() -> bool:
     return True
 
 
+def can_show(shell) -> bool:
+    """True when ``shell`` belongs to a Jupyter kernel, whose front end can render widgets
+    (a terminal IPython's or a plain ``InteractiveShell`` has no ``kernel``), and ipywidgets
+    can be imported."""
+    return getattr(shell, "kernel", None) is not None and available()
+
+
 def _mem_pct(g: Gpu) -> float:
     if known(g.memory_used_mib) and known(g.memory_total_mib) and g.memory_total_mib:
         return 100.0 * g.memory_used_mib / g.memory_total_mib
