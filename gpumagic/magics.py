@@ -572,7 +572,8 @@ def _sync(magics: GpuMagics, line: str):
     progress = options["progress"] = None if args.dry_run else widgets.sync_progress()
     summary = None
     try:
-        summary = m.pull(src.path, dst.path, **options) if src.remote else m.push(src.path, dst.path, **options)
+        sync_once = m.pull if src.remote else m.push
+        summary = sync_once(src.path, dst.path, **options)
     finally:  # the bar's line ends before an error is shown
         if progress is not None:
             progress.close(failed=summary is None)
