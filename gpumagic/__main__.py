@@ -69,8 +69,22 @@ def _run_notebook(args) -> int:
         print("run-notebook needs nbclient and ipykernel: pip install 'gpumagic[notebook]'",
               file=sys.stderr)
         return 2
+    from nbformat.reader import NotJSONError
+
+    notebook = Path(args.notebook)
+    if not notebook.is_file():
+        what = "is a directory, not a notebook" if notebook.is_dir() else "does not exist"
+        raise GpumagicError(f"{args.notebook} {what}",
+                            f"give the path of an .ipynb file (relative paths start at {Path.cwd()})")
     try:
         out = run_notebook(args.notebook, args.output_dir, timeout=args.timeout)
+    except NotJSONError:
+        raise GpumagicError(f"{args.notebook} is not a notebook (not JSON)",
+                            "give the path of an .ipynb file saved by Jupyter") from None
+    except OSError as e:  # an unreadable notebook, an output directory that cannot be written
+        where = f" ({e.filename})" if e.filename else ""
+        raise GpumagicError(f"cannot run {args.notebook}: {e.strerror or e}{where}",
+                            "the notebook must be readable and --output-dir writable") from None
     except CellExecutionError as e:
         print(f"a cell failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         print(f"executed copy (with the error): {Path(args.output_dir) / Path(args.notebook).name}",

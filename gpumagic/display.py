@@ -192,19 +192,27 @@ def format_seconds(s: float) -> str:
 # -- sync ------------------------------------------------------------------------------
 
 
+#: Seconds of a transfer before a rate and an ETA are shown: over the first fraction of a
+#: second (channel set-up, a few header bytes) they are noise, like "87.8 B/s, ETA 31h".
+RATE_AFTER_S = 1.0
+
+
 def sync_progress_text(p) -> str:
     """One line for a :class:`gpumagic.sync.SyncProgress`: files, bytes, rate and ETA.
 
     Rate is bytes per second of wall time since the transfer started; ETA assumes it holds.
+    Both appear only after :data:`RATE_AFTER_S` seconds with bytes moved (and at the end).
     """
     elapsed = max(p.elapsed, 1e-6)
     rate = p.bytes_done / elapsed
     text = (f"{p.files_done}/{p.files_total} files  "
-            f"{format_bytes(p.bytes_done)}/{format_bytes(p.bytes_total)}  "
-            f"{format_bytes(rate)}/s")
+            f"{format_bytes(p.bytes_done)}/{format_bytes(p.bytes_total)}")
     if p.finished:
-        return text + f"  done in {format_seconds(elapsed)}"
-    if rate > 0 and p.bytes_total > p.bytes_done:
+        return text + f"  {format_bytes(rate)}/s  done in {format_seconds(elapsed)}"
+    if elapsed < RATE_AFTER_S or rate <= 0:
+        return text
+    text += f"  {format_bytes(rate)}/s"
+    if p.bytes_total > p.bytes_done:
         text += f"  ETA {format_seconds((p.bytes_total - p.bytes_done) / rate)}"
     return text
 

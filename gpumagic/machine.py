@@ -319,7 +319,9 @@ class Machine:
         Returns
         -------
         Tunnel
-            Already listening; ``with machine.tunnel(8000) as t:`` closes it at the end.
+            Already listening; ``with machine.tunnel(8000) as t:`` closes it at the end.  An
+            open tunnel to the same target is returned as it is, unless another
+            ``local_port`` is asked for (see :meth:`gpumagic.tunnel.TunnelManager.open`).
 
         Raises
         ------

@@ -559,15 +559,20 @@ def _status(magics: GpuMagics, line: str):
         return
     if args.watch is not None and args.watch < 1:
         raise UsageError("--watch takes a refresh interval in seconds, at least 1 (e.g. --watch 2)")
-    if args.watch is not None and (args.text or not widgets.available()):
-        raise UsageError("--watch updates a widget in place: drop --text (and pip install ipywidgets)")
+    if args.watch is not None and args.text:
+        raise UsageError("--watch updates a widget in place: drop --text")
     m = magics.session.get(args.host)
     status = m.gpu_status()
     if args.text:
         print(render_status(status).text)
         return
-    if not widgets.available():
+    if not widgets.available() or (args.watch is not None and not widgets.can_show(magics.shell)):
         ipy_display(render_status(status))
+        if args.watch is not None:  # no thread refreshing a view nobody sees
+            why = ("ipywidgets is not installed (pip install ipywidgets)" if not widgets.available()
+                   else "this front end (no Jupyter kernel) cannot show one")
+            print(f"not watching: --watch refreshes a widget, and {why}; "
+                  "run `%gpu status --text` again, or use a notebook")
         return
     view = widgets.status_widget(status)
     ipy_display(view)
@@ -643,9 +648,14 @@ def _sync(magics: GpuMagics, line: str):
     m = magics.session.get(remote.host or args.host)
     options = dict(delete=args.delete, exclude=args.exclude, ignore_files=not args.no_ignore_files,
                    dry_run=args.dry_run, checksum=args.checksum, update=args.update)
-    if not args.dry_run:
-        options["progress"] = widgets.sync_progress()
-    summary = m.pull(src.path, dst.path, **options) if src.remote else m.push(src.path, dst.path, **options)
+    progress = options["progress"] = None if args.dry_run else widgets.sync_progress()
+    summary = None
+    try:
+        sync_once = m.pull if src.remote else m.push
+        summary = sync_once(src.path, dst.path, **options)
+    finally:  # the bar's line ends before an error is shown
+        if progress is not None:
+            progress.close(failed=summary is None)
     print(summary)
 # -- jobs ---------------------------------------------------------------------------------
 
@@ -1069,11 +1079,17 @@ def _budget_post_run_cell(magics: GpuMagics):
                 said.add(str(e))
                 print(f"gpumagic: budget alert check failed: {e}")
     return hook
-def _moved_note(t) -> str:
+def _moved_note(t, session: Session | None = None) -> str:
+    """Why ``t`` is not on the local port asked for ("" when it is)."""
     if t.moved_from is None:
         return ""
-    return (f"local port {t.moved_from} is taken by another program (left alone); "
-            f"using {t.local_port} instead")
+    why = t.moved_reason
+    holder = next(((name, o) for name, o in (_all_tunnels(session) if session else [])
+                   if o is not t and o.local_port == t.moved_from), None)
+    if holder is not None and holder[1].connection is not t.connection:  # another machine's
+        name, o = holder
+        why = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} on {name} ({o.name})"
+    return f"local port {t.moved_from} {why}; using {t.local_port} instead"
 
 
 _TUNNEL_HELP = """\
@@ -1136,9 +1152,12 @@ def _tunnel_port(magics: GpuMagics, line: str):
     if not 0 < args.port < 65536 or (args.local_port is not None and not 0 <= args.local_port < 65536):
         raise UsageError("ports are numbers from 1 to 65535")
     m = magics.session.get(args.host)
+    before = m.tunnels.find(args.remote_host, args.port)
     t = m.tunnel(args.port, local_port=args.local_port, remote_host=args.remote_host,
                  path=args.path)
-    _show(display.tunnel_opened(t, m.name, _moved_note(t), inline=args.inline))
+    note = (f"a tunnel to {t.target} is already open at {t.url} (the same one)" if t is before
+            else _moved_note(t, magics.session))
+    _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t
 
@@ -1158,7 +1177,7 @@ def _tunnel_tensorboard(magics: GpuMagics, line: str):
     t = m.tensorboard(args.logdir, local_port=args.local_port)
     how = (f"started TensorBoard on {m.name} (pid {t.service.pid}, log {t.service.log})"
            if t.service.started else f"TensorBoard already serving on {m.name} (pid {t.service.pid})")
-    note = "\n".join(x for x in (how, _moved_note(t)) if x)
+    note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t
@@ -1177,7 +1196,7 @@ def _tunnel_jupyter(magics: GpuMagics, line: str):
     t = m.jupyter(local_port=args.local_port)
     how = (f"started Jupyter on {m.name} (pid {t.service.pid}, log {t.service.log})"
            if t.service.started else f"Jupyter already serving on {m.name} (pid {t.service.pid})")
-    note = "\n".join(x for x in (how, _moved_note(t)) if x)
+    note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t

@@ -46,6 +46,14 @@ class HostExists(GpumagicError):
     """``~/.ssh/config`` already has a ``Host`` block with that name."""
 
 
+class LocalFileError(GpumagicError):
+    """A local file (a new key, ``~/.ssh/config``) cannot be read or written here."""
+
+
+def _os_reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
 def _getpass(prompt: str) -> str:
     return getpass.getpass(prompt)
 
@@ -133,6 +141,23 @@ def _link_new(data: bytes, path: Path, mode: int) -> None:
         raise
 
 
+def _cannot_write_key(path: Path, why: str) -> "LocalFileError":
+    return LocalFileError(f"cannot write the key to {path}: {why}",
+                          "choose a path in a directory you can write, e.g. "
+                          "--path ~/.ssh/id_ed25519 (the default)")
+
+
+def _write_key_file(data: bytes, path: Path, mode: int) -> None:
+    """:func:`_link_new`, its failures as gpumagic errors."""
+    try:
+        _link_new(data, path, mode)
+    except FileExistsError:
+        raise KeyExists(f"{path} appeared while the key was made; it was left as it was",
+                        "run keygen again with another --path") from None
+    except OSError as e:
+        raise _cannot_write_key(path, _os_reason(e)) from None
+
+
 def _ensure_ssh_dir(directory: Path, home: str | os.PathLike | None = None) -> None:
     """Create ``directory``; ``~/.ssh`` itself is made (or tightened to) mode 0700."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -172,6 +197,8 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
     ------
     KeyExists
         When ``path`` or ``path.pub`` exists (nothing is written).
+    LocalFileError
+        When the key cannot be written there (nothing is left behind).
     """
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -187,7 +214,6 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
         comment = f"{_local_user()}@{socket.gethostname()}"
     if any(c in comment for c in "\r\n"):
         raise ConfigError("the key comment has a line break", "use a one-line comment")
-    _ensure_ssh_dir(path.parent, home)
     key = Ed25519PrivateKey.generate()
     encryption = (serialization.BestAvailableEncryption(passphrase.encode()) if passphrase
                   else serialization.NoEncryption())
@@ -197,12 +223,12 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
                                            serialization.PublicFormat.OpenSSH).decode()
     line = f"{public} {comment}".rstrip()
     try:
-        _link_new(private, path, 0o600)
-    except FileExistsError:
-        raise KeyExists(f"{path} appeared while the key was made; it was left as it was",
-                        "run keygen again with another --path")
+        _ensure_ssh_dir(path.parent, home)
+    except OSError as e:
+        raise _cannot_write_key(path, f"cannot make the directory {path.parent}: {_os_reason(e)}") from None
+    _write_key_file(private, path, 0o600)
     try:
-        _link_new((line + "\n").encode(), pub_path, 0o644)
+        _write_key_file((line + "\n").encode(), pub_path, 0o644)
     except BaseException:
         path.unlink()  # no private key without its public half
         raise
@@ -399,12 +425,18 @@ def add_host(name: str, hostname: str, *, port: int | None = None, user: str | N
         to replace it), or the name shares its ``Host`` line with other names.
     ConfigError
         Bad name or values.
+    LocalFileError
+        ``~/.ssh/config`` cannot be read or written (the old file stays as it was).
     """
     path = config_path(home)
     try:
         old = path.read_bytes()
     except FileNotFoundError:
         old = b""
+    except OSError as e:
+        raise LocalFileError(f"cannot read {path}: {_os_reason(e)}",
+                             f"check that {path.parent} is a directory and {path} a file you can "
+                             "read (e.g. `ls -ld ~/.ssh ~/.ssh/config`)") from None
     text = old.decode("utf-8", errors="surrogateescape")
     newline = "\r\n" if "\r\n" in text else "\n"
     block = host_block(name, hostname, port=port, user=user, key=key, jump=jump,
@@ -442,11 +474,16 @@ def add_host(name: str, hostname: str, *, port: int | None = None, user: str | N
     if dry_run:
         return AddHostResult(path=path, block=block, action=action, old_block=old_block, notes=notes)
     backup = Path(str(path) + ".bak") if old else None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.parent == ssh_dir(home):
-        _ensure_ssh_dir(path.parent, home)
-    atomic_write(path, new_text.encode("utf-8", errors="surrogateescape"),
-                 mode=None if old else 0o600, backup=backup)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent == ssh_dir(home):
+            _ensure_ssh_dir(path.parent, home)
+        atomic_write(path, new_text.encode("utf-8", errors="surrogateescape"),
+                     mode=None if old else 0o600, backup=backup)
+    except OSError as e:  # atomic_write leaves the old file as it was
+        raise LocalFileError(f"cannot write {path}: {_os_reason(e)}",
+                             f"check that you own {path.parent} and can write there (e.g. "
+                             f"`ls -ld {path.parent}`), or add the block by hand") from None
     return AddHostResult(path=path, block=block, action=action, old_block=old_block,
                          backup=backup, notes=notes)
 

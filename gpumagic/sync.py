@@ -718,6 +718,11 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
         return SyncPermissionDenied(f"{why}{on} {doing} {path}{at}",
                                     "sync into a directory you own (e.g. under ~ or your workspace), "
                                     "or fix its permissions")
+    if code in ("ENOENT", "ENOTDIR") and doing == "writing":
+        # makedirs on a path that cannot hold new entries (/proc/..., under a file)
+        return SyncError(f"cannot create {path}{on}{at}: {rec.get('error')}",
+                         "choose a destination that can be created, e.g. under ~ or your workspace "
+                         "(running the sync again will not help)")
     return SyncError(f"sync failed{on} at {path}{at}: {rec.get('error')}",
                      "run the sync again; completed files are kept")
 

@@ -25,6 +25,9 @@ Failures
 * When the remote side ends a connection (EOF), the local connection is closed too.  (OpenSSH
   keeps the client's sending half open until the client closes; for HTTP, WebSocket and
   the other protocols a browser speaks this makes no difference.)
+* When the machine is this computer (the sandbox), a tunnel never listens on a port that its
+  own remote side (or another tunnel's) would connect to: that would forward in a loop until
+  the file descriptors run out (see :meth:`TunnelManager.open`).
 * When the SSH connection dropped, the next local connection re-opens it
   (``Connection.ensure_open``), so the same URL keeps working.
 * Anything that goes wrong on a background thread is recorded as a :class:`TunnelFault`
@@ -36,6 +39,7 @@ Failures
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import queue
 import selectors
@@ -188,7 +192,12 @@ class Tunnel:
         bound to 127.0.0.1, ::1 or all interfaces).
     local_port : int, optional
         Wanted local port (default: the same number as ``remote_port``).  When it is taken,
-        the next free one is used (see :attr:`local_port` and :attr:`moved_from`).
+        the next free one is used (see :attr:`local_port`, :attr:`moved_from` and
+        :attr:`moved_reason`).
+    avoid_ports : dict of int to str, optional
+        Local ports never to bind, each with the reason to show when the wanted one is among
+        them (:class:`TunnelManager` passes the ports whose listener would be reached by a
+        tunnel's own remote side when the machine is this computer).
     name : str
         What is forwarded ("tensorboard", "jupyter", "port 8000"), for listings.
     path : str
@@ -199,6 +208,7 @@ class Tunnel:
 
     def __init__(self, connection, remote_port: int, *, remote_host: str = "localhost",
                  local_port: int | None = None, name: str = "", path: str = "/",
+                 avoid_ports: dict[int, str] | None = None,
                  window_size: int = WINDOW_SIZE, max_packet_size: int = MAX_PACKET_SIZE):
         if not 0 < int(remote_port) < 65536:
             raise TunnelError(f"remote port {remote_port} is not a TCP port number",
@@ -210,6 +220,7 @@ class Tunnel:
         self.remote_host = remote_host
         self.remote_port = int(remote_port)
         self.wanted_port = int(remote_port if local_port is None else local_port)
+        self.avoid_ports = dict(avoid_ports or {})
         self.name = name or f"port {remote_port}"
         self.path = path if path.startswith("/") else "/" + path
         self.window_size = window_size
@@ -217,6 +228,9 @@ class Tunnel:
         self.local_port: int | None = None
         #: The port that was wanted but taken, when the tunnel moved to another one.
         self.moved_from: int | None = None
+        #: Why it moved, completing "local port N ..." (e.g. "is taken by another program
+        #: (left alone)"); empty when it did not move.
+        self.moved_reason = ""
         self.faults: list[TunnelFault] = []
         #: The remote service (TensorBoard, Jupyter) this tunnel was opened for, if any.
         self.service: RemoteService | None = None
@@ -256,10 +270,12 @@ class Tunnel:
             raise TunnelError(f"tunnel {self.name} was closed", "open a new tunnel")
         self.connection.ensure_open()
         self._opened_seen = self.connection.opened_count
-        self._listener = _bind_local(self.wanted_port)
+        self._listener = _bind_local(self.wanted_port, avoid=self.avoid_ports)
         self.local_port = self._listener.getsockname()[1]
         if self.local_port != self.wanted_port and self.wanted_port != 0:
             self.moved_from = self.wanted_port
+            self.moved_reason = self.avoid_ports.get(self.wanted_port,
+                                                     "is taken by another program (left alone)")
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
@@ -574,9 +590,36 @@ class TunnelManager:
         self.connection = connection
         self.tunnels: dict[int, Tunnel] = {}
 
-    def open(self, remote_port: int, **options) -> Tunnel:
-        """Start a :class:`Tunnel` (options as its constructor) and keep it listed."""
-        t = Tunnel(self.connection, remote_port, **options).start()
+    def open(self, remote_port: int, *, remote_host: str = "localhost",
+             local_port: int | None = None, **options) -> Tunnel:
+        """Start a :class:`Tunnel` (options as its constructor) and keep it listed.
+
+        An open tunnel to the same ``remote_host:remote_port`` is returned instead of a new
+        one, unless another ``local_port`` is asked for than the one it has or was moved
+        from (0: a new one on any free port).  A wanted local port held by another of these
+        tunnels moves the new one to a free port, :attr:`Tunnel.moved_reason` naming the
+        holder.  When the machine is this computer (its SSH address is loopback: the
+        sandbox), a loopback target's own port and the targets of the other loopback
+        tunnels are never bound: the machine's side would connect back into gpumagic's own
+        listener and forward in a loop.
+        """
+        same = self.find(remote_host, int(remote_port))
+        if same is not None and local_port in (None, same.local_port, same.moved_from):
+            return same
+        wanted = int(remote_port if local_port is None else local_port)
+        avoid = {}
+        if machine_is_this_computer(self.connection) and is_loopback(remote_host):
+            here = f"({self.connection.spec.address} is this computer)"
+            avoid = {o.remote_port: f"is the target of tunnel {o.local_port} {here}: listening there "
+                                    "would forward in a loop"
+                     for o in self if is_loopback(o.remote_host)}
+            avoid[int(remote_port)] = (f"is {remote_host}:{remote_port} on the machine too {here}: "
+                                       "listening there, the tunnel would forward to itself in a loop")
+        for o in self:
+            if o.local_port == wanted and wanted not in avoid:
+                avoid[wanted] = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} ({o.name})"
+        t = Tunnel(self.connection, remote_port, remote_host=remote_host, local_port=local_port,
+                   avoid_ports=avoid, **options).start()
         self.tunnels[t.local_port] = t
         return t
 
@@ -629,8 +672,9 @@ class TunnelManager:
         return len(self.tunnels)
 
 
-def _bind_local(wanted: int) -> socket.socket:
-    """A socket listening on 127.0.0.1: ``wanted``, else one of the next ports, else any.
+def _bind_local(wanted: int, avoid=()) -> socket.socket:
+    """A socket listening on 127.0.0.1: ``wanted``, else one of the next ports, else any;
+    never one of the ``avoid`` ports.
 
     A port counts as taken when binding 127.0.0.1 fails, and also when another program
     listens on ::1 with it (a browser given ``localhost:PORT`` may go there).  No
@@ -642,8 +686,9 @@ def _bind_local(wanted: int) -> socket.socket:
     TunnelError
         When no port can be bound at all.
     """
-    candidates = [] if wanted == 0 else [p for p in range(wanted, min(wanted + PORT_SCAN, 65536))]
-    candidates.append(0)
+    candidates = [] if wanted == 0 else [p for p in range(wanted, min(wanted + PORT_SCAN, 65536))
+                                         if p not in avoid]
+    candidates += [0] * 3  # any free port (asked again if the OS picks one to avoid)
     last: OSError | None = None
     for port in candidates:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -654,12 +699,37 @@ def _bind_local(wanted: int) -> socket.socket:
             s.listen(128)
             if port and _ipv6_loopback_taken(port):
                 raise OSError(errno.EADDRINUSE, "in use on ::1")
+            if s.getsockname()[1] in avoid:  # the OS's pick: ask again
+                raise OSError(errno.EADDRINUSE, "a port to avoid")
             return s
         except OSError as e:
             s.close()
             last = e
     raise TunnelError(f"cannot listen on any local port on 127.0.0.1: {last}",
                       "close some programs holding ports, then try again")
+
+
+def is_loopback(host: str) -> bool:
+    """True for a name or address that means "this computer" to whoever connects to it
+    (``localhost``, 127.0.0.0/8, ``::1``, and 0.0.0.0 / ``::``, which Linux connects to
+    as loopback)."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def machine_is_this_computer(connection) -> bool:
+    """True when the machine's SSH address is this computer's loopback (the sandbox, a
+    local test server) with no ProxyJump: its ``localhost`` is then ours too.  (An
+    ``ssh -L`` forward to another computer looks the same; treating it as here only moves
+    a tunnel to another local port.)"""
+    spec = connection.spec
+    return not spec.proxy_jump and is_loopback(spec.hostname)
 
 
 def _ipv6_loopback_taken(port: int) -> bool:

@@ -13,7 +13,7 @@ import html
 import sys
 
 from . import display
-from .display import sync_progress_text
+from .display import RATE_AFTER_S, sync_progress_text
 from .gpu import Gpu, GpuStatus, known
 
 
@@ -24,6 +24,13 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def can_show(shell) -> bool:
+    """True when ``shell`` belongs to a Jupyter kernel, whose front end can render widgets
+    (a terminal IPython's or a plain ``InteractiveShell`` has no ``kernel``), and ipywidgets
+    can be imported."""
+    return getattr(shell, "kernel", None) is not None and available()
 
 
 def _mem_pct(g: Gpu) -> float:
@@ -162,12 +169,25 @@ class SyncProgressBar:
         if p.finished:
             self.bar.bar_style = "success"
 
+    def close(self, failed: bool = False) -> None:
+        """Mark a sync that ``failed`` (a red bar); the widget stays as it stopped."""
+        if failed:
+            self.bar.bar_style = "danger"
+
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(self.text)
 
 
 class SyncProgressText:
-    """tqdm's text bar (bytes, rate, ETA) with files in the postfix; for terminals."""
+    """tqdm's text bar (bytes, rate, ETA) with files in the postfix; for terminals.
+
+    :meth:`close` must run when the sync ends, also when it fails (``%gpu sync`` calls it in
+    a ``finally``): a bar left open makes the error start on its line and clears itself
+    later, over whatever was printed next.
+    """
+
+    #: tqdm's format without the rate and ETA, for the first :data:`RATE_AFTER_S` seconds.
+    EARLY_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
     def __init__(self, file=None):
         self.file = file or sys.stderr
@@ -179,12 +199,27 @@ class SyncProgressText:
 
         if self.bar is None:
             self.bar = tqdm(total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=self.file, desc="sync", leave=False, dynamic_ncols=True)
+                            file=self.file, desc="sync", leave=False, dynamic_ncols=True,
+                            bar_format=self.EARLY_FORMAT,
+                            postfix=f"{p.files_done}/{p.files_total} files")
+        if self.bar.bar_format is not None and p.elapsed >= RATE_AFTER_S and p.bytes_done:
+            self.bar.bar_format = None  # tqdm's own: with rate and ETA
         self.bar.update(p.bytes_done - self.bar.n)
         self.bar.set_postfix_str(f"{p.files_done}/{p.files_total} files", refresh=False)
         self.text = sync_progress_text(p)
         if p.finished:
-            self.bar.close()
+            self.close()
+
+    def close(self, failed: bool = False) -> None:
+        """End the bar (safe twice): cleared after a sync that finished; after one that
+        ``failed``, left where it stopped with its line ended, so the error starts on the
+        next line."""
+        bar, self.bar = self.bar, None
+        if bar is None:
+            return
+        if failed:
+            bar.leave = True
+        bar.close()
 
 
 def sync_progress(display: bool = True):

@@ -94,3 +94,20 @@ def test_interrupting_a_cell_stops_run_all_and_the_remote_process(tmp_path):
     while _pgrep(pattern) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _pgrep(pattern) == []
+
+
+@pytest.mark.parametrize("name, message, hint", [
+    ("nosuch.ipynb", "gpumagic: nosuch.ipynb does not exist",
+     "  hint: give the path of an .ipynb file (relative paths start at {cwd})"),
+    ("not-json.ipynb", "gpumagic: not-json.ipynb is not a notebook (not JSON)",
+     "  hint: give the path of an .ipynb file saved by Jupyter"),
+])
+def test_run_notebook_command_bad_notebook_is_a_one_line_error(tmp_path, monkeypatch, capsys, name,
+                                                              message, hint):
+    from gpumagic.__main__ import main  # what `python -m gpumagic` runs
+
+    (tmp_path / "not-json.ipynb").write_text("print('hello')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run-notebook", name]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [message, hint.format(cwd=tmp_path)], err

@@ -271,6 +271,43 @@ def test_keygen_magic_prints_the_public_key_to_paste(ip, capsys, tmp_path):
     assert Path(str(path) + ".pub").read_text().strip() == pub
 
 
+def test_keygen_to_an_unwritable_path_is_one_line_error_with_hint(ip, capsys):
+    # /proc takes no new files, even for root (tests may run as root, where modes do not stop it).
+    ip.run_cell("%gpu keygen --path /proc/key")
+    out = capsys.readouterr().out
+    assert out == ("LocalFileError: cannot write the key to /proc/key: No such file or directory\n"
+                   "  hint: choose a path in a directory you can write, e.g. --path ~/.ssh/id_ed25519 "
+                   "(the default)\n"), out
+    assert not Path("/proc/key.pub").exists()
+
+
+def test_keygen_under_a_file_names_the_directory_it_cannot_make(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(setup.LocalFileError) as info:
+        setup.keygen(tmp_path / "afile" / "id_ed25519")
+    assert info.value.message == (f"cannot write the key to {tmp_path}/afile/id_ed25519: cannot make "
+                                  f"the directory {tmp_path}/afile: File exists")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_add_host_with_ssh_dir_a_file_says_it_cannot_read_the_config(tmp_path):
+    (tmp_path / ".ssh").write_text("not a directory")
+    with pytest.raises(setup.LocalFileError) as info:
+        setup.add_host("gpu", "203.0.113.10", home=tmp_path)
+    assert info.value.message == f"cannot read {tmp_path}/.ssh/config: Not a directory"
+    assert "ls -ld ~/.ssh ~/.ssh/config" in info.value.hint
+    assert (tmp_path / ".ssh").read_text() == "not a directory"
+
+
+def test_add_host_to_an_unwritable_config_is_one_line_error_with_hint(tmp_path):
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").symlink_to("/proc/gpumagic-no-such-config")
+    with pytest.raises(setup.LocalFileError) as info:
+        setup.add_host("gpu", "203.0.113.10", home=tmp_path)
+    assert info.value.message == "cannot write /proc/gpumagic-no-such-config: No such file or directory"
+    assert info.value.hint.startswith("check that you own /proc and can write there")
+
+
 def test_public_key_widget_holds_the_key_and_a_copy_button(tmp_path):
     from gpumagic.widgets import public_key_widget
 

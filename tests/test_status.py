@@ -114,7 +114,30 @@ def _wait(thread_owner, predicate, limit=60.0):
     return predicate()
 
 
-def test_watch_keeps_running_through_a_mismatch_and_stops_on_stop(ip, set_gpu, capsys):
+@pytest.fixture
+def kernel_ip(ip, monkeypatch):
+    """``ip`` as a Jupyter kernel's shell would be: one with a ``kernel``, where widgets show."""
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)
+    return ip
+
+
+def test_watch_without_widget_support_says_so_and_starts_no_thread(ip, capsys):
+    import threading
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    for _ in range(2):  # the second time too: nothing is watching
+        ip.run_line_magic("gpu", "status --watch 1")
+        out = capsys.readouterr().out
+        assert "GPU0 NVIDIA H200 | util 0%" in out
+        assert out.endswith("not watching: --watch refreshes a widget, and this front end (no Jupyter "
+                            "kernel) cannot show one; run `%gpu status --text` again, or use a notebook\n")
+    assert ip._gpumagic.status_watchers == {}
+    assert not [t for t in threading.enumerate() if t.name == "gpumagic-status-watch" and t.is_alive()]
+
+
+def test_watch_keeps_running_through_a_mismatch_and_stops_on_stop(kernel_ip, set_gpu, capsys):
+    ip = kernel_ip
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("gpu", "status --watch 1")
     watcher = ip._gpumagic.status_watchers["testgpu"]
@@ -135,7 +158,8 @@ def test_watch_keeps_running_through_a_mismatch_and_stops_on_stop(ip, set_gpu, c
     assert capsys.readouterr().out == "no --watch is running\n"
 
 
-def test_watch_stops_on_disconnect_saying_so(ip):
+def test_watch_stops_on_disconnect_saying_so(kernel_ip):
+    ip = kernel_ip
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("gpu", "status --watch 1")
     watcher = ip._gpumagic.status_watchers["testgpu"]
@@ -226,7 +250,8 @@ def test_doctor_in_a_vanished_working_directory_says_what_to_do(machine):
     assert "%gpu cd" in e.value.hint
 
 
-def test_a_second_watch_replaces_the_first_saying_so(ip):
+def test_a_second_watch_replaces_the_first_saying_so(kernel_ip):
+    ip = kernel_ip
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("gpu", "status --watch 5")
     first = ip._gpumagic.status_watchers["testgpu"]
@@ -239,7 +264,8 @@ def test_a_second_watch_replaces_the_first_saying_so(ip):
     assert not second.running
 
 
-def test_watch_refreshes_while_cells_run_on_the_same_connection(ip, capsys):
+def test_watch_refreshes_while_cells_run_on_the_same_connection(kernel_ip, capsys):
+    ip = kernel_ip
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("gpu", "status --watch 1")
     watcher = ip._gpumagic.status_watchers["testgpu"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -470,7 +471,8 @@ def test_magic_sync_bad_arguments_are_usage_errors(ip, tmp_path):
 def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
     from gpumagic.widgets import SyncProgressBar, SyncProgressText
 
-    p = sync.SyncProgress(files_total=4, bytes_total=4096, files_done=1, bytes_done=1024)
+    p = sync.SyncProgress(files_total=4, bytes_total=4096, files_done=1, bytes_done=1024,
+                          started=time.monotonic() - 2)  # a rate and an ETA show after 1 s
     bar = SyncProgressBar(display=False)
     bar(p)
     assert (bar.bar.value, bar.bar.max) == (1024, 4096)
@@ -484,6 +486,64 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
         p.finished = True
         t(p)
     assert "done in" in t.text
+
+
+def test_progress_shows_no_rate_or_eta_in_the_first_second(tmp_path):
+    from gpumagic.display import sync_progress_text
+    from gpumagic.widgets import SyncProgressText
+
+    early = sync.SyncProgress(files_total=4, bytes_total=4 << 20, bytes_done=88,
+                              started=time.monotonic() - 0.2)
+    assert sync_progress_text(early) == "0/4 files  88 B/4.0 MiB"
+    later = sync.SyncProgress(files_total=4, bytes_total=4 << 20, bytes_done=1 << 20,
+                              started=time.monotonic() - 2)
+    assert "/s  ETA " in sync_progress_text(later)
+    with open(tmp_path / "err.txt", "w") as f:
+        t = SyncProgressText(file=f)
+        t(early)
+        first = (tmp_path / "err.txt").read_bytes().decode()  # keeping the \r
+        t(later)
+        shown = str(t.bar)  # what tqdm draws at its next refresh
+        t.close()
+    assert "0/4 files]" in first and "<" not in first and "B/s" not in first, repr(first)
+    assert "<" in shown and "B/s, 0/4 files]" in shown, shown  # tqdm's ETA and rate after 1 s
+
+
+def test_failed_sync_ends_the_bar_line_before_the_error_and_leaves_nothing_behind(tmp_path):
+    import gc
+
+    from gpumagic.widgets import SyncProgressText
+
+    p = sync.SyncProgress(files_total=4, bytes_total=4000, started=time.monotonic() - 0.1)
+    with open(tmp_path / "err.txt", "w") as f:
+        t = SyncProgressText(file=f)
+        t(p)
+        t.close(failed=True)  # what %gpu sync does in its finally
+        f.write("SyncError: ...\n")
+        f.flush()
+        t.close(failed=True)
+        del t
+        gc.collect()  # an unclosed tqdm bar would clear its line here, over later output
+        f.write("next output\n")
+    lines = (tmp_path / "err.txt").read_bytes().decode().split("\n")
+    assert lines[0].endswith("0/4 files]") and lines[1:] == ["SyncError: ...", "next output", ""], lines
+
+
+def test_magic_sync_to_an_uncreatable_destination_says_so_and_ends_the_bar(ip, tmp_path, capsys,
+                                                                            monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proj").mkdir()
+    for i in range(4):
+        (tmp_path / "proj" / f"f{i}").write_bytes(b"x" * 1000)
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    with pytest.raises(SyncError) as info:
+        ip.run_line_magic("gpu", "sync ./proj/ :/proc/nope/")
+    err = capsys.readouterr().err
+    assert info.value.message.startswith("cannot create /proc/nope/ on testgpu")
+    assert "choose a destination that can be created" in info.value.hint
+    assert "run the sync again" not in info.value.hint
+    assert err.endswith("0/4 files]\n"), repr(err)
 
 
 # -- tutorial --------------------------------------------------------------------------------

@@ -374,3 +374,73 @@ def process_gone(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     except (FileNotFoundError, ProcessLookupError):
         return True
+
+
+# -- reuse and loops (defects a new user found) --------------------------------------------
+
+
+def test_same_target_three_times_is_one_tunnel_said_already_open(ip, http_server, capsys):
+    port = http_server(marker="once")
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    capsys.readouterr()
+    outs = []
+    for _ in range(3):
+        ip.run_line_magic("gpu", f"tunnel {port}")
+        outs.append(capsys.readouterr().out)
+    (t,) = list(m.tunnels)
+    assert "already open" not in outs[0]
+    for out in outs[1:]:
+        assert f"a tunnel to localhost:{port} is already open at {t.url}" in out, out
+        assert "taken by another program" not in out
+    assert fetch(t.url) == b"once"
+
+
+def test_local_port_held_by_own_tunnel_to_same_target_is_that_tunnel(ip, http_server, capsys):
+    port, local = http_server(marker="same"), free_port()
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    ip.run_line_magic("gpu", f"tunnel {port} --local-port {local}")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", f"tunnel {port} --local-port {local}")
+    out = capsys.readouterr().out
+    assert [t.local_port for t in m.tunnels] == [local]
+    assert f"already open at http://127.0.0.1:{local}/" in out and "taken" not in out, out
+
+
+def test_local_port_held_by_own_tunnel_to_another_target_names_that_tunnel(ip, http_server, capsys):
+    first, second, local = http_server(marker="a"), http_server(marker="b"), free_port()
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    ip.run_line_magic("gpu", f"tunnel {first} --local-port {local}")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", f"tunnel {second} --local-port {local}")
+    out = capsys.readouterr().out
+    assert (f"local port {local} is used by gpumagic's tunnel {local} -> localhost:{first} "
+            f"(port {first}); using ") in out, out
+    other = m.tunnels.find("localhost", second)
+    assert other.local_port != local and other.moved_from == local
+    assert fetch(other.url) == b"b" and fetch(f"http://127.0.0.1:{local}/") == b"a"
+
+
+def test_tunnel_on_the_sandbox_to_an_unused_port_never_loops_into_itself(tmp_path):
+    import gpumagic
+
+    dead = free_port()  # nothing listens there, on the sandbox (this computer) or here
+    with gpumagic.connect(sandbox=True) as m:
+        t = m.tunnel(dead)
+        try:
+            assert t.local_port != dead and t.moved_from == dead
+            assert "the tunnel would forward to itself in a loop" in t.moved_reason
+            with pytest.raises(OSError):  # closed without a reply, like a proxy's 502
+                fetch(t.url, timeout=10)
+            assert wait_until(lambda: t.faults and t.active_connections == 0, 10)
+            assert t.faults[0].message.startswith(f"the machine could not connect to localhost:{dead}")
+            assert t.connections_total == 1
+            # An explicit --local-port equal to the target's port is refused the same way.
+            again = m.tunnel(dead, local_port=dead)
+            assert again is t
+            second = m.tunnel(t.local_port, local_port=dead)  # would close a two-tunnel cycle
+            assert second.local_port != dead and second.local_port != t.local_port
+        finally:
+            t.stop(raise_errors=False)
