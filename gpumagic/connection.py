@@ -146,7 +146,6 @@ class Connection:
         self._lock = threading.RLock()
         self._keepalive_stop = threading.Event()
         self._lost_reason: str | None = None
-        self._sftp: paramiko.SFTPClient | None = None
         self.opened_count = 0
         #: Messages for the user from the last open (e.g. a host key that was trusted).
         self.notes: list[str] = []
@@ -204,6 +203,7 @@ class Connection:
             try:
                 self._prefer_fast_ciphers(t)
                 self._prefer_known_key_types(t)
+                _prefer_aead_ciphers(t)
                 t.banner_timeout = t.handshake_timeout = self.spec.connect_timeout
                 started = time.monotonic()
                 try:
@@ -247,12 +247,6 @@ class Connection:
 
     def _teardown(self) -> None:
         self._keepalive_stop.set()
-        if self._sftp is not None:
-            try:
-                self._sftp.close()
-            except Exception:
-                pass
-            self._sftp = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -459,14 +453,6 @@ class Connection:
                 raise ConnectionLost(f"cannot open a channel to {self.spec.address}: {e}",
                                      "run `%gpu connect` again")
 
-    def sftp(self) -> paramiko.SFTPClient:
-        """An SFTP client on this connection (one, reused while the connection is up)."""
-        with self._lock:
-            self.ensure_open()
-            if self._sftp is None or self._sftp.sock.closed:
-                self._sftp = paramiko.SFTPClient.from_transport(self.transport)
-            return self._sftp
-
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "closed"
         return f"<Connection {self.spec.user}@{self.spec.address} {state}>"
@@ -515,17 +501,6 @@ def wait_readable(chan: paramiko.Channel, timeout: float) -> None:
         p.poll(timeout * 1000)
     else:  # Windows: select works on sockets there, without the 1024 limit
         select.select([chan], [], [], timeout)
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns the last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 # -- sending on a channel that the other side may be closing ---------------------------------

@@ -102,7 +102,6 @@ class HostSpec:
     proxy_jump: tuple[str, ...] = ()
     known_hosts: str = ""
     from_config: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def address(self) -> str:

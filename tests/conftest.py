@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,14 @@ def session_sshd_pid(machine) -> int:
     """PID of the sshd process serving ``machine``'s connection (the cell shell's grandparent),
     for injecting faults: SIGSTOP it (peer stops answering) or SIGKILL it (connection drops)."""
     return int(machine.run("cut -d' ' -f4 /proc/$PPID/stat", quiet=True).stdout)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -247,3 +247,9 @@ def test_a_port_that_is_not_ssh_says_so_at_once_without_paramiko_noise(sshd):
     want = f"127.0.0.1:{port} is not an SSH server: it closed the connection without an SSH greeting"
     assert e.value.message == want and "SSH port" in e.value.hint
     assert (r.stdout, r.stderr) == (want + "\n", "")
+
+
+def test_connection_negotiates_aes_gcm_for_fast_bulk_transfer(machine):
+    # AES-GCM is one OpenSSL call per packet (CTR + HMAC is two): sync and tunnels depend on it.
+    assert machine.connection.transport.remote_cipher in ("aes128-gcm@openssh.com",
+                                                          "aes256-gcm@openssh.com")

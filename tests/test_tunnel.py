@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpumagic.connection import wait_until
+from conftest import wait_until
 from gpumagic.errors import TunnelError
 from gpumagic.sandbox import free_port
 
