@@ -203,7 +203,6 @@ class Connection:
             try:
                 self._prefer_fast_ciphers(t)
                 self._prefer_known_key_types(t)
-                _prefer_aead_ciphers(t)
                 t.banner_timeout = t.handshake_timeout = self.spec.connect_timeout
                 started = time.monotonic()
                 try:
@@ -456,19 +455,6 @@ class Connection:
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "closed"
         return f"<Connection {self.spec.user}@{self.spec.address} {state}>"
-
-
-#: AES-GCM first: one OpenSSL call per packet instead of AES-CTR plus a separate HMAC,
-#: which measured about 1.2x faster sending and 1.9x faster receiving bulk data on loopback
-#: (paramiko 5; every OpenSSH since 6.2 offers these).
-AEAD_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
-
-
-def _prefer_aead_ciphers(t: paramiko.Transport) -> None:
-    opts = t.get_security_options()
-    have = list(opts.ciphers)
-    first = [c for c in AEAD_CIPHERS if c in have]
-    opts.ciphers = tuple(first + [c for c in have if c not in first])
 
 
 def _direct(via: Connection, spec: HostSpec):
