@@ -905,8 +905,9 @@ GUARD_DIR = ".gpumagic/guard"
 
 def guard_dir(machine) -> str:
     """The guard's directory on ``machine`` as a shell word: ``"$HOME/.gpumagic/guard"``, or on
-    the sandbox (which is this computer) a folder inside the sandbox's own directory, so the
-    tutorial never leaves a guard's files in the user's real home."""
+    the sandbox (which is this computer) a folder inside the sandbox's temporary directory:
+    the guard exits when its directory goes, so it ends with the sandbox instead of running
+    on in the kept sandbox home."""
     sandbox = getattr(machine, "sandbox", None)
     if sandbox is not None:
         return shlex.quote(str(Path(sandbox.server.dir) / "guard"))

@@ -475,11 +475,6 @@ class AlertView(_View):
                 f'<b>gpumagic budget alert</b>: {html.escape(self.message)}</div>')
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
 class EstimateView(_View):
     """``%gpu budget estimate``: a small table."""
 
@@ -494,7 +489,7 @@ class EstimateView(_View):
             (r.label, "" if r.cost is None else money(r.cost, self.currency), r.note) for r in self.rows]
 
     def text(self) -> str:
-        return _table(self._cells())
+        return text_table(self._cells())
 
     def html(self) -> str:
         cells = self._cells()
@@ -521,7 +516,7 @@ class HistoryView(_View):
         for m, _, c, cur in self.rows:
             totals[(m, cur)] = totals.get((m, cur), 0) + c
         cells += [(m, "total", money(c, cur), "") for (m, cur), c in sorted(totals.items())]
-        return _table(cells)
+        return text_table(cells)
 
     def html(self) -> str:
         from .budget import money

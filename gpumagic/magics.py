@@ -331,8 +331,7 @@ def hosts_table(session: Session) -> str:
         rows.append((name, target, state))
     if len(rows) == 1:
         return "no machines: add a Host block to ~/.ssh/config or run `%gpu connect user@host:port`"
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return display.text_table(rows)
 
 
 @subcommand("forget", "remove a host's key from ~/.ssh/known_hosts (after rebuilding an instance)")
