@@ -787,8 +787,33 @@ def _hint_for(e: BaseException) -> str:
 #: does), else start one detached (own session, output to ~/.gpumagic/tensorboard-*.log)
 #: bound to 127.0.0.1; TensorBoard itself picks 6006 or the next free port when ``--port``
 #: is not given.  Prints one JSON line.
-_TENSORBOARD_SCRIPT = r'''
+#: Shared by the service scripts (prepended to each): start ``argv`` detached in its own
+#: session with output to ``~/.gpumagic/NAME-MS.log``, wait until ``running()`` lists its pid
+#: (``pid_of(info)``), then ``report`` it; else print the log's last lines as "failed".
+_START_AND_REPORT = r'''
 import json, os, subprocess, sys, time
+def start_and_report(name, argv, running, pid_of):
+    state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
+    log = os.path.join(state, "%s-%d.log" % (name, int(time.time() * 1000)))
+    with open(log, "ab") as out:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                             start_new_session=True, close_fds=True)
+    deadline = time.time() + __TIMEOUT__
+    while time.time() < deadline:
+        for info in running():
+            if pid_of(info) == p.pid:
+                report(info, True, log); sys.exit(0)
+        if p.poll() is not None:
+            break
+        time.sleep(0.2)
+    with open(log, "rb") as f:
+        tail = f.read().decode("utf-8", "replace").strip().splitlines()[-3:]
+    if p.poll() is None:
+        p.kill()
+    print(json.dumps({"failed": " | ".join(tail) or "no output", "log": log}))
+'''
+
+_TENSORBOARD_SCRIPT = r'''
 logdir = os.path.abspath(os.path.expanduser(__LOGDIR__))
 try:
     from tensorboard import manager
@@ -805,25 +830,8 @@ info = serving()
 if info is not None:
     report(info, False); sys.exit(0)
 os.makedirs(logdir, exist_ok=True)
-state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
-log = os.path.join(state, "tensorboard-%d.log" % int(time.time() * 1000))
-with open(log, "ab") as out:
-    p = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
-                          "--host", "127.0.0.1"], stdin=subprocess.DEVNULL, stdout=out,
-                         stderr=out, start_new_session=True, close_fds=True)
-deadline = time.time() + __TIMEOUT__
-while time.time() < deadline:
-    for info in manager.get_all():
-        if info.pid == p.pid:
-            report(info, True, log); sys.exit(0)
-    if p.poll() is not None:
-        break
-    time.sleep(0.2)
-with open(log, "rb") as f:
-    tail = f.read().decode("utf-8", "replace").strip().splitlines()[-3:]
-if p.poll() is None:
-    p.kill()
-print(json.dumps({"failed": " | ".join(tail) or "no output", "log": log}))
+start_and_report("tensorboard", [sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
+                                 "--host", "127.0.0.1"], manager.get_all, lambda info: info.pid)
 '''
 
 
@@ -884,7 +892,7 @@ def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> R
 #: or a bare Jupyter Server) detached, bound to 127.0.0.1 on 8888 or the next free port
 #: (``port_retries``), without a browser.  Prints one JSON line with the token.
 _JUPYTER_SCRIPT = r'''
-import importlib.util, json, os, subprocess, sys, time
+import importlib.util
 try:
     from jupyter_server.serverapp import list_running_servers
 except ImportError:
@@ -895,29 +903,12 @@ def report(info, started, log=None):
 for info in list_running_servers():
     report(info, False); sys.exit(0)
 app = next((m for m in ("jupyterlab", "notebook") if importlib.util.find_spec(m)), "jupyter_server")
-state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
-log = os.path.join(state, "jupyter-%d.log" % int(time.time() * 1000))
-with open(log, "ab") as out:
-    p = subprocess.Popen([sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
-                          "--ServerApp.port=8888", "--ServerApp.open_browser=False"]
-                         # rented machines often log in as root; the server stays on 127.0.0.1
-                         # behind its token
-                         + (["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else []),
-                         stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                         start_new_session=True, close_fds=True)
-deadline = time.time() + __TIMEOUT__
-while time.time() < deadline:
-    for info in list_running_servers():
-        if info["pid"] == p.pid:
-            report(info, True, log); sys.exit(0)
-    if p.poll() is not None:
-        break
-    time.sleep(0.2)
-with open(log, "rb") as f:
-    tail = f.read().decode("utf-8", "replace").strip().splitlines()[-3:]
-if p.poll() is None:
-    p.kill()
-print(json.dumps({"failed": " | ".join(tail) or "no output", "log": log}))
+start_and_report("jupyter", [sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
+                             "--ServerApp.port=8888", "--ServerApp.open_browser=False"]
+                 # rented machines often log in as root; the server stays on 127.0.0.1
+                 # behind its token
+                 + (["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else []),
+                 list_running_servers, lambda info: info["pid"])
 '''
 
 
@@ -948,7 +939,7 @@ def _run_service_script(machine, what: str, script: str, timeout: float, package
     import json
     import shlex
 
-    script = script.replace("__TIMEOUT__", repr(float(timeout)))
+    script = (_START_AND_REPORT + script).replace("__TIMEOUT__", repr(float(timeout)))
     if logdir is not None:
         script = script.replace("__LOGDIR__", repr(logdir))
     r = machine.run(script, python=True, quiet=True, timeout=timeout + 30)
