@@ -541,7 +541,7 @@ class Ledger:
             return _empty()
         except OSError as e:
             raise LedgerError(f"cannot read the budget ledger {self.path}: {e.strerror}",
-                              f"fix its permissions, or set GPUMAGIC_DATA_DIR to another directory")
+                              "fix its permissions, or set GPUMAGIC_DATA_DIR to another directory")
         try:
             data = json.loads(raw.decode("utf-8"))
             problem = _ledger_problem(data)

@@ -367,7 +367,6 @@ class _View:
         return self.html()
 
 
-
 def _bar_text(fraction: float, width: int = 30) -> str:
     f = min(max(fraction, 0.0), 1.0)
     full = int(round(f * width))

@@ -157,5 +157,7 @@ class SyncPermissionDenied(SyncError):
 
 class JobError(GpumagicError):
     """A detached job cannot be started, found or stopped as asked."""
+
+
 class TunnelError(GpumagicError):
     """A port forward could not start, or failed on its background thread."""

@@ -36,12 +36,14 @@ from .errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 MAX_INLINE = 120 * 1024
 #: Seconds between SIGTERM and SIGKILL when a cell is stopped.
 KILL_GRACE = 1.0
+#: The wrapper's exit status when the working directory does not exist (stderr says which).
+CWD_MISSING = 97
 
 _WRAPPER = r"""
 printf '\036gpumagic-%s %s\n' "$1" "$$"
 case $2 in "~") d=$HOME ;; "~/"*) d=$HOME/${2#"~/"} ;; *) d=$2 ;; esac
 if [ -n "$d" ] && ! cd -- "$d" 2>/dev/null; then
-  printf 'gpumagic: cannot enter directory %s on this machine\n' "$d" >&2; exit 97
+  printf 'gpumagic: cannot enter directory %s on this machine\n' "$d" >&2; exit %(cwd_missing)s
 fi
 shift 2
 exec 3<&0
@@ -53,7 +55,7 @@ exec 3<&-
 rc=$?
 kill -KILL $watchdog 2>/dev/null
 exit $rc
-""".strip().replace("%(grace)s", str(KILL_GRACE))
+""".strip().replace("%(grace)s", str(KILL_GRACE)).replace("%(cwd_missing)s", str(CWD_MISSING))
 
 
 @dataclass

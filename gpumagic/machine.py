@@ -10,9 +10,8 @@ The IPython magics are a thin layer over this module.
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from . import execution, gpu, jobs
 from .connection import Connection, PassphrasePrompt, _default_prompt
@@ -20,6 +19,9 @@ from .errors import RemoteCommandError, UnknownHostKey
 from .execution import RunResult
 from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel import Tunnel, TunnelManager
+
+if TYPE_CHECKING:
+    from .sync import SyncSummary
 
 
 class Machine:
@@ -157,10 +159,10 @@ class Machine:
         result = execution.run(self.connection, argv, cwd=cwd if cwd is not None else self.cwd,
                                env=full_env, stdout=stdout, stderr=stderr, timeout=timeout,
                                capture=capture)
-        if result.exit_code == 97 and result.stderr.startswith("gpumagic: cannot enter directory"):
+        if result.exit_code == execution.CWD_MISSING and result.stderr.startswith("gpumagic: cannot enter"):
             where = cwd if cwd is not None else self.cwd
             raise RemoteCommandError(
-                f"no directory {where} on {self.name}", exit_code=97, stderr=result.stderr,
+                f"no directory {where} on {self.name}", exit_code=result.exit_code, stderr=result.stderr,
                 hint="create it first (`mkdir -p DIR` in a cell), or fix --cwd / `%gpu cd`")
         if check and result.exit_code != 0:
             raise RemoteCommandError(

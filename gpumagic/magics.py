@@ -1078,6 +1078,8 @@ def _budget_post_run_cell(magics: GpuMagics):
                 said.add(str(e))
                 print(f"gpumagic: budget alert check failed: {e}")
     return hook
+
+
 def _moved_note(t, session: Session | None = None) -> str:
     """Why ``t`` is not on the local port asked for ("" when it is)."""
     if t.moved_from is None:

@@ -65,6 +65,7 @@ def _():
     code = ("import torch, time\nhold = torch.empty(8 * 2**30, dtype=torch.uint8, device='cuda')\n"
             "print('holding', flush=True)\nwhile True:\n    time.sleep(0.2)\n")
     started = threading.Event()
+
     def interrupt_once_running():
         if started.wait(60):
             time.sleep(2)
@@ -100,7 +101,7 @@ def _():
 
 @step("job_survives_disconnect_in_tmux")
 def _():
-    job = m.start_job("e2e-train", "import torch, time\nfor i in range(8):\n"
+    m.start_job("e2e-train", "import torch, time\nfor i in range(8):\n"
                       "    x = torch.randn(1024, 1024, device='cuda'); print('step', i, 'loss', float(x.mean()))\n"
                       "    time.sleep(0.5)\n", python=True)
     m.close()

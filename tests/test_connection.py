@@ -15,7 +15,6 @@ import gpumagic
 from conftest import CLIENT_HOME, add_client_entry, make_server, session_sshd_pid
 from gpumagic.errors import (
     AuthenticationFailed,
-    ConnectionLost,
     ConnectionRefused,
     ConnectTimeout,
     HostNotFound,

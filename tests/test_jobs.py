@@ -434,7 +434,7 @@ def test_kill_leaves_no_process_of_the_job_children_included(ip):
         f"setsid {marks[1]} &",                                    # left the process group and session
         f"sh -c 'trap \"\" TERM; {marks[2]}' &",                   # ignores SIGTERM
         "python3 -c 'import subprocess, time; subprocess.Popen(\"" + marks[3] + "\".split()); "
-        f"time.sleep(7000)' &",                                    # a grandchild
+        "time.sleep(7000)' &",                                    # a grandchild
         "echo started",
         marks[4],                                                  # the foreground step
     ])
