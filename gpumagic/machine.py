@@ -208,23 +208,43 @@ class Machine:
         """Copy a local tree or file to this machine, sending only what differs.
 
         ``dir/`` copies the contents of ``dir``, ``dir`` the directory itself (rsync's
-        rule).  Options: ``delete``, ``exclude``, ``ignore_files``, ``dry_run``,
-        ``checksum``, ``update``, ``progress``; see :func:`gpumagic.sync.push`.
+        rule).  ``dst`` is a path on this machine, written plainly or as in ``%gpu sync``
+        (``:path``, ``NAME:path``).  Options: ``delete``, ``exclude``, ``ignore_files``,
+        ``dry_run``, ``checksum``, ``update``, ``progress``; see :func:`gpumagic.sync.push`.
 
         Returns
         -------
         SyncSummary
             Files and bytes sent, skipped, deleted, seconds.
+
+        Raises
+        ------
+        ConfigError
+            When ``dst`` names another machine (``OTHER:path``).
         """
         from . import sync
 
-        return sync.push(self, src, dst, **options)
+        return sync.push(self, src, self._remote_path(dst), **options)
 
     def pull(self, src: str, dst: str, **options) -> "SyncSummary":
-        """Copy a tree or file from this machine to a local path; see :func:`gpumagic.sync.pull`."""
+        """Copy a tree or file from this machine (``src``: ``path``, ``:path`` or
+        ``NAME:path``) to a local path; see :func:`gpumagic.sync.pull`."""
         from . import sync
 
-        return sync.pull(self, src, dst, **options)
+        return sync.pull(self, self._remote_path(src), dst, **options)
+
+    def _remote_path(self, text: str) -> str:
+        """A path on this machine from ``path``, ``:path`` or ``NAME:path`` (``%gpu sync``'s forms)."""
+        from .errors import ConfigError
+        from .sync import parse_endpoint
+
+        end = parse_endpoint(text)
+        if end.host is None:
+            return text
+        if end.host and end.host != self.name:
+            raise ConfigError(f"{text!r} names machine {end.host!r}, but this is {self.name!r}",
+                              f"write the path on {self.name} alone, or use that machine's push/pull")
+        return end.path
 
     # -- detached jobs (gpumagic/jobs.py) --------------------------------------------------
 

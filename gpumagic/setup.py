@@ -107,6 +107,12 @@ def _key_type_and_blob(line: str) -> tuple[str, str]:
     return fields[0], fields[1]
 
 
+def _local_path(path) -> Path:
+    """A local path as typed in a magic: ``~`` and ``$VAR``/``${VAR}`` expanded (IPython does
+    not expand ``$HOME`` in a magic's line unless a Python variable of that name exists)."""
+    return Path(os.path.expanduser(os.path.expandvars(str(path))))
+
+
 def _link_new(data: bytes, path: Path, mode: int) -> None:
     """Create ``path`` with ``data`` and ``mode`` all at once, failing if it exists.
 
@@ -203,7 +209,7 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    path = Path(os.path.expanduser(str(path))) if path else default_key_path(home)
+    path = _local_path(path) if path else default_key_path(home)
     pub_path = Path(str(path) + ".pub")
     for p in (path, pub_path):
         if p.exists() or p.is_symlink():
@@ -243,7 +249,7 @@ def read_public_key(key_path: str | os.PathLike, *, prompt=None) -> str:
     ConfigError
         When neither the private key nor its ``.pub`` file exists.
     """
-    key_path = Path(os.path.expanduser(str(key_path)))
+    key_path = _local_path(key_path)
     pub = Path(str(key_path) + ".pub")
     if pub.exists():
         line = pub.read_text(encoding="utf-8", errors="replace").strip().splitlines()[0]
@@ -666,7 +672,7 @@ def install_key(target: str, *, key: str | os.PathLike | None = None, port: int 
     spec = resolve(target, home=home, port=port, user=user, proxy_jump=jump)
     if key is None:
         key = next((f for f in spec.identity_files if os.path.exists(f)), None) or default_key_path(home)
-    key = str(Path(os.path.expanduser(str(key))))
+    key = str(_local_path(key))
     if not os.path.exists(key):
         raise ConfigError(f"no private key at {key}",
                           "make one first with `%gpu keygen`, or name yours with --key PATH")

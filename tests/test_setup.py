@@ -618,3 +618,11 @@ def test_tutorial_00_first_setup_runs_and_shows_each_step(tmp_path, monkeypatch)
     assert "connected to pasted" in text
     assert not any(o.get("output_type") == "error" for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
+
+
+def test_keygen_path_expands_environment_variables(tmp_path, monkeypatch, ip):
+    # IPython leaves "$HOME" in a magic's line as typed (no Python variable of that name).
+    monkeypatch.setenv("GM_KEYDIR", str(tmp_path))
+    ip.run_line_magic("gpu", "keygen --path $GM_KEYDIR/k1")
+    assert (tmp_path / "k1").stat().st_mode & 0o777 == 0o600
+    assert not Path("$GM_KEYDIR").exists()

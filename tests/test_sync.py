@@ -632,3 +632,19 @@ def test_update_keeps_a_newer_remote_file(machine, tmp_path):
     s = machine.push(str(src) + "/", str(remote), update=True)
     assert s.newer == ["notes.txt"] and s.files_sent == 0
     assert (remote / "notes.txt").read_text() == "edited on the machine"
+
+
+def test_python_push_and_pull_accept_the_sync_colon_forms(machine, tmp_path):
+    from gpumagic.errors import ConfigError
+    src = tmp_path / "colon src"
+    src.mkdir()
+    (src / "f.txt").write_text("colon\n")
+    remote = f"/tmp/gm-colon-{os.getpid()}"
+    machine.push(str(src) + "/", f":{remote}/")
+    assert machine.run(["cat", f"{remote}/f.txt"], quiet=True).stdout == "colon\n"
+    machine.pull(f"{machine.name}:{remote}/", str(tmp_path / "back") + "/")
+    assert (tmp_path / "back" / "f.txt").read_text() == "colon\n"
+    with pytest.raises(ConfigError) as e:
+        machine.push(str(src) + "/", f"othermachine:{remote}/")
+    assert "'othermachine'" in e.value.message
+    machine.run(["rm", "-rf", remote], quiet=True)
