@@ -22,6 +22,7 @@ from typing import Callable
 
 import paramiko
 from paramiko.common import cMSG_CHANNEL_DATA as _MSG_CHANNEL_DATA
+from paramiko.common import cMSG_CHANNEL_WINDOW_ADJUST as _MSG_CHANNEL_WINDOW_ADJUST
 
 from . import known_hosts
 from .errors import (
@@ -568,6 +569,23 @@ def sendall_ordered(chan: paramiko.Channel, data: bytes) -> None:
         if not _send_in_order(chan, build):
             raise OSError(errno.EPIPE, "the remote side closed the channel")
         view = view[size:]
+
+
+def send_window_adjust(chan: paramiko.Channel, nbytes: int) -> None:
+    """Give ``nbytes`` of the channel's receive window back to the server
+    (CHANNEL_WINDOW_ADJUST, RFC 4254 section 5.2), never after the channel's CLOSE.
+
+    For a reader that takes a channel's bytes without ``Channel.recv`` (which sends these
+    itself): call it with what ``chan._check_add_window(n)`` returns when that is not 0.
+    """
+    def build():
+        m = paramiko.Message()
+        m.add_byte(_MSG_CHANNEL_WINDOW_ADJUST)
+        m.add_int(chan.remote_chanid)
+        m.add_int(nbytes)
+        return m
+
+    _send_in_order(chan, build)
 
 
 def send_eof(chan: paramiko.Channel) -> None:

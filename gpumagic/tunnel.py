@@ -9,11 +9,16 @@ How it moves bytes
 ------------------
 * One thread at a time waits on the listening socket and a wake-up socket pair (a selector,
   no polling).  The thread that accepts a connection serves it and hands listening on to an
-  idle worker (leader/follower: no thread handoff before the first request); it opens the
-  channel (so a slow or refused remote service never stalls the others), sends the request
-  that is usually already waiting, then copies remote -> local while a second worker copies
-  local -> remote.  Both copy loops block on large reads (1 MiB): bytes move as soon as they
-  arrive, with no sleep and little per-chunk overhead.  Worker threads are reused.
+  idle worker (leader/follower: no thread handoff before the first request), then asks for
+  the channel (so a slow or refused remote service never stalls the others).
+* Remote -> local, and the first request, happen on paramiko's transport thread, as
+  ``ssh -L`` does them in its one event loop: when the channel's OPEN_CONFIRMATION arrives,
+  the transport thread sends the client's request that is waiting by then, and every DATA
+  message is written straight to the local socket (:class:`_Forward`).  No thread is woken
+  between the client's request and its answer.  A client that reads slowly gets the rest
+  from a worker; the channel window is given back only for bytes the client took.
+* Local -> remote: the serving thread reads the local socket into a buffer it reuses (a fresh
+  1 MiB object per read cost ~17 us) and sends; worker threads are reused.
 * Channels ask for a 16 MiB window and 256 KiB - 1 KiB packets (OpenSSH accepts packets up to
   256 KiB; paramiko's default of 32 KiB costs one Python round trip per 32 KiB).  Local
   sockets have ``TCP_NODELAY`` so small requests are not held back by Nagle's algorithm.
@@ -48,11 +53,13 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import paramiko
+from paramiko.common import MSG_CHANNEL_OPEN_SUCCESS
 
-from .connection import send_eof, sendall_ordered
+from .connection import send_eof, send_window_adjust, sendall_ordered
 from .errors import ConnectionLost, GpumagicError, TunnelError
 
 log = logging.getLogger(__name__)
@@ -69,7 +76,15 @@ JOIN_TIMEOUT = 5.0
 #: How many ports after a taken one are tried before asking the OS for any free port.
 PORT_SCAN = 20
 
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # not on Windows: the first read is skipped there
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # not on Windows: every write goes through _drain there
+
+#: Bytes the transport thread reads for a connection's first request (a larger first
+#: request is sent on by the serving thread).
+FIRST_READ = 64 * 1024
+
+#: A reusable read buffer per thread: ``recv(1 MiB)`` would allocate (and map) a fresh
+#: 1 MiB object per call, ~17 us even for a 100-byte request.
+_buffers = threading.local()
 
 # Errors of a local client that went away; they end that connection quietly.
 _LOCAL_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
@@ -150,31 +165,291 @@ class _Workers:
 
 
 class _Forward:
-    """One accepted local connection and its channel."""
+    """One accepted local connection and its channel.
 
-    def __init__(self, number: int, sock: socket.socket, peer):
+    Remote -> local: the forward takes the place of the channel's input buffer
+    (``chan.in_buffer``, see :meth:`opened`), so paramiko's transport thread hands it each DATA
+    message (:meth:`feed`) and writes the bytes to the local socket right there, without
+    waking another thread.  What the local socket cannot take at once (a client that reads
+    slowly) waits in ``_pending`` while a worker thread writes it out (:meth:`_drain`).  The
+    channel window is given back only for bytes the local socket took, so at most one window
+    waits here per connection.  Paramiko calls :meth:`close` on the remote's EOF or CLOSE and
+    when the SSH connection drops; the local side is told once every byte is delivered
+    (:meth:`_finish`).
+
+    Local -> remote: the thread that serves the connection reads the local socket
+    (:meth:`Tunnel._serve`).
+
+    Locks: ``chan.lock`` (paramiko's), then ``self._lock``; never the other way.  No thread
+    waits for the transport thread while holding ``self._lock``, and the transport thread
+    never blocks on anything but these short locks (never on a key exchange).
+    """
+
+    def __init__(self, tunnel: "Tunnel", number: int, sock: socket.socket, peer):
+        self.tunnel = tunnel
         self.number = number
         self.sock = sock
         self.peer = peer
         self.chan: paramiko.Channel | None = None
-        self.down = 0  # bytes remote -> local (written only by the down thread)
-        self.up = 0    # bytes local -> remote (written only by the up thread)
-        self.closed = False
+        self.down = 0  # bytes remote -> local
+        self.up = 0    # bytes local -> remote (written only by the serving thread)
+        self.closed = False  # abort() ran
+        #: The SSH connection dropped before the remote's EOF: the client gets a reset.
+        self.lost = False
+        #: Set when the remote -> local direction is over: every byte delivered and the
+        #: local side told, or the local client gone.
+        self.down_done = threading.Event()
+        self._lock = threading.Lock()  # the local socket's sending side and the fields below
+        self._pending: deque = deque()
+        self._writing = False   # a worker is writing _pending out
+        self._ended = False     # paramiko called close()
+        self._discard = False   # the local client is gone: drop what still comes
+        self._sock_closed = False
+        self.chanid: int | None = None  # paramiko's number for the channel being opened
+        self.first = b""  # a first request that opened() read but left to the serving thread
+        self.first_error: BaseException | None = None  # what went wrong in opened()
+
+    # -- paramiko's side (the channel's input buffer) ----------------------------------
+
+    def opened(self, chan: paramiko.Channel) -> None:
+        """The transport thread, on the channel's OPEN_CONFIRMATION (before any of its DATA
+        can arrive, and before the serving thread wakes): become the channel's input buffer
+        and send the client's first request, which is usually waiting by now."""
+        self.chan = chan
+        with chan.lock:
+            chan.in_buffer = self
+        if self.closed or not _DONTWAIT or not chan.transport.clear_to_send.is_set():
+            return  # the serving thread sends it (it may wait for a key exchange; we may not)
+        try:
+            first = self.sock.recv(FIRST_READ, _DONTWAIT)
+            if not first:
+                return  # the client's EOF, which the serving thread reads again
+            with chan.lock:
+                fits = chan.out_window_size >= len(first)  # so sending never waits here
+            if fits:
+                sendall_ordered(chan, first)
+                self.up += len(first)
+            else:
+                self.first = first
+        except (BlockingIOError, InterruptedError):
+            pass
+        except BaseException as e:  # never into paramiko's transport thread
+            self.first_error = e
+
+    def feed(self, data: bytes) -> None:
+        """The transport thread: deliver one DATA message's bytes; never raises."""
+        try:
+            sent = 0
+            with self._lock:
+                if self._discard or self._sock_closed:
+                    return
+                if self._writing:
+                    self._pending.append(data)
+                    return
+                if _DONTWAIT:
+                    try:
+                        sent = self.sock.send(data, _DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                self.down += sent
+                start_drain = sent < len(data)
+                if start_drain:
+                    self._pending.append(memoryview(data)[sent:])
+                    self._writing = True
+            if start_drain:
+                self.tunnel._workers.submit(self._drain)
+            if sent:
+                self._give_window(sent, on_transport_thread=True)
+        except _LOCAL_GONE:
+            self._local_gone()
+        except BaseException as e:  # never into paramiko's transport thread
+            self.tunnel._fault(self.number, _what_failed(self, e), e)
+            self._local_gone()
+
+    def close(self) -> None:
+        """Paramiko (holding ``chan.lock``): the remote sent EOF or CLOSE, or the SSH
+        connection dropped.  Safe twice."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            if self._writing:
+                return  # _drain finishes after the last byte
+        self._finish()
+
+    def __len__(self) -> int:  # paramiko's repr of the channel
+        return sum(len(b) for b in self._pending)
+
+    def read_ready(self) -> bool:  # Channel.recv_ready: nothing is ever read through recv
+        return False
+
+    # -- local side ------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """A worker: write ``_pending`` out (blocking), then finish if the remote ended."""
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending or self._discard:
+                        self._pending.clear()
+                        self._writing = False
+                        ended = self._ended
+                        break
+                    chunk = self._pending.popleft()
+                self.sock.sendall(chunk)
+                with self._lock:
+                    self.down += len(chunk)
+                self._give_window(len(chunk), on_transport_thread=False)
+        except (OSError, EOFError, paramiko.SSHException) as e:
+            if not isinstance(e, _LOCAL_GONE) and not self.closed:
+                self.tunnel._fault(self.number, _what_failed(self, e), e)
+            self._local_gone()
+            return
+        if ended:
+            self._finish()
+
+    def _give_window(self, n: int, on_transport_thread: bool) -> None:
+        """Window back to the server for ``n`` delivered bytes (paramiko's ``recv`` does this
+        for its own readers), in batches of a tenth of the window."""
+        chan = self.chan
+        ack = chan._check_add_window(n)
+        if not ack:
+            return
+        if on_transport_thread and not chan.transport.clear_to_send.is_set():
+            # A key exchange runs and only the transport thread can finish it: send later.
+            self.tunnel._workers.submit(self._send_window, ack)
+        else:
+            self._send_window(ack)
+
+    def _send_window(self, ack: int) -> None:
+        try:
+            send_window_adjust(self.chan, ack)
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # the connection is gone: the channel ends with it
+
+    def _finish(self) -> None:
+        """Every byte delivered after the remote's end: tell the local client (FIN, or a
+        reset after a dropped SSH connection, which the serving thread sends) and wake the
+        serving thread."""
+        chan = self.chan
+        if not chan.eof_received and not self.closed and _dropped(chan.get_transport()):
+            self.lost = True
+        with self._lock:
+            if not self._sock_closed:
+                for how in ((socket.SHUT_RD,) if self.lost or self.closed
+                            else (socket.SHUT_WR, socket.SHUT_RD)):
+                    try:
+                        self.sock.shutdown(how)
+                    except OSError:
+                        pass
+        self.down_done.set()
+
+    def _local_gone(self) -> None:
+        """The local client went away: drop what still comes, wake the serving thread."""
+        with self._lock:
+            self._discard = True
+            self._pending.clear()
+            self._writing = False
+            if not self._sock_closed:
+                try:
+                    self.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+        self.down_done.set()
 
     def abort(self) -> None:
-        """Wake both copy loops and close both ends (safe from any thread, safe twice)."""
+        """Wake the serving thread and close the channel (safe from any thread, safe twice)."""
         self.closed = True
+        with self._lock:
+            if not self._sock_closed and not self.down_done.is_set():
+                try:
+                    # Wakes a recv blocked in another thread without sending FIN (the close
+                    # that follows sends FIN, or a reset after _reset).
+                    self.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+        chan = self.chan
+        if chan is None:
+            self.down_done.set()
+            return
         try:
-            # Wakes a recv blocked in another thread without sending FIN (the close that
-            # follows sends FIN, or a reset after _reset).
-            self.sock.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
-        if self.chan is not None:
+            with chan.lock:
+                # CLOSE alone ends a channel (RFC 4254 section 5.3): paramiko would send an
+                # EOF just before it, one more packet for both sides to handle.
+                chan.eof_sent = True
+            chan.close()  # paramiko calls self.close(): down_done unless _drain runs
+        except (EOFError, OSError, paramiko.SSHException):
+            pass  # the SSH connection is gone, and with it the channel
+
+    def release(self) -> None:
+        """Close the local socket once no other thread uses it (the serving thread, last)."""
+        if not self.down_done.is_set():
+            # _drain may block on a client that stopped reading: break its send.
             try:
-                self.chan.close()
-            except (EOFError, OSError, paramiko.SSHException):
-                pass  # the SSH connection is gone, and with it the channel
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.down_done.wait(JOIN_TIMEOUT)
+        with self._lock:
+            self._sock_closed = True
+            self.sock.close()
+
+
+#: The forward whose channel the current thread is opening (read by _hook_transport's
+#: ``_next_channel``, which paramiko's ``open_channel`` calls in that thread).
+_opening = threading.local()
+
+
+def _hook_transport(transport: paramiko.Transport) -> dict:
+    """Once per transport, let a tunnel channel's OPEN_CONFIRMATION be handled on the
+    transport thread itself (:meth:`_Forward.opened`), before the thread that opens the
+    channel is woken: the first request then leaves without a thread handoff, as with
+    ``ssh -L``, and no DATA can reach the channel before its forward is in place.
+
+    Uses paramiko's per-instance handler table (``Transport._handler_table``, which it keeps
+    per instance "for easier per-instance manipulation") and wraps ``_next_channel`` to learn
+    which channel number ``open_channel`` picked for which forward.  Returns the forwards
+    whose channels are being opened, by channel number.
+    """
+    pending = vars(transport).get("_gpumagic_opening")
+    if pending is not None:
+        return pending
+    pending = {}
+    next_channel = transport._next_channel
+    on_success = transport._handler_table[MSG_CHANNEL_OPEN_SUCCESS]
+
+    def _next_channel() -> int:  # under transport.lock, in the opening thread
+        chanid = next_channel()
+        fwd = getattr(_opening, "fwd", None)
+        if fwd is not None:
+            fwd.chanid = chanid
+            pending[chanid] = fwd
+        return chanid
+
+    def _open_success(m: paramiko.Message) -> None:  # the transport thread
+        chanid = m.get_int()
+        m.rewind()
+        fwd = pending.pop(chanid, None)
+        if fwd is None:
+            on_success(m)
+            return
+        with transport.lock:  # open_channel's caller waits on this event: wake it later
+            waiter = transport.channel_events.get(chanid)
+            if waiter is not None:
+                transport.channel_events[chanid] = threading.Event()
+        try:
+            on_success(m)
+            chan = transport._channels.get(chanid)
+            if chan is not None:
+                fwd.opened(chan)
+        finally:
+            if waiter is not None:
+                waiter.set()
+
+    transport._next_channel = _next_channel
+    transport._handler_table[MSG_CHANNEL_OPEN_SUCCESS] = _open_success
+    transport._gpumagic_opening = pending
+    return pending
 
 
 class Tunnel:
@@ -437,7 +712,7 @@ class Tunnel:
                         sock.close()
                         return None
                     self.connections_total += 1
-                    fwd = _Forward(self.connections_total, sock, peer)
+                    fwd = _Forward(self, self.connections_total, sock, peer)
                     self._forwards[fwd.number] = fwd
                 return fwd
         except BaseException as e:  # the listener itself broke: the tunnel cannot go on
@@ -447,39 +722,38 @@ class Tunnel:
         return None
 
     def _serve(self, fwd: _Forward) -> None:
-        """Open the channel and copy both ways until both ends are done; never raises."""
-        up_done = None
+        """Open the channel, copy local -> remote until the client is done, wait for the
+        remote -> local direction (the transport thread's, see :class:`_Forward`), close
+        both ends; never raises."""
         try:
             try:
-                fwd.chan = self._open_channel(fwd.peer)
+                chan = self._open_channel(fwd)
             except GpumagicError as e:
                 self._fault(fwd.number, e.message, e)
                 return
+            if fwd.chan is not chan:
+                raise TunnelError("the channel opened without its forward (paramiko internals "
+                                  "changed?)", "report this with `pip show paramiko`")
+            if fwd.first_error is not None:
+                raise fwd.first_error
             if fwd.closed:  # stop() ran while the channel was opening
                 return
-            # The client's first request is usually waiting already: send it from this
-            # thread, before the local -> remote thread takes over.
-            try:
-                first = fwd.sock.recv(CHUNK, _DONTWAIT) if _DONTWAIT else b""
-            except (BlockingIOError, InterruptedError):
-                first = b""
-            except _LOCAL_GONE:
-                return
-            if first:
-                sendall_ordered(fwd.chan, first)
-                fwd.up += len(first)
-            up_done = threading.Event()
-            self._workers.submit(self._copy_up, fwd, up_done)
-            self._copy_down(fwd)
+            if fwd.first:
+                sendall_ordered(chan, fwd.first)
+                fwd.up += len(fwd.first)
+            if self._copy_up(fwd):
+                fwd.down_done.wait()  # the client sent EOF: the remote's answer still comes
+            if fwd.lost:
+                _reset(fwd.sock)
+                raise ConnectionLost("the SSH connection dropped during a transfer",
+                                     "the tunnel reconnects on the next request")
         except BaseException as e:
             if not fwd.closed:
                 self._fault(fwd.number, _what_failed(fwd, e), e)
         finally:
             try:
                 fwd.abort()
-                if up_done is not None:
-                    up_done.wait()
-                fwd.sock.close()
+                fwd.release()
             except BaseException as e:
                 self._fault(fwd.number, f"while closing: {_describe(e)}", e)
             with self._lock:
@@ -487,60 +761,36 @@ class Tunnel:
                 self._done_down += fwd.down
                 self._done_up += fwd.up
 
-    def _copy_down(self, fwd: _Forward) -> None:
-        """Remote -> local until the channel's EOF, then half-close the local socket.
+    def _copy_up(self, fwd: _Forward) -> bool:
+        """Local -> remote until the client's EOF, then send the channel's EOF.
 
-        A channel that ends because the SSH connection dropped resets the local connection,
-        so the client sees an error instead of a short, "complete" reply.  A channel the
-        server closed without EOF ends like ``ssh -L`` ends it: with a FIN.
+        Returns True after the client's EOF, False when the copy ended otherwise (the remote
+        side ended, the client went away, the tunnel stops).
         """
         chan, sock = fwd.chan, fwd.sock
-        recv, sendall = chan.recv, sock.sendall
+        view = getattr(_buffers, "view", None)
+        if view is None:
+            view = _buffers.view = memoryview(bytearray(CHUNK))
+        recv_into = sock.recv_into
         try:
             while True:
-                data = recv(CHUNK)
-                if not data:
+                n = recv_into(view)
+                if not n:
                     break
-                sendall(data)
-                fwd.down += len(data)
-        except _LOCAL_GONE:
-            return
-        if fwd.closed:
-            return
-        if not chan.eof_received and _dropped(chan.get_transport()):
-            _reset(sock)
-            raise ConnectionLost("the SSH connection dropped during a transfer",
-                                 "the tunnel reconnects on the next request")
-        try:
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def _copy_up(self, fwd: _Forward, done: threading.Event) -> None:
-        """Local -> remote until the client's EOF, then send the channel's EOF."""
-        chan, sock = fwd.chan, fwd.sock
-        recv = sock.recv
-        try:
-            while True:
-                data = recv(CHUNK)
-                if not data:
-                    break
-                sendall_ordered(chan, data)
-                fwd.up += len(data)
+                sendall_ordered(chan, view[:n])
+                fwd.up += n
+            if fwd.closed or fwd.down_done.is_set():
+                return False  # woken by the remote's end, not by the client
             send_eof(chan)
+            return True
         except _LOCAL_GONE:
-            fwd.abort()
+            return False
         except (OSError, EOFError, paramiko.SSHException) as e:
             if not fwd.closed and not chan.closed:
                 self._fault(fwd.number, _what_failed(fwd, e), e)
-            fwd.abort()
-        except BaseException as e:
-            self._fault(fwd.number, _what_failed(fwd, e), e)
-            fwd.abort()
-        finally:
-            done.set()
+            return False
 
-    def _open_channel(self, peer) -> paramiko.Channel:
+    def _open_channel(self, fwd: _Forward) -> paramiko.Channel:
         """A ``direct-tcpip`` channel to the target, re-opening the connection if it dropped.
 
         Raises
@@ -551,6 +801,7 @@ class Tunnel:
             The SSH connection cannot be re-opened.
         """
         conn = self.connection
+        peer = fwd.peer
         origin = (peer[0], peer[1]) if isinstance(peer, tuple) else ("127.0.0.1", 0)
         for attempt in range(2):
             conn.ensure_open()
@@ -559,6 +810,8 @@ class Tunnel:
                     self._opened_seen = conn.opened_count
                     self.reconnects += 1
             transport = conn.transport
+            pending = _hook_transport(transport)
+            _opening.fwd = fwd
             try:
                 return transport.open_channel(
                     "direct-tcpip", (self.remote_host, self.remote_port), origin,
@@ -574,6 +827,9 @@ class Tunnel:
                     raise ConnectionLost(f"cannot open a tunnel channel to {conn.spec.address}: {e}",
                                          "run `%gpu connect` again if this repeats") from e
                 # The transport looked alive but was not: the next round re-opens it.
+            finally:
+                _opening.fwd = None
+                pending.pop(fwd.chanid, None)  # refused or failed: no confirmation comes
         raise AssertionError("unreachable")
 
 

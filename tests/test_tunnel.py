@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -241,6 +242,68 @@ def test_many_short_connections_never_break_the_ssh_connection(machine, http_ser
     assert sshd.log.read_text(errors="replace").count("nonexistent channel") == log_before
     assert machine.connection.opened_count == opened
     assert t.reconnects == 0
+
+
+# A TCP server that speaks first: sends a banner on connect, then echoes lines back.
+_BANNER_SERVER = r"""
+import socket, sys, threading
+srv = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("ready", flush=True)
+def serve(c):
+    with c:
+        c.sendall(b"BANNER server-speaks-first\r\n")
+        f = c.makefile("rb")
+        for line in f:
+            c.sendall(b"echo " + line)
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def test_server_that_speaks_first_reaches_a_client_that_has_not_sent_anything(machine):
+    # The banner arrives right after the channel opens, before the client's first byte:
+    # the moment the forward takes over the channel's input (none of it may be stranded).
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-c", _BANNER_SERVER, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        with machine.tunnel(port, local_port=0) as t:
+            for i in range(30):
+                with socket.create_connection(("127.0.0.1", t.local_port), timeout=10) as s:
+                    f = s.makefile("rb")
+                    assert f.readline() == b"BANNER server-speaks-first\r\n"
+                    s.sendall(f"ping {i}\n".encode())
+                    assert f.readline() == f"echo ping {i}\n".encode()
+            assert t.faults == []
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_client_reading_slowly_gets_every_byte_of_more_than_a_window(machine, http_server):
+    # 40 MiB with a 16 MiB channel window: the client reads nothing for a while, so the
+    # local socket fills, bytes wait in the forward and the window is given back only as
+    # the client takes them; then everything must arrive, in order.
+    port = http_server(marker="slow-reader")
+    size = 40 * 1024 * 1024
+    with machine.tunnel(port, local_port=0) as t:
+        with socket.create_connection(("127.0.0.1", t.local_port), timeout=30) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.sendall(f"GET /bytes/{size} HTTP/1.0\r\n\r\n".encode())
+            assert wait_until(lambda: t.bytes_down >= 64 * 1024, 10)
+            time.sleep(1.5)
+            stalled = t.bytes_down
+            assert stalled < size, "the window did not hold the server back"
+            body = b""
+            while chunk := s.recv(1 << 20):
+                body += chunk
+        head, _, data = body.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200")
+        assert len(data) == size
+        assert hashlib.sha256(data).digest() == hashlib.sha256(expected_bytes("slow-reader", size)).digest()
+        assert wait_until(lambda: t.active_connections == 0, 10)
+        assert t.faults == []
 
 
 def test_gpumagic_listens_only_on_127_0_0_1(machine, http_server):
