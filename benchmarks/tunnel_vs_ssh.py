@@ -8,7 +8,8 @@ same real ``sshd``; ``curl`` (a separate process) downloads through each:
   on a new connection (so each opens a new SSH channel, as a browser's requests do).
 
 Prints each run, the medians and the ratios gpumagic / OpenSSH (throughput: higher is
-better, target >= 0.9; latency: lower is better, target <= 1.2).
+better, target >= 0.9; latency: lower is better, target <= 1.2), and the time to first byte
+without any tunnel, so the latency each tunnel adds can be compared too.
 
 Usage::
 
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
             print(f"gpumagic (paramiko) cipher: {cipher}, MAC: {mac}; ssh: its defaults")
             mbps = {k: [] for k in ports}
             ttfb = {k: [] for k in ports}
+            direct = []  # the same requests without any tunnel: what both tunnels add to
             for k, port in ports.items():  # warm-up
                 download(port)
             for run in range(args.runs):
@@ -126,6 +128,7 @@ def main(argv=None) -> int:
                     ttfb[k].append(statistics.median(t))
                     print(f"run {run + 1} {k:9s} {mbps[k][-1]:8.1f} MB/s   "
                           f"small-request TTFB median {ttfb[k][-1] * 1e3:6.2f} ms")
+                direct.append(statistics.median(small_ttfb(http_port, args.small)))
             tunnel.stop(raise_errors=False)
             for f in tunnel.faults:
                 print(f"tunnel fault on connection {f.connection}: {f.message}")
@@ -136,6 +139,9 @@ def main(argv=None) -> int:
                   "(target >= 0.9)")
             print(f"latency ratio    gpumagic/openssh: {med['gpumagic'][1] / med['openssh'][1]:.2f} "
                   "(target <= 1.2)")
+            base = statistics.median(direct)
+            print(f"without a tunnel: TTFB {base * 1e3:.2f} ms; latency each tunnel adds, gpumagic/openssh: "
+                  f"{(med['gpumagic'][1] - base) / (med['openssh'][1] - base):.2f}")
         finally:
             conn.close()
             if ssh is not None:
