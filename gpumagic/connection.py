@@ -540,7 +540,7 @@ def _send_in_order(chan: paramiko.Channel, build) -> bool:
         t.clear_to_send_lock.release()
 
 
-def sendall_ordered(chan: paramiko.Channel, data: bytes) -> None:
+def sendall_ordered(chan: paramiko.Channel, data: bytes | memoryview) -> None:
     """``chan.sendall(data)`` that never sends after the channel's CLOSE.
 
     Raises
