@@ -337,6 +337,24 @@ def test_refused_remote_port_is_recorded_and_raised_when_the_block_ends(machine)
     assert "check that the service is running" in info.value.hint
 
 
+def test_parallel_refused_connections_each_say_the_service_is_not_there(machine):
+    # Paramiko keeps one "last exception" per SSH connection: refusals that arrive together
+    # must not take each other's reason (and leave "Unable to open channel" to the others).
+    dead = free_port()
+    t = machine.tunnel(dead, local_port=0)
+    try:
+        clients = [socket.create_connection(("127.0.0.1", t.local_port)) for _ in range(16)]
+        for c in clients:
+            c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert wait_until(lambda: len(t.faults) == 16, 20), t.faults
+        messages = {f.message for f in t.faults}
+        assert messages == {f"the machine could not connect to localhost:{dead}: Connection refused"}, messages
+        for c in clients:
+            c.close()
+    finally:
+        t.stop(raise_errors=False)
+
+
 def test_slow_connection_does_not_stall_others(machine, http_server):
     port = http_server(marker="fast")
     with machine.tunnel(port, local_port=0) as t:
