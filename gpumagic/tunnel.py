@@ -11,7 +11,7 @@ How it moves bytes
   no polling).  The thread that accepts a connection serves it (leader/follower: no thread
   handoff before the first request): it sends CHANNEL_OPEN and only then hands listening on
   to an idle worker, so the woken worker does not compete with it before the request
-  leaves (measured here: 7-10 % of the time to first byte), and the next connection is
+  leaves (measured here: 5-10 % of the time to first byte), and the next connection is
   accepted while the machine connects (a slow or refused remote service never stalls the
   others).
 * Remote -> local, and the first request, happen on paramiko's transport thread, as
