@@ -32,7 +32,14 @@ Failures
   follow the channel's CLOSE (see ``connection.send_eof``: sshd drops the whole connection then).
 * When the remote side ends a connection (EOF), the local connection is closed too.  (OpenSSH
   keeps the client's sending half open until the client closes; for HTTP, WebSocket and
-  the other protocols a browser speaks this makes no difference.)
+  the other protocols a browser speaks this makes no difference.)  A client still sending
+  then gets a reset after the answer and FIN, as a close with unread data gives it through
+  ``ssh -L``, instead of waiting forever on a closed receive window.
+* Paramiko's transport thread never waits for a key exchange, which only it can finish: the
+  first request and window adjustments it cannot send at once go from another thread
+  (``connection.send_data_now``; paramiko's own replies too, see ``connection``).
+* A channel given up on while opening (no answer within ConnectTimeout, or ``stop()``) is
+  closed when its confirmation comes late, so it does not stay open on the machine.
 * When the machine is this computer (the sandbox), a tunnel never listens on a port that its
   own remote side (or another tunnel's) would connect to: that would forward in a loop until
   the file descriptors run out (see :meth:`TunnelManager.open`).
@@ -63,7 +70,7 @@ import paramiko
 from paramiko.common import (CONNECTION_FAILED_CODE, MSG_CHANNEL_OPEN_FAILURE,
                              MSG_CHANNEL_OPEN_SUCCESS, cMSG_CHANNEL_OPEN)
 
-from .connection import send_eof, send_window_adjust, sendall_ordered
+from .connection import send_data_now, send_eof, send_window_adjust, sendall_ordered
 from .errors import ConnectionLost, GpumagicError, TunnelError
 
 log = logging.getLogger(__name__)
@@ -212,6 +219,12 @@ class _Forward:
         self.first = b""  # a first request that opened() read but left to the serving thread
         self.first_error: BaseException | None = None  # what went wrong in opened()
         self.refused: paramiko.ChannelException | None = None  # the server's OPEN_FAILURE
+        #: The channel given up on while opening (timeout, stop): a late confirmation
+        #: closes it (see _hook_transport).
+        self.abandoned: paramiko.Channel | None = None
+        #: Client bytes were read but not forwarded because the remote had ended: the
+        #: client is told with a reset, as a close with unread data would.
+        self.dropped_up = False
 
     # -- paramiko's side (the channel's input buffer) ----------------------------------
 
@@ -222,16 +235,16 @@ class _Forward:
         self.chan = chan
         with chan.lock:
             chan.in_buffer = self
-        if self.closed or not _DONTWAIT or not chan.transport.clear_to_send.is_set():
-            return  # the serving thread sends it (it may wait for a key exchange; we may not)
+        if self.closed or not _DONTWAIT:
+            return
         try:
             first = self.sock.recv(FIRST_READ, _DONTWAIT)
             if not first:
                 return  # the client's EOF, which the serving thread reads again
-            with chan.lock:
-                fits = chan.out_window_size >= len(first)  # so sending never waits here
-            if fits:
-                sendall_ordered(chan, first)
+            # Never waits: during a key exchange (which only this thread can finish), or
+            # when the window or the server's packet size is too small, the serving thread
+            # sends it.
+            if send_data_now(chan, first):
                 self.up += len(first)
             else:
                 self.first = first
@@ -317,19 +330,15 @@ class _Forward:
         for its own readers), in batches of a tenth of the window."""
         chan = self.chan
         ack = chan._check_add_window(n)
-        if not ack:
-            return
-        if on_transport_thread and not chan.transport.clear_to_send.is_set():
+        if ack and not self._send_window(ack, wait=not on_transport_thread):
             # A key exchange runs and only the transport thread can finish it: send later.
             self.tunnel._workers.submit(self._send_window, ack)
-        else:
-            self._send_window(ack)
 
-    def _send_window(self, ack: int) -> None:
+    def _send_window(self, ack: int, wait: bool = True) -> bool:
         try:
-            send_window_adjust(self.chan, ack)
+            return send_window_adjust(self.chan, ack, wait)
         except (OSError, EOFError, paramiko.SSHException):
-            pass  # the connection is gone: the channel ends with it
+            return True  # the connection is gone: the channel ends with it
 
     def _finish(self) -> None:
         """Every byte delivered after the remote's end: tell the local client (FIN, or a
@@ -422,14 +431,23 @@ def _hook_transport(transport: paramiko.Transport) -> dict:
     def _open_success(m: paramiko.Message) -> None:  # the transport thread
         chanid = m.get_int()
         m.rewind()
-        fwd = pending.pop(chanid, None)
+        waiter = None
+        with transport.lock:  # against _await_channel giving up
+            fwd = pending.pop(chanid, None)
+            if fwd is not None and fwd.abandoned is None:
+                # The opening thread waits on this event: wake it after opened().
+                waiter = transport.channel_events.get(chanid)
+                if waiter is not None:
+                    transport.channel_events[chanid] = threading.Event()
         if fwd is None:
             on_success(m)
             return
-        with transport.lock:  # the opening thread waits on this event: wake it later
-            waiter = transport.channel_events.get(chanid)
-            if waiter is not None:
-                transport.channel_events[chanid] = threading.Event()
+        if fwd.abandoned is not None:  # too late: close it, or it stays open on the machine
+            on_success(m)
+            # Not the tunnel's workers: they may be gone (stop()).  Closing waits for sending.
+            threading.Thread(target=_close_quietly, args=(fwd.abandoned,), daemon=True,
+                             name="gpumagic-tunnel-late-close").start()
+            return
         try:
             on_success(m)
             chan = transport._channels.get(chanid)
@@ -442,7 +460,8 @@ def _hook_transport(transport: paramiko.Transport) -> dict:
     def _open_failure(m: paramiko.Message) -> None:  # the transport thread
         chanid, reason, text = m.get_int(), m.get_int(), m.get_text()
         m.rewind()
-        fwd = pending.pop(chanid, None)
+        with transport.lock:
+            fwd = pending.pop(chanid, None)
         if fwd is not None:  # before the waiter wakes (on_failure wakes it)
             fwd.refused = paramiko.ChannelException(
                 reason, text or CONNECTION_FAILED_CODE.get(reason, f"reason {reason}"))
@@ -501,29 +520,53 @@ def _request_channel(transport: paramiko.Transport, fwd: _Forward, dest: tuple[s
 
 
 def _await_channel(transport: paramiko.Transport, fwd: _Forward, chan: paramiko.Channel,
-                   event: threading.Event, timeout: float) -> paramiko.Channel:
+                   event: threading.Event, timeout: float) -> paramiko.Channel | None:
     """The second half of ``open_channel``: wait up to ``timeout`` seconds for the answer to
-    :func:`_request_channel`.
+    :func:`_request_channel`.  Returns the channel (which may have closed again since), or
+    None when the forward was aborted (``stop()``) first.  A channel given up on stays
+    registered, so that a late confirmation closes it on the machine too.
 
     Raises
     ------
     paramiko.ChannelException
         The server refused (OPEN_FAILURE: nothing listens at the target, or it is forbidden).
     paramiko.SSHException
-        The SSH connection ended, or no answer came in time.
+        The SSH connection ended.
+    TimeoutError
+        No answer came in time (the machine's connect to the target hangs).
     """
     deadline = time.monotonic() + timeout
     while not event.wait(0.1):
         if not transport.active:
             break
-        if time.monotonic() > deadline:
-            _forget_channel(transport, chan.chanid)
-            raise paramiko.SSHException(f"no answer to opening a channel in {timeout:g} s")
-    if transport.active and transport._channels.get(chan.chanid) is chan:
-        return chan  # OPEN_CONFIRMATION (a refusal takes it out of the table)
+        late = time.monotonic() > deadline
+        if fwd.closed or late:
+            with transport.lock:
+                gave_up = chan.chanid in vars(transport).get("_gpumagic_opening", {})
+                if gave_up:
+                    fwd.abandoned = chan
+            if gave_up:
+                if late and not fwd.closed:
+                    raise TimeoutError(f"no answer to opening a channel in {timeout:g} s")
+                return None
+            event.wait(JOIN_TIMEOUT)  # the answer is being handled now: it wakes us at once
+            break
+    if fwd.chan is chan:
+        return chan  # confirmed: opened() ran
     _forget_channel(transport, chan.chanid)
     saved = transport.get_exception()  # clears paramiko's copy of a refusal
     raise fwd.refused or saved or paramiko.SSHException("Unable to open channel.")
+
+
+def _close_quietly(chan: paramiko.Channel) -> None:
+    """Close a channel (CLOSE alone, see :meth:`_Forward.abort`), not on the transport
+    thread (sending may wait for a key exchange)."""
+    try:
+        with chan.lock:
+            chan.eof_sent = True
+        chan.close()
+    except (EOFError, OSError, paramiko.SSHException):
+        pass  # the SSH connection is gone, and with it the channel
 
 
 def _forget_channel(transport: paramiko.Transport, chanid: int) -> None:
@@ -824,22 +867,22 @@ class Tunnel:
                 return
             finally:
                 hand_off()
-            if fwd.chan is not chan:
-                raise TunnelError("the channel opened without its forward (paramiko internals "
-                                  "changed?)", "report this with `pip show paramiko`")
-            if fwd.first_error is not None:
-                raise fwd.first_error
-            if fwd.closed:  # stop() ran while the channel was opening
+            if chan is None or fwd.closed:  # stop() ran while the channel was opening
                 return
-            if fwd.first:
-                sendall_ordered(chan, fwd.first)
-                fwd.up += len(fwd.first)
+            if fwd.first_error is not None:
+                if isinstance(fwd.first_error, _LOCAL_GONE):
+                    return  # the client went away before its first request: not a fault
+                raise fwd.first_error
             if self._copy_up(fwd):
                 fwd.down_done.wait()  # the client sent EOF: the remote's answer still comes
             if fwd.lost:
                 _reset(fwd.sock)
                 raise ConnectionLost("the SSH connection dropped during a transfer",
                                      "the tunnel reconnects on the next request")
+            if fwd.dropped_up:
+                # The client is still sending to a service that closed: a reset tells it
+                # (its kernel keeps what it received before, and our FIN went first).
+                _reset(fwd.sock)
         except BaseException as e:
             if not fwd.closed:
                 self._fault(fwd.number, _what_failed(fwd, e), e)
@@ -865,26 +908,38 @@ class Tunnel:
         if view is None:
             view = _buffers.view = memoryview(bytearray(CHUNK))
         recv_into = sock.recv_into
+        ended = fwd.down_done.is_set
         try:
+            if fwd.first:  # a first request that opened() could not send
+                sendall_ordered(chan, fwd.first)
+                fwd.up += len(fwd.first)
             while True:
                 n = recv_into(view)
                 if not n:
                     break
+                if ended():  # the remote ended: these bytes go nowhere
+                    fwd.dropped_up = True
+                    return False
                 sendall_ordered(chan, view[:n])
                 fwd.up += n
-            if fwd.closed or fwd.down_done.is_set():
+            if fwd.closed or ended():
                 return False  # woken by the remote's end, not by the client
             send_eof(chan)
             return True
         except _LOCAL_GONE:
             return False
         except (OSError, EOFError, paramiko.SSHException) as e:
-            if not fwd.closed and not chan.closed:
+            if isinstance(e, EOFError) or _dropped(chan.get_transport()):
+                fwd.lost = True  # paramiko's send raises EOFError once the connection is gone
+            elif chan.closed:
+                fwd.dropped_up = True  # the remote closed while we forwarded these bytes
+            elif not fwd.closed:
                 self._fault(fwd.number, _what_failed(fwd, e), e)
             return False
 
-    def _open_channel(self, fwd: _Forward, hand_off) -> paramiko.Channel:
-        """A ``direct-tcpip`` channel to the target, re-opening the connection if it dropped.
+    def _open_channel(self, fwd: _Forward, hand_off) -> paramiko.Channel | None:
+        """A ``direct-tcpip`` channel to the target, re-opening the connection if it dropped;
+        None when the forward was aborted while the channel was opening.
 
         ``hand_off()`` is called once CHANNEL_OPEN is on its way (or before anything that may
         block: a reconnect, a key exchange), so the next local connection is accepted while
@@ -894,7 +949,8 @@ class Tunnel:
         Raises
         ------
         TunnelError
-            The machine could not connect to the target (nothing listens there).
+            The machine could not connect to the target (nothing listens there), or did not
+            within ``connect_timeout`` seconds (ssh_config ConnectTimeout).
         ConnectionLost
             The SSH connection cannot be re-opened.
         """
@@ -923,6 +979,12 @@ class Tunnel:
                     f"the machine could not connect to {self.target}: {e.text or e}",
                     f"check that the service is running on the machine and listens on port "
                     f"{self.remote_port}") from e
+            except TimeoutError as e:
+                raise TunnelError(
+                    f"the machine did not connect to {self.target} within "
+                    f"{conn.spec.connect_timeout:g} s",
+                    "check that the service on the machine accepts connections (is it "
+                    "overloaded or stopped with SIGSTOP?); ConnectTimeout sets the wait") from e
             except (paramiko.SSHException, EOFError, OSError) as e:
                 if transport.is_active() or attempt:
                     raise ConnectionLost(f"cannot open a tunnel channel to {conn.spec.address}: {e}",

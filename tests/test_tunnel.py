@@ -11,15 +11,19 @@ import hashlib
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
 from conftest import wait_until
+from gpumagic.connection import send_data_now, send_window_adjust
 from gpumagic.errors import TunnelError
 from gpumagic.sandbox import free_port
 
@@ -56,22 +60,71 @@ def expected_bytes(marker: str, n: int) -> bytes:
 
 
 @pytest.fixture
-def http_server():
-    """Start HTTP servers (host, marker) -> port; all stopped at the end."""
+def server_script():
+    """Run a server script (``python -c SCRIPT ARGS...``) until it prints "ready"; all
+    stopped at the end."""
     procs = []
 
-    def start(host: str = "127.0.0.1", marker: str = "remote-content", port: int | None = None) -> int:
-        port = port or free_port()
-        p = subprocess.Popen([sys.executable, "-c", _SERVER, host, str(port), marker],
+    def start(script: str, *args) -> None:
+        p = subprocess.Popen([sys.executable, "-c", script, *map(str, args)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         procs.append(p)
         assert p.stdout.readline().strip() == b"ready", p.stderr.read()
-        return port
 
     yield start
     for p in procs:
         p.kill()
         p.wait()
+
+
+@pytest.fixture
+def http_server(server_script):
+    """Start HTTP servers (host, marker) -> port."""
+    def start(host: str = "127.0.0.1", marker: str = "remote-content", port: int | None = None) -> int:
+        port = port or free_port()
+        server_script(_SERVER, host, port, marker)
+        return port
+
+    return start
+
+
+# A TCP server.  "reject": reads 100 bytes, answers NO and closes, while the client may still
+# be uploading.  "sink": reads everything until the client's EOF, then answers the count.
+_TCP_SERVER = r"""
+import socket, sys, threading
+mode, port = sys.argv[1], int(sys.argv[2])
+srv = socket.create_server(("127.0.0.1", port), backlog=128)
+print("ready", flush=True)
+def serve(c):
+    with c:
+        if mode == "reject":
+            got = 0
+            while got < 100:
+                d = c.recv(100 - got)
+                if not d:
+                    break
+                got += len(d)
+            c.sendall(b"NO\n")
+        else:
+            n = 0
+            while d := c.recv(1 << 20):
+                n += len(d)
+            c.sendall(str(n).encode())
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+@pytest.fixture
+def tcp_server(server_script):
+    """Start ``_TCP_SERVER`` in a mode -> port."""
+    def start(mode: str) -> int:
+        port = free_port()
+        server_script(_TCP_SERVER, mode, port)
+        return port
+
+    return start
 
 
 def fetch(url: str, timeout: float = 20) -> bytes:
@@ -304,6 +357,201 @@ def test_client_reading_slowly_gets_every_byte_of_more_than_a_window(machine, ht
         assert hashlib.sha256(data).digest() == hashlib.sha256(expected_bytes("slow-reader", size)).digest()
         assert wait_until(lambda: t.active_connections == 0, 10)
         assert t.faults == []
+
+
+def test_upload_to_a_service_that_closes_early_ends_in_an_error_not_a_hang(machine, tcp_server):
+    # The service answers after 100 bytes and closes while each client still uploads 50 MB:
+    # every client must read the answer, then get an error on sending (as through
+    # `ssh -L`), never wait on a zero window.  The tunnel did hang about 1 client in 60.
+    port = tcp_server("reject")
+    payload = b"u" * (50 * 1024 * 1024)
+
+    def upload(_):
+        with socket.create_connection(("127.0.0.1", t.local_port), timeout=15) as s:
+            answer = []
+
+            def read():
+                data = b""
+                try:
+                    while chunk := s.recv(100):
+                        data += chunk
+                except OSError:
+                    pass
+                answer.append(data)
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            try:
+                s.sendall(payload)
+                outcome = "sent all"
+            except OSError as e:
+                outcome = type(e).__name__
+            reader.join(15)
+            return outcome, answer
+
+    with machine.tunnel(port, local_port=0) as t:
+        for _ in range(3):
+            with ThreadPoolExecutor(10) as pool:
+                results = list(pool.map(upload, range(10)))
+            assert {outcome for outcome, _ in results} <= {"BrokenPipeError", "ConnectionResetError"}, results
+            assert all(answer == [b"NO\n"] for _, answer in results)
+        assert wait_until(lambda: t.active_connections == 0, 10)
+        assert t.faults == []
+
+
+def test_clients_that_reset_at_once_are_not_faults(machine, http_server):
+    port = http_server(marker="after-resets")
+    with machine.tunnel(port, local_port=0) as t:
+        for i in range(20):  # half of them reset after their request, half before any
+            s = socket.create_connection(("127.0.0.1", t.local_port))
+            if i % 2:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        assert wait_until(lambda: t.connections_total == 20 and t.active_connections == 0, 10)
+        assert t.faults == []
+        assert fetch(t.url) == b"after-resets"
+
+
+def test_drop_during_uploads_is_reported_as_the_dropped_connection(machine, tcp_server):
+    port = tcp_server("sink")
+    t = machine.tunnel(port, local_port=0)
+    clients = [socket.create_connection(("127.0.0.1", t.local_port), timeout=10) for _ in range(6)]
+    try:
+        for c in clients:
+            c.sendall(b"u" * (1 << 20))
+        assert wait_until(lambda: t.bytes_up >= 6 << 20, 10)
+        machine.connection.transport.sock.close()
+        for c in clients:
+            with pytest.raises(OSError):
+                for _ in range(200):
+                    c.sendall(b"u" * (1 << 20))
+    finally:
+        for c in clients:
+            c.close()
+    assert wait_until(lambda: len(t.faults) == 6, 10), t.faults
+    assert {f.message for f in t.faults} == {"the SSH connection dropped during a transfer"}
+    t.stop(raise_errors=False)
+
+
+def test_sends_on_the_transport_thread_never_wait_for_a_key_exchange(machine, tcp_server):
+    # Only paramiko's transport thread can finish a key exchange: if it waited for one to
+    # end before sending (the first request, a window adjustment), the whole SSH connection
+    # would stall until paramiko's 30 s timeout.
+    port = tcp_server("sink")
+    transport = machine.connection.transport
+    chan = transport.open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0))
+    try:
+        with transport.clear_to_send_lock:
+            transport.clear_to_send.clear()  # what paramiko does when a key exchange starts
+        try:
+            start = time.monotonic()
+            assert send_data_now(chan, b"first") is False
+            assert send_window_adjust(chan, 1024, wait=False) is False
+            assert time.monotonic() - start < 0.5
+        finally:
+            transport.clear_to_send.set()
+        assert send_data_now(chan, b"12345") is True
+        assert send_data_now(chan, b"x" * (chan.out_max_packet_size + 1)) is False  # two packets
+        chan.shutdown_write()
+        assert chan.recv(100) == b"5"
+    finally:
+        chan.close()
+
+
+def test_key_exchanges_during_transfers_lose_nothing_and_stall_nothing(machine, http_server, tcp_server):
+    down_port = http_server(marker="rekey")
+    sink_port = tcp_server("sink")
+    transport = machine.connection.transport
+    size = 100 * 1024 * 1024
+    done = threading.Event()
+    rekeys = []
+
+    def rekey():
+        while not done.is_set():
+            transport.renegotiate_keys()
+            rekeys.append(time.monotonic())
+            time.sleep(0.01)
+
+    def upload(n: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", up.local_port), timeout=30) as s:
+            s.sendall(b"u" * n)
+            s.shutdown(socket.SHUT_WR)
+            return s.recv(100)
+
+    with machine.tunnel(down_port, local_port=0) as down, machine.tunnel(sink_port, local_port=0) as up:
+        rekeyer = threading.Thread(target=rekey)
+        rekeyer.start()
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                big_down = pool.submit(fetch, f"http://127.0.0.1:{down.local_port}/bytes/{size}", 30)
+                big_up = pool.submit(upload, size // 2)
+                shorts = [fetch(down.url, 30) for _ in range(100)]
+                assert hashlib.sha256(big_down.result()).digest() == \
+                    hashlib.sha256(expected_bytes("rekey", size)).digest()
+                assert big_up.result() == str(size // 2).encode()
+            assert shorts == [b"rekey"] * 100
+        finally:
+            done.set()
+            rekeyer.join(60)
+        assert len(rekeys) >= 5
+        assert down.faults == [] and up.faults == []
+    assert machine.connection.transport is transport  # never dropped
+
+
+def test_a_channel_given_up_while_opening_is_closed_when_it_opens_late(machine):
+    # The machine's connect to the target hangs (its accept queue is full): the tunnel gives
+    # up on the channel (ConnectTimeout, or stop()), and when sshd's connect completes later
+    # the channel must be closed, not left open on the machine.
+    target = socket.socket()
+    target.bind(("127.0.0.1", 0))
+    target.listen(0)
+    port = target.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(("127.0.0.1", port))
+        fillers.append(f)
+    filler_ports = {f.getsockname()[1] for f in fillers}
+    spec = machine.connection.spec
+    machine.connection.spec = replace(spec, connect_timeout=1.0)
+    try:
+        t = machine.tunnel(port, local_port=0)
+        with socket.create_connection(("127.0.0.1", t.local_port), timeout=10) as s:
+            s.sendall(b"hello")
+            with pytest.raises(ConnectionResetError):  # our unread "hello": a reset
+                s.recv(10)
+        assert [f.message for f in t.faults] == [
+            f"the machine did not connect to localhost:{port} within 1 s"]
+        assert "accept" in t.faults[0].error.hint
+        with socket.create_connection(("127.0.0.1", t.local_port), timeout=10) as s:
+            s.sendall(b"hello")
+            assert wait_until(lambda: t.connections_total == 2, 5)
+            time.sleep(0.3)
+            start = time.monotonic()
+            t.stop(raise_errors=False)
+            assert time.monotonic() - start < 1.0  # not the 5 s join timeout
+            with pytest.raises(ConnectionResetError):
+                s.recv(10)
+        assert len(t.faults) == 1  # stop() is not a fault
+    finally:
+        machine.connection.spec = spec
+        for f in fillers:
+            f.close()
+    target.settimeout(20)
+    late = []
+    while len(late) < 2:
+        c, peer = target.accept()
+        if peer[1] in filler_ports:
+            c.close()
+            continue
+        late.append(c)
+    for c in late:
+        c.settimeout(10)
+        assert c.recv(10) == b""  # closed through the SSH connection, nothing sent
+        c.close()
+    target.close()
 
 
 def test_gpumagic_listens_only_on_127_0_0_1(machine, http_server):
