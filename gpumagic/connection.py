@@ -537,8 +537,14 @@ def _never_wait_on_the_transport_thread(t: paramiko.Transport) -> None:
             if t.clear_to_send.is_set():
                 t._send_message(data)
                 return
-        threading.Thread(target=send_user_message, args=(data,), daemon=True,
+        threading.Thread(target=_after_exchange, args=(data,), daemon=True,
                          name="gpumagic-after-rekey").start()
+
+    def _after_exchange(data) -> None:
+        try:
+            send_user_message(data)  # waits for the exchange to end
+        except (paramiko.SSHException, EOFError, OSError):
+            pass  # the exchange failed: the connection is gone, and with it the channel
 
     t._send_user_message = _send_user_message
 
