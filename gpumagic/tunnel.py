@@ -385,14 +385,7 @@ class _Forward:
         if chan is None:
             self.down_done.set()
             return
-        try:
-            with chan.lock:
-                # CLOSE alone ends a channel (RFC 4254 section 5.3): paramiko would send an
-                # EOF just before it, one more packet for both sides to handle.
-                chan.eof_sent = True
-            chan.close()  # paramiko calls self.close(): down_done unless _drain runs
-        except (EOFError, OSError, paramiko.SSHException):
-            pass  # the SSH connection is gone, and with it the channel
+        _close_quietly(chan)  # paramiko calls self.close(): down_done unless _drain runs
 
     def release(self) -> None:
         """Close the local socket once no other thread uses it (the serving thread, last)."""
@@ -542,7 +535,7 @@ def _await_channel(transport: paramiko.Transport, fwd: _Forward, chan: paramiko.
         late = time.monotonic() > deadline
         if fwd.closed or late:
             with transport.lock:
-                gave_up = chan.chanid in vars(transport).get("_gpumagic_opening", {})
+                gave_up = chan.chanid in _hook_transport(transport)  # no answer handled yet
                 if gave_up:
                     fwd.abandoned = chan
             if gave_up:
@@ -559,10 +552,12 @@ def _await_channel(transport: paramiko.Transport, fwd: _Forward, chan: paramiko.
 
 
 def _close_quietly(chan: paramiko.Channel) -> None:
-    """Close a channel (CLOSE alone, see :meth:`_Forward.abort`), not on the transport
+    """Close a channel, ignoring a connection that is already gone; never on the transport
     thread (sending may wait for a key exchange)."""
     try:
         with chan.lock:
+            # CLOSE alone ends a channel (RFC 4254 section 5.3): paramiko would send an
+            # EOF just before it, one more packet for both sides to handle.
             chan.eof_sent = True
         chan.close()
     except (EOFError, OSError, paramiko.SSHException):
@@ -574,7 +569,7 @@ def _forget_channel(transport: paramiko.Transport, chanid: int) -> None:
     with transport.lock:
         transport._channels.delete(chanid)
         transport.channel_events.pop(chanid, None)
-    vars(transport).get("_gpumagic_opening", {}).pop(chanid, None)
+    _hook_transport(transport).pop(chanid, None)
 
 
 class Tunnel:

@@ -724,26 +724,26 @@ def test_same_target_three_times_is_one_tunnel_said_already_open(ip, http_server
     assert fetch(t.url) == b"once"
 
 
-def test_local_port_held_by_own_tunnel_to_same_target_is_that_tunnel(ip, http_server, capsys):
-    port, local = http_server(marker="same"), free_port()
+def tunnel_twice_on_one_local_port(ip, capsys, first: int, second: int, local: int):
+    """``%gpu tunnel first`` then ``second``, both asking for ``local``: (machine, the second's output)."""
     ip.run_line_magic("gpu", "connect testgpu")
     m = ip._gpumagic.session.get()
-    ip.run_line_magic("gpu", f"tunnel {port} --local-port {local}")
+    ip.run_line_magic("gpu", f"tunnel {first} --local-port {local}")
     capsys.readouterr()
-    ip.run_line_magic("gpu", f"tunnel {port} --local-port {local}")
-    out = capsys.readouterr().out
+    ip.run_line_magic("gpu", f"tunnel {second} --local-port {local}")
+    return m, capsys.readouterr().out
+
+
+def test_local_port_held_by_own_tunnel_to_same_target_is_that_tunnel(ip, http_server, capsys):
+    port, local = http_server(marker="same"), free_port()
+    m, out = tunnel_twice_on_one_local_port(ip, capsys, port, port, local)
     assert [t.local_port for t in m.tunnels] == [local]
     assert f"already open at http://127.0.0.1:{local}/" in out and "taken" not in out, out
 
 
 def test_local_port_held_by_own_tunnel_to_another_target_names_that_tunnel(ip, http_server, capsys):
     first, second, local = http_server(marker="a"), http_server(marker="b"), free_port()
-    ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
-    ip.run_line_magic("gpu", f"tunnel {first} --local-port {local}")
-    capsys.readouterr()
-    ip.run_line_magic("gpu", f"tunnel {second} --local-port {local}")
-    out = capsys.readouterr().out
+    m, out = tunnel_twice_on_one_local_port(ip, capsys, first, second, local)
     assert (f"local port {local} is used by gpumagic's tunnel {local} -> localhost:{first} "
             f"(port {first}); using ") in out, out
     other = m.tunnels.find("localhost", second)
