@@ -116,6 +116,7 @@ class GpuMagics(Magics):
         self.status_watchers: dict = {}
         if shell is not None:  # budget alerts after each cell (see the budget section)
             shell.events.register("post_run_cell", _budget_post_run_cell(self))
+            shell.events.register("post_run_cell", _tunnel_faults_post_run_cell(self))
 
     # -- %gpu ---------------------------------------------------------------------------
 
@@ -1080,6 +1081,20 @@ def _budget_post_run_cell(magics: GpuMagics):
     return hook
 
 
+def _tunnel_faults_post_run_cell(magics: GpuMagics):
+    """After each cell: say the tunnel errors that happened in the background since the
+    last time (a browser only sees a reset connection), once each, with what to do."""
+    def hook(*_):
+        for name, t in _all_tunnels(magics.session):
+            new = t.unreported_faults()
+            if new:
+                more = f" (and {len(new) - 1} more: `%gpu tunnel list`)" if len(new) > 1 else ""
+                hint = getattr(new[0].error, "hint", "")
+                print(f"gpumagic: tunnel {t.url} -> {t.target} on {name}: {new[0].message}{more}"
+                      + (f"\n  hint: {hint}" if hint else ""))
+    return hook
+
+
 def _moved_note(t, session: Session | None = None) -> str:
     """Why ``t`` is not on the local port asked for ("" when it is)."""
     if t.moved_from is None:
@@ -1158,6 +1173,11 @@ def _tunnel_port(magics: GpuMagics, line: str):
                  path=args.path)
     note = (f"a tunnel to {t.target} is already open at {t.url} (the same one)" if t is before
             else _moved_note(t, magics.session))
+    refused = t.target_refusal()
+    if refused:  # the tunnel still works once the service starts
+        note = "\n".join(filter(None, [note, (
+            f"nothing accepts connections on {t.target} on the machine yet ({refused}); the "
+            f"link works once a service listens there (start it, or check the port)")]))
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t

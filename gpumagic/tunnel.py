@@ -401,6 +401,21 @@ class _Forward:
             self.sock.close()
 
 
+class _Probe:
+    """Stands in for a :class:`_Forward` when a channel is opened only to see whether the
+    target accepts connections (:meth:`Tunnel.target_refusal`)."""
+
+    closed = False
+
+    def __init__(self):
+        self.chan: paramiko.Channel | None = None
+        self.refused: paramiko.ChannelException | None = None
+        self.abandoned: paramiko.Channel | None = None
+
+    def opened(self, chan: paramiko.Channel) -> None:  # the transport thread
+        self.chan = chan
+
+
 def _hook_transport(transport: paramiko.Transport) -> dict:
     """Once per transport, let a tunnel channel's OPEN_CONFIRMATION be handled on the
     transport thread itself (:meth:`_Forward.opened`), before the thread that opens the
@@ -466,8 +481,8 @@ def _hook_transport(transport: paramiko.Transport) -> dict:
     return pending
 
 
-def _request_channel(transport: paramiko.Transport, fwd: _Forward, dest: tuple[str, int],
-                     origin: tuple[str, int], window_size: int,
+def _request_channel(transport: paramiko.Transport, fwd: "_Forward | _Probe",
+                     dest: tuple[str, int], origin: tuple[str, int], window_size: int,
                      max_packet_size: int) -> tuple[paramiko.Channel, threading.Event]:
     """Send CHANNEL_OPEN for a ``direct-tcpip`` channel (RFC 4254 section 7.2) and return
     without waiting: the first half of paramiko's ``Transport.open_channel``, so the caller
@@ -512,8 +527,9 @@ def _request_channel(transport: paramiko.Transport, fwd: _Forward, dest: tuple[s
     return chan, event
 
 
-def _await_channel(transport: paramiko.Transport, fwd: _Forward, chan: paramiko.Channel,
-                   event: threading.Event, timeout: float) -> paramiko.Channel | None:
+def _await_channel(transport: paramiko.Transport, fwd: "_Forward | _Probe",
+                   chan: paramiko.Channel, event: threading.Event,
+                   timeout: float) -> paramiko.Channel | None:
     """The second half of ``open_channel``: wait up to ``timeout`` seconds for the answer to
     :func:`_request_channel`.  Returns the channel (which may have closed again since), or
     None when the forward was aborted (``stop()``) first.  A channel given up on stays
@@ -716,6 +732,33 @@ class Tunnel:
     def __exit__(self, exc_type, exc, tb) -> None:
         # Faults from the threads are raised here unless another exception is on its way.
         self.stop(raise_errors=exc_type is None)
+
+    def target_refusal(self, timeout: float = 10.0) -> str | None:
+        """Whether the target accepts connections now: None when it does, else the
+        machine's reason ("Connection refused").  Opens one ``direct-tcpip`` channel to the
+        target and closes it at once (one SSH round trip; the service sees a connection
+        that closes without a byte).
+
+        Raises
+        ------
+        ConnectionLost
+            The SSH connection is down.
+        """
+        transport = self.connection.transport
+        if transport is None or not transport.is_active():
+            raise ConnectionLost("the SSH connection is down", "run `%gpu connect` again")
+        probe = _Probe()  # through our own opening, which keeps the server's reason
+        try:
+            chan, answered = _request_channel(transport, probe,
+                                              (self.remote_host, self.remote_port),
+                                              ("127.0.0.1", 0), 32768, 32768)
+            _await_channel(transport, probe, chan, answered, timeout)
+        except paramiko.ChannelException as e:
+            return e.text or str(e)
+        except (paramiko.SSHException, TimeoutError) as e:
+            return str(e)
+        _close_quietly(chan)
+        return None
 
     def check(self) -> None:
         """Raise :class:`TunnelError` for faults recorded since the last check.

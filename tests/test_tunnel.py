@@ -648,6 +648,27 @@ def test_magic_list_and_close(ip, http_server, capsys):
     assert "no tunnels open" in capsys.readouterr().out
 
 
+def test_magic_says_when_nothing_listens_and_reports_the_failure_after_the_next_cell(ip, capsys):
+    dead = free_port()
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", f"tunnel {dead} --local-port 0")
+    out = capsys.readouterr().out
+    assert (f"nothing accepts connections on localhost:{dead} on the machine yet "
+            "(Connection refused)") in out, out
+    (t,) = list(ip._gpumagic.session.get().tunnels)
+    with pytest.raises(OSError):  # a browser sees only a reset connection
+        fetch(t.url, timeout=10)
+    assert wait_until(lambda: t.faults, 10)
+    ip.run_cell("1 + 1")
+    out = capsys.readouterr().out
+    assert (f"gpumagic: tunnel {t.url} -> localhost:{dead} on testgpu: the machine could not "
+            f"connect to localhost:{dead}: Connection refused") in out, out
+    assert "hint: check that the service is running on the machine" in out
+    ip.run_cell("2 + 2")
+    assert "gpumagic: tunnel" not in capsys.readouterr().out  # said once
+
+
 def test_magic_bad_arguments_are_usage_errors(ip):
     from IPython.core.error import UsageError
 
