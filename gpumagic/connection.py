@@ -8,7 +8,6 @@ group or others; a passphrase is asked with ``getpass`` and kept only in memory)
 
 from __future__ import annotations
 
-import errno
 import getpass
 import logging
 import os
@@ -21,10 +20,8 @@ from dataclasses import replace
 from typing import Callable
 
 import paramiko
-from paramiko.common import cMSG_CHANNEL_DATA as _MSG_CHANNEL_DATA
-from paramiko.common import cMSG_CHANNEL_WINDOW_ADJUST as _MSG_CHANNEL_WINDOW_ADJUST
 
-from . import known_hosts
+from . import _paramiko, known_hosts
 from .errors import (
     AuthenticationFailed,
     ChangedHostKey,
@@ -201,7 +198,7 @@ class Connection:
             # paramiko logs its own tracebacks (e.g. "Error reading SSH protocol banner");
             # gpumagic reports every failure itself, so they go under its silent logger.
             t.set_log_channel("gpumagic.ssh")
-            _never_wait_on_the_transport_thread(t)
+            _paramiko.never_wait_on_the_transport_thread(t)
             try:
                 self._prefer_fast_ciphers(t)
                 self._prefer_known_key_types(t)
@@ -491,185 +488,3 @@ def wait_readable(chan: paramiko.Channel, timeout: float) -> None:
         select.select([chan], [], [], timeout)
 
 
-# -- sending on a channel that the other side may be closing ---------------------------------
-
-# -- sending on a channel without racing its close ----------------------------------------
-#
-# paramiko builds a channel's DATA or EOF message under the channel's lock but sends it after
-# releasing the lock, while the transport thread answers the server's CLOSE with our CLOSE.
-# A DATA or EOF that leaves after that CLOSE names a channel the server has already freed,
-# and OpenSSH's sshd then drops the WHOLE connection ("ieof packet referred to nonexistent
-# channel", channels.c channel_from_packet_id), killing every cell running on it.  Measured
-# here: about one small request in 1000 when the browser closes as the server does.
-# The functions below hold the transport's send lock from the "is the channel still open?"
-# check until the message is on the wire, so a CLOSE can only follow them.  Lock order:
-# transport.clear_to_send_lock, then channel.lock (paramiko never takes them the other way).
-# (paramiko's recv can still send a WINDOW_ADJUST late; sshd only logs that one:
-# channel_input_window_adjust, "Received window adjust for non-open channel".)
-
-_ORDERED = (all(hasattr(paramiko.Transport, a) for a in ("_send_message", "_send_user_message"))
-            and all(hasattr(paramiko.Channel, a) for a in ("_send_eof", "_wait_for_send_window")))
-
-
-def _never_wait_on_the_transport_thread(t: paramiko.Transport) -> None:
-    """Make paramiko's own replies from its transport thread never wait for a key exchange.
-
-    Paramiko answers a channel's CLOSE (``Channel._handle_close``) and a channel request
-    that wants a reply (``_handle_request``: sshd's ``keepalive@openssh.com``, sent when
-    ClientAliveInterval is set) from its transport thread through ``_send_user_message``,
-    which waits while a key exchange runs, and only that thread can finish the exchange.
-    A CLOSE that arrived during a re-key then stalled the whole connection for paramiko's
-    30 s ``clear_to_send_timeout`` and killed it (measured with re-keys every 10 ms under
-    tunnel traffic).  Such a reply now goes out from a short-lived thread once the exchange
-    is done; the peer waits for it as for any reply.
-    """
-    if not _ORDERED:
-        return
-    send_user_message = t._send_user_message
-
-    def _send_user_message(data) -> None:
-        if threading.current_thread() is not t:
-            send_user_message(data)
-            return
-        if not t.active:
-            return
-        with t.clear_to_send_lock:  # no exchange can start while it is held
-            if t.clear_to_send.is_set():
-                t._send_message(data)
-                return
-        threading.Thread(target=_after_exchange, args=(data,), daemon=True,
-                         name="gpumagic-after-rekey").start()
-
-    def _after_exchange(data) -> None:
-        try:
-            send_user_message(data)  # waits for the exchange to end
-        except (paramiko.SSHException, EOFError, OSError):
-            pass  # the exchange failed: the connection is gone, and with it the channel
-
-    t._send_user_message = _send_user_message
-
-
-def _send_in_order(chan: paramiko.Channel, build, wait: bool = True) -> bool | None:
-    """Send the message ``build()`` makes (called under the channel's lock) unless the
-    channel is closed; False when it was closed.
-
-    Waits like paramiko's ``Transport._send_user_message`` while a key exchange runs.  With
-    ``wait=False`` (paramiko's transport thread, the only one that can finish a key
-    exchange) it returns None at once instead.
-    """
-    t = chan.transport
-    if wait:
-        start = time.monotonic()
-        while True:
-            t.clear_to_send.wait(0.1)
-            if not t.active:
-                raise EOFError("the SSH connection is closed")
-            t.clear_to_send_lock.acquire()
-            if t.clear_to_send.is_set():
-                break
-            t.clear_to_send_lock.release()
-            if time.monotonic() > start + t.clear_to_send_timeout:
-                raise paramiko.SSHException("key exchange timed out waiting to send")
-    else:
-        # Under this lock no key exchange can start (paramiko clears clear_to_send under it).
-        t.clear_to_send_lock.acquire()
-        if not t.clear_to_send.is_set():
-            t.clear_to_send_lock.release()
-            return None
-    try:
-        with chan.lock:
-            if chan.closed:
-                return False
-            m = build()
-        if m is not None:
-            t._send_message(m)
-        return True
-    finally:
-        t.clear_to_send_lock.release()
-
-
-def send_data_now(chan: paramiko.Channel, data: bytes) -> bool:
-    """Send ``data`` as one CHANNEL_DATA message without waiting for anything, for
-    paramiko's transport thread; never after the channel's CLOSE.
-
-    Returns False, sending nothing, when it would have to wait: a key exchange runs, the
-    channel's send window or the server's largest packet is smaller than ``data``, or the
-    channel is closed or half-closed.  The caller then sends it from another thread.
-    """
-    if not _ORDERED:
-        return False
-    sent = False
-
-    def build():
-        nonlocal sent
-        n = len(data)
-        if chan.eof_sent or n > chan.out_window_size or n > chan.out_max_packet_size - 64:
-            return None
-        chan.out_window_size -= n
-        m = paramiko.Message()
-        m.add_byte(_MSG_CHANNEL_DATA)
-        m.add_int(chan.remote_chanid)
-        m.add_string(data)
-        sent = True
-        return m
-
-    _send_in_order(chan, build, wait=False)
-    return sent
-
-
-def sendall_ordered(chan: paramiko.Channel, data: bytes | memoryview) -> None:
-    """``chan.sendall(data)`` that never sends after the channel's CLOSE.
-
-    Raises
-    ------
-    OSError
-        The channel was closed (by the remote side) before everything was sent.
-    """
-    if not _ORDERED:
-        chan.sendall(data)
-        return
-    view = memoryview(data)
-    while view:
-        with chan.lock:
-            size = chan._wait_for_send_window(len(view))  # blocks while the window is 0
-        if size == 0:
-            raise OSError(errno.EPIPE, "the remote side closed the channel")
-        chunk = bytes(view[:size])
-
-        def build(chunk=chunk):
-            m = paramiko.Message()
-            m.add_byte(_MSG_CHANNEL_DATA)
-            m.add_int(chan.remote_chanid)
-            m.add_string(chunk)
-            return m
-
-        if not _send_in_order(chan, build):
-            raise OSError(errno.EPIPE, "the remote side closed the channel")
-        view = view[size:]
-
-
-def send_window_adjust(chan: paramiko.Channel, nbytes: int, wait: bool = True) -> bool:
-    """Give ``nbytes`` of the channel's receive window back to the server
-    (CHANNEL_WINDOW_ADJUST, RFC 4254 section 5.2), never after the channel's CLOSE.
-
-    For a reader that takes a channel's bytes without ``Channel.recv`` (which sends these
-    itself): call it with what ``chan._check_add_window(n)`` returns when that is not 0.
-    Returns False only with ``wait=False`` (paramiko's transport thread) while a key
-    exchange runs: nothing was sent, and another thread must send it.
-    """
-    def build():
-        m = paramiko.Message()
-        m.add_byte(_MSG_CHANNEL_WINDOW_ADJUST)
-        m.add_int(chan.remote_chanid)
-        m.add_int(nbytes)
-        return m
-
-    return _send_in_order(chan, build, wait) is not None
-
-
-def send_eof(chan: paramiko.Channel) -> None:
-    """``chan.shutdown_write()`` that never sends the EOF after the channel's CLOSE."""
-    if _ORDERED:
-        _send_in_order(chan, chan._send_eof)
-    else:  # no safe EOF without paramiko's internals: close instead (loses half-close)
-        chan.close()

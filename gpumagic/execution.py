@@ -29,7 +29,8 @@ from typing import Callable, Mapping, Sequence
 
 import paramiko
 
-from .connection import Connection, send_eof, sendall_ordered, wait_readable
+from ._paramiko import send_eof, sendall_ordered
+from .connection import Connection, wait_readable
 from .errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.

@@ -39,7 +39,8 @@ import paramiko
 import pathspec
 
 from . import _sync_agent as agent
-from .connection import send_eof, sendall_ordered, wait_readable
+from ._paramiko import send_eof, sendall_ordered
+from .connection import wait_readable
 from .errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).

@@ -67,10 +67,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import paramiko
-from paramiko.common import (CONNECTION_FAILED_CODE, MSG_CHANNEL_OPEN_FAILURE,
-                             MSG_CHANNEL_OPEN_SUCCESS, cMSG_CHANNEL_OPEN)
 
-from .connection import send_data_now, send_eof, send_window_adjust, sendall_ordered
+from . import _paramiko
+from ._paramiko import (close_without_eof, send_data_now, send_eof, send_window_adjust,
+                        sendall_ordered, transport_dropped)
 from .errors import ConnectionLost, GpumagicError, TunnelError
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class _Forward:
     """One accepted local connection and its channel.
 
     Remote -> local: the forward takes the place of the channel's input buffer
-    (``chan.in_buffer``, see :meth:`opened`), so paramiko's transport thread hands it each DATA
+    (``Channel.in_buffer``, see :meth:`opened` and :mod:`gpumagic._paramiko`), so paramiko's transport thread hands it each DATA
     message (:meth:`feed`) and writes the bytes to the local socket right there, without
     waking another thread.  What the local socket cannot take at once (a client that reads
     slowly) waits in ``_pending`` while a worker thread writes it out (:meth:`_drain`).  The
@@ -220,7 +220,7 @@ class _Forward:
         self.first_error: BaseException | None = None  # what went wrong in opened()
         self.refused: paramiko.ChannelException | None = None  # the server's OPEN_FAILURE
         #: The channel given up on while opening (timeout, stop): a late confirmation
-        #: closes it (see _hook_transport).
+        #: closes it (see ``_paramiko.open_direct_tcpip``).
         self.abandoned: paramiko.Channel | None = None
         #: Client bytes were read but not forwarded because the remote had ended: the
         #: client is told with a reset, as a close with unread data would.
@@ -233,8 +233,11 @@ class _Forward:
         can arrive, and before the serving thread wakes): become the channel's input buffer
         and send the client's first request, which is usually waiting by now."""
         self.chan = chan
-        with chan.lock:
-            chan.in_buffer = self
+        if not _paramiko.FAST:  # paramiko's public API: a thread reads the channel
+            threading.Thread(target=self._pump_down, daemon=True,
+                             name=f"gpumagic-tunnel-down-{self.number}").start()
+            return
+        _paramiko.become_input_buffer(chan, self)
         if self.closed or not _DONTWAIT:
             return
         try:
@@ -300,6 +303,29 @@ class _Forward:
     def read_ready(self) -> bool:  # Channel.recv_ready: nothing is ever read through recv
         return False
 
+    def _pump_down(self) -> None:
+        """Remote -> local through ``Channel.recv`` (which gives the window back itself):
+        the path without paramiko's internals (``_paramiko.FAST`` False), one thread per
+        connection."""
+        chan = self.chan
+        try:
+            while True:
+                data = chan.recv(CHUNK)
+                if not data:
+                    break
+                self.sock.sendall(data)
+                with self._lock:
+                    self.down += len(data)
+        except _LOCAL_GONE:
+            self._local_gone()
+            return
+        except (OSError, EOFError, paramiko.SSHException) as e:
+            if not self.closed:
+                self.tunnel._fault(self.number, _what_failed(self, e), e)
+            self._local_gone()
+            return
+        self.close()
+
     # -- local side ------------------------------------------------------------------
 
     def _drain(self) -> None:
@@ -329,7 +355,7 @@ class _Forward:
         """Window back to the server for ``n`` delivered bytes (paramiko's ``recv`` does this
         for its own readers), in batches of a tenth of the window."""
         chan = self.chan
-        ack = chan._check_add_window(n)
+        ack = _paramiko.window_to_give(chan, n)
         if ack and not self._send_window(ack, wait=not on_transport_thread):
             # A key exchange runs and only the transport thread can finish it: send later.
             self.tunnel._workers.submit(self._send_window, ack)
@@ -345,7 +371,7 @@ class _Forward:
         reset after a dropped SSH connection, which the serving thread sends) and wake the
         serving thread."""
         chan = self.chan
-        if not chan.eof_received and not self.closed and _dropped(chan.get_transport()):
+        if not chan.eof_received and not self.closed and transport_dropped(chan.get_transport()):
             self.lost = True
         with self._lock:
             if not self._sock_closed:
@@ -385,7 +411,7 @@ class _Forward:
         if chan is None:
             self.down_done.set()
             return
-        _close_quietly(chan)  # paramiko calls self.close(): down_done unless _drain runs
+        close_without_eof(chan)  # paramiko calls self.close(): down_done unless _drain runs
 
     def release(self) -> None:
         """Close the local socket once no other thread uses it (the serving thread, last)."""
@@ -414,178 +440,6 @@ class _Probe:
 
     def opened(self, chan: paramiko.Channel) -> None:  # the transport thread
         self.chan = chan
-
-
-def _hook_transport(transport: paramiko.Transport) -> dict:
-    """Once per transport, let a tunnel channel's OPEN_CONFIRMATION be handled on the
-    transport thread itself (:meth:`_Forward.opened`), before the thread that opens the
-    channel is woken: the first request then leaves without a thread handoff, as with
-    ``ssh -L``, and no DATA can reach the channel before its forward is in place.
-
-    A refusal (OPEN_FAILURE) is kept on its forward (``fwd.refused``): paramiko keeps one
-    exception per transport, so refusals that arrive together would take each other's.
-
-    Uses paramiko's per-instance handler table (``Transport._handler_table``, which it keeps
-    per instance "for easier per-instance manipulation").  Returns the forwards whose
-    channels are being opened, by channel number (filled by :func:`_request_channel`).
-    """
-    pending = vars(transport).get("_gpumagic_opening")
-    if pending is not None:
-        return pending
-    pending = {}
-    on_success = transport._handler_table[MSG_CHANNEL_OPEN_SUCCESS]
-    on_failure = transport._handler_table[MSG_CHANNEL_OPEN_FAILURE]
-
-    def _open_success(m: paramiko.Message) -> None:  # the transport thread
-        chanid = m.get_int()
-        m.rewind()
-        waiter = None
-        with transport.lock:  # against _await_channel giving up
-            fwd = pending.pop(chanid, None)
-            if fwd is not None and fwd.abandoned is None:
-                # The opening thread waits on this event: wake it after opened().
-                waiter = transport.channel_events.get(chanid)
-                if waiter is not None:
-                    transport.channel_events[chanid] = threading.Event()
-        if fwd is None:
-            on_success(m)
-            return
-        if fwd.abandoned is not None:  # too late: close it, or it stays open on the machine
-            on_success(m)
-            # Not the tunnel's workers: they may be gone (stop()).  Closing waits for sending.
-            threading.Thread(target=_close_quietly, args=(fwd.abandoned,), daemon=True,
-                             name="gpumagic-tunnel-late-close").start()
-            return
-        try:
-            on_success(m)
-            chan = transport._channels.get(chanid)
-            if chan is not None:
-                fwd.opened(chan)
-        finally:
-            if waiter is not None:
-                waiter.set()
-
-    def _open_failure(m: paramiko.Message) -> None:  # the transport thread
-        chanid, reason, text = m.get_int(), m.get_int(), m.get_text()
-        m.rewind()
-        with transport.lock:
-            fwd = pending.pop(chanid, None)
-        if fwd is not None:  # before the waiter wakes (on_failure wakes it)
-            fwd.refused = paramiko.ChannelException(
-                reason, text or CONNECTION_FAILED_CODE.get(reason, f"reason {reason}"))
-        on_failure(m)
-
-    transport._handler_table[MSG_CHANNEL_OPEN_SUCCESS] = _open_success
-    transport._handler_table[MSG_CHANNEL_OPEN_FAILURE] = _open_failure
-    transport._gpumagic_opening = pending
-    return pending
-
-
-def _request_channel(transport: paramiko.Transport, fwd: "_Forward | _Probe",
-                     dest: tuple[str, int], origin: tuple[str, int], window_size: int,
-                     max_packet_size: int) -> tuple[paramiko.Channel, threading.Event]:
-    """Send CHANNEL_OPEN for a ``direct-tcpip`` channel (RFC 4254 section 7.2) and return
-    without waiting: the first half of paramiko's ``Transport.open_channel``, so the caller
-    can do other work (hand listening on) while the machine connects to ``dest``.  Wait for
-    the answer with :func:`_await_channel`, holding on to the channel meanwhile (paramiko's
-    channel table keeps only a weak reference).
-
-    Raises
-    ------
-    paramiko.SSHException
-        The SSH connection is not active.
-    """
-    if not transport.active:
-        raise paramiko.SSHException("SSH session not active")
-    pending = _hook_transport(transport)
-    m = paramiko.Message()
-    with transport.lock:
-        window_size = transport._sanitize_window_size(window_size)
-        max_packet_size = transport._sanitize_packet_size(max_packet_size)
-        chanid = transport._next_channel()
-        m.add_byte(cMSG_CHANNEL_OPEN)
-        m.add_string("direct-tcpip")
-        m.add_int(chanid)
-        m.add_int(window_size)
-        m.add_int(max_packet_size)
-        m.add_string(dest[0])
-        m.add_int(dest[1])
-        m.add_string(origin[0])
-        m.add_int(origin[1])
-        chan = paramiko.Channel(chanid)
-        transport._channels.put(chanid, chan)
-        transport.channel_events[chanid] = event = threading.Event()
-        transport.channels_seen[chanid] = True
-        chan._set_transport(transport)
-        chan._set_window(window_size, max_packet_size)
-        pending[chanid] = fwd
-    try:
-        transport._send_user_message(m)
-    except BaseException:
-        _forget_channel(transport, chanid)
-        raise
-    return chan, event
-
-
-def _await_channel(transport: paramiko.Transport, fwd: "_Forward | _Probe",
-                   chan: paramiko.Channel, event: threading.Event,
-                   timeout: float) -> paramiko.Channel | None:
-    """The second half of ``open_channel``: wait up to ``timeout`` seconds for the answer to
-    :func:`_request_channel`.  Returns the channel (which may have closed again since), or
-    None when the forward was aborted (``stop()``) first.  A channel given up on stays
-    registered, so that a late confirmation closes it on the machine too.
-
-    Raises
-    ------
-    paramiko.ChannelException
-        The server refused (OPEN_FAILURE: nothing listens at the target, or it is forbidden).
-    paramiko.SSHException
-        The SSH connection ended.
-    TimeoutError
-        No answer came in time (the machine's connect to the target hangs).
-    """
-    deadline = time.monotonic() + timeout
-    while not event.wait(0.1):
-        if not transport.active:
-            break
-        late = time.monotonic() > deadline
-        if fwd.closed or late:
-            with transport.lock:
-                gave_up = chan.chanid in _hook_transport(transport)  # no answer handled yet
-                if gave_up:
-                    fwd.abandoned = chan
-            if gave_up:
-                if late and not fwd.closed:
-                    raise TimeoutError(f"no answer to opening a channel in {timeout:g} s")
-                return None
-            event.wait(JOIN_TIMEOUT)  # the answer is being handled now: it wakes us at once
-            break
-    if fwd.chan is chan:
-        return chan  # confirmed: opened() ran
-    _forget_channel(transport, chan.chanid)
-    saved = transport.get_exception()  # clears paramiko's copy of a refusal
-    raise fwd.refused or saved or paramiko.SSHException("Unable to open channel.")
-
-
-def _close_quietly(chan: paramiko.Channel) -> None:
-    """Close a channel, ignoring a connection that is already gone; never on the transport
-    thread (sending may wait for a key exchange)."""
-    try:
-        with chan.lock:
-            # CLOSE alone ends a channel (RFC 4254 section 5.3): paramiko would send an
-            # EOF just before it, one more packet for both sides to handle.
-            chan.eof_sent = True
-        chan.close()
-    except (EOFError, OSError, paramiko.SSHException):
-        pass  # the SSH connection is gone, and with it the channel
-
-
-def _forget_channel(transport: paramiko.Transport, chanid: int) -> None:
-    """Drop a channel that never opened from paramiko's tables and ours."""
-    with transport.lock:
-        transport._channels.delete(chanid)
-        transport.channel_events.pop(chanid, None)
-    _hook_transport(transport).pop(chanid, None)
 
 
 class Tunnel:
@@ -749,15 +603,14 @@ class Tunnel:
             raise ConnectionLost("the SSH connection is down", "run `%gpu connect` again")
         probe = _Probe()  # through our own opening, which keeps the server's reason
         try:
-            chan, answered = _request_channel(transport, probe,
-                                              (self.remote_host, self.remote_port),
-                                              ("127.0.0.1", 0), 32768, 32768)
-            _await_channel(transport, probe, chan, answered, timeout)
+            chan = _paramiko.open_direct_tcpip(transport, probe,
+                                               (self.remote_host, self.remote_port),
+                                               ("127.0.0.1", 0), 32768, 32768, timeout)
         except paramiko.ChannelException as e:
             return e.text or str(e)
         except (paramiko.SSHException, TimeoutError) as e:
             return str(e)
-        _close_quietly(chan)
+        close_without_eof(chan)
         return None
 
     def check(self) -> None:
@@ -919,7 +772,9 @@ class Tunnel:
                                      "the tunnel reconnects on the next request")
             if fwd.dropped_up:
                 # The client is still sending to a service that closed: a reset tells it
-                # (its kernel keeps what it received before, and our FIN went first).
+                # (its kernel keeps what it received before, and our FIN went first), once
+                # every byte the service sent is delivered.
+                fwd.down_done.wait(JOIN_TIMEOUT)
                 _reset(fwd.sock)
         except BaseException as e:
             if not fwd.closed:
@@ -967,7 +822,7 @@ class Tunnel:
         except _LOCAL_GONE:
             return False
         except (OSError, EOFError, paramiko.SSHException) as e:
-            if isinstance(e, EOFError) or _dropped(chan.get_transport()):
+            if isinstance(e, EOFError) or transport_dropped(chan.get_transport()):
                 fwd.lost = True  # paramiko's send raises EOFError once the connection is gone
             elif chan.closed:
                 fwd.dropped_up = True  # the remote closed while we forwarded these bytes
@@ -1005,13 +860,11 @@ class Tunnel:
                     self.reconnects += 1
             transport = conn.transport
             try:
-                if not transport.clear_to_send.is_set():
+                if _paramiko.key_exchange_running(transport):
                     hand_off()  # a key exchange runs: sending waits for it
-                chan, answered = _request_channel(
+                return _paramiko.open_direct_tcpip(
                     transport, fwd, (self.remote_host, self.remote_port), origin,
-                    self.window_size, self.max_packet_size)
-                hand_off()
-                return _await_channel(transport, fwd, chan, answered, conn.spec.connect_timeout)
+                    self.window_size, self.max_packet_size, conn.spec.connect_timeout, hand_off)
             except paramiko.ChannelException as e:
                 raise TunnelError(
                     f"the machine could not connect to {self.target}: {e.text or e}",
@@ -1200,15 +1053,6 @@ def _ipv6_loopback_taken(port: int) -> bool:
         s.close()
 
 
-def _dropped(transport) -> bool:
-    """True when the SSH connection under a channel died (paramiko unlinks the channels
-    after recording the error in ``saved_exception`` but before clearing ``active``)."""
-    if transport is None or not transport.is_active():
-        return True
-    saved = transport.saved_exception  # a failed channel open also parks one here, briefly
-    return saved is not None and not isinstance(saved, paramiko.ChannelException)
-
-
 def _reset(sock: socket.socket) -> None:
     """Make the coming close send a TCP reset (SO_LINGER 0) instead of a clean FIN."""
     try:
@@ -1218,7 +1062,7 @@ def _reset(sock: socket.socket) -> None:
 
 
 def _what_failed(fwd: _Forward, e: BaseException) -> str:
-    if fwd.chan is not None and _dropped(fwd.chan.get_transport()):
+    if fwd.chan is not None and transport_dropped(fwd.chan.get_transport()):
         return "the SSH connection dropped during a transfer"
     return _describe(e)
 

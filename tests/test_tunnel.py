@@ -23,7 +23,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import wait_until
-from gpumagic.connection import send_data_now, send_window_adjust
+from gpumagic._paramiko import send_data_now, send_window_adjust
 from gpumagic.errors import TunnelError
 from gpumagic.sandbox import free_port
 
@@ -394,7 +394,7 @@ def test_upload_to_a_service_that_closes_early_ends_in_an_error_not_a_hang(machi
             with ThreadPoolExecutor(10) as pool:
                 results = list(pool.map(upload, range(10)))
             assert {outcome for outcome, _ in results} <= {"BrokenPipeError", "ConnectionResetError"}, results
-            assert all(answer == [b"NO\n"] for _, answer in results)
+            assert all(answer == [b"NO\n"] for _, answer in results), results
         assert wait_until(lambda: t.active_connections == 0, 10)
         assert t.faults == []
 
