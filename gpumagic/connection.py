@@ -317,8 +317,11 @@ class Connection:
         """Ask for host key algorithms in ssh's order (``order_hostkeyalgs``): the types
         stored for this host first, host certificates first when a @cert-authority line
         names it."""
-        t.host_key_order = known_hosts.host_key_algorithms(
+        order = known_hosts.host_key_algorithms(
             self.spec.known_hosts, self.spec.hostname, self.spec.port, t.preferred_keys)
+        # plain algorithms through paramiko's public setting too (it keeps certificates last)
+        t.get_security_options().key_types = tuple(a for a in order if "-cert-v01@" not in a)
+        t.host_key_order = order
 
     def _check_host_key(self, t: paramiko.Transport) -> None:
         spec = self.spec

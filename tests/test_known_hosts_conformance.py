@@ -386,3 +386,17 @@ def test_forget_agrees_with_ssh_keygen_R(lines, host, port, hashed, bed, tmp_pat
     removed = known_hosts.forget(ours, host, port)
     assert ours.read_text().splitlines() == theirs.read_text().splitlines(), name
     assert removed == r.stdout.count("found: line")
+
+
+def test_forget_cleans_a_file_that_ssh_keygen_R_refuses(bed, tmp_path):
+    # Deliberate difference: ssh-keygen -R rewrites nothing when any line of the file is
+    # invalid ("is not a valid known_hosts file"); gpumagic removes the host's lines and
+    # keeps the invalid ones byte for byte.
+    servers, keys = bed
+    text = render(f"{H} {{ED}}\nnot a key line\n{H} ssh-ed25519\nother.example {{ED}}\n", servers["plain"], keys)
+    kh = tmp_path / "known_hosts"
+    kh.write_text(text)
+    r = subprocess.run(["ssh-keygen", "-R", H, "-f", str(kh)], capture_output=True, text=True)
+    assert r.returncode != 0 and kh.read_text() == text
+    assert known_hosts.forget(kh, H, 22) == 1
+    assert kh.read_text() == text.split("\n", 1)[1]
