@@ -80,8 +80,8 @@ def _named_types(name: str) -> tuple[str, ...]:
     return (name,) if name in _KEY_FIELDS or name in _CERT_TYPES else ()
 
 
-#: ssh's default ``HostKeyAlgorithms`` (OpenSSH 9.x, ``ssh -Q HostKeyAlgorithms`` order of
-#: ``ssh -G``): certificates first, then plain keys.
+#: ssh's default ``HostKeyAlgorithms`` (OpenSSH 9.x, as ``ssh -G`` prints it):
+#: certificates first, then plain keys.
 DEFAULT_HOST_KEY_ALGORITHMS = (
     "ssh-ed25519-cert-v01@openssh.com",
     "ecdsa-sha2-nistp256-cert-v01@openssh.com",
@@ -101,7 +101,8 @@ DEFAULT_HOST_KEY_ALGORITHMS = (
     "rsa-sha2-256",
 )
 
-#: ssh's default ``CASignatureAlgorithms`` (OpenSSH 9.x): no SHA-1 ``ssh-rsa``.
+#: ssh's default ``CASignatureAlgorithms`` (OpenSSH 9.x, as ``ssh -G`` prints it): no SHA-1
+#: ``ssh-rsa``.
 CA_SIGNATURE_ALGORITHMS = frozenset({
     "ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521",
     "sk-ssh-ed25519@openssh.com", "sk-ecdsa-sha2-nistp256@openssh.com",

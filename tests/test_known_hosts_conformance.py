@@ -400,3 +400,13 @@ def test_forget_cleans_a_file_that_ssh_keygen_R_refuses(bed, tmp_path):
     assert r.returncode != 0 and kh.read_text() == text
     assert known_hosts.forget(kh, H, 22) == 1
     assert kh.read_text() == text.split("\n", 1)[1]
+
+
+def test_default_algorithm_lists_are_the_ssh_clients():
+    # The orders gpumagic asks for host keys in, and the CA signatures it accepts, are the
+    # installed ssh's defaults (ssh -G prints them).
+    out = subprocess.run(["ssh", "-G", "-F", "/dev/null", "example"], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL).stdout
+    opts = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    assert tuple(opts["hostkeyalgorithms"].split(",")) == known_hosts.DEFAULT_HOST_KEY_ALGORITHMS
+    assert set(opts["casignaturealgorithms"].split(",")) == known_hosts.CA_SIGNATURE_ALGORITHMS
