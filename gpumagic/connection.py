@@ -32,6 +32,7 @@ from .errors import (
     HostNotFound,
     InsecureKeyFile,
     NotConnected,
+    RevokedHostKey,
     UnknownHostKey,
     WrongPassphrase,
 )
@@ -183,7 +184,7 @@ class Connection:
 
         Raises
         ------
-        HostNotFound, ConnectionRefused, ConnectTimeout, UnknownHostKey, ChangedHostKey,
+        HostNotFound, ConnectionRefused, ConnectTimeout, UnknownHostKey, ChangedHostKey, RevokedHostKey,
         AuthenticationFailed, WrongPassphrase, InsecureKeyFile
             Each with a one-line hint.
         """
@@ -193,8 +194,8 @@ class Connection:
             if self.refuse_reopen is not None:
                 raise NotConnected(*self.refuse_reopen)
             sock = self._open_socket()
-            t = paramiko.Transport(sock, default_window_size=WINDOW_SIZE,
-                                   default_max_packet_size=MAX_PACKET_SIZE)
+            t = _Transport(sock, default_window_size=WINDOW_SIZE,
+                           default_max_packet_size=MAX_PACKET_SIZE)
             # paramiko logs its own tracebacks (e.g. "Error reading SSH protocol banner");
             # gpumagic reports every failure itself, so they go under its silent logger.
             t.set_log_channel("gpumagic.ssh")
@@ -309,38 +310,54 @@ class Connection:
         opts.ciphers = tuple([c for c in PREFERRED_CIPHERS if c in ciphers]
                              + [c for c in ciphers if c not in PREFERRED_CIPHERS])
 
-    def _prefer_known_key_types(self, t: paramiko.Transport) -> None:
-        stored = known_hosts.lookup(self.spec.known_hosts, self.spec.hostname, self.spec.port)
-        if not stored:
-            return
-        opts = t.get_security_options()
-        want = [k.get_name() for k in stored]
-        types = list(opts.key_types)
-        opts.key_types = tuple([k for k in types if k in want] + [k for k in types if k not in want])
+    def _prefer_known_key_types(self, t: "_Transport") -> None:
+        """Ask for host key algorithms in ssh's order (``order_hostkeyalgs``): the types
+        stored for this host first, host certificates first when a @cert-authority line
+        names it."""
+        order = known_hosts.host_key_algorithms(
+            self.spec.known_hosts, self.spec.hostname, self.spec.port, t.preferred_keys)
+        # plain algorithms through paramiko's public setting too (it keeps certificates last)
+        t.get_security_options().key_types = tuple(a for a in order if "-cert-v01@" not in a)
+        t.host_key_order = order
 
     def _check_host_key(self, t: paramiko.Transport) -> None:
         spec = self.spec
         key = t.get_remote_server_key()
-        stored = known_hosts.lookup(spec.known_hosts, spec.hostname, spec.port)
-        fp = known_hosts.fingerprint(key)
-        same_type = [k for k in stored if k.get_name() == key.get_name()]
-        if any(k == key for k in same_type):
+        blob = key.public_blob
+        cert = blob.key_blob if blob is not None and blob.key_type.endswith("-cert-v01@openssh.com") else None
+        verdict = known_hosts.check(spec.known_hosts, spec.hostname, spec.port, key, cert)
+        if verdict.status == "accept":
             return
+        fp = known_hosts.fingerprint(key)
         name = f"{spec.hostname}:{spec.port}"
-        if same_type:
+        notes = "".join(f"; {n}" for n in verdict.notes)
+        line = verdict.entry.where if verdict.entry is not None else spec.known_hosts
+        if verdict.status == "revoked":
+            what = ("the CA that signed its host certificate" if verdict.revoked_ca
+                    else f"its {key.get_name()} host key {fp}")
+            raise RevokedHostKey(
+                f"REVOKED host key: {what} is marked @revoked at {line}; refusing to connect to {name}",
+                "someone may be impersonating this machine: ask its owner for its current key; "
+                "never remove the @revoked line to get in",
+                host=name, fingerprint=fp, line=line,
+            )
+        if verdict.status == "changed":
+            stored = verdict.entry.key_type if verdict.entry is not None else key.get_name()
             raise ChangedHostKey(
-                f"the host key of {name} has CHANGED (now {key.get_name()} {fp}); refusing to connect",
+                f"the host key of {name} has CHANGED (now {key.get_name()} {fp}; {line} holds a "
+                f"different {stored} key); refusing to connect{notes}",
                 f"if you rebuilt or re-rented the instance run `%gpu forget {name}`, then connect again; "
                 "otherwise someone may be intercepting the connection",
                 host=name, fingerprint=fp,
             )
         if self.trust_new_host:
             known_hosts.add(spec.known_hosts, spec.hostname, spec.port, key)
-            self.notes.append(f"trusted new host {spec.known_hosts_name}: added its {key.get_name()} "
+            self.notes.append(f"trusted new host {known_hosts.known_name(spec.hostname, spec.port)}: "
+                              f"added its {key.get_name()} "
                               f"key {fp} to {spec.known_hosts}")
             return
         raise UnknownHostKey(
-            f"{name} is not a known host; its {key.get_name()} key fingerprint is {fp}",
+            f"{name} is not a known host; its {key.get_name()} key fingerprint is {fp}{notes}",
             f"if that matches your machine, connect again with --trust-new-host "
             f"(e.g. `%gpu connect {spec.alias} --trust-new-host`)",
             host=name, fingerprint=fp,
@@ -488,3 +505,18 @@ def wait_readable(chan: paramiko.Channel, timeout: float) -> None:
         select.select([chan], [], [], timeout)
 
 
+class _Transport(paramiko.Transport):
+    """paramiko's Transport with a settable host key algorithm order.
+
+    paramiko lists every plain algorithm before any ``-cert-v01@openssh.com`` one whatever
+    ``key_types`` says; ssh asks for certificates first.  ``host_key_order`` (set before
+    ``start_client``) is the order asked for; algorithms it leaves out follow in paramiko's.
+    """
+
+    host_key_order: tuple[str, ...] = ()
+
+    @property
+    def preferred_keys(self):
+        keys = super().preferred_keys
+        first = [k for k in self.host_key_order if k in keys]
+        return tuple(first + [k for k in keys if k not in first])

@@ -86,6 +86,26 @@ class ChangedHostKey(HostKeyError):
         self.fingerprint = fingerprint
 
 
+class RevokedHostKey(HostKeyError):
+    """The server's host key (or the CA of its certificate) is marked ``@revoked`` in known_hosts.
+
+    Attributes
+    ----------
+    host : str
+        ``host:port`` as gpumagic names it.
+    fingerprint : str
+        ``SHA256:...`` of the server's key.
+    line : str
+        ``path:line`` of the ``@revoked`` line.
+    """
+
+    def __init__(self, message: str, hint: str, *, host: str, fingerprint: str, line: str):
+        super().__init__(message, hint)
+        self.host = host
+        self.fingerprint = fingerprint
+        self.line = line
+
+
 class ConnectionLost(GpumagicError):
     """The SSH connection dropped while something was running on it."""
 

@@ -443,7 +443,7 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     GpumagicError
         One of its kinds (HostNotFound, ConnectionRefused, ConnectTimeout,
         AuthenticationFailed, WrongPassphrase, InsecureKeyFile, UnknownHostKey,
-        ChangedHostKey), each with a one-line hint.
+        ChangedHostKey, RevokedHostKey), each with a one-line hint.
     """
     sb = None
     if sandbox:

@@ -656,7 +656,7 @@ def install_key(target: str, *, key: str | os.PathLike | None = None, port: int 
 
     Raises
     ------
-    UnknownHostKey, ChangedHostKey
+    UnknownHostKey, ChangedHostKey, RevokedHostKey
         Before any password is asked.
     AuthenticationFailed
         Password refused, password logins disabled, or the key login still fails afterwards
