@@ -289,6 +289,72 @@ Match !canonical
     Case("match-comment", "gpu", "Match all # everything\n  Port 2234\n"),
     Case("host-match-host-interplay", "gpu",
          "Host gpu\n  User a\nMatch user a\n  Port 2235\nHost gpu\n  HostName h2\n"),
+    # -- the rest of the keyword table: checked as ssh checks it, even where gpumagic ignores it --
+    Case("other-keywords-valid", "gpu", """
+Host gpu
+  LocalForward 8888 localhost:8888
+  RemoteForward 8080
+  DynamicForward 1080
+  SendEnv LANG LC_*
+  SetEnv A=1 B=2
+  ControlMaster auto
+  ControlPersist 10m
+  ControlPath ~/.ssh/cm-%C
+  EscapeChar ^A
+  IPQoS af21 cs1
+  RekeyLimit 1G 1h
+  AddKeysToAgent confirm 5m
+  ForwardAgent $SSH_AUTH_SOCK
+  LogLevel DEBUG3
+  StrictHostKeyChecking accept-new
+  Compression yes
+  TunnelDevice any:any
+  StreamLocalBindMask 0177
+  FingerprintHash sha256
+  PermitRemoteOpen localhost:8080 [::1]:22
+  IdentityAgent none
+  GlobalKnownHostsFile /etc/x /etc/y
+  PubkeyAuthentication host-bound
+  ProtocolKeepAlives 15
+  CanonicalDomains example.com
+  IdentityFile2 {D}/legacy
+  Port 2237
+"""),
+    Case("controlpersist-is-case-sensitive-refused", "gpu", "Host gpu\n  ControlPersist Yes\n"),
+    Case("localforward-without-target-refused", "gpu", "Host gpu\n  LocalForward 8888\n"),
+    Case("localforward-bad-refused", "gpu", "Host gpu\n  LocalForward bad:x y\n"),
+    Case("setenv-without-equals-refused", "gpu", "Host gpu\n  SetEnv A\n"),
+    Case("forwardagent-unset-env-refused", "gpu", "Host gpu\n  ForwardAgent ${GPUMAGIC_UNSET_VAR}\n"),
+    Case("escapechar-bad-refused", "gpu", "Host gpu\n  EscapeChar abc\n"),
+    Case("ipqos-bad-refused", "gpu", "Host gpu\n  IPQoS nonsense\n"),
+    Case("loglevel-bad-refused", "gpu", "Host gpu\n  LogLevel LOUD\n"),
+    Case("permitremoteopen-no-port-refused", "gpu", "Host gpu\n  PermitRemoteOpen localhost\n"),
+    Case("rekeylimit-too-small-refused", "gpu", "Host gpu\n  RekeyLimit 8\n"),
+    Case("canonicaldomains-bad-refused", "gpu", "Host gpu\n  CanonicalDomains -bad.example\n"),
+    Case("permitted-cnames-on-localhost", "localhost",
+         "Host localhost\n  CanonicalizePermittedCNAMEs *.a.example:*.b.example\n  Port 2238\n"),
+    Case("serveralivecountmax-zero-and-timeout-0s", "gpu", "Host gpu\n  ServerAliveCountMax 0\n  ConnectTimeout 0s\n"),
+    # -- odd corners of the line reader ----------------------------------------------------------
+    Case("equals-twice-refused", "gpu", "Host gpu\n  Port = = 22\n"),
+    Case("equals-without-value-refused", "gpu", "Host gpu\n  Port=\n"),
+    Case("empty-host-pattern-refused", "gpu", 'Host ""\n'),
+    Case("quoted-include-with-space", "gpu", 'Include "{D}/with space.conf" {D}/second.conf\n',
+         files={"with space.conf": "Host gpu\n  User spaced\n", "second.conf": "Host gpu\n  Port 2239\n"}),
+    Case("include-inside-match", "gpu", "Match user nobody-at-all\n  Include {D}/m.conf\nHost gpu\n  Port 2240\n",
+         files={"m.conf": "Host gpu\n  User frommatch\n"}),
+    Case("host-negated-star", "gpu", "Host !*\n  Port 1\nHost GPU\n  Port 1\nHost gpu\n  Port 2241\n"),
+    Case("hostname-octal-ipv4", "gpu", "Host gpu\n  HostName 010.0.0.1\n"),
+    Case("hostname-trailing-dot", "gpu", "Host gpu\n  HostName Box.Example.\n"),
+    Case("match-originalhost-case", "GPU", "Match originalhost gpu\n  Port 2242\n"),
+    Case("match-not-all", "gpu", "Match !all\n  Port 1\nMatch canonical all\n  Port 2\nHost *\n  Port 2243\n"),
+    Case("match-case-and-equals", "gpu", "MATCH HOST=gpu\n  Port 2244\n"),
+    Case("match-exec-single-quotes", "gpu", "Match exec 'true'\n  Port 2245\n"),
+    Case("match-final-identityfile-not-doubled", "gpu",
+         "Host gpu\n  IdentityFile {D}/k\nMatch final\n  IdentityFile {D}/k2\n"),
+    Case("proxyjump-equals-and-quotes", "gpu", 'Host gpu\n  ProxyJump = "quoted"\n'),
+    Case("proxyjump-comment-with-commas", "gpu", "Host gpu\n  ProxyJump a,b # c,d\n"),
+    Case("proxyjump-none-with-comment", "gpu", "Host gpu\n  ProxyJump none # literally\n"),
+    Case("user-percent-is-literal", "gpu", "Host gpu\n  User a%hb\n"),
 ]
 
 
@@ -481,6 +547,12 @@ COMMAND_LINES = [
     Line("F-other-config", "-F {D}/other gpu"),
     Line("o-user-and-at", "-o User=x y@h"),
     Line("config-alias-everything", "gpu"),
+    Line("relative-i", "-i k1 h"),
+    Line("glued-and-grouped", "-tt -p2201 -lroot -oPort=1 h"),
+    Line("uri-without-user", "ssh://host.example"),
+    Line("uri-with-path-refused", "ssh://host.example/path"),
+    Line("empty-user-refused", "@h"),
+    Line("jump-uri", "-J ssh://u@j.example:2200 h"),
 ]
 
 
