@@ -263,7 +263,7 @@ class Connection:
             return self._open_via_jumps()
         try:
             sock = socket.create_connection((spec.hostname, spec.port), timeout=spec.connect_timeout)
-        except socket.gaierror:
+        except (socket.gaierror, UnicodeError):  # UnicodeError: a name IDNA cannot encode (ü..x)
             raise HostNotFound(
                 f"cannot find host {spec.hostname!r}: it is not a ~/.ssh/config alias and DNS does not know it",
                 "check the spelling, or add a Host block (`%gpu add-host`) or use user@IP:port",

@@ -1,21 +1,24 @@
-"""Pure host resolution: targets, ``~/.ssh/config`` (with Include) and the keywords gpumagic honours.
+"""Host resolution: targets, ``~/.ssh/config`` and pasted ``ssh ...`` lines, as OpenSSH reads them.
 
-Nothing here opens a socket.  ``resolve`` turns what a user typed (``mygpu``,
-``root@203.0.113.10:41022``) into a :class:`HostSpec` following OpenSSH's rules: the first
-value found for a keyword wins, command-line options beat the config file.
+Nothing here opens a socket (``Match exec`` runs its command, as ssh does).  ``resolve`` turns
+what a user typed (``mygpu``, ``root@203.0.113.10:41022``) into a :class:`HostSpec` with
+the values ``ssh -G`` prints for it: the config is read by :mod:`gpumagic.ssh_config`, a port
+of OpenSSH's ``readconf.c``; the first value found for a keyword wins, and command-line
+options beat the config file.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import re
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import paramiko
-
 from .errors import ConfigError
+from .ssh_config import (WHITESPACE, ExpandError, Local, Options, SshConfig, a2port, apply_cmdline_option,
+                         argv_split, parse_forward, parse_jump, parse_ssh_uri, resolve_options,
+                         ssh_valid_ruser, strdelim, strtonum, tilde_expand)
 
 DEFAULT_KEY_NAMES = ("id_ed25519", "id_ecdsa", "id_rsa")
 
@@ -69,25 +72,33 @@ class HostSpec:
     alias : str
         The name the user typed (a config ``Host`` alias or the host itself).
     hostname : str
-        ``HostName`` (defaults to the alias).
+        ``HostName`` (defaults to the alias) as ``ssh -G`` prints it: ``%h`` expanded,
+        lower-cased (``GPU-Box.Example`` -> ``gpu-box.example``), a numeric address in its
+        canonical form (``2001:DB8::1`` -> ``2001:db8::1``).  The name ssh looks up in
+        known_hosts.
     port : int
         ``Port`` (default 22).
     user : str
         ``User`` (default: the local user name).
     identity_files : tuple of str
-        ``IdentityFile`` entries, ``~`` expanded, in config order.
+        ``IdentityFile`` entries in ssh's order (command line first), ``~``, ``%`` tokens and
+        ``${VAR}`` expanded, ``none`` and repeats left out.
     identities_only : bool
         ``IdentitiesOnly``: offer only ``identity_files`` (no agent, no default keys).
     server_alive_interval : float
-        ``ServerAliveInterval`` in seconds (0 = off; gpumagic's default is 30).
+        ``ServerAliveInterval`` in seconds (0 = off; gpumagic's default is 30, ssh's is 0).
     server_alive_count_max : int
         ``ServerAliveCountMax``: unanswered keepalives before the peer is declared dead.
     connect_timeout : float
-        ``ConnectTimeout`` in seconds (gpumagic's default is 15).
+        ``ConnectTimeout`` in seconds.  gpumagic's default is 15; ``ConnectTimeout 0`` (ssh:
+        no limit of its own) also gives 15, so a cell never waits for ever.
     proxy_jump : tuple of str
         ``ProxyJump`` hops in the order written (empty for none).
     known_hosts : str
-        The ``UserKnownHostsFile`` to check and update.
+        The first ``UserKnownHostsFile`` (expanded), checked and updated; ``os.devnull`` for
+        ``UserKnownHostsFile none``.
+    from_config : bool
+        Whether some ``Host``/``Match`` block of the config applied.
     """
 
     alias: str
@@ -117,81 +128,30 @@ class HostSpec:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
-_INCLUDE_RE = re.compile(r"^\s*include(?:\s*=\s*|\s+)(.+)$", re.IGNORECASE)
-
-
-def expand_includes(text: str, base: Path, _depth: int = 0) -> str:
-    """Inline ``Include`` lines of an ssh_config text, as OpenSSH reads them.
-
-    Relative paths resolve against ``base`` (``~/.ssh``), ``~`` expands, globs are read in
-    sorted order, and missing files are skipped (OpenSSH does the same).
-    """
-    if _depth > 16:
-        raise ConfigError("ssh config Include nests deeper than 16 levels",
-                          "look for an Include that includes itself")
-    out = []
-    for line in text.splitlines():
-        m = _INCLUDE_RE.match(line)
-        if not m:
-            out.append(line)
-            continue
-        for pattern in m.group(1).split():
-            pattern = os.path.expanduser(pattern.strip('"'))
-            if not os.path.isabs(pattern):
-                pattern = str(base / pattern)
-            for path in sorted(glob.glob(pattern)):
-                try:
-                    inner = Path(path).read_text(encoding="utf-8", errors="replace")
-                except OSError:
-                    continue
-                out.append(expand_includes(inner, base, _depth + 1))
-    return "\n".join(out) + "\n"
-
-
 def load_ssh_config(path: str | os.PathLike | None = None,
-                    home: str | os.PathLike | None = None) -> paramiko.SSHConfig:
-    """Read ``~/.ssh/config`` (or ``path``) with Include expanded.
+                    home: str | os.PathLike | None = None) -> SshConfig:
+    """The ssh client configuration, read the way OpenSSH's ``ssh`` reads it.
 
-    Returns an empty config when the file does not exist.
+    Without ``path``: ``~/.ssh/config`` (it must not be writable by others, as ssh demands),
+    then ``/etc/ssh/ssh_config``.  With ``path``: that file alone, like ``ssh -F PATH``.
+    Files are read when a host is resolved (:func:`resolve`), so ``Host``, ``Match`` and
+    ``Include`` apply per host exactly as in ssh (see :mod:`gpumagic.ssh_config`).
 
     Raises
     ------
     ConfigError
-        When the file cannot be parsed.
+        When ``path`` does not exist or a file cannot be read.
     """
-    base = ssh_dir(home)
-    path = Path(path) if path else base / "config"
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        text = ""
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}", f"check the permissions of {path}")
-    try:
-        return paramiko.SSHConfig.from_text(expand_includes(text, base))
-    except Exception as e:  # paramiko raises ConfigParseError and plain Exceptions
-        raise ConfigError(f"cannot parse {path}: {e}", "fix that line, then connect again")
+    return SshConfig(path, home=home)
 
 
-def config_aliases(config: paramiko.SSHConfig) -> list[str]:
-    """The concrete ``Host`` aliases of a config (patterns with ``*``/``?``/``!`` left out)."""
-    names = []
-    for name in config.get_hostnames():
-        if name and not any(c in name for c in "*?!") and name not in names:
-            names.append(name)
-    return sorted(names)
+def config_aliases(config: SshConfig) -> list[str]:
+    """The concrete ``Host`` aliases of a config (patterns with ``*``/``?``/``!`` left out), sorted.
 
-
-def _yes(value) -> bool:
-    return str(value).strip().lower() in ("yes", "true", "1")
-
-
-def _seconds(value, keyword: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{keyword} {value!r} is not a number of seconds",
-                          f"fix {keyword} in ~/.ssh/config")
+    Aliases from ``Include``'d files count where ssh would apply them (a file included inside
+    ``Host a`` contributes only names that ``a``'s patterns match).
+    """
+    return config.aliases()
 
 
 def split_jump(value: str | None) -> tuple[str, ...]:
@@ -201,76 +161,92 @@ def split_jump(value: str | None) -> tuple[str, ...]:
     return tuple(h.strip() for h in value.split(",") if h.strip())
 
 
-def resolve(text: str, *, config: paramiko.SSHConfig | None = None,
+def _port_number(value, what: str) -> int:
+    """A port from gpumagic's own options (``-p/--port``, ``:PORT``): 1-65535."""
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} {value!r} is not a port number",
+                          f"give {what} a number between 1 and 65535, e.g. 41022") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"{what} {port} is out of range", f"give {what} a number between 1 and 65535")
+    return port
+
+
+def _command_line(*, home: str, port=None, user=None, identity_file=None, proxy_jump=None) -> Options:
+    """ssh's options after its command line: gpumagic's own ``--port/--user/--key/--jump``."""
+    o = Options()
+    if user:
+        o.user, o.user_on_commandline = user, True
+    if port is not None:
+        o.port = _port_number(port, "-p/--port")
+    if identity_file:
+        try:
+            o.add_identity_file(tilde_expand(identity_file, home))  # ssh -i expands ~ at once
+        except ExpandError as e:
+            raise ConfigError(f"-i/--key: {e}", "give the key file's path") from None
+    if proxy_jump is not None and not parse_jump(proxy_jump, o, strict=True, active=True):
+        raise ConfigError(f"-J/--jump {proxy_jump!r} is not a list of [user@]host[:port] hops",
+                          "write it like ssh -J: user@bastion:22,second-hop")
+    return o
+
+
+def resolve(text: str, *, config: SshConfig | None = None,
             home: str | os.PathLike | None = None, port: int | None = None,
             user: str | None = None, identity_file: str | None = None,
             proxy_jump: str | None = None) -> HostSpec:
-    """Resolve what the user typed into a :class:`HostSpec`.
+    """Resolve what the user typed into a :class:`HostSpec`, as ``ssh -G`` would.
 
     Parameters
     ----------
     text : str
         A ``~/.ssh/config`` alias or ``[user@]host[:port]``.
-    config : paramiko.SSHConfig, optional
+    config : SshConfig, optional
         Defaults to ``load_ssh_config(home=home)``.
     port, user, identity_file, proxy_jump : optional
         Command-line values; they win over the target text and the config
-        (``-p``, ``-l``/``user@``, ``-i``, ``-J``).
+        (``-p``, ``-l``/``user@``, ``-i``, ``-J``; ``proxy_jump="none"`` removes a ProxyJump).
 
     Raises
     ------
     ConfigError
-        For a malformed target or config value.
+        For a malformed target, an out-of-range port, or anything ssh refuses in the config
+        (the message names the file and line), or a host that needs ``ProxyCommand``.
     """
     target = parse_target(text)
     if config is None:
         config = load_ssh_config(home=home)
-    found = config.lookup(target.host)
-    from_config = target.host in config_aliases(config) or "hostname" in found
+    home_dir = os.fspath(home) if home else config.home
+    o = _command_line(home=home_dir, port=port, user=user, identity_file=identity_file,
+                      proxy_jump=proxy_jump)
+    if target.user is not None and o.user is None:  # ssh.c: user@ applies unless -l came first
+        o.user, o.user_on_commandline = target.user, True
+    if target.port is not None and o.port == -1:
+        o.port = target.port
+    return _spec(target.host, config, o, Local.current(home_dir))
 
-    def expand(p: str) -> str:
-        p = p.replace("%d", str(Path(home or os.path.expanduser("~"))))
-        p = p.replace("%u", os.environ.get("USER", "")).replace("%h", found.get("hostname", target.host))
-        if p.startswith("~"):
-            p = str(Path(home or os.path.expanduser("~"))) + p[1:]
-        return p
 
-    identity_files = tuple(expand(p) for p in found.get("identityfile", []))
-    if identity_file:
-        identity_files = (expand(identity_file),) + identity_files
-    cfg_port = found.get("port")
-    try:
-        final_port = int(port or target.port or cfg_port or 22)
-    except ValueError:
-        raise ConfigError(f"Port {cfg_port!r} for {target.host} is not a number", "fix Port in ~/.ssh/config")
-    final_user = (user or target.user or found.get("user") or os.environ.get("USER")
-                  or _local_user())
-    jump = proxy_jump if proxy_jump is not None else found.get("proxyjump")
-    known = found.get("userknownhostsfile")
-    known_hosts = expand(known.split()[0]) if known else str(ssh_dir(home) / "known_hosts")
+def _spec(host: str, config: SshConfig | None, options: Options, local: Local) -> HostSpec:
+    r = resolve_options(host, config, options, local=local)
+    if r.proxy_command is not None:
+        raise ConfigError(f"{host} is reached through ProxyCommand {r.proxy_command!r}, which gpumagic "
+                          "cannot run", "use ProxyJump (ssh -J) for a jump host, or a Host block "
+                          "without ProxyCommand")
+    keys = [r.expand(p) for p in r.identity_files if p.lower() != "none"]
     return HostSpec(
-        alias=target.host,
-        hostname=found.get("hostname", target.host),
-        port=final_port,
-        user=final_user,
-        identity_files=identity_files,
-        identities_only=_yes(found.get("identitiesonly", "no")),
-        server_alive_interval=_seconds(found.get("serveraliveinterval", 30), "ServerAliveInterval"),
-        server_alive_count_max=int(_seconds(found.get("serveralivecountmax", 3), "ServerAliveCountMax")),
-        connect_timeout=_seconds(found.get("connecttimeout", 15), "ConnectTimeout"),
-        proxy_jump=split_jump(jump),
-        known_hosts=known_hosts,
-        from_config=from_config,
+        alias=host,
+        hostname=r.hostname,
+        port=r.port,
+        user=r.user,
+        identity_files=tuple(dict.fromkeys(keys)),
+        identities_only=r.identities_only,
+        server_alive_interval=float(30 if r.server_alive_interval is None else r.server_alive_interval),
+        server_alive_count_max=3 if r.server_alive_count_max is None else r.server_alive_count_max,
+        connect_timeout=float(r.connect_timeout) if r.connect_timeout else 15.0,
+        proxy_jump=tuple(r.jump_hops),
+        known_hosts=r.user_known_hosts_files[0] if r.user_known_hosts_files else os.devnull,
+        from_config=r.matched,
     )
-
-
-def _local_user() -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except Exception:
-        return "root"
 
 
 def default_identity_files(home: str | os.PathLike | None = None) -> list[str]:
@@ -281,16 +257,21 @@ def default_identity_files(home: str | os.PathLike | None = None) -> list[str]:
 
 # -- a pasted ``ssh ...`` command line ---------------------------------------------------
 
-#: ssh(1) options that take an argument (OpenSSH 9 ``getopt`` string, ``ssh.c``).
+#: ssh(1) options that take an argument (OpenSSH 9.2 ``getopt`` string, ``ssh.c``).
 _SSH_OPTS_WITH_ARG = set("BbcDEeFIiJLlmOopQRSWw")
 #: ssh(1) options without an argument.
-_SSH_FLAGS = set("46AaCfGgKkMNnqsTtVvXxYy")
+_SSH_FLAGS = set("246AaCfGgKkMNnPqsTtVvXxYy")
 
 #: ``-o`` keywords gpumagic honours, lower case -> canonical ssh_config spelling.
 HONOURED_KEYWORDS = {k.lower(): k for k in (
     "HostName", "Port", "User", "IdentityFile", "ProxyJump", "IdentitiesOnly",
     "ServerAliveInterval", "ServerAliveCountMax", "ConnectTimeout", "UserKnownHostsFile",
 )}
+
+#: ``-o`` keywords that only take part in finding the host: applied, not listed as ignored.
+_RESOLUTION_KEYWORDS = {"hostkeyalias", "canonicalizehostname", "canonicaldomains", "canonicalizemaxdots",
+                        "canonicalizefallbacklocal", "canonicalizepermittedcnames", "ignoreunknown",
+                        "addressfamily", "proxycommand"}
 
 #: Why some well-known options are set aside (shown to the user, never silently dropped).
 _IGNORED_WHY = {
@@ -324,6 +305,12 @@ class SshCommand:
         (``ServerAliveInterval``, ``ConnectTimeout``, ``HostName``, ...).
     ignored : tuple of str
         Options gpumagic does not apply, each with the reason (for a note to the user).
+    config : str or None
+        ``-F FILE`` (the last one, as in ssh): read instead of ``~/.ssh/config``.
+    actions : tuple of (str, object)
+        The options that set something, in the order ssh applies them (``("o", "Port=22")``,
+        ``("p", "22")``, ``("l", ...)``, ``("i", ...)``, ``("J", ...)``, ``("4", "")``,
+        ``("dest", (user, port))``); :func:`resolve_ssh_command` replays them.
     """
 
     host: str
@@ -334,6 +321,8 @@ class SshCommand:
     jump: str | None = None
     options: dict = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    config: str | None = None
+    actions: tuple = ()
 
 
 def is_ssh_command(text: str) -> bool:
@@ -344,35 +333,43 @@ def is_ssh_command(text: str) -> bool:
     return t == "ssh" or t.startswith(("ssh ", "ssh\t"))
 
 
-def _port_value(value: str, where: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        raise ConfigError(f"{where} {value!r} is not a port number", "write the port as a number, e.g. -p 41022")
-    if not 0 < port < 65536:
-        raise ConfigError(f"port {port} is out of range", "use a port between 1 and 65535")
-    return port
+def _ssh_port(value: str, where: str) -> int:
+    """``a2port`` as ``ssh -p`` applies it: a number 1-65535 or a service name (``ssh``)."""
+    port = a2port(value)
+    if port > 0:
+        return port
+    number, err = strtonum(value, -(2**63), 2**63 - 1)
+    if err is None:
+        raise ConfigError(f"{where} {number} is out of range", "use a port between 1 and 65535")
+    raise ConfigError(f"{where} {value!r} is not a port number", "write the port as a number, e.g. -p 41022")
+
+
+def _split_o(arg: str) -> tuple[str, str, list[str]]:
+    """An ``-o`` argument as readconf splits it: (keyword as written, raw value, words)."""
+    key, rest = strdelim(arg)
+    if key == "":
+        key, rest = strdelim(rest)
+    rest = (rest or "").lstrip(WHITESPACE)
+    return key or "", rest, argv_split(rest) or []
 
 
 def parse_ssh_command(text: str) -> SshCommand:
     """Read a pasted ssh(1) command line the way OpenSSH's ``ssh`` reads its arguments.
 
-    Understood: ``-p PORT``, ``-i FILE`` (repeatable), ``-l USER``, ``-J HOPS``,
-    ``-o Key=Value`` and ``-o "Key Value"`` for :data:`HONOURED_KEYWORDS`, ``user@host``
-    and ``ssh://[user@]host[:port]``; options may come before or after the destination and
-    may be glued to their letter (``-p41022``) or grouped (``-tt``).  As in OpenSSH, the
-    first value given for a setting wins (``ssh.c``, ``readconf.c``).  Other options are
-    listed in ``ignored`` with the reason, never applied silently.  A leading ``$ `` prompt is
-    accepted.
+    Understood: ``-p PORT``, ``-i FILE`` (repeatable), ``-l USER``, ``-J HOPS``, ``-F FILE``,
+    ``-o Key=Value`` and ``-o "Key Value"`` (every ssh_config keyword, checked as ssh checks
+    it; :data:`HONOURED_KEYWORDS` are used), ``user@host`` and ``ssh://[user@]host[:port]``;
+    options may come before or after the destination and may be glued to their letter
+    (``-p41022``) or grouped (``-tt``), ``--`` ends them.  As in OpenSSH, the first value
+    given for a setting wins (``ssh.c``, ``readconf.c``).  Other options are listed in
+    ``ignored`` with the reason, never applied silently.  A leading ``$ `` prompt is accepted.
 
     Raises
     ------
     ConfigError
         Not an ssh command, no destination, a remote command after the destination, a
-        missing option value, or a bad port -- each with a hint.
+        missing option value, a bad port, an ``-o`` that ssh refuses -- each with a hint.
     """
-    import shlex
-
     raw = (text or "").strip()
     if raw.startswith("$ "):
         raw = raw[2:].lstrip()
@@ -386,6 +383,9 @@ def parse_ssh_command(text: str) -> SshCommand:
     first: dict[str, str] = {}
     keys: list[str] = []
     ignored: list[str] = []
+    actions: list[tuple[str, object]] = []
+    config: str | None = None
+    host: str | None = None
 
     def setting(keyword: str, value: str) -> None:
         if keyword == "IdentityFile":
@@ -394,140 +394,216 @@ def parse_ssh_command(text: str) -> SshCommand:
             first.setdefault(keyword, value)  # OpenSSH: the first obtained value wins
 
     def dash_o(arg: str) -> None:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            key, _, value = arg.strip().partition(" ")
-        key, value = key.strip(), value.strip().strip('"')
-        if not key or not value:
+        key, rest, words = _split_o(arg)
+        if not key or not rest:
             raise ConfigError(f"-o {arg!r} has no value",
                               f"write it as -o {key or 'Keyword'}=VALUE (e.g. -o Port=41022)")
+        actions.append(("o", arg))
         canon = HONOURED_KEYWORDS.get(key.lower())
-        if canon is None:
+        shown = " ".join(words) if words else rest
+        if canon == "ProxyJump":
+            setting(canon, rest.lstrip(WHITESPACE + "="))
+        elif canon == "UserKnownHostsFile" and len(words) > 1:
+            setting(canon, tuple(words))  # several files; add-host writes each as one word
+        elif canon is not None:
+            setting(canon, words[0] if words else rest)
+        elif key.lower() not in _RESOLUTION_KEYWORDS:
             why = _IGNORED_WHY.get(key.lower(), "gpumagic does not use this option")
-            ignored.append(f"-o {key}={value} ({why})")
-        else:
-            setting(canon, value)
+            ignored.append(f"-o {key}={shown} ({why})")
 
-    def destination(arg: str) -> None:
-        user, host, port = _destination(arg)
-        first["Host"] = host
+    def destination(arg: str) -> str:
+        # gpumagic also reads ssh://user@[2001:db8::1]:22, which OpenSSH 9.2 refuses
+        r, user, h, port = parse_ssh_uri(arg, allow_v6=True)
+        if r == -1:
+            raise ConfigError(f"cannot read {arg!r} as an ssh:// address", "write it as ssh://user@host:port")
+        if r == 1:
+            user, at, h = arg.rpartition("@")  # OpenSSH splits at the last '@'
+            if at and not user:
+                raise ConfigError(f"{arg!r} has an empty user name before '@'", "write it as user@host")
+            user, port = (user if at else None), -1
+        if not h:
+            raise ConfigError(f"cannot read {arg!r} as a machine", "write it as user@host")
+        actions.append(("dest", (user, port)))
         if user:
             setting("User", user)  # ssh.c: user@ applies unless -l / -o User came first
-        if port:
-            setting("Port", port)
+        if port > 0:
+            setting("Port", str(port))
+        return h
 
-    i, n = 1, len(argv)
-    while i < n:
-        arg = argv[i]
-        i += 1
-        if arg == "--":  # end of options: the destination follows
-            if "Host" in first or i >= n:
+    i, n, terminated = 1, len(argv), False
+    while True:
+        while i < n:  # one getopt(3) run: options up to the first other word
+            arg = argv[i]
+            if arg == "--":
+                i, terminated = i + 1, True
                 break
-            destination(argv[i])
+            if not arg.startswith("-") or arg == "-":
+                break
             i += 1
-            break
-        if not (arg.startswith("-") and len(arg) > 1):
-            if "Host" in first:  # a second word after the destination: a remote command
-                i -= 1
+            j = 1
+            while j < len(arg):
+                letter = arg[j]
+                j += 1
+                if letter in _SSH_FLAGS:
+                    if letter == "N":
+                        ignored.append(f"-N ({_IGNORED_WHY['-N']})")
+                    elif letter in "46":
+                        actions.append((letter, ""))
+                    continue
+                if letter == "1":
+                    raise ConfigError("ssh -1 (SSH protocol 1) is no longer supported", "remove -1")
+                if letter not in _SSH_OPTS_WITH_ARG:
+                    raise ConfigError(f"ssh has no option -{letter}",
+                                      "paste the ssh command exactly as the platform shows it")
+                value = arg[j:]
+                if not value:
+                    if i >= n:
+                        raise ConfigError(f"ssh option -{letter} needs a value",
+                                          f"complete it (-{letter} VALUE) or paste the whole line")
+                    value = argv[i]
+                    i += 1
+                if letter == "p":
+                    actions.append(("p", value))
+                    setting("Port", value)
+                elif letter == "i":
+                    actions.append(("i", value))
+                    setting("IdentityFile", value)
+                elif letter == "l":
+                    actions.append(("l", value))
+                    setting("User", value)
+                elif letter == "J":
+                    if any(a == "J" for a, _ in actions):
+                        raise ConfigError("only one -J is allowed (as in OpenSSH)",
+                                          "list the hops in one -J, comma-separated: -J a,b")
+                    actions.append(("J", value))
+                    setting("ProxyJump", value)
+                elif letter == "o":
+                    dash_o(value)
+                elif letter == "F":
+                    config = value
+                else:
+                    if letter in "LRD" and not parse_forward(value, letter == "D", letter == "R"):
+                        raise ConfigError(f"-{letter} {value} is not a forwarding specification ssh accepts",
+                                          f"write it as -{letter} 8888:localhost:8888, or leave it out")
+                    why = _IGNORED_WHY.get(f"-{letter}", "gpumagic does not use this option")
+                    ignored.append(f"-{letter} {value} ({why})")
                 break
-            destination(arg)
-            continue
-        j = 1
-        while j < len(arg):
-            letter = arg[j]
-            j += 1
-            if letter in _SSH_FLAGS:
-                if letter == "N":
-                    ignored.append(f"-N ({_IGNORED_WHY['-N']})")
-                continue
-            if letter not in _SSH_OPTS_WITH_ARG:
-                raise ConfigError(f"ssh has no option -{letter}",
-                                  "paste the ssh command exactly as the platform shows it")
-            value = arg[j:]
-            if not value:
-                if i >= n:
-                    raise ConfigError(f"ssh option -{letter} needs a value",
-                                      f"complete it (-{letter} VALUE) or paste the whole line")
-                value = argv[i]
-                i += 1
-            if letter == "p":
-                setting("Port", value)
-            elif letter == "i":
-                setting("IdentityFile", value)
-            elif letter == "l":
-                setting("User", value)
-            elif letter == "J":
-                if "ProxyJump" in first:
-                    raise ConfigError("only one -J is allowed (as in OpenSSH)",
-                                      "list the hops in one -J, comma-separated: -J a,b")
-                setting("ProxyJump", value)
-            elif letter == "o":
-                dash_o(value)
-            else:
-                why = _IGNORED_WHY.get(f"-{letter}", "gpumagic does not use this option")
-                ignored.append(f"-{letter} {value} ({why})")
-            break
-    if "Host" not in first:
+        if host is None and i < n:
+            host = destination(argv[i])
+            i += 1
+            if i < n and not terminated:
+                continue  # ssh.c: options may follow the destination
+        break
+    if host is None:
         raise ConfigError("the ssh command names no machine",
                           "paste the whole line, e.g. ssh -p 41022 root@203.0.113.10")
     if i < n:
         raise ConfigError(f"the ssh command runs a remote command ({' '.join(argv[i:])!r}) "
                           "after the destination",
                           "paste only the login part: ssh [options] user@host")
-    port_text = first.get("Port")
-    port = _port_value(port_text, "port") if port_text else None
     options = {k: v for k, v in first.items() if k not in ("Port", "User", "ProxyJump")}
-    return SshCommand(host=first["Host"], port=port, user=first.get("User"),
-                      key=keys[0] if keys else None, keys=tuple(keys), jump=first.get("ProxyJump"),
-                      options={k: v for k, v in options.items() if k != "Host"},
-                      ignored=tuple(ignored))
+    cmd = SshCommand(host=host, user=first.get("User"),
+                     key=keys[0] if keys else None, keys=tuple(keys), jump=first.get("ProxyJump"),
+                     options=options, ignored=tuple(ignored), config=config, actions=tuple(actions))
+    home = os.path.expanduser("~")
+    local = Local.current(home)
+    o = Options()
+    _replay(cmd, o, home=home, local=local)  # everything ssh checks before reading a config
+    port_text = first.get("Port")
+    cmd = replace(cmd, port=_ssh_port(port_text, "port") if port_text else None)
+    if o.user is not None and o.user_on_commandline and not ssh_valid_ruser(o.user):
+        raise ConfigError(f"user name {o.user!r} contains characters ssh refuses",
+                          "give the user name without quotes, ;, &, |, <, > or a leading -")
+    return cmd
 
 
-def _destination(dest: str) -> tuple[str | None, str, str | None]:
-    """Split ``[user@]host`` or ``ssh://[user@]host[:port]`` into (user, host, port text)."""
-    if dest.startswith("ssh://"):
-        m = _TARGET_RE.match(dest[len("ssh://"):].rstrip("/"))
-        if not m:
-            raise ConfigError(f"cannot read {dest!r} as an ssh:// address", "write it as ssh://user@host:port")
-        return m.group("user"), m.group("v6") or m.group("host"), m.group("port")
-    user, at, host = dest.rpartition("@")  # OpenSSH splits at the last '@'
-    if at and not user:
-        raise ConfigError(f"{dest!r} has an empty user name before '@'", "write it as user@host")
-    if not host or any(c.isspace() for c in host) or host.startswith("-"):
-        raise ConfigError(f"cannot read {dest!r} as a machine", "write it as user@host")
-    return (user or None), host, None
+def _replay(cmd: SshCommand, o: Options, *, home: str, local: Local, skip_keys: bool = False,
+            skip_jump: bool = False) -> None:
+    """Apply a parsed command line to ``o`` in ssh's order (``ssh.c`` main's option loop)."""
+    import socket
+
+    host = ""
+    for letter, value in cmd.actions:
+        if letter == "o":
+            apply_cmdline_option(o, value, local, host=host)
+        elif letter == "p":
+            if o.port == -1:
+                o.port = _ssh_port(value, "-p")
+        elif letter == "l":
+            if o.user is None:
+                o.user, o.user_on_commandline = value, True
+        elif letter == "i":
+            if not skip_keys:
+                try:
+                    o.add_identity_file(tilde_expand(value, home))
+                except ExpandError as e:
+                    raise ConfigError(f"-i: {e}", "give the key file's path") from None
+        elif letter == "J":
+            if skip_jump:
+                continue
+            if o.jump_host is not None:
+                raise ConfigError("only one -J is allowed (as in OpenSSH)",
+                                  "list the hops in one -J, comma-separated: -J a,b")
+            if o.proxy_command is not None:
+                raise ConfigError("-J cannot be combined with -o ProxyCommand", "keep one of them")
+            if not parse_jump(value, o, strict=True, active=True):
+                raise ConfigError(f"-J {value!r} is not a list of [user@]host[:port] hops",
+                                  "write it like -J user@bastion:22,second-hop")
+        elif letter in "46":
+            o.address_family = socket.AF_INET if letter == "4" else socket.AF_INET6
+        elif letter == "dest":
+            user, port = value
+            if user is not None and o.user is None:
+                o.user, o.user_on_commandline = user, True
+            if port > 0 and o.port == -1:
+                o.port = port
+            host = cmd.host
+
+
+def ssh_command_options(text: str, *, home=None, **overrides) -> tuple[SshCommand, Options, SshConfig | None, Local]:
+    """A pasted ``ssh ...`` line as ssh holds it before reading its config.
+
+    Returns the parsed command, the options its command line set (``overrides`` first, see
+    :func:`resolve_ssh_command`), the config ssh would read (``-F FILE``, ``-F none`` ->
+    None, else ``~/.ssh/config``) and the local side; :func:`gpumagic.ssh_config.resolve_options`
+    of those is what ``ssh -G`` prints for the line.
+
+    Raises
+    ------
+    ConfigError
+        As :func:`parse_ssh_command`.
+    """
+    cmd = parse_ssh_command(text)
+    home_dir = os.fspath(home) if home else os.path.expanduser("~")
+    local = Local.current(home_dir)
+    key, jump = overrides.get("key") or None, overrides.get("jump") or None
+    o = _command_line(home=home_dir, port=overrides.get("port") or None, user=overrides.get("user") or None,
+                      identity_file=key, proxy_jump=jump)
+    _replay(cmd, o, home=home_dir, local=local, skip_keys=key is not None, skip_jump=jump is not None)
+    if cmd.config is None:
+        config = load_ssh_config(home=home_dir)
+    elif cmd.config.lower() == "none":
+        config = None
+    else:
+        config = SshConfig(tilde_expand(cmd.config, home_dir), home=home_dir)
+    return cmd, o, config, local
 
 
 def resolve_ssh_command(text: str, *, home=None, **overrides) -> tuple[HostSpec, list[str]]:
     """Resolve a pasted ``ssh ...`` line into a :class:`HostSpec` plus notes for the user.
 
-    ``overrides`` (``port``, ``user``, ``key``, ``jump``) win over the pasted values.  The
-    honoured ``-o`` keywords (``ServerAliveInterval``, ``ConnectTimeout``, ``IdentitiesOnly``,
-    ``UserKnownHostsFile``, ``HostName``) are applied; the rest are listed in the notes.
+    The line's options are applied as ssh applies them, then the config (``-F FILE`` or
+    ``~/.ssh/config``) is read for its destination: the result is what ``ssh -G`` prints
+    for the same line.  ``overrides`` (``port``, ``user``, ``key``, ``jump``: gpumagic's own
+    options) win over the pasted values; a ``key`` or ``jump`` override replaces the pasted
+    ``-i`` / ``-J``.  Options gpumagic does not use are listed in the notes.
+
+    Raises
+    ------
+    ConfigError
+        As :func:`parse_ssh_command` and :func:`resolve`.
     """
-    cmd = parse_ssh_command(text)
-    target = f"[{cmd.host}]" if ":" in cmd.host else cmd.host  # an IPv6 address
-    spec = resolve(target, home=home, port=overrides.get("port") or cmd.port,
-                   user=overrides.get("user") or cmd.user,
-                   identity_file=overrides.get("key") or cmd.key,
-                   proxy_jump=overrides.get("jump") or cmd.jump)
-    o = cmd.options
-    changes = {}
-    if "HostName" in o:
-        changes["hostname"] = o["HostName"]
-    if len(cmd.keys) > 1 and not overrides.get("key"):
-        changes["identity_files"] = tuple(os.path.expanduser(k) for k in cmd.keys) + spec.identity_files[1:]
-    if "IdentitiesOnly" in o:
-        changes["identities_only"] = o["IdentitiesOnly"].lower() in ("yes", "true")
-    for kw, attr, conv in (("ServerAliveInterval", "server_alive_interval", float),
-                           ("ServerAliveCountMax", "server_alive_count_max", int),
-                           ("ConnectTimeout", "connect_timeout", float)):
-        if kw in o:
-            try:
-                changes[attr] = conv(o[kw])
-            except ValueError:
-                raise ConfigError(f"-o {kw}={o[kw]} is not a number", f"write -o {kw}=NUMBER")
-    if "UserKnownHostsFile" in o:
-        changes["known_hosts"] = os.path.expanduser(o["UserKnownHostsFile"].split()[0])
+    cmd, o, config, local = ssh_command_options(text, home=home, **overrides)
+    spec = _spec(cmd.host, config, o, local)
     notes = [f"ignored {item}" for item in cmd.ignored]
-    return spec.with_options(**changes), notes
+    return spec, notes

@@ -303,18 +303,72 @@ class AddHostResult:
     notes: list[str] = field(default_factory=list)
 
 
-_VALUE_OK = re.compile(r'^[^\s"#]+$')
 _HEADER_RE = re.compile(r"^\s*(host|match)(?:\s*=\s*|\s+)(.*?)\s*$", re.IGNORECASE)
+_PLAIN = re.compile(r"""[^\s"'\\#=][^\s"'\\]*""")
+
+#: %-tokens ssh expands in IdentityFile (ssh_config(5) TOKENS; ``%%`` is a literal %).
+_IDENTITY_TOKENS = {t: "x" for t in "CLiklnpdhru"}
 
 
-def _check_value(what: str, value: str) -> str:
-    value = str(value)
-    if not value or "\n" in value or "\r" in value or '"' in value:
-        raise ConfigError(f"{what} {value!r} cannot go into ~/.ssh/config",
-                          f"give a one-line {what} without quotes")
-    if _VALUE_OK.match(value):
+def _refuse(keyword: str, value, why: str, hint: str) -> ConfigError:
+    return ConfigError(f"cannot write {keyword} {value!r} to ~/.ssh/config: {why}", hint)
+
+
+def _config_word(keyword: str, value: str) -> str:
+    """``value`` as one ssh_config word that readconf's ``argv_split`` reads back unchanged.
+
+    Plain words are written as they are; anything with blanks, quotes, ``\\``, ``#`` or a
+    leading ``=`` goes in double quotes with ``"`` and ``\\`` escaped (``readconf.c``).
+    """
+    if _PLAIN.fullmatch(value):
         return value
-    return f'"{value}"'  # ssh_config quoting for a value with spaces (readconf.c argv_split)
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _check_row(keyword: str, value) -> str:
+    """The text after ``keyword`` on its line, or ConfigError when ssh could not read it back."""
+    from .ssh_config import (ExpandError, Options, convtime, parse_jump, percent_expand,
+                             ssh_valid_hostname, strtonum)
+
+    words = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    for w in words:
+        if w == "" or any(c in w for c in "\n\r\0"):
+            raise _refuse(keyword, w, "it is empty or has a line break", f"give a one-line {keyword}")
+    w = words[0]
+    if keyword == "HostName":
+        if not ssh_valid_hostname(w) or "%" in w:
+            raise _refuse(keyword, w, "ssh cannot use it as a host name (blanks, quotes, %, or shell "
+                          "characters)", "give the machine's address or DNS name, e.g. 203.0.113.10")
+    elif keyword == "User":
+        if "%" in w or w.startswith("-"):
+            raise _refuse(keyword, w, "a % or a leading - in a user name is read differently by "
+                          "newer ssh versions", "give the login name as the platform shows it")
+    elif keyword in ("IdentityFile", "UserKnownHostsFile"):
+        for p in words:
+            try:
+                percent_expand(p, _IDENTITY_TOKENS, dollar=True, env={})
+            except ExpandError as e:
+                if "environment variable" not in str(e):
+                    raise _refuse(keyword, p, str(e), "write %% for a literal % in the path") from None
+    elif keyword == "ProxyJump":
+        if "#" in w or not parse_jump(w, Options(), strict=True, active=True):
+            raise _refuse(keyword, w, "it is not a list of [user@]host[:port] hops ssh accepts",
+                          "write it like ssh -J: user@bastion:22,second-hop (no blanks or quotes)")
+        return w  # readconf reads ProxyJump from the raw line, without unquoting
+    elif keyword in ("ServerAliveInterval", "ConnectTimeout"):
+        if w != "none" and convtime(w) < 0:
+            raise _refuse(keyword, w, "it is not a time ssh reads (0 or more seconds, or 30s, 1m, 1h30m)",
+                          f"give {keyword} in seconds, e.g. 30")
+    elif keyword == "ServerAliveCountMax":
+        if strtonum(w, 0, 2**31 - 1)[1] is not None:
+            raise _refuse(keyword, w, "it is not a whole number from 0 up", f"give {keyword} as e.g. 3")
+    elif keyword == "IdentitiesOnly":
+        if w.lower() not in ("yes", "no", "true", "false"):
+            raise _refuse(keyword, w, "it is not yes or no", "give IdentitiesOnly yes or no")
+    elif keyword == "Port":
+        if strtonum(w, 1, 65535)[1] is not None:
+            raise ConfigError(f"port {w} is out of range", "use a port between 1 and 65535")
+    return " ".join(_config_word(keyword, v) for v in words)
 
 
 def host_block(name: str, hostname: str, *, port: int | None = None, user: str | None = None,
@@ -325,35 +379,66 @@ def host_block(name: str, hostname: str, *, port: int | None = None, user: str |
 
     ``IdentitiesOnly yes`` goes with a key so that an agent full of keys cannot exhaust the
     server's ``MaxAuthTries`` first.  ``server_alive_interval`` in seconds; None leaves the
-    keyword out.  ``options`` adds other honoured keywords (``ConnectTimeout``...).
+    keyword out.  ``options`` adds other honoured keywords (``ConnectTimeout``...).  Every
+    value is written so that OpenSSH reads it back as given (quoted where needed, see
+    :func:`_config_word`); the block is read back with :mod:`gpumagic.ssh_config` to prove it.
 
     Raises
     ------
     ConfigError
-        For a name with spaces or wildcards, a bad port, or a value with quotes/line breaks.
+        For a name with spaces or wildcards, a bad port, or a value OpenSSH could not read
+        back as given (nothing is written then).
     """
     if not name or not re.match(r"^[A-Za-z0-9_.@-]+$", name) or name.startswith("-"):
         raise ConfigError(f"{name!r} is not a usable host name for ~/.ssh/config",
                           "use letters, digits, '-', '_' or '.', e.g. mygpu (no spaces or *?!)")
-    if port is not None and not 0 < int(port) < 65536:
-        raise ConfigError(f"port {port} is out of range", "use a port between 1 and 65535")
+    if port is not None:
+        try:
+            port = int(port)
+        except (TypeError, ValueError):
+            raise ConfigError(f"port {port!r} is not a number", "use a port between 1 and 65535") from None
+        if not 0 < port < 65536:
+            raise ConfigError(f"port {port} is out of range", "use a port between 1 and 65535")
     rows = [("HostName", hostname), ("Port", port), ("User", user), ("IdentityFile", key),
             ("IdentitiesOnly", "yes" if key else None), ("ProxyJump", jump),
             ("ServerAliveInterval", server_alive_interval),
             ("ServerAliveCountMax", server_alive_count_max)]
-    given = {k for k, _ in rows}
+    given = {k for k, v in rows if v is not None and v != ""}
     for k, v in (options or {}).items():
         canon = HONOURED_KEYWORDS.get(k.lower(), k)
         if canon in given:
             continue
-        rows.append((canon, v))
+        given.add(canon)
+        rows = [(kw, None if kw == canon else val) for kw, val in rows] + [(canon, v)]
     lines = [f"Host {name}"]
+    wanted = []
     for keyword, value in rows:
-        if keyword not in ("IdentityFile", "UserKnownHostsFile") and re.search(r"\s", str(value or "")):
+        if value is None or value == "":
+            continue
+        if keyword not in ("IdentityFile", "UserKnownHostsFile") and re.search(r"\s", str(value)):
             raise ConfigError(f"{keyword} {value!r} has a space in it", f"give {keyword} without spaces")
-        if value is not None and value != "":
-            lines.append(f"  {keyword} {_check_value(keyword, str(value))}")
+        lines.append(f"  {keyword} {_check_row(keyword, value)}")
+        wanted.append((keyword, [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]))
+    _read_back(lines, wanted)
     return newline.join(lines) + newline
+
+
+def _read_back(lines: list[str], wanted: list[tuple[str, list[str]]]) -> None:
+    """Check that OpenSSH's line reader gives back exactly the values meant (else refuse)."""
+    from .ssh_config import Local, Options, _Bad, _Reader, _split_line
+
+    o = Options()
+    reader = _Reader(None, o, Local(user="", home="/", uid=0, thishost=""), host="", original_host="")
+    for line, (keyword, values) in zip(lines[1:], wanted):
+        parsed = _split_line(line)
+        got = [parsed[1].lstrip(" \t=")] if keyword == "ProxyJump" else parsed[2]
+        if parsed[0] != keyword.lower() or got != values:
+            raise _refuse(keyword, " ".join(values), "ssh would read it back differently",
+                          "give the value without quotes or backslashes")
+        try:
+            reader.line(line, "block", 0, [True], 2, None, 0)
+        except _Bad as e:
+            raise _refuse(keyword, " ".join(values), str(e), "fix the value and try again") from None
 
 
 @dataclass
@@ -498,30 +583,41 @@ def _shadowed(text: str, name: str, block: str, home) -> list[str]:
     """Warnings for keywords of ``block`` that an earlier block (e.g. ``Host *``) overrides.
 
     OpenSSH uses the first value it reads for a keyword, so ``User`` in a ``Host *`` block
-    above the new one wins over the new block's ``User``.
+    above the new one wins over the new block's ``User``.  Both texts are resolved for
+    ``name`` with :mod:`gpumagic.ssh_config` (``Match exec`` commands are not run here).
     """
-    from .hosts import expand_includes
+    from .ssh_config import SshConfig, resolve_options
 
     try:
-        whole = paramiko.SSHConfig.from_text(expand_includes(text, ssh_dir(home)))
-        mine = paramiko.SSHConfig.from_text(block)
-    except Exception:
+        got = resolve_options(name, SshConfig.from_text(text, home=home or None), run_exec=False)
+        want = resolve_options(name, SshConfig.from_text(block, home=home or None), run_exec=False)
+    except GpumagicError:
         return []
-    got, want = whole.lookup(name), mine.lookup(name)
     notes = []
-    for k, v in want.items():
-        if k == "identityfile":
-            first = (got.get(k) or [None])[0]
-            if first != v[0]:
-                notes.append(f"an earlier block in ~/.ssh/config lists IdentityFile {first} first; "
-                             f"ssh offers it before {v[0]}")
+    if want.identity_files and (got.identity_files or [None])[0] != want.identity_files[0]:
+        notes.append(f"an earlier block in ~/.ssh/config lists IdentityFile {got.identity_files[0]} first; "
+                     f"ssh offers it before {want.identity_files[0]}")
+    set_in_block = {line.split()[0].lower() for line in block.splitlines()[1:] if line.strip()}
+    for kw, attr in (("HostName", "hostname"), ("Port", "port"), ("User", "user"),
+                     ("ProxyJump", "proxy_jump"), ("ServerAliveInterval", "server_alive_interval"),
+                     ("ServerAliveCountMax", "server_alive_count_max"), ("ConnectTimeout", "connect_timeout"),
+                     ("IdentitiesOnly", "identities_only"), ("UserKnownHostsFile", "user_known_hosts_files")):
+        if kw.lower() not in set_in_block:
             continue
-        if str(got.get(k)) != str(v):
-            kw = HONOURED_KEYWORDS.get(k, k)
-            notes.append(f"an earlier block in ~/.ssh/config sets {kw} {got.get(k)}, which wins over "
-                         f"this block's {kw} {v} (OpenSSH uses the first value): move `Host {name}` "
-                         "above that block")
+        g, w = getattr(got, attr), getattr(want, attr)
+        if g != w:
+            notes.append(f"an earlier block in ~/.ssh/config sets {kw} {_as_written(g)}, which wins over "
+                         f"this block's {kw} {_as_written(w)} (OpenSSH uses the first value): move "
+                         f"`Host {name}` above that block")
     return notes
+
+
+def _as_written(value) -> str:
+    if isinstance(value, list):
+        return " ".join(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
 
 
 # -- install-key -------------------------------------------------------------------------
