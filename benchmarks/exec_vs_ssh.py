@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import gpumagic
-from gpumagic.sandbox import SshServer
+from gpumagic.ssh.sandbox import SshServer
 
 
 def median_seconds(fn, n):

@@ -1,6 +1,6 @@
 """Benchmark: ``%gpu sync`` (gpumagic.Machine.push/pull) against ``rsync -a -e ssh``.
 
-Starts its own loopback OpenSSH sshd (gpumagic.sandbox.SshServer), builds a tree of
+Starts its own loopback OpenSSH sshd (gpumagic.ssh.sandbox.SshServer), builds a tree of
 2,000 files of 1-8 KiB plus one 200 MiB file, and times, for each tool (runs interleaved,
 median of ``--runs``):
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from gpumagic.machine import Machine
-from gpumagic.sandbox import SshServer
+from gpumagic.ssh.sandbox import SshServer
 
 TARGETS = {"first push": 1.0, "no-change resync": 0.3, "one-file resync": 0.5, "pull": None}
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumagic.connection import Connection  # noqa: E402
-from gpumagic.sandbox import SshServer, free_port  # noqa: E402
-from gpumagic.tunnel import Tunnel  # noqa: E402
+from gpumagic.ssh.connection import Connection  # noqa: E402
+from gpumagic.ssh.sandbox import SshServer, free_port  # noqa: E402
+from gpumagic.tunnel.forward import Tunnel  # noqa: E402
 
 
 def serve(port: int, megabytes: int) -> None:

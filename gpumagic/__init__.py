@@ -27,12 +27,11 @@ _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
 __all__ = ["connect", "Machine", "GpumagicError", "load_ipython_extension", "__version__"]
 
 
-_SUBMODULES = ("budget", "display", "execution", "gpu", "hosts", "jobs", "known_hosts", "sandbox",
-               "setup", "shutdown", "sync", "tunnel", "widgets")
+_SUBMODULES = ("budget", "gpu", "keys", "notebook", "remote", "ssh", "sync", "tunnel")
 
 
 def __getattr__(name):
-    # `import gpumagic` then `gpumagic.setup.keygen()`: import submodules on first use.
+    # `import gpumagic` then `gpumagic.keys.keygen()`: import submodules on first use.
     if name in _SUBMODULES:
         import importlib
 
@@ -42,7 +41,7 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython):
     """Register ``%gpu`` and ``%%remote`` (called by ``%load_ext gpumagic``)."""
-    from .magics import GpuMagics
+    from .notebook.magics import GpuMagics
 
     magics = GpuMagics(shell=ipython)
     ipython.register_magics(magics)

@@ -14,7 +14,7 @@ from .errors import GpumagicError
 def _sandbox(args) -> int:
     import signal
 
-    from .sandbox import Sandbox
+    from .ssh.sandbox import Sandbox
 
     def stop(signum, frame):  # a closed terminal or `kill` stops the sandbox like Ctrl-C
         raise KeyboardInterrupt

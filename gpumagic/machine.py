@@ -13,15 +13,16 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from . import execution, gpu, jobs
-from .connection import Connection, PassphrasePrompt, _default_prompt
+from .remote import execution, jobs
+from .gpu import smi as gpu
+from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
-from .execution import RunResult
-from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
-from .tunnel import Tunnel, TunnelManager
+from .remote.execution import RunResult
+from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
+from .tunnel.forward import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
-    from .sync import SyncSummary
+    from .sync.engine import SyncSummary
 
 
 class Machine:
@@ -59,7 +60,7 @@ class Machine:
     def login_env(self) -> dict[str, str | None]:
         """Environment differences of an interactive ``ssh host`` login, read once per connection.
 
-        See :func:`gpumagic.execution.login_env_delta`.
+        See :func:`gpumagic.remote.execution.login_env_delta`.
         """
         self.connection.ensure_open()
         opened = self.connection.opened_count
@@ -131,7 +132,7 @@ class Machine:
         python : bool
             Run ``command`` with the remote ``python3 -u``.
         cwd, env, timeout, capture
-            See :func:`gpumagic.execution.run` (timeout in seconds).
+            See :func:`gpumagic.remote.execution.run` (timeout in seconds).
         check : bool
             Raise :class:`RemoteCommandError` on a non-zero exit.
         quiet : bool
@@ -222,21 +223,21 @@ class Machine:
         ConfigError
             When ``dst`` names another machine (``OTHER:path``).
         """
-        from . import sync
+        from .sync import engine as sync
 
         return sync.push(self, src, self._remote_path(dst), **options)
 
     def pull(self, src: str, dst: str, **options) -> "SyncSummary":
         """Copy a tree or file from this machine (``src``: ``path``, ``:path`` or
         ``NAME:path``) to a local path; see :func:`gpumagic.sync.pull`."""
-        from . import sync
+        from .sync import engine as sync
 
         return sync.pull(self, self._remote_path(src), dst, **options)
 
     def _remote_path(self, text: str) -> str:
         """A path on this machine from ``path``, ``:path`` or ``NAME:path`` (``%gpu sync``'s forms)."""
         from .errors import ConfigError
-        from .sync import parse_endpoint
+        from .sync.engine import parse_endpoint
 
         end = parse_endpoint(text)
         if end.host is None:
@@ -257,8 +258,8 @@ class Machine:
         >>> job.state, job.logs(20), job.wait(), job.kill()
 
         Runs in tmux (``gpumagic-NAME``; found on the remote PATH or in
-        :data:`gpumagic.jobs.TOOL_DIRS`, see :attr:`tool_dirs`), else under ``setsid nohup``.
-        ``then_shutdown`` is in minutes after a successful end.  See :func:`gpumagic.jobs.start`.
+        :data:`gpumagic.remote.jobs.TOOL_DIRS`, see :attr:`tool_dirs`), else under ``setsid nohup``.
+        ``then_shutdown`` is in minutes after a successful end.  See :func:`gpumagic.remote.jobs.start`.
 
         Raises
         ------
@@ -283,7 +284,7 @@ class Machine:
         ``currency``, ``billing``, ``storage_gb``/``storage_rate``/``storage_per``, ``ip_rate``,
         ``image_*``, ``platform``), an optional ``limit``, ``alerts`` thresholds and billing
         start (epoch s; default: the machine's start).  Returns the ledger record."""
-        from . import budget
+        from .budget import ledger as budget
 
         return budget.set_prices(ledger or budget.Ledger(), self.name, budget.Prices(rate=rate, **prices),
                                  limit=limit, alerts=alerts, started_at=started_at)
@@ -292,7 +293,7 @@ class Machine:
         """Read the meter: spent, rate, limit, next billing boundary, guard (one round trip).
 
         Returns a :class:`gpumagic.budget.MeterReading`."""
-        from . import budget
+        from .budget import ledger as budget
 
         return budget.read_meter(self, ledger or budget.Ledger())
 
@@ -303,20 +304,20 @@ class Machine:
         the budget limit, or at epoch ``deadline``; warn ``grace`` seconds before.
 
         Raises :class:`gpumagic.budget.BudgetError` where no shutdown command can run."""
-        from . import budget
+        from .budget import ledger as budget
 
         return budget.arm_machine_guard(self, ledger or budget.Ledger(), idle_s=idle, at_limit=at_limit,
                                         deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
 
     def budget_guard_cancel(self, *, ledger=None):
         """Disarm the remote guard; returns its status after."""
-        from . import budget
+        from .budget import ledger as budget
 
         return budget.disarm_machine_guard(self, ledger or budget.Ledger())
 
     def budget_guard_status(self):
         """The remote guard's status (:class:`gpumagic.budget.GuardStatus`)."""
-        from . import budget
+        from .budget import ledger as budget
 
         return budget.read_status(self)[1]
     # -- tunnels ----------------------------------------------------------------------
@@ -366,7 +367,7 @@ class Machine:
         TunnelError
             TensorBoard missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel import start_tensorboard
+        from .tunnel.forward import start_tensorboard
 
         service = start_tensorboard(self, logdir)
         t = self.tunnels.find("127.0.0.1", service.port)
@@ -386,7 +387,7 @@ class Machine:
         TunnelError
             Jupyter missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel import start_jupyter
+        from .tunnel.forward import start_jupyter
 
         service = start_jupyter(self)
         t = self.tunnels.find("127.0.0.1", service.port)
@@ -421,7 +422,7 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     target : str
         A ``~/.ssh/config`` alias, ``[user@]host[:port]``, or a pasted ``ssh ...`` command
         line (``ssh -p 41022 -i ~/.ssh/key root@203.0.113.10``; see
-        :func:`gpumagic.hosts.parse_ssh_command`).
+        :func:`gpumagic.ssh.hosts.parse_ssh_command`).
     port, key, jump, user : optional
         Like ``ssh -p``, ``-i``, ``-J``, ``-l``; they win over ~/.ssh/config and over the
         values in a pasted ssh line.
@@ -447,7 +448,7 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     """
     sb = None
     if sandbox:
-        from .sandbox import Sandbox
+        from .ssh.sandbox import Sandbox
 
         sb = Sandbox(fake_gpu=fake_gpu).start()
         spec = sb.spec()

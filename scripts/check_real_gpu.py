@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpumagic import display, gpu
+from gpumagic.notebook import display
+from gpumagic.gpu import smi as gpu
 
 LOAD = r"""
 import time, torch

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import gpumagic
-from gpumagic import display
+from gpumagic.notebook import display
 
 ALIAS = sys.argv[1] if len(sys.argv) > 1 else "gpu"
 OUT = Path(sys.argv[2] if len(sys.argv) > 2 else "device-e2e")

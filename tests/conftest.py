@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumagic.sandbox import SshServer
+from gpumagic.ssh.sandbox import SshServer
 
 _TMP = tempfile.mkdtemp(prefix="gpumagic-tests-")
 CLIENT_HOME = Path(_TMP) / "client-home"

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from gpumagic import hosts, setup
+from gpumagic.ssh import hosts
+from gpumagic import keys as setup
 from gpumagic.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh") is None, reason="the judge is OpenSSH's ssh -G")

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 import gpumagic
-from gpumagic import budget
-from gpumagic.budget import GuardSettings, Ledger, Prices
+from gpumagic.budget import ledger as budget
+from gpumagic.budget.ledger import GuardSettings, Ledger, Prices
 from gpumagic.errors import GpumagicError
 
 from conftest import add_client_entry, make_server
 
-RECORDINGS = Path(gpumagic.__file__).parent / "fake" / "recordings"
+RECORDINGS = Path(gpumagic.__file__).parent / "gpu" / "fake" / "recordings"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,7 +49,7 @@ def test_meter_reading_for_case_1_shows_spent_and_next_boundary():
     assert r.spent == 24 and r.next_boundary_s == 59 * 60
     # 50 allows 4 started hours: stop by 4 h after the start, 2 h 59 min from now
     assert r.limit_in_s == 4 * 3600 - 61 * 60
-    from gpumagic import display
+    from gpumagic.notebook import display
 
     text = display.meter_text(r)
     assert "24.00" in text and "stopping now costs the same as stopping in 59 min" in text
@@ -226,7 +226,7 @@ class Guarded:
 @pytest.fixture(scope="module")
 def guards(tmp_path_factory):
     """Four servers, each with a stand-in shutdown, guards armed at once (their waits overlap)."""
-    from gpumagic.shutdown import find_shutdown
+    from gpumagic.budget.shutdown import find_shutdown
 
     tmp = tmp_path_factory.mktemp("guards")
     ledger = Ledger(tmp / "ledger.json")
@@ -435,7 +435,7 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
 def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):
     from IPython.utils.capture import capture_output
 
-    from gpumagic.magics import budget_alert_hook
+    from gpumagic.notebook.magics import budget_alert_hook
 
     ip, server = budget_ip
     magics = ip._gpumagic
@@ -507,7 +507,7 @@ def test_ledger_survives_writers_killed_mid_write(tmp_path):
 def test_guard_warning_reaches_the_notebook_as_an_alert(budget_ip):
     from IPython.utils.capture import capture_output
 
-    from gpumagic.magics import budget_alert_hook
+    from gpumagic.notebook.magics import budget_alert_hook
 
     ip, server = budget_ip
     _run(ip, "budget set --rate 2.5")

@@ -13,15 +13,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import gpumagic
 from conftest import CLIENT_HOME, add_client_entry, make_server, session_sshd_pid
-from gpumagic.errors import (
-    AuthenticationFailed,
-    ConnectionRefused,
-    ConnectTimeout,
-    HostNotFound,
-    InsecureKeyFile,
-    WrongPassphrase,
-)
-from gpumagic.sandbox import free_port, make_keypair
+from gpumagic.errors import (AuthenticationFailed, ConnectionRefused, ConnectTimeout, HostNotFound, InsecureKeyFile, WrongPassphrase)
+from gpumagic.ssh.sandbox import free_port, make_keypair
 
 
 def encrypted_key(path: Path, passphrase: bytes) -> str:

@@ -12,7 +12,7 @@ import pytest
 import gpumagic
 from conftest import make_server, session_sshd_pid
 from gpumagic.errors import ConnectionLost, RemoteCommandError, RemoteTimeout
-from gpumagic.execution import _MarkerFilter, _Stream
+from gpumagic.remote.execution import _MarkerFilter, _Stream
 
 
 def unique_tag():

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from gpumagic import gpu
-from gpumagic.display import gpu_line, render_doctor, render_status, status_text
+from gpumagic.gpu import smi as gpu
+from gpumagic.notebook.display import gpu_line, render_doctor, render_status, status_text
 from gpumagic.errors import ConnectionLost
-from gpumagic.gpu import Level, Section, StatusKind, known
+from gpumagic.gpu.smi import Level, Section, StatusKind, known
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGED = ROOT / "gpumagic" / "fake" / "recordings"
+PACKAGED = ROOT / "gpumagic" / "gpu" / "fake" / "recordings"
 SHARED = ROOT.parent / "shared" / "fixtures"
 #: The same recordings: packaged copies and, when this checkout sits beside it, ../shared.
 NVSMI_DIRS = [PACKAGED] + ([SHARED / "nvidia-smi"] if (SHARED / "nvidia-smi").is_dir() else [])
@@ -399,7 +399,7 @@ def test_watch_keeps_running_through_a_mismatch_status():
 
 
 def test_status_widget_values_and_plain_text_form():
-    from gpumagic import widgets
+    from gpumagic.notebook import widgets
 
     load = gpu.status_from_sections(sections_for(PACKAGED, "h200-load"), host="h", fields=RECORDED_Q)
     view = widgets.status_widget(load)

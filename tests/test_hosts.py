@@ -10,15 +10,9 @@ import time
 
 import pytest
 
-from gpumagic import hosts
+from gpumagic.ssh import hosts
 from gpumagic.errors import ConfigError
-from gpumagic.hosts import (
-    config_aliases,
-    load_ssh_config,
-    parse_target,
-    resolve,
-    split_jump,
-)
+from gpumagic.ssh.hosts import config_aliases, load_ssh_config, parse_target, resolve, split_jump
 
 
 def write_home(tmp_path, config: str, files: dict | None = None):
@@ -188,7 +182,7 @@ def test_issue4_match_user_root_resolves_and_hosts_lists(tmp_path, monkeypatch):
     s = resolve_in(tmp_path, config, "gpu")
     assert (s.user, s.port) == ("root", 2222)
     assert resolve("other", home=tmp_path / "home").port == 22
-    from gpumagic.magics import hosts_table
+    from gpumagic.notebook.magics import hosts_table
     from gpumagic.session import Session
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -222,7 +216,7 @@ def test_issue4_match_exec_runs_through_the_users_shell_with_tokens(tmp_path, mo
 
 
 def test_issue4_match_exec_that_hangs_is_stopped_and_reported(tmp_path, monkeypatch):
-    from gpumagic import ssh_config
+    from gpumagic.ssh import config as ssh_config
 
     monkeypatch.setattr(ssh_config, "EXEC_TIMEOUT", 0.5)
     monkeypatch.setenv("SHELL", "/bin/sh")
@@ -337,7 +331,7 @@ def test_tokens_and_tilde_in_paths(tmp_path, monkeypatch):
 
 
 def test_hosts_module_never_uses_paramiko_for_config():
-    src = (hosts.__file__, hosts.__file__.replace("hosts.py", "ssh_config.py"))
+    src = (hosts.__file__, hosts.__file__.replace("hosts.py", "config.py"))
     for path in src:
         assert "paramiko" not in open(path).read(), path
 

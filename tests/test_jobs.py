@@ -22,12 +22,12 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server
-from gpumagic import jobs
-from gpumagic.display import job_alert, jobs_table
+from gpumagic.remote import jobs
+from gpumagic.notebook.display import job_alert, jobs_table
 from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
-from gpumagic.jobs import Alert, classify, parse_listing, parse_stop_on, scan_alerts
+from gpumagic.remote.jobs import Alert, classify, parse_listing, parse_stop_on, scan_alerts
 from gpumagic.machine import Machine
-from gpumagic.shutdown import find_shutdown
+from gpumagic.budget.shutdown import find_shutdown
 
 TOKEN = secrets.token_hex(3)
 REPO = Path(__file__).resolve().parent.parent

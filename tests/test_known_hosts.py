@@ -26,10 +26,10 @@ from test_known_hosts_conformance import (
 )
 
 import gpumagic
-from gpumagic import known_hosts
+from gpumagic.ssh import known_hosts
 from gpumagic.errors import ChangedHostKey, RevokedHostKey, UnknownHostKey
-from gpumagic.hosts import HostSpec
-from gpumagic.sandbox import make_keypair
+from gpumagic.ssh.hosts import HostSpec
+from gpumagic.ssh.sandbox import make_keypair
 
 
 def other_key(tmp_path, name="other"):

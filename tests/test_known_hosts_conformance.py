@@ -35,11 +35,11 @@ from pathlib import Path
 import pytest
 
 from conftest import CLIENT_HOME, make_server
-from gpumagic import known_hosts
-from gpumagic.connection import Connection
+from gpumagic.ssh import known_hosts
+from gpumagic.ssh.connection import Connection
 from gpumagic.errors import ChangedHostKey, RevokedHostKey, UnknownHostKey
-from gpumagic.hosts import HostSpec
-from gpumagic.sandbox import make_keypair
+from gpumagic.ssh.hosts import HostSpec
+from gpumagic.ssh.sandbox import make_keypair
 
 pytestmark = pytest.mark.skipif(not all(map(__import__("shutil").which, ("ssh", "ssh-keygen"))),
                                 reason="needs the OpenSSH client and ssh-keygen")

@@ -8,7 +8,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from gpumagic.errors import NotConnected, RemoteCommandError
-from gpumagic.magics import SUBCOMMANDS
+from gpumagic.notebook.magics import SUBCOMMANDS
 
 
 def test_gpu_alone_and_help_list_every_subcommand(ip, capsys):

@@ -1,4 +1,4 @@
-"""The one door to paramiko's private internals (``gpumagic._paramiko``).
+"""The one door to paramiko's private internals (``gpumagic.ssh._paramiko``).
 
 Every private name gpumagic uses must exist in the installed paramiko, the import-time probe
 must notice when one does not, and the public-API path taken then must still run cells,
@@ -16,7 +16,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from gpumagic import _paramiko
+from gpumagic.ssh import _paramiko
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ PUBLIC_PATH_TESTS = [
 def test_cells_sync_and_tunnels_work_through_the_public_api_alone():
     env = {**os.environ, "GPUMAGIC_PARAMIKO_PRIVATE": "0"}
     env.pop("PYTEST_ADDOPTS", None)
-    check = subprocess.run([sys.executable, "-c", "from gpumagic import _paramiko; print(_paramiko.FAST)"],
+    check = subprocess.run([sys.executable, "-c", "from gpumagic.ssh import _paramiko; print(_paramiko.FAST)"],
                            cwd=ROOT, env=env, capture_output=True, text=True)
     assert check.stdout.strip() == "False", check.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

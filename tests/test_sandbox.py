@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import gpumagic
-from gpumagic import sandbox
+from gpumagic.ssh import sandbox
 from gpumagic.errors import SandboxError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def test_command_line_sandbox_stops_on_sigterm_and_sighup():
 
 
 def test_submodules_are_reachable_after_import_gpumagic():
-    code = "import gpumagic; print(gpumagic.setup.keygen.__name__, gpumagic.sync.push.__name__)"
+    code = "import gpumagic; print(gpumagic.keys.keygen.__name__, gpumagic.sync.push.__name__)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.stdout == "keygen push\n", r.stderr

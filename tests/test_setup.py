@@ -19,10 +19,10 @@ import paramiko
 import pytest
 
 import gpumagic
-from gpumagic import setup
+from gpumagic import keys as setup
 from gpumagic.errors import AuthenticationFailed, ConfigError, UnknownHostKey
-from gpumagic.hosts import parse_ssh_command
-from gpumagic.sandbox import SshServer
+from gpumagic.ssh.hosts import parse_ssh_command
+from gpumagic.ssh.sandbox import SshServer
 
 from conftest import CLIENT_HOME, make_server
 
@@ -63,7 +63,7 @@ def test_pasted_ssh_line_option_forms_and_first_value_wins():
 
 
 def test_pasted_ssh_line_resolves_with_honoured_options(tmp_path):
-    from gpumagic.hosts import resolve_ssh_command
+    from gpumagic.ssh.hosts import resolve_ssh_command
 
     spec, notes = resolve_ssh_command(
         "ssh -o ConnectTimeout=5 -o ServerAliveCountMax=9 -o StrictHostKeyChecking=no "
@@ -309,7 +309,7 @@ def test_add_host_to_an_unwritable_config_is_one_line_error_with_hint(tmp_path):
 
 
 def test_public_key_widget_holds_the_key_and_a_copy_button(tmp_path):
-    from gpumagic.widgets import public_key_widget
+    from gpumagic.notebook.widgets import public_key_widget
 
     pair = setup.keygen(tmp_path / "w", comment='a<b>"c"')
     view = public_key_widget(pair)
@@ -370,7 +370,7 @@ def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_na
 
 def test_connect_save_writes_no_block_when_the_pasted_line_fails(ip, sshd):
     from gpumagic.errors import ConnectionRefused
-    from gpumagic.sandbox import free_port
+    from gpumagic.ssh.sandbox import free_port
 
     cfg = CLIENT_HOME / ".ssh" / "config"
     before = cfg.read_bytes()
@@ -421,7 +421,7 @@ def test_subcommand_dash_h_prints_its_options(ip, capsys, sub):
 
 
 def test_split_pasted_ssh_separates_gpumagic_options_on_either_side():
-    from gpumagic.magics import split_pasted_ssh
+    from gpumagic.notebook.magics import split_pasted_ssh
 
     assert split_pasted_ssh("--trust-new-host ssh -p 41022 root@h --save gpu") == (
         "ssh -p 41022 root@h", "--trust-new-host --save gpu")

@@ -1,12 +1,12 @@
 """Differential test: gpumagic's ssh_config reader against OpenSSH's own ``ssh -G``.
 
 Every case of ``CONFIGS`` is a config (plus the files it includes) and a host; the case is
-resolved by gpumagic (:func:`gpumagic.ssh_config.resolve_options` and
-:func:`gpumagic.hosts.resolve`) and by ``ssh -G -F FILE HOST``, and the values gpumagic uses
+resolved by gpumagic (:func:`gpumagic.ssh.config.resolve_options` and
+:func:`gpumagic.ssh.hosts.resolve`) and by ``ssh -G -F FILE HOST``, and the values gpumagic uses
 must agree: HostName, User, Port, IdentityFile, ProxyJump, ServerAliveInterval/CountMax,
 ConnectTimeout, UserKnownHostsFile, IdentitiesOnly.  When ``ssh -G`` refuses the config,
 gpumagic must raise ConfigError.  ``COMMAND_LINES`` does the same for pasted ``ssh ...``
-lines (:func:`gpumagic.hosts.resolve_ssh_command` against ``ssh -G`` with the same options).
+lines (:func:`gpumagic.ssh.hosts.resolve_ssh_command` against ``ssh -G`` with the same options).
 
 To add a reported case: append a ``Case`` below; nothing else changes.  A case whose id ends
 in ``-refused`` is one that ``ssh -G`` refuses (checked).  In a case's texts
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumagic import hosts
+from gpumagic.ssh import hosts
 from gpumagic.errors import ConfigError
-from gpumagic.ssh_config import Local, SshConfig, format_hop, parse_hop, resolve_options
+from gpumagic.ssh.config import Local, SshConfig, format_hop, parse_hop, resolve_options
 
 SSH = shutil.which("ssh")
 

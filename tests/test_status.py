@@ -7,7 +7,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from gpumagic.errors import RemoteCommandError
-from gpumagic.gpu import Level, StatusKind
+from gpumagic.gpu.smi import Level, StatusKind
 
 from conftest import make_server
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpumagic import sync
-from gpumagic import _sync_agent as agent
+from gpumagic.sync import engine as sync
+from gpumagic.sync import agent as agent
 from gpumagic.errors import ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
-from gpumagic.sync import Entry, IgnoreRules, make_plan, parse_endpoint
+from gpumagic.sync.engine import Entry, IgnoreRules, make_plan, parse_endpoint
 
 # `python -c 'list_tree(...)'` output of the agent for a small tree (recorded): a root dir,
 # a symlink to ".", a .gitignore (with its text), a dir, an executable, a name with a space,
@@ -469,7 +469,7 @@ def test_magic_sync_bad_arguments_are_usage_errors(ip, tmp_path):
 
 
 def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
-    from gpumagic.widgets import SyncProgressBar, SyncProgressText
+    from gpumagic.notebook.widgets import SyncProgressBar, SyncProgressText
 
     p = sync.SyncProgress(files_total=4, bytes_total=4096, files_done=1, bytes_done=1024,
                           started=time.monotonic() - 2)  # a rate and an ETA show after 1 s
@@ -489,8 +489,8 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
 
 
 def test_progress_shows_no_rate_or_eta_in_the_first_second(tmp_path):
-    from gpumagic.display import sync_progress_text
-    from gpumagic.widgets import SyncProgressText
+    from gpumagic.notebook.display import sync_progress_text
+    from gpumagic.notebook.widgets import SyncProgressText
 
     early = sync.SyncProgress(files_total=4, bytes_total=4 << 20, bytes_done=88,
                               started=time.monotonic() - 0.2)
@@ -512,7 +512,7 @@ def test_progress_shows_no_rate_or_eta_in_the_first_second(tmp_path):
 def test_failed_sync_ends_the_bar_line_before_the_error_and_leaves_nothing_behind(tmp_path):
     import gc
 
-    from gpumagic.widgets import SyncProgressText
+    from gpumagic.notebook.widgets import SyncProgressText
 
     p = sync.SyncProgress(files_total=4, bytes_total=4000, started=time.monotonic() - 0.1)
     with open(tmp_path / "err.txt", "w") as f:

@@ -23,9 +23,9 @@ from dataclasses import replace
 import pytest
 
 from conftest import wait_until
-from gpumagic._paramiko import send_data_now, send_window_adjust
+from gpumagic.ssh._paramiko import send_data_now, send_window_adjust
 from gpumagic.errors import TunnelError
-from gpumagic.sandbox import free_port
+from gpumagic.ssh.sandbox import free_port
 
 # A threaded HTTP server: GET /marker -> the marker text; GET /bytes/N -> N deterministic bytes.
 _SERVER = r"""

@@ -1,4 +1,4 @@
-"""ipywidgets views.  They only display: formatting lives in :mod:`gpumagic.display`.
+"""ipywidgets views.  They only display: formatting lives in :mod:`gpumagic.notebook.display`.
 
 ``ipywidgets`` is imported lazily; :func:`available` says whether it can be used.  Each
 widget's ``text/plain`` form is the readable text (what a front end without widget support
@@ -14,7 +14,7 @@ import sys
 
 from . import display
 from .display import RATE_AFTER_S, sync_progress_text
-from .gpu import Gpu, GpuStatus, known
+from ..gpu.smi import Gpu, GpuStatus, known
 
 
 def available() -> bool:

@@ -29,9 +29,9 @@ from typing import Callable, Mapping, Sequence
 
 import paramiko
 
-from ._paramiko import send_eof, sendall_ordered
-from .connection import Connection, wait_readable
-from .errors import ConnectionLost, RemoteCommandError, RemoteTimeout
+from ..ssh._paramiko import send_eof, sendall_ordered
+from ..ssh.connection import Connection, wait_readable
+from ..errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.
 MAX_INLINE = 120 * 1024

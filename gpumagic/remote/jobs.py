@@ -41,7 +41,7 @@ process group, the session and every descendant of the runner (read from ``ps``,
 SIGKILLs what is left.  Processes that daemonize away (double fork) escape, as from any
 process-tree kill.  Zombies count as ended (some container init processes never reap them).  ``--then-shutdown`` makes
 ``run.sh`` arm a timer after a successful exit (code 0) that runs the command found by
-:func:`gpumagic.shutdown.find_shutdown` after the grace, unless cancelled.
+:func:`gpumagic.budget.shutdown.find_shutdown` after the grace, unless cancelled.
 
 The alert patterns (:data:`ALERTS`) are POSIX extended regular expressions matched
 case-insensitively, the same text for the remote ``grep -E -i`` and Python's :mod:`re`.
@@ -54,7 +54,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from .errors import ConnectionLost, JobError, RemoteTimeout
+from ..errors import ConnectionLost, JobError, RemoteTimeout
 
 #: Where job directories live, relative to the remote HOME.
 JOBS_DIR = ".gpumagic/jobs"
@@ -866,7 +866,7 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
         Kill the job at the first log line of these alert kinds (watched on the remote).
     then_shutdown : float, optional
         Minutes after a successful end (exit 0) after which the machine shuts down.
-        Checked now with :func:`gpumagic.shutdown.find_shutdown`.
+        Checked now with :func:`gpumagic.budget.shutdown.find_shutdown`.
     alerts : bool
         Show alerts when following or listing (``--no-alerts`` turns them off).
     tool_dirs : iterable of str
@@ -890,7 +890,7 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
     if then_shutdown is not None:
         if then_shutdown < 0:
             raise JobError("--then-shutdown takes minutes >= 0", "e.g. --then-shutdown 10")
-        from .shutdown import find_shutdown
+        from ..budget.shutdown import find_shutdown
 
         plan = find_shutdown(machine)
         if not plan.possible:

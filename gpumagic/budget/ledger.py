@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ._fs import atomic_write
-from .errors import ConfigError, GpumagicError
+from .._fs import atomic_write
+from ..errors import ConfigError, GpumagicError
 
 #: Seconds in one billing unit.
 BILLING_UNITS = {"second": 1, "minute": 60, "hour": 3600}
@@ -81,7 +81,7 @@ class Prices:
     ip_rate : float
         Reserved public IP price per hour.
     platform : str
-        Preset name the prices were entered with (see ``data/platforms.json``).
+        Preset name the prices were entered with (see ``gpumagic/budget/platforms.json``).
     """
 
     rate: float
@@ -454,8 +454,8 @@ def parse_amounts(text: str) -> list[float]:
 
 
 def platforms() -> dict[str, dict]:
-    """The presets in ``gpumagic/data/platforms.json`` (billing, data disk, how to stop)."""
-    path = Path(__file__).parent / "data" / "platforms.json"
+    """The presets in ``gpumagic/budget/platforms.json`` (billing, data disk, how to stop)."""
+    path = Path(__file__).parent / "platforms.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
@@ -1022,8 +1022,8 @@ def read_status(machine) -> tuple[Clock, GuardStatus]:
 def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0) -> GuardStatus:
     """Start the guard on ``machine``, replacing any earlier one; returns its first status.
 
-    ``plan`` (a :class:`gpumagic.shutdown.ShutdownPlan`) defaults to
-    :func:`gpumagic.shutdown.find_shutdown`.  On the sandbox (which is this computer) the
+    ``plan`` (a :class:`gpumagic.budget.shutdown.ShutdownPlan`) defaults to
+    :func:`gpumagic.budget.shutdown.find_shutdown`.  On the sandbox (which is this computer) the
     shutdown is always a stand-in that records the call in the sandbox directory.
 
     Raises

@@ -22,20 +22,7 @@ from typing import Callable
 import paramiko
 
 from . import _paramiko, known_hosts
-from .errors import (
-    AuthenticationFailed,
-    ChangedHostKey,
-    ConnectionLost,
-    ConnectionRefused,
-    ConnectTimeout,
-    GpumagicError,
-    HostNotFound,
-    InsecureKeyFile,
-    NotConnected,
-    RevokedHostKey,
-    UnknownHostKey,
-    WrongPassphrase,
-)
+from ..errors import (AuthenticationFailed, ChangedHostKey, ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, InsecureKeyFile, NotConnected, RevokedHostKey, UnknownHostKey, WrongPassphrase)
 from .hosts import HostSpec, default_identity_files, resolve
 
 log = logging.getLogger(__name__)
@@ -115,7 +102,7 @@ class Connection:
     Parameters
     ----------
     spec : HostSpec
-        Where and how to connect (see :func:`gpumagic.hosts.resolve`).
+        Where and how to connect (see :func:`gpumagic.ssh.hosts.resolve`).
     trust_new_host : bool
         Add an unknown host's key to known_hosts (OpenSSH format) instead of refusing.
         A *changed* key is always refused.

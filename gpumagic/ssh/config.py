@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 WHITESPACE = " \t\r\n"
 INT_MAX = 2**31 - 1

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .gpu import DoctorReport, Gpu, GpuStatus, Level, known
+from ..gpu.smi import DoctorReport, Gpu, GpuStatus, Level, known
 
 
 @dataclass(frozen=True)
@@ -269,9 +269,9 @@ def _local_time(epoch: float | None) -> str:
 
 
 def job_rows(jobs) -> list[list[str]]:
-    """Header + one row per :class:`gpumagic.jobs.JobInfo`: name, state, started, run time,
+    """Header + one row per :class:`gpumagic.remote.jobs.JobInfo`: name, state, started, run time,
     last log line."""
-    from .jobs import format_duration
+    from ..remote.jobs import format_duration
 
     rows = [["NAME", "STATE", "STARTED", "RUN TIME", "LAST LINE"]]
     for j in jobs:
@@ -302,7 +302,7 @@ def jobs_table(jobs, machine_name: str) -> Rendered:
 
 
 def job_alert(job_name: str, alert, stopped: bool = False) -> Rendered:
-    """A visible alert for a log line (:class:`gpumagic.jobs.Alert`)."""
+    """A visible alert for a log line (:class:`gpumagic.remote.jobs.Alert`)."""
     action = " -- --stop-on stops the job" if stopped else ""
     text = f"!! ALERT job {job_name}: {alert.label} in the log{action}\n   {alert.line}"
     return Rendered(text, (
@@ -321,7 +321,7 @@ def job_started(job, machine_name: str) -> str:
 
 def job_ended(info) -> str:
     """One line for the end of a followed job: state and run time."""
-    from .jobs import format_duration
+    from ..remote.jobs import format_duration
 
     line = f"job {info.name} {info.state_text} after {format_duration(info.run_seconds)}"
     if info.state == "lost":
@@ -482,7 +482,7 @@ class EstimateView(_View):
         self.currency = currency
 
     def _cells(self):
-        from .budget import money
+        from ..budget.ledger import money
 
         return [("OPTION", "COST", "NOTE")] + [
             (r.label, "" if r.cost is None else money(r.cost, self.currency), r.note) for r in self.rows]
@@ -504,7 +504,7 @@ class HistoryView(_View):
         self.rows = rows  # (machine, day, cost, currency)
 
     def text(self) -> str:
-        from .budget import money
+        from ..budget.ledger import money
 
         if not self.rows:
             return "no spending recorded yet (the ledger fills as `%gpu budget` reads machines)"
@@ -518,7 +518,7 @@ class HistoryView(_View):
         return text_table(cells)
 
     def html(self) -> str:
-        from .budget import money
+        from ..budget.ledger import money
 
         if not self.rows:
             return f"<p>{html.escape(self.text())}</p>"

@@ -68,10 +68,9 @@ from dataclasses import dataclass, field
 
 import paramiko
 
-from . import _paramiko
-from ._paramiko import (close_without_eof, send_data_now, send_eof, send_window_adjust,
-                        sendall_ordered, transport_dropped)
-from .errors import ConnectionLost, GpumagicError, TunnelError
+from ..ssh import _paramiko
+from ..ssh._paramiko import (close_without_eof, send_data_now, send_eof, send_window_adjust, sendall_ordered, transport_dropped)
+from ..errors import ConnectionLost, GpumagicError, TunnelError
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +178,7 @@ class _Forward:
     """One accepted local connection and its channel.
 
     Remote -> local: the forward takes the place of the channel's input buffer
-    (``Channel.in_buffer``, see :meth:`opened` and :mod:`gpumagic._paramiko`), so paramiko's transport thread hands it each DATA
+    (``Channel.in_buffer``, see :meth:`opened` and :mod:`gpumagic.ssh._paramiko`), so paramiko's transport thread hands it each DATA
     message (:meth:`feed`) and writes the bytes to the local socket right there, without
     waking another thread.  What the local socket cannot take at once (a client that reads
     slowly) waits in ``_pending`` while a worker thread writes it out (:meth:`_drain`).  The
@@ -448,7 +447,7 @@ class Tunnel:
 
     Parameters
     ----------
-    connection : gpumagic.connection.Connection
+    connection : gpumagic.ssh.connection.Connection
         The machine's SSH connection (re-opened on the next local connection after a drop).
     remote_port : int
         Port on the machine (or on ``remote_host`` as the machine resolves it).
@@ -1259,7 +1258,7 @@ def _run_service_script(machine, what: str, script: str, timeout: float, package
 def stop_remote_service(connection, service: RemoteService) -> None:
     """Stop a service gpumagic started (its whole process group: TensorBoard's data server
     too); a service that was already running is left alone."""
-    from .execution import exec_simple
+    from ..remote.execution import exec_simple
 
     if service.started:
         exec_simple(connection, f"kill -TERM -- -{int(service.pid)} 2>/dev/null || kill -TERM {int(service.pid)}",

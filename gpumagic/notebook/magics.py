@@ -23,14 +23,15 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
 from traitlets import Int, Unicode
 
-from . import display, known_hosts, setup, widgets
+from . import display, widgets
+from ..ssh import known_hosts
+from .. import keys as setup
 from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
-from .errors import Interrupted, RemoteCommandError
-from .gpu import Watcher, failure_hint
-from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
-                    ssh_dir)
-from .jobs import NAME_RE, parse_stop_on, scan_alerts
-from .session import Session
+from ..errors import Interrupted, RemoteCommandError
+from ..gpu.smi import Watcher, failure_hint
+from ..ssh.hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target, ssh_dir)
+from ..remote.jobs import NAME_RE, parse_stop_on, scan_alerts
+from ..session import Session
 
 #: name -> (function(magics, line), one-line help).  Filled by ``@subcommand`` below.
 SUBCOMMANDS: dict[str, tuple[Callable, str]] = {}
@@ -632,8 +633,9 @@ def _sync(magics: GpuMagics, line: str):
     args = parse(_sync, line, "sync")
     if args is None:
         return
-    from . import sync, widgets
-    from .errors import ConfigError
+    from ..sync import engine as sync
+    from . import widgets
+    from ..errors import ConfigError
 
     try:
         src, dst = sync.parse_endpoint(args.src), sync.parse_endpoint(args.dst)
@@ -804,7 +806,7 @@ def _kill(magics: GpuMagics, line: str):
 
 def _budget_ledger(magics: GpuMagics):
     """The ledger (a fresh object per command, so notes are this command's)."""
-    from .budget import Ledger
+    from ..budget.ledger import Ledger
 
     return Ledger()
 # -- tunnels -----------------------------------------------------------------------------
@@ -874,7 +876,7 @@ def _budget_set(magics: GpuMagics, line: str):
         return
     import dataclasses
 
-    from . import budget
+    from ..budget import ledger as budget
 
     for kind in ("storage", "image"):
         if getattr(args, f"{kind}_rate_month") is not None and getattr(args, f"{kind}_rate_day") is not None:
@@ -938,7 +940,7 @@ def _budget_estimate(magics: GpuMagics, line: str):
     args = parse(_budget_estimate, line, "budget estimate")
     if args is None:
         return
-    from . import budget
+    from ..budget import ledger as budget
     from .display import EstimateView
 
     stored = None
@@ -964,7 +966,7 @@ def _budget_history(magics: GpuMagics, line: str):
     args = parse(_budget_history, line, "budget history")
     if args is None:
         return
-    from . import budget
+    from ..budget import ledger as budget
     from .display import HistoryView
 
     ledger = _budget_ledger(magics)
@@ -986,7 +988,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     args = parse(_budget_guard, line, "budget guard")
     if args is None:
         return
-    from . import budget
+    from ..budget import ledger as budget
     from .display import GuardView
 
     m = magics.session.get(args.host)
@@ -1036,7 +1038,7 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None) -> list[st
     """After each cell: show newly crossed alert thresholds (local arithmetic, no round trip)
     and, at most every GUARD_ALERT_POLL s, a pending guard warning from connected machines
     whose guard this ledger knows of.  Returns the messages shown."""
-    from . import budget
+    from ..budget import ledger as budget
     from .display import AlertView
 
     shown: list[str] = []

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import paramiko
 
-from ._fs import atomic_write
+from .._fs import atomic_write
 
 CA_MARKER = "@cert-authority"
 REVOKED_MARKER = "@revoked"

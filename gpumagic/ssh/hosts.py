@@ -2,7 +2,7 @@
 
 Nothing here opens a socket (``Match exec`` runs its command, as ssh does).  ``resolve`` turns
 what a user typed (``mygpu``, ``root@203.0.113.10:41022``) into a :class:`HostSpec` with
-the values ``ssh -G`` prints for it: the config is read by :mod:`gpumagic.ssh_config`, a port
+the values ``ssh -G`` prints for it: the config is read by :mod:`gpumagic.ssh.config`, a port
 of OpenSSH's ``readconf.c``; the first value found for a keyword wins, and command-line
 options beat the config file.
 """
@@ -15,10 +15,8 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .errors import ConfigError
-from .ssh_config import (WHITESPACE, ExpandError, Local, Options, SshConfig, a2port, apply_cmdline_option,
-                         argv_split, parse_forward, parse_jump, parse_ssh_uri, resolve_options,
-                         ssh_valid_ruser, strdelim, strtonum, tilde_expand)
+from ..errors import ConfigError
+from .config import (WHITESPACE, ExpandError, Local, Options, SshConfig, a2port, apply_cmdline_option, argv_split, parse_forward, parse_jump, parse_ssh_uri, resolve_options, ssh_valid_ruser, strdelim, strtonum, tilde_expand)
 
 DEFAULT_KEY_NAMES = ("id_ed25519", "id_ecdsa", "id_rsa")
 
@@ -135,7 +133,7 @@ def load_ssh_config(path: str | os.PathLike | None = None,
     Without ``path``: ``~/.ssh/config`` (it must not be writable by others, as ssh demands),
     then ``/etc/ssh/ssh_config``.  With ``path``: that file alone, like ``ssh -F PATH``.
     Files are read when a host is resolved (:func:`resolve`), so ``Host``, ``Match`` and
-    ``Include`` apply per host exactly as in ssh (see :mod:`gpumagic.ssh_config`).
+    ``Include`` apply per host exactly as in ssh (see :mod:`gpumagic.ssh.config`).
 
     Raises
     ------
@@ -565,7 +563,7 @@ def ssh_command_options(text: str, *, home=None, **overrides) -> tuple[SshComman
 
     Returns the parsed command, the options its command line set (``overrides`` first, see
     :func:`resolve_ssh_command`), the config ssh would read (``-F FILE``, ``-F none`` ->
-    None, else ``~/.ssh/config``) and the local side; :func:`gpumagic.ssh_config.resolve_options`
+    None, else ``~/.ssh/config``) and the local side; :func:`gpumagic.ssh.config.resolve_options`
     of those is what ``ssh -G`` prints for the line.
 
     Raises

@@ -11,7 +11,7 @@ Each step is one call, safe to repeat, and never weakens security:
   never stored), appends the public key to the remote ``~/.ssh/authorized_keys`` unless it is
   there already, then proves that a key login works.
 
-Nothing here imports IPython; the magics in :mod:`gpumagic.magics` call these functions.
+Nothing here imports IPython; the magics in :mod:`gpumagic.notebook.magics` call these functions.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Callable
 import paramiko
 
 from ._fs import atomic_write
-from .connection import Connection, load_private_key
+from .ssh.connection import Connection, load_private_key
 from .errors import AuthenticationFailed, ConfigError, GpumagicError
-from .hosts import HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, resolve, ssh_dir
+from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, resolve, ssh_dir)
 
 PasswordPrompt = Callable[[str], str]
 
@@ -327,8 +327,7 @@ def _config_word(keyword: str, value: str) -> str:
 
 def _check_row(keyword: str, value) -> str:
     """The text after ``keyword`` on its line, or ConfigError when ssh could not read it back."""
-    from .ssh_config import (ExpandError, Options, convtime, parse_jump, percent_expand,
-                             ssh_valid_hostname, strtonum)
+    from .ssh.config import (ExpandError, Options, convtime, parse_jump, percent_expand, ssh_valid_hostname, strtonum)
 
     words = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
     for w in words:
@@ -381,7 +380,7 @@ def host_block(name: str, hostname: str, *, port: int | None = None, user: str |
     server's ``MaxAuthTries`` first.  ``server_alive_interval`` in seconds; None leaves the
     keyword out.  ``options`` adds other honoured keywords (``ConnectTimeout``...).  Every
     value is written so that OpenSSH reads it back as given (quoted where needed, see
-    :func:`_config_word`); the block is read back with :mod:`gpumagic.ssh_config` to prove it.
+    :func:`_config_word`); the block is read back with :mod:`gpumagic.ssh.config` to prove it.
 
     Raises
     ------
@@ -425,7 +424,7 @@ def host_block(name: str, hostname: str, *, port: int | None = None, user: str |
 
 def _read_back(lines: list[str], wanted: list[tuple[str, list[str]]]) -> None:
     """Check that OpenSSH's line reader gives back exactly the values meant (else refuse)."""
-    from .ssh_config import Local, Options, _Bad, _Reader, _split_line
+    from .ssh.config import Local, Options, _Bad, _Reader, _split_line
 
     o = Options()
     reader = _Reader(None, o, Local(user="", home="/", uid=0, thishost=""), host="", original_host="")
@@ -584,9 +583,9 @@ def _shadowed(text: str, name: str, block: str, home) -> list[str]:
 
     OpenSSH uses the first value it reads for a keyword, so ``User`` in a ``Host *`` block
     above the new one wins over the new block's ``User``.  Both texts are resolved for
-    ``name`` with :mod:`gpumagic.ssh_config` (``Match exec`` commands are not run here).
+    ``name`` with :mod:`gpumagic.ssh.config` (``Match exec`` commands are not run here).
     """
-    from .ssh_config import SshConfig, resolve_options
+    from .ssh.config import SshConfig, resolve_options
 
     try:
         got = resolve_options(name, SshConfig.from_text(text, home=home or None), run_exec=False)
@@ -658,7 +657,7 @@ def authorize_key(connection: Connection, public_key: str) -> str:
     GpumagicError
         When the remote shell cannot write the file (its stderr in the message).
     """
-    from .execution import exec_simple
+    from .remote.execution import exec_simple
 
     import shlex
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .errors import SandboxError
+from ..errors import SandboxError
 from .hosts import HostSpec
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/opt/homebrew/sbin/sshd",
                    "/sbin/sshd")
-FAKE_DIR = Path(__file__).parent / "fake"
+FAKE_DIR = Path(__file__).resolve().parent.parent / "gpu" / "fake"
 INSTALL_HINT = ("install OpenSSH's server: `sudo apt-get install openssh-server` "
                 "(Debian/Ubuntu), `brew install openssh` (macOS)")
 
@@ -174,7 +174,7 @@ class SshServer:
         return p
 
     def install_fake_gpu(self, recording: str = "h200-idle") -> None:
-        """Install the replaying ``nvidia-smi`` (see ``gpumagic/fake/nvidia_smi.py``).
+        """Install the replaying ``nvidia-smi`` (see ``gpumagic/gpu/fake/nvidia_smi.py``).
 
         Raises
         ------

@@ -3,7 +3,7 @@
 Everything here is either a *query* (a shell script sent in one SSH round trip whose
 output is split into named sections) or a *pure function* over the text those commands
 print, so every parser and check is tested on recorded output from real machines
-(``gpumagic/fake/recordings``, ``tests/recordings``).
+(``gpumagic/gpu/fake/recordings``, ``tests/recordings``).
 
 Formats
 -------
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .errors import GpumagicError, RemoteCommandError
+from ..errors import GpumagicError, RemoteCommandError
 
 # -- query strings --------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ Two halves:
   or sha256 with ``checksum``);
 * a transfer engine -- one round trip lists the remote tree, small files travel in one tar
   stream over one exec channel, files of :data:`LARGE_FILE` bytes or more stream on their
-  own channel with resume.  The remote half is :mod:`gpumagic._sync_agent`, run by the
+  own channel with resume.  The remote half is :mod:`gpumagic.sync.agent`, run by the
   machine's ``python3`` (stdlib only; its source is sent with each request).
 
 Every file is written to ``.NAME.gpumagic-part`` beside its target and renamed when
@@ -38,10 +38,10 @@ from typing import Callable, Iterable
 import paramiko
 import pathspec
 
-from . import _sync_agent as agent
-from ._paramiko import send_eof, sendall_ordered
-from .connection import wait_readable
-from .errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
+from . import agent as agent
+from ..ssh._paramiko import send_eof, sendall_ordered
+from ..ssh.connection import wait_readable
+from ..errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
 LARGE_FILE = 8 * 1024 * 1024
@@ -179,9 +179,9 @@ class Listing:
 
 
 def parse_listing(data: bytes) -> Listing:
-    """Parse the agent's ``list`` output (see :mod:`gpumagic._sync_agent`).
+    """Parse the agent's ``list`` output (see :mod:`gpumagic.sync.agent`).
 
-    Records are :data:`gpumagic._sync_agent.FIELDS` NUL-terminated fields: kind, path,
+    Records are :data:`gpumagic.sync.agent.FIELDS` NUL-terminated fields: kind, path,
     size, mtime_ns, mode (octal), link target or text, sha256.  Names are decoded as UTF-8
     with ``surrogateescape`` so that any byte string survives the round trip.
 
@@ -536,7 +536,7 @@ class SyncSummary:
     dry_run: bool = False
 
     def __str__(self) -> str:
-        from .display import sync_summary_text
+        from ..notebook.display import sync_summary_text
 
         return sync_summary_text(self)
 
@@ -703,7 +703,7 @@ class _Channel:
 
 
 def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
-    """Map an agent error record (see :func:`gpumagic._sync_agent.error_record`) to
+    """Map an agent error record (see :func:`gpumagic.sync.agent.error_record`) to
     SyncDiskFull / SyncPermissionDenied / SyncError, naming the path and its mount."""
     path = rec.get("path", "?")
     mount = rec.get("mount")
@@ -729,7 +729,7 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
 
 
 def _fmt_bytes(n: float) -> str:
-    from .display import format_bytes
+    from ..notebook.display import format_bytes
 
     return format_bytes(n)
 
@@ -745,7 +745,7 @@ def _lost(machine, exc: Exception | None = None) -> ConnectionLost:
 def open_listing(machine, root: str, *, digests: bool = False,
                  names: list[str] | None = None) -> "_Channel":
     """Start the agent's ``serve`` operation on ``root``: it lists the tree at once, then
-    waits on the same channel for one command (see :mod:`gpumagic._sync_agent`)."""
+    waits on the same channel for one command (see :mod:`gpumagic.sync.agent`)."""
     return _Channel(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
                     json.dumps(names) if names is not None else "-")
 

@@ -1,0 +1,1 @@
+"""The IPython layer: magics, text/HTML displays and widgets."""

@@ -1,0 +1,1 @@
+"""Running things on the machine: cells (execution) and detached jobs."""
