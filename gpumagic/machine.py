@@ -366,16 +366,11 @@ class Machine:
         TunnelError
             TensorBoard missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel import start_tensorboard
+        from .tunnel import check_local_port, open_service_tunnel, start_tensorboard
 
+        check_local_port(local_port)  # before anything starts on the machine
         service = start_tensorboard(self, logdir)
-        t = self.tunnels.find("127.0.0.1", service.port)
-        if t is None:
-            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
-                                  name=f"tensorboard {logdir}", path=service.path)
-        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
-            t.service = service
-        return t
+        return open_service_tunnel(self, service, local_port=local_port, name=f"tensorboard {logdir}")
 
     def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
         """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
@@ -386,16 +381,11 @@ class Machine:
         TunnelError
             Jupyter missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel import start_jupyter
+        from .tunnel import check_local_port, open_service_tunnel, start_jupyter
 
+        check_local_port(local_port)  # before anything starts on the machine
         service = start_jupyter(self)
-        t = self.tunnels.find("127.0.0.1", service.port)
-        if t is None:
-            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
-                                  name="jupyter", path=service.path)
-        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
-            t.service = service
-        return t
+        return open_service_tunnel(self, service, local_port=local_port, name="jupyter")
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"
