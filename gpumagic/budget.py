@@ -350,8 +350,11 @@ def estimate(hours: float, rate: float, *, spot_rate: float | None = None,
     list of EstimateRow
         One row per option, plus the break-even hours of buying vs renting on-demand.
     """
-    if hours <= 0 or rate < 0:
-        raise ConfigError("hours must be > 0 and rates >= 0", "e.g. %gpu budget estimate --hours 200 --rate 2.5")
+    numbers = (rate, spot_rate, extra_per_hour, card_price, power_w, kwh_price, resale)
+    if not (is_number(hours, 0, 1e7) and hours > 0) or not all(
+            v is None or is_number(v, 0, MAX_AMOUNT) for v in numbers):
+        raise ConfigError("hours must be > 0 and prices finite numbers >= 0",
+                          "e.g. %gpu budget estimate --hours 200 --rate 2.5")
     rows = [EstimateRow("on-demand", hours * (rate + extra_per_hour),
                         f"{hours:g} h x {rate + extra_per_hour:g}/h")]
     if spot_rate is not None:
@@ -1249,7 +1252,21 @@ def set_prices(ledger: Ledger, name: str, prices: Prices, *, limit: float | None
     """Store ``name``'s prices (and limit, alert thresholds, billing start) in the ledger.
 
     Options left ``None`` keep what was stored before.  Returns the machine's record.
+
+    Raises
+    ------
+    ConfigError
+        For a limit or alert that is not a positive finite amount (up to :data:`MAX_AMOUNT`),
+        or a billing start that is not an epoch time within 10 years of now.
     """
+    if limit is not None and not (is_number(limit, 0, MAX_AMOUNT) and limit > 0):
+        raise ConfigError(f"the limit must be an amount above 0, not {limit!r}", "e.g. --limit 50")
+    alerts = None if alerts is None else list(alerts)
+    if alerts is not None and not all(is_number(a, 0, MAX_AMOUNT) and a > 0 for a in alerts):
+        raise ConfigError(f"alerts must be amounts above 0, not {alerts!r}", "e.g. --alert 10,20")
+    if started_at is not None and not is_number(started_at, time.time() - MAX_SPAN_S, time.time() + MAX_SPAN_S):
+        raise ConfigError(f"the billing start must be an epoch time within 10 years, not {started_at!r}",
+                          "e.g. --started-at -2h")
     with ledger.update() as data:
         rec = data["machines"].setdefault(name, {})
         rec["prices"] = prices.to_dict()

@@ -647,8 +647,8 @@ class Watcher:
     def __init__(self, fetch: Callable, on_update: Callable, on_stop: Callable, *,
                  interval: float, is_connected: Callable[[], bool] = lambda: True,
                  max_failures: int = 3, previous: GpuStatus | None = None):
-        if interval <= 0:
-            raise ValueError("interval must be positive")
+        if not (isinstance(interval, (int, float)) and 0 < interval < float("inf")):
+            raise ValueError("interval must be a positive number of seconds")
         self.fetch, self.on_update, self.on_stop = fetch, on_update, on_stop
         self.interval = interval
         self.is_connected = is_connected
