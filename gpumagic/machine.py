@@ -107,7 +107,10 @@ class Machine:
         RemoteCommandError
             When the directory does not exist on the machine.
         """
-        r = self.run(["sh", "-c", 'cd -- "$1" && pwd -P', "sh", path], quiet=True)
+        # `cd -` (and a CDPATH match) print a directory themselves; "~" is not expanded in "$1"
+        script = ('case "$1" in -) set -- ./- ;; "~") set -- "$HOME" ;; "~/"*) set -- "$HOME/${1#"~/"}" ;; esac; '
+                  'cd -- "$1" >/dev/null && pwd -P')
+        r = self.run(["sh", "-c", script, "sh", path], quiet=True)
         if r.exit_code != 0:
             raise RemoteCommandError(f"no directory {path} on {self.name}", exit_code=r.exit_code,
                                      stderr=r.stderr, hint=f"create it first: %%remote\\nmkdir -p {path}")

@@ -138,9 +138,15 @@ def parse(fn, line: str, name: str | None = None):
         print("usage: " + fn.parser.format_help().lstrip(": \n").replace("%%", "%"))
         return None
     try:
-        return fn.parser.parse_args(argv)
+        args = fn.parser.parse_args(argv)
     except SystemExit:  # argparse after printing --help
         return None
+    for action in fn.parser._actions:  # Python < 3.12 parses `--host=--` as the value []
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(action, argparse._AppendAction) and isinstance(value, list) else [value]
+        if action.option_strings and action.nargs is None and any(isinstance(v, list) for v in values):
+            raise UsageError(f"argument {'/'.join(action.option_strings)}: expected one value, not '--'")
+    return args
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
