@@ -26,8 +26,8 @@ from IPython.display import display as ipy_display
 from traitlets import Float, Int, Unicode
 
 from . import display, known_hosts, setup, widgets
-from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from .budget import MAX_AMOUNT, MAX_GB, MAX_RATE
+from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from .errors import Interrupted, RemoteCommandError
 from .gpu import Watcher, failure_hint
 from .hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target,
