@@ -212,7 +212,11 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
     path = _local_path(path) if path else default_key_path(home)
     pub_path = Path(str(path) + ".pub")
     for p in (path, pub_path):
-        if p.exists() or p.is_symlink():
+        try:
+            taken = p.exists() or p.is_symlink()
+        except OSError as e:  # a name too long, a file where a directory should be
+            raise _cannot_write_key(path, _os_reason(e)) from None
+        if taken:
             raise KeyExists(f"{p} already exists; gpumagic never overwrites a key",
                             f"use that key (its public half is {pub_path}), or pick another file "
                             "with --path ~/.ssh/id_ed25519_gpu")

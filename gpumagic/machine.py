@@ -108,7 +108,10 @@ class Machine:
         RemoteCommandError
             When the directory does not exist on the machine.
         """
-        r = self.run(["sh", "-c", 'cd -- "$1" && pwd -P', "sh", path], quiet=True)
+        # `cd -` (and a CDPATH match) print a directory themselves; "~" is not expanded in "$1"
+        script = ('case "$1" in -) set -- ./- ;; "~") set -- "$HOME" ;; "~/"*) set -- "$HOME/${1#"~/"}" ;; esac; '
+                  'cd -- "$1" >/dev/null && pwd -P')
+        r = self.run(["sh", "-c", script, "sh", path], quiet=True)
         if r.exit_code != 0:
             raise RemoteCommandError(f"no directory {path} on {self.name}", exit_code=r.exit_code,
                                      stderr=r.stderr, hint=f"create it first: %%remote\\nmkdir -p {path}")
@@ -367,16 +370,11 @@ class Machine:
         TunnelError
             TensorBoard missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel.forward import start_tensorboard
+        from .tunnel.forward import check_local_port, open_service_tunnel, start_tensorboard
 
+        check_local_port(local_port)  # before anything starts on the machine
         service = start_tensorboard(self, logdir)
-        t = self.tunnels.find("127.0.0.1", service.port)
-        if t is None:
-            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
-                                  name=f"tensorboard {logdir}", path=service.path)
-        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
-            t.service = service
-        return t
+        return open_service_tunnel(self, service, local_port=local_port, name=f"tensorboard {logdir}")
 
     def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
         """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
@@ -387,16 +385,11 @@ class Machine:
         TunnelError
             Jupyter missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel.forward import start_jupyter
+        from .tunnel.forward import check_local_port, open_service_tunnel, start_jupyter
 
+        check_local_port(local_port)  # before anything starts on the machine
         service = start_jupyter(self)
-        t = self.tunnels.find("127.0.0.1", service.port)
-        if t is None:
-            t = self.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
-                                  name="jupyter", path=service.path)
-        if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic"
-            t.service = service
-        return t
+        return open_service_tunnel(self, service, local_port=local_port, name="jupyter")
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

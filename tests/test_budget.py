@@ -2,7 +2,8 @@
 
 The guard cases (4, 5) run on servers of their own with a stand-in ``shutdown`` that records
 its calls; they are armed together at the start of the module and checked at its end, so
-their real waiting (2 min for "idle 2 min") overlaps.
+their real waiting overlaps.  The case's "idle 2 min" and "limit 1 min ahead" are scaled
+down to seconds (the guard's windows are its parameters), so the module takes seconds.
 """
 
 from __future__ import annotations
@@ -184,10 +185,151 @@ def test_ledger_path_follows_GPUMAGIC_DATA_DIR(tmp_path, monkeypatch):
     assert Ledger().path == tmp_path / "d" / "ledger.json"
 
 
+# -- issue 9: a ledger of the right JSON shape whose fields have the wrong types ----------
+
+GOOD_RECORD = {"prices": {"rate": 1.0, "currency": "CNY"}, "limit": None, "alerts": [], "sessions": [
+    {"start": 1_800_000_000.0, "last_seen": 1_800_003_600.0, "prices": {"rate": 1.0}, "alerted": []}]}
+DAMAGED = {  # field -> (value, what the note must say)
+    "prices": ([], "prices: prices must be a table, not []"),
+    "limit": ("50", "limit is '50', not a number from 0 to 1e+12"),
+    "alerts": ("10", "alerts is '10', not a list of amounts"),
+    "alerts-number": (10, "alerts is 10, not a list of amounts"),
+    "guard": ([1], "guard is [1], not a table of numbers"),
+    "guard-text": ("armed", "guard is 'armed', not a table of numbers"),
+    "sessions": ("x", "sessions is 'x', not a list"),
+    "sessions-start": ([{"start": None, "prices": {"rate": 1}}], "sessions[0].start is None, not a number"),
+    "started_at": ("yesterday", "started_at is 'yesterday', not a number"),
+    "limit-inf": (float("inf"), "limit is inf, not a number from 0 to 1e+12"),
+}
+
+
+def _ledger_with(path: Path, field: str, value) -> bytes:
+    rec = {**GOOD_RECORD, field.split("-")[0]: value}
+    raw = json.dumps({"format": "gpumagic-ledger", "version": 1,
+                      "machines": {"damaged": rec, "kept": GOOD_RECORD}}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(raw)
+    return raw
+
+
+@pytest.mark.parametrize("field", list(DAMAGED))
+def test_damaged_record_is_one_note_naming_file_and_field_and_the_other_machines_are_kept(ip, tmp_path, monkeypatch,
+                                                                                         field):
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    path = tmp_path / "data" / "ledger.json"
+    raw = _ledger_with(path, field, DAMAGED[field][0])
+    out, shown = _run(ip, "budget set --host damaged --rate 2")
+    assert len(shown) == 1 and shown[0].startswith(f"!! gpumagic budget alert: the budget ledger {path}: "
+                                                   "the record of damaged was damaged (")
+    assert DAMAGED[field][1] in shown[0], shown[0]
+    assert "set it again with `%gpu budget set --host damaged --rate PRICE_PER_HOUR`" in shown[0]
+    assert out.startswith("damaged: 2.00/h")
+    data = json.loads(path.read_text())
+    assert data["machines"]["kept"] == GOOD_RECORD  # every valid record kept as it was
+    assert data["machines"]["damaged"]["prices"]["rate"] == 2
+    kept, = tmp_path.glob("data/ledger.json.corrupt-*")
+    assert kept.read_bytes() == raw and str(kept) in shown[0]
+    _, again = _run(ip, "budget history")  # the note was said once; the file is whole now
+    assert not [t for t in again if "budget alert" in t]
+
+
+def test_ledger_read_keeps_every_valid_machine_of_a_damaged_file(tmp_path):
+    path = tmp_path / "ledger.json"
+    _ledger_with(path, "limit", "fifty")
+    ledger = Ledger(path)
+    assert list(ledger.read()["machines"]) == ["kept"]
+    assert len(ledger.notes) == 1 and "limit is 'fifty'" in ledger.notes[0]
+    again = Ledger(path)
+    assert list(again.read()["machines"]) == ["kept"] and again.notes == []
+
+
+def _as_plain_user(fn):
+    """Run ``fn()`` in a forked child as a user without root's right to write anywhere (uid
+    65534 when the suite runs as root); returns ``("ok", repr)`` or ``(type name, str(error))``."""
+    import fcntl  # noqa: F401  (imported here: the child may not read the interpreter's files)
+    import pickle
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                result = ("ok", repr(fn()))
+            except BaseException as e:  # noqa: BLE001  (reported to the parent)
+                result = (type(e).__name__, str(e))
+            os.write(w, pickle.dumps(result))
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+def test_read_only_data_directory_is_one_error_naming_it_and_the_fix(ip, monkeypatch):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="gm-ro-"))
+    try:
+        base.chmod(0o755)
+        data = base / "data"
+        data.mkdir(mode=0o555)
+        data.chmod(0o555)  # read-only (the umask may have taken bits away)
+        monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(data))
+        from IPython.core.error import UsageError
+
+        from gpumagic.budget.ledger import LedgerError
+
+        def budget_set():
+            try:
+                ip.run_line_magic("gpu", "budget set --host m --rate 2")
+            except (LedgerError, UsageError):
+                raise
+            except BaseException as e:
+                raise AssertionError(f"traceback: {type(e).__name__}: {e}") from None
+
+        kind, text = _as_plain_user(budget_set)
+        assert kind == "LedgerError", text
+        assert text == (f"cannot write the budget ledger {data / 'ledger.json'}: Permission denied "
+                        f"({data / 'ledger.json.lock'})\n"
+                        f"  hint: make {data} writable (chmod u+w), or set GPUMAGIC_DATA_DIR to a "
+                        "writable directory")
+        assert list(data.iterdir()) == []
+    finally:
+        data.chmod(0o755)
+        shutil.rmtree(base)
+
+
+# -- issue 8: a stored inf never breaks a later `budget set` -----------------------------
+
+
+def test_stored_inf_limit_never_breaks_a_later_budget_set(budget_ip, tmp_path):
+    ip, server = budget_ip
+    path = Path(os.environ["GPUMAGIC_DATA_DIR"]) / "ledger.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = {**GOOD_RECORD, "limit": float("inf")}
+    path.write_text(json.dumps({"format": "gpumagic-ledger", "version": 1, "machines": {server.alias: rec}}))
+    out, shown = _run(ip, "budget set --rate 2 --limit 5")
+    assert "limit is inf" in shown[0]
+    assert f"{server.alias}: 2.00/h" in out and "limit 5.00" in out
+    _, meter = _run(ip, "budget")
+    assert "limit 5.00" in meter[0]
+    assert json.loads(path.read_text())["machines"][server.alias]["limit"] == 5
+
+
 # -- the guard on real servers (cases 4 and 5) --------------------------------------------
 
-IDLE = 120  # case 4: "idle 2 min", in real time
-POLL = 2
+IDLE = 6  # case 4's "idle 2 min", scaled down: the guard's window is a parameter
+POLL = 1
+#: case 5's "limit 1 min ahead", scaled down the same way: 0.1 per second billed per second,
+#: billing started 100 s ago (10 spent), limit 11: the limit falls LIMIT_AHEAD s after arming.
+LIMIT_AHEAD = 10
 STAND_IN = '#!/bin/sh\nprintf "%s %s\\n" "$(date +%s)" "$*" >> "$(dirname "$0")/../shutdown-calls"\n'
 
 
@@ -230,7 +372,7 @@ def guards(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("guards")
     ledger = Ledger(tmp / "ledger.json")
-    setups = {"g-idle": "h200-idle", "g-mismatch": "mismatch",
+    setups = {"g-idle": "h200-idle", "g-mismatch": "mismatch", "g-inforom": "inforom", "g-lost": "lost-gpu",
               "g-hidden": str(_recording_814_mib_78_percent(tmp / "h200-814mib-78pct")), "g-limit": None}
     out = {}
     for alias, gpu in setups.items():
@@ -242,8 +384,7 @@ def guards(tmp_path_factory):
         # never a real shutdown: the command found must be this server's stand-in
         assert plan.command == f"{server.bin}/shutdown -h now", plan
         if alias == "g-limit":
-            # rate 60/h per second, started 10 min ago: 10 spent, limit 11 falls 1 min ahead
-            m.budget_set(60, currency="CNY", limit=11, started_at=time.time() - 600, ledger=ledger)
+            m.budget_set(360, currency="CNY", limit=11, started_at=time.time() - 100, ledger=ledger)
             status = m.budget_guard(at_limit=True, grace=30, poll=POLL, ledger=ledger, plan=plan)
         else:
             status = m.budget_guard(idle=IDLE, grace=30, poll=POLL, ledger=ledger, plan=plan)
@@ -270,9 +411,10 @@ def test_guards_arm_and_report_their_first_measurement(guards):
     assert guards["g-idle"].status.state == "armed"
     assert guards["g-idle"].status.idle.startswith("idle GPU utilisation 0%")
     assert guards["g-mismatch"].status.idle.startswith("unknown nvidia-smi failed: Failed to initialize NVML")
+    assert guards["g-inforom"].status.idle.startswith("idle GPU utilisation 0%")  # issue 7: exit 14
     assert guards["g-hidden"].status.idle == ("busy 814 MiB of GPU memory in use by no visible process; "
                                               "GPU utilisation 78% (idle below 5%)")
-    assert guards["g-limit"].status.settings["limit_in"] in (59, 60, 61)
+    assert LIMIT_AHEAD - 2 <= guards["g-limit"].status.settings["limit_in"] <= LIMIT_AHEAD
 
 
 def test_guard_refuses_where_no_shutdown_can_run_and_says_how_to_stop(tmp_path):
@@ -559,14 +701,16 @@ def test_hh_mm_deadline_is_the_next_such_local_time():
 # -- the guard's waits (last, so the tests above overlap them) ---------------------------
 
 
-def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
+def test_guard_at_limit_ahead_calls_shutdown_once_at_the_limit(guards):
     g = guards["g-limit"]
-    assert _wait(lambda: g.calls, timeout=120), g.log()
+    assert _wait(lambda: g.calls, timeout=LIMIT_AHEAD + 60), g.log()
     time.sleep(3 * POLL)  # a guard that kept looping would call again
     assert len(g.calls) == 1, g.calls
     called = float(g.calls[0].split()[0])
-    print(f"\nat-limit guard: shutdown called {called - g.armed_at:.1f} s after arming (limit 60 s ahead)")
-    assert called - g.armed_at >= 58  # not before the limit (1 min after arming)
+    print(f"\nat-limit guard: shutdown called {called - g.armed_at:.1f} s after arming "
+          f"(limit {LIMIT_AHEAD} s ahead)")
+    # not before the limit (the stand-in's clock has whole seconds, the limit is ~LIMIT_AHEAD s)
+    assert called - g.armed_at >= LIMIT_AHEAD - 3
     assert g.calls[0].split()[1:] == ["-h", "now"]
     status = g.machine.budget_guard_status()
     assert status.state == "fired" and not status.alive
@@ -574,31 +718,35 @@ def test_guard_at_limit_one_minute_ahead_calls_shutdown_once(guards):
     assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
 
 
-def test_guard_idle_2_min_with_0_percent_and_no_jobs_calls_shutdown_after_2_min(guards):
-    g = guards["g-idle"]
+@pytest.mark.parametrize("alias", ["g-idle", "g-inforom"])
+def test_guard_idle_window_with_0_percent_and_no_jobs_calls_shutdown_after_the_window(guards, alias):
+    """Also issue 7: nvidia-smi exiting 14 (infoROM is corrupted) beside valid rows is measured."""
+    g = guards[alias]
     assert _wait(lambda: g.calls, timeout=IDLE + 60), g.log()
     called = float(g.calls[0].split()[0])
     elapsed = called - g.armed_at
     print(f"\nidle guard: shutdown called {elapsed:.1f} s after arming (idle {IDLE} s, poll {POLL} s)")
     assert elapsed >= IDLE - 2, elapsed  # armed_at is taken after the first measurement
-    assert elapsed <= IDLE + 4 * POLL, elapsed
+    assert elapsed <= IDLE + 30, elapsed  # generous: the test machine may be busy
     time.sleep(2 * POLL)
     assert len(g.calls) == 1
-    assert "WARNING: shutting down in" in g.log() and "SHUTDOWN: GPU idle for 120s" in g.log()
+    assert "WARNING: shutting down in" in g.log() and f"SHUTDOWN: GPU idle for {IDLE}s" in g.log()
 
 
 @pytest.mark.parametrize("alias, reading", [
     ("g-mismatch", "unknown nvidia-smi failed: Failed to initialize NVML: Driver/library version mismatch"),
     ("g-hidden", "busy 814 MiB of GPU memory in use by no visible process"),
+    # issue 7: one GPU of four lost: the machine is not measurably idle
+    ("g-lost", "unknown nvidia-smi failed: Unable to determine the device handle for GPU0000:00:08.0"),
 ])
-def test_guard_idle_2_min_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
+def test_guard_idle_window_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
     g = guards[alias]
     _wait(lambda: time.time() > g.armed_at + IDLE + POLL + 1, timeout=IDLE + 60)
     status = g.machine.budget_guard_status()
     assert g.calls == []
     assert status.state == "armed" and status.alive
     assert status.idle.startswith(reading)
-    assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole 2 min
+    assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole window
     assert status.fire_at is None
     print(f"\n{alias}: {status.checks} checks over {time.time() - g.armed_at:.0f} s, never idle: {status.idle}")
     cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))

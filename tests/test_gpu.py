@@ -472,3 +472,103 @@ def test_processes_are_matched_to_their_gpu_by_uuid_on_a_two_gpu_machine():
     assert status.hidden_use_mib(g0) == 600 and status.hidden_use_mib(g1) == 0
     text = status_text(status)
     assert "600 MiB in use by processes not visible here" in text and "python3 (pid 900) 39990 MiB" in text
+
+
+# -- issue 7: rows printed beside a non-zero exit status ------------------------------------
+
+FAKE = ROOT / "gpumagic" / "fake" / "nvidia_smi.py"
+
+
+def fake_smi(tmp_path, mode: str, *argv: str) -> Section:
+    """What the fake nvidia-smi prints (stdout and stderr merged, as in a gathered section)
+    and its exit status, in ``mode``."""
+    import os
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    state.write_text(mode)
+    r = subprocess.run([sys.executable, str(FAKE), *argv], capture_output=True, text=True,
+                       env={**os.environ, "GPUMAGIC_FAKE_GPU_STATE": str(state)})
+    return Section(r.stdout + r.stderr, r.returncode)
+
+
+def fake_sections(tmp_path, mode: str) -> dict[str, Section]:
+    return {"gpus": fake_smi(tmp_path, mode, *gpu.query_gpu_command().split()[1:]),
+            "apps": fake_smi(tmp_path, mode, *gpu.query_apps_command().split()[1:])}
+
+
+def test_exit_14_with_valid_rows_lists_the_gpu_and_warns_what_the_code_means(tmp_path):
+    sections = fake_sections(tmp_path, "inforom")
+    assert sections["gpus"].rc == 14 and sections["gpus"].text.startswith("WARNING: infoROM is corrupted")
+    status = gpu.status_from_sections(sections, host="h")
+    assert status.kind is StatusKind.OK
+    assert [(g.index, g.name, g.memory_total_mib) for g in status.gpus] == [(0, "NVIDIA H200", 143771)]
+    assert status.skipped == []
+    assert status.warnings[0].startswith("nvidia-smi exited with status 14 (the infoROM is corrupted) "
+                                         "while listing 1 GPU(s); the GPU still works")
+    assert "nvidia-smi: WARNING: infoROM is corrupted at gpu 00000000:00:06.0" in status.warnings
+    text = render_status(status).text
+    assert "warning: nvidia-smi exited with status 14 (the infoROM is corrupted)" in text
+    assert "GPU0 NVIDIA H200" in text and "nvidia-smi failed" not in text
+    assert "warning: nvidia-smi exited with status 14" in render_status(status).html
+
+
+def test_one_lost_gpu_among_four_leaves_the_other_three_listed(tmp_path):
+    status = gpu.status_from_sections(fake_sections(tmp_path, "lost-gpu"), host="h")
+    assert status.kind is StatusKind.OK
+    assert [g.index for g in status.gpus] == [0, 1, 3]
+    assert status.warnings == [
+        "nvidia-smi exited with status 15 (the GPU has fallen off the bus or has otherwise become "
+        "inaccessible) while listing 3 GPU(s); a GPU is inaccessible: reboot the machine; if it "
+        "stays lost, ask the platform for another machine",
+        "nvidia-smi: Unable to determine the device handle for GPU0000:00:08.0: Unknown Error"]
+    assert status.skipped == []  # the message is a warning, not an unreadable line
+
+
+def test_lost_gpu_row_with_bracketed_values_is_listed_and_named(tmp_path):
+    status = gpu.status_from_sections(fake_sections(tmp_path, "lost-gpu-fields:h200-load"), host="h")
+    assert [g.index for g in status.gpus] == [0, 1, 2, 3]
+    lost = status.gpus[2]
+    assert not known(lost.memory_used_mib) and "reboot" in lost.memory_used_mib.reason
+    assert status.gpus[3].memory_used_mib == 20213
+    assert status.warnings == ["GPU2: nvidia-smi cannot read it ([GPU is lost]): reboot the machine; "
+                               "if it stays so, ask the platform for another machine"]
+    assert "GPU2 (name unknown) | util n/a" in status_text(status)
+
+
+def test_doctor_warns_on_exit_14_instead_of_failing_the_driver(tmp_path):
+    report = gpu.diagnose({**fake_sections(tmp_path, "inforom"),
+                           "version": Section(read(PACKAGED / "h200-idle", "nvidia-smi-version.txt"), 0)},
+                          host="h", expect_gpu="H200", expect_count=1)
+    driver = next(c for c in report.checks if c.name == "driver")
+    assert driver.level is Level.WARN
+    assert driver.summary.startswith("driver 580.159.04, supports CUDA up to 13.0; but nvidia-smi exited "
+                                     "with status 14 (the infoROM is corrupted)")
+    assert "replace the card" in driver.fix
+    assert [c.level for c in report.checks if c.name in ("GPU model", "GPU count")] == [Level.OK, Level.OK]
+
+
+@pytest.mark.parametrize("rc, meaning", [
+    (0, "success"), (2, "a supplied argument or flag is invalid"),
+    (3, "the requested operation is not available on the target device"),
+    (4, "the current user does not have permission to access this device or perform this operation"),
+    (6, "a query to find an object was unsuccessful"),
+    (8, "a device's external power cables are not properly attached"),
+    (9, "the NVIDIA driver is not loaded"), (10, "the NVIDIA kernel detected an interrupt issue with a GPU"),
+    (12, "the NVML shared library couldn't be found or loaded"),
+    (13, "the local version of NVML doesn't implement this function"), (14, "the infoROM is corrupted"),
+    (15, "the GPU has fallen off the bus or has otherwise become inaccessible"),
+    (255, "other error or internal driver error"), (77, "exit status 77"),
+])
+def test_every_documented_exit_status_has_its_meaning(rc, meaning):
+    assert gpu.exit_meaning(rc) == meaning
+
+
+def test_failure_without_rows_says_what_the_exit_status_means():
+    status = gpu.status_from_sections({"gpus": Section("Unable to determine the device handle for "
+                                                       "GPU0000:0B:00.0: Unknown Error\n", 15)})
+    assert status.kind is StatusKind.FAILED
+    assert status.message == ("Unable to determine the device handle for GPU0000:0B:00.0: Unknown Error "
+                              "(exit status 15: the GPU has fallen off the bus or has otherwise become "
+                              "inaccessible)")

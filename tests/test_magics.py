@@ -203,3 +203,86 @@ def test_huge_output_is_capped_in_the_notebook_but_kept_by_out(ip, capsys):
     assert seen.out.count("x") == 1000
     assert "4,000 more characters were not displayed" in seen.err
     assert ip.user_ns["big"].stdout == "x" * 5000
+
+
+# -- issue 8: every numeric option refuses NaN, +-inf and out-of-range values ----------------
+
+
+@pytest.mark.parametrize("line, option", [
+    ("budget set --limit inf", "--limit"),
+    ("budget set --limit nan", "--limit"),
+    ("budget set --limit -5", "--limit"),
+    ("budget set --rate 1e308", "--rate"),
+    ("budget guard --poll nan", "--poll"),
+    ("budget estimate --hours nan", "--hours"),
+    ("tunnel ²", "port"),
+    ("tunnel 8000 --local-port 70000", "--local-port"),
+    ("status --watch inf", "--watch"),
+    ("logs train -n 1e3", "-n/--lines"),
+    ("connect testgpu -p 99999", "-p/--port"),
+])
+def test_numeric_option_refuses_nan_inf_and_out_of_range_naming_the_option(ip, line, option, tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path))
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", line)
+    assert type(e.value) is UsageError
+    assert str(e.value).startswith(f"argument {option}: "), str(e.value)
+    assert list(tmp_path.iterdir()) == []  # nothing stored
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400"])
+def test_then_shutdown_refuses_nan_inf_and_1e400(ip, value):
+    with pytest.raises(UsageError) as e:
+        ip.run_cell_magic("remote", f"--job j --then-shutdown {value}", "true")
+    assert type(e.value) is UsageError
+    assert str(e.value).startswith(f"argument --then-shutdown: '{value}' is ")
+    assert "minutes, from 0 to 43,200" in str(e.value)
+
+
+def test_tunnel_close_superscript_two_is_a_usage_error(ip):
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "tunnel close ²")
+    assert type(e.value) is UsageError
+    assert str(e.value) == ("`%gpu tunnel close ²`: give an ID from `%gpu tunnel list` (a local port "
+                            "number) or `all`")
+
+
+def test_shared_number_type_accepts_plain_numbers_only():
+    import argparse
+
+    from gpumagic.notebook.magics import LOCAL_PORT, MONEY, number
+
+    assert MONEY("2.5") == 2.5 and MONEY("0") == 0.0 and MONEY("1e3") == 1000.0
+    assert LOCAL_PORT("0") == 0 and LOCAL_PORT("65535") == 65535
+    for bad in ("nan", "NaN", "inf", "-inf", "1e400", "²", "١٢", "1_000", "", " ", "0x10", "-1", "1e10"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            MONEY(bad)
+    for bad in ("1.5", "70000", "-1", "1e3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            LOCAL_PORT(bad)
+    above = number(0, 10, above=True)
+    with pytest.raises(argparse.ArgumentTypeError, match="above 0, at most 10"):
+        above("0")
+
+
+def _all_magic_parsers():
+    from gpumagic.notebook import magics
+
+    fns = {name: fn for name, fn in vars(magics).items() if hasattr(fn, "parser")}
+    fns["%%remote"] = magics.GpuMagics.remote
+    return fns
+
+
+def test_every_numeric_option_of_every_magic_uses_the_shared_type():
+    """The whole kind: no option is parsed with a bare int/float (which take nan and inf)."""
+    checked = []
+    for name, fn in _all_magic_parsers().items():
+        for action in fn.parser._actions:
+            if action.type is not None:
+                assert getattr(action.type, "__qualname__", "") == "number.<locals>.convert", (
+                    name, action.option_strings or action.dest, action.type)
+                checked.append(action.dest)
+            if isinstance(action.default, (int, float)) and not isinstance(action.default, bool):
+                assert action.type is not None, (name, action.dest)
+    assert {"limit", "rate", "poll", "hours", "then_shutdown", "port", "local_port", "timeout"} <= set(checked)

@@ -147,3 +147,60 @@ def test_submodules_are_reachable_after_import_gpumagic():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.stdout == "keygen push\n", r.stderr
+
+
+# -- issue 13: a killed kernel's sandbox directory (it holds private keys) is removed -------
+
+_HOLD_SANDBOX = ("import gpumagic, time\n"
+                 "m = gpumagic.connect(sandbox=True)\n"
+                 "print(m.sandbox.server.dir, flush=True)\n"
+                 "time.sleep(120)\n")
+
+
+def test_next_sandbox_removes_a_killed_ones_temp_dir_and_keeps_a_live_ones(tmp_path, monkeypatch):
+    import tempfile
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLD_SANDBOX], stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    try:
+        killed_dir, live_dir = (Path(p.stdout.readline().strip()) for p in procs)
+        assert killed_dir.parent == live_dir.parent == tmp_path
+        assert (killed_dir / "client_ed25519").exists()  # a private key
+        procs[0].kill()  # SIGKILL: no finalizer, no atexit
+        procs[0].wait()
+        assert killed_dir.exists()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        with gpumagic.connect(sandbox=True) as m:
+            assert not killed_dir.exists()
+            assert live_dir.exists() and (live_dir / "client_ed25519").exists()
+            assert m.sandbox.server.dir.parent == tmp_path
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_stale_sandbox_selection_never_takes_another_users_or_a_live_process_dir():
+    running = {(100, 5)}
+    entries = [("gpumagic-sandbox-100-5-abc", 1000),   # its process runs: kept
+               ("gpumagic-sandbox-100-4-abc", 1000),   # pid 100 is another process now: stale
+               ("gpumagic-sandbox-200-5-xyz", 1000),   # process gone: stale
+               ("gpumagic-sandbox-200-5-other", 0),    # another user's (root's): never
+               ("gpumagic-sandbox-300-7-other", 1001),  # another user's: never
+               ("gpumagic-sandbox-oldname", 1000),     # no pid in its name: its owner is unknown
+               ("something-200-5-xyz", 1000)]
+    stale = sandbox.stale_sandbox_dirs(entries, 1000, lambda pid, start: (pid, start) in running)
+    assert stale == ["gpumagic-sandbox-100-4-abc", "gpumagic-sandbox-200-5-xyz"]
+
+
+def test_process_running_tells_a_reused_pid_and_a_zombie_from_the_owner():
+    me = os.getpid()
+    assert sandbox.process_running(me, sandbox.process_start(me))
+    assert not sandbox.process_running(me, sandbox.process_start(me) + 1)
+    zombie = subprocess.Popen(["true"])  # exited, not reaped yet: a zombie
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    assert not sandbox.process_running(zombie.pid, 0)
+    zombie.wait()
+    assert not sandbox.process_running(zombie.pid, 0)

@@ -60,6 +60,28 @@ def test_status_driver_failures_become_kinds_over_ssh(machine, set_gpu, state, k
         assert status.library_version == "570.124"
 
 
+def test_status_over_ssh_with_exit_14_lists_the_gpu_and_warns(ip, set_gpu, capsys):
+    """Issue 7: nvidia-smi exits 14 (infoROM is corrupted) while printing valid rows."""
+    set_gpu("inforom")
+    ip.run_line_magic("gpu", "connect testgpu")
+    status = ip._gpumagic.session.get().gpu_status()
+    assert status.kind is StatusKind.OK and len(status.gpus) == 1
+    assert status.warnings[0].startswith("nvidia-smi exited with status 14 (the infoROM is corrupted)")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "status --text")
+    out = capsys.readouterr().out
+    assert "warning: nvidia-smi exited with status 14 (the infoROM is corrupted)" in out
+    assert "GPU0 NVIDIA H200 | util 0%" in out and "nvidia-smi failed" not in out
+
+
+def test_status_over_ssh_with_one_gpu_of_four_lost_lists_the_other_three(machine, set_gpu):
+    set_gpu("lost-gpu")
+    status = machine.gpu_status()
+    assert status.kind is StatusKind.OK
+    assert [g.index for g in status.gpus] == [0, 1, 3]
+    assert any("Unable to determine the device handle for GPU0000:00:08.0" in w for w in status.warnings)
+
+
 def test_status_on_a_machine_without_nvidia_smi():
     import gpumagic
 
@@ -97,7 +119,7 @@ def test_status_widget_plain_text_is_the_status_not_a_repr(ip, capsys):
 
 def test_status_bad_arguments_are_usage_errors(ip):
     ip.run_line_magic("gpu", "connect testgpu")
-    with pytest.raises(UsageError, match="at least 1"):
+    with pytest.raises(UsageError, match="--watch: '0.2' is out of range; give seconds, from 1 to"):
         ip.run_line_magic("gpu", "status --watch 0.2")
     with pytest.raises(UsageError, match="drop --text"):
         ip.run_line_magic("gpu", "status --watch 2 --text")

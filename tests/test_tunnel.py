@@ -793,3 +793,100 @@ def test_tunnel_on_the_sandbox_to_an_unused_port_never_loops_into_itself(tmp_pat
             assert second.local_port != dead and second.local_port != t.local_port
         finally:
             t.stop(raise_errors=False)
+
+
+# -- issue 12: check every argument first; record every service gpumagic starts -------------
+
+
+def _service_logs(sshd) -> set:
+    from pathlib import Path
+
+    return set((Path(sshd.env["HOME"]) / ".gpumagic").glob("*.log"))
+
+
+def _running_jupyters(machine) -> int:
+    r = machine.run("from jupyter_server.serverapp import list_running_servers\n"
+                    "print(len(list(list_running_servers())))", python=True, quiet=True)
+    return int(r.stdout)
+
+
+def test_bad_arguments_start_no_server_on_the_machine(ip, sshd):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    before = _service_logs(sshd)
+    for line in ("tunnel jupyter --local-port 70000", "tunnel jupyter --out 1bad",
+                 "tunnel tensorboard --local-port -1", "tunnel tensorboard --out class"):
+        with pytest.raises(UsageError) as e:
+            ip.run_line_magic("gpu", line)
+        assert type(e.value) is UsageError, line
+    for start in (lambda: m.jupyter(local_port=70000), lambda: m.tensorboard(local_port=-1)):
+        with pytest.raises(TunnelError, match="is not a port number"):
+            start()
+    assert _service_logs(sshd) == before  # nothing was started
+    assert list(m.tunnels) == []
+
+
+def test_server_started_for_a_tunnel_that_cannot_open_is_stopped_again(machine, sshd, monkeypatch):
+    from gpumagic.tunnel import TunnelManager
+
+    assert _running_jupyters(machine) == 0
+    before = _service_logs(sshd)
+
+    def refuse(*args, **kwargs):
+        raise TunnelError("no local port (test)", "none")
+
+    monkeypatch.setattr(TunnelManager, "open", refuse)
+    with pytest.raises(TunnelError, match="no local port"):
+        machine.jupyter(local_port=0)
+    assert len(_service_logs(sshd) - before) == 1  # it was started...
+    assert wait_until(lambda: _running_jupyters(machine) == 0, 20)  # ...and stopped again
+
+
+def test_jupyter_started_by_gpumagic_is_named_and_stopped_from_a_later_kernel(ip, sshd, capsys):
+    from pathlib import Path
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "tunnel jupyter --local-port 0 --out t")
+    pid = ip.user_ns["t"].service.pid
+    out = capsys.readouterr().out
+    assert f"started Jupyter on testgpu (pid {pid}, log " in out
+    record = Path(sshd.env["HOME"]) / ".gpumagic" / "services" / f"{pid}.json"
+    try:
+        assert record.exists()
+        ip.run_line_magic("gpu", "tunnel close all")  # the server is left running
+        ip._gpumagic.session.close_all()  # as after a kernel restart: gpumagic remembers nothing
+        ip.run_line_magic("gpu", "connect testgpu")
+        capsys.readouterr()
+        ip.run_line_magic("gpu", "tunnel jupyter --local-port 0")
+        out = capsys.readouterr().out
+        assert f"Jupyter already serving on testgpu (pid {pid}, started by gpumagic earlier, log " in out
+        ip.run_line_magic("gpu", "tunnel close all --stop")
+        out = capsys.readouterr().out
+        assert f"stopped its server on the machine (pid {pid})" in out
+        assert wait_until(lambda: process_gone(pid), 15)
+        assert not record.exists()
+    finally:
+        if not process_gone(pid):
+            os.kill(pid, 15)
+
+
+def test_server_not_started_by_gpumagic_is_named_so_and_never_stopped(machine):
+    from gpumagic.notebook.magics import _service_note
+    from gpumagic.tunnel.forward import RemoteService, stop_remote_service
+
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the machine is this computer
+    try:
+        theirs = RemoteService(port=1, path="/", pid=sleeper.pid, started=False, ours=False)
+        assert _service_note("Jupyter", "m", theirs) == (
+            f"Jupyter already serving on m (pid {sleeper.pid}, not started by gpumagic: "
+            "`%gpu tunnel close ID --stop` leaves it running)")
+        stop_remote_service(machine.connection, theirs)
+        time.sleep(0.5)
+        assert sleeper.poll() is None
+        stop_remote_service(machine.connection, replace(theirs, ours=True))
+        assert sleeper.wait(10) == -15
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()

@@ -49,6 +49,20 @@ MONTH_DAYS = 30
 #: How long before a minute/hour billing boundary the guard acts at the limit (seconds): a
 #: shutdown takes a moment, and a started unit is billed in full.
 BOUNDARY_LEAD = {"second": 0, "minute": 5, "hour": 60}
+#: Largest price per hour (or per GB per month/day) and largest disk size in GB accepted: far
+#: above any real price in any currency, and small enough that years of it stay exact floats.
+MAX_RATE = 1e9
+MAX_GB = 1e9
+#: Largest amount of money (a limit, an alert threshold, a card price) accepted.
+MAX_AMOUNT = 1e12
+#: Durations and times given by the user lie within this many seconds of now (10 years).
+MAX_SPAN_S = 10 * 365 * 86400
+
+
+def is_number(v, lo: float = -math.inf, hi: float = math.inf) -> bool:
+    """True for a finite ``int``/``float`` (never a bool) from ``lo`` to ``hi``."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and lo <= v <= hi)
 
 
 class BudgetError(GpumagicError):
@@ -99,9 +113,14 @@ class Prices:
     def __post_init__(self):
         for name in ("rate", "storage_gb", "storage_rate", "image_gb", "image_rate", "ip_rate"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{name} must be a number >= 0, not {v!r}",
+            top = MAX_GB if name.endswith("_gb") else MAX_RATE
+            if not is_number(v, 0, top):
+                raise ConfigError(f"{name} must be a number from 0 to {top:g}, not {v!r}",
                                   "give prices as plain numbers, e.g. --rate 2.5")
+        for name in ("currency", "billing", "storage_per", "image_per", "platform"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be text, not {getattr(self, name)!r}",
+                                  "e.g. --currency CNY --billing hour")
         if self.billing not in BILLING_UNITS:
             raise ConfigError(f"billing {self.billing!r} is not one of second, minute, hour",
                               "use --billing second|minute|hour (what the platform's terms say)")
@@ -125,6 +144,17 @@ class Prices:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Prices":
+        """Prices from :meth:`to_dict`'s form (unknown keys ignored).
+
+        Raises
+        ------
+        ConfigError
+            Naming the field that is missing or of the wrong type.
+        """
+        if not isinstance(d, dict):
+            raise ConfigError(f"prices must be a table, not {d!r}", "set them again with `%gpu budget set`")
+        if "rate" not in d:
+            raise ConfigError("prices have no rate", "set it with `%gpu budget set --rate PRICE_PER_HOUR`")
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         return cls(**known)
 
@@ -320,8 +350,11 @@ def estimate(hours: float, rate: float, *, spot_rate: float | None = None,
     list of EstimateRow
         One row per option, plus the break-even hours of buying vs renting on-demand.
     """
-    if hours <= 0 or rate < 0:
-        raise ConfigError("hours must be > 0 and rates >= 0", "e.g. %gpu budget estimate --hours 200 --rate 2.5")
+    numbers = (rate, spot_rate, extra_per_hour, card_price, power_w, kwh_price, resale)
+    if not (is_number(hours, 0, 1e7) and hours > 0) or not all(
+            v is None or is_number(v, 0, MAX_AMOUNT) for v in numbers):
+        raise ConfigError("hours must be > 0 and prices finite numbers >= 0",
+                          "e.g. %gpu budget estimate --hours 200 --rate 2.5")
     rows = [EstimateRow("on-demand", hours * (rate + extra_per_hour),
                         f"{hours:g} h x {rate + extra_per_hour:g}/h")]
     if spot_rate is not None:
@@ -377,7 +410,7 @@ def history(ledger_data: dict, now: float) -> list[tuple[str, str, float, str]]:
 
 # -- parsing user input -------------------------------------------------------------------
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])", re.ASCII)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -392,7 +425,10 @@ def parse_duration(text: str) -> float:
     s = text.strip().lower().replace(" ", "")
     if not s or _DURATION.sub("", s):
         raise ValueError(f"cannot read the duration {text!r}: write it like 30m, 2h, 1h30m, 90s or 1d")
-    return float(sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(s)))
+    seconds = float(sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(s)))
+    if not seconds <= MAX_SPAN_S:
+        raise ValueError(f"the duration {text!r} is longer than 10 years: write it like 30m, 2h or 1d")
+    return seconds
 
 
 def parse_time(text: str, now: float, *, future: bool) -> float:
@@ -405,13 +441,24 @@ def parse_time(text: str, now: float, *, future: bool) -> float:
     Raises
     ------
     ValueError
+        For text in none of these forms, and for a time more than 10 years from ``now``.
     """
+    at = _parse_time(text, now, future=future)
+    if not abs(at - now) <= MAX_SPAN_S:
+        raise ValueError(f"the time {text!r} is more than 10 years from now: write HH:MM, "
+                         f"{'+2h' if future else '-2h'} or a date within that")
+    return at
+
+
+def _parse_time(text: str, now: float, *, future: bool) -> float:
     s = text.strip()
     low = s.lower()
     if low == "now":
         return now
-    m = re.fullmatch(r"(\d{1,2}):(\d{2})", s)
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})", s, re.ASCII)
     if m:
+        if int(m[1]) > 23 or int(m[2]) > 59:
+            raise ValueError(f"cannot read the time {text!r}: HH:MM runs from 00:00 to 23:59")
         local = _dt.datetime.fromtimestamp(now).astimezone()
         at = local.replace(hour=int(m[1]), minute=int(m[2]), second=0, microsecond=0)
         if future and at.timestamp() <= now:
@@ -426,12 +473,12 @@ def parse_time(text: str, now: float, *, future: bool) -> float:
         return now - parse_duration(low[:-4])
     try:
         at = _dt.datetime.fromisoformat(s)
-    except ValueError:
+        if at.tzinfo is None:
+            at = at.astimezone()
+        return at.timestamp()
+    except (ValueError, OverflowError, OSError):  # OverflowError, OSError: year 1 or 9999 in some zones
         raise ValueError(f"cannot read the time {text!r}: write HH:MM, 2026-11-29T20:00, "
                          f"{'+2h' if future else '-2h'} or now") from None
-    if at.tzinfo is None:
-        at = at.astimezone()
-    return at.timestamp()
 
 
 def parse_amounts(text: str) -> list[float]:
@@ -445,8 +492,8 @@ def parse_amounts(text: str) -> list[float]:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"cannot read amounts {text!r}: write them like 10,20") from None
-    if not values or any(v <= 0 or not math.isfinite(v) for v in values):
-        raise ValueError(f"amounts must be positive numbers, like 10,20 (got {text!r})")
+    if not values or not all(is_number(v, 0, MAX_AMOUNT) and v > 0 for v in values):
+        raise ValueError(f"amounts must be positive numbers up to {MAX_AMOUNT:g}, like 10,20 (got {text!r})")
     return sorted(values)
 
 
@@ -527,7 +574,11 @@ class Ledger:
 
         A file that is not a valid ledger (truncated by a crash, edited by hand) is moved
         aside to ``ledger.json.corrupt-TIMESTAMP`` (kept as it was) and reported in
-        :attr:`notes`; an empty ledger is returned in its place.
+        :attr:`notes`; an empty ledger is returned in its place.  A valid ledger in which
+        some machines' records are damaged (a field of the wrong type, see
+        :func:`record_problem`) keeps every machine whose record is valid: a copy of the
+        file as it was is kept as ``ledger.json.corrupt-TIMESTAMP``, the damaged records are
+        left out of the file, and :attr:`notes` names each one, its field and the fix.
 
         Raises
         ------
@@ -548,7 +599,7 @@ class Ledger:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             problem = f"not valid JSON ({e})"
         if problem is None:
-            return data
+            return self._drop_damaged(data, raw)
         if problem == "newer":
             raise LedgerError(f"the budget ledger {self.path} was written by a newer gpumagic "
                               f"(version {data.get('version')})", "upgrade gpumagic: pip install -U gpumagic")
@@ -563,6 +614,36 @@ class Ledger:
                           f"as {aside} and a new ledger was started")
         return _empty()
 
+    def _drop_damaged(self, data: dict, raw: bytes) -> dict:
+        """``data`` without the machines whose record is damaged; the file as it was kept aside."""
+        bad = {name: why for name, rec in data["machines"].items()
+               if (why := record_problem(rec)) is not None}
+        if not bad:
+            return data
+        aside = self._aside()
+        for name in bad:
+            del data["machines"][name]
+        try:
+            with open(aside, "xb") as f:  # a new file: never one that exists
+                f.write(raw)
+            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        except OSError as e:
+            raise LedgerError(f"the budget ledger {self.path} has damaged records ({_listing(bad)}) and "
+                              f"could not be repaired: {e.strerror or e} ({e.filename or aside})",
+                              f"make {self.path.parent} writable, or set GPUMAGIC_DATA_DIR to "
+                              "another directory") from None
+        for name, why in bad.items():
+            self.notes.append(f"the budget ledger {self.path}: the record of {name} was damaged ({why}) "
+                              f"and was left out (the file as it was is kept as {aside}); set it again "
+                              f"with `%gpu budget set --host {name} --rate PRICE_PER_HOUR`")
+        return data
+
+    def _unwritable(self, e: OSError) -> LedgerError:
+        return LedgerError(f"cannot write the budget ledger {self.path}: {e.strerror or e} "
+                           f"({e.filename or self.path.parent})",
+                           f"make {self.path.parent} writable (chmod u+w), or set GPUMAGIC_DATA_DIR "
+                           "to a writable directory")
+
     def _aside(self) -> Path:
         stamp = time.strftime("%Y%m%dT%H%M%S")
         candidate = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
@@ -576,11 +657,17 @@ class Ledger:
     def update(self) -> Iterator[dict]:
         """Read, let the caller change the dict, write it back atomically; under a file lock
         so two kernels never lose each other's update."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(self.path.with_name(self.path.name + ".lock")):
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._unwritable(e) from None
+        with _locked(self.path.with_name(self.path.name + ".lock"), self._unwritable):
             data = self.read()
             yield data
-            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+            try:
+                atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+            except OSError as e:
+                raise self._unwritable(e) from None
 
     def machine(self, name: str) -> dict | None:
         """The record of one machine, or ``None``."""
@@ -594,20 +681,79 @@ def _ledger_problem(data) -> str | None:
         return "no version"
     if data["version"] > LEDGER_VERSION:
         return "newer"
-    if not isinstance(data.get("machines"), dict) or not all(
-            isinstance(v, dict) for v in data["machines"].values()):
+    if not isinstance(data.get("machines"), dict):
         return "no machines table"
     return None
 
 
+def _listing(bad: dict) -> str:
+    return "; ".join(f"{name}: {why}" for name, why in bad.items())
+
+
+def _number_problem(field_name: str, v, lo: float = 0, hi: float = math.inf, *, optional: bool = False):
+    if (v is None and optional) or is_number(v, lo, hi):
+        return None
+    return f"{field_name} is {v!r}, not a number from {lo:g} to {hi:g}"
+
+
+def record_problem(rec) -> str | None:
+    """What is wrong with one machine's ledger record (a field and why), or None when valid.
+
+    The fields and their types are those of :class:`Ledger`'s format; epoch times must lie
+    between 1970 and 5138 (what ``datetime`` can show).
+    """
+    if not isinstance(rec, dict):
+        return f"the record is {type(rec).__name__}, not a table"
+    if "prices" in rec:
+        try:
+            Prices.from_dict(rec["prices"])
+        except ConfigError as e:
+            return f"prices: {e.message}"
+    epoch = 1e11
+    for problem in (_number_problem("limit", rec.get("limit"), 0, MAX_AMOUNT, optional=True),
+                    _number_problem("started_at", rec.get("started_at"), 0, epoch, optional=True)):
+        if problem:
+            return problem
+    alerts = rec.get("alerts", [])
+    if not isinstance(alerts, list) or not all(is_number(a, 0, MAX_AMOUNT) for a in alerts):
+        return f"alerts is {alerts!r}, not a list of amounts"
+    guard = rec.get("guard")
+    if guard is not None and not (isinstance(guard, dict) and all(
+            v is None or is_number(v) for v in guard.values())):
+        return f"guard is {guard!r}, not a table of numbers"
+    sessions = rec.get("sessions", [])
+    if not isinstance(sessions, list):
+        return f"sessions is {sessions!r}, not a list"
+    for i, sess in enumerate(sessions):
+        if not isinstance(sess, dict):
+            return f"sessions[{i}] is {sess!r}, not a table"
+        problem = (_number_problem(f"sessions[{i}].start", sess.get("start"), 0, epoch)
+                   or _number_problem(f"sessions[{i}].last_seen", sess.get("last_seen"), 0, epoch, optional=True))
+        if problem:
+            return problem
+        alerted = sess.get("alerted", [])
+        if not isinstance(alerted, list) or not all(is_number(a) for a in alerted):
+            return f"sessions[{i}].alerted is {alerted!r}, not a list of amounts"
+        try:
+            Prices.from_dict(sess.get("prices"))
+        except ConfigError as e:
+            return f"sessions[{i}].prices: {e.message}"
+    return None
+
+
 @contextlib.contextmanager
-def _locked(lock_path: Path):
+def _locked(lock_path: Path, unwritable=None):
     try:
         import fcntl
     except ImportError:  # Windows: no advisory locks; atomic_write still prevents torn files
         yield
         return
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        if unwritable is None:
+            raise
+        raise unwritable(e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -775,7 +921,9 @@ def parse_status(text: str) -> tuple[Clock, GuardStatus]:
 #: by a visible process is at most BUSY_MEM_MIB (memory used by processes we cannot see, e.g.
 #: another container's, means busy), and no gpumagic job runs (a job runs iff its
 #: ``~/.gpumagic/jobs/NAME/exit_code`` is absent and ``kill -0 $(cat pid)`` succeeds).
-#: Anything else -- nvidia-smi failing, ``[N/A]``, no GPU listed -- is *not* idle.
+#: Anything else -- nvidia-smi failing, ``[N/A]``, no GPU listed, one GPU of several lost --
+#: is *not* idle.  Exit status 14 ("infoROM is corrupted", nvidia-smi(1)) with valid rows is
+#: measured like 0: the warning line it prints is skipped.
 #:
 #: State file ``DIR/state`` (key=value lines, replaced atomically each poll): state, since,
 #: checked, checks, fire_at, reason, idle, and the settings.  ``DIR/alert`` holds the warning
@@ -785,12 +933,21 @@ GUARD_SCRIPT = r"""
 # has been idle; armed and cancelled by gpumagic (%gpu budget guard).
 PATH="$PATH:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/nvidia/bin"
 
+# why nvidia-smi failed: its first line that is not a row, and its exit status
+smi_failed() {
+  printf '%s (exit status %s)\n' "$(printf '%s\n' "$2" | grep -v -E '^[0-9., ]*$' | grep -v '^WARNING: infoROM' | head -n 1)" "$1"
+}
+
 measure() {
-  if ! gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits 2>&1); then
-    echo "unknown nvidia-smi failed: $(printf '%s\n' "$gpu" | head -n 1)"; return
+  # Exit status 14 means "infoROM is corrupted" (nvidia-smi(1)): a warning printed beside
+  # valid rows.  Any other non-zero status is a failure (a GPU of several lost: not idle).
+  gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits 2>&1); rc=$?
+  if [ "$rc" != 0 ] && [ "$rc" != 14 ]; then
+    echo "unknown nvidia-smi failed: $(smi_failed "$rc" "$gpu")"; return
   fi
-  if ! apps=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>&1); then
-    echo "unknown nvidia-smi --query-compute-apps failed: $(printf '%s\n' "$apps" | head -n 1)"; return
+  apps=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>&1); rc=$?
+  if [ "$rc" != 0 ] && [ "$rc" != 14 ]; then
+    echo "unknown nvidia-smi --query-compute-apps failed: $(smi_failed "$rc" "$apps")"; return
   fi
   for d in "$JOBS_DIR"/*/; do
     [ -f "${d}pid" ] || continue
@@ -808,6 +965,7 @@ measure() {
     BEGIN { part = 0; n = 0; used = 0; maxu = 0; apps = 0; appmem = 0; appunk = 0; bad = "" }
     /^--$/ { part = 1; next }
     /^[ \t]*$/ { next }
+    /^WARNING: infoROM is corrupted/ { next }
     part == 0 {
       if (NF != 2 || !num($1) || !num($2)) { if (bad == "") bad = $0; next }
       n++; if ($1 + 0 > maxu) maxu = $1 + 0; used += $2
@@ -954,8 +1112,17 @@ class GuardSettings:
         if self.idle_s is None and self.limit_in is None and self.deadline_in is None:
             raise ConfigError("the guard needs something to watch",
                               "give --idle 30m, --at-limit (with a limit set) or --deadline HH:MM")
-        if self.poll_s < 1 or self.grace_s < 0:
-            raise ConfigError("poll must be >= 1 s and grace >= 0", "e.g. --poll 30 --grace 10m")
+        if not (is_number(self.poll_s, 1, 86400) and is_number(self.grace_s, 0, MAX_SPAN_S)):
+            raise ConfigError("poll must be 1 s to 1 day and grace 0 to 10 years",
+                              "e.g. --poll 30 --grace 10m")
+        for name in ("idle_s", "limit_in", "deadline_in"):
+            v = getattr(self, name)
+            if v is not None and not is_number(v, -MAX_SPAN_S, MAX_SPAN_S):
+                raise ConfigError(f"{name} must be a number of seconds within 10 years, not {v!r}",
+                                  "e.g. --idle 30m or --deadline +3h")
+        if not (is_number(self.idle_util, 0, 100) and is_number(self.busy_mem_mib, 0, 1e9)):
+            raise ConfigError("idle_util must be 0 to 100 (%) and busy_mem_mib a number of MiB >= 0",
+                              "e.g. idle_util=5, busy_mem_mib=64")
 
 
 def guard_script(settings: GuardSettings, shutdown_cmd: str, jobs_dir: str = "$HOME/.gpumagic/jobs") -> str:
@@ -1085,7 +1252,21 @@ def set_prices(ledger: Ledger, name: str, prices: Prices, *, limit: float | None
     """Store ``name``'s prices (and limit, alert thresholds, billing start) in the ledger.
 
     Options left ``None`` keep what was stored before.  Returns the machine's record.
+
+    Raises
+    ------
+    ConfigError
+        For a limit or alert that is not a positive finite amount (up to :data:`MAX_AMOUNT`),
+        or a billing start that is not an epoch time within 10 years of now.
     """
+    if limit is not None and not (is_number(limit, 0, MAX_AMOUNT) and limit > 0):
+        raise ConfigError(f"the limit must be an amount above 0, not {limit!r}", "e.g. --limit 50")
+    alerts = None if alerts is None else list(alerts)
+    if alerts is not None and not all(is_number(a, 0, MAX_AMOUNT) and a > 0 for a in alerts):
+        raise ConfigError(f"alerts must be amounts above 0, not {alerts!r}", "e.g. --alert 10,20")
+    if started_at is not None and not is_number(started_at, time.time() - MAX_SPAN_S, time.time() + MAX_SPAN_S):
+        raise ConfigError(f"the billing start must be an epoch time within 10 years, not {started_at!r}",
+                          "e.g. --started-at -2h")
     with ledger.update() as data:
         rec = data["machines"].setdefault(name, {})
         rec["prices"] = prices.to_dict()

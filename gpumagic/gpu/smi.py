@@ -356,6 +356,46 @@ def version_tuple(v: str) -> tuple[int, ...]:
 # -- status -------------------------------------------------------------------------------------
 
 
+#: What nvidia-smi's exit status means (nvidia-smi(1), RETURN VALUE).
+SMI_EXIT_CODES = {
+    0: "success",
+    2: "a supplied argument or flag is invalid",
+    3: "the requested operation is not available on the target device",
+    4: "the current user does not have permission to access this device or perform this operation",
+    6: "a query to find an object was unsuccessful",
+    8: "a device's external power cables are not properly attached",
+    9: "the NVIDIA driver is not loaded",
+    10: "the NVIDIA kernel detected an interrupt issue with a GPU",
+    12: "the NVML shared library couldn't be found or loaded",
+    13: "the local version of NVML doesn't implement this function",
+    14: "the infoROM is corrupted",
+    15: "the GPU has fallen off the bus or has otherwise become inaccessible",
+    255: "other error or internal driver error",
+}
+
+#: What to do about an exit status that came with usable rows.
+_SMI_EXIT_HINTS = {
+    14: "the GPU still works, but its infoROM (the card's settings and error log) is damaged: "
+        "ask the platform to replace the card, or rent another machine",
+    15: "a GPU is inaccessible: reboot the machine; if it stays lost, ask the platform for another machine",
+    10: "reboot the machine; if it happens again, ask the platform for another machine",
+    8: "the card lacks power: ask the platform to fix or replace the machine",
+}
+
+#: Lines nvidia-smi prints among the rows of a query about one GPU or the whole call
+#: ("WARNING: infoROM is corrupted at gpu 0000:B3:00.0", "Unable to determine the device
+#: handle for GPU0000:1B:00.0: Unknown Error").
+_SMI_MESSAGE = re.compile(r"^(WARNING|ERROR)\b|^(Unable to|Failed to|Could not)\b|Unknown Error|GPU is lost",
+                          re.IGNORECASE)
+
+
+def exit_meaning(rc: int) -> str:
+    """What nvidia-smi's exit status ``rc`` means (nvidia-smi(1)); ``"exit status N"`` otherwise."""
+    if rc == 124:
+        return f"stopped after {SMI_TIMEOUT} s without an answer"
+    return SMI_EXIT_CODES.get(rc, f"exit status {rc}")
+
+
 class StatusKind(str, enum.Enum):
     """How a status query went, as a whole."""
 
@@ -391,6 +431,9 @@ class GpuStatus:
         For ``MISMATCH``: the NVML library version nvidia-smi loaded.
     skipped : list of str
         Output lines that could not be parsed.
+    warnings : list of str
+        For an ``OK`` status: what nvidia-smi reported beside the rows it printed (a non-zero
+        exit status and its meaning, a GPU it could not reach, a lost GPU), each with what to do.
     host : str
         The machine's name.
     taken_at : float
@@ -408,6 +451,7 @@ class GpuStatus:
     skipped: list[str] = field(default_factory=list)
     host: str = ""
     taken_at: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -464,6 +508,8 @@ def classify_failure(text: str, rc: int) -> tuple[StatusKind, str, str, str | Un
     if "No devices were found" in text:
         return (StatusKind.FAILED, "nvidia-smi found no GPU", "the instance (or container) has no GPU "
                 "attached: check the rental, or restart the instance", NOT_QUERIED)
+    if rc > 0 and rc != 127:
+        first = f"{first} (exit status {rc}: {exit_meaning(rc)})"
     return StatusKind.FAILED, first, "run `nvidia-smi` in a %%remote cell to see the whole message", NOT_QUERIED
 
 
@@ -489,22 +535,33 @@ def status_from_sections(sections: Mapping[str, Section], *, host: str = "",
     Never raises: a failed call becomes a status of the matching kind.  ``cuda_version``
     is used when no ``version`` section was gathered (known from an earlier snapshot);
     ``fields`` are the ``--query-gpu`` fields the ``gpus`` section was printed for.
+
+    Rows are used whenever nvidia-smi printed them, whatever its exit status: it exits 14
+    when a card's infoROM is corrupted, and 15 when one GPU of several is lost, while still
+    listing the others.  The exit status, what it means (nvidia-smi(1)) and the messages
+    printed among the rows then become :attr:`GpuStatus.warnings`.
     """
     now = time.time() if taken_at is None else taken_at
     g = sections.get("gpus")
     if g is None:
         return GpuStatus(StatusKind.FAILED, message="nothing was gathered", host=host, taken_at=now,
                          hint="run `%gpu status` again")
-    if g.rc != 0:
+    rows, skipped = parse_csv(g.text, fields, _GPU_MAP)
+    if g.rc != 0 and (not rows or g.rc in (124, 127, -1)):
         kind, message, hint, lib = classify_failure(g.text, g.rc)
         return GpuStatus(kind, message=message, hint=hint, library_version=lib, host=host,
                          taken_at=now)
-    rows, skipped = parse_csv(g.text, fields, _GPU_MAP)
     gpus = [Gpu(**row) for row in rows]
+    messages = [ln for ln in skipped if _SMI_MESSAGE.search(ln)]
+    skipped = [ln for ln in skipped if ln not in messages]
+    warnings = _smi_warnings(g.rc, messages, gpus)
     procs: list[GpuProcess] = []
     a = sections.get("apps")
-    if a is not None and a.rc == 0:
+    if a is not None and (a.rc == 0 or (gpus and a.rc not in (124, 127, -1))):
         procs = parse_processes(a.text)
+        if a.rc not in (0, g.rc):
+            warnings.append(f"the process list may be incomplete: nvidia-smi --query-compute-apps "
+                            f"exited with status {a.rc} ({exit_meaning(a.rc)})")
     cuda = cuda_version if cuda_version is not None else NOT_QUERIED
     if "version" in sections:
         cuda = parse_cuda_version(sections["version"].text)
@@ -517,7 +574,25 @@ def status_from_sections(sections: Mapping[str, Section], *, host: str = "",
                          hint="check CUDA_VISIBLE_DEVICES and the instance's GPU count",
                          driver_version=driver, cuda_version=cuda, skipped=skipped, taken_at=now)
     return GpuStatus(StatusKind.OK, gpus=gpus, processes=procs, driver_version=driver,
-                     cuda_version=cuda, skipped=skipped, host=host, taken_at=now)
+                     cuda_version=cuda, skipped=skipped, host=host, taken_at=now, warnings=warnings)
+
+
+def _smi_warnings(rc: int, messages: Sequence[str], gpus: Sequence[Gpu]) -> list[str]:
+    """Warnings for rows that came with a non-zero exit status, messages, or lost GPUs."""
+    out = []
+    if rc != 0:
+        hint = _SMI_EXIT_HINTS.get(rc, "run `nvidia-smi` in a %%remote cell to see the whole message")
+        out.append(f"nvidia-smi exited with status {rc} ({exit_meaning(rc)}) while listing "
+                   f"{len(gpus)} GPU(s); {hint}")
+    for msg in dict.fromkeys(messages):
+        out.append(f"nvidia-smi: {msg}")
+    for gpu in gpus:
+        lost = [v for v in vars(gpu).values()
+                if isinstance(v, Unknown) and v.raw.lower() == "[gpu is lost]"]
+        if lost:
+            out.append(f"{gpu.label}: nvidia-smi cannot read it ({lost[0].raw}): reboot the machine; "
+                       "if it stays so, ask the platform for another machine")
+    return out
 
 
 def query_status(machine, *, cuda_version: str | Unknown | None = None,
@@ -572,8 +647,8 @@ class Watcher:
     def __init__(self, fetch: Callable, on_update: Callable, on_stop: Callable, *,
                  interval: float, is_connected: Callable[[], bool] = lambda: True,
                  max_failures: int = 3, previous: GpuStatus | None = None):
-        if interval <= 0:
-            raise ValueError("interval must be positive")
+        if not (isinstance(interval, (int, float)) and 0 < interval < float("inf")):
+            raise ValueError("interval must be a positive number of seconds")
         self.fetch, self.on_update, self.on_stop = fetch, on_update, on_stop
         self.interval = interval
         self.is_connected = is_connected
@@ -842,10 +917,15 @@ def check_disks(df_text: str, cwd: str) -> list[Check]:
 
 
 def check_driver(status: GpuStatus) -> Check:
-    """The driver answered (its version and CUDA maximum), or what is wrong and the fix."""
+    """The driver answered (its version and CUDA maximum), or what is wrong and the fix; a
+    warning when nvidia-smi listed the GPUs but reported a problem (see GpuStatus.warnings)."""
     if status.ok:
-        return Check("driver", Level.OK,
-                     f"driver {status.driver_version}, supports CUDA up to {status.cuda_version}")
+        what = f"driver {status.driver_version}, supports CUDA up to {status.cuda_version}"
+        if status.warnings:
+            first, _, fix = status.warnings[0].partition("; ")
+            more = f" (and {len(status.warnings) - 1} more warning(s))" if len(status.warnings) > 1 else ""
+            return Check("driver", Level.WARN, f"{what}; but {first}{more}", fix)
+        return Check("driver", Level.OK, what)
     return Check("driver", Level.FAIL, status.message, status.hint)
 
 

@@ -86,6 +86,7 @@ def status_text(status: GpuStatus) -> str:
         if status.hint:
             lines.append(f"  hint: {status.hint}")
         return "\n".join(lines)
+    lines += [f"  warning: {w}" for w in status.warnings]
     for g in status.gpus:
         lines.append(gpu_line(g))
         lines += process_lines(status, g)
@@ -120,7 +121,9 @@ def status_html(status: GpuStatus) -> str:
             f"<td>{escape(reading(g.temperature_c, unit=' C'))}</td>"
             f"<td>{escape(watts(g.power_draw_w))}/{escape(watts(g.power_limit_w))} W</td>"
             f"<td>{procs}</td></tr>")
-    return (f"<div><b>{escape(status_header(status))}</b><table>"
+    warnings = "".join(f"<br><span style=\"color:#b26a00\">warning: {escape(w)}</span>"
+                       for w in status.warnings)
+    return (f"<div><b>{escape(status_header(status))}</b>{warnings}<table>"
             "<tr><th>GPU</th><th>memory</th><th>utilisation</th><th>temp</th><th>power</th>"
             "<th>processes</th></tr>" + "".join(rows) + "</table></div>")
 

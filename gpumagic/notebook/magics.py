@@ -8,8 +8,10 @@ arguments raise exactly ``UsageError``; everything else is a ``GpumagicError`` w
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import keyword
+import math
 import os
 import re
 import shlex
@@ -21,11 +23,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
-from traitlets import Int, Unicode
+from traitlets import Float, Int, Unicode
 
 from . import display, widgets
-from ..ssh import known_hosts
 from .. import keys as setup
+from ..budget.ledger import MAX_AMOUNT, MAX_GB, MAX_RATE
+from ..ssh import known_hosts
 from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from ..errors import Interrupted, RemoteCommandError
 from ..gpu.smi import Watcher, failure_hint
@@ -67,6 +70,62 @@ def split_args(line: str) -> list[str]:
         raise UsageError(f"cannot read the arguments ({e}): close the quote") from None
 
 
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _fmt_bound(v: float) -> str:
+    return f"{v:,.0f}" if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
+
+
+def number(lo: float, hi: float, *, integer: bool = False, above: bool = False, what: str = "a number"):
+    """An argparse ``type`` for one numeric option: a finite number from ``lo`` to ``hi``.
+
+    Used by every numeric option of every magic, so NaN, ``inf``, ``1e400``, ``-5`` where only
+    ``>= 0`` makes sense, and digits that are not ASCII (``²``, ``١``) are all refused the same
+    way: argparse turns the ``ArgumentTypeError`` into ``argument --NAME: ...``, which
+    IPython's magic parser raises as exactly ``UsageError``.
+
+    Parameters
+    ----------
+    lo, hi : float
+        Inclusive bounds (``lo`` exclusive when ``above``).
+    integer : bool
+        Accept whole numbers only (``int``); otherwise ``float``.
+    what : str
+        What the number is, for the message ("seconds", "a port").
+    """
+    kind = "a whole number" if integer else "a finite number"
+    span = (f"above {_fmt_bound(lo)}, at most {_fmt_bound(hi)}" if above
+            else f"from {_fmt_bound(lo)} to {_fmt_bound(hi)}")
+    rule = f"{what}, {span}"
+
+    def convert(text: str):
+        s = text.strip()
+        pattern = _INTEGER if integer else _DECIMAL
+        if not pattern.fullmatch(s):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; give {rule}")
+        value = int(s) if integer else float(s)
+        if not math.isfinite(value) or value < lo or value > hi or (above and value == lo):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; give {rule}")
+        return value
+
+    convert.__name__ = "integer" if integer else "number"  # argparse names the type in messages
+    return convert
+
+
+#: The numeric option types, one per kind of quantity (see :func:`number`).
+PORT = number(1, 65535, integer=True, what="a TCP port")
+LOCAL_PORT = number(0, 65535, integer=True, what="a local TCP port (0: any free one)")
+#: Money per hour, per GB and so on (bounds: see gpumagic.budget).
+MONEY = number(0, MAX_RATE, what="an amount")
+LIMIT = number(0, MAX_AMOUNT, above=True, what="an amount")
+GB = number(0, MAX_GB, what="GB")
+TIMEOUT_S = number(0, 30 * 86400, above=True, what="seconds")
+MINUTES = number(0, 30 * 24 * 60, what="minutes")
+LINES = number(0, 10**9, integer=True, what="a number of lines")
+
+
 def parse(fn, line: str, name: str | None = None):
     """Parse ``line`` with ``fn``'s magic_arguments parser; ``-h`` prints help.
 
@@ -80,9 +139,15 @@ def parse(fn, line: str, name: str | None = None):
         print("usage: " + fn.parser.format_help().lstrip(": \n").replace("%%", "%"))
         return None
     try:
-        return fn.parser.parse_args(argv)
+        args = fn.parser.parse_args(argv)
     except SystemExit:  # argparse after printing --help
         return None
+    for action in fn.parser._actions:  # Python < 3.12 parses `--host=--` as the value []
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(action, argparse._AppendAction) and isinstance(value, list) else [value]
+        if action.option_strings and action.nargs is None and any(isinstance(v, list) for v in values):
+            raise UsageError(f"argument {'/'.join(action.option_strings)}: expected one value, not '--'")
+    return args
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -95,6 +160,11 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
     return env
 
 
+#: Seconds between checks of a remote guard's warning from the post-run-cell hook (the
+#: default of ``GpuMagics.guard_alert_poll``).
+GUARD_ALERT_POLL = 60.0
+
+
 @magics_class
 class GpuMagics(Magics):
     """``%gpu`` and ``%%remote``: run notebook cells on a rented GPU machine over SSH."""
@@ -103,6 +173,12 @@ class GpuMagics(Magics):
         5_000_000, config=True,
         help="Most characters of one cell's output shown in the notebook (the rest is still "
              "kept by --out); a browser tab slows down on tens of megabytes.",
+    )
+
+    guard_alert_poll = Float(
+        GUARD_ALERT_POLL, config=True,
+        help="Seconds between checks, after cells run, for a warning from a machine's budget guard "
+             "(one SSH round trip each).",
     )
 
     default_cwd = Unicode(
@@ -149,7 +225,7 @@ class GpuMagics(Magics):
     @argument("--host", metavar="NAME", help="machine to run on (default: the last connected)")
     @argument("--cwd", metavar="DIR", help="working directory for this cell")
     @argument("--env", metavar="K=V", action="append", default=[], help="environment variable (repeatable)")
-    @argument("--timeout", metavar="S", type=float, help="stop the cell after S seconds")
+    @argument("--timeout", metavar="S", type=TIMEOUT_S, help="stop the cell after S seconds")
     @argument("--no-raise-error", action="store_true",
               help="do not raise when the cell exits non-zero (Run All continues)")
     @argument("--out", metavar="VAR", help="store the RunResult (stdout, stderr, exit_code) in VAR "
@@ -160,7 +236,7 @@ class GpuMagics(Magics):
     @argument("--stop-on", metavar="KINDS",
               help="with --job: kill the job when its log shows one of nan,oom,traceback "
                    "(comma-separated; watched on the machine, so it works with the laptop closed)")
-    @argument("--then-shutdown", metavar="MINUTES", type=float,
+    @argument("--then-shutdown", metavar="MINUTES", type=MINUTES,
               help="with --job: shut the machine down MINUTES after the job succeeds (exit 0)")
     @argument("--no-alerts", action="store_true",
               help="with --job: do not show NaN/OOM/traceback alerts when following or listing")
@@ -175,10 +251,9 @@ class GpuMagics(Magics):
         args = parse(self.remote, line)
         if args is None:
             return None
+        _check_out(args.out)
         if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
             return _remote_job(self, args, cell)
-        if args.out and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
-            raise UsageError(f"--out {args.out!r} is not a Python variable name; e.g. --out result")
         machine = self.session.get(args.host)
         echo = _CappedEcho(self.max_display_bytes)
         try:
@@ -245,7 +320,7 @@ class _CappedEcho:
 @argument("target", nargs="?",
           help="~/.ssh/config alias, [user@]host[:port], or the platform's ssh command line "
                "(ssh -p 41022 root@203.0.113.10), quoted or not")
-@argument("-p", "--port", type=int, help="SSH port (like ssh -p)")
+@argument("-p", "--port", type=PORT, help="SSH port (like ssh -p)")
 @argument("-i", "--identity", metavar="KEYFILE", help="private key file (like ssh -i)")
 @argument("-J", "--jump", metavar="JUMP", help="ProxyJump host(s), comma-separated (like ssh -J)")
 @argument("-l", "--user", help="login user (like ssh -l)")
@@ -483,13 +558,13 @@ def _keygen(magics: GpuMagics, line: str):
 @magic_arguments()
 @argument("name", help="the alias: then `ssh NAME`, VS Code Remote-SSH and `%%gpu connect NAME` work")
 @argument("--hostname", required=True, metavar="H", help="address or DNS name of the machine")
-@argument("-p", "--port", type=int, help="SSH port")
+@argument("-p", "--port", type=PORT, help="SSH port")
 @argument("-l", "--user", help="login user")
 @argument("-i", "--key", metavar="FILE", help="private key file (IdentityFile)")
 @argument("-J", "--jump", metavar="JUMP", help="ProxyJump host(s), comma-separated")
-@argument("--alive-interval", type=int, default=30, metavar="S",
+@argument("--alive-interval", type=number(0, 86400, integer=True, what="seconds"), default=30, metavar="S",
           help="ServerAliveInterval in seconds (default 30; 0 leaves it out)")
-@argument("--alive-count", type=int, default=3, metavar="N", help="ServerAliveCountMax (default 3)")
+@argument("--alive-count", type=number(0, 1000, integer=True, what="a count"), default=3, metavar="N", help="ServerAliveCountMax (default 3)")
 @argument("--replace", action="store_true", help="replace an existing Host NAME block (shows the old one)")
 def _add_host(magics: GpuMagics, line: str):
     args = parse(_add_host, line, "add-host")
@@ -507,7 +582,7 @@ def _add_host(magics: GpuMagics, line: str):
 @magic_arguments()
 @argument("target", nargs="?", help="[user@]host[:port], a ~/.ssh/config alias, or the platform's ssh line")
 @argument("-i", "--key", metavar="FILE", help="private key whose .pub to install (default: the host's IdentityFile or ~/.ssh/id_ed25519)")
-@argument("-p", "--port", type=int, help="SSH port")
+@argument("-p", "--port", type=PORT, help="SSH port")
 @argument("-l", "--user", help="login user")
 @argument("-J", "--jump", metavar="JUMP", help="ProxyJump host(s)")
 @argument("--trust-new-host", action="store_true", help="add an unknown host key to known_hosts (never a changed one)")
@@ -535,7 +610,7 @@ def _install_key(magics: GpuMagics, line: str):
 
 @subcommand("status", "GPU memory, utilisation, temperature, power and processes (--watch N refreshes)")
 @magic_arguments()
-@argument("--watch", metavar="SECONDS", type=float, help="refresh in place every SECONDS (>= 1)")
+@argument("--watch", metavar="SECONDS", type=number(1, 86400, what="seconds"), help="refresh in place every SECONDS (>= 1)")
 @argument("--stop", action="store_true", help="stop a running --watch")
 @argument("--text", action="store_true", help="plain text instead of the widget")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
@@ -558,8 +633,6 @@ def _status(magics: GpuMagics, line: str):
                 stopped.append(name)
         print(f"stopped watching {', '.join(stopped)}" if stopped else "no --watch is running")
         return
-    if args.watch is not None and args.watch < 1:
-        raise UsageError("--watch takes a refresh interval in seconds, at least 1 (e.g. --watch 2)")
     if args.watch is not None and args.text:
         raise UsageError("--watch updates a widget in place: drop --text")
     m = magics.session.get(args.host)
@@ -591,8 +664,8 @@ def _status(magics: GpuMagics, line: str):
 @subcommand("doctor", "preflight: GPU model and memory, PyTorch CUDA vs driver, disks, python, tools")
 @magic_arguments()
 @argument("--expect-gpu", metavar="NAME", help='GPU model rented, e.g. "H200" (matched in the name)')
-@argument("--expect-count", metavar="N", type=int, help="number of GPUs rented")
-@argument("--sample", metavar="SECONDS", type=int, default=0,
+@argument("--expect-count", metavar="N", type=number(1, 1024, integer=True, what="a number of GPUs"), help="number of GPUs rented")
+@argument("--sample", metavar="SECONDS", type=number(0, 600, integer=True, what="seconds"), default=0,
           help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def _doctor(magics: GpuMagics, line: str):
@@ -605,10 +678,6 @@ def _doctor(magics: GpuMagics, line: str):
     args = parse(_doctor, line, "doctor")
     if args is None:
         return
-    if not 0 <= args.sample <= 600:
-        raise UsageError("--sample takes seconds between 1 and 600 (e.g. --sample 20)")
-    if args.expect_count is not None and args.expect_count < 1:
-        raise UsageError("--expect-count takes the number of GPUs rented, at least 1")
     m = magics.session.get(args.host)
     ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
                                        sample=args.sample)))
@@ -676,8 +745,6 @@ def _remote_job(magics: GpuMagics, args, cell: str):
         raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
     if args.timeout is not None:
         raise UsageError("--timeout does not apply to --job (a job runs until it ends or `%gpu kill NAME`)")
-    if args.then_shutdown is not None and args.then_shutdown < 0:
-        raise UsageError("--then-shutdown takes minutes >= 0, e.g. --then-shutdown 10")
     try:
         stop_on = parse_stop_on(args.stop_on)
     except Exception as e:
@@ -738,7 +805,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
 @subcommand("logs", "show a job's output; --follow streams it until the job ends")
 @magic_arguments()
 @argument("name", help="job name (see `%%gpu jobs`)")
-@argument("-n", "--lines", type=int, default=100, help="how many last lines to show (default 100; 0: all)")
+@argument("-n", "--lines", type=LINES, default=100, help="how many last lines to show (default 100; 0: all)")
 @argument("-f", "--follow", action="store_true",
           help="keep printing new output until the job ends (interrupting stops following, never the job)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
@@ -746,8 +813,6 @@ def _logs(magics: GpuMagics, line: str):
     args = parse(_logs, line, "logs")
     if args is None:
         return
-    if args.lines < 0:
-        raise UsageError("-n takes a number of lines >= 0 (0: the whole log)")
     lines = args.lines or None
     if args.follow:
         return _follow(magics, args.name, args.host, lines)
@@ -763,14 +828,12 @@ def _logs(magics: GpuMagics, line: str):
 @subcommand("attach", "show a job's earlier output, then follow it until it ends")
 @magic_arguments()
 @argument("name", help="job name (see `%%gpu jobs`)")
-@argument("-n", "--lines", type=int, default=1000, help="earlier lines to show first (default 1000; 0: all)")
+@argument("-n", "--lines", type=LINES, default=1000, help="earlier lines to show first (default 1000; 0: all)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def _attach(magics: GpuMagics, line: str):
     args = parse(_attach, line, "attach")
     if args is None:
         return
-    if args.lines < 0:
-        raise UsageError("-n takes a number of lines >= 0 (0: the whole log)")
     _follow(magics, args.name, args.host, args.lines or None)
 
 
@@ -819,10 +882,11 @@ def _show(obj) -> None:
 
 
 def _budget_notes(ledger) -> None:
+    """Show the ledger's notes (a damaged record left out, ...) once each."""
     from .display import AlertView
 
-    for note in ledger.notes:
-        _show(AlertView(note))
+    while ledger.notes:
+        _show(AlertView(ledger.notes.pop(0)))
 
 
 def _usage(fn, *args, **kw):
@@ -852,20 +916,20 @@ def _budget_meter(magics: GpuMagics, line: str):
 
 
 @magic_arguments()
-@argument("--rate", type=float, metavar="PER_HOUR", help="instance (GPU) price per hour")
+@argument("--rate", type=MONEY, metavar="PER_HOUR", help="instance (GPU) price per hour")
 @argument("--currency", help="shown after amounts (CNY, USD, ...); never converted")
 @argument("--billing", choices=("second", "minute", "hour"), help="billing granularity (a started unit costs in full)")
 @argument("--platform", help="preset: generic, autodl, vastai, runpod, lambda (billing, data disk, how to stop)")
-@argument("--storage-gb", type=float, metavar="GB", help="extra disk size")
-@argument("--storage-rate-month", type=float, metavar="PER_GB_MONTH", help="disk price per GB per month (30 days)")
-@argument("--storage-rate-day", type=float, metavar="PER_GB_DAY", help="disk price per GB per day")
-@argument("--image-gb", type=float, metavar="GB", help="saved images / snapshots size")
-@argument("--image-rate-month", type=float, metavar="PER_GB_MONTH", help="image price per GB per month")
-@argument("--image-rate-day", type=float, metavar="PER_GB_DAY", help="image price per GB per day")
-@argument("--ip-rate", type=float, metavar="PER_HOUR", help="reserved public IP price per hour")
+@argument("--storage-gb", type=GB, metavar="GB", help="extra disk size")
+@argument("--storage-rate-month", type=MONEY, metavar="PER_GB_MONTH", help="disk price per GB per month (30 days)")
+@argument("--storage-rate-day", type=MONEY, metavar="PER_GB_DAY", help="disk price per GB per day")
+@argument("--image-gb", type=GB, metavar="GB", help="saved images / snapshots size")
+@argument("--image-rate-month", type=MONEY, metavar="PER_GB_MONTH", help="image price per GB per month")
+@argument("--image-rate-day", type=MONEY, metavar="PER_GB_DAY", help="image price per GB per day")
+@argument("--ip-rate", type=MONEY, metavar="PER_HOUR", help="reserved public IP price per hour")
 @argument("--started-at", metavar="TIME", help="billing start: HH:MM, -2h, ISO time (default: the machine's start)")
 @argument("--alert", metavar="AMOUNTS", help="alert thresholds, e.g. 10,20")
-@argument("--limit", type=float, metavar="AMOUNT", help="spending limit (meter bar; --at-limit guard)")
+@argument("--limit", type=LIMIT, metavar="AMOUNT", help="spending limit (meter bar; --at-limit guard)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def _budget_set(magics: GpuMagics, line: str):
     """Store the machine's prices and thresholds (kept in the ledger across kernel restarts)."""
@@ -884,6 +948,7 @@ def _budget_set(magics: GpuMagics, line: str):
     name = args.host or magics.session.get(None).name
     ledger = _budget_ledger(magics)
     old = ledger.machine(name)
+    _budget_notes(ledger)
     changes = {k: getattr(args, k) for k in ("rate", "currency", "billing", "storage_gb", "image_gb", "ip_rate")
                if getattr(args, k) is not None}
     for kind in ("storage", "image"):
@@ -926,13 +991,13 @@ def _budget_set(magics: GpuMagics, line: str):
 
 
 @magic_arguments()
-@argument("--hours", type=float, required=True, help="planned GPU hours")
-@argument("--rate", type=float, metavar="PER_HOUR", help="on-demand price per hour (default: the machine's)")
-@argument("--spot-rate", type=float, metavar="PER_HOUR", help="spot / preemptible price per hour")
-@argument("--card-price", type=float, help="buying instead: the card's price")
-@argument("--power-w", type=float, metavar="WATTS", help="the card's power draw (W)")
-@argument("--kwh-price", type=float, help="electricity price per kWh")
-@argument("--resale", type=float, default=0.0, help="what the card sells for afterwards")
+@argument("--hours", type=number(0, 1e7, above=True, what="hours"), required=True, help="planned GPU hours")
+@argument("--rate", type=MONEY, metavar="PER_HOUR", help="on-demand price per hour (default: the machine's)")
+@argument("--spot-rate", type=MONEY, metavar="PER_HOUR", help="spot / preemptible price per hour")
+@argument("--card-price", type=LIMIT, help="buying instead: the card's price")
+@argument("--power-w", type=number(0, 1e6, what="watts"), metavar="WATTS", help="the card's power draw (W)")
+@argument("--kwh-price", type=MONEY, help="electricity price per kWh")
+@argument("--resale", type=number(0, MAX_AMOUNT, what="an amount"), default=0.0, help="what the card sells for afterwards")
 @argument("--currency", help="shown after amounts")
 @argument("--host", metavar="NAME", help="take the rate and extra costs from this machine's prices")
 def _budget_estimate(magics: GpuMagics, line: str):
@@ -946,7 +1011,9 @@ def _budget_estimate(magics: GpuMagics, line: str):
     stored = None
     name = args.host or magics.session.default
     if name:
-        rec = _budget_ledger(magics).machine(name)
+        ledger = _budget_ledger(magics)
+        rec = ledger.machine(name)
+        _budget_notes(ledger)
         if rec and "prices" in rec:
             stored = budget.Prices.from_dict(rec["prices"])
     rate = args.rate if args.rate is not None else stored.rate if stored else None
@@ -980,7 +1047,7 @@ def _budget_history(magics: GpuMagics, line: str):
 @argument("--at-limit", action="store_true", help="shut down when the spending limit is reached")
 @argument("--deadline", metavar="TIME", help="shut down at this time (HH:MM, +3h, ISO time)")
 @argument("--grace", metavar="DURATION", default="10m", help="warn this long before (default 10m)")
-@argument("--poll", metavar="SECONDS", type=float, default=30, help="seconds between checks (default 30)")
+@argument("--poll", metavar="SECONDS", type=number(1, 3600, what="seconds"), default=30, help="seconds between checks (default 30)")
 @argument("--cancel", action="store_true", help="disarm the guard")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def _budget_guard(magics: GpuMagics, line: str):
@@ -995,6 +1062,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     ledger = _budget_ledger(magics)
     if args.cancel:
         status = m.budget_guard_cancel(ledger=ledger)
+        _budget_notes(ledger)
         print(f"{m.name}: guard disarmed" if status.state != "armed" else f"{m.name}: guard still running!")
         return
     if not (args.idle or args.at_limit or args.deadline):
@@ -1011,6 +1079,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     if idle is not None and not status.idle.startswith(("idle", "busy")):
         note += (f"\nnote: the GPU cannot be measured now ({status.idle}), so the idle rule cannot "
                  "fire until it can (an unreadable GPU never counts as idle)")
+    _budget_notes(ledger)
     _show(GuardView(status, note=note))
 
 
@@ -1030,14 +1099,13 @@ def _budget(magics: GpuMagics, line: str):
     return _budget_meter(magics, line)
 
 
-#: Seconds between checks of a remote guard's warning from the post-run-cell hook.
-GUARD_ALERT_POLL = 60.0
-
-
-def budget_alert_hook(magics: GpuMagics, *, now: float | None = None) -> list[str]:
+def budget_alert_hook(magics: GpuMagics, *, now: float | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> list[str]:
     """After each cell: show newly crossed alert thresholds (local arithmetic, no round trip)
-    and, at most every GUARD_ALERT_POLL s, a pending guard warning from connected machines
-    whose guard this ledger knows of.  Returns the messages shown."""
+    and, at most every ``magics.guard_alert_poll`` seconds of ``clock``, a pending guard
+    warning from connected machines whose guard this ledger knows of.  ``now`` (epoch s)
+    is the meter's time.  Returns the messages shown."""
+    poll = getattr(magics, "guard_alert_poll", GUARD_ALERT_POLL)
     from ..budget import ledger as budget
     from .display import AlertView
 
@@ -1055,7 +1123,7 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None) -> list[st
                          f"past your alert at {reading.prices.money(t)}")
         rec = ledger.machine(name) or {}
         last = seen.get(name, (0.0, ""))
-        if rec.get("guard") and m.is_connected and time.monotonic() - last[0] >= GUARD_ALERT_POLL:
+        if rec.get("guard") and m.is_connected and clock() - last[0] >= poll:
             try:
                 status = m.budget_guard_status()
             except Exception:  # a hook must never break the user's cell
@@ -1063,7 +1131,7 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None) -> list[st
             warning = status.warning if status else ""
             if warning and warning != last[1]:
                 shown.append(f"{name}: guard: {warning}")
-            seen[name] = (time.monotonic(), warning or last[1])
+            seen[name] = (clock(), warning or last[1])
     shown += ledger.notes
     for msg in shown:
         _show(AlertView(msg))
@@ -1155,8 +1223,8 @@ def _tunnel(magics: GpuMagics, line: str):
 
 
 @magic_arguments()
-@argument("port", type=int, help="port on the machine")
-@argument("--local-port", type=int, metavar="N", help="local port (default: the same; another if taken)")
+@argument("port", type=PORT, help="port on the machine")
+@argument("--local-port", type=LOCAL_PORT, metavar="N", help="local port (default: the same; another if taken)")
 @argument("--remote-host", metavar="H", default="localhost",
           help="host to reach from the machine (default: localhost)")
 @argument("--path", default="/", help="URL path to show (default: /)")
@@ -1167,8 +1235,7 @@ def _tunnel_port(magics: GpuMagics, line: str):
     args = parse(_tunnel_port, line, "tunnel")
     if args is None:
         return
-    if not 0 < args.port < 65536 or (args.local_port is not None and not 0 <= args.local_port < 65536):
-        raise UsageError("ports are numbers from 1 to 65535")
+    _check_out(args.out)
     m = magics.session.get(args.host)
     before = m.tunnels.find(args.remote_host, args.port)
     t = m.tunnel(args.port, local_port=args.local_port, remote_host=args.remote_host,
@@ -1188,7 +1255,7 @@ def _tunnel_port(magics: GpuMagics, line: str):
 @magic_arguments()
 @argument("--logdir", default="runs", metavar="DIR",
           help="event files directory on the machine (default: runs, relative to the cell directory)")
-@argument("--local-port", type=int, default=6006, metavar="N", help="local port (default 6006; another if taken)")
+@argument("--local-port", type=LOCAL_PORT, default=6006, metavar="N", help="local port (default 6006; another if taken)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 @argument("--inline", action="store_true", help="also show TensorBoard in the cell")
 @argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
@@ -1196,10 +1263,10 @@ def _tunnel_tensorboard(magics: GpuMagics, line: str):
     args = parse(_tunnel_tensorboard, line, "tunnel tensorboard")
     if args is None:
         return
+    _check_out(args.out)  # every argument is checked before anything starts on the machine
     m = magics.session.get(args.host)
     t = m.tensorboard(args.logdir, local_port=args.local_port)
-    how = (f"started TensorBoard on {m.name} (pid {t.service.pid}, log {t.service.log})"
-           if t.service.started else f"TensorBoard already serving on {m.name} (pid {t.service.pid})")
+    how = _service_note("TensorBoard", m.name, t.service)
     note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
@@ -1207,7 +1274,7 @@ def _tunnel_tensorboard(magics: GpuMagics, line: str):
 
 
 @magic_arguments()
-@argument("--local-port", type=int, default=8888, metavar="N", help="local port (default 8888; another if taken)")
+@argument("--local-port", type=LOCAL_PORT, default=8888, metavar="N", help="local port (default 8888; another if taken)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 @argument("--inline", action="store_true", help="also show Jupyter in the cell")
 @argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
@@ -1215,14 +1282,31 @@ def _tunnel_jupyter(magics: GpuMagics, line: str):
     args = parse(_tunnel_jupyter, line, "tunnel jupyter")
     if args is None:
         return
+    _check_out(args.out)  # every argument is checked before anything starts on the machine
     m = magics.session.get(args.host)
     t = m.jupyter(local_port=args.local_port)
-    how = (f"started Jupyter on {m.name} (pid {t.service.pid}, log {t.service.log})"
-           if t.service.started else f"Jupyter already serving on {m.name} (pid {t.service.pid})")
+    how = _service_note("Jupyter", m.name, t.service)
     note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
     _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
     if args.out:
         magics.shell.user_ns[args.out] = t
+
+
+def _check_out(name: str | None) -> None:
+    """``--out NAME`` must be a Python variable name (checked before anything is started)."""
+    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+        raise UsageError(f"--out {name!r} is not a Python variable name; e.g. --out result")
+
+
+def _service_note(what: str, machine: str, service) -> str:
+    """Whether gpumagic started the server now, earlier, or not at all (then --stop leaves it)."""
+    if service.started:
+        return f"started {what} on {machine} (pid {service.pid}, log {service.log})"
+    if service.ours:
+        log = f", log {service.log}" if service.log else ""
+        return f"{what} already serving on {machine} (pid {service.pid}, started by gpumagic earlier{log})"
+    return (f"{what} already serving on {machine} (pid {service.pid}, not started by gpumagic: "
+            "`%gpu tunnel close ID --stop` leaves it running)")
 
 
 def _all_tunnels(session: Session):
@@ -1245,14 +1329,17 @@ def _tunnel_close(magics: GpuMagics, line: str):
     args = parse(_tunnel_close, line, "tunnel close")
     if args is None:
         return
-    if args.id != "all" and not args.id.isdigit():
-        raise UsageError(f"`%gpu tunnel close {args.id}`: give an ID from `%gpu tunnel list` or `all`")
+    try:
+        port = None if args.id == "all" else LOCAL_PORT(args.id)
+    except argparse.ArgumentTypeError:
+        raise UsageError(f"`%gpu tunnel close {args.id}`: give an ID from `%gpu tunnel list` (a local "
+                         "port number) or `all`") from None
     closed = []
     for m in magics.session.machines.values():
-        if args.id == "all":
+        if port is None:
             closed += m.tunnels.close_all(stop_service=args.stop)
-        elif int(args.id) in m.tunnels.tunnels:
-            closed.append(m.tunnels.close(int(args.id), stop_service=args.stop))
+        elif port in m.tunnels.tunnels:
+            closed.append(m.tunnels.close(port, stop_service=args.stop))
     if not closed and args.id != "all":
         ids = ", ".join(str(t.local_port) for _, t in _all_tunnels(magics.session)) or "none"
         raise UsageError(f"no tunnel with ID {args.id} (open: {ids})")
@@ -1260,8 +1347,8 @@ def _tunnel_close(magics: GpuMagics, line: str):
         print(f"closed tunnel {t.local_port} -> {t.target} ({t.name}); "
               f"{t.connections_total} connection(s), {display.format_bytes(t.bytes_down)} down")
         if args.stop and t.service is not None:
-            print(f"  stopped its server on the machine (pid {t.service.pid})" if t.service.started
-                  else "  its server was already running before gpumagic; left running")
+            print(f"  stopped its server on the machine (pid {t.service.pid})" if t.service.ours
+                  else "  its server was not started by gpumagic; left running")
         for f in t.unreported_faults():
             print(f"  error on connection {f.connection}: {f.message}")
     if not closed:

@@ -91,6 +91,7 @@ def status_widget(status: GpuStatus):
             header = display.escape(display.status_header(status))
             if not status.ok and status.hint:
                 header += f"<br>hint: {display.escape(status.hint)}"
+            header += "".join(f"<br>warning: {display.escape(w)}" for w in status.warnings)
             self.header.value = f"<b>{header}</b>"
             gpus = status.gpus if status.ok else []
             if len(self.rows) != len(gpus):

@@ -11,6 +11,7 @@ into the sandbox's own known_hosts file, never into the user's ``~/.ssh/known_ho
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Callable, Iterable
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -181,7 +183,7 @@ class SshServer:
         SandboxError
             For a recording that does not exist (naming those that do).
         """
-        known = recordings() + ["mismatch", "no-driver"]
+        known = recordings() + ["mismatch", "no-driver", "inforom", "lost-gpu", "lost-gpu-fields"]
         if recording not in known and not os.path.isabs(recording):
             raise SandboxError(f"no GPU recording named {recording!r}",
                                f"use one of: {', '.join(known)}")
@@ -360,11 +362,101 @@ def sandbox_home() -> Path:
     return home
 
 
+#: A sandbox's temporary directory is named ``gpumagic-sandbox-PID-START-RANDOM``: the pid of
+#: the Python process that made it and that process's start time (clock ticks after boot,
+#: ``/proc/PID/stat`` field 22, proc(5); 0 where there is no /proc), so a later sandbox can
+#: tell that its owner is gone even when the pid was given to another process since.
+SANDBOX_PREFIX = "gpumagic-sandbox-"
+_SANDBOX_NAME = re.compile(re.escape(SANDBOX_PREFIX) + r"([0-9]+)-([0-9]+)-[^/]+", re.ASCII)
+
+
+def process_start(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks after boot (0 where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def process_running(pid: int, start: int) -> bool:
+    """True when process ``pid`` exists, is not a zombie, and (when ``start`` is known) is the
+    process that started at ``start`` ticks, not a later one given the same pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's: it cannot be ours unless /proc says so
+        pass
+    except OverflowError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return True  # no /proc (macOS): the pid exists, so keep its directory
+    if fields[:1] == [b"Z"]:
+        return False
+    return start == 0 or fields[19:20] == [str(start).encode()]
+
+
+def stale_sandbox_dirs(entries: Iterable[tuple[str, int]], uid: int,
+                       running: Callable[[int, int], bool] = process_running) -> list[str]:
+    """The sandbox directories among ``entries`` whose owning Python process is gone (pure).
+
+    Parameters
+    ----------
+    entries : iterable of (name, owner uid)
+        The directories in the temp directory (never symlinks) and who owns each.
+    uid : int
+        This user: directories owned by anyone else are never chosen.
+    running : callable
+        ``running(pid, start) -> bool`` (see :func:`process_running`).
+
+    Returns
+    -------
+    list of str
+        Names of the form ``gpumagic-sandbox-PID-START-RANDOM``, owned by ``uid``, whose
+        process ``PID`` (started at ``START``) no longer runs.
+    """
+    out = []
+    for name, owner in entries:
+        m = _SANDBOX_NAME.fullmatch(name)
+        if m and owner == uid and not running(int(m[1]), int(m[2])):
+            out.append(name)
+    return out
+
+
+def remove_stale_sandbox_dirs(tmp: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the temp directories of this user's earlier sandboxes whose process died without
+    cleaning up (a kernel killed with SIGKILL): they hold the sandbox's private keys.
+    Returns the directories removed."""
+    base = Path(tmp or tempfile.gettempdir())
+    entries = []
+    try:
+        with os.scandir(base) as it:
+            for e in it:
+                if e.name.startswith(SANDBOX_PREFIX) and e.is_dir(follow_symlinks=False):
+                    try:
+                        entries.append((e.name, e.stat(follow_symlinks=False).st_uid))
+                    except OSError:
+                        continue
+    except OSError:
+        return []
+    removed = []
+    for name in stale_sandbox_dirs(entries, os.getuid()):
+        shutil.rmtree(base / name, ignore_errors=True)
+        removed.append(base / name)
+    return removed
+
+
 class Sandbox:
     """The embedded default machine: an :class:`SshServer` in a temp dir, removed on stop.
 
     Sessions run as the current user with ``HOME`` set to :func:`sandbox_home` (cells start
-    there), so nothing a tutorial does lands in the user's own home directory.
+    there), so nothing a tutorial does lands in the user's own home directory.  Starting one
+    first removes the temp directories of this user's earlier sandboxes whose Python process
+    is gone (see :func:`remove_stale_sandbox_dirs`).
 
     Parameters
     ----------
@@ -375,8 +467,10 @@ class Sandbox:
 
     def __init__(self, *, fake_gpu: str | None = None, directory: str | None = None):
         self._tmp = None
+        remove_stale_sandbox_dirs()
         if directory is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="gpumagic-sandbox-")
+            pid = os.getpid()
+            self._tmp = tempfile.TemporaryDirectory(prefix=f"{SANDBOX_PREFIX}{pid}-{process_start(pid)}-")
             directory = self._tmp.name
         self.home = sandbox_home()
         self.server = SshServer(directory, fake_gpu=fake_gpu, env={"HOME": str(self.home)})

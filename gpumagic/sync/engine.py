@@ -1212,7 +1212,13 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
 
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:
     """The local destination, listed by the agent's own code (partials included)."""
-    return parse_listing(b"".join(r + b"\0" for r in agent.list_tree(root, digests, names)))
+    try:
+        return parse_listing(b"".join(r + b"\0" for r in agent.list_tree(root, digests, names)))
+    except NotADirectoryError:
+        raise SyncError(f"cannot copy into {root} on this computer: part of that path is a file, "
+                        "not a directory", "name another destination, or move that file away") from None
+    except OSError as exc:
+        raise agent_error(agent.error_record(exc), "this computer", "reading") from None
 
 
 def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:

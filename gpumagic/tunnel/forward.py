@@ -1087,14 +1087,69 @@ def _hint_for(e: BaseException) -> str:
 #: Shared by the service scripts (prepended to each): start ``argv`` detached in its own
 #: session with output to ``~/.gpumagic/NAME-MS.log``, wait until ``running()`` lists its pid
 #: (``pid_of(info)``), then ``report`` it; else print the log's last lines as "failed".
+#:
+#: Every service gpumagic starts is recorded at once in ``~/.gpumagic/services/PID.json``
+#: (its name, log, and its start time in clock ticks after boot from ``/proc/PID/stat``
+#: field 22, proc(5), so a later process given the same pid is not taken for it).  A
+#: service found running later is reported ``ours`` when its record matches, whichever
+#: kernel started it; records of processes that are gone are removed.
 _START_AND_REPORT = r'''
 import json, os, subprocess, sys, time
+SERVICES = os.path.expanduser("~/.gpumagic/services")
+def started_ticks(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+def record(name, pid, log):
+    os.makedirs(SERVICES, exist_ok=True)
+    path = os.path.join(SERVICES, "%d.json" % pid)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"name": name, "pid": pid, "log": log, "ticks": started_ticks(pid)}, f)
+    os.replace(path + ".tmp", path)
+def recorded(pid):
+    """The record of a service gpumagic started with this pid, or None; stale ones removed."""
+    try:
+        names = os.listdir(SERVICES)
+    except OSError:
+        return None
+    found = None
+    for n in names:
+        path = os.path.join(SERVICES, n)
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+            stale = not alive(int(rec["pid"])) or rec.get("ticks") not in (None, started_ticks(int(rec["pid"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if stale:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        elif int(rec["pid"]) == pid:
+            found = rec
+    return found
 def start_and_report(name, argv, running, pid_of):
     state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
     log = os.path.join(state, "%s-%d.log" % (name, int(time.time() * 1000)))
     with open(log, "ab") as out:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                              start_new_session=True, close_fds=True)
+    record(name, p.pid, log)
     deadline = time.time() + __TIMEOUT__
     while time.time() < deadline:
         for info in running():
@@ -1108,6 +1163,9 @@ def start_and_report(name, argv, running, pid_of):
     if p.poll() is None:
         p.kill()
     print(json.dumps({"failed": " | ".join(tail) or "no output", "log": log}))
+def report_found(info, pid):
+    rec = recorded(pid)
+    report(info, False, rec.get("log") if rec else None, rec is not None)
 '''
 
 _TENSORBOARD_SCRIPT = r'''
@@ -1120,12 +1178,12 @@ def serving():
     for info in manager.get_all():
         if os.path.abspath(info.logdir or "") == logdir:
             return info
-def report(info, started, log=None):
-    print(json.dumps({"port": info.port, "pid": info.pid, "logdir": logdir,
+def report(info, started, log=None, ours=True):
+    print(json.dumps({"port": info.port, "pid": info.pid, "logdir": logdir, "ours": ours,
                       "path_prefix": info.path_prefix, "started": started, "log": log}))
 info = serving()
 if info is not None:
-    report(info, False); sys.exit(0)
+    report_found(info, info.pid); sys.exit(0)
 os.makedirs(logdir, exist_ok=True)
 start_and_report("tensorboard", [sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
                                  "--host", "127.0.0.1"], manager.get_all, lambda info: info.pid)
@@ -1148,6 +1206,10 @@ class RemoteService:
         True when gpumagic started it now, False when it was already serving.
     log : str or None
         Its output file on the machine (when gpumagic started it).
+    ours : bool
+        True when gpumagic started it, now or earlier (from any kernel: the machine keeps a
+        record of each service gpumagic starts, ``~/.gpumagic/services/PID.json``); only
+        such a service is stopped by ``%gpu tunnel close ID --stop``.
     """
 
     port: int
@@ -1155,6 +1217,17 @@ class RemoteService:
     pid: int
     started: bool
     log: str | None = None
+    ours: bool = False
+
+    def __post_init__(self):
+        self.ours = self.ours or self.started
+
+    @property
+    def origin(self) -> str:
+        """``started by gpumagic now`` / ``started by gpumagic earlier`` / ``not started by gpumagic``."""
+        if self.started:
+            return "started by gpumagic now"
+        return "started by gpumagic earlier" if self.ours else "not started by gpumagic"
 
 
 def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> RemoteService:
@@ -1179,7 +1252,7 @@ def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> R
                                logdir=logdir)
     prefix = (info.get("path_prefix") or "").rstrip("/")
     return RemoteService(port=int(info["port"]), path=prefix + "/", pid=int(info["pid"]),
-                         started=bool(info["started"]), log=info.get("log"))
+                         started=bool(info["started"]), log=info.get("log"), ours=bool(info.get("ours")))
 
 
 # -- remote services: Jupyter -------------------------------------------------------------
@@ -1194,11 +1267,12 @@ try:
     from jupyter_server.serverapp import list_running_servers
 except ImportError:
     print(json.dumps({"missing": sys.executable})); sys.exit(0)
-def report(info, started, log=None):
+def report(info, started, log=None, ours=True):
     print(json.dumps({"port": info["port"], "pid": info["pid"], "token": info.get("token", ""),
-                      "base_url": info.get("base_url", "/"), "started": started, "log": log}))
+                      "base_url": info.get("base_url", "/"), "started": started, "log": log,
+                      "ours": ours}))
 for info in list_running_servers():
-    report(info, False); sys.exit(0)
+    report_found(info, info["pid"]); sys.exit(0)
 app = next((m for m in ("jupyterlab", "notebook") if importlib.util.find_spec(m)), "jupyter_server")
 start_and_report("jupyter", [sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
                              "--ServerApp.port=8888", "--ServerApp.open_browser=False"]
@@ -1227,7 +1301,7 @@ def start_jupyter(machine, timeout: float = 90.0) -> RemoteService:
     base = info.get("base_url") or "/"
     path = base + (f"?token={info['token']}" if info.get("token") else "")
     return RemoteService(port=int(info["port"]), path=path, pid=int(info["pid"]),
-                         started=bool(info["started"]), log=info.get("log"))
+                         started=bool(info["started"]), log=info.get("log"), ours=bool(info.get("ours")))
 
 
 def _run_service_script(machine, what: str, script: str, timeout: float, package: str,
@@ -1256,10 +1330,49 @@ def _run_service_script(machine, what: str, script: str, timeout: float, package
 
 
 def stop_remote_service(connection, service: RemoteService) -> None:
-    """Stop a service gpumagic started (its whole process group: TensorBoard's data server
-    too); a service that was already running is left alone."""
+    """Stop a service gpumagic started, now or earlier (its whole process group: TensorBoard's
+    data server too), and remove its record; a service gpumagic did not start is left alone."""
     from ..remote.execution import exec_simple
 
-    if service.started:
-        exec_simple(connection, f"kill -TERM -- -{int(service.pid)} 2>/dev/null || kill -TERM {int(service.pid)}",
-                    timeout=30)
+    if service.ours:
+        pid = int(service.pid)
+        exec_simple(connection, f"kill -TERM -- -{pid} 2>/dev/null || kill -TERM {pid}; "
+                                f"rm -f \"$HOME/.gpumagic/services/{pid}.json\"", timeout=30)
+
+
+def check_local_port(local_port: int | None) -> None:
+    """Refuse a local port that cannot be bound, before anything is started on the machine.
+
+    Raises
+    ------
+    TunnelError
+        For anything but None or a whole number from 0 (any free port) to 65535.
+    """
+    if local_port is None:
+        return
+    if isinstance(local_port, bool) or not isinstance(local_port, int) or not 0 <= local_port <= 65535:
+        raise TunnelError(f"local port {local_port!r} is not a port number",
+                          "give a whole number from 1 to 65535 (0: any free port)")
+
+
+def open_service_tunnel(machine, service: RemoteService, *, local_port: int | None, name: str) -> Tunnel:
+    """The tunnel to ``service`` (reused when one is open), keeping what gpumagic knows of it.
+
+    A service started just now (``service.started``) is stopped again when its tunnel cannot
+    open, so a failed command leaves nothing running on the machine that nobody asked for.
+    """
+    t = machine.tunnels.find("127.0.0.1", service.port)
+    if t is None:
+        try:
+            t = machine.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
+                                     name=name, path=service.path)
+        except BaseException:
+            if service.started:
+                try:
+                    stop_remote_service(machine.connection, service)
+                except (GpumagicError, OSError):
+                    pass  # the error that stopped us is the one to show
+            raise
+    if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic now"
+        t.service = service
+    return t
