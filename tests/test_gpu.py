@@ -476,7 +476,7 @@ def test_processes_are_matched_to_their_gpu_by_uuid_on_a_two_gpu_machine():
 
 # -- issue 7: rows printed beside a non-zero exit status ------------------------------------
 
-FAKE = ROOT / "gpumagic" / "fake" / "nvidia_smi.py"
+FAKE = ROOT / "gpumagic" / "gpu" / "fake" / "nvidia_smi.py"
 
 
 def fake_smi(tmp_path, mode: str, *argv: str) -> Section:
