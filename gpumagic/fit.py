@@ -638,40 +638,43 @@ class FitReport:
 def suggestions(est: Estimate, free: int) -> list[Suggestion]:
     """Changes, in the order to try them, each with the estimate after it: lower precision
     (fp32 -> bf16), a smaller micro-batch (the same effective batch with gradient
-    accumulation), gradient checkpointing, LoRA; then all of them together.  Only changes
-    that lower the total are listed."""
-    out: list[Suggestion] = []
-
-    def add(change: str, new: Estimate) -> None:
-        if new.total < est.total:
-            out.append(Suggestion(change, new.total, verdict(new.total, free)))
-
-    combined = est
+    accumulation), gradient checkpointing, LoRA.  Where one alone does not fit but the ones
+    so far together do, that combination follows; the last entry is all of them together.
+    Only changes that lower the total are listed."""
+    steps: list[tuple[str, dict]] = []
     if est.dtype == "fp32":
-        combined = est.with_(dtype="bf16")
-        add("bf16 instead of fp32 (mixed precision: torch.autocast(dtype=torch.bfloat16))"
-            if est.train else "load the weights in bf16 (torch_dtype=torch.bfloat16)", combined)
+        steps.append(("bf16 instead of fp32 (mixed precision: torch.autocast(dtype=torch.bfloat16))"
+                      if est.train else "load the weights in bf16 (torch_dtype=torch.bfloat16)", {"dtype": "bf16"}))
     if est.batch > 1:
         b = est.batch
         while b > 1 and est.with_(batch=b).total > free * TIGHT_FRACTION:
             b //= 2
-        new = est.with_(batch=b)
-        steps = -(-est.batch // b)
-        add(f"micro-batch {b} instead of {est.batch}" + (f" (accumulate gradients over {steps} steps "
-                                                          "for the same effective batch)" if est.train else ""),
-            new)
-        combined = combined.with_(batch=b)
+        steps.append((f"micro-batch {b} instead of {est.batch}"
+                      + (f" (accumulate gradients over {-(-est.batch // b)} steps for the same effective batch)"
+                         if est.train else ""), {"batch": b}))
     if est.train and not est.checkpointing:
-        new = est.with_(checkpointing=True)
-        add("gradient checkpointing (model.gradient_checkpointing_enable(); about a third more compute)", new)
-        combined = combined.with_(checkpointing=True)
+        steps.append(("gradient checkpointing (model.gradient_checkpointing_enable(); about a third more compute)",
+                      {"checkpointing": True}))
     if est.train and not est.lora:
-        new = est.with_(lora=16)
-        add("LoRA rank 16 instead of full fine-tuning (only the adapters get gradients and optimizer states)",
-            new)
-        combined = combined.with_(lora=16)
-    if len(out) > 1 and combined.total < min(s.total for s in out):
-        out.append(Suggestion("all of the above together", combined.total, verdict(combined.total, free)))
+        steps.append(("LoRA rank 16 instead of full fine-tuning (only the adapters get gradients and "
+                      "optimizer states)", {"lora": 16}))
+    out: list[Suggestion] = []
+    so_far: dict = {}
+    names: list[str] = []
+    for change, kw in steps:
+        single = est.with_(**kw)
+        if single.total < est.total:
+            out.append(Suggestion(change, single.total, verdict(single.total, free)))
+        so_far.update(kw)
+        names.append(change.split(" (")[0])
+        if len(names) > 1 and len(names) < len(steps) and out and out[-1].verdict != "fits":
+            both = est.with_(**so_far)
+            if verdict(both.total, free) == "fits":
+                out.append(Suggestion(" and ".join(names), both.total, "fits"))
+    if len(steps) > 1:
+        combined = est.with_(**so_far)
+        if combined.total < min((s.total for s in out), default=est.total):
+            out.append(Suggestion("all of the above together", combined.total, verdict(combined.total, free)))
     return out
 
 

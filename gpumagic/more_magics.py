@@ -164,7 +164,11 @@ def wrapup(magics, line: str):
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
 def budget_notify(magics, line: str):
     """Alerts by mail or webhook, sent from the machine itself (works with the laptop closed):
-    when spending passes each alert threshold of `%gpu budget set --alert`."""
+    when spending passes each alert threshold of `%gpu budget set --alert`.
+
+    Without options: the settings (no secrets), the thresholds armed (re-armed from the
+    current prices and thresholds: run it after `%gpu budget set`), the last log lines.
+    """
     args = parse(budget_notify, line, "budget notify")
     if args is None:
         return None
@@ -216,6 +220,7 @@ def budget_notify(magics, line: str):
               "`%gpu budget notify --webhook URL --format slack|discord|feishu|dingtalk|wecom|telegram|json`")
         return None
     print(f"{m.name}: alerts go to " + "; ".join(notifymod.describe(c) for c in config.get("channels", [])))
+    _print_schedule(m, notifymod.schedule_thresholds(m))  # thresholds changed since? armed as they are now
     lines, waiting = notifymod.log_tail(m)
     if waiting:
         print(f"  {waiting} message(s) waiting in the outbox (sent with the next one)")

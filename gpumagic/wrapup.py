@@ -123,6 +123,8 @@ class WrapupReport:
         What an image of it costs per month, or how to tell gpumagic the price.
     running : list of str
         Jobs, kernels and GPU processes still running, one phrase each.
+    kernels_checked : bool
+        False on the sandbox, whose processes are this computer's.
     shutdowns : list of str
         Armed shutdowns (jobs' ``--then-shutdown``, the guard).
     cleaned : list of dict or None
@@ -142,6 +144,7 @@ class WrapupReport:
     shutdowns: list = field(default_factory=list)
     cleaned: list | None = None
     declined: bool = False
+    kernels_checked: bool = True
 
     @property
     def cache_bytes(self) -> int:
@@ -214,7 +217,7 @@ def what_runs(machine, answer: dict) -> tuple[list[str], list[str]]:
         if info.shutdown_state in ("pending", "armed"):
             shutdowns.append(f"job {info.name}: {info.shutdown_text} "
                              f"(`%gpu kill {info.name} --shutdown` cancels it)")
-    for k in answer.get("kernels", []):
+    for k in answer.get("kernels") or []:
         running.append(f"a Jupyter kernel or server (pid {k['pid']}): {k['command'][:80]}")
     try:
         status = machine.gpu_status()
@@ -296,6 +299,7 @@ def wrapup(machine, pulls: list[tuple[str, str]] | None = None, *, pull: bool = 
     prices = budget.Prices.from_dict(rec["prices"]) if "prices" in rec else None
     report.image = image_line(report.disk_used, prices)
     report.running, report.shutdowns = what_runs(machine, answer)
+    report.kernels_checked = answer.get("kernels") is not None
     if clean:
         targets = [c for c in report.caches if c.cleanable and c.bytes > 0]
         if targets:
@@ -334,7 +338,8 @@ def report_text(r: WrapupReport) -> str:
                 lines.append(f"  ... and {len(p.pending) - 20} more")
     if r.cleaned is not None:
         freed = sum(c["freed"] for c in r.cleaned)
-        lines.append(f"cleaned {len(r.cleaned)} caches, {format_bytes(freed)} freed:")
+        lines.append(f"cleaned {len(r.cleaned)} cache{'' if len(r.cleaned) == 1 else 's'}, "
+                     f"{format_bytes(freed)} freed:")
         for c in r.cleaned:
             errs = f" (not all: {'; '.join(c['errors'])})" if c["errors"] else ""
             lines.append(f"  {format_bytes(c['freed']):>10}  {c['label']}{errs}")
@@ -347,13 +352,16 @@ def report_text(r: WrapupReport) -> str:
     if r.declined:
         lines.append("  nothing removed: the confirmation was not given (add --yes to skip it)")
     if r.disk_used is not None:
-        lines.append(f"system disk /: {format_bytes(r.disk_used)} used of {format_bytes(r.disk_size or 0)}")
+        lines.append(f"system disk /: {r.disk_used / 1e9:.1f} GB used of {(r.disk_size or 0) / 1e9:.1f} GB")
     lines.append(r.image)
     if r.running:
         lines.append("still running:")
         lines += [f"  {x}" for x in r.running]
-    else:
+    elif r.kernels_checked:
         lines.append("nothing of yours is running (no gpumagic job, Jupyter kernel or GPU process)")
+    else:
+        lines.append("no gpumagic job or GPU process is running (Jupyter kernels are not looked for on "
+                     "the sandbox: it is this computer)")
     if r.shutdowns:
         lines.append("shutdown armed:")
         lines += [f"  {x}" for x in r.shutdowns]

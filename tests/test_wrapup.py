@@ -128,6 +128,7 @@ def test_clean_removes_only_the_caches_after_one_confirmation(ip, server, caches
     out = _run(ip, "wrapup --clean")
     assert len(asked) == 2
     assert "cleaned 5 caches, 7.0 KiB freed:" in out
+    assert "caches an image would carry: 0 B\n" in out  # listed again after cleaning
     assert not any(p.exists() for p in made.values())
     assert all(p.exists() for p in keep), [p for p in keep if not p.exists()]
     assert (server.home / ".cache").is_dir() and (server.home / "project").is_dir()

@@ -252,9 +252,12 @@ def clean(items, ids):
 def main():
     req = json.loads(base64.b64decode(sys.argv[2]).decode("utf-8")) if len(sys.argv) > 2 else {}
     items = scan(req)
-    out = {"disk": disk(), "kernels": kernels(), "home": os.path.expanduser("~")}
+    # on the sandbox (system false) the machine is this computer: its kernels are not the machine's
+    out = {"disk": disk(), "kernels": kernels() if req.get("system", True) else None,
+           "home": os.path.expanduser("~")}
     if req.get("clean"):
         out["cleaned"] = clean(items, set(req["clean"]))
+        items = scan(req)  # what is left
     # the listing names at most 20 paths per item (a home can hold thousands of __pycache__)
     out["items"] = [dict(it, paths=it["paths"][:20], more=max(0, len(it["paths"]) - 20)) for it in items]
     json.dump(out, sys.stdout)
