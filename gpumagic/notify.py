@@ -18,8 +18,8 @@ Who sends what:
 * **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown):
   the program on the machine is called by whoever sees the event there, e.g.::
 
-      python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train \\
-          --job-dir "$HOME/.gpumagic/jobs/train" --log "$HOME/.gpumagic/jobs/train/notify.log" \\
+      nohup python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train \\
+          --job-dir "$HOME/.gpumagic/jobs/train" --log "$HOME/.gpumagic/jobs/train/log" \\
           </dev/null >/dev/null 2>&1 &
 
   (:func:`notify_command` builds such lines).  From Python, :func:`send_from_machine`.
@@ -310,13 +310,13 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
     """The ``sh`` line that sends ``event`` from the machine (for the guard and job scripts).
 
     ``fields`` become options (``job="train"`` -> ``--job train``); values are quoted, and
-    ones starting with ``$`` are left for the shell to expand inside double quotes.  With
-    ``background`` the line never blocks its caller: stdio on /dev/null, ``&``.  It does
-    nothing when notifications are not set up.
+    ones holding ``$`` are left for the shell to expand, inside double quotes.  With
+    ``background`` the line never blocks its caller: ``nohup``, stdio on /dev/null, ``&``.
+    It does nothing when notifications are not set up.
     """
     def word(v) -> str:
         v = str(v)
-        return f'"{v}"' if v.startswith("$") and '"' not in v else shlex.quote(v)
+        return f'"{v}"' if "$" in v and not set('"`\\') & set(v) else shlex.quote(v)
 
     args = [f"--event {shlex.quote(event)}"]
     for k, v in fields.items():
@@ -326,7 +326,9 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
         args.append(f"--log {word(log)}")
     line = f'{_PROGRAM} {" ".join(args)}'
     guard = f'[ -f "$HOME/{NOTIFY_DIR}/config.json" ] && '
-    return guard + (f"{{ {line} </dev/null >/dev/null 2>&1 & }}" if background else line)
+    # nohup: a job runner in tmux is a session leader; when it exits, its terminal's process
+    # group gets SIGHUP, which would end a send still retrying
+    return guard + (f"{{ nohup {line} </dev/null >/dev/null 2>&1 & }}" if background else line)
 
 
 def log_tail(machine, lines: int = 5) -> tuple[list[str], int]:

@@ -365,7 +365,7 @@ def test_notify_magic_shows_settings_without_secrets_and_off_deletes_them(ip, ho
 
 def test_notify_command_is_one_guarded_background_line():
     line = notify.notify_command("job-end", job="train", job_dir="$HOME/.gpumagic/jobs/train", log="/tmp/x y")
-    assert line == ('[ -f "$HOME/.gpumagic/notify/config.json" ] && { python3 "$HOME/.gpumagic/notify/notify.py" '
+    assert line == ('[ -f "$HOME/.gpumagic/notify/config.json" ] && { nohup python3 "$HOME/.gpumagic/notify/notify.py" '
                     '--event job-end --job train --job-dir "$HOME/.gpumagic/jobs/train" --log \'/tmp/x y\' '
                     '</dev/null >/dev/null 2>&1 & }')
     assert re.search(r"&& \{ .* & \}$", line)
@@ -379,3 +379,53 @@ def test_a_password_is_never_sent_without_tls(clean_notify, smtp):
     assert r.sent == [] and smtp.logins == [] and smtp.messages == []
     assert r.failed == [f"mail to me@example.com via 127.0.0.1:{smtp.port}: 127.0.0.1:{smtp.port} offers no TLS; "
                         "the password is not sent in clear (use port 465, or a server with STARTTLS) (1 attempt)"]
+
+
+# -- the call sites to add in the job runner and the guard, tried here by patching the scripts --
+
+#: The line for the end of jobs.RUN_SCRIPT (after exit_code is written).
+JOB_END = notify.notify_command("job-end", job="$GPUMAGIC_JOB", job_dir="$jd", exit_code="$rc", log="$jd/log")
+#: The line for budget.GUARD_SCRIPT, where it writes its warning before a shutdown.
+GUARD_WARNING = notify.notify_command("shutdown", text="$msg", once="shutdown:$start:$fire_at", log="$dir/log")
+
+
+def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, monkeypatch, sshd):
+    from gpumagic import jobs
+
+    m = clean_notify
+    monkeypatch.setattr(jobs, "RUN_SCRIPT", jobs.RUN_SCRIPT.rstrip("\n") + "\n" + JOB_END + "\n")
+    notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])
+    _start_failing_job(m, "notify-site-fail")
+    stopped = m.start_job("notify-site-nan", "echo step 1; echo 'step 2 loss nan'; sleep 60", stop_on="nan")
+    assert stopped.wait(timeout=60).killed == "nan"
+    assert wait_until(lambda: len(hook.posts) == 2, 30), hook.posts
+    by_job = {b["details"]["job"]: b for _, b in hook.posts}
+    failed, nan = by_job["notify-site-fail"], by_job["notify-site-nan"]
+    assert failed["title"] == "job notify-site-fail failed" and "exit code 3" in failed["text"]
+    assert failed["details"]["last_lines"][-1] == "RuntimeError: boom"
+    assert nan["title"] == "job notify-site-nan stopped (nan)"
+    assert "stopped by --stop-on nan at: step 2 loss nan" in nan["text"]
+    log = sshd.dir / "home" / ".gpumagic" / "jobs" / "notify-site-fail" / "log"
+    assert wait_until(lambda: "notify: sent job-end by json webhook (127.0.0.1)" in log.read_text(), 10)
+
+
+def test_guard_call_site_warns_once_before_the_shutdown(hook, monkeypatch, tmp_path):
+    import gpumagic
+
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    marker = 'printf \'%s\\n\' "$msg" > "$dir/alert"; warned=$fire_at\n'
+    assert marker in budget.GUARD_SCRIPT
+    monkeypatch.setattr(budget, "GUARD_SCRIPT", budget.GUARD_SCRIPT.replace(marker, marker + GUARD_WARNING + "\n"))
+    m = gpumagic.connect(sandbox=True)
+    try:
+        notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])
+        budget.arm_guard(m, budget.GuardSettings(deadline_in=4, grace_s=3, poll_s=1))
+        assert wait_until(lambda: hook.posts, 30)
+        time.sleep(4)  # the shutdown (the sandbox's stand-in) has run by now; no second warning
+        assert len(hook.posts) == 1
+        body = hook.posts[0][1]
+        assert body["event"] == "shutdown" and body["machine"] == "sandbox"
+        assert re.search(r"the guard will shut it down: shutting down in \d+s \(deadline reached\)", body["text"])
+        assert "notify: sent shutdown by json webhook" in Path(budget.guard_log_path(m)).read_text()
+    finally:
+        m.close()

@@ -649,6 +649,10 @@ def send_event(event, base=HERE, config_path=None, log_paths=(), retries=None, k
 
 
 def main(argv=None):
+    try:  # a caller's terminal closing (tmux pane of a job that ended) must not end a send
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    except (AttributeError, ValueError):
+        pass
     p = argparse.ArgumentParser(prog="notify.py", description="send a gpumagic alert by mail or webhook")
     p.add_argument("command", nargs="?", default="send", choices=("send", "flush", "watch", "schedule"))
     p.add_argument("arg", nargs="?")
