@@ -400,8 +400,8 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     assert stopped.wait(timeout=60).killed == "nan"
     home = sshd.dir / "home" / ".gpumagic"
     assert wait_until(lambda: len(hook.posts) == 2, 60), (  # what the machine said, if not
-        hook.posts, (home / "notify" / "log").read_text()[-2000:],
-        (home / "jobs" / "notify-site-fail" / "log").read_text()[-2000:])
+        hook.posts, *[p.read_text()[-2000:] if p.exists() else f"no {p}"
+                      for p in (home / "notify" / "log", home / "jobs" / "notify-site-fail" / "log")])
     by_job = {b["details"]["job"]: b for _, b in hook.posts}
     failed, nan = by_job["notify-site-fail"], by_job["notify-site-nan"]
     assert failed["title"] == "job notify-site-fail failed" and "exit code 3" in failed["text"]
