@@ -572,6 +572,16 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
     assert "shutdown command succeeded" in fired
     assert "guard disarmed" in text(idx["%gpu budget guard --cancel"])
     assert "sandbox" in text(idx["%gpu budget history"])
+    # notify (a local webhook stands in for the chat service) and wrapup
+    first = {key: next(i for i, s in src.items() if s.startswith(key)) for key in (
+        "%gpu budget notify --webhook", 'print(received[-1]["text"])', "import tempfile", "%gpu wrapup --clean")}
+    assert "test message sent: slack webhook (127.0.0.1)" in text(first["%gpu budget notify --webhook"])
+    assert text(first['print(received[-1]["text"])']).startswith("[gpumagic] test message\n")
+    rearmed = text(next(i for i, s in src.items() if s == "%gpu budget notify"))
+    assert re.search(r"spending alerts armed on sandbox: 6.00 CNY in \d+ min", rearmed)
+    pulled = text(first["import tempfile"])
+    assert "2 not pulled yet; pulled 2 files (2.9 MiB)" in pulled and "1.9 MiB  ~/.cache/pip" in pulled
+    assert "cleaned 1 cache, 1.9 MiB freed:" in text(first["%gpu wrapup --clean"])
 
 
 def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):

@@ -52,5 +52,13 @@ def test_check_the_machine_notebook_runs_and_shows_status_doctor_and_hint(tmp_pa
     assert errors == []
     assert "RuntimeError: CUDA out of memory" in streams
     assert streams.rstrip().splitlines()[-1].startswith("hint: GPU memory ran out: halve the batch size")
+    # %gpu fit against the replayed H200 (143771 MiB, 20213 MiB held by a process)
+    _, plain, _ = cell_outputs(nb, "%gpu fit 7B --infer")
+    assert "against NVIDIA H200 on sandbox (GPU0): 120.7 GiB free of 140.4 GiB -> FITS" in plain
+    _, plain, _ = cell_outputs(nb, "%gpu fit 7B --train --batch 4 --seq 2048")
+    assert "-> DOES NOT FIT" in plain and "change first: " in plain and "an estimate" in plain
+    source = next(c.source for c in nb.cells if c.source.endswith("--batch 16 --seq 1024 --card 4090"))
+    _, plain, _ = cell_outputs(nb, source)
+    assert "124M parameters (exact count from " in plain and "against RTX 4090 24 GB" in plain
     streams, _, _ = cell_outputs(nb, "%gpu disconnect")
     assert streams == "disconnected from sandbox\n"

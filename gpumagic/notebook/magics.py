@@ -1366,3 +1366,19 @@ def show_public_key(pair: "setup.KeyPair", shell=None) -> None:
     ipy_display({"text/plain": text,
                  "application/vnd.jupyter.widget-view+json": {
                      "version_major": 2, "version_minor": 0, "model_id": view.model_id}}, raw=True)
+
+
+# -- fit, wrapup, budget notify: handlers in more_magics.py ------------------------------
+
+
+def _more(name: str) -> Callable:
+    def run(magics: GpuMagics, line: str):
+        from . import more_magics
+
+        return getattr(more_magics, name)(magics, line)
+    return run
+
+
+SUBCOMMANDS["fit"] = (_more("fit"), "will it fit? GPU memory for training or inference, vs the GPU or a card")
+SUBCOMMANDS["wrapup"] = (_more("wrapup"), "before releasing: pull results, list/--clean caches, image size, what runs")
+_BUDGET_SUBS["notify"] = _more("budget_notify")
