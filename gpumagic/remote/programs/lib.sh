@@ -1,0 +1,38 @@
+# gpumagic's shell library: sourced (as text, first) by every shell program gpumagic runs on the
+# machine (gpumagic/remote/program.py).  POSIX sh only: the machine's /bin/sh may be dash.
+# shellcheck shell=sh
+
+# gm_alive PID: true while PID is a live process.  A zombie (state Z in /proc/PID/stat: it
+# exited and waits for its parent) counts as ended, which `kill -0` alone does not tell.
+gm_alive() {
+  kill -0 "$1" 2>/dev/null || [ -d "/proc/$1" ] || return 1
+  [ -r "/proc/$1/stat" ] || return 0  # no /proc (macOS): kill -0 is all there is
+  # The state is the field after the ')' that ends the command name (which may hold spaces).
+  _gm_state=$(sed 's/.*) \(.\).*/\1/' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$_gm_state" ] && [ "$_gm_state" != Z ] && [ "$_gm_state" != X ]
+}
+
+# gm_pstart PID: the process's start time (clock ticks since boot, /proc/PID/stat field 22),
+# to tell a reused PID from the process that was recorded; empty without /proc.
+gm_pstart() {
+  sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f20
+}
+
+# gm_find TOOL: the path of TOOL, looked for on PATH and then where GPU images keep tools off
+# a non-login PATH (nvidia-smi under /usr/local/nvidia/bin, shutdown under /sbin, ...).
+# Prints nothing and fails when it is nowhere.
+gm_find() {
+  _gm_p=$(command -v "$1" 2>/dev/null) && [ -n "$_gm_p" ] && { printf '%s\n' "$_gm_p"; return 0; }
+  for _gm_d in /usr/local/sbin /usr/local/bin /usr/sbin /usr/bin /sbin /bin \
+               /usr/local/nvidia/bin /usr/local/cuda/bin /usr/lib/wsl/lib /opt/conda/bin; do
+    [ -x "$_gm_d/$1" ] && { printf '%s\n' "$_gm_d/$1"; return 0; }
+  done
+  return 1
+}
+
+# gm_python: the machine's Python 3 interpreter (python3, else a python that is 3.x).
+gm_python() {
+  gm_find python3 && return 0
+  _gm_p=$(gm_find python) || return 1
+  "$_gm_p" -c 'import sys; sys.exit(sys.version_info[0] != 3)' 2>/dev/null && printf '%s\n' "$_gm_p"
+}

@@ -1,0 +1,77 @@
+"""The machine-side programs (``gpumagic/remote/programs/``) and their shared shell library.
+
+The library runs under the machine's ``/bin/sh`` (dash on Debian/Ubuntu): here it runs under
+this computer's, which is the same kind of machine as the test sshd's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpumagic.remote import program
+
+PROGRAM_FILES = sorted(p.name for p in program.PROGRAMS.iterdir() if p.name.endswith((".sh", ".py")))
+
+
+def lib_sh(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["/bin/sh", "-c", program.source("lib.sh") + "\n" + script],
+                          capture_output=True, text=True, env=env, timeout=30)
+
+
+@pytest.mark.parametrize("name", [n for n in PROGRAM_FILES if n.endswith(".sh")])
+def test_shell_programs_pass_shellcheck(name):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed: sudo apt-get install shellcheck")
+    path = program.PROGRAMS / name
+    r = subprocess.run(["shellcheck", "-s", "sh", "-x", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", [n for n in PROGRAM_FILES if n.endswith(".py")])
+def test_python_programs_compile(name):
+    compile(program.source(name), name, "exec")
+
+
+def test_a_zombie_is_not_alive_and_its_parent_is():
+    # The parent forks a child that exits at once and is never reaped: a zombie.
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import os, sys, time\npid = os.fork()\nif pid == 0: os._exit(0)\n"
+                               "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = lib_sh(f"gm_alive {child} && echo child-alive; gm_alive {parent.pid} && echo parent-alive")
+        assert r.stdout.split() == ["parent-alive"]
+    finally:
+        parent.kill()
+        parent.wait()
+    assert lib_sh(f"gm_alive {parent.pid} || echo gone").stdout.strip() == "gone"
+
+
+def test_gm_pstart_tells_a_process_by_its_start_time():
+    r = lib_sh("gm_pstart $$; gm_pstart $$")
+    first, second = r.stdout.split()
+    assert first == second and first.isdigit()
+
+
+def test_gm_find_looks_outside_a_bare_path():
+    r = lib_sh("gm_find sh; gm_find no-such-tool-here || echo missing", env={"PATH": "/nonexistent"})
+    found, missing = r.stdout.split()
+    assert os.path.basename(found) == "sh" and os.access(found, os.X_OK)
+    assert missing == "missing"
+
+
+def test_command_quotes_arguments_for_sh_alone(tmp_path):
+    weird = ["it's", "a b", "$HOME", "`id`", "back\\slash", "", "--", "\u4e2d\u6587"]
+    text = program.command("lib.sh", *weird) + '\nfor a in "$@"; do printf "<%s>\\n" "$a"; done\n'
+    r = subprocess.run(["/bin/sh"], input=text, capture_output=True, text=True, timeout=30)
+    assert r.stdout.splitlines() == [f"<{w}>" for w in weird]
