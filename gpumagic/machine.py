@@ -34,7 +34,7 @@ class Machine:
     name : str, optional
         Name used by ``%%remote --host NAME`` (default: the alias typed).
     cwd : str, optional
-        Working directory for cells (absolute, ``~/...``, or relative to the login dir).
+        Working directory for cells (absolute, ``~/...``, or relative to the remote ``$HOME``).
     trust_new_host : bool
         Add an unknown host key to known_hosts instead of refusing (never for a changed key).
     """
