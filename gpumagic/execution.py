@@ -433,7 +433,7 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
-    why = conn.lost_reason or (str(exc) if exc else "the connection closed")
+    why = conn.lost_reason or (exc and str(exc)) or "the connection closed"  # EOFError says ""
     return ConnectionLost(
         f"lost the connection to {conn.spec.address} while the command ran ({why}); "
         "its processes were stopped",
