@@ -209,10 +209,18 @@ def test_job_renderings_have_text_and_html():
 # -- case 5: --then-shutdown with a recording stand-in (started first: it takes a minute) ----
 
 
+#: A plain user's shutdown needs passwordless sudo: where the tests do not run as root, this
+#: stand-in `sudo` (it only runs its command) goes next to the stand-in `shutdown`.
+SUDO_STAND_IN = '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n'
+SUDO = "" if os.geteuid() == 0 else "sudo -n "
+
+
 @pytest.fixture(scope="module")
 def shutdown_server():
     server = make_server("jobs-shutdown")
     server.install_bin("shutdown", '#!/bin/sh\necho "$(date +%s) ${GPUMAGIC_JOB:-?} $*" >> "$HOME/shutdown-calls"\n')
+    if SUDO:
+        server.install_bin("sudo", SUDO_STAND_IN)
     add_client_entry(server, "jobs-shutdown")
     yield server
     kill_all_jobs(Path(server.env["HOME"]))
@@ -228,7 +236,7 @@ def shutdown_jobs(shutdown_server):
     m = gpumagic.connect("jobs-shutdown")
     plan = find_shutdown(m)
     # Never a real shutdown: the plan must be the stand-in in this server's bin/.
-    assert plan.command == f"{shutdown_server.bin}/shutdown -h now"
+    assert plan.command == f"{SUDO}{shutdown_server.bin}/shutdown -h now"
     names = {k: jname(f"sd-{k}") for k in ("ok", "fail", "cancel")}
     m.start_job(names["ok"], "echo trained", then_shutdown=1)
     m.start_job(names["fail"], "echo broken; exit 3", then_shutdown=1)
@@ -622,6 +630,11 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
     import nbformat
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    if SUDO:  # the notebook puts a stand-in shutdown on the sandbox; a plain user needs sudo too
+        (tmp_path / "sudo-bin").mkdir()
+        (tmp_path / "sudo-bin" / "sudo").write_text(SUDO_STAND_IN)
+        (tmp_path / "sudo-bin" / "sudo").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'sudo-bin'}:{os.environ['PATH']}")
     names = ("tutorial-train", "tutorial-eval")
     home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # the sandbox's remote HOME is this user's
     made = [p for p in (home / ".gpumagic", home / ".gpumagic" / "jobs") if not p.exists()]
