@@ -74,12 +74,12 @@ _WRAPPER = r"""
 if [ -n "$d" ] && ! cd -- "$d" 2>/dev/null; then
   printf 'gpumagic: cannot enter directory %s on this machine\n' "$d" >&2; exit %(cwd_missing)s
 fi
-%(env)s
 exec 3<&0
-exec sh -c 'trap "" TERM; while IFS= read -r _; do :; done; kill -TERM 0; sleep %(grace)s; kill -KILL 0' \
+exec /bin/sh -c 'trap "" TERM; while IFS= read -r _; do :; done; kill -TERM 0; sleep %(grace)s; kill -KILL 0' \
   gpumagic-watchdog <&3 >/dev/null 2>&1 &
 watchdog=$!
 exec 3<&-
+%(env)s
 "$@" </dev/null
 rc=$?
 kill -KILL $watchdog 2>/dev/null
@@ -126,19 +126,19 @@ class RunResult:
 Sink = Callable[[str], None]
 
 
-def check_text(text: str, what: str = "the cell") -> str:
+def check_text(text: str, what: str = "the cell", *, by_line: bool = True) -> str:
     """Return ``text`` if it can be sent, else raise :class:`RemoteCommandError` naming the
-    line that holds a NUL byte.
+    line (``by_line``; 1-based) that holds a NUL byte.
 
     No program can receive a NUL: argv and environment strings end at one, and bash drops
     them from a script.  A NUL in a cell almost always comes from pasted binary data, so it is
-    refused before anything is sent, with its 1-based line number.
+    refused before anything is sent.
     """
     i = text.find("\0")
     if i >= 0:
-        line = text.count("\n", 0, i) + 1
+        where = f"line {text.count(chr(10), 0, i) + 1} of {what}" if by_line else what
         raise RemoteCommandError(
-            f"line {line} of {what} holds a NUL byte (\\0), which cannot be sent to the machine",
+            f"{where} holds a NUL byte (\\0), which cannot be sent to the machine",
             exit_code=-1,
             hint="remove it (pasted binary data?); to write a NUL byte, use printf '\\0' in the cell")
     return text
@@ -174,7 +174,8 @@ def export_lines(env: Mapping[str, str | None]) -> tuple[list[str], dict[str, st
     """
     lines, rest = [], {}
     for k, v in env.items():
-        check_text(k + "=" + (v or ""), f"the environment variable {k.partition(chr(0))[0]}")
+        check_text(k + "=" + (v or ""), f"the environment variable {k.partition(chr(0))[0]}",
+                   by_line=False)
         if k in _SHELL_OWN:
             continue
         if _SHELL_NAME.fullmatch(k):
@@ -194,7 +195,7 @@ def build_program(argv: Sequence[str], *, cwd: str | None = None,
     line for the instant before it runs ``argv``.
     """
     cmd = list(argv)
-    check_text(cwd or "", "the working directory")
+    check_text(cwd or "", "the working directory", by_line=False)
     lines = [f"d={shlex.quote(cwd or '')}", CD_SNIPPET]
     exports, rest = export_lines(env or {})
     if rest:
@@ -330,7 +331,7 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     if isinstance(argv, str):
         argv = ["bash", "-c", check_text(argv)]
     for i, a in enumerate(argv):
-        check_text(a, f"argument {i} of the command")
+        check_text(a, f"argument {i} of the command", by_line=False)
     nonce = secrets.token_hex(6)
     script = build_program(argv, cwd=cwd, env=env, nonce=nonce)
     chan = conn.open_session()

@@ -983,7 +983,7 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
                            "put a stand-in `shutdown` in the sandbox (see tutorial 04)")
         sd_cmd, grace = plan.command, int(round(then_shutdown * 60))
     check_text(command)
-    work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory")
+    work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
     # Names that are not shell variable names (exported bash functions) are left out.
     lines, _ = export_lines({**machine.login_env(), **(env or {})})
     # The launcher receives the job's scripts, patterns and environment as environment

@@ -210,7 +210,10 @@ def test_a_nul_byte_is_refused_naming_its_line_and_a_concurrent_cell_survives(ma
     assert e.value.message.startswith("line 1 of the cell holds a NUL byte")
     with pytest.raises(RemoteCommandError) as e:
         machine.run("true", env={"SECRETISH": "a\0b"}, quiet=True)
-    assert e.value.message.startswith("line 1 of the environment variable SECRETISH holds a NUL")
+    assert e.value.message.startswith("the environment variable SECRETISH holds a NUL byte")
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run("true", cwd="/tmp/a\0b", quiet=True)
+    assert e.value.message.startswith("the working directory holds a NUL byte")
     with pytest.raises(RemoteCommandError) as e:
         machine.start_job("nul-" + token, "echo ok\n\0")
     assert e.value.message.startswith("line 2 of the cell holds a NUL byte")
