@@ -171,10 +171,12 @@ class Machine:
         return result
 
     def exec(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 60) -> RunResult:
-        """Run a short shell command in one round trip, output captured, nothing echoed.
+        """Run a short ``/bin/sh`` command line, output captured, nothing echoed.
 
         For quick queries (``df``, ``nvidia-smi --query-gpu=...``); user code goes
-        through :meth:`run`, which stops remote children on interrupt.
+        through :meth:`run`, which stops remote children on interrupt.  The command means
+        the same whatever the machine's login shell is; ``stdin`` reaches it byte for byte
+        (see :func:`gpumagic.execution.exec_simple`).
         """
         return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
 
