@@ -1242,8 +1242,9 @@ def _hint_for(e: BaseException) -> str:
 #: bound to 127.0.0.1; TensorBoard itself picks 6006 or the next free port when ``--port``
 #: is not given.  Prints one JSON line.
 #: Shared by the service scripts (prepended to each): start ``argv`` detached in its own
-#: session with output to ``~/.gpumagic/NAME-MS.log`` (0600, in a 0700 directory), wait until ``running()`` lists its pid
-#: (``pid_of(info)``), then ``report`` it; else print the log's last lines as "failed".
+#: session with output to ``~/.gpumagic/NAME-MS.log`` (0600, in a 0700 directory), wait until
+#: ``running()`` lists its pid (``pid_of(info)``), then ``report`` it; else print the log's
+#: last lines as "failed".
 _START_AND_REPORT = r'''
 import json, os, subprocess, sys, time
 def start_and_report(name, argv, running, pid_of):
