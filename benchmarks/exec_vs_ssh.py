@@ -2,9 +2,13 @@
 
 Starts its own loopback sshd (like the test bed), then times, N times each:
   * `ssh -i KEY -p PORT host true`             (what a student types; a new connection each time)
+  * a raw paramiko exec of `true` on the open connection (open_session, exec_command,
+    read to the exit status: the least any exec can cost)
   * `machine.exec("true")`                      (one exec on the open connection, no wrapper)
   * `machine.run(["true"])`                     (a full %%remote cell: wrapper, login env, cleanup)
-and prints medians and the ratios gpumagic / ssh.  Not a test: numbers vary by machine.
+  * `machine.run("echo hi")`                    (the same for `%%remote echo hi`: bash runs the cell)
+and prints medians and the ratios gpumagic / ssh and gpumagic / raw paramiko exec.
+Not a test: numbers vary by machine.
 
     python benchmarks/exec_vs_ssh.py [N]
 """
@@ -35,13 +39,25 @@ def main(n=20):
         t_ssh = median_seconds(lambda: subprocess.run(ssh, check=True), n)
         m = gpumagic.Machine(server.spec()).connect()
         m.run(["true"], quiet=True)  # reads the login environment once
+        transport = m.connection.transport
+
+        def raw():
+            chan = transport.open_session()
+            chan.exec_command("true")
+            chan.recv_exit_status()
+            chan.close()
+
+        t_raw = median_seconds(raw, n)
         t_exec = median_seconds(lambda: m.exec("true"), n)
         t_cell = median_seconds(lambda: m.run(["true"], quiet=True), n)
+        t_echo = median_seconds(lambda: m.run("echo hi", quiet=True), n)
         m.close()
     print(f"median of {n}:")
     print(f"  ssh host true          {t_ssh * 1000:8.1f} ms")
-    print(f"  machine.exec('true')   {t_exec * 1000:8.1f} ms   ratio {t_exec / t_ssh:.3f}x ssh")
-    print(f"  machine.run(['true'])  {t_cell * 1000:8.1f} ms   ratio {t_cell / t_ssh:.3f}x ssh")
+    print(f"  raw paramiko exec      {t_raw * 1000:8.1f} ms   ratio {t_raw / t_ssh:.3f}x ssh")
+    for label, t in (("machine.exec('true')", t_exec), ("machine.run(['true'])", t_cell),
+                     ("machine.run('echo hi')", t_echo)):
+        print(f"  {label:<22} {t * 1000:8.1f} ms   ratio {t / t_ssh:.3f}x ssh, {t / t_raw:.3f}x raw exec")
 
 
 if __name__ == "__main__":

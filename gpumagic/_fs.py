@@ -41,3 +41,16 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int | None
         except FileNotFoundError:
             pass
         raise
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """Create gpumagic's own directory ``path`` (and missing parents) and make it 0700.
+
+    gpumagic's state (the budget ledger, the sandbox's home) is for the user alone; a
+    directory an older version made 0755 is tightened too.  Returns the path.
+    """
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path

@@ -35,7 +35,7 @@ class Machine:
     name : str, optional
         Name used by ``%%remote --host NAME`` (default: the alias typed).
     cwd : str, optional
-        Working directory for cells (absolute, ``~/...``, or relative to the login dir).
+        Working directory for cells (absolute, ``~/...``, or relative to the remote ``$HOME``).
     trust_new_host : bool
         Add an unknown host key to known_hosts instead of refusing (never for a changed key).
     """
@@ -175,10 +175,12 @@ class Machine:
         return result
 
     def exec(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 60) -> RunResult:
-        """Run a short shell command in one round trip, output captured, nothing echoed.
+        """Run a short ``/bin/sh`` command line, output captured, nothing echoed.
 
         For quick queries (``df``, ``nvidia-smi --query-gpu=...``); user code goes
-        through :meth:`run`, which stops remote children on interrupt.
+        through :meth:`run`, which stops remote children on interrupt.  The command means
+        the same whatever the machine's login shell is; ``stdin`` reaches it byte for byte
+        (see :func:`gpumagic.remote.execution.exec_simple`).
         """
         return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
 

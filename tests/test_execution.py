@@ -186,3 +186,115 @@ def test_cells_work_with_more_than_1024_open_file_descriptors(machine):
         for f in held:
             f.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# -- a NUL byte is refused before anything is sent ----------------------------------------
+
+
+def test_a_nul_byte_is_refused_naming_its_line_and_a_concurrent_cell_survives(machine, ip, capsys):
+    # Issue case 6: sshd dropped the whole connection (a concurrent cell died) and the
+    # message's reason was empty, "()".
+    token, _ = unique_tag()
+    marker = f"/tmp/{token}"
+    running = {}
+    t = threading.Thread(target=lambda: running.update(r=machine.run("sleep 2; echo survived", quiet=True)))
+    t.start()
+    time.sleep(0.5)
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run(f"touch {marker}\necho 'a\0b'\necho three", quiet=True)
+    assert e.value.message == ("line 2 of the cell holds a NUL byte (\\0), which cannot be sent "
+                               "to the machine")
+    assert "printf '\\0'" in e.value.hint
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run("\0", python=True, quiet=True)
+    assert e.value.message.startswith("line 1 of the cell holds a NUL byte")
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run("true", env={"SECRETISH": "a\0b"}, quiet=True)
+    assert e.value.message.startswith("the environment variable SECRETISH holds a NUL byte")
+    with pytest.raises(RemoteCommandError) as e:
+        machine.run("true", cwd="/tmp/a\0b", quiet=True)
+    assert e.value.message.startswith("the working directory holds a NUL byte")
+    with pytest.raises(RemoteCommandError) as e:
+        machine.start_job("nul-" + token, "echo ok\n\0")
+    assert e.value.message.startswith("line 2 of the cell holds a NUL byte")
+    t.join(30)
+    assert running["r"].stdout == "survived\n" and running["r"].exit_code == 0
+    assert machine.connection.opened_count == 1
+    assert not os.path.exists(marker)  # nothing of the refused cell ran
+    # In a notebook: one line with the fix, no traceback.
+    ip.run_line_magic("gpu", "connect testgpu")
+    result = ip.run_cell("%%remote\necho one\necho 'two\0'")
+    assert isinstance(result.error_in_exec, RemoteCommandError)
+    shown = "".join(capsys.readouterr())
+    assert "line 2 of the cell holds a NUL byte" in shown and "Traceback" not in shown
+
+
+# -- secrets never in an argv ------------------------------------------------------------------
+
+
+def test_env_values_and_login_exports_are_in_no_process_command_line():
+    # Issue case 11: `--env` values and profile exports were in /proc/PID/cmdline of the cell's
+    # wrapper (readable by every local user) for the whole cell.  The server runs on this
+    # computer, so its /proc is read here, as fast as possible, from before the cell starts
+    # until after it ends, and also for a job's start.
+    server = make_server("argv-secrets")
+    home = server.env["HOME"]
+    profile_secret = "pr0file" + uuid.uuid4().hex
+    with open(os.path.join(home, ".profile"), "w") as f:  # read by `ssh host` logins only
+        f.write(f"export PROFILE_TOKEN={profile_secret}\n")
+    cell_secret, job_secret = "c3ll" + uuid.uuid4().hex, "j0b" + uuid.uuid4().hex
+    seen, stop = [], threading.Event()
+
+    def scan():
+        while not stop.is_set():
+            for p in os.listdir("/proc"):
+                if p.isdigit():
+                    try:
+                        with open(f"/proc/{p}/cmdline", "rb") as f:
+                            line = f.read()
+                    except OSError:
+                        continue
+                    if any(s.encode() in line for s in (profile_secret, cell_secret, job_secret)):
+                        seen.append(line)
+
+    scanner = threading.Thread(target=scan)
+    scanner.start()
+    try:
+        with gpumagic.Machine(server.spec()) as m:
+            r = m.run('echo "${#SECRET} ${#PROFILE_TOKEN}"; sleep 3', env={"SECRET": cell_secret},
+                      quiet=True)
+            assert r.stdout == f"{len(cell_secret)} {len(profile_secret)}\n"  # they did arrive
+            job = m.start_job("argv-" + uuid.uuid4().hex[:6], 'echo "${#JSECRET}"; sleep 1',
+                              env={"JSECRET": job_secret})
+            assert job.wait(timeout=30).state_text == "exited 0"
+            assert job.logs() == f"{len(job_secret)}\n"
+    finally:
+        stop.set()
+        scanner.join()
+        server.stop()
+    assert seen == []
+
+
+# -- relative working directories start at $HOME (the sandbox's home on the sandbox) ----------
+
+
+def test_relative_cwd_starts_at_home_not_where_sshd_started_the_shell(machine, sshd):
+    # The test server's HOME is not the account's home directory, where sshd starts shells.
+    home = sshd.env["HOME"]
+    os.makedirs(os.path.join(home, "rel sub"), exist_ok=True)
+    assert machine.run(["pwd"], cwd="rel sub", quiet=True).stdout == f"{home}/rel sub\n"
+    assert machine.run(["pwd"], cwd="~/rel sub", quiet=True).stdout == f"{home}/rel sub\n"
+
+
+def test_sandbox_relative_cwd_is_inside_the_sandbox_home(ip):
+    # Issue case 14: `%%remote --cwd sub` resolved against the real home.
+    from gpumagic.ssh.sandbox import sandbox_home
+
+    sub = sandbox_home() / f"sub-{uuid.uuid4().hex[:6]}"
+    sub.mkdir()
+    ip.run_line_magic("gpu", "connect --sandbox")
+    try:
+        ip.run_cell_magic("remote", f"--cwd {sub.name} --out r", "pwd")
+        assert ip.user_ns["r"].stdout == f"{sub}\n"
+    finally:
+        ip.run_line_magic("gpu", "disconnect sandbox")

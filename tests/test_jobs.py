@@ -209,10 +209,18 @@ def test_job_renderings_have_text_and_html():
 # -- case 5: --then-shutdown with a recording stand-in (started first: it takes a minute) ----
 
 
+#: A plain user's shutdown needs passwordless sudo: where the tests do not run as root, this
+#: stand-in `sudo` (it only runs its command) goes next to the stand-in `shutdown`.
+SUDO_STAND_IN = '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n'
+SUDO = "" if os.geteuid() == 0 else "sudo -n "
+
+
 @pytest.fixture(scope="module")
 def shutdown_server():
     server = make_server("jobs-shutdown")
     server.install_bin("shutdown", '#!/bin/sh\necho "$(date +%s) ${GPUMAGIC_JOB:-?} $*" >> "$HOME/shutdown-calls"\n')
+    if SUDO:
+        server.install_bin("sudo", SUDO_STAND_IN)
     add_client_entry(server, "jobs-shutdown")
     yield server
     kill_all_jobs(Path(server.env["HOME"]))
@@ -228,7 +236,7 @@ def shutdown_jobs(shutdown_server):
     m = gpumagic.connect("jobs-shutdown")
     plan = find_shutdown(m)
     # Never a real shutdown: the plan must be the stand-in in this server's bin/.
-    assert plan.command == f"{shutdown_server.bin}/shutdown -h now"
+    assert plan.command == f"{SUDO}{shutdown_server.bin}/shutdown -h now"
     names = {k: jname(f"sd-{k}") for k in ("ok", "fail", "cancel")}
     m.start_job(names["ok"], "echo trained", then_shutdown=1)
     m.start_job(names["fail"], "echo broken; exit 3", then_shutdown=1)
@@ -622,6 +630,11 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
     import nbformat
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    if SUDO:  # the notebook puts a stand-in shutdown on the sandbox; a plain user needs sudo too
+        (tmp_path / "sudo-bin").mkdir()
+        (tmp_path / "sudo-bin" / "sudo").write_text(SUDO_STAND_IN)
+        (tmp_path / "sudo-bin" / "sudo").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'sudo-bin'}:{os.environ['PATH']}")
     names = ("tutorial-train", "tutorial-eval")
     home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # the sandbox's remote HOME is this user's
     made = [p for p in (home / ".gpumagic", home / ".gpumagic" / "jobs") if not p.exists()]
@@ -675,3 +688,149 @@ def test_then_shutdown_calls_the_recorder_about_a_minute_after_success_and_not_a
     assert (job, args) == (names["ok"], "-h now")
     assert 58 <= int(when) - ok.ended <= 75  # "about a minute" after the job ended
     assert m.job(names["ok"]).info().shutdown_text == "shutdown ran"
+
+
+# -- starting is atomic; one liveness check; private state; relative --cwd ----------------------
+
+
+def runners_in(job_dir: Path) -> list[int]:
+    """Pids of live (not zombie) job runners (``/bin/sh ./run.sh``) whose cwd is ``job_dir``."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if (os.readlink(p / "cwd") == str(job_dir.resolve())
+                    and (p / "cmdline").read_bytes() == b"/bin/sh\0./run.sh\0"
+                    and (p / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                found.append(int(p.name))
+        except OSError:
+            continue
+    return found
+
+
+@needs_tmux
+def test_two_concurrent_starts_of_one_name_start_one_job_and_the_other_is_told_already_running(sshd):
+    # Issue case 2: both said "started", two runners ran, an empty archive `NAME-` appeared
+    # and kill left one runner alive.  Two real starts over separate connections, five times.
+    import threading
+
+    import gpumagic
+
+    name = jname("race")
+    home = Path(sshd.env["HOME"])
+    base = home / jobs.JOBS_DIR
+    tag = f"7{secrets.randbelow(9000) + 1000}"
+    machines = [gpumagic.connect("testgpu"), gpumagic.connect("testgpu")]
+    try:
+        for m in machines:
+            m.login_env()  # read once beforehand, so both starts reach the machine together
+        for round_ in range(5):
+            barrier = threading.Barrier(2)
+            results: list = [None, None]
+
+            def start(i: int) -> None:
+                barrier.wait()
+                try:
+                    results[i] = machines[i].start_job(name, f"echo from-{i}; sleep {tag}{round_}")
+                except JobError as e:
+                    results[i] = e
+
+            threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            won = [r for r in results if isinstance(r, jobs.Job)]
+            lost = [r for r in results if isinstance(r, JobError)]
+            assert len(won) == 1 and len(lost) == 1, results
+            assert f"a job named {name!r} is already running on testgpu" in str(lost[0])
+            winner = results.index(won[0])
+            assert (base / name / "command").read_text() == f"echo from-{winner}; sleep {tag}{round_}"
+            assert wait_for(lambda: won[0].logs() == f"from-{winner}\n", 10)
+            assert runners_in(base / name) == [won[0].pid]
+            assert not (base / f"{name}-").exists()
+            assert sorted(p.name for p in base.glob(f"{name}-*")) == sorted(
+                p.name for p in base.glob(f"{name}-[0-9]*"))  # every archive named by its start
+            assert won[0].kill().state_text == "killed (user)"
+            assert runners_in(base / name) == [] and processes(f"sleep {tag}{round_}") == []
+        assert len(list(base.glob(f"{name}-*"))) == 4  # each later round archived the one before
+    finally:
+        for m in machines:
+            m.close()
+
+
+def test_a_zombie_runner_counts_as_ended_for_wait_follow_list_and_kill(machine, sshd):
+    # Issue 15: `Job.wait` polled a zombie runner (it still answers `kill -0`) until its timeout.
+    # The zombie is a child of this test that is not reaped yet; its job directory is written
+    # as a runner that died without writing exit_code would leave it.
+    zombie = subprocess.Popen(["true"])
+    try:
+        assert wait_for(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 5)
+        name = jname("zombie")
+        d = Path(sshd.env["HOME"]) / jobs.JOBS_DIR / name
+        d.mkdir(parents=True)
+        (d / "pid").write_text(f"{zombie.pid}\n")
+        (d / "started").write_text(f"{int(time.time())}\n")
+        (d / "log").write_text("step 1\n")
+        job = machine.job(name)
+        start = time.monotonic()
+        assert job.wait(timeout=20).state == "lost"
+        assert time.monotonic() - start < 10
+        assert job.follow(out=lambda t: None).state == "lost"
+        assert job.info().state == "lost"
+        assert job.kill().state == "lost"
+        again = machine.start_job(name, "echo fresh")  # a lost job's name can be used again
+        assert again.archived.startswith(f"{name}-") and again.wait(timeout=30).state_text == "exited 0"
+    finally:
+        zombie.wait()
+
+
+@needs_tmux
+def test_a_start_lock_left_by_a_dead_launcher_is_broken_and_a_live_one_means_already_running(machine, sshd):
+    base = Path(sshd.env["HOME"]) / jobs.JOBS_DIR
+    base.mkdir(parents=True, exist_ok=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, owner in [(jname("stale"), f"{dead.pid} 1"), (jname("ownerless"), None)]:
+        lock = base / f".{name}.starting"
+        lock.mkdir()
+        if owner:
+            (lock / "owner").write_text(owner + "\n")
+        job = machine.start_job(name, "echo ran")
+        assert job.wait(timeout=30).state_text == "exited 0" and job.logs() == "ran\n"
+        assert not lock.exists()
+    # A live launcher (this test process stands in, with its real start time) holds it.
+    name = jname("starting")
+    lock = base / f".{name}.starting"
+    lock.mkdir()
+    start_time = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    (lock / "owner").write_text(f"{os.getpid()} {start_time}\n")
+    with pytest.raises(JobError) as e:
+        machine.start_job(name, "echo never")
+    assert "is already running" in str(e.value)
+    assert not (base / name).exists() and lock.exists()
+    # A pid reused by another process (after a reboot) does not hold it.
+    (lock / "owner").write_text(f"{os.getpid()} 1\n")
+    assert machine.start_job(name, "echo now").wait(timeout=30).state_text == "exited 0"
+
+
+@needs_tmux
+def test_relative_job_cwd_starts_at_home_and_the_job_state_is_private(machine, sshd):
+    # --cwd sub used to resolve inside the job's own directory; env.sh (the --env values and
+    # the login environment) was 0644 in 0755 directories.
+    home = Path(sshd.env["HOME"])
+    (home / "jobsub").mkdir(exist_ok=True)
+    name = jname("private")
+    umask = machine.run("umask", quiet=True).stdout.strip()
+    job = machine.start_job(name, "pwd; touch made-by-the-job; umask", cwd="jobsub",
+                            env={"TOKEN_FOR_JOB": "s3cret"})
+    assert job.wait(timeout=30).state_text == "exited 0"
+    assert job.logs() == f"{home}/jobsub\n{umask}\n"
+    made = (home / "jobsub" / "made-by-the-job").stat().st_mode & 0o777
+    assert made == 0o666 & ~int(umask, 8)  # the job itself keeps the user's umask
+    d = home / jobs.JOBS_DIR / name
+    assert "TOKEN_FOR_JOB='s3cret'" in (d / "env.sh").read_text()
+    for p in [home / ".gpumagic", home / jobs.JOBS_DIR, d, *d.iterdir()]:
+        want = 0o700 if p.is_dir() else 0o600
+        assert p.stat().st_mode & 0o777 == want, p

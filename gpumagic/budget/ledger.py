@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .._fs import atomic_write
+from .._fs import atomic_write, private_dir
 from ..errors import ConfigError, GpumagicError
 
 #: Seconds in one billing unit.
@@ -658,7 +658,7 @@ class Ledger:
         """Read, let the caller change the dict, write it back atomically; under a file lock
         so two kernels never lose each other's update."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
         except OSError as e:
             raise self._unwritable(e) from None
         with _locked(self.path.with_name(self.path.name + ".lock"), self._unwritable):
@@ -1151,7 +1151,8 @@ def _launch_script(script: str, gdir: str = f'"$HOME/{GUARD_DIR}"') -> str:
     # new one in its own session with no terminal, stdio on /dev/null: it outlives this SSH
     # connection and the laptop.  The script's path names it for `kill` checks.
     return (f'd={gdir}\n'
-            f'mkdir -p "$d" || exit 1\n'
+            'umask 077\n'  # the guard's directory and files are private (0700/0600)
+            f'mkdir -p "$d" && chmod 700 "$d" || exit 1\n'
             f"cat > \"$d/gpumagic-guard.sh.tmp\" <<'GPUMAGIC_GUARD_EOF' || exit 1\n"
             f"{script.rstrip()}\nGPUMAGIC_GUARD_EOF\n"
             f'mv -f "$d/gpumagic-guard.sh.tmp" "$d/gpumagic-guard.sh" || exit 1\n'

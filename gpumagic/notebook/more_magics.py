@@ -1,6 +1,6 @@
 """``%gpu fit``, ``%gpu wrapup`` and ``%gpu budget notify``: parse, call the API, display.
 
-Each handler takes the :class:`gpumagic.magics.GpuMagics` instance and the argument line, as
+Each handler takes the :class:`gpumagic.notebook.magics.GpuMagics` instance and the argument line, as
 the functions of ``gpumagic/magics.py`` do; that module's dispatch tables point here.  Bad
 arguments raise exactly ``UsageError``.
 """

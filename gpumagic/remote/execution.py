@@ -1,17 +1,39 @@
-"""Run a command or a cell on the remote machine: streaming, exit codes, interrupt, timeout.
+r"""Run a command or a cell on the remote machine: streaming, exit codes, interrupt, timeout.
+
+How a command reaches the machine
+---------------------------------
+sshd runs every exec request as ``$SHELL -c "<request>"`` with the user's *login shell*, which
+may be bash, zsh, fish or tcsh: each re-reads the text with its own quoting rules (fish turns
+``\\`` into ``\`` inside single quotes, tcsh rejects a quoted newline).  So gpumagic never
+sends a program in the request.  The request is always :data:`BOOTSTRAP`, ``exec /bin/sh``:
+plain words, no quote, escape, ``$``, glob or operator, which every one of those shells reads
+the same way.  The login shell still starts first (so ``~/.bashrc``, ``config.fish`` and
+conda set the environment, as for ``ssh host cmd``), then becomes ``/bin/sh``, which reads the
+real program from the channel's stdin, where no login shell touches it: cell text, ``--env``
+values and ``--cwd`` arrive byte for byte, and none of them is ever in a process's argv
+(``/proc/PID/cmdline`` is readable by every local user).
+
+The program is one ``{ ...; }`` group followed by ``exit``, so ``/bin/sh`` has read and parsed
+all of it before it runs the first line, and never reads stdin again.  Its first line prints
+a marker (``\036gpumagic-NONCE PID``).  A shell reading a pipe may read ahead of the command
+it runs (dash does, in blocks), so data meant for the program's own stdin is sent only after
+that marker arrived (see :func:`exec_simple` and :func:`start_program`): one more round trip,
+only for commands that read stdin.
 
 How a cell runs
 ---------------
-One ``exec`` channel per cell, through the user's login shell (so ``~/.bashrc``, conda and
-pyenv set the same environment as ``ssh host cmd``).  A small POSIX-sh wrapper then:
+The program:
 
-* prints a marker line with its PID -- sshd made that shell a session leader, so the PID is
-  also the process group of everything the cell starts;
-* runs the cell (``bash -c`` or ``python3 -u -c``) with stdin from ``/dev/null``;
+* prints the marker with its PID -- sshd made the login shell a session leader and
+  ``exec`` kept the PID, so it is also the process group of everything the cell starts;
+* enters the working directory (``~`` and relative paths start at ``$HOME``), exports the
+  environment, and runs the cell (``bash -c`` or ``python3 -u -c``) with stdin from
+  ``/dev/null``;
 * watches the channel's stdin from a small background ``sh`` (handed fd 3, since an
-  asynchronous list's own stdin is /dev/null; its command line holds no cell text): when the channel closes (interrupt, timeout, dropped
-  connection, killed sshd) it sends SIGTERM to the whole process group, then SIGKILL one
-  second later.  Nothing the cell started is left running.
+  asynchronous list's own stdin is /dev/null; its command line holds no cell text): when the
+  channel closes (interrupt, timeout, dropped connection, killed sshd) it sends SIGTERM to the
+  whole process group, then SIGKILL one second later.  Nothing the cell started is left
+  running.
 
 stdout and stderr are read concurrently in one loop (no deadlock on megabytes of both) and
 decoded incrementally as UTF-8 with replacement, so a character split across reads stays
@@ -21,8 +43,10 @@ whole and invalid bytes never raise.
 from __future__ import annotations
 
 import codecs
+import re
 import secrets
 import shlex
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -33,6 +57,9 @@ from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import Connection, wait_readable
 from ..errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 
+#: The exec request of every command gpumagic runs: three plain words that sh, bash, dash,
+#: zsh, fish, tcsh and csh all parse alike.  The program follows on stdin.
+BOOTSTRAP = "exec /bin/sh"
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.
 MAX_INLINE = 120 * 1024
 #: Seconds between SIGTERM and SIGKILL when a cell is stopped.
@@ -40,23 +67,29 @@ KILL_GRACE = 1.0
 #: The wrapper's exit status when the working directory does not exist (stderr says which).
 CWD_MISSING = 97
 
+#: Resolves ``$d`` as a working directory: ``~`` and ``~/x`` in ``$HOME``, a relative path
+#: from ``$HOME`` (the login directory on a rented machine, the sandbox's home on the sandbox).
+CD_SNIPPET = r"""case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; /*) ;; ?*) d=$HOME/$d ;; esac"""
+
 _WRAPPER = r"""
-printf '\036gpumagic-%s %s\n' "$1" "$$"
-case $2 in "~") d=$HOME ;; "~/"*) d=$HOME/${2#"~/"} ;; *) d=$2 ;; esac
 if [ -n "$d" ] && ! cd -- "$d" 2>/dev/null; then
   printf 'gpumagic: cannot enter directory %s on this machine\n' "$d" >&2; exit %(cwd_missing)s
 fi
-shift 2
 exec 3<&0
-exec sh -c 'trap "" TERM; while IFS= read -r _; do :; done; kill -TERM 0; sleep %(grace)s; kill -KILL 0' \
+exec /bin/sh -c 'trap "" TERM; while IFS= read -r _; do :; done; kill -TERM 0; sleep %(grace)s; kill -KILL 0' \
   gpumagic-watchdog <&3 >/dev/null 2>&1 &
 watchdog=$!
 exec 3<&-
+%(env)s
 "$@" </dev/null
 rc=$?
 kill -KILL $watchdog 2>/dev/null
 exit $rc
 """.strip().replace("%(grace)s", str(KILL_GRACE)).replace("%(cwd_missing)s", str(CWD_MISSING))
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Variables that belong to the shell itself (read-only where /bin/sh is bash): never passed.
+_SHELL_OWN = frozenset({"UID", "EUID", "PPID", "SHELLOPTS", "BASHOPTS", "BASH_VERSINFO"})
 
 
 @dataclass
@@ -94,22 +127,94 @@ class RunResult:
 Sink = Callable[[str], None]
 
 
-def build_command(argv: Sequence[str], *, cwd: str | None = None,
-                  env: Mapping[str, str | None] | None = None, nonce: str) -> str:
-    """The shell line sent in the exec request: the wrapper around ``argv``.
+def check_text(text: str, what: str = "the cell", *, by_line: bool = True) -> str:
+    """Return ``text`` if it can be sent, else raise :class:`RemoteCommandError` naming the
+    line (``by_line``; 1-based) that holds a NUL byte.
 
-    ``env`` values of ``None`` unset that variable.
+    No program can receive a NUL: argv and environment strings end at one, and bash drops
+    them from a script.  A NUL in a cell almost always comes from pasted binary data, so it is
+    refused before anything is sent.
+    """
+    i = text.find("\0")
+    if i >= 0:
+        where = f"line {text.count(chr(10), 0, i) + 1} of {what}" if by_line else what
+        raise RemoteCommandError(
+            f"{where} holds a NUL byte (\\0), which cannot be sent to the machine",
+            exit_code=-1,
+            hint="remove it (pasted binary data?); to write a NUL byte, use printf '\\0' in the cell")
+    return text
+
+
+def program(body: str, nonce: str) -> bytes:
+    """The bytes sent on stdin after :data:`BOOTSTRAP`: ``body`` (POSIX sh) in one group.
+
+    The first line prints the marker ``\\036gpumagic-NONCE PID``; ``exit`` after the group
+    keeps ``/bin/sh`` from ever reading stdin again, so what follows on stdin belongs to
+    ``body``'s commands.
+
+    Raises
+    ------
+    RemoteCommandError
+        When ``body`` holds a NUL byte.
+    """
+    check_text(body, "the command")
+    return (f"{{\nprintf '\\036gpumagic-%s %s\\n' {nonce} \"$$\"\n{body}\n}}; exit\n").encode()
+
+
+def export_lines(env: Mapping[str, str | None]) -> tuple[list[str], dict[str, str | None]]:
+    """``sh`` lines that set ``env`` (``export K='V'``; ``unset K`` for a ``None`` value),
+    and the entries no ``sh`` can set: names that are not shell variable names.
+
+    Variables of the shell itself (``UID``, ``PPID``, ``SHELLOPTS``... read-only where
+    ``/bin/sh`` is bash) are left out.
+
+    Raises
+    ------
+    RemoteCommandError
+        For a NUL byte in a name or value.
+    """
+    lines, rest = [], {}
+    for k, v in env.items():
+        check_text(k + "=" + (v or ""), f"the environment variable {k.partition(chr(0))[0]}",
+                   by_line=False)
+        if k in _SHELL_OWN:
+            continue
+        if _SHELL_NAME.fullmatch(k):
+            lines.append(f"unset {k}" if v is None else f"export {k}={shlex.quote(v)}")
+        else:
+            rest[k] = v
+    return lines, rest
+
+
+def build_program(argv: Sequence[str], *, cwd: str | None = None,
+                  env: Mapping[str, str | None] | None = None, nonce: str) -> bytes:
+    """The program a cell runs as (see the module docstring): the wrapper around ``argv``.
+
+    ``env`` values of ``None`` unset that variable.  Names that are shell variable names are
+    exported by the shell, so no value is ever in a process's argv; other names (bash's
+    exported functions, ``BASH_FUNC_f%%``) can only be passed by ``env(1)``, on its command
+    line for the instant before it runs ``argv``.
     """
     cmd = list(argv)
-    if env:
-        unset = [a for k, v in env.items() if v is None for a in ("-u", k)]
-        cmd = ["env"] + unset + ["--"] + [f"{k}={v}" for k, v in env.items() if v is not None] + cmd
-    parts = ["exec", "/bin/sh", "-c", _WRAPPER, "gpumagic", nonce, cwd or ""] + cmd
-    return " ".join(shlex.quote(p) for p in parts)
+    check_text(cwd or "", "the working directory", by_line=False)
+    lines = [f"d={shlex.quote(cwd or '')}", CD_SNIPPET]
+    exports, rest = export_lines(env or {})
+    if rest:
+        unset = [a for k, v in rest.items() if v is None for a in ("-u", k)]
+        cmd = ["env", *unset, "--", *(f"{k}={v}" for k, v in rest.items() if v is not None), *cmd]
+    wrapper = _WRAPPER.replace("%(env)s", "\n".join(exports + ["set -- " + shlex.join(cmd)]))
+    return program("\n".join(lines) + "\n" + wrapper, nonce)
 
 
 def cell_argv(code: str, *, python: bool = False, python_exe: str = "python3") -> list[str]:
-    """argv that runs a cell: ``bash -c CODE`` or ``python3 -u -c CODE``."""
+    """argv that runs a cell: ``bash -c CODE`` or ``python3 -u -c CODE``.
+
+    Raises
+    ------
+    RemoteCommandError
+        When the cell is over :data:`MAX_INLINE` bytes or holds a NUL byte (naming its line).
+    """
+    check_text(code)
     if len(code.encode()) > MAX_INLINE:
         raise RemoteCommandError(
             f"the cell is {len(code.encode())} bytes; at most {MAX_INLINE} bytes can be sent inline",
@@ -197,9 +302,10 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         The program and its arguments, run without a shell; a ``str`` runs through
         ``bash -c``.
     cwd : str, optional
-        Remote working directory: absolute, ``~/...``, or relative to the login directory.
+        Remote working directory: absolute, ``~/...``, or relative to ``$HOME``.
     env : mapping, optional
-        Extra environment variables (a ``None`` value unsets one).
+        Extra environment variables (a ``None`` value unsets one).  Values never appear in
+        a process's argv.
     stdout, stderr : callable, optional
         Called with each decoded text chunk as it arrives (``\\r`` kept as sent).
     capture : bool
@@ -220,19 +326,24 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         wrapper when sshd closes the channel; the next call reconnects).
     RemoteTimeout, RemoteCommandError, KeyboardInterrupt
         KeyboardInterrupt is re-raised after the remote process group has been stopped.
+        RemoteCommandError also before anything is sent, for a NUL byte in ``argv``,
+        ``cwd`` or ``env`` (nothing can carry one).
     """
     if isinstance(argv, str):
-        argv = ["bash", "-c", argv]
+        argv = ["bash", "-c", check_text(argv)]
+    for i, a in enumerate(argv):
+        check_text(a, f"argument {i} of the command", by_line=False)
     nonce = secrets.token_hex(6)
-    command = build_command(argv, cwd=cwd, env=env, nonce=nonce)
+    script = build_program(argv, cwd=cwd, env=env, nonce=nonce)
     chan = conn.open_session()
     out, err = _Stream(stdout, capture), _Stream(stderr, capture)
     marker = _MarkerFilter(nonce)
     start = time.monotonic()
     try:
-        chan.exec_command(command)
+        chan.exec_command(BOOTSTRAP)
         try:
-            _pump(conn, chan, lambda data: out.feed(marker.feed(data)), err.feed, timeout, start)
+            _pump(conn, chan, lambda data: out.feed(marker.feed(data)), err.feed, timeout, start,
+                  script=script)
         except _Timeout:
             _stop(chan)
             raise RemoteTimeout(
@@ -263,12 +374,17 @@ class _Timeout(Exception):
 
 
 def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], None],
-          on_err: Callable[[bytes], None], timeout: float | None, start: float,
-          stdin: bytes | None = None) -> None:
-    """Move data until the command exits: read stdout and stderr as they come (never one
-    while the other's window fills up), and send ``stdin`` (then EOF) as the channel takes it.
+          on_err: Callable[[bytes], None], timeout: float | None, start: float, *,
+          script: bytes, stdin: bytes | None = None,
+          ready: Callable[[], bool] = lambda: True) -> None:
+    """Move data until the command exits: send ``script`` at once, then ``stdin`` (and EOF)
+    once ``ready()`` says the remote shell has read all of ``script``; read stdout and
+    stderr as they come (never one while the other's window fills up).
 
-    ``stdin=None`` leaves the channel's stdin open (the cell wrapper's watchdog needs it).
+    Everything is sent only as the channel's window allows, so nothing blocks.
+    ``stdin=None`` leaves the channel's stdin open after ``script`` (the cell wrapper's
+    watchdog needs it); ``b""`` sends EOF right after ``script`` (safe without waiting:
+    the shell sees EOF only after the whole program).
 
     Raises
     ------
@@ -278,9 +394,8 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
         ``timeout`` seconds passed since ``start``.
     """
     chan.setblocking(False)
-    pending = memoryview(stdin) if stdin else None
-    if stdin is not None and not stdin:
-        send_eof(chan)
+    pending: memoryview | None = memoryview(script)
+    then = stdin  # what follows the script: None (nothing, no EOF), or bytes and EOF
     while True:
         busy = False
         if pending is not None and chan.send_ready():
@@ -289,8 +404,14 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
             sendall_ordered(chan, bytes(pending[:size]))
             pending = pending[size:]
             if not pending:
-                send_eof(chan)
                 pending = None
+            busy = True
+        if pending is None and then is not None and (not then or ready()):
+            if then:
+                pending, then = memoryview(then), b""
+            else:
+                send_eof(chan)
+                then = None
             busy = True
         if chan.recv_ready():
             data = chan.recv(65536)
@@ -314,7 +435,7 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
-    why = conn.lost_reason or (str(exc) if exc else "the connection closed")
+    why = conn.lost_reason or (exc and str(exc)) or "the connection closed"  # EOFError says ""
     return ConnectionLost(
         f"lost the connection to {conn.spec.address} while the command ran ({why}); "
         "its processes were stopped",
@@ -339,26 +460,35 @@ def _stop(chan: paramiko.Channel) -> None:
 
 def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
                 timeout: float | None = 60) -> RunResult:
-    """Run a short shell command with no wrapper (one round trip), optionally feeding stdin.
+    """Run a short ``/bin/sh`` command line with no wrapper, optionally feeding stdin.
 
     For gpumagic's own quick queries (``nvidia-smi``, ``df``, listing files).  Not for user
-    code: an interrupt here does not stop remote children.
+    code: an interrupt here does not stop remote children.  ``command`` travels as a program
+    on stdin (see the module docstring), so it means the same whatever the login shell is; it
+    may span lines.  One round trip; two when ``stdin`` has data (it is sent once ``/bin/sh``
+    has read the whole command).
 
     Raises
     ------
     ConnectionLost, RemoteTimeout
+    RemoteCommandError
+        For a NUL byte in ``command``.
     """
+    nonce = secrets.token_hex(6)
+    script = program(command, nonce)
     chan = conn.open_session()
     start = time.monotonic()
     out, err = _Stream(None, True), _Stream(None, True)
+    marker = _MarkerFilter(nonce)
     try:
-        chan.exec_command(command)
+        chan.exec_command(BOOTSTRAP)
         try:
-            _pump(conn, chan, out.feed, err.feed, timeout, start, stdin=stdin or b"")
+            _pump(conn, chan, lambda data: out.feed(marker.feed(data)), err.feed, timeout, start,
+                  script=script, stdin=stdin or b"", ready=lambda: marker.done)
         except _Timeout:
             raise RemoteTimeout(f"`{command[:60]}` took longer than {timeout:g} s",
                                 "check the machine's load, then try again")
-        out.feed(b"", final=True)
+        out.feed(marker.flush(), final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()
         if code == -1 and not conn.is_connected:
@@ -368,6 +498,68 @@ def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
     finally:
         chan.close()
     return RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes, err.nbytes)
+
+
+def start_program(chan: paramiko.Channel, command: str, *, timeout: float | None = 60) -> None:
+    """Start the ``/bin/sh`` command line ``command`` on the session channel ``chan``, the
+    way every gpumagic command starts (see the module docstring), and return once
+    ``/bin/sh`` has read all of it.
+
+    For callers that talk to the command over the channel themselves (the sync agent): what
+    they send from then on reaches ``command``'s stdin byte for byte, and what they read is
+    its output.  Output of the login shell before that point (a chatty ``~/.bashrc``) is
+    read and dropped; nothing after the marker line is consumed.  If the channel closes
+    first (no ``/bin/sh``, a refused login), this returns and the caller reads the end.
+
+    Raises
+    ------
+    paramiko.SSHException, EOFError, OSError
+        As ``exec_command`` and ``recv`` do; ``socket.timeout`` (an ``OSError``) after
+        ``timeout`` seconds without the marker.
+    RemoteCommandError
+        For a NUL byte in ``command``.
+    """
+    nonce = secrets.token_hex(6)
+    script = program(command, nonce)
+    chan.exec_command(BOOTSTRAP)
+    sendall_ordered(chan, script)
+    tag = f"\x1egpumagic-{nonce} ".encode()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    old = chan.gettimeout()
+    try:
+        seen = 0  # how much of ``tag`` the bytes read so far end with
+        while True:
+            # Read no further than the tag's end could be: never past the marker line.
+            want = len(tag) - seen if seen < len(tag) else 1
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout(f"no answer from /bin/sh within {timeout:g} s")
+                chan.settimeout(left)
+            data = chan.recv(want)
+            if not data:
+                return
+            for b in data:
+                if seen == len(tag):
+                    if b == 0x0A:
+                        return
+                    continue
+                seen = _advance(tag, seen, b)
+    finally:
+        chan.settimeout(old)
+
+
+def _advance(tag: bytes, seen: int, b: int) -> int:
+    """Knuth-Morris-Pratt step: how much of ``tag`` the stream ends with after byte ``b``,
+    given that it ended with ``tag[:seen]``."""
+    while True:
+        if tag[seen] == b:
+            return seen + 1
+        if seen == 0:
+            return 0
+        # fall back to the longest proper border of tag[:seen] (tags are short: recompute)
+        part = tag[:seen]
+        seen = next(k for k in range(seen - 1, -1, -1) if part.endswith(tag[:k]))
 
 
 _ENV_MARK = "\x1egpumagic-env\x1e"
@@ -380,15 +572,21 @@ _ENV_SKIP = frozenset({"_", "SHLVL", "PWD", "OLDPWD", "PS1", "PS2", "PS4", "PROM
 def login_env_delta(conn: Connection, timeout: float = 15) -> dict[str, str | None]:
     """What an interactive login shell (``ssh host``) sets beyond a plain ``ssh host cmd``.
 
-    One round trip: the exec environment and ``$SHELL -lic env`` are read together, and
+    One round trip: the exec environment and ``$SHELL -lic env`` (``$SHELL -l`` reading the
+    command from stdin for csh and tcsh) are read together, and
     the differences (conda/pyenv PATH, variables exported after the "not interactive,
     return" line of ``~/.bashrc``) are returned, ``None`` meaning "unset".  PATH entries
     that only the exec environment has are kept in front of the login PATH.  Cells apply
     it so that they see what the user sees over ``ssh host``, while each later exec pays
     only for a non-interactive shell.
     """
-    probe = (f"env -0; printf '{_ENV_MARK}'; "
-             f"\"${{SHELL:-/bin/sh}}\" -lic \"printf '{_ENV_MARK}'; env -0\" </dev/null 2>/dev/null")
+    # csh and tcsh take -l only as their sole option: they read the commands from stdin.
+    probe = (f"env -0; printf '{_ENV_MARK}'\n"
+             f"cmd=\"printf '{_ENV_MARK}'; env -0\"\n"
+             'case ${SHELL##*/} in\n'
+             '  csh|tcsh) printf \'%s\\n\' "$cmd" | "$SHELL" -l ;;\n'
+             '  *) "${SHELL:-/bin/sh}" -lic "$cmd" </dev/null ;;\n'
+             'esac 2>/dev/null')
     try:
         r = exec_simple(conn, probe, timeout=timeout)
     except RemoteTimeout:

@@ -11,8 +11,12 @@ too, so the layout is fixed)::
         pid          the runner's pid: leader of the job's session and process group
         exit_code    written when the job ends (absent while it runs)
 
-A job is *running* when ``exit_code`` is absent and ``kill -0 $(cat pid)`` succeeds,
-*lost* when neither (the machine rebooted, or something killed the runner with SIGKILL).
+A job is *running* when ``exit_code`` is absent and its runner lives: the pid in ``pid`` answers
+``kill -0``, is not a zombie, and is still this job's runner (one shell function,
+``job_running``, used by every script here); *lost* when neither (the machine rebooted, or
+something killed the runner with SIGKILL).  Everything in ``~/.gpumagic`` is private to the
+user (directories 0700, files 0600: ``env.sh`` holds the ``--env`` values and the login
+environment); the job's own command runs with the user's umask.
 Other files: ``ended`` (epoch seconds), ``killed`` (why it was stopped: ``user``, ``nan``,
 ``oom``, ``traceback``), ``stopped_by`` (the log line that stopped it), ``runner`` (``tmux``
 or ``nohup``), ``shutdown`` (epoch seconds of a pending shutdown), ``shutdown_started`` /
@@ -20,7 +24,9 @@ or ``nohup``), ``shutdown`` (epoch seconds of a pending shutdown), ``shutdown_st
 
 How a job runs
 --------------
-A launcher (one ``exec`` round trip) creates the directory, writes the scripts, and starts
+A launcher (one ``exec``) takes the name's start lock (so of two starts of one name at the
+same moment exactly one starts a job and the other is told it is already running), creates
+the directory, writes the scripts, and starts
 ``run.sh`` in a new tmux session ``gpumagic-<name>`` -- tmux is looked up on the exec
 channel's PATH followed by :data:`TOOL_DIRS` -- or, where tmux is missing, under
 ``setsid nohup``.  Either way the runner is a session and process-group leader, so the whole
@@ -55,6 +61,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from ..errors import ConnectionLost, JobError, RemoteTimeout
+from .execution import check_text, export_lines
 
 #: Where job directories live, relative to the remote HOME.
 JOBS_DIR = ".gpumagic/jobs"
@@ -363,8 +370,48 @@ procs() {
 }
 """
 
+#: The one test of "is this job still running", used by every script here (a zombie runner
+#: must read as ended everywhere, or ``Job.wait`` polls it until its timeout).
+#: ``alive PID``: the process exists
+#: (``kill -0``) and is not a zombie (state ``Z`` in ``/proc/PID/stat``, proc(5): an exited
+#: process whose parent has not reaped it; some container init processes never do).
+#: ``pstart PID``: its start time (field 22 of that line), so that a pid reused after a reboot
+#: is told apart.  ``job_running DIR``: no ``exit_code`` yet, and the pid in ``DIR/pid`` is
+#: alive and still this job's runner (its ``/proc/PID/cwd`` is ``DIR``; where /proc is
+#: missing, ``kill -0`` alone decides); before the runner has written its pid, the job runs
+#: while a live launcher holds the job's start lock (``.NAME.starting``, see LAUNCH_SCRIPT).
+_ALIVE_FN = r"""
+alive() {
+  case $1 in ""|*[!0-9]*) return 1 ;; esac
+  kill -0 "$1" 2>/dev/null || return 1
+  _st=; { read -r _st < "/proc/$1/stat"; } 2>/dev/null
+  _st=${_st##*) }
+  case $_st in Z*) return 1 ;; esac
+  return 0
+}
+pstart() {
+  _st=; { read -r _st < "/proc/$1/stat"; } 2>/dev/null
+  _st=${_st##*) }
+  set -- $_st
+  echo "${20}"
+}
+lock_held() {
+  _o=; { read -r _o _t < "$1/owner"; } 2>/dev/null
+  [ -n "$_o" ] && alive "$_o" && [ "$(pstart "$_o")" = "$_t" ]
+}
+job_running() {
+  [ -e "$1/exit_code" ] && return 1
+  _p=$(cat "$1/pid" 2>/dev/null)
+  if [ -z "$_p" ]; then lock_held "${1%/*}/.${1##*/}.starting"; return; fi
+  alive "$_p" || return 1
+  _c=$(readlink "/proc/$_p/cwd" 2>/dev/null) || return 0
+  [ "$_c" = "$(cd "$1" 2>/dev/null && pwd -P)" ]
+}
+"""
+
 #: Runs the job: ``/bin/sh ./run.sh`` in the job directory (its pid is the group leader).
 RUN_SCRIPT = r"""# gpumagic job runner (do not edit while the job runs)
+umask 077  # the job's own files (pid, exit_code, ...) are private; the command gets the user's
 echo $$ > pid.tmp && mv pid.tmp pid
 trap 'sig=1' TERM INT HUP  # a signal for the job must not stop us before exit_code is written
 jd=$(pwd -P)
@@ -377,8 +424,9 @@ if [ -s stop_on ]; then
   /bin/sh ./watch.sh </dev/null >/dev/null 2>&1 &
 fi
 (
+  umask "$(cat umask)"
   wd=$(cat workdir)
-  case $wd in "~") wd=$HOME ;; "~/"*) wd=$HOME/${wd#"~/"} ;; esac
+  case $wd in "~") wd=$HOME ;; "~/"*) wd=$HOME/${wd#"~/"} ;; /*) ;; ?*) wd=$HOME/$wd ;; esac
   if [ -n "$wd" ] && ! cd -- "$wd" 2>/dev/null; then
     echo "gpumagic: cannot enter directory $wd on this machine"; exit 97
   fi
@@ -453,7 +501,7 @@ tree() {  # the runner, its session and process group, and all their descendants
     }'
 }
 # The pid must still be this job's runner (its cwd is this directory), not a reused pid.
-if [ -z "$pg" ] || [ "$(readlink "/proc/$pg/cwd" 2>/dev/null)" != "$(pwd -P)" ]; then
+if [ -z "$pg" ] || ! job_running "$(pwd -P)"; then
   echo "lost"; exit 0
 fi
 first=$(tree)
@@ -477,28 +525,58 @@ fi
 echo "killed"
 kill -KILL -"$pg" 2>/dev/null
 exit 0
-""".replace("%(ticks)s", str(KILL_GRACE * 10)).replace("# gpumagic job killer\n", "# gpumagic job killer\n" + _PROCS_FN, 1)
+""".replace("%(ticks)s", str(KILL_GRACE * 10)).replace(
+    "# gpumagic job killer\n", "# gpumagic job killer\n" + _PROCS_FN + _ALIVE_FN, 1)
 
 #: One round trip that creates the job directory and starts the runner.
-#: Arguments: NAME WORKDIR INTERP STOP_ON SHUTDOWN_CMD SHUTDOWN_GRACE ALERTS TOOLDIRS ENV...
+#: Arguments: NAME WORKDIR INTERP STOP_ON SHUTDOWN_CMD SHUTDOWN_GRACE ALERTS TOOLDIRS.
+#: Environment: RUN, KILL, WATCH (the scripts), STOP_RE and RE_<kind> (the patterns), and
+#: JOBENV: ``export``/``unset`` lines giving the job's environment, applied only where
+#: ``env.sh`` is written (values never in an argv, nor in a tmux server's environment).
 #: The command text arrives on stdin.  Prints ``ok RUNNER PATH PID``, ``running``,
 #: ``norunner`` or ``error MESSAGE``.
+#:
+#: Starting is atomic per name: ``mkdir .NAME.starting`` (atomic on every file system) is
+#: the start lock, held from the "is it running?" check until the runner has written its
+#: pid.  A second launcher that finds it held by a live launcher prints ``running``; one
+#: whose owner died (SIGKILL, a reboot) is broken.  Everything is created private (umask
+#: 077: directories 0700, files 0600); the command itself runs with the user's umask.
 LAUNCH_SCRIPT = r"""
 name=$1 workdir=$2 interp=$3 stop_on=$4 sd_cmd=$5 sd_grace=$6 alerts=$7
 shift 7
-""" + _PATH_SETUP + r"""
+""" + _PATH_SETUP + _ALIVE_FN + r"""
+um=$(umask)
+umask 077
 base=$HOME/.gpumagic/jobs
 d=$base/$name
+lock=$base/.$name.starting
 mkdir -p "$base" || { echo "error cannot create $base"; exit 0; }
-if [ -d "$d" ]; then
-  if [ ! -e "$d/exit_code" ] && [ -s "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then
-    echo "running"; exit 0
+chmod 700 "$HOME/.gpumagic" "$base" 2>/dev/null
+i=0
+broke=0
+while ! mkdir "$lock" 2>/dev/null; do
+  if lock_held "$lock"; then echo "running"; exit 0; fi
+  if [ ! -s "$lock/owner" ] && [ $i -lt 40 ]; then  # its owner is writing it: 2 s at most
+    i=$((i + 1)); sleep 0.05; continue
   fi
-  old=$name-$(cat "$d/started" 2>/dev/null || date +%s)
+  # The launcher that took it is gone: break the lock (one of several breakers wins the mv).
+  broke=$((broke + 1)); i=0
+  [ $broke -le 5 ] || { echo "error cannot take the start lock $lock"; exit 0; }
+  mv "$lock" "$lock.stale.$$" 2>/dev/null && rm -rf "$lock.stale.$$"
+done
+trap 'rm -rf "$lock"' EXIT
+trap 'exit 1' HUP INT TERM PIPE
+echo "$$ $(pstart $$)" > "$lock/owner.tmp" && mv "$lock/owner.tmp" "$lock/owner"
+if [ -d "$d" ]; then
+  if [ -s "$d/pid" ] && job_running "$d"; then echo "running"; exit 0; fi
+  s=$(cat "$d/started" 2>/dev/null)
+  case $s in ""|*[!0-9]*) s=$(date +%s) ;; esac
+  old=$name-$s
   [ -e "$base/$old" ] && old=$old-$$
-  mv "$d" "$base/$old" 2>/dev/null && echo "archived $old"
+  mv "$d" "$base/$old" || { echo "error cannot move the ended job aside to $base/$old"; exit 0; }
+  echo "archived $old"
 fi
-mkdir "$d" 2>/dev/null || { echo "running"; exit 0; }
+mkdir "$d" || { echo "error cannot create $d"; exit 0; }
 cd "$d" || { echo "error cannot enter $d"; exit 0; }
 cat > command
 date +%s > started
@@ -506,6 +584,7 @@ date +%s > started
 printf '%s\n' "$name" > name
 printf '%s\n' "$workdir" > workdir
 printf '%s\n' "$interp" > interp
+printf '%s\n' "$um" > umask
 printf '%s' "$RUN" > run.sh
 printf '%s' "$KILL" > kill.sh
 printf '%s' "$WATCH" > watch.sh
@@ -521,17 +600,17 @@ if [ -n "$sd_cmd" ]; then
   printf '%s\n' "$sd_cmd" > shutdown_command
   printf '%s\n' "$sd_grace" > shutdown_grace
 fi
-unset RUN KILL WATCH STOP_RE RE_nan RE_oom RE_traceback TMUX TMUX_PANE OLDPWD
-for a in "$@"; do
-  case $a in -*) unset "${a#-}" ;; *) export "$a" ;; esac
-done
-export -p > env.sh
+(
+  unset RUN KILL WATCH STOP_RE RE_nan RE_oom RE_traceback TMUX TMUX_PANE OLDPWD
+  eval "$JOBENV" && unset JOBENV && export -p > env.sh
+) || { cd /; rm -rf "$d"; echo "error cannot write the job's environment"; exit 0; }
+unset RUN KILL WATCH STOP_RE RE_nan RE_oom RE_traceback JOBENV TMUX TMUX_PANE
 tmux=$(find_tool tmux) || tmux=
 why=
 if [ -n "$tmux" ]; then
   # A finished job's session kept open by a `remain-on-exit` setting would block the name.
   "$tmux" kill-session -t "=gpumagic-$name" 2>/dev/null
-  if err=$("$tmux" new-session -d -s "gpumagic-$name" -c "$d" /bin/sh ./run.sh 2>&1 </dev/null); then
+  if err=$(umask "$um"; "$tmux" new-session -d -s "gpumagic-$name" -c "$d" /bin/sh ./run.sh 2>&1 </dev/null); then
     echo tmux > runner
   else
     why=$(printf '%s' "$err" | tr '\n' ' ')
@@ -540,14 +619,19 @@ if [ -n "$tmux" ]; then
 fi
 if [ -z "$tmux" ]; then
   setsid=$(find_tool setsid) && nohup=$(find_tool nohup) || {
-    rm -rf "$d"; echo "norunner"; exit 0; }
+    cd /; rm -rf "$d"; echo "norunner"; exit 0; }
   echo nohup > runner
-  "$setsid" "$nohup" /bin/sh ./run.sh </dev/null >/dev/null 2>&1 &
+  (umask "$um"; exec "$setsid" "$nohup" /bin/sh ./run.sh) </dev/null >/dev/null 2>&1 &
+  bg=$!
 fi
 i=0
-while [ ! -s pid ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i + 1)); done
-if [ -n "$tmux" ]; then echo "ok tmux $tmux $(cat pid 2>/dev/null)"
-else echo "ok nohup $setsid $(cat pid 2>/dev/null) $why"; fi
+while [ ! -s pid ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i + 1)); done
+if [ ! -s pid ]; then  # no runner after 30 s: stop it, so that no late one runs unseen
+  if [ -n "$tmux" ]; then "$tmux" kill-session -t "=gpumagic-$name" 2>/dev/null; else kill -KILL "$bg" 2>/dev/null; fi
+  cd /; rm -rf "$d"; echo "error the job's runner did not start within 30 s"; exit 0
+fi
+if [ -n "$tmux" ]; then echo "ok tmux $tmux $(cat pid)"
+else echo "ok nohup $setsid $(cat pid) $why"; fi
 """
 
 #: Lists jobs: ``sh -c LIST_SCRIPT list SCAN_BYTES NAME_OR_EMPTY ALERT_RE...`` (one ERE per
@@ -555,6 +639,7 @@ else echo "ok nohup $setsid $(cat pid 2>/dev/null) $why"; fi
 LIST_SCRIPT = r"""
 scan=$1 only=$2
 shift 2
+""" + _ALIVE_FN + r"""
 printf 'now\t%s\n' "$(date +%s)"
 base=$HOME/.gpumagic/jobs
 [ -d "$base" ] || exit 0
@@ -568,11 +653,7 @@ for d in "$base"/*; do
     [ -e "$d/$f" ] && printf '%s\t%s\n' "$f" "$(head -c 300 "$d/$f" | head -n 1)"
   done
   [ -e "$d/stopped_by" ] && printf 'stopped_by\t%s\n' "$(head -n 1 "$d/stopped_by" | cut -c1-300)"
-  p=$(cat "$d/pid" 2>/dev/null)
-  if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then
-    st=; read -r st < "/proc/$p/stat" 2>/dev/null; st=${st##*) }
-    case $st in Z*) ;; *) printf 'alive\t1\n' ;; esac  # a zombie has ended
-  fi
+  job_running "$d" && printf 'alive\t1\n'
   [ -f "$d/log" ] || continue
   printf 'last\t%s\n' "$(tail -c 4096 "$d/log" | tr '\r' '\n' | grep -a -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300)"
   for are in "$@"; do
@@ -586,6 +667,7 @@ done
 #: ``follow`` = 1, keeps printing what is appended until the job ends.  Exit 3: no job.
 FOLLOW_SCRIPT = r"""
 name=$1 lines=$2 follow=$3
+""" + _ALIVE_FN + r"""
 d=$HOME/.gpumagic/jobs/$name
 [ -d "$d" ] || { echo "no job named $name" >&2; exit 3; }
 cd "$d" || exit 3
@@ -593,9 +675,8 @@ cd "$d" || exit 3
 pos=$(wc -c < log)
 if [ "$lines" = all ]; then head -c "$pos" log; else head -c "$pos" log | tail -n "$lines"; fi
 [ "$follow" = 1 ] || exit 0
-running() { [ ! -e exit_code ] && { p=$(cat pid 2>/dev/null); [ -z "$p" ] || kill -0 "$p" 2>/dev/null; }; }
 while :; do
-  r=0; running && r=1
+  r=0; job_running "$d" && r=1
   size=$(wc -c < log)
   if [ "$size" -gt "$pos" ]; then
     tail -c +$((pos + 1)) log | head -c $((size - pos))
@@ -610,8 +691,8 @@ done
 WAIT_SCRIPT = r"""
 d=$HOME/.gpumagic/jobs/$1
 [ -d "$d" ] || exit 3
-cd "$d" || exit 3
-while [ ! -e exit_code ] && { p=$(cat pid 2>/dev/null); [ -z "$p" ] || kill -0 "$p" 2>/dev/null; }; do
+""" + _ALIVE_FN + r"""
+while job_running "$d"; do
   sleep 0.2
 done
 """
@@ -639,9 +720,6 @@ mv shutdown shutdown_cancelled.late 2>/dev/null && stop_timer
 [ -e shutdown_started ] && { echo "started"; exit 0; }
 echo "cancelled"
 """
-
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _q(args: Iterable[str]) -> str:
@@ -859,7 +937,8 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
     command : str
         A bash script, or Python source with ``python=True`` (run with ``python3 -u``).
     cwd : str, optional
-        Working directory (default: the machine's ``cwd``, else the login directory).
+        Working directory (default: the machine's ``cwd``, else the login directory);
+        ``~/...`` and relative paths start at the remote ``$HOME``.
     env : mapping, optional
         Extra environment variables on top of the user's login environment.
     stop_on : iterable of str or "nan,oom,traceback"
@@ -903,22 +982,20 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
                            f"arm a real shutdown of it ({plan.command})",
                            "put a stand-in `shutdown` in the sandbox (see tutorial 04)")
         sd_cmd, grace = plan.command, int(round(then_shutdown * 60))
-    items = []
-    full_env = {**machine.login_env(), **(env or {})}
-    for k, v in full_env.items():
-        if not _ENV_NAME.fullmatch(k):
-            continue  # not a shell variable name (e.g. an exported bash function)
-        items.append(f"-{k}" if v is None else f"{k}={v}")
-    work = cwd if cwd is not None else (machine.cwd or "")
-    # The launcher receives the job's scripts and patterns as environment variables.
+    check_text(command)
+    work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
+    # Names that are not shell variable names (exported bash functions) are left out.
+    lines, _ = export_lines({**machine.login_env(), **(env or {})})
+    # The launcher receives the job's scripts, patterns and environment as environment
+    # variables (the exec program that sets them travels on stdin: no value is in an argv).
     launcher_env = {"RUN": RUN_SCRIPT, "KILL": KILL_SCRIPT, "WATCH": WATCH_SCRIPT,
-                    "STOP_RE": _alert_re(kinds) if kinds else ""}
+                    "STOP_RE": _alert_re(kinds) if kinds else "", "JOBENV": "\n".join(lines)}
     launcher_env.update({f"RE_{k}": ALERTS[k][0] for k in ALERTS})
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in launcher_env.items())
     line = prefix + " " + _q(["/bin/sh", "-c", LAUNCH_SCRIPT, "launch", name, work,
                               "python3" if python else "bash", ",".join(kinds), sd_cmd, str(grace),
-                              "1" if alerts else "0", ":".join(tool_dirs), *items])
-    r = machine.exec(line, stdin=command.encode(), timeout=60)
+                              "1" if alerts else "0", ":".join(tool_dirs)])
+    r = machine.exec(line, stdin=command.encode(), timeout=90)
     res = parse_launch(r.stdout)
     archived = next((ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("archived ")), "")
     if res["status"] == "running":

@@ -357,9 +357,10 @@ def sandbox_home() -> Path:
     """
     import platformdirs
 
-    home = Path(platformdirs.user_data_dir("gpumagic")) / "sandbox-home"
-    home.mkdir(parents=True, exist_ok=True)
-    return home
+    from .._fs import private_dir
+
+    data = private_dir(platformdirs.user_data_dir("gpumagic"))
+    return private_dir(data / "sandbox-home")
 
 
 #: A sandbox's temporary directory is named ``gpumagic-sandbox-PID-START-RANDOM``: the pid of

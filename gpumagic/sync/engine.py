@@ -38,10 +38,11 @@ from typing import Callable, Iterable
 import paramiko
 import pathspec
 
-from . import agent as agent
+from . import agent
+from ..errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
+from ..remote.execution import start_program
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import wait_readable
-from ..errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
 LARGE_FILE = 8 * 1024 * 1024
@@ -565,7 +566,8 @@ ProgressCallback = Callable[[SyncProgress], None]
 
 
 def agent_command(op: str, *args: str) -> str:
-    """The exec line that runs the agent operation ``op`` with the remote ``python3``."""
+    """The ``/bin/sh`` command line that runs the agent operation ``op`` with the remote
+    ``python3`` (started with :func:`gpumagic.remote.execution.start_program`)."""
     argv = ["python3", "-I", "-S", "-c", AGENT_SOURCE, op, *args]
     return " ".join(shlex.quote(a) for a in argv)
 
@@ -581,7 +583,7 @@ class _Channel:
         self.buf = bytearray()
         self.marked = False
         try:
-            self.chan.exec_command(agent_command(op, *args))
+            start_program(self.chan, agent_command(op, *args))  # whatever the login shell
         except (paramiko.SSHException, EOFError, OSError) as e:
             self.chan.close()
             raise _lost(machine, e)

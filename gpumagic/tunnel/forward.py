@@ -1085,8 +1085,8 @@ def _hint_for(e: BaseException) -> str:
 #: bound to 127.0.0.1; TensorBoard itself picks 6006 or the next free port when ``--port``
 #: is not given.  Prints one JSON line.
 #: Shared by the service scripts (prepended to each): start ``argv`` detached in its own
-#: session with output to ``~/.gpumagic/NAME-MS.log``, wait until ``running()`` lists its pid
-#: (``pid_of(info)``), then ``report`` it; else print the log's last lines as "failed".
+#: session with output to ``~/.gpumagic/NAME-MS.log`` (0600, in a 0700 directory), wait until
+#: ``running()`` lists its pid (``pid_of(info)``), then ``report`` it; else print the log's last lines as "failed".
 #:
 #: Every service gpumagic starts is recorded at once in ``~/.gpumagic/services/PID.json``
 #: (its name, log, and its start time in clock ticks after boot from ``/proc/PID/stat``
@@ -1144,9 +1144,10 @@ def recorded(pid):
             found = rec
     return found
 def start_and_report(name, argv, running, pid_of):
-    state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, exist_ok=True)
+    state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, 0o700, exist_ok=True)
+    os.chmod(state, 0o700)  # private: Jupyter's log holds its token
     log = os.path.join(state, "%s-%d.log" % (name, int(time.time() * 1000)))
-    with open(log, "ab") as out:
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                              start_new_session=True, close_fds=True)
     record(name, p.pid, log)
