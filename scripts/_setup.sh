@@ -7,6 +7,15 @@ need=()
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v rsync >/dev/null 2>&1 || need+=(rsync)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
+command -v git >/dev/null 2>&1 || need+=(git)
+# Optional for the tests: login shells that re-read a command differently, and shellcheck for
+# the machine-side programs.  Installed when we are root; otherwise their tests are skipped
+# with the install line.
+if [ "$(id -u)" = 0 ]; then
+  for tool in fish tcsh zsh shellcheck; do
+    command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
+  done
+fi
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
