@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import getpass
-import hashlib
 import os
 import re
 import socket
@@ -33,6 +32,8 @@ import paramiko
 from ._fs import atomic_write
 from .ssh.connection import Connection, load_private_key
 from .errors import AuthenticationFailed, ConfigError, GpumagicError
+from .ssh.config import local_user
+from .ssh.known_hosts import fingerprint
 from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, resolve, ssh_dir)
 
 PasswordPrompt = Callable[[str], str]
@@ -87,8 +88,7 @@ class KeyPair:
 def public_key_fingerprint(line: str) -> str:
     """The ``SHA256:...`` fingerprint of a ``.pub`` / authorized_keys line (``ssh-keygen -lf``)."""
     _, blob = _key_type_and_blob(line)
-    digest = hashlib.sha256(base64.b64decode(blob)).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+    return fingerprint(base64.b64decode(blob))
 
 
 _KEY_TYPE_RE = re.compile(r"^(ssh-(ed25519|rsa|dss)|ecdsa-sha2-nistp\d+|sk-\S+@openssh\.com)$")
@@ -221,7 +221,7 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
                             f"use that key (its public half is {pub_path}), or pick another file "
                             "with --path ~/.ssh/id_ed25519_gpu")
     if comment is None:
-        comment = f"{_local_user()}@{socket.gethostname()}"
+        comment = f"{local_user()}@{socket.gethostname()}"
     if any(c in comment for c in "\r\n"):
         raise ConfigError("the key comment has a line break", "use a one-line comment")
     key = Ed25519PrivateKey.generate()
@@ -813,10 +813,3 @@ def install_key(target: str, *, key: str | os.PathLike | None = None, port: int 
                             fingerprint=public_key_fingerprint(line))
 
 
-def _local_user() -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except Exception:
-        return os.environ.get("USER", "user")

@@ -736,6 +736,19 @@ _kw("streamlocalbindmask", "streamlocalbindmask")
 _kw("fingerprinthash", "fingerprinthash")
 
 
+def local_user() -> str:
+    """The local user name as ``ssh`` takes it (``getpwuid(getuid())``: ``%u``, ``Match
+    localuser``, the default ``User``); ``getpass.getuser()`` where there is no passwd entry."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError, AttributeError):
+        import getpass
+
+        return getpass.getuser()
+
+
 @dataclass
 class Local:
     """The local side, as ``ssh`` takes it from ``getpwuid(getuid())`` and ``gethostname``.
@@ -751,15 +764,7 @@ class Local:
 
     @classmethod
     def current(cls, home: str | os.PathLike | None = None) -> "Local":
-        try:
-            import pwd
-
-            pw = pwd.getpwuid(os.getuid())
-            user, uid = pw.pw_name, pw.pw_uid
-        except (ImportError, KeyError, AttributeError):
-            import getpass
-
-            user, uid = getpass.getuser(), getattr(os, "getuid", lambda: 0)()
+        user, uid = local_user(), getattr(os, "getuid", lambda: 0)()
         home = os.fspath(home) if home else os.path.expanduser("~")
         return cls(user=user, home=home, uid=uid, thishost=socket.gethostname())
 

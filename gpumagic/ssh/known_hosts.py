@@ -132,9 +132,9 @@ def fingerprint(key: paramiko.PKey | bytes) -> str:
 
     ``key`` is a paramiko key or the key's wire-format blob.
     """
-    blob = key if isinstance(key, bytes) else key.asbytes()
-    digest = hashlib.sha256(blob).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+    if not isinstance(key, bytes):
+        return key.fingerprint  # paramiko's, in OpenSSH's form
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key).digest()).decode().rstrip("=")
 
 
 # -- SSH wire format -----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import SandboxError
+from .config import local_user
 from .hosts import HostSpec
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/opt/homebrew/sbin/sshd",
@@ -79,12 +80,6 @@ def recordings() -> list[str]:
     """Names of the recorded GPUs the fake ``nvidia-smi`` can replay (``h200-idle``, ...)."""
     base = FAKE_DIR / "recordings"
     return sorted(p.name for p in base.iterdir() if p.is_dir() and p.name != "host")
-
-
-def local_user() -> str:
-    import pwd
-
-    return pwd.getpwuid(os.getuid()).pw_name
 
 
 class SshServer:
@@ -160,11 +155,11 @@ class SshServer:
     def host_key_fingerprint(self) -> str:
         """``SHA256:...`` of the host key, as ``ssh`` shows it on first contact."""
         import base64
-        import hashlib
+
+        from .known_hosts import fingerprint
 
         blob = Path(str(self.host_key) + ".pub").read_text().split()[1]
-        digest = hashlib.sha256(base64.b64decode(blob)).digest()
-        return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+        return fingerprint(base64.b64decode(blob))
 
     # -- programs on the server's PATH -------------------------------------------------
 
