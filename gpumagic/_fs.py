@@ -51,6 +51,7 @@ def private_dir(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.stat().st_mode & 0o077:
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():  # another user's directory: not ours to change
         os.chmod(path, 0o700)
     return path

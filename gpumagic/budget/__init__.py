@@ -1,5 +1,7 @@
 """Budget: prices, the spending ledger, alerts and the idle guard."""
 
-from .ledger import GuardStatus, MeterReading, Prices, BudgetError, Ledger, set_prices, spent, next_boundary_in
+from .ledger import (BudgetError, GuardStatus, Ledger, MeterReading, Prices, data_dir, next_boundary_in,
+                     set_prices, spent)
 
-__all__ = ['GuardStatus', 'MeterReading', 'Prices', 'BudgetError', 'Ledger', 'set_prices', 'spent', 'next_boundary_in']
+__all__ = ["BudgetError", "GuardStatus", "Ledger", "MeterReading", "Prices", "data_dir", "next_boundary_in",
+           "set_prices", "spent"]

@@ -1115,9 +1115,9 @@ def alive(pid):
     except OSError:
         return True
 def record(name, pid, log):
-    os.makedirs(SERVICES, exist_ok=True)
+    os.makedirs(SERVICES, 0o700, exist_ok=True)
     path = os.path.join(SERVICES, "%d.json" % pid)
-    with open(path + ".tmp", "w") as f:
+    with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump({"name": name, "pid": pid, "log": log, "ticks": started_ticks(pid)}, f)
     os.replace(path + ".tmp", path)
 def recorded(pid):
