@@ -156,7 +156,10 @@ def _stat_record(out, kind_path, rel, st, want_hash):
         name = os.path.basename(rel)
         if name in IGNORE_FILES and st.st_size <= MAX_IGNORE_TEXT:
             with open(kind_path, "rb") as f:
-                _record(out, "i", rel, 0, 0, 0, f.read().decode("utf-8", "replace").replace("\0", ""))
+                data = f.read()
+            # Bytes as they are (git reads them so); a NUL ends its line's pattern in git, and
+            # would end the record here, so each line is cut at its first NUL.
+            _record(out, "i", rel, 0, 0, 0, b"\n".join(line.split(b"\0", 1)[0] for line in data.split(b"\n")))
 
 
 def list_tree(root, want_hash=False, names=None):
