@@ -1053,9 +1053,31 @@ class _Channel:
 
     # -- writing --------------------------------------------------------------------------
 
+    def _send_window(self) -> int:
+        """Bytes the server lets this channel send now (its window), waiting while that is 0
+        with the connection watched as for a read; 0 once the channel is closed."""
+        chan = self.chan
+        while True:
+            with chan.lock:
+                if chan.out_window_size == 0 and not (chan.closed or chan.eof_sent):
+                    chan.out_buffer_cv.wait(0.5)
+                if chan.closed or chan.eof_sent:
+                    return 0
+                if chan.out_window_size > 0:
+                    self.active = time.monotonic()
+                    return chan.out_window_size
+            self._drain_stderr()
+            self._watch()
+
     def send(self, data: bytes) -> None:
+        view = memoryview(data)
         try:
-            sendall_ordered(self.chan, data)  # never after the agent's CLOSE (sshd would drop us)
+            while view:
+                # Never more than the window allows, so that sendall_ordered never blocks
+                # unwatched; it never sends after the agent's CLOSE (sshd would drop us).
+                n = self._send_window() or len(view)
+                sendall_ordered(self.chan, view[:n])
+                view = view[n:]
         except (paramiko.SSHException, EOFError, OSError) as e:
             if self._connection_gone():
                 raise _lost(self.machine, e) from None
@@ -1092,7 +1114,10 @@ class _Channel:
                 return -1  # killed: sshd sends exit-signal, which paramiko does not keep
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-            wait_readable(self.chan, 0.2)
+            if self.chan.eof_received:  # the channel stays readable after EOF: no busy loop
+                self.chan.status_event.wait(0.2)
+            else:
+                wait_readable(self.chan, 0.2)
             while self.chan.recv_ready():
                 self.buf += self.chan.recv(1 << 20)  # drained so the agent can exit
             self._drain_stderr()

@@ -225,10 +225,13 @@ def test_start_up_files_that_never_finish_are_a_clear_error(tmp_path, monkeypatc
         server.stop()
 
 
+@pytest.mark.parametrize("direction", ["push", "pull"])
 @pytest.mark.parametrize("keepalive", [0, 1])
-def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_path, monkeypatch, keepalive):
+def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_path, monkeypatch, keepalive,
+                                                                   direction):
     """SIGSTOP the serving sshd: with keepalives (ServerAliveInterval 1, CountMax 2) they
-    end the wait; without (ServerAliveInterval 0) the sync's own probe does."""
+    end the wait (for data, or for the window to send into); without (ServerAliveInterval
+    0) the sync's own probe does."""
     import dataclasses
 
     monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
@@ -247,7 +250,10 @@ def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_pat
 
         try:
             with pytest.raises(ConnectionLost) as e:
-                m.pull(str(remote) + "/", str(tmp_path / "local"), progress=freeze)
+                if direction == "pull":
+                    m.pull(str(remote) + "/", str(tmp_path / "local"), progress=freeze)
+                else:
+                    m.push(str(remote) + "/", str(tmp_path / "pushed"), progress=freeze)
             waited = time.monotonic() - stopped[0]
         finally:
             os.kill(pid, signal.SIGCONT)
