@@ -870,6 +870,7 @@ def main(argv):
     root = resolve(root, cwd)
     out = sys.stdout.buffer
     out.write(MARKER_PREFIX + nonce.encode("ascii") + b"\n")
+    out.flush()  # at once: a listing with hashes, or a prefix hash, may take minutes
     inp = sys.stdin.buffer
     if op == "serve":
         names = None if argv[5] == "-" else _json(argv[5])

@@ -259,3 +259,16 @@ def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_pat
             os.kill(pid, signal.SIGCONT)
     _assert_lost(e)
     assert waited < 15, waited
+
+
+def test_a_slow_listing_is_not_mistaken_for_a_helper_that_never_started(machine, tmp_path, monkeypatch):
+    """The start marker leaves at once; only the login shell's start has a deadline."""
+    slow = sync.AGENT_SOURCE.replace(
+        "def list_tree(root, want_hash=False, names=None):\n",
+        "def list_tree(root, want_hash=False, names=None):\n    import time; time.sleep(2.5)\n")
+    assert slow != sync.AGENT_SOURCE
+    monkeypatch.setattr(sync, "AGENT_SOURCE", slow)
+    monkeypatch.setattr(sync, "START_TIMEOUT", 1.5)
+    src = _tree(tmp_path / "src", small=3)
+    s = machine.push(str(src) + "/", str(tmp_path / "remote"))
+    assert s.files_sent == 3 and _files(tmp_path / "remote") == _files(src)
