@@ -1393,8 +1393,12 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
 
     Raises
     ------
+    ConfigError
+        A malformed ``--exclude`` pattern (before anything is sent).
     SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
-        Files already complete stay complete; a re-run resumes.
+        Files already complete stay complete; a re-run resumes.  A file is renamed into
+        place only whole, so a second sync of the same tree at once never exposes a
+        partial one.
     """
     start = time.monotonic()
     seps = _local_seps()
@@ -1608,7 +1612,8 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
 
     Raises
     ------
-    SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
+    ConfigError, SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
+        As for :func:`push`.
     """
     start = time.monotonic()
     rules = IgnoreRules(exclude, use_files=ignore_files)
