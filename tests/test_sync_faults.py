@@ -23,12 +23,13 @@ from gpumagic.errors import ConnectionLost
 from gpumagic.machine import Machine
 
 
-def _tree(root: Path, *, small: int = 0, large: int = 0, large_size: int = 0) -> Path:
+def _tree(root: Path, *, small: int = 0, small_size: int = 4000, large: int = 0,
+          large_size: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for i in range(small):
         d = root / f"d{i % 5}"
         d.mkdir(exist_ok=True)
-        (d / f"f{i:04d}.txt").write_bytes(os.urandom(4000 + i))
+        (d / f"f{i:04d}.txt").write_bytes(os.urandom(small_size + i))
     for i in range(large):
         (root / f"big{i}.bin").write_bytes(os.urandom(large_size))
     return root
@@ -67,8 +68,9 @@ def _assert_lost(e: pytest.ExceptionInfo) -> None:
 
 
 PHASES = {
-    # name: (tree, when to kill)
-    "small-files": (dict(small=400), lambda p: p.files_done >= 100),
+    # name: (tree, when to kill).  Each tree is far larger than what can be in flight when
+    # the kill comes (the channel window is 8 MiB), so the sync cannot have ended by then.
+    "small-files": (dict(small=400, small_size=80_000), lambda p: p.files_done >= 100),
     "large-file": (dict(large=1, large_size=40 << 20), lambda p: p.bytes_done >= 12 << 20),
     "both": (dict(small=300, large=1, large_size=30 << 20), lambda p: p.bytes_done >= 8 << 20),
 }
@@ -138,6 +140,11 @@ def test_cut_while_listing_says_lost_and_rerun_completes(machine, tmp_path, monk
 
 def test_cut_while_waiting_for_the_push_result_says_lost(machine, tmp_path, monkeypatch):
     src = _tree(tmp_path / "src", small=50)
+    slow = sync.AGENT_SOURCE.replace(  # the agent answers 1.5 s after the stream ends
+        "        written = extract(root, inp, on_file)\n",
+        "        written = extract(root, inp, on_file)\n        import time; time.sleep(1.5)\n")
+    assert slow != sync.AGENT_SOURCE
+    monkeypatch.setattr(sync, "AGENT_SOURCE", slow)
     real_close = sync._Channel.close_stdin
     killer = _Killer(machine, lambda p: True)
 
@@ -151,6 +158,7 @@ def test_cut_while_waiting_for_the_push_result_says_lost(machine, tmp_path, monk
         machine.push(str(src) + "/", str(tmp_path / "remote"))
     _assert_lost(e)
     monkeypatch.setattr(sync._Channel, "close_stdin", real_close)
+    monkeypatch.undo()
     machine.push(str(src) + "/", str(tmp_path / "remote"))
     assert _files(tmp_path / "remote") == _files(src)
 
