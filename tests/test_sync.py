@@ -312,7 +312,7 @@ def test_cut_large_push_leaves_no_file_and_rerun_sends_only_the_rest(machine, tm
     assert second.bytes_sent < size * 4 // 5
     assert second.bytes_sent <= size // 2 + 8 * 1024 * 1024  # the rest, plus at most a window in flight
     assert _sha(remote / "big.bin") == _sha(src / "big.bin")
-    assert not (remote / ".big.bin.gpumagic-part").exists()
+    assert list(remote.glob("*.gpumagic-part")) == []
 
 
 def test_interrupt_during_large_push_keeps_part_and_rerun_resumes(machine, tmp_path, monkeypatch):
@@ -329,9 +329,11 @@ def test_interrupt_during_large_push_keeps_part_and_rerun_resumes(machine, tmp_p
     with pytest.raises(KeyboardInterrupt):
         machine.push(str(src) + "/", str(tmp_path / "remote"), progress=interrupt)
     assert not (tmp_path / "remote" / "w.bin").exists()
+    assert [p.name.startswith(".w.bin.") for p in (tmp_path / "remote").glob("*.gpumagic-part")] == [True]
     again = machine.push(str(src) + "/", str(tmp_path / "remote"))
     assert again.bytes_resumed > 0 and again.bytes_sent + again.bytes_resumed == size
     assert _sha(tmp_path / "remote" / "w.bin") == _sha(src / "w.bin")
+    assert list((tmp_path / "remote").glob("*.gpumagic-part")) == []
 
 
 def test_cut_during_small_files_leaves_only_complete_files(machine, tmp_path, monkeypatch):
@@ -388,6 +390,25 @@ def test_large_pull_resumes_from_a_verified_partial(machine, tmp_path):
     s = machine.pull(str(remote) + "/", str(local))
     assert (s.bytes_resumed, s.bytes_sent) == (0, size)
     assert (local / "ckpt.pt").read_bytes() == data
+    assert list(local.glob("*.gpumagic-part")) == []
+
+
+def test_a_source_file_deleted_mid_pull_is_named_and_a_rerun_helps(machine, tmp_path, monkeypatch):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "ckpt.pt").write_bytes(os.urandom(sync.LARGE_FILE + 10))
+    real = sync._pull_large
+
+    def delete_first(machine, run, src_root, dst_root, e, remote_rel):
+        (remote / "ckpt.pt").unlink()
+        return real(machine, run, src_root, dst_root, e, remote_rel)
+
+    monkeypatch.setattr(sync, "_pull_large", delete_first)
+    with pytest.raises(SyncError) as e:
+        machine.pull(str(remote) + "/", str(tmp_path / "local"))
+    assert str(remote / "ckpt.pt") in e.value.message and "No such file" in e.value.message
+    assert "run the sync again" in e.value.hint and "will not help" not in e.value.hint
+    assert list((tmp_path / "local").glob("*.gpumagic-part")) == []
 
 
 def test_single_file_push_into_directory_and_to_new_name(machine, tmp_path):

@@ -710,6 +710,10 @@ def _sync(magics: GpuMagics, line: str):
         src, dst = sync.parse_endpoint(args.src), sync.parse_endpoint(args.dst)
     except ConfigError as e:
         raise UsageError(e.message) from None
+    try:
+        sync.IgnoreRules(args.exclude)  # a malformed --exclude, named before anything starts
+    except ConfigError as e:
+        raise UsageError(f"{e.message}; {e.hint}") from None
     if src.remote == dst.remote:
         raise UsageError("exactly one side must be remote: `%gpu sync ./project/ :/workspace/project/` "
                          "pushes, `%gpu sync :/workspace/runs/ ./runs/` pulls")

@@ -1,13 +1,13 @@
-"""The remote half of ``%gpu sync``: a stdlib-only script run as ``python3 -c SOURCE OP ...``.
+"""The remote half of ``%gpu sync``: a stdlib-only script run as ``python3 -c SOURCE OP NONCE ...``.
 
 gpumagic sends this file's text in each exec request (nothing is installed on the machine),
 and also imports it locally, so a pull writes files with the very same code a push uses on
 the remote side.  It must run on any Python 3.6+ and import nothing outside the standard
 library.
 
-Operations (argv after the source)
-----------------------------------
-``serve ROOT CWD HASH NAMES``
+Operations (argv after the source; NONCE is a fresh token of the caller's, see below)
+-------------------------------------------------------------------------------------
+``serve NONCE ROOT CWD HASH NAMES``
     Writes the listing of ROOT (an 8-byte big-endian length, then the records), then reads
     one command from stdin on the same channel: a 4-byte big-endian length and a JSON
     header ``{"op": "recv", ...}`` (see below) or ``{"op": "send", "paths": [...]}``; EOF
@@ -15,30 +15,53 @@ Operations (argv after the source)
 
     The listing: NUL-terminated fields, :data:`FIELDS` per record (kind, path, size,
     mtime_ns, mode, link target or text, sha256).  Kinds: ``f``
-    file, ``d`` directory, ``l`` symlink (never followed), ``p`` a partial transfer left
-    beside its target, ``i`` the text of a ``.gitignore``/``.gpuignore``, ``e`` an
+    file, ``d`` directory, ``l`` symlink (never followed), ``p`` a part file (path: its
+    target; mode 0 when abandoned, 1 while its writer may still run; text: the part's own
+    name; see "Part files"),
+    ``i`` the text of a ``.gitignore``/``.gpuignore``, ``e`` an
     unreadable directory.  ``HASH`` is ``1`` to add sha256 digests of files; ``NAMES`` is
     ``-`` or a JSON list that limits the listing to those entries of ROOT.
 ``recv`` (a ``serve`` command)
-    ``{"op": "recv", "delete": [paths], "meta": [[path, mode, mtime_ns]]}`` (removals
-    first; mode/mtime of files equal in content), then a tar stream follows on stdin.
-    Every file is written to a temporary name beside its target and renamed into place
-    when complete; directories get their mode and mtime last.
-``put ROOT CWD REL SIZE MTIME_NS MODE OFFSET SHA256``
-    One large file with resume: if the partial file holds OFFSET bytes whose sha256 is
-    SHA256 they are kept; prints ``OFFSET n`` then reads SIZE - n bytes from stdin.
+    ``{"op": "recv", "delete": [paths], "meta": [[path, mode, mtime_ns]], "clean":
+    [part paths]}`` (removals first; mode/mtime of files equal in content; abandoned part
+    files to remove), then a tar stream follows on stdin.  Every file is written to a part
+    file of its own beside its target, its size checked, and renamed into place; directories
+    get their mode and mtime last.
+``put NONCE ROOT CWD REL SIZE MTIME_NS MODE OFFSET SHA256``
+    One large file with resume: when an abandoned part file of REL holds OFFSET bytes whose
+    sha256 is SHA256, it is taken over and they are kept (a matching part whose writer still
+    runs is waited for up to :data:`RESUME_WAIT` s); prints ``OFFSET n``, then reads
+    SIZE - n bytes from stdin and, when n > 0, the sha256 (64 hex digits) of the whole
+    source file, which the part must then hash to before it is renamed.
 ``send`` (a ``serve`` command)
     ``{"op": "send", "paths": [...]}``: stdout then carries a tar stream of those files.
-``get ROOT CWD REL OFFSET SHA256``
+``get NONCE ROOT CWD REL SIZE OFFSET SHA256``
     Prints ``OFFSET n`` (n = OFFSET when the first OFFSET bytes hash to SHA256, else 0),
-    then the file's bytes from n.
+    then bytes n..SIZE of the file and, when n > 0, the sha256 (64 hex digits) of its first
+    SIZE bytes.
 
-Every operation first writes :data:`MARKER` on stdout (whatever a shell start-up file
-printed before it is skipped).  Errors print one JSON line ``{"error": ..., "errno": ..., "path": ..., "mount": ...}`` on
-stderr (stdout for ``recv``/``put``) and exit with status 3.
+Every operation first writes ``MARKER_PREFIX NONCE \\n`` on stdout: whatever a shell
+start-up file printed before it (in any number of packets, even a copy of the prefix) is
+skipped.  Errors print one JSON line ``{"error": ..., "errno": ..., "path": ..., "mount": ...}``
+on stderr (stdout for ``recv``/``put``) and exit with status 3.
+
+Part files
+----------
+A file is written to ``.NAME.TOKEN.gpumagic-part`` beside its target, TOKEN being
+``HOST-PID-SERIAL`` of its writer (HOST a hash of the machine's name), so two writers of one
+target (two notebooks syncing the same tree) never share one, and renamed onto NAME only
+after its size (and, when it was resumed, its sha256) is checked.  A large file's part is
+held under ``flock`` while written.  A part is *abandoned* when its writer is gone: on the
+same machine, its PID no longer runs (or, for this very process, its writer has finished);
+on another machine sharing the disk, no ``flock`` is held on it (or, where locks do not
+work, it is over :data:`STALE_SECONDS` old).  Only abandoned parts are resumed (taken over
+by renaming them to the new writer's own name, an atomic step only one writer can win; the
+sha256 of the kept bytes is checked) or removed, and only the user's own.
+``.NAME.gpumagic-part`` (older gpumagic) counts as abandoned unless locked.
 """
 
 import errno
+import itertools
 import os
 import stat
 import struct
@@ -52,6 +75,16 @@ PART_SUFFIX = ".gpumagic-part"
 IGNORE_FILES = (".gitignore", ".gpuignore")
 CHUNK = 1 << 20
 MAX_IGNORE_TEXT = 1 << 20
+#: A part file of another machine (sharing the disk) where locks do not work counts as
+#: abandoned after this many seconds without a write.
+STALE_SECONDS = 3600
+#: Seconds a resume waits for a matching part file whose writer is still running (the
+#: agent of a connection that was just cut may take a moment to end).
+RESUME_WAIT = 3.0
+#: Longest name kept as is in a part name; longer ones are replaced by their sha1.
+LONG_NAME = 200
+#: Written first on stdout, followed by the caller's nonce and a newline.
+MARKER_PREFIX = b"\x1egpumagic-sync "
 
 
 class AgentError(Exception):
@@ -72,21 +105,209 @@ def resolve(root, cwd):
     return os.path.abspath(os.path.join(base, root))
 
 
-def part_name(path):
-    """The temporary name beside ``path`` used while it is written (also for resume)."""
-    import hashlib
-    d, name = os.path.split(path)
-    if len(os.fsencode(name)) > 200:
-        name = hashlib.sha1(os.fsencode(name)).hexdigest()
-    return os.path.join(d, "." + name + PART_SUFFIX)
+# -- part files (see the module docstring) -------------------------------------------------
+
+
+def _host_id():
+    try:
+        node = os.uname().nodename
+    except AttributeError:  # Windows
+        node = os.environ.get("COMPUTERNAME", "")
+    h = 0
+    for b in node.encode("utf-8", "replace"):
+        h = (h * 31 + b) & 0xFFFFFFFF
+    return "%08x" % h
+
+
+_HOST = _host_id()
+_SERIAL = itertools.count(1)  # next() is atomic: threads never share a token
+_SALT = os.urandom(4).hex()
+#: Tokens of this process's writers that are still writing (guarded by the GIL: set ops).
+_ACTIVE = set()
+
+
+def _stem(name):
+    """A target's name as it appears in its part names (the sha1 of a long name)."""
+    if len(os.fsencode(name)) > LONG_NAME:
+        import hashlib
+        return hashlib.sha1(os.fsencode(name)).hexdigest()
+    return name
+
+
+def _new_token():
+    return "%s-%d-%s%x" % (_HOST, os.getpid(), _SALT, next(_SERIAL))
+
+
+def _parse_token(token):
+    """(host, pid) of a writer token, or None when ``token`` is not one."""
+    parts = token.split("-")
+    if len(parts) != 3 or len(parts[0]) != 8 or not parts[1].isdigit() or len(parts[2]) < 8:
+        return None
+    try:
+        int(parts[0], 16)
+        int(parts[2], 16)
+    except ValueError:
+        return None
+    return parts[0], int(parts[1])
+
+
+def parse_part(name):
+    """``(stem, token)`` of a part file's name (token None for an older gpumagic's
+    ``.NAME.gpumagic-part``), or None when ``name`` is not a part file's."""
+    if not (name.startswith(".") and name.endswith(PART_SUFFIX)) or len(name) <= len(PART_SUFFIX) + 1:
+        return None
+    core = name[1:-len(PART_SUFFIX)]
+    stem, dot, token = core.rpartition(".")
+    if dot and stem and _parse_token(token) is not None:
+        return stem, token
+    return core, None
 
 
 def real_name(part):
-    """The target path of a part name, or None when ``part`` is not one (hashed names: None)."""
+    """The target path of a part file's path, or None when ``part`` is not one (for a long
+    name, the target's sha1 stands for it)."""
     d, name = os.path.split(part)
-    if name.startswith(".") and name.endswith(PART_SUFFIX) and len(name) > len(PART_SUFFIX) + 1:
-        return os.path.join(d, name[1:-len(PART_SUFFIX)])
-    return None
+    parsed = parse_part(name)
+    return None if parsed is None else os.path.join(d, parsed[0])
+
+
+def new_part_name(path):
+    """A part name for ``path`` that no other writer uses, registered as being written
+    (see :func:`release`); returns (part path, token)."""
+    d, name = os.path.split(path)
+    token = _new_token()
+    _ACTIVE.add(token)  # before the file exists: another thread must never see it abandoned
+    return os.path.join(d, "." + _stem(name) + "." + token + PART_SUFFIX), token
+
+
+def release(token):
+    """This process no longer writes the part of ``token`` (it was renamed, removed, or is
+    left for a later run to resume)."""
+    _ACTIVE.discard(token)
+
+
+def _pid_alive(pid):
+    if os.name == "nt":
+        import ctypes
+        k = ctypes.windll.kernel32
+        h = k.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not h:
+            return ctypes.GetLastError() == 5  # access denied: it exists
+        try:
+            code = ctypes.c_ulong()
+            return not k.GetExitCodeProcess(h, ctypes.byref(code)) or code.value == 259
+        finally:
+            k.CloseHandle(h)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's process
+        return True
+    try:  # Linux: a zombie (in a container whose PID 1 reaps late, or never) is gone too
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            st = f.read()
+        return st[st.rindex(b")") + 2:st.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def _try_lock(f):
+    """Take an exclusive ``flock`` on the open file ``f`` without waiting: True when taken,
+    False when another open file holds it, None where this file system has no such locks."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return None
+
+
+def part_state(path):
+    """``"gone"`` when the part file ``path`` is abandoned (its writer is gone, see the
+    module docstring), ``"busy"`` while its writer may still write it, None for anything
+    that is not a part file of ours."""
+    parsed = parse_part(os.path.basename(path))
+    if parsed is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return None  # another user's: never taken over or removed
+    token = parsed[1]
+    owner = _parse_token(token) if token else None
+    if owner is not None and owner[0] == _HOST:
+        if owner[1] == os.getpid():
+            return "busy" if token in _ACTIVE else "gone"
+        if not _pid_alive(owner[1]):
+            return "gone"
+    if not stat.S_ISREG(st.st_mode):
+        return "busy"
+    # Another machine's writer, an older gpumagic's, or a running PID (maybe a dead writer's,
+    # reused): a writer of a large file holds a lock; others are done within seconds.
+    try:
+        f = open(path, "rb+")
+    except OSError:
+        return None  # gone, or not ours to touch
+    with f:
+        if _try_lock(f) is False:
+            return "busy"
+        if owner is None:
+            return "gone"
+        import time
+        return "gone" if time.time() - os.fstat(f.fileno()).st_mtime > STALE_SECONDS else "busy"
+
+
+def abandoned(path):
+    """Whether ``path`` is an abandoned part file (see :func:`part_state`)."""
+    return part_state(path) == "gone"
+
+
+def parts_of(path):
+    """``[(size, part path, state)]`` of the part files of the target ``path`` that are ours
+    (:func:`part_state` not None), largest first."""
+    d, name = os.path.split(path)
+    stem = _stem(name)
+    found = []
+    try:
+        it = list(os.scandir(d or "."))
+    except OSError:
+        return []
+    for ent in it:
+        parsed = parse_part(ent.name)
+        if parsed is None or parsed[0] != stem:
+            continue
+        try:
+            size = ent.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+        state = part_state(ent.path)
+        if state is not None:
+            found.append((size, ent.path, state))
+    found.sort(reverse=True)
+    return found
+
+
+def abandoned_parts(path):
+    """Paths of the abandoned part files of the target ``path``, largest first."""
+    return [p for _, p, state in parts_of(path) if state == "gone"]
+
+
+def remove_abandoned(paths):
+    """Remove those of ``paths`` that are abandoned part files (others are left alone)."""
+    for p in paths:
+        if abandoned(p):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
 
 def mount_of(path):
@@ -156,7 +377,10 @@ def _stat_record(out, kind_path, rel, st, want_hash):
         name = os.path.basename(rel)
         if name in IGNORE_FILES and st.st_size <= MAX_IGNORE_TEXT:
             with open(kind_path, "rb") as f:
-                _record(out, "i", rel, 0, 0, 0, f.read().decode("utf-8", "replace").replace("\0", ""))
+                data = f.read()
+            # Bytes as they are (git reads them so); a NUL ends its line's pattern in git, and
+            # would end the record here, so each line is cut at its first NUL.
+            _record(out, "i", rel, 0, 0, 0, b"\n".join(line.split(b"\0", 1)[0] for line in data.split(b"\n")))
 
 
 def list_tree(root, want_hash=False, names=None):
@@ -176,11 +400,8 @@ def list_tree(root, want_hash=False, names=None):
                 _stat_record(out, p, name, os.lstat(p), want_hash)
             except FileNotFoundError:
                 pass
-            try:
-                st = os.stat(part_name(p))
-                _record(out, "p", name, st.st_size)
-            except FileNotFoundError:
-                pass
+            for size, part, state in parts_of(p):
+                _record(out, "p", name, size, 0, state == "busy", os.path.basename(part))
         return out
     stack = [(root, "")]
     while stack:
@@ -192,10 +413,13 @@ def list_tree(root, want_hash=False, names=None):
             continue
         for ent in it:
             r = rel + "/" + ent.name if rel else ent.name
-            target = real_name(ent.name)
-            if target is not None:
+            parsed = parse_part(ent.name)
+            if parsed is not None:  # a part file: never an entry
                 try:
-                    _record(out, "p", (rel + "/" + target) if rel else target, ent.stat(follow_symlinks=False).st_size)
+                    state = part_state(ent.path)
+                    if state is not None:
+                        _record(out, "p", (rel + "/" + parsed[0]) if rel else parsed[0],
+                                ent.stat(follow_symlinks=False).st_size, 0, state == "busy", ent.name)
                 except OSError:
                     pass
                 continue
@@ -252,34 +476,209 @@ def _replace(tmp, path):
     os.replace(tmp, path)
 
 
+def _create(tmp):
+    """Open the new part file ``tmp`` for writing; it must not exist yet."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    return os.fdopen(os.open(tmp, flags, 0o600), "r+b")
+
+
+def _unlink_quietly(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def write_file(path, src, size, mode, mtime, on_bytes=None):
-    """Copy ``size`` bytes from ``src`` into a temp name beside ``path``, then rename.
+    """Copy ``size`` bytes from ``src`` into a part file of this writer's own beside
+    ``path``, check its size, then rename it onto ``path`` (see "Part files").
 
     ``mtime`` is seconds (float) or, when an int above 1e15, nanoseconds.
     """
     _make_parent(path)
-    tmp = part_name(path)
+    tmp, token = new_part_name(path)
     done = False
     try:
-        with open(tmp, "wb") as f:
-            left = size
-            while left > 0:
-                b = src.read(min(CHUNK, left))
-                if not b:
-                    raise EOFError("stream ended %d bytes before the end of %s" % (left, path))
-                f.write(b)
-                left -= len(b)
-                if on_bytes is not None:
-                    on_bytes(len(b))
+        with _create(tmp) as f:
+            write_rest(f, src, size, path, on_bytes)
+            _check_size(f, size, path)
         set_meta(tmp, mode, mtime)
         _replace(tmp, path)
         done = True
     finally:
         if not done:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
+        release(token)
+
+
+def write_rest(f, src, left, path, on_bytes=None):
+    """Copy ``left`` bytes from the stream ``src`` to the file ``f``.
+
+    Raises
+    ------
+    EOFError
+        When ``src`` ends first (what was written stays, for a resume).
+    """
+    while left > 0:
+        b = src.read(min(CHUNK, left))
+        if not b:
+            f.flush()
+            raise EOFError("stream ended %d bytes before the end of %s" % (left, path))
+        f.write(b)
+        left -= len(b)
+        if on_bytes is not None:
+            on_bytes(len(b))
+    f.flush()
+
+
+def _check_size(f, size, path):
+    have = os.fstat(f.fileno()).st_size
+    if have != size:
+        raise AgentError("%s: its part file holds %d bytes, not %d; it was not renamed into place"
+                         % (path, have, size))
+
+
+def hash_file(f, limit=None):
+    """A sha256 object of the open file ``f``'s first ``limit`` bytes (all when None)."""
+    import hashlib
+    h = hashlib.sha256()
+    f.seek(0)
+    left = limit
+    while left is None or left > 0:
+        b = f.read(CHUNK if left is None else min(CHUNK, left))
+        if not b:
+            break
+        h.update(b)
+        if left is not None:
+            left -= len(b)
+    return h
+
+
+def _adopt(cand, tmp):
+    """Take the abandoned part ``cand`` over by renaming it to ``tmp`` (only one writer can
+    win that rename); its open file, locked, or None when another writer won."""
+    try:
+        os.rename(cand, tmp)
+    except OSError:
+        return None
+    try:
+        f = open(tmp, "r+b")
+    except OSError:
+        _unlink_quietly(tmp)
+        return None
+    _try_lock(f)
+    return f
+
+
+def open_resumable(path, offset, digest):
+    """A part file of this writer's own for ``path``: an abandoned part taken over when its
+    first ``offset`` bytes hash to ``digest`` (the rest cut off), else a new one.
+
+    Returns
+    -------
+    (file, kept_bytes, part_path, token)
+        The file is open for writing at ``kept_bytes``, ``flock``-ed; call :func:`release`
+        with ``token`` when done with it.
+    """
+    _make_parent(path)
+    tmp, token = new_part_name(path)
+    try:
+        if offset > 0:
+            import time
+            deadline = time.time() + RESUME_WAIT
+            while True:
+                busy = False
+                for size, cand, state in parts_of(path):
+                    if size < offset or cand == tmp:
+                        continue
+                    if state == "busy":
+                        busy = True
+                        continue
+                    f = _adopt(cand, tmp)
+                    if f is None:
+                        continue
+                    if os.fstat(f.fileno()).st_size >= offset and hash_file(f, offset).hexdigest() == digest:
+                        f.truncate(offset)
+                        f.seek(offset)
+                        return f, offset, tmp, token
+                    f.close()
+                    os.unlink(tmp)  # another source's bytes: of no use
+                if not busy or time.time() >= deadline:
+                    break
+                time.sleep(0.05)  # its writer may be ending (a cut connection's)
+        f = _create(tmp)
+        _try_lock(f)
+        return f, 0, tmp, token
+    except BaseException:
+        release(token)
+        raise
+
+
+def take_part(path):
+    """For a pull: the largest abandoned part of ``path`` taken over whole, or a new one.
+
+    Returns
+    -------
+    (file, size, part_path, token)
+        As :func:`open_resumable`, ``size`` being the bytes it holds (unverified: the caller
+        asks the source whether they match).
+    """
+    _make_parent(path)
+    tmp, token = new_part_name(path)
+    try:
+        for cand in abandoned_parts(path):
+            f = _adopt(cand, tmp)
+            if f is not None:
+                return f, os.fstat(f.fileno()).st_size, tmp, token
+        f = _create(tmp)
+        _try_lock(f)
+        return f, 0, tmp, token
+    except BaseException:
+        release(token)
+        raise
+
+
+def leave_part(f, tmp):
+    """Close the part file ``f`` (at ``tmp``) of a transfer that stopped: kept for a resume
+    when it holds bytes, removed when empty (or already renamed: then nothing happens)."""
+    if f.closed:
+        return
+    try:
+        empty = os.fstat(f.fileno()).st_size == 0
+    finally:
+        f.close()
+    if empty:
+        _unlink_quietly(tmp)
+
+
+def finish_part(f, tmp, path, size, mode, mtime, digest=None):
+    """Check the part file ``f`` (at ``tmp``) and rename it onto ``path``; closes ``f``.
+
+    Its size must be ``size``; with ``digest`` (a resumed file) its whole content must hash
+    to it, read back from the disk, or the part is removed.  Then mode and mtime are set and
+    it is renamed, while still locked (on Windows, where an open file cannot be renamed,
+    after closing it).  Leftover abandoned parts of ``path`` are removed.
+
+    Raises
+    ------
+    AgentError
+        Wrong size or content (nothing is renamed).
+    """
+    try:
+        f.flush()
+        _check_size(f, size, path)
+        if digest is not None and hash_file(f).hexdigest() != digest:
+            f.close()
+            _unlink_quietly(tmp)
+            raise AgentError("%s: the resumed file does not hash to the source's sha256 (did the source "
+                             "change while it was sent?); its part was removed" % path)
+        set_meta(tmp, mode, mtime)
+        if os.name == "nt":
+            f.close()
+        _replace(tmp, path)
+    finally:
+        f.close()
+    remove_abandoned(abandoned_parts(path))
 
 
 def set_meta(path, mode, mtime):
@@ -292,13 +691,16 @@ def set_meta(path, mode, mtime):
 
 def make_link(path, target):
     _make_parent(path)
-    tmp = part_name(path)
+    tmp, token = new_part_name(path)
+    done = False
     try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    os.symlink(target, tmp)
-    _replace(tmp, path)
+        os.symlink(target, tmp)
+        _replace(tmp, path)
+        done = True
+    finally:
+        if not done:
+            _unlink_quietly(tmp)
+        release(token)
 
 
 def make_dir(path, mode):
@@ -349,52 +751,6 @@ def extract(root, stream, on_file=None, on_bytes=None, allowed=None):
     return n
 
 
-def _lock(f):
-    try:
-        import fcntl
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        pass
-
-
-def open_resumable(path, offset, digest):
-    """Open the partial file of ``path`` for appending; keep ``offset`` bytes when they hash
-    to ``digest``, else start over.  Returns (file, kept_bytes); the file is flock-ed so an
-    earlier writer that is still draining finishes first."""
-    _make_parent(path)
-    tmp = part_name(path)
-    f = open(tmp, "a+b")
-    _lock(f)
-    keep = 0
-    if offset > 0 and os.fstat(f.fileno()).st_size >= offset and _sha256(tmp, offset) == digest:
-        keep = offset
-    f.truncate(keep)
-    f.seek(keep)
-    return f, keep
-
-
-def receive_large(path, src, size, mode, mtime, offset, digest, announce, on_bytes=None):
-    """Write one large file with resume; ``announce(kept)`` is called before reading data."""
-    f, keep = open_resumable(path, offset, digest)
-    with f:
-        announce(keep)
-        left = size - keep
-        while left > 0:
-            b = src.read(min(CHUNK, left))
-            if not b:
-                f.flush()
-                raise EOFError("stream ended %d bytes before the end of %s; the part is kept "
-                               "for resume" % (left, path))
-            f.write(b)
-            left -= len(b)
-            if on_bytes is not None:
-                on_bytes(len(b))
-        f.flush()
-    tmp = part_name(path)
-    set_meta(tmp, mode, mtime)
-    _replace(tmp, path)
-
-
 # -- main ------------------------------------------------------------------------------
 
 
@@ -403,10 +759,6 @@ def _fail(rec, stream):
     stream.write((json.dumps(rec) + "\n").encode())
     stream.flush()
     sys.exit(3)
-
-
-#: Written first on stdout so that anything a chatty shell start-up file prints is skipped.
-MARKER = b"\x1egpumagic-sync\n"
 
 
 def apply_push(root, head, inp, out):
@@ -422,6 +774,7 @@ def apply_push(root, head, inp, out):
         for rel, mode, mtime in head.get("meta", []):
             current[0] = os.path.join(root, check_rel(rel))
             set_meta(current[0], mode, mtime)
+        remove_abandoned([os.path.join(root, check_rel(rel)) for rel in head.get("clean", [])])
 
         def on_file(name):
             current[0] = os.path.join(root, name)
@@ -455,16 +808,74 @@ def _json(data):
     return json.loads(data)
 
 
+def _put(root, argv, inp, out):
+    """The ``put`` operation (see the module docstring)."""
+    rel = check_rel(argv[0])
+    size, mtime, mode, offset, digest = int(argv[1]), int(argv[2]), int(argv[3], 8), int(argv[4]), argv[5]
+    path = os.path.join(root, rel)
+    try:
+        f, keep, tmp, token = open_resumable(path, offset, digest)
+        try:
+            out.write(b"OFFSET %d\n" % keep)
+            out.flush()
+            write_rest(f, inp, size - keep, path)
+            want = None
+            if keep:
+                want = inp.read(64).decode("ascii", "replace")
+                if len(want) < 64:
+                    raise EOFError("stream ended before the sha256 of %s" % path)
+            finish_part(f, tmp, path, size, mode, mtime, want)
+        finally:
+            leave_part(f, tmp)
+            release(token)
+        out.write(b'{"ok": true}\n')
+    except (OSError, AgentError, EOFError) as e:
+        _fail(error_record(e, path), out)
+
+
+def _get(root, argv, out):
+    """The ``get`` operation (see the module docstring)."""
+    rel = check_rel(argv[0])
+    size, offset, digest = int(argv[1]), int(argv[2]), argv[3]
+    path = os.path.join(root, rel)
+    try:
+        with open(path, "rb") as f:
+            h = None
+            if 0 < offset <= size:
+                h = hash_file(f, offset)
+                if h.hexdigest() != digest:
+                    h, offset = None, 0
+            else:
+                offset = 0
+            f.seek(offset)
+            out.write(b"OFFSET %d\n" % offset)
+            left = size - offset
+            while left > 0:
+                b = f.read(min(CHUNK, left))
+                if not b:
+                    raise AgentError("%s shrank to %d bytes while it was being sent" % (path, size - left))
+                if h is not None:
+                    h.update(b)
+                out.write(b)
+                left -= len(b)
+            if h is not None:
+                out.write(h.hexdigest().encode())
+            out.flush()
+    except (OSError, AgentError) as e:
+        _fail(error_record(e, path), sys.stderr.buffer)
+
+
 def main(argv):
-    op, root, cwd = argv[0], argv[1], argv[2]
+    op, nonce, root, cwd = argv[0], argv[1], argv[2], argv[3]
     root = resolve(root, cwd)
     out = sys.stdout.buffer
-    out.write(MARKER)
+    out.write(MARKER_PREFIX + nonce.encode("ascii") + b"\n")
+    out.flush()  # at once: a listing with hashes, or a prefix hash, may take minutes
     inp = sys.stdin.buffer
     if op == "serve":
-        names = None if argv[4] == "-" else _json(argv[4])
+        names = None if argv[5] == "-" else _json(argv[5])
         try:
-            data = b"".join(r + b"\0" for r in list_tree(root, argv[3] == "1", names))
+            data = b"".join(r + b"\0" for r in list_tree(root, argv[4] == "1", names))
         except OSError as e:
             _fail(error_record(e, root), sys.stderr.buffer)
         out.write(struct.pack(">Q", len(data)) + data)
@@ -480,37 +891,10 @@ def main(argv):
             send_tar(root, head["paths"], out)
         return
     if op == "put":
-        rel = check_rel(argv[3])
-        size, mtime, mode, offset = int(argv[4]), int(argv[5]), int(argv[6], 8), int(argv[7])
-        path = os.path.join(root, rel)
-
-        def announce(kept):
-            out.write(("OFFSET %d\n" % kept).encode())
-            out.flush()
-        try:
-            receive_large(path, inp, size, mode, mtime, offset, argv[8], announce)
-            out.write(b'{"ok": true}\n')
-        except (OSError, AgentError, EOFError) as e:
-            _fail(error_record(e, path), out)
+        _put(root, argv[4:], inp, out)
         return
     if op == "get":
-        rel = check_rel(argv[3])
-        offset, digest = int(argv[4]), argv[5]
-        path = os.path.join(root, rel)
-        try:
-            with open(path, "rb") as f:
-                if offset > 0 and _sha256(path, offset) == digest:
-                    f.seek(offset)
-                else:
-                    offset = 0
-                out.write(("OFFSET %d\n" % offset).encode())
-                while True:
-                    b = f.read(CHUNK)
-                    if not b:
-                        break
-                    out.write(b)
-        except OSError as e:
-            _fail(error_record(e, path), sys.stderr.buffer)
+        _get(root, argv[4:], out)
         return
     _fail({"error": "unknown operation %r" % op}, sys.stderr.buffer)
 

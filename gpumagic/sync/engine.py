@@ -3,7 +3,7 @@
 Two halves:
 
 * a pure plan -- where files go (rsync's trailing-slash rule), which are ignored
-  (``.gitignore`` / ``.gpuignore`` in gitignore syntax via :mod:`pathspec`, plus
+  (``.gitignore`` / ``.gpuignore``, read and matched as git does, plus
   ``--exclude``), and what differs between two listings (size and mtime to the second,
   or sha256 with ``checksum``);
 * a transfer engine -- one round trip lists the remote tree, small files travel in one tar
@@ -11,9 +11,12 @@ Two halves:
   own channel with resume.  The remote half is :mod:`gpumagic.sync.agent`, run by the
   machine's ``python3`` (stdlib only; its source is sent with each request).
 
-Every file is written to ``.NAME.gpumagic-part`` beside its target and renamed when
-complete, on both sides, so a dropped connection never leaves a half-written file at its
-real name; a large file's part is kept and continued after its prefix hash is checked.
+Every file is written to a part file of its writer's own beside its target
+(``.NAME.TOKEN.gpumagic-part``) and renamed only when whole (size checked; a resumed
+file's sha256 too), on both sides, so neither a dropped connection nor a second sync of the
+same tree at once ever leaves a half-written file at its real name.  A large file's part is
+kept when a transfer stops, and a later run whose source starts with the same bytes takes it
+over once its writer is gone (see "Part files" in :mod:`gpumagic.sync.agent`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import posixpath
 import re
 import shlex
+import socket
 import stat
 import struct
 import tarfile
@@ -36,7 +40,6 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import paramiko
-import pathspec
 
 from . import agent
 from ..errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
@@ -167,10 +170,26 @@ class Entry:
 
 @dataclass
 class Listing:
-    """A tree as listed: entries, partial transfers, ignore-file texts, unreadable dirs."""
+    """A tree as listed.
+
+    Attributes
+    ----------
+    entries : dict of str to Entry
+    partials : dict of str to int
+        Target path -> bytes of its largest part file (what a resume may keep, when its
+        writer is gone by then).
+    parts : dict of str to str
+        Every abandoned part file (relative path) -> its target, for removal when the
+        target is not resumed.
+    ignore_texts : dict of str to str
+        ``.gitignore``/``.gpuignore`` path -> text (``surrogateescape``).
+    errors : dict of str to str
+        Unreadable path -> reason.
+    """
 
     entries: dict[str, Entry] = field(default_factory=dict)
     partials: dict[str, int] = field(default_factory=dict)
+    parts: dict[str, str] = field(default_factory=dict)
     ignore_texts: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -183,7 +202,8 @@ def parse_listing(data: bytes) -> Listing:
     """Parse the agent's ``list`` output (see :mod:`gpumagic.sync.agent`).
 
     Records are :data:`gpumagic.sync.agent.FIELDS` NUL-terminated fields: kind, path,
-    size, mtime_ns, mode (octal), link target or text, sha256.  Names are decoded as UTF-8
+    size, mtime_ns, mode (octal), link target or text, sha256 (a ``p`` record's text is
+    the part file's name).  Names are decoded as UTF-8
     with ``surrogateescape`` so that any byte string survives the round trip.
 
     Raises
@@ -204,8 +224,12 @@ def parse_listing(data: bytes) -> Listing:
             out.entries[path] = Entry(path, kind.decode(), int(size), int(mtime), int(mode, 8),
                                       text.decode("utf-8", "surrogateescape") if text else "",
                                       digest.decode() if digest else "")
-        elif kind == b"p":
-            out.partials[path] = int(size)
+        elif kind == b"p":  # mode 1: its writer may still be running
+            out.partials[path] = max(out.partials.get(path, 0), int(size))
+            if text and int(mode, 8) == 0:
+                d = posixpath.dirname(path)
+                name = text.decode("utf-8", "surrogateescape")
+                out.parts[f"{d}/{name}" if d else name] = path
         elif kind == b"i":
             out.ignore_texts[path] = text.decode("utf-8", "surrogateescape")
         elif kind == b"e":
@@ -213,34 +237,326 @@ def parse_listing(data: bytes) -> Listing:
     return out
 
 
+_BOM = "\ufeff"
+
+
+def _trim_trailing_spaces(line: str) -> str:
+    """git's ``trim_trailing_spaces`` (dir.c): drop a trailing run of unescaped spaces
+    (only ``' '``: tabs stay); ``\\ `` keeps its space, and a backslash escapes any char."""
+    last_space = None
+    i, n = 0, len(line)
+    while i < n:
+        c = line[i]
+        if c == " ":
+            if last_space is None:
+                last_space = i
+        elif c == "\\":
+            i += 1
+            if i >= n:
+                return line
+            last_space = None
+        else:
+            last_space = None
+        i += 1
+    return line if last_space is None else line[:last_space]
+
+
+def ignore_file_lines(data: bytes | str) -> list[str]:
+    """The patterns of a ``.gitignore``/``.gpuignore`` text, read as git reads one.
+
+    Follows git's ``add_patterns_from_buffer`` (dir.c): a UTF-8 byte-order mark at the start
+    is skipped; lines end at ``\\n``, and one ``\\r`` before it is dropped (CRLF files); a
+    line starting with ``#`` is a comment (``\\#`` starts a pattern); a NUL ends its line's
+    pattern; unescaped trailing spaces are stripped (``\\ `` keeps one; tabs are kept);
+    blank lines are skipped.  Bytes that are not UTF-8 are kept as surrogate escapes, as in
+    names, so they match the same bytes.
+
+    Parameters
+    ----------
+    data : bytes or str
+        The file's content (``str``: already decoded with ``surrogateescape``).
+
+    Returns
+    -------
+    list of str
+        The pattern lines, in file order.
+    """
+    if isinstance(data, bytes):
+        data = data.decode("utf-8", "surrogateescape")
+    if data.startswith(_BOM):
+        data = data[1:]
+    out = []
+    for line in data.split("\n"):
+        if not line or line[0] == "#":
+            continue
+        if "\0" in line:  # git's pattern is a C string: it ends there
+            line = line[:line.index("\0")]
+        elif line.endswith("\r"):
+            line = line[:-1]
+        line = _trim_trailing_spaces(line)
+        if line:
+            out.append(line)
+    return out
+
+
+# Character classes of git's wildmatch (ASCII only, as git's ctype; measured against
+# `git check-ignore` for every byte, see tests/test_ignore.py).
+_LETTERS = bytes(range(65, 91)) + bytes(range(97, 123))
+_DIGITS = b"0123456789"
+_PUNCT = b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
+_CLASSES = {
+    b"alnum": _LETTERS + _DIGITS, b"alpha": _LETTERS, b"blank": b" \t",
+    b"cntrl": bytes(range(32)) + b"\x7f", b"digit": _DIGITS, b"graph": bytes(range(33, 127)),
+    b"lower": bytes(range(97, 123)), b"print": bytes(range(32, 127)), b"punct": _PUNCT,
+    b"space": b" \t\n\r", b"upper": bytes(range(65, 91)), b"xdigit": _DIGITS + b"ABCDEFabcdef",
+}
+_GLOB_SPECIAL = b"*?[\\"
+
+
+class BadPattern(ValueError):
+    """A pattern git's wildmatch can never match (it aborts on it): a trailing backslash,
+    an unclosed ``[``, an unknown ``[:class:]``."""
+
+
+def _bracket(p: bytes, i: int) -> tuple[bytes, int]:
+    """The bracket expression starting at ``p[i] == '['`` as a regex class, and the index
+    after its ``]`` (wildmatch.c's ``case '['``: ``!``/``^`` negate, ``]`` first is
+    literal, ``a-z`` ranges, ``[:class:]``, backslash escapes; never ``/``)."""
+    n = len(p)
+    i += 1
+    negated = i < n and p[i] in b"!^"
+    if negated:
+        i += 1
+    chosen: set[int] = set()
+    prev = 0
+    first = True
+    while True:
+        if i >= n:
+            raise BadPattern("has an unclosed [")
+        c = p[i]
+        if c == 0x5D and not first:  # ']'
+            break
+        first = False
+        if c == 0x5C:  # '\\'
+            i += 1
+            if i >= n:
+                raise BadPattern("ends in a lone backslash")
+            c = p[i]
+            chosen.add(c)
+        elif c == 0x2D and prev and i + 1 < n and p[i + 1] != 0x5D:  # a range prev-next
+            i += 1
+            c = p[i]
+            if c == 0x5C:
+                i += 1
+                if i >= n:
+                    raise BadPattern("ends in a lone backslash")
+                c = p[i]
+            chosen.update(range(prev, c + 1))
+            c = 0
+        elif c == 0x5B and i + 1 < n and p[i + 1] == 0x3A:  # '[:'
+            j = p.find(b"]", i + 2)
+            if j < 0:
+                raise BadPattern("has an unclosed [")
+            if j - 1 < i + 2 or p[j - 1] != 0x3A:  # no ":]": a plain '['
+                chosen.add(0x5B)
+            else:
+                name = p[i + 2:j - 1]
+                if name not in _CLASSES:
+                    raise BadPattern(f"has an unknown class [:{name.decode('ascii', 'replace')}:]")
+                chosen.update(_CLASSES[name])
+                i = j
+                c = 0
+        else:
+            chosen.add(c)
+        prev = c
+        i += 1
+    if negated:
+        chosen = set(range(256)) - chosen
+    chosen.discard(0x2F)  # '/' (wildmatch with WM_PATHNAME; basenames hold none)
+    if not chosen:
+        return b"(?!)", i + 1
+    return b"[" + b"".join(re.escape(bytes([b])) for b in sorted(chosen)) + b"]", i + 1
+
+
+def _wildmatch_regex(p: bytes, start: int) -> bytes:
+    """git's wildmatch (with WM_PATHNAME) as a regex over bytes.
+
+    ``*`` and ``?`` never match ``/``; ``**`` matches across ``/`` only as a whole path
+    component (after the pattern's start or a ``/``, before its end or a ``/``), where
+    ``**/`` may also match nothing.  ``start`` is where git's match begins (after the
+    pattern's literal prefix, which ``match_pathname`` compares on its own).
+
+    Raises
+    ------
+    BadPattern
+    """
+    out = []
+    i, n = 0, len(p)
+    while i < n:
+        c = p[i]
+        if c == 0x5C:  # '\\'
+            if i + 1 >= n:
+                raise BadPattern("ends in a lone backslash")
+            out.append(re.escape(p[i + 1:i + 2]))
+            i += 2
+        elif c == 0x3F:  # '?'
+            out.append(b"[^/]")
+            i += 1
+        elif c == 0x2A:  # '*'
+            j = i
+            while j < n and p[j] == 0x2A:
+                j += 1
+            if j - i >= 2 and (i == start or p[i - 1] == 0x2F) and \
+                    (j == n or p[j] == 0x2F or p[j:j + 2] == b"\\/"):
+                if j < n and p[j] == 0x2F:
+                    out.append(b"(?:.*/)?")
+                    j += 1
+                else:
+                    out.append(b".*")
+            else:
+                out.append(b"[^/]*")
+            i = j
+        elif c == 0x5B:  # '['
+            cls, i = _bracket(p, i)
+            out.append(cls)
+        else:
+            out.append(re.escape(p[i:i + 1]))
+            i += 1
+    return b"".join(out)
+
+
+@dataclass(frozen=True)
+class GitPattern:
+    """One gitignore pattern, as git's ``parse_path_pattern`` and ``last_matching_pattern``
+    (dir.c) treat it.
+
+    Attributes
+    ----------
+    negative : bool
+        ``!pattern``: a match re-includes.
+    dir_only : bool
+        ``pattern/``: matches directories only.
+    basename : bool
+        No ``/`` (besides a trailing one): matches the last component at any depth;
+        otherwise the whole path relative to the ignore file's directory (a leading ``/``
+        only anchors).
+    regex : re.Pattern
+        Over the UTF-8 (surrogateescape) bytes of the name or path.
+    """
+
+    negative: bool
+    dir_only: bool
+    basename: bool
+    regex: re.Pattern
+
+    @classmethod
+    def parse(cls, line: str) -> "GitPattern | None":
+        """Compile one pattern line (already read as :func:`ignore_file_lines` reads it);
+        None for one that names nothing (``!`` or ``/`` alone).
+
+        Raises
+        ------
+        BadPattern
+            For a pattern git can never match (git skips it silently).
+        """
+        p = line.encode("utf-8", "surrogateescape")
+        negative = p.startswith(b"!")
+        if negative:
+            p = p[1:]
+        dir_only = p.endswith(b"/")
+        if dir_only:
+            p = p[:-1]
+        basename = b"/" not in p
+        if not basename and p.startswith(b"/"):
+            p = p[1:]
+        if not p:
+            return None
+        literal = len(p)
+        for k, ch in enumerate(p):
+            if ch in _GLOB_SPECIAL:
+                literal = k
+                break
+        start = 0 if basename else literal
+        return cls(negative, dir_only, basename, re.compile(_wildmatch_regex(p, start), re.S))
+
+    def matches(self, path: bytes, name: bytes, is_dir: bool) -> bool:
+        """Whether it matches ``path`` (relative to its file's directory; ``name`` is its
+        last component)."""
+        if self.dir_only and not is_dir:
+            return False
+        return self.regex.fullmatch(name if self.basename else path) is not None
+
+
+def _compile_lines(lines: Iterable[str]) -> list[GitPattern]:
+    """Compiled patterns of ignore-file lines; a pattern git never matches is left out."""
+    out = []
+    for line in lines:
+        try:
+            pat = GitPattern.parse(line)
+        except BadPattern:
+            continue
+        if pat is not None:
+            out.append(pat)
+    return out
+
+
+def _last_match(patterns: list[GitPattern], path: bytes, name: bytes, is_dir: bool) -> bool | None:
+    """git's ``last_matching_pattern_from_list``: the last pattern that matches decides
+    (True: ignored, False: re-included); None when none matches."""
+    for pat in reversed(patterns):
+        if pat.matches(path, name, is_dir):
+            return not pat.negative
+    return None
+
+
 class IgnoreRules:
     """gitignore rules from ``.gitignore``/``.gpuignore`` files plus ``--exclude`` patterns.
 
-    Each ignore file applies to its own directory and below, deeper files winning (git's
-    precedence); ``.gpuignore`` lines come after ``.gitignore`` lines of the same
-    directory, so they win.  ``--exclude`` patterns (gitignore syntax, relative to the
-    sync root) always exclude.  Patterns are compiled by :class:`pathspec.GitIgnoreSpec`.
+    Each ignore file applies to its own directory and below; the deepest file with a
+    matching pattern decides, and within a file the last matching line (git's precedence,
+    gitignore(5)).  ``.gpuignore`` lines come after the ``.gitignore`` lines of the same
+    directory, so they win.  Files are read as git reads them (:func:`ignore_file_lines`)
+    and matched as git matches (:class:`GitPattern`); a pattern git can never match is
+    skipped, as git skips it.  ``--exclude`` patterns (gitignore syntax, relative to the
+    sync root) always exclude.
+
+    Raises
+    ------
+    ConfigError
+        From the constructor, for an ``--exclude`` pattern git could never match (named).
     """
 
     def __init__(self, excludes: Iterable[str] = (), *, use_files: bool = True):
-        excludes = [e for e in excludes if e]
-        self.excludes = pathspec.GitIgnoreSpec.from_lines(excludes) if excludes else None
+        patterns = []
+        for e in excludes:
+            line = _trim_trailing_spaces(e)
+            if not line:
+                continue
+            try:
+                pat = GitPattern.parse(line)
+            except BadPattern as why:
+                raise ConfigError(
+                    f"bad --exclude pattern {e!r}: it {why}, so it could never match",
+                    "write a gitignore pattern, e.g. --exclude '*.ckpt' or --exclude 'data/raw/' "
+                    "(a backslash escapes the next character; \\\\ is a backslash)") from None
+            if pat is not None:
+                patterns.append(pat)
+        self.excludes = patterns or None
         self.use_files = use_files
-        self._lines: dict[str, list[str]] = {}
-        self._specs: dict[str, pathspec.GitIgnoreSpec] = {}
+        self._files: dict[str, tuple[list, list]] = {}  # dir -> (.gitignore, .gpuignore)
+        self._specs: dict[str, list[GitPattern]] = {}
 
-    def add_file(self, rel_file: str, text: str) -> None:
-        """Add the rules of the ignore file at ``rel_file`` (relative path of the file)."""
+    def add_file(self, rel_file: str, data: bytes | str) -> None:
+        """Add the rules of the ignore file at ``rel_file`` (its path relative to the root;
+        ``data`` its content, see :func:`ignore_file_lines`)."""
         if not self.use_files:
             return
         d = posixpath.dirname(rel_file)
         d = "" if d in ("", ".") else d
-        lines = self._lines.setdefault(d, [])
-        if posixpath.basename(rel_file) == ".gpuignore":
-            lines.extend(text.splitlines())
-        else:
-            self._lines[d] = text.splitlines() + lines
-        self._specs[d] = pathspec.GitIgnoreSpec.from_lines(self._lines[d])
+        git, gpu = self._files.setdefault(d, ([], []))
+        (gpu if posixpath.basename(rel_file) == ".gpuignore" else git)[:] = \
+            _compile_lines(ignore_file_lines(data))
+        self._specs[d] = git + gpu
 
     @property
     def active(self) -> bool:
@@ -251,20 +567,20 @@ class IgnoreRules:
         """Whether ``rel`` itself matches (parents are not checked; see :meth:`covers`)."""
         if rel in (".", "") or not self.active:
             return False
-        name = rel + "/" if is_dir else rel
-        if self.excludes is not None and self.excludes.match_file(name):
+        path = rel.encode("utf-8", "surrogateescape")
+        name = path.rsplit(b"/", 1)[-1]
+        if self.excludes is not None and _last_match(self.excludes, path, name, is_dir):
             return True
-        result = None
         parts = rel.split("/")
-        for i in range(len(parts)):
+        for i in range(len(parts) - 1, -1, -1):  # the deepest file with a match decides
             spec = self._specs.get("/".join(parts[:i]))
-            if spec is None:
+            if not spec:
                 continue
-            sub = "/".join(parts[i:]) + ("/" if is_dir else "")
-            r = spec.check_file(sub)
-            if r.include is not None:
-                result = r.include
-        return bool(result)
+            sub = path if i == 0 else "/".join(parts[i:]).encode("utf-8", "surrogateescape")
+            r = _last_match(spec, sub, name, is_dir)
+            if r is not None:
+                return r
+        return False
 
     def covers(self, rel: str, is_dir: bool) -> bool:
         """Whether ``rel`` or one of its parent directories is ignored."""
@@ -302,20 +618,15 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
                 if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
                     r = f"{rel}/{item.name}" if rel else item.name
                     try:
-                        text = Path(item.path).read_text(encoding="utf-8", errors="replace")
+                        data = Path(item.path).read_bytes()
                     except OSError:
                         continue
-                    rules.add_file(r, text)
-                    out.ignore_texts[r] = text
+                    rules.add_file(r, data)
+                    out.ignore_texts[r] = data.decode("utf-8", "surrogateescape")
         for item in items:
             r = f"{rel}/{item.name}" if rel else item.name
-            if agent.real_name(item.name) is not None:
-                try:
-                    out.partials[f"{rel}/{agent.real_name(item.name)}" if rel else agent.real_name(item.name)] = \
-                        item.stat(follow_symlinks=False).st_size
-                except OSError:
-                    pass
-                continue
+            if agent.parse_part(item.name) is not None:
+                continue  # a transfer's part file, never content
             try:
                 st = item.stat(follow_symlinks=False)
             except OSError as e:
@@ -565,51 +876,157 @@ ProgressCallback = Callable[[SyncProgress], None]
 # -- remote channel helpers --------------------------------------------------------------
 
 
-def agent_command(op: str, *args: str) -> str:
+def agent_command(op: str, nonce: str, *args: str) -> str:
     """The ``/bin/sh`` command line that runs the agent operation ``op`` with the remote
-    ``python3`` (started with :func:`gpumagic.remote.execution.start_program`)."""
-    argv = ["python3", "-I", "-S", "-c", AGENT_SOURCE, op, *args]
+    ``python3`` (started with :func:`gpumagic.remote.execution.start_program`); ``nonce``
+    goes into the start marker it prints (see :mod:`gpumagic.sync.agent`)."""
+    argv = ["python3", "-I", "-S", "-c", AGENT_SOURCE, op, nonce, *args]
     return " ".join(shlex.quote(a) for a in argv)
 
 
+#: Seconds the login shell may take to start the agent: its start-up files (``~/.bashrc``)
+#: run first, and one that waits (for input, a hung mount) would stall the sync.
+START_TIMEOUT = 60.0
+#: Seconds without a byte from the agent after which, on a connection that sends no
+#: keepalives of its own (``ServerAliveInterval 0``), the server is asked to answer.
+PROBE_AFTER = 15.0
+#: Seconds the server has to answer that probe before the connection counts as lost.
+PROBE_TIMEOUT = 30.0
+#: Seconds a failed agent has to exit once its stdin is closed, before it is left.
+EXIT_TIMEOUT = 10.0
+#: Bytes of the agent's stderr kept for error messages (the rest is read and dropped, so
+#: that a chatty start-up file never fills the channel's window).
+STDERR_KEEP = 64 * 1024
+
+
 class _Channel:
-    """An agent exec channel: buffered reads after the start marker, errors mapped."""
+    """An agent exec channel: reads after the start marker, with the connection watched.
+
+    Whatever the login shell prints before the agent's marker (``MARKER_PREFIX`` + a
+    nonce of this channel's) is skipped, however it is split into packets.  Every wait for
+    data has the connection's keepalive behind it (or, where it sends none, a probe of the
+    server after :data:`PROBE_AFTER` idle seconds), and the wait for the marker has
+    :data:`START_TIMEOUT`.  A connection that drops raises :class:`ConnectionLost`.
+    """
 
     def __init__(self, machine, op: str, *args: str):
         self.machine = machine
         self.op = op
+        #: What the agent does to its files, for error messages ("reading": it sends them).
+        self.doing = "reading" if op == "get" else "writing"
+        nonce = os.urandom(8).hex()
+        self.marker = agent.MARKER_PREFIX + nonce.encode() + b"\n"
         conn = machine.connection
         self.chan: paramiko.Channel = conn.open_session()
         self.buf = bytearray()
+        self.err = bytearray()
         self.marked = False
+        self.started = self.active = time.monotonic()
         try:
-            start_program(self.chan, agent_command(op, *args))  # whatever the login shell
+            # whatever the login shell; a start-up file that never returns is named
+            start_program(self.chan, agent_command(op, nonce, *args), timeout=START_TIMEOUT)
+        except socket.timeout:
+            self.chan.close()
+            raise self._never_started() from None
         except (paramiko.SSHException, EOFError, OSError) as e:
             self.chan.close()
-            raise _lost(machine, e)
+            raise _lost(machine, e) from None
+
+    def _never_started(self) -> SyncError:
+        return SyncError(
+            f"the sync helper on {self.machine.name} did not start within {START_TIMEOUT:g} s: "
+            "the login shell's start-up files (~/.bashrc, ~/.profile) did not finish",
+            "make them return at once for non-interactive shells (e.g. `[[ $- == *i* ]] || return` "
+            "at the top of ~/.bashrc), then run the sync again")
+
+    # -- the connection -------------------------------------------------------------------
+
+    def _connection_gone(self, wait: float = 2.0) -> bool:
+        """Whether the connection is down (waiting up to ``wait`` s: paramiko closes the
+        channels of a dead transport just before it marks the transport inactive)."""
+        deadline = time.monotonic() + wait
+        while self.machine.connection.is_connected:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _drain_stderr(self) -> None:
+        while self.chan.recv_stderr_ready():
+            self.err += self.chan.recv_stderr(65536)
+        if len(self.err) > STDERR_KEEP:
+            del self.err[:-STDERR_KEEP]
+
+    def _watch(self) -> None:
+        """Raise when waiting longer makes no sense: the connection is down, the server
+        does not answer, or the agent never started."""
+        conn = self.machine.connection
+        if not conn.is_connected:
+            raise _lost(self.machine)
+        now = time.monotonic()
+        if not self.marked and now - self.started > START_TIMEOUT:
+            self.close()
+            raise self._never_started()
+        if now - self.active > PROBE_AFTER and getattr(conn.spec, "server_alive_interval", 0) <= 0:
+            self._probe()
+            self.active = time.monotonic()
+
+    def _probe(self) -> None:
+        """Ask the server for an answer (``keepalive@openssh.com``); ConnectionLost when none
+        comes within :data:`PROBE_TIMEOUT` (for connections without keepalives)."""
+        t = self.machine.connection.transport
+        answered = threading.Event()
+
+        def ask():
+            try:
+                t.global_request("keepalive@openssh.com", wait=True)
+            except Exception:  # noqa: BLE001 - a dead transport: no answer
+                return
+            answered.set()
+
+        threading.Thread(target=ask, daemon=True, name="gpumagic-sync-probe").start()
+        if not answered.wait(PROBE_TIMEOUT):
+            self.close()
+            raise ConnectionLost(
+                f"lost the connection to {self.machine.name} during the sync (no answer for "
+                f"{PROBE_AFTER + PROBE_TIMEOUT:g} s)", RESUME_HINT)
+
+    # -- reading --------------------------------------------------------------------------
 
     def _recv(self) -> bytes:
+        """The next bytes of stdout (``b""`` at its end), waiting with the connection watched."""
         try:
             while True:
-                if self.chan.recv_ready() or self.chan.eof_received or self.chan.closed:
+                if self.chan.recv_ready():
+                    self.active = time.monotonic()
                     return self.chan.recv(1 << 20)
+                if self.chan.eof_received or self.chan.closed:
+                    data = self.chan.recv(1 << 20)
+                    if data:
+                        return data
+                    self._drain_stderr()
+                    if not self.chan.eof_received and self._connection_gone():
+                        raise _lost(self.machine)
+                    return b""
                 wait_readable(self.chan, 0.5)
-                if not self.machine.connection.is_connected and not self.chan.recv_ready():
-                    raise _lost(self.machine)
+                self._drain_stderr()
+                if not self.chan.recv_ready():
+                    self._watch()
         except (paramiko.SSHException, EOFError, OSError) as e:
-            raise _lost(self.machine, e)
+            raise _lost(self.machine, e) from None
 
     def _fill(self) -> bool:
+        """Read more into the buffer; False at the end of stdout."""
         data = self._recv()
         if not data:
             return False
         self.buf += data
         if not self.marked:
-            i = self.buf.find(agent.MARKER)
+            i = self.buf.find(self.marker)
             if i < 0:
-                del self.buf[:-len(agent.MARKER)]
+                del self.buf[:-(len(self.marker) - 1)]  # a marker may be split across packets
                 return True
-            del self.buf[:i + len(agent.MARKER)]
+            del self.buf[:i + len(self.marker)]
             self.marked = True
         return True
 
@@ -633,54 +1050,103 @@ class _Channel:
 
     def read_exact(self, n: int) -> bytes:
         """Exactly ``n`` bytes, or fewer only at the end of the stream."""
-        while len(self.buf) < n and self._fill():
+        while not (self.marked and len(self.buf) >= n) and self._fill():
             pass
         return self._take(n) if self.marked else b""
 
     def readline(self) -> bytes:
-        while b"\n" not in self.buf and self._fill():
+        while not (self.marked and b"\n" in self.buf) and self._fill():
             pass
         if not self.marked:
             return b""
         i = self.buf.find(b"\n")
         return self._take(len(self.buf) if i < 0 else i + 1)
 
+    # -- writing --------------------------------------------------------------------------
+
+    def _send_window(self) -> int:
+        """Bytes the server lets this channel send now (its window), waiting while that is 0
+        with the connection watched as for a read; 0 once the channel is closed."""
+        chan = self.chan
+        while True:
+            with chan.lock:
+                if chan.out_window_size == 0 and not (chan.closed or chan.eof_sent):
+                    chan.out_buffer_cv.wait(0.5)
+                if chan.closed or chan.eof_sent:
+                    return 0
+                if chan.out_window_size > 0:
+                    self.active = time.monotonic()
+                    return chan.out_window_size
+            self._drain_stderr()
+            self._watch()
+
     def send(self, data: bytes) -> None:
+        view = memoryview(data)
         try:
-            sendall_ordered(self.chan, data)  # never after the agent's CLOSE (sshd would drop us)
+            while view:
+                # Never more than the window allows, so that sendall_ordered never blocks
+                # unwatched; it never sends after the agent's CLOSE (sshd would drop us).
+                n = self._send_window() or len(view)
+                sendall_ordered(self.chan, view[:n])
+                view = view[n:]
         except (paramiko.SSHException, EOFError, OSError) as e:
-            if self.machine.connection.is_connected and self.chan.exit_status_ready() \
-                    and self.chan.exit_status != -1:
-                raise self.failure(self.read()) from None  # the agent stopped (disk full...)
-            raise _lost(self.machine, e) from None
+            if self._connection_gone():
+                raise _lost(self.machine, e) from None
+            raise self.failure(self.read()) from None  # the agent stopped (disk full...)
 
     def close_stdin(self) -> None:
         try:
             send_eof(self.chan)
         except (paramiko.SSHException, EOFError, OSError) as e:
-            raise _lost(self.machine, e)
+            raise _lost(self.machine, e) from None
 
-    def stderr(self) -> bytes:
-        out = b""
-        while self.chan.recv_stderr_ready():
-            out += self.chan.recv_stderr(65536)
-        return out
+    # -- the end --------------------------------------------------------------------------
 
-    def finish(self) -> int:
-        """Wait for the exit status; returns it."""
+    def finish(self, timeout: float | None = None) -> int | None:
+        """Wait for the agent's exit status and return it (stdout and stderr are read
+        meanwhile, so that it can exit); None when ``timeout`` seconds pass first.
+
+        Raises
+        ------
+        ConnectionLost
+            The connection dropped (the channel closed without an exit status).
+        SyncError
+            The agent ended without an exit status on a live connection (killed by a signal).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.chan.exit_status_ready():
-                return self.chan.recv_exit_status()
-            if not self.machine.connection.is_connected:
-                raise _lost(self.machine)
-            wait_readable(self.chan, 0.5)
+                code = self.chan.recv_exit_status()
+                if code != -1:
+                    self._drain_stderr()
+                    return code
+                if self._connection_gone():
+                    raise _lost(self.machine)
+                return -1  # killed: sshd sends exit-signal, which paramiko does not keep
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            if self.chan.eof_received:  # the channel stays readable after EOF: no busy loop
+                self.chan.status_event.wait(0.2)
+            else:
+                wait_readable(self.chan, 0.2)
             while self.chan.recv_ready():
                 self.buf += self.chan.recv(1 << 20)  # drained so the agent can exit
+            self._drain_stderr()
+            self._watch()
 
     def failure(self, text: bytes = b"") -> Exception:
-        """The error the agent reported (stdout ``text`` or stderr), as a GpumagicError."""
-        code = self.finish()
-        err = self.stderr()
+        """The error the agent reported (stdout ``text`` or stderr), as a GpumagicError;
+        ConnectionLost when the connection is what failed."""
+        if self._connection_gone(0.2):
+            return _lost(self.machine)
+        try:
+            self.close_stdin()  # an agent still waiting for input can then exit
+            code = self.finish(EXIT_TIMEOUT)
+        except ConnectionLost as e:
+            return e
+        if code is None:
+            self.close()
+        err = bytes(self.err)
         for blob in (text, err):
             for line in reversed(blob.splitlines()):
                 if line.startswith(b"{"):
@@ -689,12 +1155,13 @@ class _Channel:
                     except ValueError:
                         continue
                     if "error" in rec:
-                        return agent_error(rec, self.machine.name)
+                        return agent_error(rec, self.machine.name, self.doing)
         if code == 127 or b"python3" in err and b"not found" in err:
             return SyncError(f"{self.machine.name} has no python3, which %gpu sync runs on the remote side",
                              "install it there (e.g. `apt-get install -y python3`)")
         tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no message"]
-        return SyncError(f"sync helper on {self.machine.name} failed ({self.op}, exit {code}): {tail[0]}",
+        how = ("did not exit" if code is None else "was killed" if code == -1 else f"exit {code}")
+        return SyncError(f"sync helper on {self.machine.name} failed ({self.op}, {how}): {tail[0]}",
                          "run the sync again; if it repeats, report it with this message")
 
     def close(self) -> None:
@@ -736,12 +1203,15 @@ def _fmt_bytes(n: float) -> str:
     return format_bytes(n)
 
 
+#: The hint of every lost connection during a sync.
+RESUME_HINT = ("run it again: it resumes (completed files are kept, and a partly sent large file "
+               "continues where it stopped)")
+
+
 def _lost(machine, exc: Exception | None = None) -> ConnectionLost:
     why = machine.connection.lost_reason or (str(exc) or type(exc).__name__ if exc else
                                             "the connection closed")
-    return ConnectionLost(
-        f"lost the connection to {machine.name} during the sync ({why})",
-        "run the same sync again: completed files are kept and a partly sent large file resumes")
+    return ConnectionLost(f"lost the connection to {machine.name} during the sync ({why})", RESUME_HINT)
 
 
 def open_listing(machine, root: str, *, digests: bool = False,
@@ -873,10 +1343,6 @@ class _Run:
         self.tick(force=True)
 
 
-def _prefix_digest(path: str, n: int) -> str:
-    return agent._sha256(path, n) if n > 0 else "-"
-
-
 def _tarinfo(e: Entry) -> tarfile.TarInfo:
     ti = tarfile.TarInfo(e.path)
     ti.mode = e.mode
@@ -938,8 +1404,12 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
 
     Raises
     ------
+    ConfigError
+        A malformed ``--exclude`` pattern (before anything is sent).
     SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
-        Files already complete stay complete; a re-run resumes.
+        Files already complete stay complete; a re-run resumes.  A file is renamed into
+        place only whole, so a second sync of the same tree at once never exposes a
+        partial one.
     """
     start = time.monotonic()
     seps = _local_seps()
@@ -969,7 +1439,9 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
                               deleted=list(plan.delete), unreadable=local.errors)
         large = [e for e in plan.send if e.size >= LARGE_FILE]
         small = [e for e in plan.send if e.size < LARGE_FILE]
-        rest = small or plan.links or plan.dirs or plan.meta or plan.removals
+        resumed = {e.path for e in large}
+        clean = [p for p, target in remote.parts.items() if target not in resumed]
+        rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
         if dry_run or not (large or rest):
             ch.close_stdin()
             ch.finish()
@@ -978,12 +1450,12 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
             return summary
         run = _Run(plan, summary, progress)
         if large and small:
-            _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials)
+            _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials, clean)
         else:
             for e in large:
                 _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
             if rest:
-                _push_tar(ch, run, src, plan, small)
+                _push_tar(ch, run, src, plan, small, clean)
             else:
                 ch.close_stdin()
                 ch.finish()
@@ -1009,7 +1481,8 @@ def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
 
 
 def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str, plan: Plan,
-                     small: list[Entry], large: list[Entry], partials: dict[str, int]) -> None:
+                     small: list[Entry], large: list[Entry], partials: dict[str, int],
+                     clean: list[str]) -> None:
     """Large files on a worker thread while the tar of small files streams.
 
     The remote side of a many-small-files tar is bound by file creation, not the network,
@@ -1036,7 +1509,7 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
                     run.tick()
 
         try:
-            _push_tar(ch, run, src, plan, small, before_dirs=wait_for_large)
+            _push_tar(ch, run, src, plan, small, clean, before_dirs=wait_for_large)
         except BaseException:
             stop.set()
             for c in list(channels):
@@ -1045,11 +1518,12 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
 
 
 def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
-              before_dirs: Callable[[], None] | None = None) -> None:
-    """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the result."""
+              clean: list[str] = (), before_dirs: Callable[[], None] | None = None) -> None:
+    """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the
+    result.  ``clean``: abandoned part files to remove."""
     try:
         head = _json_bytes({"op": "recv", "delete": plan.removals,
-                            "meta": [[p, m, t] for p, m, t in plan.meta]})
+                            "meta": [[p, m, t] for p, m, t in plan.meta], "clean": list(clean)})
         ch.send(struct.pack(">I", len(head)) + head)
         sink = _TarSink(ch)
         with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
@@ -1087,37 +1561,51 @@ def _json_bytes(obj) -> bytes:
 
 def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int,
                 channels: list | None = None) -> None:
-    """Send one file on its own channel, continuing a remote partial whose prefix matches."""
+    """Send one file on its own channel, continuing an abandoned remote part whose first
+    ``partial`` bytes match; a resumed file is followed by the sha256 of the whole, which
+    the agent checks the part against before renaming it."""
     path = _local_path(src, e.path)
     offset = partial if 0 < partial <= e.size else 0
-    digest = _prefix_digest(path, offset)
-    ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
-                  str(e.mtime_ns), "%o" % e.mode, str(offset), digest)
-    if channels is not None:
-        channels.append(ch)
     try:
-        line = ch.readline()
-        if not line.startswith(b"OFFSET "):
-            raise ch.failure(line + ch.read())
-        kept = int(line.split()[1])
-        run.add_bytes(kept, resumed=True)
-        with open(path, "rb") as f:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
+    with f:
+        whole = agent.hash_file(f, offset) if offset else None
+        ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
+                      str(e.mtime_ns), "%o" % e.mode, str(offset), whole.hexdigest() if whole else "-")
+        if channels is not None:
+            channels.append(ch)
+        try:
+            line = ch.readline()
+            if not line.startswith(b"OFFSET "):
+                raise ch.failure(line + ch.read())
+            kept = int(line.split()[1])
+            if kept not in (0, offset):
+                raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
+                                "run the sync again; if it repeats, report it with this message")
+            run.add_bytes(kept, resumed=True)
+            whole = whole if kept else None
             f.seek(kept)
             left = e.size - kept
             while left > 0:
                 b = f.read(min(1 << 20, left))
                 if not b:
                     raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
+                if whole is not None:
+                    whole.update(b)
                 ch.send(b)
                 left -= len(b)
                 run.add_bytes(len(b))
-        ch.close_stdin()
-        reply = ch.read()
-        if ch.finish() != 0:
-            raise ch.failure(reply)
-        run.file_done(e.path)
-    finally:
-        ch.close()
+            if whole is not None:
+                ch.send(whole.hexdigest().encode())
+            ch.close_stdin()
+            reply = ch.read()
+            if ch.finish() != 0:
+                raise ch.failure(reply)
+            run.file_done(e.path)
+        finally:
+            ch.close()
 
 
 def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
@@ -1135,7 +1623,8 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
 
     Raises
     ------
-    SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
+    ConfigError, SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
+        As for :func:`push`.
     """
     start = time.monotonic()
     rules = IgnoreRules(exclude, use_files=ignore_files)
@@ -1182,7 +1671,10 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
                 summary.seconds = time.monotonic() - start
                 return summary
         run = _Run(plan, summary, progress)
+        resumed = {e.path for e in large}
         try:
+            agent.remove_abandoned([_local_path(dst_root, p) for p, target in local.parts.items()
+                                    if target not in resumed])
             for rel in plan.removals:
                 agent.remove(_local_path(dst_root, rel))
             os.makedirs(dst_root, exist_ok=True)
@@ -1203,6 +1695,8 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
             agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
         except OSError as exc:
             raise agent_error(agent.error_record(exc), "this computer") from None
+        except agent.AgentError as exc:
+            raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
     finally:
         ch.close()
     summary.links = len(plan.links)
@@ -1226,6 +1720,7 @@ def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing
 def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
     """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
     head = _json_bytes({"op": "send", "paths": [e.path for e in small]})
+    ch.doing = "reading"
     ch.send(struct.pack(">I", len(head)) + head)
     ch.close_stdin()
     try:
@@ -1244,26 +1739,42 @@ def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> N
 
 
 def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
-    """Fetch one file on its own channel, continuing a verified local partial."""
+    """Fetch one file on its own channel, continuing an abandoned local part when the
+    source's first bytes hash the same; a resumed file is checked against the sha256 of
+    the source that follows its bytes before it is renamed (see ``get`` in
+    :mod:`gpumagic.sync.agent`)."""
     path = _local_path(dst_root, e.path)
-    part = agent.part_name(path)
+    f, have, tmp, token = agent.take_part(path)
     try:
-        have = min(os.path.getsize(part), e.size)
-    except OSError:
-        have = 0
-    digest = _prefix_digest(part, have)
-    ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(have), digest)
-    try:
-        line = ch.readline()
-        if not line.startswith(b"OFFSET "):
-            raise ch.failure(line)
-        kept = int(line.split()[1])
-        agent.receive_large(path, ch, e.size, e.mode, e.mtime_ns, kept, digest if kept else "-",
-                            lambda k: run.add_bytes(k, resumed=True), on_bytes=run.add_bytes)
-        if ch.finish() != 0:
-            raise ch.failure()
+        have = min(have, e.size)
+        digest = agent.hash_file(f, have).hexdigest() if have else "-"
+        ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest)
+        try:
+            line = ch.readline()
+            if not line.startswith(b"OFFSET "):
+                raise ch.failure(line)
+            kept = int(line.split()[1])
+            if kept not in (0, have):
+                raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
+                                "run the sync again; if it repeats, report it with this message")
+            f.truncate(kept)
+            f.seek(kept)
+            run.add_bytes(kept, resumed=True)
+            want = None
+            try:
+                agent.write_rest(f, ch, e.size - kept, path, on_bytes=run.add_bytes)
+                if kept:
+                    want = ch.read_exact(64).decode("ascii", "replace")
+                    if len(want) < 64:
+                        raise EOFError(f"the stream ended before the sha256 of {e.path}")
+            except EOFError:
+                raise ch.failure() from None
+            if ch.finish() != 0:
+                raise ch.failure()
+        finally:
+            ch.close()
+        agent.finish_part(f, tmp, path, e.size, e.mode, e.mtime_ns, want)
         run.file_done(e.path)
-    except EOFError:
-        raise _lost(machine) from None
     finally:
-        ch.close()
+        agent.leave_part(f, tmp)  # a part not renamed is kept for a resume
+        agent.release(token)
