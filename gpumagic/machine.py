@@ -21,6 +21,7 @@ from .hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
+    from .kernel import RemoteKernel
     from .sync import SyncSummary
 
 
@@ -274,6 +275,27 @@ class Machine:
     def job(self, name: str) -> "jobs.Job":
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
+
+    # -- live Python sessions (gpumagic/kernel.py) -----------------------------------------
+
+    def kernel(self, name: str | None = None, *, start: bool = True, python: str | None = None,
+               cwd: str | None = None, env: Mapping[str, str] | None = None,
+               install: bool = False) -> "RemoteKernel":
+        """A Jupyter kernel on this machine that keeps its variables between calls and
+        outlives this process: ``k = m.kernel("main"); k.execute("x = 41")``.
+
+        ``name`` defaults to the session used last, else the machine's only one, else
+        ``main``.  With ``start``, it is started (``python``, ``cwd``, ``env``, ``install``:
+        see :meth:`gpumagic.kernel.RemoteKernel.start`) unless it already runs.
+
+        Raises
+        ------
+        KernelError
+        """
+        from .kernel import kernels_of
+
+        return kernels_of(self).get(name, start=start, python=python, cwd=cwd, env=env,
+                                    install=install)
 
     # -- budget (see gpumagic/budget.py) ----------------------------------------------
 
