@@ -74,6 +74,9 @@ INTERRUPT_WAIT = 5.0
 START_TIMEOUT = 120.0
 #: Seconds between acknowledgements while output streams.
 ACK_INTERVAL = 0.5
+#: Seconds after a cell ends before what it showed is acknowledged (unless a request
+#: carries the acknowledgement first).
+ACK_DELAY = 0.2
 #: Frames held between the channel and the caller (the rest waits on the machine).
 QUEUE_FRAMES = 64
 #: Jupyter messaging protocol version spoken.
@@ -771,9 +774,10 @@ class RemoteKernel:
     def _send(self, link: _Link, ch: str, msg_type: str, content: dict) -> str:
         msg_id, parts = self._message(msg_type, content)
         try:
-            link.send({"op": "send", "ch": ch}, parts)
+            link.send({"op": "send", "ch": ch, "ack": self._last_seq}, parts)
         except _Lost:
             self._lost()
+        self._acked = max(self._acked, self._last_seq)
         return msg_id
 
     def _op(self, link: _Link, op: str) -> None:
@@ -782,12 +786,22 @@ class RemoteKernel:
         except _Lost:
             self._lost()
 
+    def _ack_soon(self, link: _Link) -> None:
+        """Acknowledge what was shown ACK_DELAY seconds from now (from a timer thread), unless
+        a request carries it first: not in the way of the cell that just ended."""
+        if self._last_seq <= self._acked:
+            return
+        timer = threading.Timer(ACK_DELAY, self._ack, (link,), {"force": True})
+        timer.daemon = True
+        timer.start()
+
     def _ack(self, link: _Link, force: bool = False) -> None:
         now = time.monotonic()
-        if self._last_seq > self._acked and (force or now - self._ack_time >= ACK_INTERVAL):
+        seq = self._last_seq
+        if seq > self._acked and (force or now - self._ack_time >= ACK_INTERVAL) and not link.closed:
             try:
-                link.send({"op": "ack", "seq": self._last_seq})
-                self._acked, self._ack_time = self._last_seq, now
+                link.send({"op": "ack", "seq": seq})
+                self._acked, self._ack_time = max(self._acked, seq), now
             except _Lost:
                 pass  # not acknowledged: a new process shows it again, this one skips it
 
@@ -865,7 +879,7 @@ class RemoteKernel:
                     f"and still runs there; `%gpu kernel restart {self.name}` stops it "
                     "(its variables are lost)") from None
             finally:
-                self._ack(link, force=True)
+                self._ack_soon(link)
             result.seconds = time.monotonic() - start
             reply = waiter.reply.content
             result.status = reply.get("status", "error")

@@ -510,10 +510,28 @@ def test_a_kernel_that_dies_says_how_and_restart_brings_a_fresh_one(m):
         stop_quietly(k)
 
 
-def test_list_shows_python_state_busy_since_and_gpu_memory(m, sshd):
+def _guard_measure(tmp_path, home: Path) -> str:
+    """What the budget guard's ``measure`` says on the test machine (fake idle H200)."""
+    from gpumagic import budget
+
+    script = tmp_path / "g.sh"
+    script.write_text(budget.guard_script(budget.GuardSettings(idle_s=60), "true"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    smi = Path(gpumagic.__file__).parent / "fake" / "nvidia_smi.py"
+    (bindir / "nvidia-smi").write_text(f"#!/bin/sh\nexec {PY} {smi} \"$@\"\n")
+    (bindir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}"}
+    env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
+    return subprocess.run(["sh", str(script), "measure"], env=env, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_list_shows_busy_since_and_the_budget_guard_counts_a_busy_kernel(m, sshd, tmp_path):
     k = start(m, "ls")
     try:
-        threading.Thread(target=lambda: k.execute("import time; time.sleep(3)", output=Recorder()),
+        assert _guard_measure(tmp_path, remote_home(sshd)).startswith("idle GPU utilisation 0%")
+        threading.Thread(target=lambda: k.execute("import time; time.sleep(4)", output=Recorder()),
                          daemon=True).start()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (k.info() or gk.KernelInfo("x")).state != "busy":
@@ -521,11 +539,12 @@ def test_list_shows_python_state_busy_since_and_gpu_memory(m, sshd):
         info = k.info()
         assert info.state == "busy" and info.state_text().startswith("busy since ")
         assert info.python == PY and info.kernel_pid > 0
-        assert (kernel_dir(sshd, "ls") / "busy").exists()  # what the budget guard reads
+        assert _guard_measure(tmp_path, remote_home(sshd)) == "busy gpumagic kernel ls is executing a cell"
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and k.info().state != "idle":
             time.sleep(0.1)
         assert k.info().state == "idle"
+        assert _guard_measure(tmp_path, remote_home(sshd)).startswith("idle GPU utilisation 0%")
     finally:
         stop_quietly(k)
 

@@ -64,6 +64,8 @@ READY_TIMEOUT = 90.0
 SHUTDOWN_GRACE = 3.0
 #: Bytes queued to one client before the rest waits in the journal.
 CLIENT_BUFFER = 1 << 20
+#: Seconds of quiet after which a changed state is written to its files.
+STATE_DELAY = 0.05
 #: The journal is started afresh once it is this large and everything in it was delivered.
 JOURNAL_RESET = 64 << 20
 DELIM = b"<IDS|MSG>"
@@ -143,6 +145,7 @@ class Keeper:
         self.jsize = 0
         self.acked = 0
         self.stopping = False
+        self.dirty = False
 
     # -- files --
 
@@ -159,18 +162,29 @@ class Keeper:
         write_private(self.path("state.json"), dumps(info))
         return info
 
-    def set_state(self, state, busy_msg=None):
+    def set_state(self, state, busy_msg=None, now=True):
+        """Change the state; its files (``state.json``, ``busy``) are written now, or with
+        ``now=False`` (a cell starting or ending) once the loop is quiet for STATE_DELAY
+        seconds, so that writing them is not in the way of the cell's messages."""
         if state != self.state or busy_msg != self.busy_msg:
             self.state, self.busy_msg, self.since = state, busy_msg, time.time()
-            busy = self.path("busy")
-            if state == "busy":
-                write_private(busy, dumps({"since": self.since, "msg_id": busy_msg}))
-            else:
-                try:
-                    os.unlink(busy)
-                except OSError:
-                    pass
-            self.write_state()
+            self.dirty = True
+        if now:
+            self.flush_state()
+
+    def flush_state(self):
+        if not self.dirty:
+            return
+        self.dirty = False
+        busy = self.path("busy")
+        if self.state == "busy":
+            write_private(busy, dumps({"since": self.since, "msg_id": self.busy_msg}))
+        else:
+            try:
+                os.unlink(busy)
+            except OSError:
+                pass
+        self.write_state()
 
     # -- the kernel --
 
@@ -509,6 +523,10 @@ class Keeper:
             welcome = self.status()
             welcome["op"] = "welcome"
             self.reply(c, welcome)
+        if "ack" in meta:  # any request may carry an acknowledgement
+            self.acked = max(self.acked, min(int(meta["ack"] or 0), self.next_seq - 1))
+        if op == "hello":
+            pass
         elif op == "send":
             ch = meta.get("ch")
             if ch in ("shell", "stdin", "control") and len(parts) >= 5 and self.socks:
@@ -533,22 +551,29 @@ class Keeper:
 
     def serve(self):
         zmq = self.zmq
+        poller, watched, kernel_socks = None, None, None
         while not self.stopping:
-            poller = zmq.Poller()
-            for s in self.socks.values():
-                poller.register(s, zmq.POLLIN)
-            poller.register(self.listener.fileno(), zmq.POLLIN)
-            by_fd = {}
-            for c in self.clients:  # zmq's poller answers plain sockets by their fd
-                by_fd[c.sock.fileno()] = c
-                poller.register(c.sock.fileno(), zmq.POLLIN | (zmq.POLLOUT if c.out or (
-                    c.pos is not None and c.pos < self.jsize) else 0))
+            # the poller is rebuilt only when what it watches changes
+            wanted = tuple((c.sock.fileno(), zmq.POLLIN | (zmq.POLLOUT if c.out or (
+                c.pos is not None and c.pos < self.jsize) else 0)) for c in self.clients)
+            if poller is None or wanted != watched or kernel_socks != list(self.socks.values()):
+                poller = zmq.Poller()
+                kernel_socks = list(self.socks.values())
+                for s in kernel_socks:
+                    poller.register(s, zmq.POLLIN)
+                poller.register(self.listener.fileno(), zmq.POLLIN)
+                for fd, flags in wanted:  # zmq's poller answers plain sockets by their fd
+                    poller.register(fd, flags)
+                watched = wanted
+            by_fd = {c.sock.fileno(): c for c in self.clients}
             try:
-                ready = poller.poll(1000)
+                ready = poller.poll(STATE_DELAY * 1000 if self.dirty else 1000)
             except zmq.ZMQError as e:
                 if e.errno == errno.EINTR:
                     continue
                 raise
+            if self.dirty and (not ready or time.time() - self.since > 1.0):
+                self.flush_state()
             for obj, flags in ready:
                 if obj == self.listener.fileno():
                     self.accept()
@@ -581,9 +606,9 @@ class Keeper:
             if parent.get("msg_type") == "execute_request":
                 state = json.loads(parts[3]).get("execution_state")
                 if state == "busy":
-                    self.set_state("busy", parent.get("msg_id"))
+                    self.set_state("busy", parent.get("msg_id"), now=False)
                 elif state == "idle" and self.busy_msg == parent.get("msg_id"):
-                    self.set_state("idle")
+                    self.set_state("idle", now=False)
         self.append(ch, parts, buffers)
 
     def shutdown(self):
