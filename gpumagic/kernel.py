@@ -38,6 +38,7 @@ output).  The price is one small relay hop on the machine (see
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import getpass
 import io
@@ -52,6 +53,7 @@ import tarfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
@@ -695,12 +697,13 @@ class RemoteKernel:
             except ValueError:
                 pass
         err = r.stderr.strip()
-        if r.exit_code in (126, 127) or "No such file" in err or "not found" in err:
-            raise KernelError(f"no python {python!r} on {self.machine.name} ({err.splitlines()[-1] if err else ''})",
+        last = (err or r.stdout).strip().splitlines()[-1] if (err or r.stdout).strip() else ""
+        if r.exit_code in (126, 127) and last.startswith("env:") and python in last:
+            raise KernelError(f"no python {python!r} on {self.machine.name} ({last})",
                               "give --python the path of a Python 3 there (`which python3` in a %%remote cell)")
-        raise KernelError(f"the kernel {self.where} did not start (exit code {r.exit_code}): "
-                          f"{(err or r.stdout).strip().splitlines()[-1:] or ''}",
-                          f"check `{python}` on the machine")
+        raise KernelError(f"the kernel {self.where} did not start (exit code {r.exit_code}): {last}",
+                          f"check `{python}` on the machine (`{python} -m ipykernel --version`), and "
+                          "that it has `tar` and a writable ~/.gpumagic")
 
     def info(self) -> KernelInfo | None:
         """This session's entry in :func:`list_kernels` (None when there is none)."""
@@ -1145,10 +1148,12 @@ class RemoteKernel:
                               "sleep 0.5; done", timeout=30)
 
     def close(self) -> None:
-        """Close the channel to the keeper (the kernel keeps running)."""
-        if self._link is not None:
-            self._link.close()
-            self._link = None
+        """Acknowledge what was shown and close the channel to the keeper (the kernel keeps
+        running); safe twice."""
+        link, self._link = self._link, None
+        if link is not None:
+            self._ack(link, force=True)
+            link.close()
 
     # -- variables --------------------------------------------------------------------------
 
@@ -1433,6 +1438,8 @@ def kernels_of(machine) -> Kernels:
     ks = machine.__dict__.get("_kernels")
     if ks is None:
         ks = machine.__dict__["_kernels"] = Kernels(machine)
+        ref = weakref.ref(ks)  # acknowledge what was shown when this process exits
+        atexit.register(lambda: (k := ref()) is not None and k.close())
     return ks
 
 

@@ -217,7 +217,9 @@ def _list(magics, line: str):
     kernels = list_kernels(m)
     from IPython.display import display as ipy_display
 
-    ipy_display(kernels_table(kernels, m.name, kernels_of(m).last))
+    running = [k.name for k in kernels if k.running]
+    current = kernels_of(m).last or (running[0] if len(running) == 1 else None)
+    ipy_display(kernels_table(kernels, m.name, current))
 
 
 def kernels_table(kernels, machine_name: str, current: str | None = None) -> display.Rendered:

@@ -86,6 +86,9 @@ class Machine:
         A closed machine re-opens on its next use, except the sandbox, whose server is gone.
         """
         self.tunnels.close_all(stop_service=self.sandbox is not None)
+        kernels = self.__dict__.get("_kernels")  # gpumagic/kernel.py: sessions keep running
+        if kernels is not None:
+            kernels.close()
         self.connection.close()
         if self.sandbox is not None:
             self.sandbox.stop()

@@ -162,6 +162,8 @@ def test_a_plot_comes_back_as_png_and_a_dataframe_as_html_in_the_executed_notebo
                                   "h = display(Markdown('step 1'), display_id=True)\nh.update(Markdown('step 2'))"),
         nbformat.v4.new_code_cell("%%remote --kernel c2\nimport sys\nfor i in range(3):\n"
                                   "    print(f'\\rtraining {i}', end='')\nprint()"),
+        nbformat.v4.new_code_cell("%%remote --kernel c2\nfrom IPython.display import clear_output\n"
+                                  "print('old')\nclear_output()\nprint('new')"),
         nbformat.v4.new_code_cell("%gpu kernel stop c2"),
     ]
     NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -175,6 +177,7 @@ def test_a_plot_comes_back_as_png_and_a_dataframe_as_html_in_the_executed_notebo
     assert [o.data["text/markdown"] for o in handle if o.output_type == "display_data"] == ["step 2"]
     text = "".join(o.get("text", "") for o in bar if o.output_type == "stream")
     assert text.endswith("training 2\n")
+    assert [o.get("text") for o in nb.cells[5].outputs] == ["new\n"]
 
 
 # -- case 3 -------------------------------------------------------------------------------
@@ -206,6 +209,21 @@ def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m):
         assert k.pull(["i", "done"]) == {"i": 29, "done": "yes"}
     finally:
         stop_quietly(k)
+
+
+def test_output_shown_just_before_a_disconnect_is_not_shown_again(sshd):
+    m1 = gpumagic.connect("testgpu")
+    k = m1.kernel("c3b", python=PY)
+    try:
+        k.execute("print('once')", output=Recorder())
+        m1.close()  # at once: before the deferred acknowledgement
+        m2 = gpumagic.connect("testgpu")
+        out = Recorder()
+        m2.kernel("c3b", start=False).execute("print('next')", output=out)
+        assert out.events == [("stream", "stdout", "next\n")]
+        m2.close()
+    finally:
+        stop_quietly(gpumagic.connect("testgpu").kernel("c3b", start=False))
 
 
 # -- case 4 -------------------------------------------------------------------------------
@@ -584,3 +602,49 @@ def test_bad_names_and_arguments_are_usage_errors(ip):
     assert "--kernel does not combine with --job" in str(e.value)
     with pytest.raises(UsageError):
         ip.run_line_magic("gpu", "kernel push not_defined_here")
+
+
+# -- the tutorial -------------------------------------------------------------------------
+
+
+def test_tutorial_07_trains_plots_pulls_and_finds_the_model_after_reconnecting(tmp_path, monkeypatch):
+    from gpumagic.__main__ import run_notebook
+    from gpumagic.sandbox import sandbox_home
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    kernels = sandbox_home() / ".gpumagic" / "kernels"
+    try:
+        out = run_notebook(ROOT / "example-notebooks" / "07-remote-python-session.ipynb", tmp_path, timeout=180)
+    finally:
+        for state in kernels.glob("*/state.json"):  # a failed run must not leave the session
+            try:
+                os.kill(json.loads(state.read_text())["keeper_pid"], signal.SIGTERM)
+            except (OSError, ValueError, KeyError):
+                pass
+    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+    assert not [o for c in cells for o in c.outputs if o.output_type == "error"]
+
+    def cell(start):
+        return next(c for c in cells if c.source.startswith(start))
+
+    def text(c, name="stdout"):
+        return "".join(o.text for o in c.outputs if o.output_type == "stream" and o.name == name)
+
+    assert "started session main on sandbox" in text(cell("%gpu kernel start"))
+    loaded = cell("%%remote --kernel\nimport numpy as np")
+    assert text(loaded) == "2000 rows loaded\n"
+    assert any("<table" in o.get("data", {}).get("text/html", "") for o in loaded.outputs)
+    trained = cell("%%remote --kernel\nfrom tqdm.auto")
+    assert text(trained).startswith("loss 5.439 -> 0.01")
+    assert "training: 100%" in text(trained, "stderr")
+    plot = cell("%%remote --kernel\nimport matplotlib")
+    assert [o.output_type for o in plot.outputs] == ["display_data"] and "image/png" in plot.outputs[0].data
+    assert text(cell("%gpu kernel pull")).startswith("pulled losses (list, ")
+    assert text(cell("import numpy as np")) == "final loss 0.0105, weights [ 2.  -1.   0.5]\n"
+    assert text(cell("lr = 0.1")).startswith("pushed lr (float, ")
+    assert text(cell("%%remote --kernel\nprint(\"still here")) == "still here: [ 2.  -1.   0.5] after 300 epochs\n"
+    listed = "".join(o.get("data", {}).get("text/plain", "") for o in cell("%gpu connect --sandbox").outputs)
+    assert "main *" in listed and " idle " in listed
+    assert text(cell("import os")).startswith("running in process ")
+    assert text(cell("%gpu kernel stop main")).startswith("stopped session main on sandbox")
+    assert not (kernels / "main").exists()
