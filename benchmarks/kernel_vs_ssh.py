@@ -204,9 +204,10 @@ def main(argv=None) -> int:
                       capture=False)
             secs = time.perf_counter() - start
             stop.set()
+            floor = run_jc(direct, f"line = 'x' * 99\nfor i in range({lines}):\n    print(line)")
             print(f"\n{out.bytes / 1e6:.1f} MB printed through gpumagic in {secs:.2f} s "
-                  f"({out.bytes / 1e6 / secs:.1f} MB/s); largest gap between outputs "
-                  f"{out.max_gap * 1e3:.0f} ms; this process's memory grew by at most "
+                  f"({out.bytes / 1e6 / secs:.1f} MB/s; direct: {floor:.2f} s); largest gap between "
+                  f"outputs {out.max_gap * 1e3:.0f} ms; this process's memory grew by at most "
                   f"{(peak - before) / 1e6:.1f} MB")
             tunnelled.stop_channels()
         finally:

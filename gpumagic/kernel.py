@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import collections
 import getpass
 import io
 import json
 import pickle
-import queue
 import re
 import shlex
 import struct
@@ -79,8 +79,9 @@ ACK_INTERVAL = 0.5
 #: Seconds after a cell ends before what it showed is acknowledged (unless a request
 #: carries the acknowledgement first).
 ACK_DELAY = 0.2
-#: Frames held between the channel and the caller (the rest waits on the machine).
-QUEUE_FRAMES = 64
+#: Bytes of decoded frames held between the channel and the caller (the rest waits in
+#: the SSH window and on the machine).
+QUEUE_BYTES = 4 * 1024 * 1024
 #: Jupyter messaging protocol version spoken.
 PROTOCOL_VERSION = "5.3"
 #: SSH channel window asked for the keeper's channel (bytes).
@@ -472,7 +473,9 @@ class _Link:
         except (TimeoutError, paramiko.SSHException, EOFError, OSError) as e:
             raise KernelConnectionLost(f"cannot open a channel to {machine.name}: {e}",
                                        "run it again: gpumagic reconnects by itself")
-        self.queue: queue.Queue = queue.Queue(QUEUE_FRAMES)
+        self._cv = threading.Condition()
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
         self.lost: str | None = None
         self.closed = False
         self._send_lock = threading.Lock()
@@ -489,13 +492,15 @@ class _Link:
             self.lost = self.lost or str(e) or "the channel closed"
             raise _Lost(self.lost)
 
-    def _put(self, item) -> None:
-        while not self.closed:
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+    def _put(self, item, size: int = 0) -> None:
+        """Queue a frame; waits while QUEUE_BYTES are queued (the rest waits in the SSH
+        window and on the machine), so memory here stays flat however much a cell prints."""
+        with self._cv:
+            while not self.closed and self._items and self._bytes + size > QUEUE_BYTES:
+                self._cv.wait(0.5)
+            self._items.append((item, size))
+            self._bytes += size
+            self._cv.notify_all()
 
     def _read(self) -> None:
         buf = bytearray()
@@ -512,7 +517,7 @@ class _Link:
                         break
                     parts = decode_frame(memoryview(buf)[start + 4:start + 4 + size])
                     start += 4 + size
-                    self._put(Message.parse(parts))
+                    self._put(Message.parse(parts), size)
                 if start:
                     del buf[:start]
         except Exception as e:  # the channel or the connection ended
@@ -528,13 +533,17 @@ class _Link:
         _Lost
             The channel ended (and everything before that was returned).
         """
-        try:
-            item = self.queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is None:
-            self._put(None)  # later calls see it too
-            raise _Lost(self.lost or "the channel closed")
+        with self._cv:
+            if not self._items:
+                self._cv.wait(timeout)
+            if not self._items:
+                return None
+            item, size = self._items[0]
+            if item is None:  # stays queued: later calls see it too
+                raise _Lost(self.lost or "the channel closed")
+            self._items.popleft()
+            self._bytes -= size
+            self._cv.notify_all()
         return item
 
     def close(self) -> None:
@@ -586,7 +595,7 @@ class RemoteKernel:
         self._ack_time = 0.0
         self._welcome: dict = {}
         self._away_parents: set[str] = set()
-        self._follow_parent: str | None = None
+        self._restarting = False
         self._lock = threading.RLock()
         #: Bytes per variable of the last :meth:`pull`.
         self.last_pull_sizes: dict[str, int] = {}
@@ -945,20 +954,25 @@ class RemoteKernel:
 
     def _dispatch(self, link: _Link, out: Output, msg: Message, own: str | None,
                   waiter: _Waiter | None = None, result: ExecuteResult | None = None,
-                  capture: bool = False) -> str | None:
+                  capture: bool = False, death_is_news: bool = False) -> str | None:
         """Handle one message; returns ``"idle"`` when the cell ``own`` went idle, or the
-        keeper event's name."""
+        keeper event's name.  A kernel's death raises, or with ``death_is_news`` is noted."""
         if msg.seq is None or msg.seq <= self._last_seq:
             return None  # a reply to this client, or shown before the connection dropped
         self._last_seq = msg.seq
         if msg.ch == "keeper":
             ev = msg.content
-            if ev.get("event") in ("died", "stopped"):
+            if ev.get("event") in ("died", "restarted"):
+                self._welcome["state"] = "dead" if ev["event"] == "died" else "idle"
+            if ev.get("event") == "stopped" or (ev.get("event") == "died" and not death_is_news):
                 self._ack(link, force=True)
                 raise self._died_error(ev)
+            if ev.get("event") == "died":
+                out.note(f"[gpumagic: {self._died_error(ev).message}]")
             if ev.get("event") == "restarted":
                 self._away_parents.clear()
-                out.note(f"[gpumagic: session {self.where} was restarted; its variables are gone]")
+                if not self._restarting:  # someone else restarted it
+                    out.note(f"[gpumagic: session {self.where} was restarted; its variables are gone]")
             self._ack(link)
             return ev.get("event")
         pid, kind, said = msg.parent_id, msg.msg_type, None
@@ -1032,25 +1046,26 @@ class RemoteKernel:
         return KernelError(f"the kernel of session {self.where} died ({how}); its variables are "
                            f"lost{detail}", f"`%gpu kernel restart {self.name}` starts a fresh one")
 
-    def _sync(self, link: _Link, out: Output, own: str | None = None) -> dict:
+    def _sync(self, link: _Link, out: Output, own: str | None = None,
+              death_is_news: bool = False) -> dict:
         """Ask the keeper where its journal ends, show everything up to there, return its
         status (``state``, ``busy_msg``, ``since``, ``last``...)."""
         self._op(link, "sync")
         sync = None
-        while sync is None:
+        while sync is None or self._last_seq < sync.get("last", 0):
             msg = self._next(link, 30)
             if msg is None:
                 raise KernelError(f"the keeper of {self.where} did not answer", "try again")
             if msg.seq is None and msg.op == "sync":
                 sync = msg.content
+                self._welcome["state"] = sync.get("state")
             else:
-                self._dispatch(link, out, msg, own)
-        self._pump(link, out, own=own, until_seq=sync.get("last", 0), deadline=None)
+                self._dispatch(link, out, msg, own, death_is_news=death_is_news)
         return sync
 
-    def _catch_up(self, link: _Link, out: Output) -> dict:
+    def _catch_up(self, link: _Link, out: Output, death_is_news: bool = False) -> dict:
         try:
-            return self._sync(link, out)
+            return self._sync(link, out, death_is_news=death_is_news)
         finally:
             self._ack(link, force=True)
 
@@ -1111,14 +1126,18 @@ class RemoteKernel:
         with self._lock:
             out = output or default_output()
             link = self._connect()
-            self._catch_up(link, out)
+            self._catch_up(link, out, death_is_news=True)
             self._op(link, "restart")
             deadline = time.monotonic() + START_TIMEOUT
-            while time.monotonic() < deadline:
-                msg = self._next(link, 1.0)
-                if msg is not None and self._dispatch(link, out, msg, None) == "restarted":
-                    self._ack(link, force=True)
-                    return
+            self._restarting = True
+            try:
+                while time.monotonic() < deadline:
+                    msg = self._next(link, 1.0)
+                    if msg is not None and self._dispatch(link, out, msg, None) == "restarted":
+                        self._ack(link, force=True)
+                        return
+            finally:
+                self._restarting = False
             raise KernelError(f"the kernel of {self.where} did not restart within {START_TIMEOUT:g} s",
                               "`%gpu kernel list` shows its state")
 

@@ -524,6 +524,21 @@ def test_a_kernel_that_dies_says_how_and_restart_brings_a_fresh_one(m):
         out = Recorder()
         k.execute("print('back')", output=out)
         assert out.text == "back\n"
+        # it dies while no notebook follows it; a new one finds out, then restarts it
+        k.execute("import os, threading\nthreading.Timer(1, os._exit, (4,)).start()", output=Recorder())
+        k.close()
+        time.sleep(3)
+        with gpumagic.connect("testgpu") as m2:
+            k2 = m2.kernel("dd", start=False)
+            with pytest.raises(KernelError) as e:
+                k2.execute("print('hello?')", output=Recorder())
+            assert "died (exit code 4)" in str(e.value)
+            news = Recorder()
+            k2.restart(output=news)
+            assert news.events == []  # said once already, by the execute above
+            out = Recorder()
+            k2.execute("print('back again')", output=out)
+            assert out.text == "back again\n"
     finally:
         stop_quietly(k)
 

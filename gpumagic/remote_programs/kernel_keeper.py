@@ -593,15 +593,29 @@ class Keeper:
                 if self.stopping:
                     break
             if self.proc is not None and self.state != "dead" and self.proc.poll() is not None:
+                self.drain_kernel()  # what it sent before dying comes before the news
                 self.kernel_died()
         self.shutdown()
+
+    def drain_kernel(self, seconds=0.2):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            busy = False
+            for s in list(self.socks.values()):
+                while s.poll(0):
+                    busy = True
+                    got = self.recv_kernel(s)
+                    if got is not None:
+                        self.from_kernel(*got)
+            if not busy:
+                time.sleep(0.02)
 
     def from_kernel(self, ch, parts, buffers):
         header = json.loads(parts[0])
         msg_type = header.get("msg_type")
         if msg_type == "iopub_welcome":
             return
-        if ch == "iopub" and msg_type == "status":
+        if ch == "iopub" and msg_type == "status" and self.state != "dead":
             parent = json.loads(parts[1])
             if parent.get("msg_type") == "execute_request":
                 state = json.loads(parts[3]).get("execution_state")
