@@ -602,6 +602,14 @@ def test_the_listing_script_passes_shellcheck():
     assert r.returncode == 0, r.stdout
 
 
+@pytest.mark.parametrize("program", ["kernel_keeper.py", "kernel_startup.py"])
+def test_the_programs_run_on_the_machine_are_python_3_8(program):
+    """Rented machines often have an older python than the laptop (pickle protocol 5: 3.8)."""
+    import ast
+
+    ast.parse(gk.program_text(program).decode(), feature_version=(3, 8))
+
+
 def test_bad_names_and_arguments_are_usage_errors(ip):
     from IPython.core.error import UsageError
 
