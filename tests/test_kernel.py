@@ -196,7 +196,9 @@ def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m):
 
         first = Recorder(on_text=kill_after_three)
         with pytest.raises(KernelConnectionLost) as e:
-            k.execute("import time\nfor i in range(30):\n    print(f'line {i}', flush=True)\n"
+            k.execute("import time\nfrom IPython.display import display\nfor i in range(30):\n"
+                      "    print(f'line {i}', flush=True)\n"
+                      "    if i == 4:\n        display({'image/png': 'iVBORw0KGgo='}, raw=True)\n"
                       "    time.sleep(1)\ndone = 'yes'", output=first)
         assert "attach c3" in str(e.value)
         assert killed
@@ -206,6 +208,10 @@ def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m):
         assert status["state"] == "idle"
         lines = (first.text + second.text).splitlines()
         assert lines == [f"line {i}" for i in range(30)]
+        # the image printed while away comes in its place, once
+        shown = [e[2] if e[0] == "stream" else "<image>" for e in second.events if e[0] in ("stream", "display")]
+        assert "".join(shown).count("<image>") == 1
+        assert "line 4\n<image>line 5\n" in "".join(shown)
         assert k.pull(["i", "done"]) == {"i": 29, "done": "yes"}
     finally:
         stop_quietly(k)
@@ -224,6 +230,22 @@ def test_output_shown_just_before_a_disconnect_is_not_shown_again(sshd):
         m2.close()
     finally:
         stop_quietly(gpumagic.connect("testgpu").kernel("c3b", start=False))
+
+
+def test_the_display_cap_of_remote_applies_to_kernel_cells(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start cap --python {PY}")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel cap --out r", "print('x' * 5000)")
+        shown = capsys.readouterr()
+        assert shown.out == "x" * 1000
+        assert "4,001 more characters were not displayed (limit 1,000)" in shown.err
+        assert ip.user_ns["r"].stdout == "x" * 5000 + "\n"  # --out keeps everything
+    finally:
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+        ip.run_line_magic("gpu", "kernel stop cap")
 
 
 # -- case 4 -------------------------------------------------------------------------------
