@@ -22,6 +22,7 @@ from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel.forward import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
+    from .remote.kernel import RemoteKernel
     from .sync.engine import SyncSummary
 
 
@@ -86,6 +87,9 @@ class Machine:
         A closed machine re-opens on its next use, except the sandbox, whose server is gone.
         """
         self.tunnels.close_all(stop_service=self.sandbox is not None)
+        kernels = self.__dict__.get("_kernels")  # gpumagic/kernel.py: sessions keep running
+        if kernels is not None:
+            kernels.close()
         self.connection.close()
         if self.sandbox is not None:
             self.sandbox.stop()
@@ -280,6 +284,27 @@ class Machine:
     def job(self, name: str) -> "jobs.Job":
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
+
+    # -- live Python sessions (gpumagic/kernel.py) -----------------------------------------
+
+    def kernel(self, name: str | None = None, *, start: bool = True, python: str | None = None,
+               cwd: str | None = None, env: Mapping[str, str] | None = None,
+               install: bool = False) -> "RemoteKernel":
+        """A Jupyter kernel on this machine that keeps its variables between calls and
+        outlives this process: ``k = m.kernel("main"); k.execute("x = 41")``.
+
+        ``name`` defaults to the session used last, else the machine's only one, else
+        ``main``.  With ``start``, it is started (``python``, ``cwd``, ``env``, ``install``:
+        see :meth:`gpumagic.remote.kernel.RemoteKernel.start`) unless it already runs.
+
+        Raises
+        ------
+        KernelError
+        """
+        from .remote.kernel import kernels_of
+
+        return kernels_of(self).get(name, start=start, python=python, cwd=cwd, env=env,
+                                    install=install)
 
     # -- budget (see gpumagic/budget.py) ----------------------------------------------
 

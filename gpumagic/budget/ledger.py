@@ -960,6 +960,16 @@ measure() {
       echo "busy gpumagic job $(basename "$d") is running (pid $p)"; return
     fi
   done
+  # a live Python session (%gpu kernel) executing a cell: its keeper keeps a `busy` file
+  # while a cell runs (see gpumagic/remote/programs/kernel_keeper.py)
+  for d in "${JOBS_DIR%/jobs}/kernels"/*/; do
+    [ -f "${d}busy" ] || continue
+    p=$(sed -n 's/.*"keeper_pid": *\([0-9][0-9]*\).*/\1/p' "${d}state.json" 2>/dev/null)
+    case "$p" in ''|*[!0-9]*) continue ;; esac
+    if kill -0 "$p" 2>/dev/null && { [ ! -d "/proc/$p" ] || tr '\000' ' ' < "/proc/$p/cmdline" 2>/dev/null | grep -q kernel_keeper; }; then
+      echo "busy gpumagic kernel $(basename "$d") is executing a cell"; return
+    fi
+  done
   printf '%s\n--\n%s\n' "$gpu" "$apps" | awk -F', *' -v thr="$IDLE_UTIL" -v slack="$BUSY_MEM_MIB" '
     function num(s) { gsub(/^[ \t]+|[ \t]+$/, "", s); return s ~ /^[0-9]+(\.[0-9]+)?$/ }
     BEGIN { part = 0; n = 0; used = 0; maxu = 0; apps = 0; appmem = 0; appunk = 0; bad = "" }

@@ -240,6 +240,9 @@ class GpuMagics(Magics):
               help="with --job: shut the machine down MINUTES after the job succeeds (exit 0)")
     @argument("--no-alerts", action="store_true",
               help="with --job: do not show NaN/OOM/traceback alerts when following or listing")
+    @argument("--kernel", metavar="NAME", nargs="?", const="",
+              help="run the cell in a live Python session on the machine, whose variables persist "
+                   "(default: the one used last, or the only one; started on first use; see `%%gpu kernel`)")
     @cell_magic
     def remote(self, line: str, cell: str):
         """Run this cell on the remote machine, with output streamed live.
@@ -252,6 +255,9 @@ class GpuMagics(Magics):
         if args is None:
             return None
         _check_out(args.out)
+        if args.kernel is not None:
+            from .kernel_magics import remote_cell
+            return remote_cell(self, args, cell)
         if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
             return _remote_job(self, args, cell)
         machine = self.session.get(args.host)
@@ -367,6 +373,13 @@ def _connect(magics: GpuMagics, line: str):
           f"{time.monotonic() - start:.2f} s; %%remote cells run there")
     if save is not None:  # only after the line proved to work: no block from a mistyped line
         _print_add_host(save())
+
+
+@subcommand("kernel", "a live Python session on the machine: start, list, attach, push, pull, stop, autorun")
+def _kernel(magics: GpuMagics, line: str):
+    """`%gpu kernel SUB ...`: see gpumagic/notebook/kernel_magics.py (`%gpu kernel` lists the SUBs)."""
+    from .kernel_magics import dispatch
+    return dispatch(magics, line)
 
 
 @subcommand("disconnect", "close a machine's connection (default: the current one)")

@@ -1,0 +1,417 @@
+"""IPython layer of live sessions (gpumagic/kernel.py): ``%gpu kernel ...``,
+``%%remote --kernel [NAME]`` and the autorun mode.
+
+Each handler takes the :class:`gpumagic.magics.GpuMagics` instance and its argument line (or
+parsed arguments), calls the plain-Python API once, and displays.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from . import display
+from ..remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, check_name, kernels_of, list_kernels)
+
+
+class NotebookOutput(Output):
+    """A kernel's output shown in this notebook: streams to stdout/stderr (``\\r`` kept),
+    MIME bundles through IPython's display machinery with their display ids, so
+    ``update_display_data`` and ``clear_output`` act on the right output.
+
+    At most ``limit`` characters of text and MIME data are shown per cell (the ``%%remote``
+    cap, ``GpuMagics.max_display_bytes``); past it, one line says how much was not shown.
+    """
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.shown = 0
+        self.dropped = 0
+
+    def _room(self, n: int) -> int:
+        if self.limit is None:
+            return n
+        room = max(0, min(n, self.limit - self.shown))
+        self.shown += room
+        self.dropped += n - room
+        return room
+
+    def stream(self, name: str, text: str) -> None:
+        room = self._room(len(text))
+        if room:
+            f = sys.stderr if name == "stderr" else sys.stdout
+            f.write(text[:room])
+            f.flush()
+
+    def display(self, data, metadata, display_id=None, update=False) -> None:
+        from IPython.display import display as ipy_display
+        from IPython.display import update_display
+
+        size = sum(len(v) if isinstance(v, str) else 0 for v in data.values())
+        if not update and self.limit is not None and self.shown + size > self.limit:
+            self.dropped += size
+            return
+        if not update:
+            self.shown += size
+        if update and display_id:
+            update_display(data, raw=True, metadata=metadata, display_id=display_id)
+        elif display_id:
+            ipy_display(data, raw=True, metadata=metadata, display_id=display_id)
+        else:
+            ipy_display(data, raw=True, metadata=metadata)
+
+    def clear(self, wait: bool = False) -> None:
+        from IPython.display import clear_output
+
+        clear_output(wait=wait)
+
+    def note(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.dropped:
+            self.note(f"[gpumagic: {self.dropped:,} more characters were not displayed (limit "
+                      f"{self.limit:,}); --out VAR keeps the text; raise it with "
+                      "%config GpuMagics.max_display_bytes = N]")
+
+
+def _parse(fn, line: str, name: str):
+    from .magics import parse
+
+    return parse(fn, line, name)
+
+
+def _env(items):
+    from .magics import _env_pairs
+
+    return _env_pairs(items)
+
+
+def _output(magics) -> NotebookOutput:
+    return NotebookOutput(magics.max_display_bytes)
+
+
+def _get(magics, host: str | None, name: str | None, *, start: bool = False,
+         **options) -> RemoteKernel:
+    """The session ``name`` on machine ``host``; with ``start``, started when it is not
+    running yet (saying so)."""
+    m = magics.session.get(host)
+    ks = kernels_of(m)
+    k = ks.handle(ks.resolve(name))
+    if start:
+        answer = k.ensure(**options)
+        if answer is not None and answer.get("status") == "started":
+            print(f"started session {k.name} on {m.name} ({answer.get('python')}, Python "
+                  f"{answer.get('python_version', '?')}); it keeps running when this notebook "
+                  f"closes: `%gpu kernel stop {k.name}` ends it", file=sys.stderr)
+    ks.last = k.name
+    return k
+
+
+# -- %%remote --kernel ------------------------------------------------------------------------
+
+
+def remote_cell(magics, args, cell: str):
+    """``%%remote --kernel [NAME]``: run the cell in a live session (started on first use).
+
+    The cell's output streams into this cell; an exception raises here with the machine's
+    traceback; an interrupt interrupts the cell there and re-raises KeyboardInterrupt.
+    """
+    bad = [opt for opt, on in (("--job", args.job is not None), ("--stop-on", bool(args.stop_on)),
+                               ("--then-shutdown", args.then_shutdown is not None),
+                               ("--no-alerts", args.no_alerts), ("--python", args.python)) if on]
+    if bad:
+        raise UsageError(f"--kernel does not combine with {', '.join(bad)}: a session runs "
+                         "Python cells in place (use --job for a detached script)")
+    if args.out and not args.out.isidentifier():
+        raise UsageError(f"--out {args.out!r} is not a Python variable name; e.g. --out result")
+    name = args.kernel or None
+    if name:
+        _name(name)
+    k = _get(magics, args.host, name, start=True, cwd=args.cwd, env=_env(args.env))
+    out = _output(magics)
+    try:
+        result = k.execute(cell, output=out, timeout=args.timeout, capture=bool(args.out),
+                           raise_error=not args.no_raise_error)
+    finally:
+        out.finish()
+    if args.out:
+        magics.shell.user_ns[args.out] = result
+    return None
+
+
+def _name(name: str) -> str:
+    try:
+        return check_name(name)
+    except KernelError as e:
+        raise UsageError(f"{e.message}: {e.hint}") from None
+
+
+# -- %gpu kernel SUB ---------------------------------------------------------------------------
+
+
+_HELP = """\
+%gpu kernel: a live Python session on the machine (ipykernel), kept running when this
+notebook closes; variables persist between cells.
+
+  %gpu kernel start [NAME] [--python PATH] [--cwd DIR] [--env K=V] [--install]
+  %gpu kernel list                      name, python, state (idle / busy since), GPU memory
+  %gpu kernel attach [NAME]             show what it printed while you were away, then follow
+  %gpu kernel push VAR... [-k NAME]     copy variables from here to the session
+  %gpu kernel pull VAR... [-k NAME]     copy variables from the session to here
+  %gpu kernel interrupt [NAME]          interrupt the running cell (variables are kept)
+  %gpu kernel restart NAME              a fresh kernel (variables are lost)
+  %gpu kernel stop NAME                 stop it and its processes
+  %gpu kernel autorun on [NAME] | off   send every following code cell to the session
+
+%%remote --kernel [NAME] runs one cell there (default: the session used last, or the
+machine's only one, or `main`, started on first use).  `%gpu kernel SUB -h` shows options."""
+
+
+@magic_arguments()
+@argument("name", nargs="?", help=f"session name (default: {DEFAULT_NAME}, or the machine's only one)")
+@argument("--python", metavar="PATH", help="the machine's python for the kernel (default: python3)")
+@argument("--cwd", metavar="DIR", help="the kernel's working directory (default: the machine's)")
+@argument("--env", metavar="K=V", action="append", default=[], help="environment variable (repeatable)")
+@argument("--install", action="store_true",
+          help="run `PYTHON -m pip install ipykernel` on the machine first if it is missing")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _start(magics, line: str):
+    args = _parse(_start, line, "kernel start")
+    if args is None:
+        return
+    m = magics.session.get(args.host)
+    ks = kernels_of(m)
+    name = _name(args.name) if args.name else ks.resolve(None)
+    k = ks.handle(name)
+    answer = k.start(python=args.python, cwd=args.cwd, env=_env(args.env), install=args.install,
+                     output=_output(magics))
+    ks.last = k.name
+    if answer.get("status") == "running":
+        state = answer.get("state") or {}
+        note = ""
+        if args.python and state.get("python") and args.python != state.get("python"):
+            note = (f"; --python {args.python} was not applied (`%gpu kernel stop {name}` first "
+                    "to change it)")
+        print(f"session {name} already runs on {m.name} ({state.get('python')}, "
+              f"{state.get('state', '?')}){note}")
+        return
+    print(f"started session {name} on {m.name}: {answer.get('python')} (Python "
+          f"{answer.get('python_version', '?')}), in {answer.get('cwd')}; it keeps running when "
+          f"this notebook closes.\n`%%remote --kernel` runs cells there; "
+          f"`%gpu kernel stop {name}` ends it")
+
+
+@magic_arguments()
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _list(magics, line: str):
+    args = _parse(_list, line, "kernel list")
+    if args is None:
+        return
+    m = magics.session.get(args.host)
+    kernels = list_kernels(m)
+    from IPython.display import display as ipy_display
+
+    running = [k.name for k in kernels if k.running]
+    current = kernels_of(m).last or (running[0] if len(running) == 1 else None)
+    ipy_display(kernels_table(kernels, m.name, current))
+
+
+def kernels_table(kernels, machine_name: str, current: str | None = None) -> display.Rendered:
+    """The ``%gpu kernel list`` table (or a sentence when there is none)."""
+    if not kernels:
+        text = (f"no sessions on {machine_name}; `%gpu kernel start` or a `%%remote --kernel` "
+                "cell starts one")
+        return display.Rendered(text, f"<p>{html.escape(text)}</p>")
+    now = time.time()
+    rows = [("NAME", "PYTHON", "STATE", "GPU MEM", "STARTED")]
+    for k in kernels:
+        gpu = "-" if k.gpu_mib is None else f"{k.gpu_mib} MiB"
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.started)) if k.started else "-"
+        mark = " *" if k.name == current else ""
+        rows.append((k.name + mark, k.python + (f" ({k.python_version})" if k.python_version else ""),
+                     k.state_text(now), gpu, started))
+    head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r)
+                   + "</tr>" for r in rows[1:])
+    foot = "* the session %%remote --kernel uses" if current in {k.name for k in kernels} else ""
+    return display.Rendered(f"sessions on {machine_name}:\n" + display.text_table(rows)
+                            + (f"\n{foot}" if foot else ""),
+                            f"<p>sessions on <b>{html.escape(machine_name)}</b></p><table><thead>"
+                            f"<tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                            + (f"<p>{html.escape(foot)}</p>" if foot else ""))
+
+
+@magic_arguments()
+@argument("name", help="session name")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _stop(magics, line: str):
+    args = _parse(_stop, line, "kernel stop")
+    if args is None:
+        return
+    m = magics.session.get(args.host)
+    ks = kernels_of(m)
+    k = ks.handle(_name(args.name))
+    if k.info() is None:
+        raise KernelError(f"no session {args.name!r} on {m.name}", "`%gpu kernel list` shows them")
+    k.stop()
+    ks.forget(k.name)
+    _autorun_off_for(magics, m.name, k.name)
+    print(f"stopped session {k.name} on {m.name} (its kernel and the processes it started)")
+
+
+@magic_arguments()
+@argument("name", help="session name")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _restart(magics, line: str):
+    args = _parse(_restart, line, "kernel restart")
+    if args is None:
+        return
+    k = _get(magics, args.host, _name(args.name))
+    k.restart(output=_output(magics))
+    print(f"restarted session {k.name} on {k.machine.name}: a fresh kernel, no variables")
+
+
+@magic_arguments()
+@argument("name", nargs="?", help="session name (default: the one used last, or the only one)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _interrupt(magics, line: str):
+    args = _parse(_interrupt, line, "kernel interrupt")
+    if args is None:
+        return
+    k = _get(magics, args.host, _name(args.name) if args.name else None)
+    k.interrupt()
+    print(f"sent an interrupt to session {k.name} on {k.machine.name} (its variables are kept)")
+
+
+@magic_arguments()
+@argument("name", nargs="?", help="session name (default: the one used last, or the only one)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _attach(magics, line: str):
+    args = _parse(_attach, line, "kernel attach")
+    if args is None:
+        return
+    k = _get(magics, args.host, _name(args.name) if args.name else None)
+    out = _output(magics)
+    try:
+        status = k.attach(output=out)
+    finally:
+        out.finish()
+    print(f"session {k.name} on {k.machine.name}: {status.get('state')}; nothing more to show",
+          file=sys.stderr)
+
+
+@magic_arguments()
+@argument("names", nargs="+", metavar="VAR", help="variables of this notebook")
+@argument("-k", "--kernel", metavar="NAME", help="session (default: the one used last, or the only one)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _push(magics, line: str):
+    args = _parse(_push, line, "kernel push")
+    if args is None:
+        return
+    ns = magics.shell.user_ns
+    missing = [n for n in args.names if n not in ns]
+    if missing:
+        raise UsageError(f"no variable {missing[0]!r} in this notebook (push copies variables by name)")
+    k = _get(magics, args.host, _name(args.kernel) if args.kernel else None, start=True)
+    start = time.monotonic()
+    sizes = k.push({n: ns[n] for n in args.names})
+    print(f"pushed {_sizes(sizes, ns)} to {k.where} in {time.monotonic() - start:.2f} s")
+
+
+@magic_arguments()
+@argument("names", nargs="+", metavar="VAR", help="variables of the session")
+@argument("-k", "--kernel", metavar="NAME", help="session (default: the one used last, or the only one)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _pull(magics, line: str):
+    args = _parse(_pull, line, "kernel pull")
+    if args is None:
+        return
+    bad = [n for n in args.names if not n.isidentifier()]
+    if bad:
+        raise UsageError(f"{bad[0]!r} is not a Python variable name")
+    k = _get(magics, args.host, _name(args.kernel) if args.kernel else None)
+    start = time.monotonic()
+    values = k.pull(list(args.names))
+    magics.shell.user_ns.update(values)
+    print(f"pulled {_sizes(k.last_pull_sizes, values)} from {k.where} in "
+          f"{time.monotonic() - start:.2f} s")
+
+
+def _sizes(sizes: dict, values: dict) -> str:
+    return ", ".join(f"{n} ({type(values[n]).__name__}, {display.format_bytes(s)})"
+                     for n, s in sizes.items())
+
+
+# -- autorun ----------------------------------------------------------------------------------
+
+
+class Autorun:
+    """An IPython input transformer (``shell.input_transformers_cleanup``) that turns each
+    code cell into ``%%remote --kernel NAME``, except cells whose first line is a magic or
+    shell escape (``%``, ``!``), which run here: so line magics, and ``%gpu kernel autorun
+    off``, still run locally (as with ipyparallel's ``%autopx``)."""
+
+    def __init__(self, machine: str, kernel: str):
+        self.machine, self.kernel = machine, kernel
+
+    def __call__(self, lines: list[str]) -> list[str]:
+        first = next((ln.strip() for ln in lines if ln.strip()), "")
+        if not first or first.startswith(("%", "!")):
+            return lines
+        args = f"--kernel {self.kernel} --host {self.machine}"
+        return [f"get_ipython().run_cell_magic('remote', {args!r}, {''.join(lines)!r})\n"]
+
+
+def _autorun_current(magics) -> Autorun | None:
+    return next((t for t in magics.shell.input_transformers_cleanup if isinstance(t, Autorun)), None)
+
+
+def _autorun_off_for(magics, machine: str, kernel: str) -> None:
+    t = _autorun_current(magics)
+    if t is not None and (t.machine, t.kernel) == (machine, kernel):
+        magics.shell.input_transformers_cleanup.remove(t)
+        print(f"autorun is off (session {kernel} was stopped)")
+
+
+@magic_arguments()
+@argument("mode", choices=["on", "off"], help="on: send every following code cell to the session")
+@argument("name", nargs="?", help="session name (default: the one used last, or the only one)")
+@argument("--host", metavar="NAME", help="machine (default: the current one)")
+def _autorun(magics, line: str):
+    args = _parse(_autorun, line, "kernel autorun")
+    if args is None:
+        return
+    shell = magics.shell
+    old = _autorun_current(magics)
+    if old is not None:
+        shell.input_transformers_cleanup.remove(old)
+    if args.mode == "off":
+        print("autorun is off: cells run here again" if old else "autorun was not on")
+        return
+    k = _get(magics, args.host, _name(args.name) if args.name else None, start=True)
+    shell.input_transformers_cleanup.append(Autorun(k.machine.name, k.name))
+    print(f"autorun is on: every following code cell runs in session {k.name} on {k.machine.name}; "
+          "cells starting with % or ! run here; `%gpu kernel autorun off` ends it")
+
+
+SUBCOMMANDS = {"start": _start, "list": _list, "stop": _stop, "restart": _restart,
+               "interrupt": _interrupt, "attach": _attach, "push": _push, "pull": _pull,
+               "autorun": _autorun}
+
+
+def dispatch(magics, line: str):
+    """``%gpu kernel SUB ...``."""
+    word, _, rest = line.strip().partition(" ")
+    if word in ("", "-h", "--help", "help"):
+        print(_HELP)
+        return None
+    fn = SUBCOMMANDS.get(word)
+    if fn is None:
+        raise UsageError(f"unknown kernel command {word!r}; valid: {', '.join(SUBCOMMANDS)} "
+                         "(see `%gpu kernel`)")
+    return fn(magics, rest)

@@ -1,0 +1,1464 @@
+"""A live Python session on the machine: a Jupyter kernel that outlives the laptop.
+
+>>> k = machine.kernel("main")              # started on first use (ipykernel on the machine)
+>>> k.execute("x = 41")
+>>> k.execute("print(x + 1)")               # 42: the namespace persists between calls
+>>> k.push({"lr": 3e-4}); k.pull("x")      # 41
+>>> k.interrupt(); k.restart(); k.stop()
+
+How it works
+------------
+The engine is Jupyter's own: ipykernel on the machine, spoken to with Jupyter messages
+(protocol 5.3: ``execute_request``, ``stream``, ``display_data``, ``input_request``...).
+On the machine, ``gpumagic/remote/programs/kernel_keeper.py`` (copied to
+``~/.gpumagic/kernels/.programs/``) runs detached, like a job, with the kernel's Python.  It
+starts ipykernel with a connection file (0600 in a 0700 directory) whose five sockets bind
+to the machine's 127.0.0.1, talks to them with jupyter_client's ``Session`` (so the HMAC key
+never leaves the machine) and writes every message the kernel sends to a journal on disk,
+numbered, in arrival order: output printed while no laptop is connected is kept there.
+
+The laptop reaches the keeper's one port (the machine's 127.0.0.1) through a
+``direct-tcpip`` channel of the machine's SSH connection: nothing listens on the laptop at
+all.  It presents a token (a 0600 file on the machine, read over SSH, never shown) and the
+number of the last message it has shown; the keeper streams the journal from the next one.
+So whatever a cell printed while the laptop was away comes first, once, in order (images
+included), then the live output; what this process has shown is acknowledged, so a new
+process starts after it.  Requests (execute, input replies, shutdown) are Jupyter messages
+that the keeper signs and passes on; interrupt, restart and stop are the keeper's (SIGINT to
+the kernel's process group, as jupyter_client does it for a local kernel).
+
+Why one relayed port rather than ``ssh -L``-style forwards of the kernel's five ports: one
+SSH channel instead of five local listening sockets; the HMAC key stays on the machine; one
+numbered stream makes "shown exactly once, in order" a cursor instead of merging a live
+subscription with a replay; a slow laptop only holds back its own cursor (the keeper sends
+whole journal records as the channel takes them, so neither side's memory grows with the
+output).  The price is one small relay hop on the machine (see
+``benchmarks/kernel_vs_ssh.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import collections
+import getpass
+import io
+import json
+import pickle
+import re
+import shlex
+import struct
+import sys
+import tarfile
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Any, Iterable, Mapping
+
+import paramiko
+
+from ..ssh import _paramiko
+from ..errors import ConnectionLost, GpumagicError, Interrupted, RemoteTimeout
+
+#: Where the keepers keep their kernels, relative to the remote HOME.
+KERNELS_DIR = ".gpumagic/kernels"
+#: Kernel (session) names: they become directory names on the machine.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+#: The session ``%%remote --kernel`` starts when the machine has none.
+DEFAULT_NAME = "main"
+#: Seconds to wait for a cell to stop after an interrupt before saying it ignores SIGINT.
+INTERRUPT_WAIT = 5.0
+#: Seconds a kernel may take to start (imports on a slow disk).
+START_TIMEOUT = 120.0
+#: Seconds between acknowledgements while output streams.
+ACK_INTERVAL = 0.5
+#: Seconds after a cell ends before what it showed is acknowledged (unless a request
+#: carries the acknowledgement first).
+ACK_DELAY = 0.2
+#: Bytes of decoded frames held between the channel and the caller (the rest waits in
+#: the SSH window and on the machine).
+QUEUE_BYTES = 4 * 1024 * 1024
+#: Jupyter messaging protocol version spoken.
+PROTOCOL_VERSION = "5.3"
+#: SSH channel window asked for the keeper's channel (bytes).
+WINDOW_SIZE = 8 * 1024 * 1024
+MAX_PACKET_SIZE = 255 * 1024
+
+
+class KernelError(GpumagicError):
+    """A remote session cannot be started, found or used as asked."""
+
+
+class KernelConnectionLost(ConnectionLost):
+    """The SSH connection dropped while a cell ran; the cell keeps running on the machine."""
+
+
+class RemoteKernelError(GpumagicError):
+    """A cell raised on the machine.
+
+    ``_render_traceback_`` gives the machine's IPython traceback (not gpumagic's frames), as
+    ipyparallel's ``RemoteError`` does.
+
+    Attributes
+    ----------
+    ename, evalue : str
+        The remote exception's type name and message.
+    traceback : list of str
+        The remote traceback lines as IPython formatted them (with ANSI colours).
+    """
+
+    def __init__(self, ename: str, evalue: str, traceback: list[str], where: str = ""):
+        super().__init__(f"{ename}: {evalue}" + (f" (on {where})" if where else ""))
+        self.ename, self.evalue, self.traceback = ename, evalue, list(traceback)
+
+    def _render_traceback_(self) -> list[str]:
+        return list(self.traceback) or [f"{self.ename}: {self.evalue}"]
+
+
+def check_name(name: str) -> str:
+    """``name`` if it can name a session (letters, digits, ``-``, ``_``; 64 at most).
+
+    Raises
+    ------
+    KernelError
+    """
+    if not NAME_RE.fullmatch(name or ""):
+        raise KernelError(f"{name!r} cannot name a session",
+                          "use letters, digits, - and _ (up to 64), starting with a letter or digit")
+    return name
+
+
+# -- frames (the keeper's wire and journal format; see kernel_keeper.py) ------------------
+
+
+def encode_frame(parts: Iterable[bytes]) -> bytes:
+    parts = list(parts)
+    out = [struct.pack("!I", len(parts))]
+    for p in parts:
+        out += [struct.pack("!I", len(p)), p]
+    body = b"".join(out)
+    return struct.pack("!I", len(body)) + body
+
+
+def decode_frame(body: bytes | memoryview) -> list[bytes]:
+    (n,), off, parts = struct.unpack_from("!I", body, 0), 4, []
+    for _ in range(n):
+        (size,) = struct.unpack_from("!I", body, off)
+        off += 4
+        parts.append(bytes(body[off:off + size]))
+        off += size
+    return parts
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+@dataclass
+class Message:
+    """One frame from the keeper: a kernel message (``ch`` iopub/shell/stdin/control), a
+    keeper event (``ch == "keeper"``, ``content`` the event) or a reply to this client
+    (``op`` set, no ``seq``)."""
+
+    seq: int | None
+    ch: str
+    op: str | None = None
+    header: dict = field(default_factory=dict)
+    parent: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+    content: dict = field(default_factory=dict)
+    buffers: list = field(default_factory=list)
+
+    @property
+    def msg_type(self) -> str:
+        return self.header.get("msg_type", "")
+
+    @property
+    def parent_id(self) -> str | None:
+        return self.parent.get("msg_id")
+
+    @classmethod
+    def parse(cls, parts: list[bytes]) -> "Message":
+        meta = json.loads(parts[0])
+        if "op" in meta:
+            return cls(None, "", op=meta["op"], content=meta)
+        seq, ch = meta["seq"], meta["ch"]
+        if ch == "keeper":
+            return cls(seq, ch, content=json.loads(parts[1]))
+        return cls(seq, ch, header=json.loads(parts[1]), parent=json.loads(parts[2]),
+                   metadata=json.loads(parts[3]), content=json.loads(parts[4]),
+                   buffers=parts[5:])
+
+
+# -- where output goes ----------------------------------------------------------------------
+
+
+class Output:
+    """Receives a kernel's output; :class:`TextOutput` prints, the magics display.
+
+    Methods are called on the caller's thread, in the order the kernel sent the messages.
+    """
+
+    def stream(self, name: str, text: str) -> None:
+        """``name`` is ``stdout`` or ``stderr``; ``text`` may hold ``\\r`` (progress bars)."""
+
+    def display(self, data: dict, metadata: dict, display_id: str | None = None,
+                update: bool = False) -> None:
+        """A MIME bundle (``display_data``, ``execute_result`` or, with ``update``,
+        ``update_display_data``)."""
+
+    def clear(self, wait: bool = False) -> None:
+        """``clear_output``."""
+
+    def note(self, text: str) -> None:
+        """One of gpumagic's own lines (not the cell's output)."""
+
+    def ask(self, prompt: str, password: bool = False) -> str:
+        """Answer the machine's ``input()`` / ``getpass()``."""
+        return getpass.getpass(prompt) if password else builtins.input(prompt)
+
+
+class TextOutput(Output):
+    """Print to this process's stdout/stderr; rich output as its ``text/plain``."""
+
+    def __init__(self, stdout=None, stderr=None):
+        self._out, self._err = stdout, stderr
+
+    def stream(self, name: str, text: str) -> None:
+        f = (self._err or sys.stderr) if name == "stderr" else (self._out or sys.stdout)
+        f.write(text)
+        f.flush()
+
+    def display(self, data, metadata, display_id=None, update=False) -> None:
+        text = data.get("text/plain")
+        kinds = ", ".join(k for k in data if k != "text/plain")
+        self.stream("stdout", (text if text is not None else f"<{kinds}>") + "\n")
+
+    def note(self, text: str) -> None:
+        self.stream("stderr", text + "\n")
+
+
+class _Quiet(Output):
+    def ask(self, prompt, password=False):
+        raise KernelError("gpumagic's own request asked for input", "")
+
+
+def default_output() -> Output:
+    """Rich display when running inside IPython (a notebook), text otherwise."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and ipython.get_ipython() is not None:
+        from ..notebook.kernel_magics import NotebookOutput
+
+        return NotebookOutput()
+    return TextOutput()
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecuteResult:
+    """What one cell did on the machine.
+
+    Attributes
+    ----------
+    status : str
+        ``ok``, ``error`` or ``aborted`` (Jupyter's execute_reply status).
+    execution_count : int or None
+        The kernel's ``In [N]``.
+    error : RemoteKernelError or None
+        The remote exception (ename, evalue, traceback).
+    stdout, stderr : str
+        The cell's printed text (empty unless captured).
+    outputs : list of dict
+        The MIME bundles displayed (``{"data": ..., "metadata": ...}``), when captured.
+    result : dict or None
+        The ``execute_result`` bundle (the last expression's value), when there is one.
+    user_expressions : dict
+        As in the execute_reply.
+    seconds : float
+        Wall time until the reply and all output arrived.
+    """
+
+    status: str = "ok"
+    execution_count: int | None = None
+    error: RemoteKernelError | None = None
+    stdout: str = ""
+    stderr: str = ""
+    outputs: list = field(default_factory=list)
+    result: dict | None = None
+    user_expressions: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def __repr__(self) -> str:
+        return (f"ExecuteResult(status={self.status!r}, execution_count={self.execution_count}, "
+                f"stdout={len(self.stdout)} chars, outputs={len(self.outputs)}, "
+                f"seconds={self.seconds:.3f})")
+
+
+@dataclass
+class KernelInfo:
+    """One session on the machine, as ``%gpu kernel list`` shows it.
+
+    Attributes
+    ----------
+    name, python : str
+        Session name; the kernel's ``sys.executable`` on the machine.
+    state : str
+        ``idle``, ``busy`` (a cell executes), ``starting``, ``dead`` (the kernel exited;
+        ``restart`` starts a fresh one) or ``lost`` (the keeper is gone: machine restarted).
+    since, started : float or None
+        Epoch seconds of the last state change and of the kernel's start.
+    kernel_pid, keeper_pid, port : int or None
+        On the machine (``port`` is the keeper's, on its 127.0.0.1).
+    gpu_mib : int or None
+        GPU memory held by the kernel's process group (``nvidia-smi
+        --query-compute-apps=pid,used_memory``); None when nvidia-smi cannot tell.
+    cwd : str
+    exit_code : int or None
+        The kernel's exit status once ``dead``.
+    """
+
+    name: str
+    python: str = ""
+    state: str = ""
+    since: float | None = None
+    started: float | None = None
+    kernel_pid: int | None = None
+    keeper_pid: int | None = None
+    port: int | None = None
+    gpu_mib: int | None = None
+    cwd: str = ""
+    exit_code: int | None = None
+    python_version: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("idle", "busy", "starting")
+
+    def state_text(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        if self.state == "busy" and self.since:
+            clock = time.strftime("%H:%M:%S", time.localtime(self.since))
+            return f"busy since {clock} ({_duration(now - self.since)})"
+        if self.state == "dead":
+            return f"dead (exit {self.exit_code})" if self.exit_code is not None else "dead"
+        if self.state == "lost":
+            return "lost (its keeper is not running: the machine restarted?)"
+        return self.state
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+
+
+def parse_listing(text: str) -> list[KernelInfo]:
+    """Parse what ``kernel_list.sh`` prints (see there) into sessions with GPU memory.
+
+    Pure; the GPU memory of a session is the sum of ``used_memory`` (MiB) over the
+    ``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`` rows
+    whose pid is in the kernel's process group (from ``ps -e -o pid=,pgid=``).
+    """
+    sections: dict[str, list[str]] = {}
+    kernels: list[tuple[str, list[str]]] = []
+    current: list[str] | None = None
+    for line in text.split("\n"):  # not splitlines(): it splits at \x1e too
+        line = line.rstrip("\r")
+        if line.startswith("\x1e"):
+            word, _, arg = line[1:].partition(" ")
+            current = []
+            if word == "kernel":
+                kernels.append((arg, current))
+            else:
+                sections[word] = current
+            continue
+        if current is not None:
+            if line:
+                current.append(line)
+    gpu_ok = sections.get("gpu-status", ["1"])[:1] == ["0"]
+    mem_by_pid: dict[int, int] = {}
+    for row in sections.get("gpu", []):
+        cells = [c.strip() for c in row.split(",")]
+        if len(cells) >= 2 and cells[0].isdigit() and cells[1].isdigit():
+            mem_by_pid[int(cells[0])] = mem_by_pid.get(int(cells[0]), 0) + int(cells[1])
+    groups: dict[int, list[int]] = {}
+    for row in sections.get("ps", []):
+        cells = row.split()
+        if len(cells) == 2 and cells[0].isdigit() and cells[1].isdigit():
+            groups.setdefault(int(cells[1]), []).append(int(cells[0]))
+    out = []
+    for name, lines in kernels:
+        alive = lines[-1:] == ["alive"]
+        try:
+            state = json.loads("\n".join(ln for ln in lines if ln not in ("alive", "gone")) or "{}")
+        except ValueError:
+            state = {}
+        info = KernelInfo(name=name, python=state.get("python", ""), state=state.get("state", ""),
+                          since=state.get("since"), started=state.get("started"),
+                          kernel_pid=state.get("kernel_pid"), keeper_pid=state.get("keeper_pid"),
+                          port=state.get("port"), cwd=state.get("cwd", ""),
+                          exit_code=state.get("exit_code"),
+                          python_version=state.get("python_version", ""))
+        if not alive:
+            info.state = "lost"
+        elif gpu_ok and info.kernel_pid and info.state != "dead":
+            pids = groups.get(info.kernel_pid, [info.kernel_pid])
+            info.gpu_mib = sum(mem_by_pid.get(p, 0) for p in pids)
+        out.append(info)
+    return out
+
+
+# -- the remote programs --------------------------------------------------------------------
+
+
+def program_text(name: str) -> bytes:
+    """A program of ``gpumagic/remote/programs`` (read with importlib.resources)."""
+    return resources.files("gpumagic.remote").joinpath("programs", name).read_bytes()
+
+
+def _programs_tar() -> tuple[str, bytes]:
+    """(content hash, tar of the keeper and its startup code) to unpack on the machine."""
+    import hashlib
+
+    files = {n: program_text(n) for n in ("kernel_keeper.py", "kernel_startup.py")}
+    digest = hashlib.sha256(b"".join(files[n] for n in sorted(files))).hexdigest()[:16]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for n, data in sorted(files.items()):
+            ti = tarfile.TarInfo(n)
+            ti.size, ti.mode, ti.mtime = len(data), 0o600, 0
+            tar.addfile(ti, io.BytesIO(data))
+    return digest, buf.getvalue()
+
+
+def _q(*words: str) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+# -- the channel to a keeper ----------------------------------------------------------------
+
+
+class _Lost(Exception):
+    pass
+
+
+class _Link:
+    """One ``direct-tcpip`` channel to a keeper, with a reader thread that decodes frames
+    into a bounded queue (when it is full, the rest waits on the machine)."""
+
+    def __init__(self, machine, port: int, token: str, since: int):
+        self.machine = machine
+        conn = machine.connection
+        conn.ensure_open()
+        self.opened = conn.opened_count
+        try:
+            self.chan = _paramiko.open_channel_public(
+                conn.transport, ("127.0.0.1", port), ("127.0.0.1", 0), WINDOW_SIZE,
+                MAX_PACKET_SIZE, conn.spec.connect_timeout)
+        except paramiko.ChannelException as e:
+            raise _Lost(f"nothing accepts connections on the keeper's port {port} ({e.text or e})")
+        except (TimeoutError, paramiko.SSHException, EOFError, OSError) as e:
+            raise KernelConnectionLost(f"cannot open a channel to {machine.name}: {e}",
+                                       "run it again: gpumagic reconnects by itself")
+        self._cv = threading.Condition()
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
+        self.lost: str | None = None
+        self.closed = False
+        self._send_lock = threading.Lock()
+        self.send({"op": "hello", "token": token, "since": since})
+        self.thread = threading.Thread(target=self._read, daemon=True, name="gpumagic-kernel-link")
+        self.thread.start()
+
+    def send(self, meta: dict, parts: Iterable[bytes] = ()) -> None:
+        data = encode_frame([_dumps(meta), *parts])
+        try:
+            with self._send_lock:
+                _paramiko.sendall_ordered(self.chan, data)
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            self.lost = self.lost or str(e) or "the channel closed"
+            raise _Lost(self.lost)
+
+    def _put(self, item, size: int = 0) -> None:
+        """Queue a frame; waits while QUEUE_BYTES are queued (the rest waits in the SSH
+        window and on the machine), so memory here stays flat however much a cell prints."""
+        with self._cv:
+            while not self.closed and self._items and self._bytes + size > QUEUE_BYTES:
+                self._cv.wait(0.5)
+            self._items.append((item, size))
+            self._bytes += size
+            self._cv.notify_all()
+
+    def _read(self) -> None:
+        buf = bytearray()
+        try:
+            while not self.closed:
+                data = self.chan.recv(1 << 20)
+                if not data:
+                    break
+                buf += data
+                start = 0
+                while len(buf) - start >= 4:
+                    (size,) = struct.unpack_from("!I", buf, start)
+                    if len(buf) - start - 4 < size:
+                        break
+                    parts = decode_frame(memoryview(buf)[start + 4:start + 4 + size])
+                    start += 4 + size
+                    self._put(Message.parse(parts), size)
+                if start:
+                    del buf[:start]
+        except Exception as e:  # the channel or the connection ended
+            self.lost = str(e) or type(e).__name__
+        self.lost = self.lost or self.machine.connection.lost_reason or "the channel closed"
+        self._put(None)
+
+    def get(self, timeout: float) -> Message | None:
+        """The next frame, or None after ``timeout`` seconds.
+
+        Raises
+        ------
+        _Lost
+            The channel ended (and everything before that was returned).
+        """
+        with self._cv:
+            if not self._items:
+                self._cv.wait(timeout)
+            if not self._items:
+                return None
+            item, size = self._items[0]
+            if item is None:  # stays queued: later calls see it too
+                raise _Lost(self.lost or "the channel closed")
+            self._items.popleft()
+            self._bytes -= size
+            self._cv.notify_all()
+        return item
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.chan.close()
+        except Exception:
+            pass
+
+
+# -- a session ------------------------------------------------------------------------------
+
+
+class _Waiter:
+    """What one request still waits for: its shell/control reply and its iopub idle."""
+
+    def __init__(self, msg_id: str, reply_type: str, need_idle: bool = True):
+        self.msg_id = msg_id
+        self.reply_type = reply_type
+        self.reply: Message | None = None
+        self.idle = not need_idle
+
+    @property
+    def done(self) -> bool:
+        return self.reply is not None and self.idle
+
+
+class RemoteKernel:
+    """One named Jupyter kernel on a machine, kept by a detached keeper.
+
+    Get one with :meth:`gpumagic.Machine.kernel`.  Every method reconnects by itself when
+    the SSH connection dropped; output that arrived meanwhile is shown first, once.
+
+    Parameters
+    ----------
+    machine : Machine
+    name : str
+        Session name (letters, digits, ``-``, ``_``).
+    """
+
+    def __init__(self, machine, name: str):
+        self.machine = machine
+        self.name = check_name(name)
+        self.session_id = uuid.uuid4().hex
+        self.python: str | None = None
+        self._link: _Link | None = None
+        self._last_seq = 0          # the last message shown by this process
+        self._acked = 0
+        self._ack_time = 0.0
+        self._welcome: dict = {}
+        self._away_parents: set[str] = set()
+        self._restarting = False
+        self._lock = threading.RLock()
+        #: Bytes per variable of the last :meth:`pull`.
+        self.last_pull_sizes: dict[str, int] = {}
+
+    @property
+    def where(self) -> str:
+        return f"{self.machine.name}:{self.name}"
+
+    @property
+    def remote_dir(self) -> str:
+        return f"$HOME/{KERNELS_DIR}/{self.name}"
+
+    def __repr__(self) -> str:
+        return f"<RemoteKernel {self.where}{' linked' if self._link else ''}>"
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    def start(self, *, python: str | None = None, cwd: str | None = None,
+              env: Mapping[str, str] | None = None, install: bool = False,
+              output: Output | None = None) -> dict:
+        """Start the kernel on the machine unless it already runs; returns the keeper's
+        answer (``status``: ``started`` or ``running``, plus the state).
+
+        Parameters
+        ----------
+        python : str, optional
+            The machine's Python for the kernel (default ``python3`` on the login PATH).
+        cwd : str, optional
+            The kernel's working directory (default: the machine's, see ``%gpu cd``).
+        env : mapping, optional
+            Extra environment variables (on top of the login environment).  ``MPLBACKEND``
+            defaults to the inline backend (plots come back as PNG).
+        install : bool
+            Where ``python`` lacks ipykernel, run ``python -m pip install ipykernel`` first.
+
+        Raises
+        ------
+        KernelError
+            No such python, no ipykernel in it (naming the exact pip command), no such
+            directory, or the kernel failed to start (with the end of its log).
+        """
+        py = python or "python3"
+        answer = self._launch(py, cwd, env)
+        if answer.get("status") == "no-ipykernel" and install:
+            where = answer.get("python") or py
+            out = output or default_output()
+            out.note(f"installing ipykernel into {where} on {self.machine.name} ...")
+            r = self.machine.run([where, "-m", "pip", "install", "ipykernel"],
+                                 stdout=lambda t: out.stream("stdout", t),
+                                 stderr=lambda t: out.stream("stderr", t))
+            if r.exit_code != 0:
+                raise KernelError(f"`{where} -m pip install ipykernel` failed on {self.machine.name} "
+                                  f"(exit code {r.exit_code})",
+                                  "see its output above; a python without pip needs "
+                                  "`python -m ensurepip` or the system's python3-pip first")
+            answer = self._launch(py, cwd, env)
+        status = answer.get("status")
+        if status == "no-ipykernel":
+            where = answer.get("python") or py
+            raise KernelError(f"{where} on {self.machine.name} has no ipykernel: install it with "
+                              f"`{where} -m pip install ipykernel` (or add --install)")
+        if status == "no-cwd":
+            raise KernelError(f"no directory {answer.get('cwd')} on {self.machine.name}",
+                              "create it first (`mkdir -p DIR` in a %%remote cell), or fix --cwd")
+        if status == "running":
+            self.python = (answer.get("state") or {}).get("python")
+        elif status == "started":
+            self.python = answer.get("python")
+            self._last_seq = self._acked = 0
+        else:
+            raise KernelError(f"the kernel {self.where} did not start: "
+                              f"{answer.get('why') or answer.get('error') or answer}",
+                              f"check `{py}` on the machine (`{py} -m ipykernel --version`)")
+        return answer
+
+    def ensure(self, **options) -> dict | None:
+        """Connect to the session, starting it first (``options``: see :meth:`start`) when
+        it does not run; returns the start's answer, or None when it was running."""
+        try:
+            self._connect()
+            return None
+        except KernelError:
+            pass
+        answer = self.start(**options)
+        self._connect()
+        return answer
+
+    def _launch(self, python: str, cwd: str | None, env: Mapping[str, str] | None) -> dict:
+        digest, tar = _programs_tar()
+        progs = f"$HOME/{KERNELS_DIR}/.programs/{digest}"
+        full_env = {**self.machine.login_env(), **(env or {})}
+        full_env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        unset = [a for k, v in full_env.items() if v is None for a in ("-u", k)]
+        assigns = [f"{k}={v}" for k, v in full_env.items() if v is not None]
+        workdir = cwd if cwd is not None else (self.machine.cwd or "")
+        # `~` is expanded by the keeper (os.path.expanduser), relative paths start at HOME
+        command = (
+            f'umask 077 && mkdir -p "$HOME/{KERNELS_DIR}" && chmod 700 "$HOME/{KERNELS_DIR}" && '
+            f'mkdir -p "{progs}" && tar -xf - -C "{progs}" && cd && '
+            f"exec env {_q(*unset, *assigns)} {_q(python)} "
+            f'"{progs}/kernel_keeper.py" start {_q(self.name)} --cwd {_q(workdir)} '
+            f'--startup "{progs}/kernel_startup.py"')
+        r = self.machine.exec(command, stdin=tar, timeout=START_TIMEOUT)
+        line = r.stdout.strip().splitlines()[-1:] if r.stdout.strip() else []
+        if line:
+            try:
+                return json.loads(line[0])
+            except ValueError:
+                pass
+        err = r.stderr.strip()
+        last = (err or r.stdout).strip().splitlines()[-1] if (err or r.stdout).strip() else ""
+        if r.exit_code in (126, 127) and last.startswith("env:") and python in last:
+            raise KernelError(f"no python {python!r} on {self.machine.name} ({last})",
+                              "give --python the path of a Python 3 there (`which python3` in a %%remote cell)")
+        raise KernelError(f"the kernel {self.where} did not start (exit code {r.exit_code}): {last}",
+                          f"check `{python}` on the machine (`{python} -m ipykernel --version`), and "
+                          "that it has `tar` and a writable ~/.gpumagic")
+
+    def info(self) -> KernelInfo | None:
+        """This session's entry in :func:`list_kernels` (None when there is none)."""
+        return next((k for k in list_kernels(self.machine) if k.name == self.name), None)
+
+    def _connect(self) -> _Link:
+        """The channel to the keeper, (re)opened as needed."""
+        link = self._link
+        if link is not None and link.lost is None and not link.closed \
+                and self.machine.connection.is_connected and link.opened == self.machine.connection.opened_count:
+            return link
+        if link is not None:
+            link.close()
+            self._link = None
+        r = self.machine.exec(f'cd "{self.remote_dir}" 2>/dev/null && cat state.json && '
+                              f"printf '\\n\\036\\n' && cat token", timeout=30)
+        state_text, sep, token = r.stdout.partition("\n\x1e\n")
+        if r.exit_code != 0 or not sep:
+            raise KernelError(f"no session {self.name!r} on {self.machine.name}",
+                              f"start it: `%gpu kernel start {self.name}` (machine.kernel({self.name!r}))")
+        state = json.loads(state_text)
+        self.python = state.get("python")
+        try:
+            link = _Link(self.machine, int(state["port"]), token.strip(), self._last_seq)
+        except _Lost:
+            raise KernelError(f"the session {self.name!r} on {self.machine.name} is gone (its keeper "
+                              "is not running: the machine restarted, or it was killed); its "
+                              "variables are lost",
+                              f"`%gpu kernel start {self.name}` starts a new one") from None
+        self._link = link
+        msg = self._next(link, 30)
+        if msg is None or msg.op != "welcome":
+            link.close()
+            self._link = None
+            raise KernelError(f"the keeper of {self.where} did not answer", "try again; "
+                              f"`%gpu kernel stop {self.name}` then start, if it repeats")
+        self._welcome = msg.content
+        return link
+
+    def _next(self, link: _Link, timeout: float) -> Message | None:
+        try:
+            return link.get(timeout)
+        except _Lost:
+            self._lost()
+
+    def _lost(self):
+        link, self._link = self._link, None
+        why = (link.lost if link else None) or "the channel closed"
+        if link:
+            link.close()
+        if self.machine.connection.is_connected and link and link.opened == self.machine.connection.opened_count:
+            # the SSH connection is fine: the keeper itself went away
+            raise KernelError(f"the session {self.where} ended ({why})",
+                              f"`%gpu kernel list` shows its state; `%gpu kernel start {self.name}` "
+                              "starts a new one")
+        raise KernelConnectionLost(
+            f"lost the connection to {self.machine.name} while following session {self.name} "
+            f"({why}); a running cell keeps running there and its output is kept",
+            f"`%gpu kernel attach {self.name}` shows what it printed meanwhile, then follows it "
+            "(gpumagic reconnects by itself)")
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _message(self, msg_type: str, content: dict) -> tuple[str, list[bytes]]:
+        msg_id = uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": msg_type, "username": "gpumagic",
+                  "session": self.session_id, "date": datetime.now(timezone.utc).isoformat(),
+                  "version": PROTOCOL_VERSION}
+        return msg_id, [_dumps(header), b"{}", b"{}", _dumps(content)]
+
+    def _send(self, link: _Link, ch: str, msg_type: str, content: dict) -> str:
+        msg_id, parts = self._message(msg_type, content)
+        try:
+            link.send({"op": "send", "ch": ch, "ack": self._last_seq}, parts)
+        except _Lost:
+            self._lost()
+        self._acked = max(self._acked, self._last_seq)
+        return msg_id
+
+    def _op(self, link: _Link, op: str) -> None:
+        try:
+            link.send({"op": op})
+        except _Lost:
+            self._lost()
+
+    def _ack_soon(self, link: _Link) -> None:
+        """Acknowledge what was shown ACK_DELAY seconds from now (from a timer thread), unless
+        a request carries it first: not in the way of the cell that just ended."""
+        if self._last_seq <= self._acked:
+            return
+        timer = threading.Timer(ACK_DELAY, self._ack, (link,), {"force": True})
+        timer.daemon = True
+        timer.start()
+
+    def _ack(self, link: _Link, force: bool = False) -> None:
+        now = time.monotonic()
+        seq = self._last_seq
+        if seq > self._acked and (force or now - self._ack_time >= ACK_INTERVAL) and not link.closed:
+            try:
+                link.send({"op": "ack", "seq": seq})
+                self._acked, self._ack_time = max(self._acked, seq), now
+            except _Lost:
+                pass  # not acknowledged: a new process shows it again, this one skips it
+
+    def execute(self, code: str, *, output: Output | None = None, silent: bool = False,
+                store_history: bool = True, allow_stdin: bool = True,
+                timeout: float | None = None, capture: bool = True, raise_error: bool = True,
+                user_expressions: Mapping[str, str] | None = None) -> ExecuteResult:
+        """Run ``code`` in the session, showing its output as it comes.
+
+        Output of earlier cells that was not shown yet (printed while the laptop was away)
+        is shown first, once, after a note.
+
+        Parameters
+        ----------
+        code : str
+        output : Output, optional
+            Where output goes (default: rich display in IPython, else print).
+        silent, store_history, allow_stdin, user_expressions
+            As in Jupyter's ``execute_request``.
+        timeout : float, optional
+            Seconds; then the cell is interrupted and :class:`RemoteTimeout` raised.
+        capture : bool
+            Keep stdout/stderr text and display bundles in the result (off: flat memory
+            for huge outputs).
+        raise_error : bool
+            Raise :class:`RemoteKernelError` when the cell raised (else show its traceback
+            and return the result with ``status == "error"``).
+
+        Returns
+        -------
+        ExecuteResult
+
+        Raises
+        ------
+        RemoteKernelError
+            The cell raised; its traceback is the machine's.
+        Interrupted
+            A KeyboardInterrupt here interrupted the cell (the session and its variables
+            are kept); the message says when the cell ignored SIGINT.
+        KernelConnectionLost
+            The SSH connection dropped; the cell keeps running (``attach`` shows it).
+        KernelError
+            No such session, or the kernel died (the message says how).
+        RemoteTimeout
+        """
+        with self._lock:
+            out = output or default_output()
+            link = self._connect()
+            if self._welcome.get("state") == "dead":
+                self._catch_up(link, out)
+                raise self._died_error({"event": "died", "exit_code": self._welcome.get("exit_code")})
+            content = {"code": code, "silent": silent, "store_history": store_history,
+                       "user_expressions": dict(user_expressions or {}), "allow_stdin": allow_stdin,
+                       "stop_on_error": True}
+            start = time.monotonic()
+            msg_id = self._send(link, "shell", "execute_request", content)
+            waiter = _Waiter(msg_id, "execute_reply")
+            result = ExecuteResult()
+            deadline = start + timeout if timeout is not None else None
+            try:
+                self._pump(link, out, own=msg_id, waiter=waiter, result=result, capture=capture,
+                           deadline=deadline)
+            except _Deadline:
+                self._interrupt_and_wait(link, out, waiter, result, capture)
+                raise RemoteTimeout(f"the cell ran past its timeout of {timeout:g} s in session "
+                                    f"{self.where} and was interrupted (the session is kept)",
+                                    "raise --timeout, or run long work as a job (%%remote --job)")
+            except KeyboardInterrupt:
+                if self._interrupt_and_wait(link, out, waiter, result, capture):
+                    raise Interrupted(f"interrupted the cell in session {self.where}; the session "
+                                      "and its variables are kept") from None
+                raise Interrupted(
+                    f"the cell in session {self.where} did not stop within {INTERRUPT_WAIT:g} s of "
+                    "an interrupt (it ignores SIGINT, or runs C code that does not check for it) "
+                    f"and still runs there; `%gpu kernel restart {self.name}` stops it "
+                    "(its variables are lost)") from None
+            finally:
+                self._ack_soon(link)
+            result.seconds = time.monotonic() - start
+            reply = waiter.reply.content
+            result.status = reply.get("status", "error")
+            result.execution_count = reply.get("execution_count")
+            result.user_expressions = reply.get("user_expressions") or {}
+            if result.status == "aborted":
+                raise KernelError(f"the cell was not run in session {self.where}: an earlier "
+                                  "cell failed and Jupyter skips the cells queued after it",
+                                  "run it again")
+            if result.status == "error":
+                result.error = RemoteKernelError(reply.get("ename", "Error"), reply.get("evalue", ""),
+                                                 reply.get("traceback", []), self.where)
+                if raise_error:
+                    raise result.error
+                out.stream("stderr", "\n".join(result.error.traceback) + "\n")
+            return result
+
+    def _interrupt_and_wait(self, link, out, waiter, result, capture) -> bool:
+        """Interrupt the kernel, then show output until the cell's reply (True) or until
+        INTERRUPT_WAIT seconds or a second KeyboardInterrupt (False)."""
+        try:
+            self._op(link, "interrupt")
+            self._pump(link, out, own=waiter.msg_id, waiter=waiter, result=result, capture=capture,
+                       deadline=time.monotonic() + INTERRUPT_WAIT)
+            return True
+        except (_Deadline, KeyboardInterrupt):
+            return False
+
+    def _pump(self, link: _Link, out: Output, *, own: str | None = None,
+              waiter: _Waiter | None = None, result: ExecuteResult | None = None,
+              capture: bool = False, deadline: float | None = None,
+              until_seq: int | None = None, until_idle: bool = False) -> None:
+        """Show messages, in order, until ``waiter`` is done, or (without one) until message
+        ``until_seq`` was handled and, with ``until_idle``, the cell ``own`` went idle.
+
+        Raises
+        ------
+        _Deadline
+            Past ``deadline`` (``time.monotonic()``).
+        KernelError
+            The kernel died or the session was stopped.
+        """
+        idle = False
+        while True:
+            if waiter is not None:
+                if waiter.done:
+                    return
+            elif (until_seq is None or self._last_seq >= until_seq) and (idle or not until_idle):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Deadline()
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+            msg = self._next(link, wait)
+            if msg is None:
+                continue
+            if self._dispatch(link, out, msg, own, waiter, result, capture) == "idle":
+                idle = True
+                if waiter is not None:
+                    waiter.idle = True
+
+    def _dispatch(self, link: _Link, out: Output, msg: Message, own: str | None,
+                  waiter: _Waiter | None = None, result: ExecuteResult | None = None,
+                  capture: bool = False, death_is_news: bool = False) -> str | None:
+        """Handle one message; returns ``"idle"`` when the cell ``own`` went idle, or the
+        keeper event's name.  A kernel's death raises, or with ``death_is_news`` is noted."""
+        if msg.seq is None or msg.seq <= self._last_seq:
+            return None  # a reply to this client, or shown before the connection dropped
+        self._last_seq = msg.seq
+        if msg.ch == "keeper":
+            ev = msg.content
+            if ev.get("event") in ("died", "restarted"):
+                self._welcome["state"] = "dead" if ev["event"] == "died" else "idle"
+            if ev.get("event") == "stopped" or (ev.get("event") == "died" and not death_is_news):
+                self._ack(link, force=True)
+                raise self._died_error(ev)
+            if ev.get("event") == "died":
+                out.note(f"[gpumagic: {self._died_error(ev).message}]")
+            if ev.get("event") == "restarted":
+                self._away_parents.clear()
+                if not self._restarting:  # someone else restarted it
+                    out.note(f"[gpumagic: session {self.where} was restarted; its variables are gone]")
+            self._ack(link)
+            return ev.get("event")
+        pid, kind, said = msg.parent_id, msg.msg_type, None
+        if msg.ch == "iopub":
+            if kind == "status":
+                if own is not None and pid == own and msg.content.get("execution_state") == "idle":
+                    said = "idle"
+            elif kind in _OUTPUT_TYPES:
+                mine = own is not None and pid == own
+                if not mine and pid and pid not in self._away_parents:
+                    self._away_parents.add(pid)
+                    out.note(f"[gpumagic: output of an earlier cell in session {self.where}, kept "
+                             "on the machine while no notebook was following it:]")
+                self._render(out, msg, result if mine else None, capture, show_error=not mine)
+        elif msg.ch in ("shell", "control"):
+            if waiter is not None and pid == waiter.msg_id and kind == waiter.reply_type:
+                waiter.reply = msg
+        elif msg.ch == "stdin" and kind == "input_request":
+            self._answer_input(link, out, msg)
+        self._ack(link)
+        return said
+
+    def _render(self, out: Output, msg: Message, result: ExecuteResult | None, capture: bool,
+                show_error: bool) -> None:
+        c, t = msg.content, msg.msg_type
+        if t == "stream":
+            text = c.get("text", "")
+            out.stream(c.get("name", "stdout"), text)
+            if result is not None and capture:
+                if c.get("name") == "stderr":
+                    result.stderr += text
+                else:
+                    result.stdout += text
+        elif t in ("display_data", "execute_result", "update_display_data"):
+            data, md = c.get("data", {}), c.get("metadata", {})
+            display_id = (c.get("transient") or {}).get("display_id")
+            out.display(data, md, display_id, update=t == "update_display_data")
+            if result is not None:
+                if t == "execute_result":
+                    result.result = {"data": data, "metadata": md}
+                if capture:
+                    result.outputs.append({"data": data, "metadata": md})
+        elif t == "clear_output":
+            out.clear(bool(c.get("wait")))
+        elif t == "error" and show_error:
+            lines = c.get("traceback") or [f"{c.get('ename')}: {c.get('evalue')}"]
+            out.stream("stderr", "\n".join(lines) + "\n")
+
+    def _answer_input(self, link: _Link, out: Output, msg: Message) -> None:
+        c = msg.content
+        try:
+            value = out.ask(c.get("prompt", ""), bool(c.get("password")))
+        except (EOFError, KernelError, RuntimeError, OSError):
+            value = ""  # nothing here can answer: the machine's input() gets an empty line
+            out.note("[gpumagic: the machine asked for input and nothing here can answer it; "
+                     "it got an empty line]")
+        self._send(link, "stdin", "input_reply", {"value": value, "status": "ok"})
+
+    def _died_error(self, ev: dict) -> KernelError:
+        if ev.get("event") == "stopped":
+            return KernelError(f"the session {self.where} was stopped",
+                               f"`%gpu kernel start {self.name}` starts a new one")
+        code = ev.get("exit_code")
+        how = "exited"
+        if isinstance(code, int) and code < 0:
+            how = f"killed by signal {-code}" + (" (SIGKILL: often out of host memory)" if code == -9 else "")
+        elif code is not None:
+            how = f"exit code {code}"
+        tail = (ev.get("log") or ev.get("why") or "").strip().splitlines()[-1:]
+        detail = f"; its log ends: {tail[0]}" if tail else ""
+        return KernelError(f"the kernel of session {self.where} died ({how}); its variables are "
+                           f"lost{detail}", f"`%gpu kernel restart {self.name}` starts a fresh one")
+
+    def _sync(self, link: _Link, out: Output, own: str | None = None,
+              death_is_news: bool = False) -> dict:
+        """Ask the keeper where its journal ends, show everything up to there, return its
+        status (``state``, ``busy_msg``, ``since``, ``last``...)."""
+        self._op(link, "sync")
+        sync = None
+        while sync is None or self._last_seq < sync.get("last", 0):
+            msg = self._next(link, 30)
+            if msg is None:
+                raise KernelError(f"the keeper of {self.where} did not answer", "try again")
+            if msg.seq is None and msg.op == "sync":
+                sync = msg.content
+                self._welcome["state"] = sync.get("state")
+            else:
+                self._dispatch(link, out, msg, own, death_is_news=death_is_news)
+        return sync
+
+    def _catch_up(self, link: _Link, out: Output, death_is_news: bool = False) -> dict:
+        try:
+            return self._sync(link, out, death_is_news=death_is_news)
+        finally:
+            self._ack(link, force=True)
+
+    def attach(self, *, output: Output | None = None, follow: bool = True) -> dict:
+        """Show what the session printed that was not shown yet (once, in order), then,
+        when a cell is running and ``follow``, its output live until it ends.
+
+        A KeyboardInterrupt stops following, never the cell (:meth:`interrupt` does that).
+
+        Returns
+        -------
+        dict
+            The keeper's status at the end (``state``, ``busy_msg``, ``since``...).
+
+        Raises
+        ------
+        KernelError, KernelConnectionLost
+        """
+        with self._lock:
+            out = output or default_output()
+            link = self._connect()
+            try:
+                sync = self._sync(link, out)
+                if sync.get("state") == "dead":
+                    raise self._died_error({"event": "died", "exit_code": sync.get("exit_code")})
+                busy = sync.get("busy_msg") if sync.get("state") == "busy" else None
+                if busy and follow:
+                    since = sync.get("since")
+                    clock = time.strftime("%H:%M:%S", time.localtime(since)) if since else "?"
+                    self._away_parents.add(busy)  # its output needs no "earlier cell" note
+                    out.note(f"[gpumagic: following the cell running in session {self.where} since "
+                             f"{clock}; interrupting stops following, not the cell]")
+                    try:
+                        self._pump(link, out, own=busy, until_idle=True)
+                    except KeyboardInterrupt:
+                        out.note(f"[gpumagic: stopped following; the cell still runs in session "
+                                 f"{self.where} (`%gpu kernel interrupt {self.name}` stops it)]")
+                    sync = self._sync(link, out)
+                return sync
+            finally:
+                self._ack(link, force=True)
+
+    def interrupt(self) -> None:
+        """Send SIGINT to the kernel's process group (what Jupyter's stop button does); the
+        running cell gets KeyboardInterrupt, the session and its variables stay."""
+        with self._lock:
+            self._op(self._connect(), "interrupt")
+
+    def restart(self, *, output: Output | None = None) -> None:
+        """Stop the kernel (all of its processes) and start a fresh one with the same
+        python, directory and environment; every variable is lost.
+
+        Raises
+        ------
+        KernelError
+            When the new kernel does not start.
+        """
+        with self._lock:
+            out = output or default_output()
+            link = self._connect()
+            self._catch_up(link, out, death_is_news=True)
+            self._op(link, "restart")
+            deadline = time.monotonic() + START_TIMEOUT
+            self._restarting = True
+            try:
+                while time.monotonic() < deadline:
+                    msg = self._next(link, 1.0)
+                    if msg is not None and self._dispatch(link, out, msg, None) == "restarted":
+                        self._ack(link, force=True)
+                        return
+            finally:
+                self._restarting = False
+            raise KernelError(f"the kernel of {self.where} did not restart within {START_TIMEOUT:g} s",
+                              "`%gpu kernel list` shows its state")
+
+    def stop(self) -> None:
+        """Stop the kernel and its keeper and remove its files on the machine (the session's
+        variables are lost).  Safe when it already stopped."""
+        with self._lock:
+            try:
+                link = self._connect()
+            except KernelError:
+                # no keeper: remove what a dead one left behind
+                self.machine.exec(f'rm -rf "{self.remote_dir}"', timeout=30)
+                return
+            self._op(link, "stop")
+            deadline = time.monotonic() + 15
+            try:
+                while time.monotonic() < deadline:
+                    msg = link.get(0.5)
+                    if msg is not None and msg.ch == "keeper" and msg.content.get("event") == "stopped":
+                        break
+            except _Lost:
+                pass
+            link.close()
+            self._link = None
+            # the keeper removes its directory as it exits; wait for that, briefly
+            self.machine.exec(f'for i in 1 2 3 4 5 6 7 8 9 10; do [ -d "{self.remote_dir}" ] || exit 0; '
+                              "sleep 0.5; done", timeout=30)
+
+    def close(self) -> None:
+        """Acknowledge what was shown and close the channel to the keeper (the kernel keeps
+        running); safe twice."""
+        link, self._link = self._link, None
+        if link is not None:
+            self._ack(link, force=True)
+            link.close()
+
+    # -- variables --------------------------------------------------------------------------
+
+    def _silent(self, code: str, expressions: Mapping[str, str] | None = None) -> dict:
+        r = self.execute(code, output=_Quiet(), silent=True, store_history=False,
+                         allow_stdin=False, capture=False, raise_error=False,
+                         user_expressions=expressions)
+        if r.status != "ok":
+            raise KernelError(f"gpumagic's helper failed in session {self.where}: "
+                              f"{r.error.ename}: {r.error.evalue}",
+                              f"`%gpu kernel restart {self.name}` if the session was started by "
+                              "an older gpumagic")
+        return r.user_expressions
+
+    def _helper_result(self, code: str) -> dict:
+        expr = self._silent(code, {"r": "__import__('_gpumagic_kernel').result"})
+        value = expr.get("r", {})
+        if value.get("status") != "ok":
+            raise KernelError(f"gpumagic's helper is missing in session {self.where}: "
+                              f"{value.get('ename')}: {value.get('evalue')}",
+                              f"`%gpu kernel restart {self.name}` reloads it (variables are lost)")
+        import ast
+
+        return json.loads(ast.literal_eval(value["data"]["text/plain"]))
+
+    def push(self, values: Mapping[str, Any]) -> dict[str, int]:
+        """Set variables in the session: ``push({"lr": 3e-4, "data": array})``.
+
+        Objects are pickled (protocol 5); numpy arrays and other buffer-backed objects
+        travel as their raw bytes (no text detour), over a channel of their own.
+
+        Returns
+        -------
+        dict
+            Name -> bytes sent for it.
+
+        Raises
+        ------
+        KernelError
+            A value cannot be pickled here or unpickled there (naming it), or a name is not
+            a Python identifier.
+        """
+        items, sizes = [], {}
+        for name, value in values.items():
+            if not str(name).isidentifier():
+                raise KernelError(f"{name!r} is not a Python variable name", "push variables by name")
+            try:
+                main, buffers = _pickle(value)
+            except Exception as e:
+                raise KernelError(
+                    f"cannot push {name} ({type(value).__name__}): it cannot be pickled ({type(e).__name__}: {e})",
+                    "push data (numbers, strings, lists, dicts, arrays, DataFrames); define functions "
+                    "and classes in a %%remote --kernel cell instead") from None
+            items.append((name, main, buffers))
+            sizes[name] = len(main) + sum(b.nbytes for b in buffers)
+        with self._lock:
+            link = self._connect()
+            path = f"{KERNELS_DIR}/{self.name}/xfer-{uuid.uuid4().hex}"
+            self._write_remote(path, _encode(items))
+            home = self._home()
+            res = self._helper_result(f"__import__('_gpumagic_kernel').load({home + '/' + path!r})")
+            self._ack(link, force=True)
+        if "error" in res:
+            raise KernelError(f"the session {self.where} could not load what was pushed: {res.get('message')}",
+                              "push plain data, or install the same packages on the machine")
+        return sizes
+
+    def pull(self, names: str | Iterable[str]):
+        """Copy variables from the session: ``pull("x")`` -> the value,
+        ``pull(["x", "y"])`` -> ``{"x": ..., "y": ...}``.
+
+        Raises
+        ------
+        KernelError
+            No such variable there, a value that cannot be pickled there or unpickled here
+            (naming it and what to convert it to).
+        """
+        single = isinstance(names, str)
+        wanted = [names] if single else list(names)
+        for n in wanted:
+            if not str(n).isidentifier():
+                raise KernelError(f"{n!r} is not a Python variable name", "pull variables by name")
+        with self._lock:
+            link = self._connect()
+            path = f"{self._home()}/{KERNELS_DIR}/{self.name}/xfer-{uuid.uuid4().hex}"
+            res = self._helper_result(f"__import__('_gpumagic_kernel').dump({path!r}, {wanted!r})")
+            self._ack(link, force=True)
+            if res.get("error") == "missing":
+                raise KernelError(f"no variable {res['name']!r} in session {self.where}",
+                                  "check the name (a %%remote --kernel cell defines it)")
+            if res.get("error") == "pickle":
+                raise KernelError(
+                    f"cannot pull {res['name']} ({res.get('type')}): it cannot be pickled on the "
+                    f"machine ({res.get('message')})",
+                    "convert it there first (e.g. list(gen), tensor.cpu().numpy(), float(x)) and "
+                    "pull that")
+            data = self._read_remote(path)
+        self.last_pull_sizes = res.get("sizes", {})
+        try:
+            values = _decode(data)
+        except Exception as e:
+            raise KernelError(f"cannot load what was pulled from {self.where} here: {type(e).__name__}: {e}",
+                              "install the same package here, or convert the value on the machine "
+                              "first (tensor.cpu().numpy(), df.to_dict())") from None
+        return values[wanted[0]] if single else {n: values[n] for n in wanted}
+
+    def _home(self) -> str:
+        home = getattr(self, "_home_dir", None)
+        if home is None:
+            home = self._home_dir = self.machine.exec('printf %s "$HOME"', timeout=30).stdout
+        return home
+
+    def _write_remote(self, path: str, parts: list) -> None:
+        conn = self.machine.connection
+        chan = conn.open_session()
+        try:
+            chan.exec_command(f'umask 077 && cat > "$HOME/{path}"')
+            for p in parts:
+                _paramiko.sendall_ordered(chan, p)
+            _paramiko.send_eof(chan)
+            code = chan.recv_exit_status()
+            err = chan.recv_stderr(65536).decode("utf-8", "replace") if chan.recv_stderr_ready() else ""
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise KernelConnectionLost(f"lost the connection to {self.machine.name} while pushing ({e})",
+                                       "push again: gpumagic reconnects by itself") from None
+        finally:
+            chan.close()
+        if code != 0:
+            raise KernelError(f"cannot write the pushed data on {self.machine.name}: {err.strip()}",
+                              "check the free space in ~/.gpumagic there (`df -h ~`)")
+
+    def _read_remote(self, path: str) -> bytearray:
+        conn = self.machine.connection
+        chan = conn.open_session()
+        data = bytearray()
+        try:
+            chan.exec_command(f"cat {_q(path)} && rm -f {_q(path)}")
+            while True:
+                chunk = chan.recv(1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+            code = chan.recv_exit_status()
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise KernelConnectionLost(f"lost the connection to {self.machine.name} while pulling ({e})",
+                                       "pull again: gpumagic reconnects by itself") from None
+        finally:
+            chan.close()
+        if code != 0:
+            raise KernelError(f"cannot read the pulled data on {self.machine.name}", "pull again")
+        return data
+
+
+class _Deadline(Exception):
+    pass
+
+
+_OUTPUT_TYPES = ("stream", "display_data", "execute_result", "update_display_data", "error",
+                 "clear_output")
+
+
+# -- pickles with out-of-band buffers (the same layout as kernel_startup.py) ------------------
+
+
+def _pickle(value) -> tuple[bytes, list]:
+    buffers: list = []
+
+    def keep(buf):
+        try:
+            buffers.append(buf.raw())
+        except BufferError:  # not contiguous: in band
+            return True
+        return False
+
+    return pickle.dumps(value, protocol=5, buffer_callback=keep), buffers
+
+
+def _encode(items) -> list:
+    out: list = [struct.pack("!I", len(items))]
+    for name, main, buffers in items:
+        raw = name.encode()
+        out += [struct.pack("!I", len(raw)), raw, struct.pack("!Q", len(main)), main,
+                struct.pack("!I", len(buffers))]
+        for b in buffers:
+            out += [struct.pack("!Q", b.nbytes), b]
+    return out
+
+
+def _decode(data: bytearray) -> dict:
+    view = memoryview(data)
+    (count,), off = struct.unpack_from("!I", view, 0), 4
+    values = {}
+    for _ in range(count):
+        (n,) = struct.unpack_from("!I", view, off)
+        off += 4
+        name = bytes(view[off:off + n]).decode()
+        off += n
+        (n,) = struct.unpack_from("!Q", view, off)
+        off += 8
+        main = view[off:off + n]
+        off += n
+        (nbuf,) = struct.unpack_from("!I", view, off)
+        off += 4
+        buffers = []
+        for _ in range(nbuf):
+            (n,) = struct.unpack_from("!Q", view, off)
+            off += 8
+            buffers.append(view[off:off + n])
+            off += n
+        values[name] = pickle.loads(main, buffers=buffers)
+    return values
+
+
+# -- every session of a machine ---------------------------------------------------------------
+
+
+def list_kernels(machine) -> list[KernelInfo]:
+    """Every session on ``machine`` with its state and GPU memory (one round trip)."""
+    r = machine.exec("sh -c " + shlex.quote(program_text("kernel_list.sh").decode()), timeout=60)
+    return parse_listing(r.stdout)
+
+
+class Kernels:
+    """The sessions of one machine that this process has used (``machine.kernel(NAME)``)."""
+
+    def __init__(self, machine):
+        self.machine = machine
+        self.handles: dict[str, RemoteKernel] = {}
+        #: The session used last: what ``%%remote --kernel`` without a name means.
+        self.last: str | None = None
+
+    def handle(self, name: str) -> RemoteKernel:
+        k = self.handles.get(name)
+        if k is None:
+            k = self.handles[name] = RemoteKernel(self.machine, name)
+        return k
+
+    def resolve(self, name: str | None) -> str:
+        """``name``, or the one this process used last, or the machine's only one, or
+        :data:`DEFAULT_NAME` when it has none.
+
+        Raises
+        ------
+        KernelError
+            Several sessions run and none was used yet: which one is meant?
+        """
+        if name:
+            return check_name(name)
+        if self.last:
+            return self.last
+        running = [k.name for k in list_kernels(self.machine) if k.running]
+        if len(running) == 1:
+            return running[0]
+        if not running:
+            return DEFAULT_NAME
+        raise KernelError(f"{len(running)} sessions run on {self.machine.name} ({', '.join(running)})",
+                          "name one: --kernel NAME")
+
+    def get(self, name: str | None = None, *, start: bool = True, **options) -> RemoteKernel:
+        """The session ``name`` (see :meth:`resolve`), started first when ``start`` and it
+        does not run yet (``options``: see :meth:`RemoteKernel.start`)."""
+        k = self.handle(self.resolve(name))
+        if start:
+            k.ensure(**options)
+        self.last = k.name
+        return k
+
+    def forget(self, name: str) -> None:
+        k = self.handles.pop(name, None)
+        if k is not None:
+            k.close()
+        if self.last == name:
+            self.last = None
+
+    def close(self) -> None:
+        for k in self.handles.values():
+            k.close()
+
+
+def kernels_of(machine) -> Kernels:
+    """The :class:`Kernels` of ``machine`` (made on first use, kept on the machine object)."""
+    ks = machine.__dict__.get("_kernels")
+    if ks is None:
+        ks = machine.__dict__["_kernels"] = Kernels(machine)
+        ref = weakref.ref(ks)  # acknowledge what was shown when this process exits
+        atexit.register(lambda: (k := ref()) is not None and k.close())
+    return ks
+
+

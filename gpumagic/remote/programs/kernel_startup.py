@@ -1,0 +1,153 @@
+"""Run silently in each gpumagic kernel when it starts (and after each restart), by the
+keeper (``kernel_keeper.py --startup``), in a namespace of its own: the user's namespace
+only gets what the user defines.
+
+1. ``tqdm.auto`` gives tqdm's text bar: a widget made on the machine cannot be shown on
+   the laptop (widgets are not relayed), while a text bar updates in place there (``\\r``).
+2. The module ``_gpumagic_kernel`` holds what ``%gpu kernel push`` / ``pull`` run:
+   ``load(path)`` and ``dump(path, names)``.  A payload is pickled (protocol 5) with
+   numpy-style buffers kept out of band, so arrays travel as raw bytes, in this layout
+   (the same code is in ``gpumagic/kernel.py``)::
+
+       !I count, then per variable: !I name length, name (UTF-8), !Q pickle length,
+       pickle, !I buffer count, then per buffer: !Q length, bytes
+"""
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import pickle
+import struct
+import sys
+import types
+
+
+class _TextTqdm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``tqdm.autonotebook`` (what ``tqdm.auto`` asks) as tqdm's plain text bar."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tqdm.autonotebook":
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        from tqdm.std import tqdm, trange
+
+        module.tqdm, module.trange, module.__all__ = tqdm, trange, ["tqdm", "trange"]
+
+
+if not any(isinstance(f, _TextTqdm) for f in sys.meta_path):
+    sys.meta_path.insert(0, _TextTqdm())
+
+
+def _encode(items):
+    """[(name, pickle bytes, [buffers])] -> list of byte strings to write in order."""
+    out = [struct.pack("!I", len(items))]
+    for name, main, buffers in items:
+        raw = name.encode()
+        out += [struct.pack("!I", len(raw)), raw, struct.pack("!Q", len(main)), main,
+                struct.pack("!I", len(buffers))]
+        for b in buffers:
+            out += [struct.pack("!Q", b.nbytes), b]
+    return out
+
+
+def _decode(data):
+    """The inverse of _encode over one bytearray: {name: value} (buffers stay views of
+    ``data``, so arrays are writable and not copied)."""
+    view = memoryview(data)
+    (count,), off = struct.unpack_from("!I", view, 0), 4
+    values = {}
+    for _ in range(count):
+        (n,) = struct.unpack_from("!I", view, off)
+        off += 4
+        name = bytes(view[off:off + n]).decode()
+        off += n
+        (n,) = struct.unpack_from("!Q", view, off)
+        off += 8
+        main = view[off:off + n]
+        off += n
+        (nbuf,) = struct.unpack_from("!I", view, off)
+        off += 4
+        buffers = []
+        for _ in range(nbuf):
+            (n,) = struct.unpack_from("!Q", view, off)
+            off += 8
+            buffers.append(view[off:off + n])
+            off += n
+        values[name] = pickle.loads(main, buffers=buffers)
+    return values
+
+
+def _pickle(value):
+    buffers = []
+
+    def keep(buf):
+        try:
+            buffers.append(buf.raw())
+        except BufferError:  # not contiguous: in band
+            return True
+        return False
+
+    return pickle.dumps(value, protocol=5, buffer_callback=keep), buffers
+
+
+def _user_ns():
+    from IPython import get_ipython
+
+    return get_ipython().user_ns
+
+
+def load(path):
+    """Set the variables pushed in ``path`` (then removed) in the user's namespace."""
+    mod.result = ""
+    try:
+        size = os.path.getsize(path)
+        data = bytearray(size)
+        with open(path, "rb") as f:
+            f.readinto(data)
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    try:
+        values = _decode(data)
+    except Exception as e:
+        mod.result = json.dumps({"error": "load", "message": "%s: %s" % (type(e).__name__, e)})
+        return
+    _user_ns().update(values)
+    mod.result = json.dumps({"ok": sorted(values)})
+
+
+def dump(path, names):
+    """Pickle the user's variables ``names`` into ``path`` (0600)."""
+    ns = _user_ns()
+    items, sizes = [], {}
+    for name in names:
+        if name not in ns:
+            mod.result = json.dumps({"error": "missing", "name": name})
+            return
+        try:
+            main, buffers = _pickle(ns[name])
+        except Exception as e:
+            mod.result = json.dumps({"error": "pickle", "name": name, "type": type(ns[name]).__name__,
+                                     "message": "%s: %s" % (type(e).__name__, e)})
+            return
+        items.append((name, main, buffers))
+        sizes[name] = len(main) + sum(b.nbytes for b in buffers)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        for part in _encode(items):
+            f.write(part)
+    mod.result = json.dumps({"ok": names, "sizes": sizes})
+
+
+mod = types.ModuleType("_gpumagic_kernel")
+mod.__doc__ = "gpumagic's helpers for %gpu kernel push/pull (see kernel_startup.py)."
+mod.load, mod.dump, mod.result = load, dump, ""
+sys.modules["_gpumagic_kernel"] = mod

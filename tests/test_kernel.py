@@ -1,0 +1,695 @@
+"""Live Python sessions on the machine (gpumagic/remote/kernel.py, notebook/kernel_magics.py,
+remote/programs/kernel_keeper.py), against the real test sshd.
+
+The test machine is this computer: kernels run with this venv's python (it has ipykernel,
+matplotlib, pandas), chosen explicitly with ``python=sys.executable`` / ``--python``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import gpumagic
+from gpumagic.remote import kernel as gk
+from gpumagic.errors import Interrupted
+from gpumagic.remote.kernel import KernelConnectionLost, KernelError, Output, RemoteKernelError
+
+from conftest import CLIENT_HOME, session_sshd_pid
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+class Recorder(Output):
+    """Keeps everything a kernel shows, in order."""
+
+    def __init__(self, on_text=None, answers=()):
+        self.events: list[tuple] = []
+        self.on_text = on_text
+        self.answers = list(answers)
+        self.prompts: list[tuple[str, bool]] = []
+
+    def stream(self, name, text):
+        self.events.append(("stream", name, text))
+        if self.on_text:
+            self.on_text(self.text)
+
+    def display(self, data, metadata, display_id=None, update=False):
+        self.events.append(("update" if update else "display", data, display_id))
+
+    def clear(self, wait=False):
+        self.events.append(("clear", wait))
+
+    def note(self, text):
+        self.events.append(("note", text))
+
+    def ask(self, prompt, password=False):
+        self.prompts.append((prompt, password))
+        return self.answers.pop(0)
+
+    @property
+    def text(self) -> str:
+        return "".join(e[2] for e in self.events if e[0] == "stream" and e[1] == "stdout")
+
+
+def remote_home(sshd) -> Path:
+    return Path(sshd.env["HOME"])
+
+
+def kernel_dir(sshd, name: str) -> Path:
+    return remote_home(sshd) / ".gpumagic" / "kernels" / name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_every_kernel(sshd):
+    """No keeper or kernel outlives this module (they are detached by design)."""
+    yield
+    root = remote_home(sshd) / ".gpumagic" / "kernels"
+    for state in root.glob("*/state.json"):
+        try:
+            pid = json.loads(state.read_text())["keeper_pid"]
+            os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError, KeyError):
+            pass
+    deadline = time.monotonic() + 20
+    while list(root.glob("*/state.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def m(sshd):
+    machine = gpumagic.connect("testgpu")
+    yield machine
+    machine.close()
+
+
+def start(m, name: str) -> gk.RemoteKernel:
+    k = m.kernel(name, python=PY)
+    return k
+
+
+def stop_quietly(k):
+    try:
+        k.stop()
+    except Exception:
+        pass
+
+
+# -- case 1 -------------------------------------------------------------------------------
+
+
+def test_a_variable_set_in_one_kernel_cell_is_there_in_the_next(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start c1 --python {PY}")
+    capsys.readouterr()
+    ip.run_cell_magic("remote", "--kernel c1", "x = 41")
+    ip.run_cell_magic("remote", "--kernel c1", "print(x + 1)")
+    assert capsys.readouterr().out == "42\n"
+    # the default session is the one used last
+    ip.run_cell_magic("remote", "--kernel", "print(x * 2)")
+    assert capsys.readouterr().out == "82\n"
+    ip.run_line_magic("gpu", "kernel stop c1")
+
+
+def test_a_remote_exception_raises_here_with_the_machines_traceback(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start c1e --python {PY}")
+    try:
+        with pytest.raises(RemoteKernelError) as e:
+            ip.run_cell_magic("remote", "--kernel c1e", "def f():\n    return 1 / 0\nf()")
+        assert e.value.ename == "ZeroDivisionError"
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in e.value._render_traceback_()]
+        assert any("return 1 / 0" in ln for ln in lines)
+        assert not any("gpumagic/" in ln for ln in lines)
+        # through run_cell (what a notebook does), the cell fails so Run All stops
+        result = ip.run_cell("%%remote --kernel c1e\n[][1]")
+        assert isinstance(result.error_in_exec, RemoteKernelError)
+        assert result.error_in_exec.ename == "IndexError"
+        # --no-raise-error shows it and goes on
+        ip.run_cell_magic("remote", "--kernel c1e --no-raise-error --out r", "{}['k']")
+        assert ip.user_ns["r"].status == "error" and ip.user_ns["r"].error.ename == "KeyError"
+    finally:
+        ip.run_line_magic("gpu", "kernel stop c1e")
+
+
+# -- case 2 -------------------------------------------------------------------------------
+
+
+def test_a_plot_comes_back_as_png_and_a_dataframe_as_html_in_the_executed_notebook(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start c2 --python {PY}"),
+        nbformat.v4.new_code_cell("%%remote --kernel c2\nimport matplotlib.pyplot as plt\n"
+                                  "plt.plot([1, 3, 2])\nplt.title('loss')\nplt.show()"),
+        nbformat.v4.new_code_cell("%%remote --kernel c2\nimport pandas as pd\n"
+                                  "pd.DataFrame({'epoch': [1, 2], 'loss': [0.9, 0.5]})"),
+        nbformat.v4.new_code_cell("%%remote --kernel c2\nfrom IPython.display import display, Markdown\n"
+                                  "h = display(Markdown('step 1'), display_id=True)\nh.update(Markdown('step 2'))"),
+        nbformat.v4.new_code_cell("%%remote --kernel c2\nimport sys\nfor i in range(3):\n"
+                                  "    print(f'\\rtraining {i}', end='')\nprint()"),
+        nbformat.v4.new_code_cell("%%remote --kernel c2\nfrom IPython.display import clear_output\n"
+                                  "print('old')\nclear_output()\nprint('new')"),
+        nbformat.v4.new_code_cell("%gpu kernel stop c2"),
+    ]
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    plot, table, handle, bar = nb.cells[1].outputs, nb.cells[2].outputs, nb.cells[3].outputs, nb.cells[4].outputs
+    assert any(o.output_type == "display_data" and "image/png" in o.data for o in plot), plot
+    png = next(o.data["image/png"] for o in plot if o.output_type == "display_data")
+    import base64
+
+    assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any("text/html" in o.get("data", {}) and "<table" in o.data["text/html"] for o in table), table
+    assert [o.data["text/markdown"] for o in handle if o.output_type == "display_data"] == ["step 2"]
+    text = "".join(o.get("text", "") for o in bar if o.output_type == "stream")
+    assert text.endswith("training 2\n")
+    assert [o.get("text") for o in nb.cells[5].outputs] == ["new\n"]
+
+
+# -- case 3 -------------------------------------------------------------------------------
+
+
+def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m):
+    k = start(m, "c3")
+    try:
+        sshd_pid = session_sshd_pid(m)
+        killed = []
+
+        def kill_after_three(text):
+            if not killed and "line 2\n" in text:
+                killed.append(time.monotonic())
+                os.kill(sshd_pid, signal.SIGKILL)  # the SSH connection drops mid-cell
+
+        first = Recorder(on_text=kill_after_three)
+        with pytest.raises(KernelConnectionLost) as e:
+            k.execute("import time\nfrom IPython.display import display\nfor i in range(30):\n"
+                      "    print(f'line {i}', flush=True)\n"
+                      "    if i == 4:\n        display({'image/png': 'iVBORw0KGgo='}, raw=True)\n"
+                      "    time.sleep(1)\ndone = 'yes'", output=first)
+        assert "attach c3" in str(e.value)
+        assert killed
+        time.sleep(3)  # the cell goes on printing on the machine meanwhile
+        second = Recorder()
+        status = k.attach(output=second)  # reconnects, shows the backlog, follows to the end
+        assert status["state"] == "idle"
+        lines = (first.text + second.text).splitlines()
+        assert lines == [f"line {i}" for i in range(30)]
+        # the image printed while away comes in its place, once
+        shown = [e[2] if e[0] == "stream" else "<image>" for e in second.events if e[0] in ("stream", "display")]
+        assert "".join(shown).count("<image>") == 1
+        assert "line 4\n<image>line 5\n" in "".join(shown)
+        assert k.pull(["i", "done"]) == {"i": 29, "done": "yes"}
+    finally:
+        stop_quietly(k)
+
+
+def test_output_shown_just_before_a_disconnect_is_not_shown_again(sshd):
+    m1 = gpumagic.connect("testgpu")
+    k = m1.kernel("c3b", python=PY)
+    try:
+        k.execute("print('once')", output=Recorder())
+        m1.close()  # at once: before the deferred acknowledgement
+        m2 = gpumagic.connect("testgpu")
+        out = Recorder()
+        m2.kernel("c3b", start=False).execute("print('next')", output=out)
+        assert out.events == [("stream", "stdout", "next\n")]
+        m2.close()
+    finally:
+        stop_quietly(gpumagic.connect("testgpu").kernel("c3b", start=False))
+
+
+def test_the_display_cap_of_remote_applies_to_kernel_cells(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start cap --python {PY}")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel cap --out r", "print('x' * 5000)")
+        shown = capsys.readouterr()
+        assert shown.out == "x" * 1000
+        assert "4,001 more characters were not displayed (limit 1,000)" in shown.err
+        assert ip.user_ns["r"].stdout == "x" * 5000 + "\n"  # --out keeps everything
+    finally:
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+        ip.run_line_magic("gpu", "kernel stop cap")
+
+
+# -- case 4 -------------------------------------------------------------------------------
+
+
+def test_an_interrupt_during_sleep_raises_keyboardinterrupt_here_and_keeps_the_variables(m):
+    k = start(m, "c4")
+    try:
+        k.execute("before = 'kept'", output=Recorder())
+        sent = []
+
+        def interrupt_soon(text):
+            if not sent and "sleeping" in text:
+                sent.append(time.monotonic())
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+        with pytest.raises(KeyboardInterrupt) as e:
+            k.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(100)",
+                      output=Recorder(on_text=interrupt_soon))
+        raised = time.monotonic()
+        assert isinstance(e.value, Interrupted)
+        assert "variables are kept" in str(e.value)
+        assert raised - (sent[0] + 0.5) < 2.0
+        out = Recorder()
+        k.execute("print(before)", output=out)
+        assert out.text == "kept\n"
+    finally:
+        stop_quietly(k)
+
+
+def test_a_cell_that_ignores_sigint_says_so_and_restart_is_the_way_out(m, monkeypatch):
+    monkeypatch.setattr(gk, "INTERRUPT_WAIT", 2.0)
+    k = start(m, "c4i")
+    try:
+        def interrupt_soon(text):
+            if "ignoring" in text:
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+        with pytest.raises(Interrupted) as e:
+            k.execute("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                      "print('ignoring', flush=True)\ntime.sleep(100)",
+                      output=Recorder(on_text=interrupt_soon))
+        assert "did not stop" in str(e.value) and "%gpu kernel restart c4i" in str(e.value)
+        assert k.info().state == "busy"
+        k.restart(output=Recorder())
+        out = Recorder()
+        k.execute("print('fresh', 'signal' in dir())", output=out)
+        assert out.text == "fresh False\n"
+    finally:
+        stop_quietly(k)
+
+
+# -- case 5 -------------------------------------------------------------------------------
+
+
+def _local_process(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(CLIENT_HOME),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_variables_are_there_for_a_new_local_process_after_the_first_exits(sshd):
+    first = _local_process(
+        "import gpumagic, sys\nm = gpumagic.connect('testgpu')\n"
+        f"k = m.kernel('c5', python={PY!r})\nk.execute('z = 123; w = [1, 2]')\nprint('set')\n")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "set\n"
+    second = _local_process(
+        "import gpumagic\nm = gpumagic.connect('testgpu')\nk = m.kernel('c5', start=False)\n"
+        "print(k.pull(['z', 'w']))\nk.execute('print(z + 1)')\nk.stop()\n")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "{'z': 123, 'w': [1, 2]}\n124\n"
+
+
+# -- case 6 -------------------------------------------------------------------------------
+
+
+def test_input_on_the_machine_prompts_here_and_the_answer_gets_back(ip, capsys, monkeypatch):
+    prompts = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "Ada")
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": prompts.append(("secret", prompt)) or "s3cret")
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start c6 --python {PY}")
+    capsys.readouterr()
+    try:
+        ip.run_cell_magic("remote", "--kernel c6",
+                          "name = input('name? ')\nprint('hello', name)\n"
+                          "import getpass\npw = getpass.getpass('password: ')\nprint(len(pw))")
+        assert prompts == ["name? ", ("secret", "password: ")]
+        assert capsys.readouterr().out.endswith("hello Ada\n6\n")
+    finally:
+        ip.run_line_magic("gpu", "kernel stop c6")
+
+
+# -- case 7 -------------------------------------------------------------------------------
+
+
+def test_a_python_without_ipykernel_gets_one_line_with_its_path_and_the_install_command(ip, sshd, tmp_path):
+    bare = tmp_path / "bare"
+    subprocess.run([sys.base_prefix + "/bin/python3" if os.path.exists(sys.base_prefix + "/bin/python3")
+                    else "python3", "-m", "venv", "--without-pip", str(bare)], check=True)
+    bare_py = str(bare / "bin" / "python")
+    assert subprocess.run([bare_py, "-c", "import ipykernel"], capture_output=True).returncode != 0
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(KernelError) as e:
+        ip.run_line_magic("gpu", f"kernel start c7 --python {bare_py}")
+    assert str(e.value) == (f"{bare_py} on testgpu has no ipykernel: install it with "
+                            f"`{bare_py} -m pip install ipykernel` (or add --install)")
+    assert e.value._render_traceback_() == [f"KernelError: {e.value}"]
+    # nothing keeps running for it
+    assert not (kernel_dir(sshd, "c7") / "state.json").exists()
+
+
+def test_no_such_python_is_a_clear_error(m):
+    with pytest.raises(KernelError) as e:
+        m.kernel("c7b", python="/nonexistent/python3")
+    assert "no python '/nonexistent/python3' on testgpu" in str(e.value)
+
+
+# -- case 8 -------------------------------------------------------------------------------
+
+
+def test_two_sessions_keep_separate_variables_and_stopping_one_leaves_the_other(m):
+    a, b = start(m, "c8a"), start(m, "c8b")
+    try:
+        a.execute("v = 'from a'", output=Recorder())
+        b.execute("v = 'from b'", output=Recorder())
+        assert a.pull("v") == "from a" and b.pull("v") == "from b"
+        a.stop()
+        names = {i.name: i.state for i in gk.list_kernels(m)}
+        assert "c8a" not in names and names["c8b"] == "idle"
+        out = Recorder()
+        b.execute("print(v)", output=out)
+        assert out.text == "from b\n"
+        with pytest.raises(KernelError) as e:
+            a.execute("print(v)", output=Recorder())
+        assert "no session 'c8a' on testgpu" in str(e.value)
+    finally:
+        stop_quietly(a)
+        stop_quietly(b)
+
+
+# -- case 9 -------------------------------------------------------------------------------
+
+
+def _listening(pid: int) -> list[str]:
+    """Local addresses (``ip:port``) of the TCP sockets process ``pid`` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cells = row.split()
+            local, st, inode = cells[1], cells[3], cells[9]
+            if st != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = local.split(":")
+            if v6:
+                ip = "::1" if addr == "0" * 24 + "01000000" else addr
+            else:
+                ip = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            found.append(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def test_connection_file_is_private_ports_are_loopback_and_the_key_is_never_shown(ip, sshd, capsys):
+    before = _listening(os.getpid())
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start c9 --python {PY}")
+    try:
+        ip.run_cell_magic("remote", "--kernel c9", "print('hi')")
+        ip.run_line_magic("gpu", "kernel list")
+        d = kernel_dir(sshd, "c9")
+        cf = d / "connection.json"
+        assert stat.S_IMODE(cf.stat().st_mode) == 0o600
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        assert stat.S_IMODE(d.parent.stat().st_mode) == 0o700
+        info = json.loads(cf.read_text())
+        assert info["ip"] == "127.0.0.1"
+        state = json.loads((d / "state.json").read_text())
+        kernel_ports = _listening(state["kernel_pid"])
+        keeper_ports = _listening(state["keeper_pid"])
+        assert len(kernel_ports) >= 5 and len(keeper_ports) == 1
+        assert all(a.startswith("127.0.0.1:") for a in kernel_ports + keeper_ports), kernel_ports + keeper_ports
+        assert {info[f"{ch}_port"] for ch in ("shell", "iopub", "stdin", "control", "hb")} <= {
+            int(a.split(":")[1]) for a in kernel_ports}
+        # nothing listens on this side (the laptop) for it
+        assert _listening(os.getpid()) == before
+        key = info["key"]
+        assert len(key) >= 32
+        shown = capsys.readouterr()
+        assert key not in shown.out + shown.err
+        for f in d.iterdir():
+            if f.name != "connection.json" and f.is_file():
+                assert key.encode() not in f.read_bytes(), f
+        assert key.encode() not in sshd.log.read_bytes()
+        for pid in (state["kernel_pid"], state["keeper_pid"]):
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+    finally:
+        ip.run_line_magic("gpu", "kernel stop c9")
+    assert not kernel_dir(sshd, "c9").exists()
+
+
+# -- more behaviour -----------------------------------------------------------------------
+
+
+def test_push_and_pull_move_arrays_as_raw_bytes_and_say_their_size(ip, capsys):
+    import numpy as np
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start pp --python {PY}")
+    try:
+        ip.user_ns["big"] = np.arange(1_000_000, dtype=np.float64).reshape(1000, 1000)
+        ip.user_ns["meta"] = {"lr": 3e-4}
+        capsys.readouterr()
+        ip.run_line_magic("gpu", "kernel push big meta -k pp")
+        said = capsys.readouterr().out
+        assert said.startswith("pushed big (ndarray, 7.6 MiB), meta (dict, ")
+        ip.run_cell_magic("remote", "--kernel pp",
+                          "big[0, 0] = -1.0  # writable there\nsq = big.T.copy() * 2\nprint(big.sum(), meta['lr'])")
+        assert capsys.readouterr().out == f"{np.arange(1_000_000.0).sum() - 1.0} 0.0003\n"
+        del ip.user_ns["big"]
+        ip.run_line_magic("gpu", "kernel pull sq big -k pp")
+        said = capsys.readouterr().out
+        assert said.startswith("pulled sq (ndarray, 7.6 MiB), big (ndarray, 7.6 MiB) from testgpu:pp in ")
+        sq = ip.user_ns["sq"]
+        assert sq.shape == (1000, 1000) and sq.dtype == np.float64 and sq.flags.writeable
+        assert sq[1, 0] == 2.0 and ip.user_ns["big"][0, 0] == -1.0
+        # what cannot travel is named, with what to do
+        ip.user_ns["fn"] = lambda x: x
+        with pytest.raises(KernelError) as e:
+            ip.run_line_magic("gpu", "kernel push fn -k pp")
+        assert str(e.value).startswith("cannot push fn (function): it cannot be pickled")
+        ip.run_cell_magic("remote", "--kernel pp", "gen = (i for i in range(3))")
+        with pytest.raises(KernelError) as e:
+            ip.run_line_magic("gpu", "kernel pull gen -k pp")
+        assert str(e.value).startswith("cannot pull gen (generator): it cannot be pickled on the machine")
+        with pytest.raises(KernelError) as e:
+            ip.run_line_magic("gpu", "kernel pull nope -k pp")
+        assert str(e.value).startswith("no variable 'nope' in session testgpu:pp")
+    finally:
+        ip.run_line_magic("gpu", "kernel stop pp")
+
+
+def test_autorun_sends_code_cells_to_the_session_and_keeps_magics_local(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start ar --python {PY}")
+    try:
+        ip.run_line_magic("gpu", "kernel autorun on ar")
+        ip.run_cell("import os\nwhere = os.getpid()")
+        capsys.readouterr()
+        ip.run_cell("%gpu kernel pull where -k ar")  # a magic cell runs here
+        remote_pid = ip.user_ns["where"]
+        assert remote_pid != os.getpid()
+        assert capsys.readouterr().out.startswith("pulled where (int, ")
+        ip.run_cell("print('remote', os.getpid() == where)")
+        assert capsys.readouterr().out == "remote True\n"
+        ip.run_cell("%gpu kernel autorun off")
+        ip.run_cell("local_only = 1")
+        assert ip.user_ns["local_only"] == 1
+    finally:
+        ip.run_cell("%gpu kernel autorun off")
+        ip.run_line_magic("gpu", "kernel stop ar")
+
+
+def test_tqdm_auto_gives_a_text_bar_that_updates_in_place(m):
+    k = start(m, "tq")
+    try:
+        out = Recorder()
+        k.execute("from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='epochs', "
+                  "mininterval=0): pass", output=out)
+        err = "".join(e[2] for e in out.events if e[0] == "stream" and e[1] == "stderr")
+        assert "\r" in err and "epochs: 100%" in err
+        assert not [e for e in out.events if e[0] == "display"]  # no widget
+    finally:
+        stop_quietly(k)
+
+
+def test_a_kernel_that_dies_says_how_and_restart_brings_a_fresh_one(m):
+    k = start(m, "dd")
+    try:
+        with pytest.raises(KernelError) as e:
+            k.execute("import os\nos._exit(3)", output=Recorder())
+        assert "died (exit code 3)" in str(e.value) and "%gpu kernel restart dd" in str(e.value)
+        assert k.info().state_text() == "dead (exit 3)"
+        k.restart(output=Recorder())
+        out = Recorder()
+        k.execute("print('back')", output=out)
+        assert out.text == "back\n"
+        # it dies while no notebook follows it; a new one finds out, then restarts it
+        k.execute("import os, threading\nthreading.Timer(1, os._exit, (4,)).start()", output=Recorder())
+        k.close()
+        time.sleep(3)
+        with gpumagic.connect("testgpu") as m2:
+            k2 = m2.kernel("dd", start=False)
+            with pytest.raises(KernelError) as e:
+                k2.execute("print('hello?')", output=Recorder())
+            assert "died (exit code 4)" in str(e.value)
+            news = Recorder()
+            k2.restart(output=news)
+            assert news.events == []  # said once already, by the execute above
+            out = Recorder()
+            k2.execute("print('back again')", output=out)
+            assert out.text == "back again\n"
+    finally:
+        stop_quietly(k)
+
+
+def _guard_measure(tmp_path, home: Path) -> str:
+    """What the budget guard's ``measure`` says on the test machine (fake idle H200)."""
+    from gpumagic.budget import ledger as budget
+
+    script = tmp_path / "g.sh"
+    script.write_text(budget.guard_script(budget.GuardSettings(idle_s=60), "true"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    smi = Path(gpumagic.__file__).parent / "fake" / "nvidia_smi.py"
+    (bindir / "nvidia-smi").write_text(f"#!/bin/sh\nexec {PY} {smi} \"$@\"\n")
+    (bindir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}"}
+    env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
+    return subprocess.run(["sh", str(script), "measure"], env=env, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_list_shows_busy_since_and_the_budget_guard_counts_a_busy_kernel(m, sshd, tmp_path):
+    k = start(m, "ls")
+    try:
+        assert _guard_measure(tmp_path, remote_home(sshd)).startswith("idle GPU utilisation 0%")
+        threading.Thread(target=lambda: k.execute("import time; time.sleep(4)", output=Recorder()),
+                         daemon=True).start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (k.info() or gk.KernelInfo("x")).state != "busy":
+            time.sleep(0.1)
+        info = k.info()
+        assert info.state == "busy" and info.state_text().startswith("busy since ")
+        assert info.python == PY and info.kernel_pid > 0
+        assert _guard_measure(tmp_path, remote_home(sshd)) == "busy gpumagic kernel ls is executing a cell"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and k.info().state != "idle":
+            time.sleep(0.1)
+        assert k.info().state == "idle"
+        assert _guard_measure(tmp_path, remote_home(sshd)).startswith("idle GPU utilisation 0%")
+    finally:
+        stop_quietly(k)
+
+
+def test_parse_listing_sums_gpu_memory_of_the_kernels_process_group():
+    text = ("\x1ekernel a\n" + json.dumps({"name": "a", "python": "/usr/bin/python3", "state": "busy",
+                                           "since": 100.0, "kernel_pid": 485, "keeper_pid": 480}) + "\nalive\n"
+            "\x1ekernel b\n" + json.dumps({"name": "b", "state": "idle", "kernel_pid": 900}) + "\ngone\n"
+            "\x1egpu-status\n0\n\x1egpu\n485, 20204\n486, 100\n12, 5\n\x1eps\n  485   485\n  486   485\n   12    12\n")
+    a, b = gk.parse_listing(text)
+    assert (a.name, a.state, a.gpu_mib, a.python) == ("a", "busy", 20304, "/usr/bin/python3")
+    assert a.state_text(now=165.0).startswith("busy since ") and a.state_text(now=165.0).endswith("(1m 05s)")
+    assert (b.name, b.state, b.gpu_mib) == ("b", "lost", None)
+    no_smi = gk.parse_listing(text.replace("\x1egpu-status\n0", "\x1egpu-status\n127"))
+    assert no_smi[0].gpu_mib is None
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_the_listing_script_passes_shellcheck():
+    path = ROOT / "gpumagic" / "remote" / "programs" / "kernel_list.sh"
+    r = subprocess.run(["shellcheck", "-s", "sh", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize("program", ["kernel_keeper.py", "kernel_startup.py"])
+def test_the_programs_run_on_the_machine_are_python_3_8(program):
+    """Rented machines often have an older python than the laptop (pickle protocol 5: 3.8)."""
+    import ast
+
+    ast.parse(gk.program_text(program).decode(), feature_version=(3, 8))
+
+
+def test_bad_names_and_arguments_are_usage_errors(ip):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "kernel frobnicate")
+    assert "valid: start, list" in str(e.value)
+    with pytest.raises(UsageError) as e:
+        ip.run_cell_magic("remote", "--kernel ../x", "1")
+    assert "cannot name a session" in str(e.value)
+    with pytest.raises(UsageError) as e:
+        ip.run_cell_magic("remote", "--kernel k --job j", "1")
+    assert "--kernel does not combine with --job" in str(e.value)
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpu", "kernel push not_defined_here")
+
+
+# -- the tutorial -------------------------------------------------------------------------
+
+
+def test_tutorial_07_trains_plots_pulls_and_finds_the_model_after_reconnecting(tmp_path, monkeypatch):
+    from gpumagic.__main__ import run_notebook
+    from gpumagic.ssh.sandbox import sandbox_home
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    kernels = sandbox_home() / ".gpumagic" / "kernels"
+    try:
+        out = run_notebook(ROOT / "example-notebooks" / "07-remote-python-session.ipynb", tmp_path, timeout=180)
+    finally:
+        for state in kernels.glob("*/state.json"):  # a failed run must not leave the session
+            try:
+                os.kill(json.loads(state.read_text())["keeper_pid"], signal.SIGTERM)
+            except (OSError, ValueError, KeyError):
+                pass
+    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+    assert not [o for c in cells for o in c.outputs if o.output_type == "error"]
+
+    def cell(start):
+        return next(c for c in cells if c.source.startswith(start))
+
+    def text(c, name="stdout"):
+        return "".join(o.text for o in c.outputs if o.output_type == "stream" and o.name == name)
+
+    assert "started session main on sandbox" in text(cell("%gpu kernel start"))
+    loaded = cell("%%remote --kernel\nimport numpy as np")
+    assert text(loaded) == "2000 rows loaded\n"
+    assert any("<table" in o.get("data", {}).get("text/html", "") for o in loaded.outputs)
+    trained = cell("%%remote --kernel\nfrom tqdm.auto")
+    assert text(trained).startswith("loss 5.439 -> 0.01")
+    assert "training: 100%" in text(trained, "stderr")
+    plot = cell("%%remote --kernel\nimport matplotlib")
+    assert [o.output_type for o in plot.outputs] == ["display_data"] and "image/png" in plot.outputs[0].data
+    assert text(cell("%gpu kernel pull")).startswith("pulled losses (list, ")
+    assert text(cell("import numpy as np")) == "final loss 0.0105, weights [ 2.  -1.   0.5]\n"
+    assert text(cell("lr = 0.1")).startswith("pushed lr (float, ")
+    assert text(cell("%%remote --kernel\nprint(\"still here")) == "still here: [ 2.  -1.   0.5] after 300 epochs\n"
+    listed = "".join(o.get("data", {}).get("text/plain", "") for o in cell("%gpu connect --sandbox").outputs)
+    assert "main *" in listed and " idle " in listed
+    assert text(cell("import os")).startswith("running in process ")
+    assert text(cell("%gpu kernel stop main")).startswith("stopped session main on sandbox")
+    assert not (kernels / "main").exists()
