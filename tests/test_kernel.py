@@ -573,7 +573,7 @@ def _guard_measure(tmp_path, home: Path) -> str:
     script.write_text(budget.guard_script(budget.GuardSettings(idle_s=60), "true"))
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    smi = Path(gpumagic.__file__).parent / "fake" / "nvidia_smi.py"
+    smi = Path(gpumagic.__file__).parent / "gpu" / "fake" / "nvidia_smi.py"
     (bindir / "nvidia-smi").write_text(f"#!/bin/sh\nexec {PY} {smi} \"$@\"\n")
     (bindir / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}"}
