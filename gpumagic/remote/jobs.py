@@ -457,6 +457,8 @@ if [ "$rc" = 0 ] && [ -s shutdown_command ] && [ ! -e killed ]; then
   fi
 fi
 echo "$rc" > exit_code.tmp && mv exit_code.tmp exit_code
+# Tell the user away from the notebook (gpumagic.budget.notify; nothing when not set up).
+[ -f "$HOME/.gpumagic/notify/config.json" ] && { nohup python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$GPUMAGIC_JOB" --job-dir "$jd" --exit-code "$rc" --log "$jd/log" </dev/null >/dev/null 2>&1 & }
 """.replace("# gpumagic job runner (do not edit while the job runs)\n",
             "# gpumagic job runner (do not edit while the job runs)\n" + _PROCS_FN, 1)
 
