@@ -22,6 +22,7 @@ from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel.forward import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
+    from .remote.jobs import Job, JobInfo
     from .remote.kernel import RemoteKernel
     from .sync.engine import SyncSummary
 
@@ -260,7 +261,7 @@ class Machine:
 
     def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
                   env: Mapping[str, str] | None = None, stop_on=None,
-                  then_shutdown: float | None = None, alerts: bool = True) -> "jobs.Job":
+                  then_shutdown: float | None = None, alerts: bool = True) -> Job:
         """Start ``command`` as a detached job that survives disconnects; returns at once.
 
         >>> job = m.start_job("train", "python train.py", stop_on="nan")
@@ -277,11 +278,11 @@ class Machine:
         return jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
                           then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
 
-    def jobs(self) -> list["jobs.JobInfo"]:
+    def jobs(self) -> list[JobInfo]:
         """Every job on this machine, read from ``~/.gpumagic/jobs`` (one round trip)."""
         return jobs.list_jobs(self)
 
-    def job(self, name: str) -> "jobs.Job":
+    def job(self, name: str) -> Job:
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
 
@@ -479,7 +480,7 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
             from .errors import ConfigError
 
             raise ConfigError("no machine given", "name a ~/.ssh/config alias or user@host[:port]")
-        notes = []
+        notes: list[str] = []
         if is_ssh_command(target):
             spec, notes = resolve_ssh_command(target, home=home, port=port, user=user, key=key,
                                               jump=jump)
