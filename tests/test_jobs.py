@@ -273,6 +273,15 @@ def test_then_shutdown_is_refused_where_the_machine_cannot_shut_down(machine):
     assert name not in [j.name for j in machine.jobs()]
 
 
+@pytest.mark.parametrize("minutes", [float("nan"), float("inf"), -1, 1e400, "10"])
+def test_then_shutdown_in_python_refuses_what_is_not_minutes(machine, minutes):
+    name = jname("sd-bad")
+    with pytest.raises(JobError) as e:
+        machine.start_job(name, "exit 0", then_shutdown=minutes)
+    assert str(e.value).startswith("--then-shutdown takes minutes from 0 to 43200")
+    assert name not in [j.name for j in machine.jobs()]
+
+
 def test_then_shutdown_is_never_armed_for_real_on_the_sandbox(shutdown_server):
     from types import SimpleNamespace
 

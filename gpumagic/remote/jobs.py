@@ -969,8 +969,9 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
     searched = "its PATH" + (f" and {', '.join(tool_dirs)}" if tool_dirs else "")
     sd_cmd, grace = "", 0
     if then_shutdown is not None:
-        if then_shutdown < 0:
-            raise JobError("--then-shutdown takes minutes >= 0", "e.g. --then-shutdown 10")
+        if not (isinstance(then_shutdown, (int, float)) and 0 <= then_shutdown <= 30 * 24 * 60):
+            raise JobError(f"--then-shutdown takes minutes from 0 to 43200, not {then_shutdown!r}",
+                           "e.g. --then-shutdown 10")
         from ..budget.shutdown import find_shutdown
 
         plan = find_shutdown(machine)
