@@ -81,7 +81,8 @@ def _now_text():
 def append_line(path, line):
     """Append one line to ``path``; never raises."""
     try:
-        with open(path, "a", encoding="utf-8") as f:
+        # a new log is private (0600): it names the channels and what was sent
+        with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8") as f:
             f.write("%s %s\n" % (_now_text(), line))
     except Exception:
         pass
