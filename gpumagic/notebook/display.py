@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..gpu.smi import DoctorReport, Gpu, GpuStatus, Level, known
+from ..gpu.doctor import DoctorReport, Level
+from ..gpu.smi import Gpu, GpuStatus, known
 
 
 @dataclass(frozen=True)
