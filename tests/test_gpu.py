@@ -232,10 +232,11 @@ def test_sections_keep_output_and_status_of_each_command(tmp_path):
 
 
 def test_missing_nvidia_smi_is_status_127_and_no_nvidia_smi(tmp_path):
-    d = bin_dir(tmp_path)  # empty: nvidia-smi is nowhere on PATH (nor in gm_find's folders here)
-    if any(Path(x, "nvidia-smi").exists() for x in ("/usr/local/nvidia/bin", "/usr/bin", "/bin",
-                                                      "/usr/local/bin", "/usr/lib/wsl/lib")):
-        pytest.skip("this computer has an nvidia-smi")
+    d = bin_dir(tmp_path)  # empty: nvidia-smi is not on PATH
+    found = subprocess.run(["/bin/sh", "-c", program.source("lib.sh") + "\ngm_find nvidia-smi"],
+                           env={**os.environ, "PATH": str(d)}, capture_output=True, text=True)
+    if found.returncode == 0:
+        pytest.skip(f"this computer has an nvidia-smi off PATH: {found.stdout.strip()}")
     secs = smi.split_sections(gather_here(smi.status_sections(), login_path=str(d)))
     assert secs["gpus"].rc == 127
     assert smi.status_from_sections(secs).kind is StatusKind.NO_NVIDIA_SMI
