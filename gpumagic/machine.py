@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .remote import execution, jobs
-from .gpu import smi as gpu
+from . import gpu
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult

@@ -208,7 +208,7 @@ def what_runs(machine, answer: dict) -> tuple[list[str], list[str]]:
     """(running, shutdowns): jobs, Jupyter kernels and GPU processes still running, and the
     armed shutdowns."""
     from .budget import ledger as budget
-    from .notebook.display import duration
+    from ._format import duration
 
     running, shutdowns = [], []
     for info in machine.jobs():

@@ -1,10 +1,10 @@
 """Check gpumagic's GPU parsers, doctor and failure hints on a real NVIDIA machine.
 
-Run it ON the GPU machine (no SSH involved): it runs the exact scripts that ``%gpu status``
-and ``%gpu doctor`` send, parses them, and prints the renderings; with PyTorch present it
-also puts a load on GPU 0 (bf16 matmuls holding ~10 GiB) to see utilisation and a process,
-and provokes a real CUDA out-of-memory error to check its failure hint.  The raw sections
-are written to OUTDIR (default ./real-gpu-check) as recordings.
+Run it ON the GPU machine (no SSH involved): it runs the exact program that ``%gpu status``
+and ``%gpu doctor`` send (``gpu-sections.sh``), parses its output, and prints the renderings;
+with PyTorch present it also puts a load on GPU 0 (bf16 matmuls holding ~10 GiB) to see
+utilisation and a process, and provokes a real CUDA out-of-memory error to check its failure
+hint.  The raw sections are written to OUTDIR (default ./real-gpu-check) as recordings.
 
     python3 scripts/check_real_gpu.py [OUTDIR]
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gpumagic.notebook import display
-from gpumagic.gpu import smi as gpu
+from gpumagic.gpu import doctor, smi
 
 LOAD = r"""
 import time, torch
@@ -35,13 +35,13 @@ while time.time() < end:
 """
 
 
-def gather(commands: dict, outdir: Path, tag: str) -> dict:
-    script = gpu.sections_script(commands)
+def gather(sections: list, outdir: Path, tag: str) -> dict:
+    script = smi.sections_command(sections)
     start = time.monotonic()
     r = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=300)
     took = time.monotonic() - start
     (outdir / f"{tag}.sections.txt").write_text(r.stdout)
-    secs = gpu.split_sections(r.stdout)
+    secs = smi.split_sections(r.stdout)
     for name, s in secs.items():
         (outdir / f"{tag}.{name}.txt").write_text(f"# rc={s.rc}\n{s.text}")
     print(f"[{tag}] gathered {sorted(secs)} in {took:.2f} s (stderr: {r.stderr.strip()!r})")
@@ -53,13 +53,13 @@ def main() -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     print("python:", sys.version.split()[0], "cwd:", os.getcwd())
 
-    secs = gather(gpu.doctor_commands(), outdir, "idle")
-    status = gpu.status_from_sections(secs, host="device")
+    secs = gather(doctor.doctor_sections(), outdir, "idle")
+    status = smi.status_from_sections(secs, host="device")
     print(display.status_text(status))
-    print(display.doctor_text(gpu.diagnose(secs, host="device", expect_gpu="H200", expect_count=1)))
+    print(display.doctor_text(doctor.diagnose(secs, host="device", expect_gpu="H200", expect_count=1)))
     print("unreadable lines:", status.skipped)
     for g in status.gpus:
-        unknown = {k: v for k, v in vars(g).items() if not gpu.known(v)}
+        unknown = {k: v for k, v in vars(g).items() if not smi.known(v)}
         print(f"{g.label} unknown fields: {unknown}")
 
     has_torch = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
@@ -70,10 +70,10 @@ def main() -> int:
         try:
             assert load.stdout.readline().strip() == "load running"
             time.sleep(2)
-            secs = gather(gpu.doctor_commands(sample=3), outdir, "load")
-            status = gpu.status_from_sections(secs, host="device")
+            secs = gather(doctor.doctor_sections(sample=3), outdir, "load")
+            status = smi.status_from_sections(secs, host="device")
             print(display.status_text(status))
-            report = gpu.diagnose(secs, host="device", expect_gpu="A100", sample=3)
+            report = doctor.diagnose(secs, host="device", expect_gpu="A100", sample=3)
             print(display.doctor_text(report))
             print("load pid:", load.pid, "listed:", [p.pid for p in status.processes])
         finally:
@@ -84,7 +84,7 @@ def main() -> int:
                              capture_output=True, text=True)
         (outdir / "oom-stderr.txt").write_text(oom.stderr)
         print("OOM exit:", oom.returncode, "last line:", oom.stderr.strip().splitlines()[-1][:200])
-        print("hint:", gpu.failure_hint(oom.stderr, oom.returncode))
+        print("hint:", doctor.failure_hint(oom.stderr, oom.returncode))
     return 0
 
 

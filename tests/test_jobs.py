@@ -147,7 +147,7 @@ def test_parse_listing_reads_every_state_from_recorded_text():
         "running": "running",
         "gone": "lost",
     }
-    assert got["ok"].shutdown_text == "shutdown in 0:59"
+    assert got["ok"].shutdown_text == "shutdown in 59 s"
     assert got["running"].run_seconds == 30.0 and got["running"].runner == "nohup"
     assert got["diverged"].stopped_by == "step 20 loss nan" and got["diverged"].stop_on == ("nan", "oom")
     assert got["crash"].alerts == (Alert("traceback", "Traceback (most recent call last):"),)
@@ -257,7 +257,7 @@ def test_then_shutdown_is_pending_after_success_only_and_kill_shutdown_cancels(i
     with capture_output() as c:
         ip.run_line_magic("gpu", "jobs")
     rows = {ln.split()[0]: ln for ln in shown(c).splitlines() if ln.startswith("sd-")}
-    assert re.search(r"exited 0; shutdown in (0:[3-5]\d|1:00)", rows[names["ok"]])
+    assert re.search(r"exited 0; shutdown in ([3-5]\d s|1 min)", rows[names["ok"]])
     assert "exited 3" in rows[names["fail"]] and "shutdown" not in rows[names["fail"]]
     assert "exited 0; shutdown cancelled" in rows[names["cancel"]]
     assert not recorder.exists()

@@ -198,7 +198,7 @@ def test_threshold_mail_arrives_once_with_machine_amount_and_threshold(ip, smtp,
         with capture_output() as cap:
             ip.run_line_magic("gpu", f"budget notify --mail me@example.com --smtp 127.0.0.1:{smtp.port} --no-test")
         assert "alerts go to mail to me@example.com via 127.0.0.1" in cap.stdout
-        assert re.search(r"spending alerts armed on testgpu: 20.00 CNY in \d s, 1,000.00 CNY in 3 d 10 h", cap.stdout)
+        assert re.search(r"spending alerts armed on testgpu: 20.00 CNY in \d(\.\d)? s, 1,000.00 CNY in 3 d 10 h", cap.stdout)
         assert wait_until(lambda: smtp.messages, 30), "no mail arrived"
         time.sleep(2)
         assert len(smtp.messages) == 1

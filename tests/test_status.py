@@ -7,7 +7,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from gpumagic.errors import RemoteCommandError
-from gpumagic.gpu.smi import Level, StatusKind
+from gpumagic.gpu.doctor import Level
+from gpumagic.gpu.smi import StatusKind
 
 from conftest import make_server
 

@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..gpu.smi import DoctorReport, Gpu, GpuStatus, Level, known
+from .._format import duration
+from ..gpu.doctor import DoctorReport, Level
+from ..gpu.smi import Gpu, GpuStatus, known
 
 
 @dataclass(frozen=True)
@@ -183,15 +185,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def format_seconds(s: float) -> str:
-    """``75`` -> ``"1m15s"``; below a minute ``"4.2 s"``."""
-    if s < 60:
-        return f"{s:.1f} s"
-    m, sec = divmod(int(round(s)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
-
-
 # -- sync ------------------------------------------------------------------------------
 
 
@@ -211,12 +204,12 @@ def sync_progress_text(p) -> str:
     text = (f"{p.files_done}/{p.files_total} files  "
             f"{format_bytes(p.bytes_done)}/{format_bytes(p.bytes_total)}")
     if p.finished:
-        return text + f"  {format_bytes(rate)}/s  done in {format_seconds(elapsed)}"
+        return text + f"  {format_bytes(rate)}/s  done in {duration(elapsed)}"
     if elapsed < RATE_AFTER_S or rate <= 0:
         return text
     text += f"  {format_bytes(rate)}/s"
     if p.bytes_total > p.bytes_done:
-        text += f"  ETA {format_seconds((p.bytes_total - p.bytes_done) / rate)}"
+        text += f"  ETA {duration((p.bytes_total - p.bytes_done) / rate)}"
     return text
 
 
@@ -243,7 +236,7 @@ def sync_summary_text(s) -> str:
             + f", {s.skipped} unchanged"
             + (f", {len(s.deleted)} deleted" if s.deleted else "")
             + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
-            + f" in {format_seconds(s.seconds)}")
+            + f" in {duration(s.seconds)}")
     return "\n".join([head] + _paths("deleted", s.deleted) + _unreadable(s))
 
 
@@ -274,14 +267,12 @@ def _local_time(epoch: float | None) -> str:
 def job_rows(jobs) -> list[list[str]]:
     """Header + one row per :class:`gpumagic.remote.jobs.JobInfo`: name, state, started, run time,
     last log line."""
-    from ..remote.jobs import format_duration
-
     rows = [["NAME", "STATE", "STARTED", "RUN TIME", "LAST LINE"]]
     for j in jobs:
         state = j.state_text
         if j.shutdown_text:
             state += f"; {j.shutdown_text}"
-        rows.append([j.name, state, _local_time(j.started), format_duration(j.run_seconds),
+        rows.append([j.name, state, _local_time(j.started), duration(j.run_seconds),
                      _clip(j.last_line, 60)])
     return rows
 
@@ -324,34 +315,18 @@ def job_started(job, machine_name: str) -> str:
 
 def job_ended(info) -> str:
     """One line for the end of a followed job: state and run time."""
-    from ..remote.jobs import format_duration
-
-    line = f"job {info.name} {info.state_text} after {format_duration(info.run_seconds)}"
+    line = f"job {info.name} {info.state_text} after {duration(info.run_seconds)}"
     if info.state == "lost":
         line = (f"job {info.name} is lost: its runner is gone without an exit code "
                 "(the machine rebooted, or something killed it with SIGKILL)")
     elif info.state == "running":
-        line = f"job {info.name} is still running ({format_duration(info.run_seconds)} so far)"
+        line = f"job {info.name} is still running ({duration(info.run_seconds)} so far)"
     if info.shutdown_text:
         line += f"; {info.shutdown_text}"
     return line
 
 
 # -- budget (%gpu budget) -------------------------------------------------------------------
-
-
-def duration(seconds: float) -> str:
-    """``3540`` -> ``"59 min"``; ``10740`` -> ``"2 h 59 min"``; ``42`` -> ``"42 s"``."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    m = s // 60 if s < 3600 else round(s / 60)
-    if m < 60:
-        return f"{m} min"
-    d, rem = divmod(m, 24 * 60)
-    h, m = divmod(rem, 60)
-    parts = ([f"{d} d"] if d else []) + ([f"{h} h"] if h else []) + ([f"{m} min"] if m else [])
-    return " ".join(parts)
 
 
 class _View:

@@ -31,7 +31,8 @@ from ..budget.ledger import MAX_AMOUNT, MAX_GB, MAX_RATE
 from ..ssh import known_hosts
 from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from ..errors import Interrupted, RemoteCommandError
-from ..gpu.smi import Watcher, failure_hint
+from ..gpu.doctor import failure_hint
+from ..gpu.watch import Watcher
 from ..ssh.hosts import (config_aliases, is_ssh_command, load_ssh_config, parse_ssh_command, parse_target, ssh_dir)
 from ..remote.jobs import NAME_RE, parse_stop_on, scan_alerts
 from ..session import Session

@@ -15,7 +15,8 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..gpu import fit as fitmod
 from ..budget import notify as notifymod
 from .. import wrapup as wrapupmod
-from .display import Rendered, duration
+from .._format import duration
+from .display import Rendered
 from ..errors import ConfigError
 from .magics import _show, parse
 

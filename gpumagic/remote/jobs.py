@@ -60,6 +60,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from .._format import duration
 from ..errors import ConnectionLost, JobError, RemoteTimeout
 from .execution import check_text, export_lines
 
@@ -229,7 +230,7 @@ class JobInfo:
     def shutdown_text(self) -> str:
         """``shutdown in 0:59``, ``shutdown ran``, ``shutdown cancelled`` or ``""``."""
         if self.shutdown_state == "pending" and self.shutdown_due is not None:
-            return f"shutdown in {format_duration(max(0.0, self.shutdown_due - self.now))}"
+            return f"shutdown in {duration(max(0.0, self.shutdown_due - self.now))}"
         if self.shutdown_state == "started":
             return "shutdown ran"
         if self.shutdown_state == "cancelled":
@@ -237,16 +238,6 @@ class JobInfo:
         if self.shutdown_state == "armed":
             return "shutdown after success"
         return ""
-
-
-def format_duration(seconds: float | None) -> str:
-    """``75.2`` -> ``"1:15"``; ``3725`` -> ``"1:02:05"``; None -> ``"-"``."""
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def _num(value: str) -> float | None:

@@ -1,0 +1,38 @@
+"""Plain-text formats shared by every layer (no IPython here): lengths of time."""
+
+from __future__ import annotations
+
+
+def duration(seconds: float | None) -> str:
+    """A length of time as people say it, as precise as is useful at its size.
+
+    Parameters
+    ----------
+    seconds : float or None
+        Seconds; a negative length reads as 0, ``None`` (not known) as ``"-"``.
+
+    Returns
+    -------
+    str
+        Under 10 s to a tenth (``"4.2 s"``); under a minute in seconds (``"42 s"``); under
+        10 min in minutes and seconds (``"1 min 15 s"``, ``"2 min"``); under an hour in whole
+        minutes, rounded down (``3599`` -> ``"59 min"``: what is left is never overstated);
+        from an hour on in days, hours and minutes, rounded to the minute, zero parts left
+        out (``"2 h 59 min"``, ``"1 d 3 h"``).
+    """
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, float(seconds))
+    if seconds < 9.95:  # what rounds to 10.0 reads "10 s"
+        return f"{seconds:.1f} s"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 600:
+        m, s = divmod(s, 60)
+        return f"{m} min {s} s" if s else f"{m} min"
+    m = s // 60 if s < 3600 else round(s / 60)
+    d, rem = divmod(m, 24 * 60)
+    h, m = divmod(rem, 60)
+    parts = ([f"{d} d"] if d else []) + ([f"{h} h"] if h else []) + ([f"{m} min"] if m else [])
+    return " ".join(parts)

@@ -1,0 +1,95 @@
+"""``%gpu status --watch``: a status refreshed from a background thread.
+
+The thread only fetches and hands each new :class:`~gpumagic.gpu.smi.GpuStatus` to a
+callback; what shows it (a widget's values, never an Output widget from the thread) is the
+caller's business (gpumagic/notebook/magics.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from ..errors import GpumagicError
+from .smi import GpuStatus
+
+class Watcher:
+    """Refresh a status every ``interval`` seconds from a background thread.
+
+    Parameters
+    ----------
+    fetch : callable
+        ``fetch(previous) -> GpuStatus``; may raise (connection trouble).
+    on_update : callable
+        Called from the thread with each new status (update widget values here; never
+        write to an Output widget from a thread).
+    on_stop : callable
+        Called once, from the thread, with the reason the watch ended.
+    interval : float
+        Seconds between refreshes.
+    is_connected : callable
+        Checked before each refresh; False ends the watch ("disconnected").
+    max_failures : int
+        Consecutive failed refreshes that end the watch.
+    """
+
+    def __init__(self, fetch: Callable, on_update: Callable, on_stop: Callable, *,
+                 interval: float, is_connected: Callable[[], bool] = lambda: True,
+                 max_failures: int = 3, previous: GpuStatus | None = None):
+        if not (isinstance(interval, (int, float)) and 0 < interval < float("inf")):
+            raise ValueError("interval must be a positive number of seconds")
+        self.fetch, self.on_update, self.on_stop = fetch, on_update, on_stop
+        self.interval = interval
+        self.is_connected = is_connected
+        self.max_failures = max_failures
+        self.previous = previous
+        self.refreshes = 0
+        self.failures = 0
+        self.reason = ""
+        self._stop_reason = "stopped (%gpu status --stop)"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpumagic-status-watch", daemon=True)
+
+    def start(self) -> "Watcher":
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, reason: str = "stopped (%gpu status --stop)", wait: float = 5.0) -> None:
+        """Ask the thread to end, and wait for it (``wait`` seconds at most); ``on_stop``
+        receives ``reason``."""
+        self._stop_reason = reason
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(wait)
+
+    def _loop(self) -> None:
+        reason = "stopped"
+        try:
+            while not self._stop.wait(self.interval):
+                if not self.is_connected():
+                    reason = "stopped: the machine is disconnected"
+                    break
+                try:
+                    status = self.fetch(self.previous)
+                except (GpumagicError, OSError) as e:
+                    self.failures += 1
+                    if self.failures >= self.max_failures:
+                        msg = getattr(e, "message", str(e))
+                        reason = f"stopped after {self.failures} failed refreshes in a row ({msg})"
+                        break
+                    continue
+                self.failures = 0
+                self.refreshes += 1
+                self.previous = status
+                self.on_update(status)
+            else:
+                reason = self._stop_reason
+        except Exception as e:  # a bug in on_update: say so instead of dying silently
+            reason = f"stopped: {type(e).__name__}: {e}"
+        self.reason = reason
+        self.on_stop(reason)
+
