@@ -874,7 +874,7 @@ def test_jupyter_started_by_gpumagic_is_named_and_stopped_from_a_later_kernel(ip
 
 def test_server_not_started_by_gpumagic_is_named_so_and_never_stopped(machine):
     from gpumagic.notebook.magics import _service_note
-    from gpumagic.tunnel.forward import RemoteService, stop_remote_service
+    from gpumagic.tunnel.services import RemoteService, stop_remote_service
 
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the machine is this computer
     try:
