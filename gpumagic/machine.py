@@ -19,7 +19,7 @@ from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult
 from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
-from .tunnel.forward import Tunnel, TunnelManager
+from .tunnel import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
     from .remote.jobs import Job, JobInfo
@@ -398,11 +398,10 @@ class Machine:
         TunnelError
             TensorBoard missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel.forward import check_local_port, open_service_tunnel, start_tensorboard
+        from .tunnel.services import open_service_tunnel, start_tensorboard
 
-        check_local_port(local_port)  # before anything starts on the machine
-        service = start_tensorboard(self, logdir)
-        return open_service_tunnel(self, service, local_port=local_port, name=f"tensorboard {logdir}")
+        return open_service_tunnel(self, lambda: start_tensorboard(self, logdir), local_port=local_port,
+                                   name=f"tensorboard {logdir}")
 
     def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
         """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
@@ -413,11 +412,9 @@ class Machine:
         TunnelError
             Jupyter missing on the machine (the hint has the pip command) or not starting.
         """
-        from .tunnel.forward import check_local_port, open_service_tunnel, start_jupyter
+        from .tunnel.services import open_service_tunnel, start_jupyter
 
-        check_local_port(local_port)  # before anything starts on the machine
-        service = start_jupyter(self)
-        return open_service_tunnel(self, service, local_port=local_port, name="jupyter")
+        return open_service_tunnel(self, lambda: start_jupyter(self), local_port=local_port, name="jupyter")
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"

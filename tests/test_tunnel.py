@@ -874,7 +874,7 @@ def test_jupyter_started_by_gpumagic_is_named_and_stopped_from_a_later_kernel(ip
 
 def test_server_not_started_by_gpumagic_is_named_so_and_never_stopped(machine):
     from gpumagic.notebook.magics import _service_note
-    from gpumagic.tunnel.forward import RemoteService, stop_remote_service
+    from gpumagic.tunnel.services import RemoteService, stop_remote_service
 
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the machine is this computer
     try:
@@ -890,3 +890,43 @@ def test_server_not_started_by_gpumagic_is_named_so_and_never_stopped(machine):
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+# -- issue 15: the service programs are files; two service magics, one routine -------------
+
+
+def test_tensorboard_logdir_with_quotes_spaces_and_dollar_is_the_directory_it_serves(machine):
+    import json
+    from pathlib import Path
+
+    logdir = "it's a $HOME `id` dir"  # an argument of tunnel-service.py, never program text
+    t = machine.tensorboard(logdir, local_port=0)
+    pid = t.service.pid
+    try:
+        cwd = Path(machine.run("pwd", quiet=True).stdout.strip())
+        assert (cwd / logdir).is_dir()
+        assert t.service.started and t.name == f"tensorboard {logdir}"
+        assert json.loads(fetch(t.url + "data/logdir"))["logdir"] == str(cwd / logdir)
+    finally:
+        machine.tunnels.close(t.local_port, stop_service=True)
+    assert wait_until(lambda: process_gone(pid), 15)
+
+
+def test_tensorboard_and_jupyter_subcommands_keep_their_own_options(ip, capsys):
+    from IPython.core.error import UsageError
+
+    from gpumagic.notebook import magics
+
+    tb, jp = magics._tunnel_tensorboard.parser, magics._tunnel_jupyter.parser
+    assert tb.parse_args([]).local_port == 6006 and tb.parse_args([]).logdir == "runs"
+    assert jp.parse_args([]).local_port == 8888 and not hasattr(jp.parse_args([]), "logdir")
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(UsageError):
+        ip.run_line_magic("gpu", "tunnel jupyter --logdir runs")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "tunnel jupyter -h")
+    out = capsys.readouterr().out
+    assert "also show Jupyter in the cell" in out and "default 8888" in out and "--logdir" not in out
+    ip.run_line_magic("gpu", "tunnel tensorboard -h")
+    out = capsys.readouterr().out
+    assert out.index("--logdir") < out.index("--local-port") and "default 6006" in out

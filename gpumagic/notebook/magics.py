@@ -1270,44 +1270,40 @@ def _tunnel_port(magics: GpuMagics, line: str):
         magics.shell.user_ns[args.out] = t
 
 
-@magic_arguments()
-@argument("--logdir", default="runs", metavar="DIR",
-          help="event files directory on the machine (default: runs, relative to the cell directory)")
-@argument("--local-port", type=LOCAL_PORT, default=6006, metavar="N", help="local port (default 6006; another if taken)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
-@argument("--inline", action="store_true", help="also show TensorBoard in the cell")
-@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
-def _tunnel_tensorboard(magics: GpuMagics, line: str):
-    args = parse(_tunnel_tensorboard, line, "tunnel tensorboard")
-    if args is None:
-        return
-    _check_out(args.out)  # every argument is checked before anything starts on the machine
-    m = magics.session.get(args.host)
-    t = m.tensorboard(args.logdir, local_port=args.local_port)
-    how = _service_note("TensorBoard", m.name, t.service)
-    note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
-    _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
-    if args.out:
-        magics.shell.user_ns[args.out] = t
+def _service_subcommand(what: str, local_port: int, open_service, *options):
+    """``%gpu tunnel tensorboard`` and ``%gpu tunnel jupyter``: one routine, each with its own
+    parser.  ``open_service(machine, args)`` returns the tunnel (``machine.tensorboard``,
+    ``machine.jupyter``); ``options`` are the service's own ``argument``s, first in its help."""
+    def sub(magics: GpuMagics, line: str):
+        args = parse(sub, line, f"tunnel {what.lower()}")
+        if args is None:
+            return
+        _check_out(args.out)  # every argument is checked before anything starts on the machine
+        m = magics.session.get(args.host)
+        t = open_service(m, args)
+        how = _service_note(what, m.name, t.service)
+        note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
+        _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
+        if args.out:
+            magics.shell.user_ns[args.out] = t
+
+    sub.__name__ = sub.__qualname__ = f"_tunnel_{what.lower()}"
+    decorators = [magic_arguments(), *options,
+                  argument("--local-port", type=LOCAL_PORT, default=local_port, metavar="N",
+                           help=f"local port (default {local_port}; another if taken)"),
+                  argument("--host", metavar="NAME", help="machine (default: the current one)"),
+                  argument("--inline", action="store_true", help=f"also show {what} in the cell"),
+                  argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")]
+    for decorate in reversed(decorators):  # as if stacked above ``def``, top one first in the help
+        sub = decorate(sub)
+    return sub
 
 
-@magic_arguments()
-@argument("--local-port", type=LOCAL_PORT, default=8888, metavar="N", help="local port (default 8888; another if taken)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
-@argument("--inline", action="store_true", help="also show Jupyter in the cell")
-@argument("--out", metavar="VAR", help="store the Tunnel (.url, .local_port, .stop()) in VAR")
-def _tunnel_jupyter(magics: GpuMagics, line: str):
-    args = parse(_tunnel_jupyter, line, "tunnel jupyter")
-    if args is None:
-        return
-    _check_out(args.out)  # every argument is checked before anything starts on the machine
-    m = magics.session.get(args.host)
-    t = m.jupyter(local_port=args.local_port)
-    how = _service_note("Jupyter", m.name, t.service)
-    note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
-    _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
-    if args.out:
-        magics.shell.user_ns[args.out] = t
+_tunnel_tensorboard = _service_subcommand(
+    "TensorBoard", 6006, lambda m, args: m.tensorboard(args.logdir, local_port=args.local_port),
+    argument("--logdir", default="runs", metavar="DIR",
+             help="event files directory on the machine (default: runs, relative to the cell directory)"))
+_tunnel_jupyter = _service_subcommand("Jupyter", 8888, lambda m, args: m.jupyter(local_port=args.local_port))
 
 
 def _check_out(name: str | None) -> None:

@@ -1,5 +1,12 @@
-"""Tunnels: local port forwards over the machine's SSH connection (ssh -L)."""
+"""Tunnels: local port forwards over the machine's SSH connection (ssh -L).
 
-from .forward import Tunnel, TunnelManager
+``forward`` moves the bytes (:class:`Tunnel`), ``manager`` keeps a machine's tunnels
+(:class:`TunnelManager`, the loop guard), ``ports`` checks and binds local ports, and
+``services`` finds or starts TensorBoard and Jupyter on the machine for a tunnel.
+"""
 
-__all__ = ['Tunnel', 'TunnelManager']
+from .forward import Tunnel, TunnelFault
+from .manager import TunnelManager
+from .services import RemoteService, start_jupyter, start_tensorboard
+
+__all__ = ['RemoteService', 'Tunnel', 'TunnelFault', 'TunnelManager', 'start_jupyter', 'start_tensorboard']

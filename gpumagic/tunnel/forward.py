@@ -42,7 +42,7 @@ Failures
   closed when its confirmation comes late, so it does not stay open on the machine.
 * When the machine is this computer (the sandbox), a tunnel never listens on a port that its
   own remote side (or another tunnel's) would connect to: that would forward in a loop until
-  the file descriptors run out (see :meth:`TunnelManager.open`).
+  the file descriptors run out (see :meth:`gpumagic.tunnel.manager.TunnelManager.open`).
 * When the SSH connection dropped, the next local connection re-opens it
   (``Connection.ensure_open``), so the same URL keeps working.
 * Anything that goes wrong on a background thread is recorded as a :class:`TunnelFault`
@@ -54,23 +54,26 @@ Failures
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import queue
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import paramiko
 
 from ..ssh import _paramiko
 from ..ssh._paramiko import (close_without_eof, send_data_now, send_eof, send_window_adjust, sendall_ordered, transport_dropped)
 from ..errors import ConnectionLost, GpumagicError, TunnelError
+from .ports import bind_local
+
+if TYPE_CHECKING:
+    from .services import RemoteService
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +86,6 @@ MAX_PACKET_SIZE = 255 * 1024
 CHUNK = 1024 * 1024
 #: Seconds ``stop`` waits for the forwarding threads to finish.
 JOIN_TIMEOUT = 5.0
-#: How many ports after a taken one are tried before asking the OS for any free port.
-PORT_SCAN = 20
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # not on Windows: every write goes through _drain there
 
@@ -534,7 +535,7 @@ class Tunnel:
             raise TunnelError(f"tunnel {self.name} was closed", "open a new tunnel")
         self.connection.ensure_open()
         self._opened_seen = self.connection.opened_count
-        self._listener = _bind_local(self.wanted_port, avoid=self.avoid_ports)
+        self._listener = bind_local(self.wanted_port, avoid=self.avoid_ports)
         self.local_port = self._listener.getsockname()[1]
         if self.local_port != self.wanted_port and self.wanted_port != 0:
             self.moved_from = self.wanted_port
@@ -883,175 +884,6 @@ class Tunnel:
         raise AssertionError("unreachable")
 
 
-class TunnelManager:
-    """The tunnels of one machine, by local port (the ID shown by ``%gpu tunnel list``).
-
-    Parameters
-    ----------
-    connection : Connection
-        The machine's connection that new tunnels forward over.
-    """
-
-    def __init__(self, connection):
-        self.connection = connection
-        self.tunnels: dict[int, Tunnel] = {}
-
-    def open(self, remote_port: int, *, remote_host: str = "localhost",
-             local_port: int | None = None, **options) -> Tunnel:
-        """Start a :class:`Tunnel` (options as its constructor) and keep it listed.
-
-        An open tunnel to the same ``remote_host:remote_port`` is returned instead of a new
-        one, unless another ``local_port`` is asked for than the one it has or was moved
-        from (0: a new one on any free port).  A wanted local port held by another of these
-        tunnels moves the new one to a free port, :attr:`Tunnel.moved_reason` naming the
-        holder.  When the machine is this computer (its SSH address is loopback: the
-        sandbox), a loopback target's own port and the targets of the other loopback
-        tunnels are never bound: the machine's side would connect back into gpumagic's own
-        listener and forward in a loop.
-        """
-        same = self.find(remote_host, int(remote_port))
-        if same is not None and local_port in (None, same.local_port, same.moved_from):
-            return same
-        wanted = int(remote_port if local_port is None else local_port)
-        avoid = {}
-        if machine_is_this_computer(self.connection) and is_loopback(remote_host):
-            here = f"({self.connection.spec.address} is this computer)"
-            avoid = {o.remote_port: f"is the target of tunnel {o.local_port} {here}: listening there "
-                                    "would forward in a loop"
-                     for o in self if is_loopback(o.remote_host)}
-            avoid[int(remote_port)] = (f"is {remote_host}:{remote_port} on the machine too {here}: "
-                                       "listening there, the tunnel would forward to itself in a loop")
-        for o in self:
-            if o.local_port == wanted and wanted not in avoid:
-                avoid[wanted] = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} ({o.name})"
-        t = Tunnel(self.connection, remote_port, remote_host=remote_host, local_port=local_port,
-                   avoid_ports=avoid, **options).start()
-        self.tunnels[t.local_port] = t
-        return t
-
-    def find(self, remote_host: str, remote_port: int) -> Tunnel | None:
-        """An open tunnel to that target, if there is one."""
-        for t in self.tunnels.values():
-            if t.is_open and t.remote_port == remote_port and t.remote_host == remote_host:
-                return t
-        return None
-
-    def close(self, local_port: int, stop_service: bool = False) -> Tunnel:
-        """Stop and forget one tunnel; its unreported faults stay on the returned object.
-
-        With ``stop_service``, also stop the remote TensorBoard/Jupyter that gpumagic
-        started for it (one that was already running is left alone).
-
-        Raises
-        ------
-        TunnelError
-            When no tunnel uses that local port.
-        """
-        t = self.tunnels.pop(local_port, None)
-        if t is None:
-            known = ", ".join(str(p) for p in sorted(self.tunnels)) or "none"
-            raise TunnelError(f"no tunnel on local port {local_port} (open: {known})",
-                              "`%gpu tunnel list` shows the IDs (local ports)")
-        t.stop(raise_errors=False)
-        if stop_service and t.service is not None and self.connection.is_connected:
-            try:
-                stop_remote_service(self.connection, t.service)
-            except GpumagicError as e:  # closing must go on; the caller shows the fault
-                t._fault(None, f"could not stop its server (pid {t.service.pid}): {e.message}", e)
-        return t
-
-    def close_all(self, stop_service: bool = False) -> list[Tunnel]:
-        """Stop every tunnel (on disconnect and when the kernel exits)."""
-        closed = []
-        for port in list(self.tunnels):
-            closed.append(self.close(port, stop_service=stop_service))
-        return closed
-
-    def __iter__(self):
-        # A tunnel stopped directly (``with machine.tunnel(...)``) leaves the list.
-        for port, t in list(self.tunnels.items()):
-            if t._state == "closed":
-                self.tunnels.pop(port, None)
-        return iter(list(self.tunnels.values()))
-
-    def __len__(self) -> int:
-        return len(self.tunnels)
-
-
-def _bind_local(wanted: int, avoid=()) -> socket.socket:
-    """A socket listening on 127.0.0.1: ``wanted``, else one of the next ports, else any;
-    never one of the ``avoid`` ports.
-
-    A port counts as taken when binding 127.0.0.1 fails, and also when another program
-    listens on ::1 with it (a browser given ``localhost:PORT`` may go there).  No
-    ``SO_REUSEADDR``: on BSD/macOS it would let us bind 127.0.0.1 under another program's
-    wildcard listener and half-share its port.
-
-    Raises
-    ------
-    TunnelError
-        When no port can be bound at all.
-    """
-    candidates = [] if wanted == 0 else [p for p in range(wanted, min(wanted + PORT_SCAN, 65536))
-                                         if p not in avoid]
-    candidates += [0] * 3  # any free port (asked again if the OS picks one to avoid)
-    last: OSError | None = None
-    for port in candidates:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if sys.platform == "win32" and hasattr(socket, "SO_EXCLUSIVEADDRUSE"):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_EXCLUSIVEADDRUSE, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen(128)
-            if port and _ipv6_loopback_taken(port):
-                raise OSError(errno.EADDRINUSE, "in use on ::1")
-            if s.getsockname()[1] in avoid:  # the OS's pick: ask again
-                raise OSError(errno.EADDRINUSE, "a port to avoid")
-            return s
-        except OSError as e:
-            s.close()
-            last = e
-    raise TunnelError(f"cannot listen on any local port on 127.0.0.1: {last}",
-                      "close some programs holding ports, then try again")
-
-
-def is_loopback(host: str) -> bool:
-    """True for a name or address that means "this computer" to whoever connects to it
-    (``localhost``, 127.0.0.0/8, ``::1``, and 0.0.0.0 / ``::``, which Linux connects to
-    as loopback)."""
-    host = host.strip("[]").lower()
-    if host in ("localhost", "localhost.localdomain", "ip6-localhost") or host.endswith(".localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return ip.is_loopback or ip.is_unspecified
-
-
-def machine_is_this_computer(connection) -> bool:
-    """True when the machine's SSH address is this computer's loopback (the sandbox, a
-    local test server) with no ProxyJump: its ``localhost`` is then ours too.  (An
-    ``ssh -L`` forward to another computer looks the same; treating it as here only moves
-    a tunnel to another local port.)"""
-    spec = connection.spec
-    return not spec.proxy_jump and is_loopback(spec.hostname)
-
-
-def _ipv6_loopback_taken(port: int) -> bool:
-    if not socket.has_ipv6:
-        return False
-    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        s.bind(("::1", port))
-        return False
-    except OSError as e:
-        return e.errno == errno.EADDRINUSE
-    finally:
-        s.close()
-
-
 def _reset(sock: socket.socket) -> None:
     """Make the coming close send a TCP reset (SO_LINGER 0) instead of a clean FIN."""
     try:
@@ -1075,305 +907,3 @@ def _describe(e: BaseException) -> str:
 def _hint_for(e: BaseException) -> str:
     hint = getattr(e, "hint", "")
     return hint or "`%gpu tunnel list` shows the tunnel's state; close and open it again if it is stuck"
-
-
-# -- remote services: TensorBoard ---------------------------------------------------------
-
-#: Runs with the machine's ``python3``: reuse a TensorBoard serving LOGDIR (found through
-#: TensorBoard's own info files, ``tensorboard.manager.get_all()``, as its notebook magic
-#: does), else start one detached (own session, output to ~/.gpumagic/tensorboard-*.log)
-#: bound to 127.0.0.1; TensorBoard itself picks 6006 or the next free port when ``--port``
-#: is not given.  Prints one JSON line.
-#: Shared by the service scripts (prepended to each): start ``argv`` detached in its own
-#: session with output to ``~/.gpumagic/NAME-MS.log`` (0600, in a 0700 directory), wait until
-#: ``running()`` lists its pid (``pid_of(info)``), then ``report`` it; else print the log's last lines as "failed".
-#:
-#: Every service gpumagic starts is recorded at once in ``~/.gpumagic/services/PID.json``
-#: (its name, log, and its start time in clock ticks after boot from ``/proc/PID/stat``
-#: field 22, proc(5), so a later process given the same pid is not taken for it).  A
-#: service found running later is reported ``ours`` when its record matches, whichever
-#: kernel started it; records of processes that are gone are removed.
-_START_AND_REPORT = r'''
-import json, os, subprocess, sys, time
-SERVICES = os.path.expanduser("~/.gpumagic/services")
-def started_ticks(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-def record(name, pid, log):
-    os.makedirs(SERVICES, 0o700, exist_ok=True)
-    path = os.path.join(SERVICES, "%d.json" % pid)
-    with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        json.dump({"name": name, "pid": pid, "log": log, "ticks": started_ticks(pid)}, f)
-    os.replace(path + ".tmp", path)
-def recorded(pid):
-    """The record of a service gpumagic started with this pid, or None; stale ones removed."""
-    try:
-        names = os.listdir(SERVICES)
-    except OSError:
-        return None
-    found = None
-    for n in names:
-        path = os.path.join(SERVICES, n)
-        try:
-            with open(path) as f:
-                rec = json.load(f)
-            stale = not alive(int(rec["pid"])) or rec.get("ticks") not in (None, started_ticks(int(rec["pid"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if stale:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
-        elif int(rec["pid"]) == pid:
-            found = rec
-    return found
-def start_and_report(name, argv, running, pid_of):
-    state = os.path.expanduser("~/.gpumagic"); os.makedirs(state, 0o700, exist_ok=True)
-    os.chmod(state, 0o700)  # private: Jupyter's log holds its token
-    log = os.path.join(state, "%s-%d.log" % (name, int(time.time() * 1000)))
-    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                             start_new_session=True, close_fds=True)
-    record(name, p.pid, log)
-    deadline = time.time() + __TIMEOUT__
-    while time.time() < deadline:
-        for info in running():
-            if pid_of(info) == p.pid:
-                report(info, True, log); sys.exit(0)
-        if p.poll() is not None:
-            break
-        time.sleep(0.2)
-    with open(log, "rb") as f:
-        tail = f.read().decode("utf-8", "replace").strip().splitlines()[-3:]
-    if p.poll() is None:
-        p.kill()
-    print(json.dumps({"failed": " | ".join(tail) or "no output", "log": log}))
-def report_found(info, pid):
-    rec = recorded(pid)
-    report(info, False, rec.get("log") if rec else None, rec is not None)
-'''
-
-_TENSORBOARD_SCRIPT = r'''
-logdir = os.path.abspath(os.path.expanduser(__LOGDIR__))
-try:
-    from tensorboard import manager
-except ImportError:
-    print(json.dumps({"missing": sys.executable})); sys.exit(0)
-def serving():
-    for info in manager.get_all():
-        if os.path.abspath(info.logdir or "") == logdir:
-            return info
-def report(info, started, log=None, ours=True):
-    print(json.dumps({"port": info.port, "pid": info.pid, "logdir": logdir, "ours": ours,
-                      "path_prefix": info.path_prefix, "started": started, "log": log}))
-info = serving()
-if info is not None:
-    report_found(info, info.pid); sys.exit(0)
-os.makedirs(logdir, exist_ok=True)
-start_and_report("tensorboard", [sys.executable, "-m", "tensorboard.main", "--logdir", logdir,
-                                 "--host", "127.0.0.1"], manager.get_all, lambda info: info.pid)
-'''
-
-
-@dataclass
-class RemoteService:
-    """A web service on the machine that a tunnel reaches.
-
-    Attributes
-    ----------
-    port : int
-        Its port on the machine (bound to the machine's 127.0.0.1).
-    path : str
-        URL path and query (a token) to open.
-    pid : int
-        Its process id on the machine.
-    started : bool
-        True when gpumagic started it now, False when it was already serving.
-    log : str or None
-        Its output file on the machine (when gpumagic started it).
-    ours : bool
-        True when gpumagic started it, now or earlier (from any kernel: the machine keeps a
-        record of each service gpumagic starts, ``~/.gpumagic/services/PID.json``); only
-        such a service is stopped by ``%gpu tunnel close ID --stop``.
-    """
-
-    port: int
-    path: str
-    pid: int
-    started: bool
-    log: str | None = None
-    ours: bool = False
-
-    def __post_init__(self):
-        self.ours = self.ours or self.started
-
-    @property
-    def origin(self) -> str:
-        """``started by gpumagic now`` / ``started by gpumagic earlier`` / ``not started by gpumagic``."""
-        if self.started:
-            return "started by gpumagic now"
-        return "started by gpumagic earlier" if self.ours else "not started by gpumagic"
-
-
-def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> RemoteService:
-    """Find the TensorBoard serving ``logdir`` on the machine, or start one detached.
-
-    Parameters
-    ----------
-    machine : gpumagic.Machine
-    logdir : str
-        Event-file directory, relative to the machine's working directory (``machine.cwd``)
-        or absolute; created when missing.
-    timeout : float
-        Seconds to wait for a new TensorBoard to serve.
-
-    Raises
-    ------
-    TunnelError
-        TensorBoard is not installed for the machine's ``python3`` (hint: the pip command),
-        or it did not start (the last lines of its log).
-    """
-    info = _run_service_script(machine, "TensorBoard", _TENSORBOARD_SCRIPT, timeout, "tensorboard",
-                               logdir=logdir)
-    prefix = (info.get("path_prefix") or "").rstrip("/")
-    return RemoteService(port=int(info["port"]), path=prefix + "/", pid=int(info["pid"]),
-                         started=bool(info["started"]), log=info.get("log"), ours=bool(info.get("ours")))
-
-
-# -- remote services: Jupyter -------------------------------------------------------------
-
-#: Runs with the machine's ``python3``: reuse a running Jupyter server (its runtime files,
-#: ``jupyter_server.serverapp.list_running_servers()``), else start JupyterLab (or Notebook 7,
-#: or a bare Jupyter Server) detached, bound to 127.0.0.1 on 8888 or the next free port
-#: (``port_retries``), without a browser.  Prints one JSON line with the token.
-_JUPYTER_SCRIPT = r'''
-import importlib.util
-try:
-    from jupyter_server.serverapp import list_running_servers
-except ImportError:
-    print(json.dumps({"missing": sys.executable})); sys.exit(0)
-def report(info, started, log=None, ours=True):
-    print(json.dumps({"port": info["port"], "pid": info["pid"], "token": info.get("token", ""),
-                      "base_url": info.get("base_url", "/"), "started": started, "log": log,
-                      "ours": ours}))
-for info in list_running_servers():
-    report_found(info, info["pid"]); sys.exit(0)
-app = next((m for m in ("jupyterlab", "notebook") if importlib.util.find_spec(m)), "jupyter_server")
-start_and_report("jupyter", [sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
-                             "--ServerApp.port=8888", "--ServerApp.open_browser=False"]
-                 # rented machines often log in as root; the server stays on 127.0.0.1
-                 # behind its token
-                 + (["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else []),
-                 list_running_servers, lambda info: info["pid"])
-'''
-
-
-def start_jupyter(machine, timeout: float = 90.0) -> RemoteService:
-    """Find a running Jupyter server on the machine, or start one detached.
-
-    Returns
-    -------
-    RemoteService
-        ``path`` is ``BASE_URL?token=TOKEN`` (the token from the server's runtime file).
-
-    Raises
-    ------
-    TunnelError
-        Jupyter is not installed for the machine's ``python3`` (hint: the pip command), or
-        it did not start (the last lines of its log).
-    """
-    info = _run_service_script(machine, "Jupyter", _JUPYTER_SCRIPT, timeout, "jupyterlab")
-    base = info.get("base_url") or "/"
-    path = base + (f"?token={info['token']}" if info.get("token") else "")
-    return RemoteService(port=int(info["port"]), path=path, pid=int(info["pid"]),
-                         started=bool(info["started"]), log=info.get("log"), ours=bool(info.get("ours")))
-
-
-def _run_service_script(machine, what: str, script: str, timeout: float, package: str,
-                        logdir: str | None = None) -> dict:
-    """Run a service script with the machine's python3; its JSON answer or a TunnelError."""
-    import json
-    import shlex
-
-    script = (_START_AND_REPORT + script).replace("__TIMEOUT__", repr(float(timeout)))
-    if logdir is not None:
-        script = script.replace("__LOGDIR__", repr(logdir))
-    r = machine.run(script, python=True, quiet=True, timeout=timeout + 30)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.exit_code != 0 or not lines:
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise TunnelError(f"could not start {what} on {machine.name}: {last}",
-                          "check that `python3` works on the machine (`%%remote python3 -V`)")
-    info = json.loads(lines[-1])
-    if "missing" in info:
-        raise TunnelError(f"{what} is not installed for {info['missing']} on {machine.name}",
-                          f"install it there: %%remote\\n{shlex.quote(info['missing'])} -m pip install {package}")
-    if "failed" in info:
-        raise TunnelError(f"{what} did not start on {machine.name}: {info['failed']}",
-                          f"its log on the machine: {info['log']}")
-    return info
-
-
-def stop_remote_service(connection, service: RemoteService) -> None:
-    """Stop a service gpumagic started, now or earlier (its whole process group: TensorBoard's
-    data server too), and remove its record; a service gpumagic did not start is left alone."""
-    from ..remote.execution import exec_simple
-
-    if service.ours:
-        pid = int(service.pid)
-        exec_simple(connection, f"kill -TERM -- -{pid} 2>/dev/null || kill -TERM {pid}; "
-                                f"rm -f \"$HOME/.gpumagic/services/{pid}.json\"", timeout=30)
-
-
-def check_local_port(local_port: int | None) -> None:
-    """Refuse a local port that cannot be bound, before anything is started on the machine.
-
-    Raises
-    ------
-    TunnelError
-        For anything but None or a whole number from 0 (any free port) to 65535.
-    """
-    if local_port is None:
-        return
-    if isinstance(local_port, bool) or not isinstance(local_port, int) or not 0 <= local_port <= 65535:
-        raise TunnelError(f"local port {local_port!r} is not a port number",
-                          "give a whole number from 1 to 65535 (0: any free port)")
-
-
-def open_service_tunnel(machine, service: RemoteService, *, local_port: int | None, name: str) -> Tunnel:
-    """The tunnel to ``service`` (reused when one is open), keeping what gpumagic knows of it.
-
-    A service started just now (``service.started``) is stopped again when its tunnel cannot
-    open, so a failed command leaves nothing running on the machine that nobody asked for.
-    """
-    t = machine.tunnels.find("127.0.0.1", service.port)
-    if t is None:
-        try:
-            t = machine.tunnels.open(service.port, remote_host="127.0.0.1", local_port=local_port,
-                                     name=name, path=service.path)
-        except BaseException:
-            if service.started:
-                try:
-                    stop_remote_service(machine.connection, service)
-                except (GpumagicError, OSError):
-                    pass  # the error that stopped us is the one to show
-            raise
-    if t.service is None or t.service.pid != service.pid:  # keep "started by gpumagic now"
-        t.service = service
-    return t

@@ -1,0 +1,128 @@
+"""The tunnels of one machine, and the loop guard for a machine that is this computer."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from ..errors import GpumagicError, TunnelError
+from .forward import Tunnel
+from .services import stop_remote_service
+
+
+class TunnelManager:
+    """The tunnels of one machine, by local port (the ID shown by ``%gpu tunnel list``).
+
+    Parameters
+    ----------
+    connection : Connection
+        The machine's connection that new tunnels forward over.
+    """
+
+    def __init__(self, connection):
+        self.connection = connection
+        self.tunnels: dict[int, Tunnel] = {}
+
+    def open(self, remote_port: int, *, remote_host: str = "localhost",
+             local_port: int | None = None, **options) -> Tunnel:
+        """Start a :class:`Tunnel` (options as its constructor) and keep it listed.
+
+        An open tunnel to the same ``remote_host:remote_port`` is returned instead of a new
+        one, unless another ``local_port`` is asked for than the one it has or was moved
+        from (0: a new one on any free port).  A wanted local port held by another of these
+        tunnels moves the new one to a free port, :attr:`Tunnel.moved_reason` naming the
+        holder.  When the machine is this computer (its SSH address is loopback: the
+        sandbox), a loopback target's own port and the targets of the other loopback
+        tunnels are never bound: the machine's side would connect back into gpumagic's own
+        listener and forward in a loop.
+        """
+        same = self.find(remote_host, int(remote_port))
+        if same is not None and local_port in (None, same.local_port, same.moved_from):
+            return same
+        wanted = int(remote_port if local_port is None else local_port)
+        avoid = {}
+        if machine_is_this_computer(self.connection) and is_loopback(remote_host):
+            here = f"({self.connection.spec.address} is this computer)"
+            avoid = {o.remote_port: f"is the target of tunnel {o.local_port} {here}: listening there "
+                                    "would forward in a loop"
+                     for o in self if is_loopback(o.remote_host)}
+            avoid[int(remote_port)] = (f"is {remote_host}:{remote_port} on the machine too {here}: "
+                                       "listening there, the tunnel would forward to itself in a loop")
+        for o in self:
+            if o.local_port == wanted and wanted not in avoid:
+                avoid[wanted] = f"is used by gpumagic's tunnel {o.local_port} -> {o.target} ({o.name})"
+        t = Tunnel(self.connection, remote_port, remote_host=remote_host, local_port=local_port,
+                   avoid_ports=avoid, **options).start()
+        self.tunnels[t.local_port] = t
+        return t
+
+    def find(self, remote_host: str, remote_port: int) -> Tunnel | None:
+        """An open tunnel to that target, if there is one."""
+        for t in self.tunnels.values():
+            if t.is_open and t.remote_port == remote_port and t.remote_host == remote_host:
+                return t
+        return None
+
+    def close(self, local_port: int, stop_service: bool = False) -> Tunnel:
+        """Stop and forget one tunnel; its unreported faults stay on the returned object.
+
+        With ``stop_service``, also stop the remote TensorBoard/Jupyter that gpumagic
+        started for it (one that was already running is left alone).
+
+        Raises
+        ------
+        TunnelError
+            When no tunnel uses that local port.
+        """
+        t = self.tunnels.pop(local_port, None)
+        if t is None:
+            known = ", ".join(str(p) for p in sorted(self.tunnels)) or "none"
+            raise TunnelError(f"no tunnel on local port {local_port} (open: {known})",
+                              "`%gpu tunnel list` shows the IDs (local ports)")
+        t.stop(raise_errors=False)
+        if stop_service and t.service is not None and self.connection.is_connected:
+            try:
+                stop_remote_service(self.connection, t.service)
+            except GpumagicError as e:  # closing must go on; the caller shows the fault
+                t._fault(None, f"could not stop its server (pid {t.service.pid}): {e.message}", e)
+        return t
+
+    def close_all(self, stop_service: bool = False) -> list[Tunnel]:
+        """Stop every tunnel (on disconnect and when the kernel exits)."""
+        closed = []
+        for port in list(self.tunnels):
+            closed.append(self.close(port, stop_service=stop_service))
+        return closed
+
+    def __iter__(self):
+        # A tunnel stopped directly (``with machine.tunnel(...)``) leaves the list.
+        for port, t in list(self.tunnels.items()):
+            if t._state == "closed":
+                self.tunnels.pop(port, None)
+        return iter(list(self.tunnels.values()))
+
+    def __len__(self) -> int:
+        return len(self.tunnels)
+
+
+def is_loopback(host: str) -> bool:
+    """True for a name or address that means "this computer" to whoever connects to it
+    (``localhost``, 127.0.0.0/8, ``::1``, and 0.0.0.0 / ``::``, which Linux connects to
+    as loopback)."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def machine_is_this_computer(connection) -> bool:
+    """True when the machine's SSH address is this computer's loopback (the sandbox, a
+    local test server) with no ProxyJump: its ``localhost`` is then ours too.  (An
+    ``ssh -L`` forward to another computer looks the same; treating it as here only moves
+    a tunnel to another local port.)"""
+    spec = connection.spec
+    return not spec.proxy_jump and is_loopback(spec.hostname)
+
