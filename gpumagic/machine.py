@@ -10,6 +10,7 @@ The IPython magics are a thin layer over this module.
 
 from __future__ import annotations
 
+import shlex
 import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -22,6 +23,7 @@ from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel.forward import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
+    from .budget.shutdown import ShutdownPlan
     from .sync.engine import SyncSummary
 
 
@@ -281,7 +283,21 @@ class Machine:
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
 
-    # -- budget (see gpumagic/budget.py) ----------------------------------------------
+    # -- budget (see gpumagic/budget/) -------------------------------------------------
+
+    def shutdown_plan(self) -> "ShutdownPlan":
+        """How this machine can power itself off (one round trip): the command, or why none
+        can run, with what to do instead; see :func:`gpumagic.budget.shutdown.find_shutdown`.
+        The budget guard and ``--then-shutdown`` jobs arm what this returns."""
+        from .budget.shutdown import find_shutdown
+
+        return find_shutdown(self)
+
+    def scratch_dir(self) -> str | None:
+        """A folder on the machine that goes when this machine is closed, for detached gpumagic
+        programs that must end with it (an absolute path); ``None`` on a rented machine, whose
+        programs outlive the connection (see :class:`SandboxMachine`)."""
+        return None
 
     def budget_set(self, rate: float, *, ledger=None, limit: float | None = None,
                    alerts=None, started_at: float | None = None, **prices):
@@ -398,6 +414,29 @@ class Machine:
         return f"<Machine {self.name} {self.spec.user}@{self.spec.address} {state}>"
 
 
+class SandboxMachine(Machine):
+    """The sandbox: this computer, reached through a throwaway local sshd
+    (:class:`gpumagic.ssh.sandbox.Sandbox`, in :attr:`sandbox`).
+
+    What would act on the computer itself is a stand-in: its :meth:`shutdown_plan` is the
+    sandbox's recording ``shutdown``, never a real one; and detached programs keep their
+    state in the sandbox's temporary folder (:meth:`scratch_dir`), so they end with it.
+    """
+
+    def shutdown_plan(self) -> "ShutdownPlan":
+        """The sandbox's stand-in ``shutdown -h now`` (see
+        :meth:`gpumagic.ssh.sandbox.Sandbox.shutdown_stand_in`); no round trip."""
+        from .budget.shutdown import ShutdownPlan
+
+        if self.sandbox is None:
+            return ShutdownPlan(None, "the sandbox was stopped when it was closed")
+        return ShutdownPlan(f"{shlex.quote(str(self.sandbox.shutdown_stand_in()))} -h now")
+
+    def scratch_dir(self) -> str | None:
+        """The sandbox's temporary folder (removed when the sandbox stops)."""
+        return None if self.sandbox is None else str(self.sandbox.server.dir)
+
+
 def _echo(stream):
     def write(text: str) -> None:
         stream.write(text)
@@ -462,8 +501,8 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
         else:
             spec = resolve(target, home=home, port=port, user=user, identity_file=key,
                            proxy_jump=jump)
-    m = Machine(spec, name=name, cwd=cwd, trust_new_host=trust_new_host, home=home,
-                passphrase_prompt=passphrase_prompt, sandbox=sb)
+    m = (SandboxMachine if sandbox else Machine)(spec, name=name, cwd=cwd, trust_new_host=trust_new_host,
+                                                 home=home, passphrase_prompt=passphrase_prompt, sandbox=sb)
     if not sandbox:
         m.connection.notes.extend(notes)
     if not lazy:
