@@ -304,19 +304,20 @@ class Machine:
         """Store this machine's prices (per hour; see :class:`gpumagic.budget.Prices` for
         ``currency``, ``billing``, ``storage_gb``/``storage_rate``/``storage_per``, ``ip_rate``,
         ``image_*``, ``platform``), an optional ``limit``, ``alerts`` thresholds and billing
-        start (epoch s; default: the machine's start).  Returns the ledger record."""
-        from .budget import ledger as budget
+        start (epoch s; default: the machine's start).  Returns the ledger record
+        (:class:`gpumagic.budget.MachineRecord`)."""
+        from .budget import Ledger, Prices, set_prices
 
-        return budget.set_prices(ledger or budget.Ledger(), self.name, budget.Prices(rate=rate, **prices),
-                                 limit=limit, alerts=alerts, started_at=started_at)
+        return set_prices(ledger or Ledger(), self.name, Prices(rate=rate, **prices),
+                          limit=limit, alerts=alerts, started_at=started_at)
 
     def budget_meter(self, *, ledger=None):
         """Read the meter: spent, rate, limit, next billing boundary, guard (one round trip).
 
         Returns a :class:`gpumagic.budget.MeterReading`."""
-        from .budget import ledger as budget
+        from .budget import Ledger, read_meter
 
-        return budget.read_meter(self, ledger or budget.Ledger())
+        return read_meter(self, ledger or Ledger())
 
     def budget_guard(self, *, idle: float | None = None, at_limit: bool = False,
                      deadline: float | None = None, grace: float = 600, poll: float = 30,
@@ -325,22 +326,25 @@ class Machine:
         the budget limit, or at epoch ``deadline``; warn ``grace`` seconds before.
 
         Raises :class:`gpumagic.budget.BudgetError` where no shutdown command can run."""
-        from .budget import ledger as budget
+        from .budget import Ledger
+        from .budget.guard import arm_machine_guard
 
-        return budget.arm_machine_guard(self, ledger or budget.Ledger(), idle_s=idle, at_limit=at_limit,
-                                        deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
+        return arm_machine_guard(self, ledger or Ledger(), idle_s=idle, at_limit=at_limit,
+                                 deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
 
     def budget_guard_cancel(self, *, ledger=None):
         """Disarm the remote guard; returns its status after."""
-        from .budget import ledger as budget
+        from .budget import Ledger
+        from .budget.guard import disarm_machine_guard
 
-        return budget.disarm_machine_guard(self, ledger or budget.Ledger())
+        return disarm_machine_guard(self, ledger or Ledger())
 
     def budget_guard_status(self):
         """The remote guard's status (:class:`gpumagic.budget.GuardStatus`)."""
-        from .budget import ledger as budget
+        from .budget import read_status
 
-        return budget.read_status(self)[1]
+        return read_status(self)[1]
+
     # -- tunnels ----------------------------------------------------------------------
 
     def tunnel(self, remote_port: int, *, local_port: int | None = None,

@@ -15,8 +15,9 @@ Who sends what:
   arms a small detached watcher on the machine (``notify.py watch``) that sends one message
   per threshold at that moment -- laptop closed or not.  Each threshold of a billing session
   is sent once (a ``--once`` key).
-* **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown):
-  the program on the machine is called by whoever sees the event there, e.g.::
+* **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown
+  and its failed shutdown -- ``budget-guard.sh`` calls it for those two): the program on the
+  machine is called by whoever sees the event there, e.g.::
 
       nohup python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train \\
           --job-dir "$HOME/.gpumagic/jobs/train" --log "$HOME/.gpumagic/jobs/train/log" \\
@@ -37,9 +38,12 @@ import shlex
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from importlib import resources
 
 from ..errors import ConfigError, GpumagicError
+from ..remote import program
+from .guard import read_status
+from .ledger import Ledger
+from .prices import limit_deadline, spent
 
 #: Where the program and its settings live on the machine (relative to $HOME).
 NOTIFY_DIR = ".gpumagic/notify"
@@ -63,7 +67,7 @@ class NotifyError(GpumagicError):
 
 def program_source() -> str:
     """The machine-side program's source (``gpumagic/remote/programs/notify.py``)."""
-    return (resources.files("gpumagic.remote") / "programs" / "notify.py").read_text(encoding="utf-8")
+    return program.source("notify.py")
 
 
 # -- channels (pure) ---------------------------------------------------------------------------
@@ -348,13 +352,11 @@ def log_tail(machine, lines: int = 5) -> tuple[list[str], int]:
 
 def crossing_elapsed(prices, threshold: float) -> float | None:
     """Seconds after billing started when spending first reaches ``threshold`` (``None``:
-    never, nothing is billed).  See :func:`gpumagic.budget.limit_deadline`."""
-    from . import ledger as budget
-
-    dl = budget.limit_deadline(prices, threshold)
+    never, nothing is billed).  See :func:`gpumagic.budget.prices.limit_deadline`."""
+    dl = limit_deadline(prices, threshold)
     if dl is None:
         return None
-    return dl if budget.spent(prices, dl) >= threshold else dl + 1
+    return dl if spent(prices, dl) >= threshold else dl + 1
 
 
 def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
@@ -362,8 +364,6 @@ def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
     """The watcher's schedule: one ``threshold`` event per threshold not yet reached, with
     ``in_s`` (seconds from ``now``), the amount at that moment, and a once-key for this
     billing session (``start``, epoch seconds).  Pure."""
-    from . import ledger as budget
-
     elapsed = max(0.0, now - start)
     items = []
     for t in sorted({float(x) for x in thresholds}):
@@ -371,7 +371,7 @@ def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
         if at is None or at <= elapsed:
             continue
         item = {"event": "threshold", "in_s": at - elapsed, "machine": name,
-                "amount": prices.money(budget.spent(prices, at)), "threshold": prices.money(t),
+                "amount": prices.money(spent(prices, at)), "threshold": prices.money(t),
                 "once": f"threshold:{name}:{start:.0f}:{t:g}"}
         if log:
             item["log"] = [log]
@@ -399,22 +399,18 @@ def schedule_thresholds(machine, ledger=None, *, now: float | None = None) -> Sc
     NotifyError
         No python3 on the machine.
     """
-    from . import ledger as budget
-
-    ledger = ledger or budget.Ledger()
-    rec = ledger.machine(machine.name) or {}
-    if "prices" not in rec:
+    ledger = ledger or Ledger()
+    rec = ledger.machine(machine.name)
+    if rec is None or rec.prices is None:
         items, reason = [], f"no prices are set for {machine.name} (`%gpu budget set --rate ...`)"
-    elif not rec.get("alerts"):
+    elif not rec.alerts:
         items, reason = [], "no alert thresholds are set (`%gpu budget set --alert 10,20`)"
     else:
-        clock, _ = budget.read_status(machine)
+        clock, _ = read_status(machine)
         local_now = time.time() if now is None else now
-        start = budget.billing_start(rec, clock, local_now)
-        items = threshold_items(machine.name, budget.Prices.from_dict(rec["prices"]), start, local_now,
-                                rec["alerts"])
+        start = rec.billing_start(clock, local_now)
+        items = threshold_items(machine.name, rec.prices, start, local_now, rec.alerts)
         reason = "" if items else "every alert threshold has already been passed"
-    sandbox = getattr(machine, "sandbox", None)
-    payload = {"items": items, "alive_path": str(sandbox.server.dir) if sandbox is not None else None}
+    payload = {"items": items, "alive_path": machine.scratch_dir()}
     _run_program(machine, f"{_PROGRAM} schedule", payload, timeout=60)
     return Scheduled(items, reason)
