@@ -224,6 +224,21 @@ def test_threshold_mail_arrives_once_with_machine_amount_and_threshold(ip, smtp,
         notify.disable(m)
 
 
+def test_budget_set_re_arms_the_spending_alerts_where_notifications_are_set_up(ip, hook, data_dir, sshd):
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    try:
+        notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])  # arms nothing
+        # 1 CNY a second from 2 s ago: 2 spent; the alert at 5 falls about 3 s from now
+        with capture_output():
+            ip.run_line_magic("gpu", "budget set --rate 3600 --currency CNY --started-at -2s --alert 5")
+        assert wait_until(lambda: hook.posts, 30), "the threshold was not sent"
+        body = hook.posts[0][1]
+        assert body["event"] == "threshold" and "past your alert at 5.00 CNY" in body["text"]
+    finally:
+        notify.disable(m)
+
+
 def _start_failing_job(m, name):
     job = m.start_job(name, "for i in $(seq 1 30); do echo step $i; done; echo 'RuntimeError: boom' >&2; exit 3")
     info = job.wait(timeout=60)

@@ -939,6 +939,7 @@ def _budget_set(magics: GpuMagics, line: str):
     if args is None:
         return
     from .. import budget
+    from ..budget import notify
     from ..budget.prices import PRICE_OPTIONS
 
     name = args.host or magics.session.get(None).name
@@ -968,6 +969,8 @@ def _budget_set(magics: GpuMagics, line: str):
         reading = m.budget_meter(ledger=ledger)
         for t in reading.crossed:
             _show(AlertView(f"{name} has spent {prices.money(reading.spent)}, past your alert at {prices.money(t)}"))
+        if notify.read_config(m) is not None:  # re-arm the machine's spending alerts
+            notify.schedule_thresholds(m, ledger)
 
 
 @magic_arguments()
