@@ -4,9 +4,9 @@ A notebook alert reaches nobody while the laptop is closed, so the sending happe
 rented machine.  :func:`configure` installs the machine-side program
 (``gpumagic/remote/programs/notify.py``, standard library only) as
 ``~/.gpumagic/notify/notify.py`` with its settings in ``config.json`` beside it: the folder
-is 0700 and the file 0600, written by a ``python3 -c`` bootstrap that reads everything from
+is 0700 and the file 0600, written by ``budget-notify-install.py``, which reads everything from
 the SSH channel's stdin, so no credential ever appears in a command line (``/proc/*/cmdline``)
-or a log.
+or a log.  ``budget-notify.sh`` reads the settings and the log and runs the installed program.
 
 Who sends what:
 
@@ -53,11 +53,7 @@ FORMATS = ("json", "slack", "discord", "feishu", "lark", "dingtalk", "wecom", "t
 EVENTS = ("test", "threshold", "job-end", "job-failed", "stop", "shutdown", "guard", "message")
 TLS_MODES = ("auto", "ssl", "starttls", "none")
 
-# Only double quotes inside: shlex.quote gives one single-quoted word that bash, zsh, fish and
-# csh all read the same way (the machine's login shell runs exec commands).
-_BOOTSTRAP = ('import json,sys;d=json.loads(sys.stdin.read());'
-              'g={"__name__":"gpumagic_notify","__file__":"notify.py"};'
-              'exec(compile(d["program"],"notify.py","exec"),g);g["install"](d)')
+#: The installed program as ``notify_command`` lines call it (``$HOME`` expanded there).
 _PROGRAM = f'python3 "$HOME/{NOTIFY_DIR}/notify.py"'
 
 
@@ -184,8 +180,10 @@ def _json_line(text: str) -> dict:
     return {}
 
 
-def _run_program(machine, command: str, payload: dict, timeout: float) -> dict:
-    r = machine.exec(command, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
+def _run_program(machine, name: str, *args: str, payload: dict, timeout: float) -> dict:
+    """Run machine-side program ``name`` with ``args``, ``payload`` as JSON on its stdin (where
+    credentials travel), and return the JSON line it answers with."""
+    r = program.run(machine.connection, name, *args, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
     out = _json_line(r.stdout)
     if out:
         return out
@@ -203,7 +201,7 @@ def _run_program(machine, command: str, payload: dict, timeout: float) -> dict:
 
 def read_config(machine) -> dict | None:
     """The settings on the machine (``None`` when notifications are not set up)."""
-    r = machine.exec(f'cat "$HOME/{NOTIFY_DIR}/config.json" 2>/dev/null', timeout=30)
+    r = program.run(machine.connection, "budget-notify.sh", "config", timeout=30)
     if r.exit_code != 0 or not r.stdout.strip():
         return None
     try:
@@ -241,7 +239,7 @@ def configure(machine, channels: list[dict], *, keep_others: bool = True, retrie
     config = {"version": 1, "machine": machine.name, "channels": merge_channels(old, channels),
               "retries": retries, "backoff": backoff, "timeout": timeout}
     payload = {"program": program_source(), "config": config, "dir": f"~/{NOTIFY_DIR}"}
-    _run_program(machine, f"python3 -c {shlex.quote(_BOOTSTRAP)}", payload, timeout=60)
+    _run_program(machine, "budget-notify-install.py", payload=payload, timeout=60)
     return config
 
 
@@ -249,7 +247,7 @@ def disable(machine) -> None:
     """Remove the settings (credentials included) and stop the spending watcher; the log
     and the program stay."""
     payload = {"program": program_source(), "config": None, "dir": f"~/{NOTIFY_DIR}"}
-    _run_program(machine, f"python3 -c {shlex.quote(_BOOTSTRAP)}", payload, timeout=60)
+    _run_program(machine, "budget-notify-install.py", payload=payload, timeout=60)
 
 
 @dataclass(frozen=True)
@@ -305,7 +303,7 @@ def send_from_machine(machine, event: dict | str, *, retries: int | None = None,
         ev["retries"] = retries
     if not keep:
         ev["no_keep"] = True
-    out = _run_program(machine, f"{_PROGRAM} --event-json -", ev, timeout=timeout)
+    out = _run_program(machine, "budget-notify.sh", "run", "--event-json", "-", payload=ev, timeout=timeout)
     return SendResult(list(out.get("sent", [])), list(out.get("failed", [])), int(out.get("queued", 0) or 0),
                       str(out.get("skipped", "")))
 
@@ -338,8 +336,7 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
 def log_tail(machine, lines: int = 5) -> tuple[list[str], int]:
     """The last lines of the machine's notify log and the number of messages waiting in its
     outbox."""
-    r = machine.exec(f'd="$HOME/{NOTIFY_DIR}"; tail -n {int(lines)} "$d/log" 2>/dev/null; '
-                     f'echo "outbox $(ls "$d/outbox" 2>/dev/null | grep -c "json$")"', timeout=30)
+    r = program.run(machine.connection, "budget-notify.sh", "log", int(lines), timeout=30)
     out = r.stdout.splitlines()
     waiting = 0
     if out and out[-1].startswith("outbox "):
@@ -412,5 +409,5 @@ def schedule_thresholds(machine, ledger=None, *, now: float | None = None) -> Sc
         items = threshold_items(machine.name, rec.prices, start, local_now, rec.alerts)
         reason = "" if items else "every alert threshold has already been passed"
     payload = {"items": items, "alive_path": machine.scratch_dir()}
-    _run_program(machine, f"{_PROGRAM} schedule", payload, timeout=60)
+    _run_program(machine, "budget-notify.sh", "run", "schedule", payload=payload, timeout=60)
     return Scheduled(items, reason)
