@@ -10,6 +10,7 @@ The IPython magics are a thin layer over this module.
 
 from __future__ import annotations
 
+import shlex
 import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -24,6 +25,7 @@ from .tunnel import Tunnel, TunnelManager
 if TYPE_CHECKING:
     from .remote.jobs import Job, JobInfo
     from .remote.kernel import RemoteKernel
+    from .budget.shutdown import ShutdownPlan
     from .sync.engine import SyncSummary
 
 
@@ -307,26 +309,41 @@ class Machine:
         return kernels_of(self).get(name, start=start, python=python, cwd=cwd, env=env,
                                     install=install)
 
-    # -- budget (see gpumagic/budget.py) ----------------------------------------------
+    # -- budget (see gpumagic/budget/) -------------------------------------------------
+
+    def shutdown_plan(self) -> "ShutdownPlan":
+        """How this machine can power itself off (one round trip): the command, or why none
+        can run, with what to do instead; see :func:`gpumagic.budget.shutdown.find_shutdown`.
+        The budget guard and ``--then-shutdown`` jobs arm what this returns."""
+        from .budget.shutdown import find_shutdown
+
+        return find_shutdown(self)
+
+    def scratch_dir(self) -> str | None:
+        """A folder on the machine that goes when this machine is closed, for detached gpumagic
+        programs that must end with it (an absolute path); ``None`` on a rented machine, whose
+        programs outlive the connection (see :class:`SandboxMachine`)."""
+        return None
 
     def budget_set(self, rate: float, *, ledger=None, limit: float | None = None,
                    alerts=None, started_at: float | None = None, **prices):
         """Store this machine's prices (per hour; see :class:`gpumagic.budget.Prices` for
         ``currency``, ``billing``, ``storage_gb``/``storage_rate``/``storage_per``, ``ip_rate``,
         ``image_*``, ``platform``), an optional ``limit``, ``alerts`` thresholds and billing
-        start (epoch s; default: the machine's start).  Returns the ledger record."""
-        from .budget import ledger as budget
+        start (epoch s; default: the machine's start).  Returns the ledger record
+        (:class:`gpumagic.budget.MachineRecord`)."""
+        from .budget import Ledger, Prices, set_prices
 
-        return budget.set_prices(ledger or budget.Ledger(), self.name, budget.Prices(rate=rate, **prices),
-                                 limit=limit, alerts=alerts, started_at=started_at)
+        return set_prices(ledger or Ledger(), self.name, Prices(rate=rate, **prices),
+                          limit=limit, alerts=alerts, started_at=started_at)
 
     def budget_meter(self, *, ledger=None):
         """Read the meter: spent, rate, limit, next billing boundary, guard (one round trip).
 
         Returns a :class:`gpumagic.budget.MeterReading`."""
-        from .budget import ledger as budget
+        from .budget import Ledger, read_meter
 
-        return budget.read_meter(self, ledger or budget.Ledger())
+        return read_meter(self, ledger or Ledger())
 
     def budget_guard(self, *, idle: float | None = None, at_limit: bool = False,
                      deadline: float | None = None, grace: float = 600, poll: float = 30,
@@ -335,22 +352,25 @@ class Machine:
         the budget limit, or at epoch ``deadline``; warn ``grace`` seconds before.
 
         Raises :class:`gpumagic.budget.BudgetError` where no shutdown command can run."""
-        from .budget import ledger as budget
+        from .budget import Ledger
+        from .budget.guard import arm_machine_guard
 
-        return budget.arm_machine_guard(self, ledger or budget.Ledger(), idle_s=idle, at_limit=at_limit,
-                                        deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
+        return arm_machine_guard(self, ledger or Ledger(), idle_s=idle, at_limit=at_limit,
+                                 deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
 
     def budget_guard_cancel(self, *, ledger=None):
         """Disarm the remote guard; returns its status after."""
-        from .budget import ledger as budget
+        from .budget import Ledger
+        from .budget.guard import disarm_machine_guard
 
-        return budget.disarm_machine_guard(self, ledger or budget.Ledger())
+        return disarm_machine_guard(self, ledger or Ledger())
 
     def budget_guard_status(self):
         """The remote guard's status (:class:`gpumagic.budget.GuardStatus`)."""
-        from .budget import ledger as budget
+        from .budget import read_status
 
-        return budget.read_status(self)[1]
+        return read_status(self)[1]
+
     # -- tunnels ----------------------------------------------------------------------
 
     def tunnel(self, remote_port: int, *, local_port: int | None = None,
@@ -421,6 +441,29 @@ class Machine:
         return f"<Machine {self.name} {self.spec.user}@{self.spec.address} {state}>"
 
 
+class SandboxMachine(Machine):
+    """The sandbox: this computer, reached through a throwaway local sshd
+    (:class:`gpumagic.ssh.sandbox.Sandbox`, in :attr:`sandbox`).
+
+    What would act on the computer itself is a stand-in: its :meth:`shutdown_plan` is the
+    sandbox's recording ``shutdown``, never a real one; and detached programs keep their
+    state in the sandbox's temporary folder (:meth:`scratch_dir`), so they end with it.
+    """
+
+    def shutdown_plan(self) -> "ShutdownPlan":
+        """The sandbox's stand-in ``shutdown -h now`` (see
+        :meth:`gpumagic.ssh.sandbox.Sandbox.shutdown_stand_in`); no round trip."""
+        from .budget.shutdown import ShutdownPlan
+
+        if self.sandbox is None:
+            return ShutdownPlan(None, "the sandbox was stopped when it was closed")
+        return ShutdownPlan(f"{shlex.quote(str(self.sandbox.shutdown_stand_in()))} -h now")
+
+    def scratch_dir(self) -> str | None:
+        """The sandbox's temporary folder (removed when the sandbox stops)."""
+        return None if self.sandbox is None else str(self.sandbox.server.dir)
+
+
 def _echo(stream):
     def write(text: str) -> None:
         stream.write(text)
@@ -485,8 +528,8 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
         else:
             spec = resolve(target, home=home, port=port, user=user, identity_file=key,
                            proxy_jump=jump)
-    m = Machine(spec, name=name, cwd=cwd, trust_new_host=trust_new_host, home=home,
-                passphrase_prompt=passphrase_prompt, sandbox=sb)
+    m = (SandboxMachine if sandbox else Machine)(spec, name=name, cwd=cwd, trust_new_host=trust_new_host,
+                                                 home=home, passphrase_prompt=passphrase_prompt, sandbox=sb)
     if not sandbox:
         m.connection.notes.extend(notes)
     if not lazy:

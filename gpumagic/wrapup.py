@@ -187,7 +187,7 @@ def caches_from(answer: dict) -> list[Cache]:
 def image_line(used: int | None, prices) -> str:
     """What an image of ``used`` bytes costs per month at ``prices``' image price (else its
     storage price), or how to set one.  GB are 10^9 bytes, as platforms bill."""
-    from .budget import ledger as budget
+    from .budget.prices import MONTH_DAYS
 
     if used is None:
         return "the system disk's size could not be read"
@@ -196,7 +196,7 @@ def image_line(used: int | None, prices) -> str:
         for kind in ("image", "storage"):
             rate, per = getattr(prices, f"{kind}_rate"), getattr(prices, f"{kind}_per")
             if rate:
-                month = gb * rate * (1 if per == "month" else budget.MONTH_DAYS)
+                month = gb * rate * (1 if per == "month" else MONTH_DAYS)
                 note = "" if kind == "image" else " (your storage price; set --image-rate-month for images)"
                 return (f"an image of / would hold about {gb:.1f} GB: {prices.money(month)} per month "
                         f"at {rate:g} per GB-{per}{note}")
@@ -207,8 +207,8 @@ def image_line(used: int | None, prices) -> str:
 def what_runs(machine, answer: dict) -> tuple[list[str], list[str]]:
     """(running, shutdowns): jobs, Jupyter kernels and GPU processes still running, and the
     armed shutdowns."""
-    from .budget import ledger as budget
     from ._format import duration
+    from .budget import read_status
 
     running, shutdowns = [], []
     for info in machine.jobs():
@@ -229,7 +229,7 @@ def what_runs(machine, answer: dict) -> tuple[list[str], list[str]]:
         for p in status.processes:
             mem = f", {p.used_mib} MiB" if known(p.used_mib) else ""
             running.append(f"{p.name if known(p.name) else 'a process'} is using the GPU (pid {p.pid}{mem})")
-    _, guard = budget.read_status(machine)
+    _, guard = read_status(machine)
     if guard.state == "armed":
         when = f" in {duration(guard.fires_in)}" if guard.fires_in is not None else ""
         why = guard.reason or "when its rule fires"
@@ -275,7 +275,7 @@ def wrapup(machine, pulls: list[tuple[str, str]] | None = None, *, pull: bool = 
     WrapupError, ConnectionLost
         Sync errors are kept per folder in the report, not raised.
     """
-    from .budget import ledger as budget
+    from .budget import Ledger
 
     report = WrapupReport(machine.name)
     if pulls:
@@ -294,9 +294,8 @@ def wrapup(machine, pulls: list[tuple[str, str]] | None = None, *, pull: bool = 
     report.caches = caches_from(answer)
     disk = answer.get("disk") or {}
     report.disk_used, report.disk_size = disk.get("used"), disk.get("size")
-    ledger = ledger or budget.Ledger()
-    rec = ledger.machine(machine.name) or {}
-    prices = budget.Prices.from_dict(rec["prices"]) if "prices" in rec else None
+    rec = (ledger or Ledger()).machine(machine.name)
+    prices = rec.prices if rec is not None else None
     report.image = image_line(report.disk_used, prices)
     report.running, report.shutdowns = what_runs(machine, answer)
     report.kernels_checked = answer.get("kernels") is not None

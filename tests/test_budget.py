@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 
 import gpumagic
-from gpumagic.budget import ledger as budget
-from gpumagic.budget.ledger import GuardSettings, Ledger, Prices
+from gpumagic import budget
+from gpumagic.budget import GuardSettings, Ledger, Prices
+from gpumagic.budget.guard import guard_program, parse_status
+from gpumagic.budget.ledger import record_session
+from gpumagic.budget.prices import BILLING_UNITS, guard_limit_in, new_alerts
 from gpumagic.errors import GpumagicError
 
 from conftest import add_client_entry, make_server
@@ -72,7 +75,7 @@ def test_alerts_10_and_20_crossed_by_a_rising_meter_fire_exactly_twice_in_order(
     alerted: list[float] = []
     shown = []
     for spent_now in [0.5, 5, 9.99, 10.0, 12, 19.5, 20.01, 25, 30]:
-        new = budget.new_alerts([10, 20], alerted, spent_now)
+        new = new_alerts([10, 20], alerted, spent_now)
         shown += new
         alerted += new
     assert shown == [10.0, 20.0]
@@ -82,8 +85,8 @@ def test_alerts_through_the_ledger_fire_once_per_threshold(tmp_path):
     ledger = Ledger(tmp_path / "ledger.json")
     t0 = 1_800_000_000.0
     budget.set_prices(ledger, "m", Prices(rate=6, billing="second"), alerts=[10, 20], started_at=t0)
-    with ledger.update() as data:
-        budget.record_session(data["machines"]["m"], t0, t0, Prices(rate=6))
+    with ledger.update() as machines:
+        record_session(machines["m"], t0, t0, Prices(rate=6))
     fired = []
     for minutes in (30, 90, 110, 150, 210, 300):  # 3, 9, 11, 15, 21, 30 spent
         _, new = budget.check_alerts(ledger, "m", now=t0 + minutes * 60)
@@ -102,7 +105,7 @@ def test_limit_deadline_per_second_and_hourly():
 
 
 def test_guard_acts_a_minute_before_an_hour_boundary_at_the_limit():
-    assert budget.guard_limit_in(Prices(rate=12, billing="hour"), 30, 600) == 7200 - 60 - 600
+    assert guard_limit_in(Prices(rate=12, billing="hour"), 30, 600) == 7200 - 60 - 600
 
 
 def test_estimate_on_demand_spot_and_buying():
@@ -131,10 +134,10 @@ def test_history_spreads_a_session_over_the_days_it_covers(tmp_path):
 
     midnight = dt.datetime(2027, 1, 2).astimezone().timestamp()
     budget.set_prices(ledger, "m", Prices(rate=10, currency="CNY"))
-    with ledger.update() as data:
-        s = budget.record_session(data["machines"]["m"], midnight - 3600, midnight - 3600, Prices(rate=10, currency="CNY"))
-        s["last_seen"] = midnight + 2 * 3600
-    rows = budget.history(ledger.read(), midnight + 5 * 3600)
+    with ledger.update() as machines:
+        s = record_session(machines["m"], midnight - 3600, midnight - 3600, Prices(rate=10, currency="CNY"))
+        s.last_seen = midnight + 2 * 3600
+    rows = budget.history(ledger.machines(), midnight + 5 * 3600)
     assert [(r[1], round(r[2], 6), r[3]) for r in rows] == [("2027-01-01", 10, "CNY"), ("2027-01-02", 20, "CNY")]
 
 
@@ -142,11 +145,49 @@ def test_platform_presets_name_billing_disk_and_how_to_stop_but_no_prices():
     presets = budget.platforms()
     assert {"generic", "autodl", "vastai", "runpod", "lambda"} <= set(presets)
     for name, p in presets.items():
-        assert p["billing"] in budget.BILLING_UNITS, name
+        assert p["billing"] in BILLING_UNITS, name
         assert p["stop"] and "data_disk" in p, name
         assert not any("price" in k or "rate" in k for k in p), name
     with pytest.raises(GpumagicError, match="no platform preset"):
         budget.platform("nosuchcloud")
+
+
+# -- issue 15: `%gpu budget set`'s merging in the budget package; records as dataclasses ----
+
+
+def test_change_prices_merges_the_options_given_into_the_stored_prices(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.json")
+    budget.set_prices(ledger, "m", Prices(rate=2, currency="CNY", storage_gb=100, storage_rate=0.3))
+    rec = budget.change_prices(ledger, "m", platform="Lambda", ip_rate=0.1, image_rate_day=0.01)
+    assert rec.prices == Prices(rate=2, currency="CNY", billing="minute", storage_gb=100, storage_rate=0.3,
+                                image_rate=0.01, image_per="day", ip_rate=0.1, platform="lambda")
+    assert budget.change_prices(ledger, "m", platform="vastai", billing="hour").prices.billing == "hour"
+    assert ledger.machine("m").prices.platform == "vastai"
+    with pytest.raises(ValueError, match="give --storage-rate-month or --storage-rate-day, not both"):
+        budget.change_prices(ledger, "m", storage_rate_month=0.3, storage_rate_day=0.01)
+    with pytest.raises(ValueError, match="no prices stored for new yet: give at least --rate"):
+        budget.change_prices(ledger, "new", currency="USD")
+    assert budget.change_prices(ledger, "new", rate=1.5, storage_rate_month=0.2).prices == Prices(
+        rate=1.5, storage_rate=0.2, storage_per="month")
+
+
+def test_ledger_records_are_dataclasses_written_back_only_when_changed(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.json")
+    t0 = 1_800_000_000.0
+    budget.set_prices(ledger, "a", Prices(rate=6), alerts=[10], started_at=t0)
+    with ledger.update() as machines:
+        record_session(machines["a"], t0, t0 + 60, Prices(rate=6))
+    rec = ledger.machine("a")
+    assert isinstance(rec, budget.MachineRecord) and rec.alerts == [10.0] and rec.started_at == t0
+    assert rec.sessions == [budget.Session(t0, t0 + 60, Prices(rate=6), [])]
+    assert budget.MachineRecord.from_dict(rec.to_dict()) == rec
+    # a record written by hand in a shorter form stays as it was while another one changes
+    data = json.loads(ledger.path.read_text())
+    data["machines"]["b"] = {"prices": {"rate": 1}}
+    ledger.path.write_text(json.dumps(data))
+    budget.set_prices(ledger, "a", Prices(rate=7))
+    after = json.loads(ledger.path.read_text())["machines"]
+    assert after["b"] == {"prices": {"rate": 1}} and after["a"]["prices"]["rate"] == 7
 
 
 # -- case 6: the ledger -------------------------------------------------------------------
@@ -436,7 +477,7 @@ def test_guard_refuses_where_no_shutdown_can_run_and_says_how_to_stop(tmp_path):
 def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
     """The jobs layout: ~/.gpumagic/jobs/NAME/pid, exit_code absent while running."""
     script = tmp_path / "g.sh"
-    script.write_text(budget.guard_script(GuardSettings(idle_s=60), "true"))
+    script.write_text(guard_program())
     jobs = tmp_path / "home/.gpumagic/jobs"
     (jobs / "train").mkdir(parents=True)
     sleeper = subprocess.Popen(["sleep", "30"])
@@ -451,8 +492,8 @@ def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
         env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
 
         def measure():
-            return subprocess.run(["sh", str(script), "measure"], env=env, capture_output=True,
-                                  text=True).stdout.strip()
+            return subprocess.run(["sh", str(script), "measure", *GuardSettings(idle_s=60).args()], env=env,
+                                  capture_output=True, text=True).stdout.strip()
 
         assert measure() == f"busy gpumagic job train is running (pid {sleeper.pid})"
         (jobs / "train/exit_code").write_text("0\n")
@@ -624,12 +665,12 @@ def test_parse_status_reads_the_probe_output():
             "idle=idle GPU utilisation 0%, 0 MiB used, 0 visible process(es)\nidle_s=1800\nlimit_in=\n"
             "deadline_in=\ngrace_s=600\npoll_s=30\nguard-end\nguard-alive 1\n"
             "guard-alert shutting down in 600s (GPU idle for 1800s)\nguard-log\nline one\n")
-    clock, g = budget.parse_status(text)
+    clock, g = parse_status(text)
     assert clock.remote_now == 1800000000 and clock.started == 1799990000 + 1234
     assert (g.state, g.alive, g.fires_in, g.checks) == ("armed", True, 600, 7)
     assert g.settings == {"idle_s": 1800, "grace_s": 600, "poll_s": 30}
     assert g.warning.startswith("shutting down in 600s") and g.log == ("line one",)
-    _, gone = budget.parse_status(text.replace("guard-alive 1", "guard-alive 0"))
+    _, gone = parse_status(text.replace("guard-alive 1", "guard-alive 0"))
     assert gone.state == "gone"
 
 

@@ -282,21 +282,20 @@ def test_then_shutdown_in_python_refuses_what_is_not_minutes(machine, minutes):
     assert name not in [j.name for j in machine.jobs()]
 
 
-def test_then_shutdown_is_never_armed_for_real_on_the_sandbox(shutdown_server):
-    from types import SimpleNamespace
+def test_then_shutdown_is_never_armed_for_real_on_the_sandbox():
+    import gpumagic
 
-    # A machine that could shut down (the recorder server) but is marked as the sandbox,
-    # i.e. this computer, whose own stand-in directory the plan does not point into.
-    m = Machine(shutdown_server.spec(), name="sandbox",
-                sandbox=SimpleNamespace(server=SimpleNamespace(bin=Path("/nonexistent-sandbox-bin"))))
+    # The sandbox is this computer: its shutdown plan is its stand-in, never the real
+    # `shutdown` a probe would find on this computer's PATH.
+    m = gpumagic.connect(sandbox=True)
+    name = jname("sd-sandbox")
     try:
-        name = jname("sd-sandbox")
-        with pytest.raises(JobError) as e:
-            m.start_job(name, "exit 1", then_shutdown=1)
-        assert "the sandbox is this computer, and gpumagic will not arm a real shutdown" in str(e.value)
-        assert name not in [j.name for j in m.jobs()]
+        m.start_job(name, "exit 1", then_shutdown=1)
+        armed = m.exec(f'cat "$HOME/.gpumagic/jobs/{name}/shutdown_command"').stdout.strip()
+        assert armed == f"{m.sandbox.server.bin}/shutdown -h now"
+        assert m.job(name).wait(timeout=60).exit_code == 1  # a failed job: nothing is called
     finally:
-        m.sandbox = None  # not a real sandbox: nothing to stop
+        m.exec(f'rm -rf "$HOME/.gpumagic/jobs/{name}"')
         m.close()
 
 

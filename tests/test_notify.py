@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 from IPython.utils.capture import capture_output
 
-from gpumagic.budget import ledger as budget, notify
+from gpumagic import budget
+from gpumagic.budget import notify
+from gpumagic.budget.guard import guard_log_path
 from gpumagic.ssh.sandbox import free_port
 
 from conftest import wait_until
@@ -211,13 +213,28 @@ def test_threshold_mail_arrives_once_with_machine_amount_and_threshold(ip, smtp,
         with capture_output():
             ip.run_line_magic("gpu", f"budget notify --mail me@example.com --smtp 127.0.0.1:{smtp.port} --no-test")
         key = notify.threshold_items("testgpu", budget.Prices(rate=12, billing="hour"), 0, 0, [20])[0]["once"]
-        start = budget.Ledger().machine("testgpu")["started_at"]
+        start = budget.Ledger().machine("testgpu").started_at
         r = notify.send_from_machine(m, {"event": "threshold", "amount": "24", "threshold": "20",
                                          "once": key.replace(":0:", f":{start:.0f}:")})
         assert r.skipped.startswith("already sent")
         time.sleep(1)
         assert len(smtp.messages) == 1
         assert "sent threshold by mail to me@example.com" in (notify_dir / "log").read_text()
+    finally:
+        notify.disable(m)
+
+
+def test_budget_set_re_arms_the_spending_alerts_where_notifications_are_set_up(ip, hook, data_dir, sshd):
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    try:
+        notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])  # arms nothing
+        # 1 CNY a second from 2 s ago: 2 spent; the alert at 5 falls about 3 s from now
+        with capture_output():
+            ip.run_line_magic("gpu", "budget set --rate 3600 --currency CNY --started-at -2s --alert 5")
+        assert wait_until(lambda: hook.posts, 30), "the threshold was not sent"
+        body = hook.posts[0][1]
+        assert body["event"] == "threshold" and "past your alert at 5.00 CNY" in body["text"]
     finally:
         notify.disable(m)
 
@@ -381,12 +398,10 @@ def test_a_password_is_never_sent_without_tls(clean_notify, smtp):
                         "the password is not sent in clear (use port 465, or a server with STARTTLS) (1 attempt)"]
 
 
-# -- the call sites to add in the job runner and the guard, tried here by patching the scripts --
+# -- the call sites: the job runner's, tried here by patching its script; the guard's is wired --
 
 #: The line at the end of jobs.RUN_SCRIPT (after exit_code is written).
 JOB_END = notify.notify_command("job-end", job="$GPUMAGIC_JOB", job_dir="$jd", exit_code="$rc", log="$jd/log")
-#: The line for budget.GUARD_SCRIPT, where it writes its warning before a shutdown.
-GUARD_WARNING = notify.notify_command("shutdown", text="$msg", once="shutdown:$start:$fire_at", log="$dir/log")
 
 
 def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, monkeypatch, sshd):
@@ -416,9 +431,6 @@ def test_guard_call_site_warns_once_before_the_shutdown(hook, monkeypatch, tmp_p
     import gpumagic
 
     monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
-    marker = 'printf \'%s\\n\' "$msg" > "$dir/alert"; warned=$fire_at\n'
-    assert marker in budget.GUARD_SCRIPT
-    monkeypatch.setattr(budget, "GUARD_SCRIPT", budget.GUARD_SCRIPT.replace(marker, marker + GUARD_WARNING + "\n"))
     m = gpumagic.connect(sandbox=True)
     try:
         notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])
@@ -429,6 +441,28 @@ def test_guard_call_site_warns_once_before_the_shutdown(hook, monkeypatch, tmp_p
         body = hook.posts[0][1]
         assert body["event"] == "shutdown" and body["machine"] == "sandbox"
         assert re.search(r"the guard will shut it down: shutting down in \d+s \(deadline reached\)", body["text"])
-        assert "notify: sent shutdown by json webhook" in Path(budget.guard_log_path(m)).read_text()
+        log = Path(guard_log_path(m)).read_text()
+        assert "notify: sent shutdown by json webhook" in log and "shutdown command succeeded" in log
+    finally:
+        m.close()
+
+
+def test_guard_call_site_says_when_the_shutdown_failed(hook, monkeypatch, tmp_path):
+    import gpumagic
+    from gpumagic.budget.shutdown import ShutdownPlan
+
+    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    m = gpumagic.connect(sandbox=True)
+    try:
+        notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])
+        budget.arm_guard(m, budget.GuardSettings(deadline_in=2, grace_s=1, poll_s=1), plan=ShutdownPlan("exit 3"))
+        assert wait_until(lambda: len(hook.posts) == 2, 30), hook.posts
+        time.sleep(2)
+        events = {b["event"]: b for _, b in hook.posts}
+        assert len(hook.posts) == 2 and set(events) == {"shutdown", "guard"}
+        assert events["guard"]["text"] == ("sandbox: the guard could not shut down (exit code 3): "
+                                           "stop the instance yourself")
+        assert m.budget_guard_status().state == "failed"
+        assert "notify: sent guard by json webhook" in Path(guard_log_path(m)).read_text()
     finally:
         m.close()

@@ -1,7 +1,24 @@
-"""Budget: prices, the spending ledger, alerts and the idle guard."""
+"""Budget: what a rented machine costs, alerts before it hurts, and a guard that stops paying
+for idle.
 
-from .ledger import (BudgetError, GuardStatus, Ledger, MeterReading, Prices, data_dir, next_boundary_in,
-                     set_prices, spent)
+* :mod:`~gpumagic.budget.prices`: prices, billing arithmetic, the meter, estimates, platform
+  presets (pure).
+* :mod:`~gpumagic.budget.ledger`: the local ledger file of prices, limits, alerts and billing
+  sessions (:class:`MachineRecord`).
+* :mod:`~gpumagic.budget.guard`: the guard on the machine, and the meter read from it.
+* :mod:`~gpumagic.budget.shutdown`: whether and how a machine can shut itself down.
+* :mod:`~gpumagic.budget.notify`: alerts by mail or webhook, sent from the machine.
+"""
 
-__all__ = ["BudgetError", "GuardStatus", "Ledger", "MeterReading", "Prices", "data_dir", "next_boundary_in",
-           "set_prices", "spent"]
+from .guard import GuardSettings, GuardStatus, arm_guard, cancel_guard, read_meter, read_status
+from .ledger import (GuardRecord, Ledger, LedgerError, MachineRecord, Session, change_prices, check_alerts,
+                     data_dir, history, set_prices)
+from .prices import (BudgetError, MeterReading, Prices, estimate, limit_deadline, meter, money,
+                     next_boundary_in, parse_amounts, parse_duration, parse_time, platform, platforms, spent)
+from .shutdown import ShutdownPlan, find_shutdown
+
+__all__ = ["BudgetError", "GuardRecord", "GuardSettings", "GuardStatus", "Ledger", "LedgerError",
+           "MachineRecord", "MeterReading", "Prices", "Session", "ShutdownPlan", "arm_guard", "cancel_guard",
+           "change_prices", "check_alerts", "data_dir", "estimate", "find_shutdown", "history",
+           "limit_deadline", "meter", "money", "next_boundary_in", "parse_amounts", "parse_duration",
+           "parse_time", "platform", "platforms", "read_meter", "read_status", "set_prices", "spent"]

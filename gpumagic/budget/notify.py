@@ -4,9 +4,9 @@ A notebook alert reaches nobody while the laptop is closed, so the sending happe
 rented machine.  :func:`configure` installs the machine-side program
 (``gpumagic/remote/programs/notify.py``, standard library only) as
 ``~/.gpumagic/notify/notify.py`` with its settings in ``config.json`` beside it: the folder
-is 0700 and the file 0600, written by a ``python3 -c`` bootstrap that reads everything from
+is 0700 and the file 0600, written by ``budget-notify-install.py``, which reads everything from
 the SSH channel's stdin, so no credential ever appears in a command line (``/proc/*/cmdline``)
-or a log.
+or a log.  ``budget-notify.sh`` reads the settings and the log and runs the installed program.
 
 Who sends what:
 
@@ -15,8 +15,9 @@ Who sends what:
   arms a small detached watcher on the machine (``notify.py watch``) that sends one message
   per threshold at that moment -- laptop closed or not.  Each threshold of a billing session
   is sent once (a ``--once`` key).
-* **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown):
-  the program on the machine is called by whoever sees the event there, e.g.::
+* **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown
+  and its failed shutdown -- ``budget-guard.sh`` calls it for those two): the program on the
+  machine is called by whoever sees the event there, e.g.::
 
       nohup python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train \\
           --job-dir "$HOME/.gpumagic/jobs/train" --log "$HOME/.gpumagic/jobs/train/log" \\
@@ -37,9 +38,12 @@ import shlex
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from importlib import resources
 
 from ..errors import ConfigError, GpumagicError
+from ..remote import program
+from .guard import read_status
+from .ledger import Ledger
+from .prices import limit_deadline, spent
 
 #: Where the program and its settings live on the machine (relative to $HOME).
 NOTIFY_DIR = ".gpumagic/notify"
@@ -49,11 +53,7 @@ FORMATS = ("json", "slack", "discord", "feishu", "lark", "dingtalk", "wecom", "t
 EVENTS = ("test", "threshold", "job-end", "job-failed", "stop", "shutdown", "guard", "message")
 TLS_MODES = ("auto", "ssl", "starttls", "none")
 
-# Only double quotes inside: shlex.quote gives one single-quoted word that bash, zsh, fish and
-# csh all read the same way (the machine's login shell runs exec commands).
-_BOOTSTRAP = ('import json,sys;d=json.loads(sys.stdin.read());'
-              'g={"__name__":"gpumagic_notify","__file__":"notify.py"};'
-              'exec(compile(d["program"],"notify.py","exec"),g);g["install"](d)')
+#: The installed program as ``notify_command`` lines call it (``$HOME`` expanded there).
 _PROGRAM = f'python3 "$HOME/{NOTIFY_DIR}/notify.py"'
 
 
@@ -63,7 +63,7 @@ class NotifyError(GpumagicError):
 
 def program_source() -> str:
     """The machine-side program's source (``gpumagic/remote/programs/notify.py``)."""
-    return (resources.files("gpumagic.remote") / "programs" / "notify.py").read_text(encoding="utf-8")
+    return program.source("notify.py")
 
 
 # -- channels (pure) ---------------------------------------------------------------------------
@@ -180,8 +180,10 @@ def _json_line(text: str) -> dict:
     return {}
 
 
-def _run_program(machine, command: str, payload: dict, timeout: float) -> dict:
-    r = machine.exec(command, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
+def _run_program(machine, name: str, *args: str, payload: dict, timeout: float) -> dict:
+    """Run machine-side program ``name`` with ``args``, ``payload`` as JSON on its stdin (where
+    credentials travel), and return the JSON line it answers with."""
+    r = program.run(machine.connection, name, *args, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
     out = _json_line(r.stdout)
     if out:
         return out
@@ -199,7 +201,7 @@ def _run_program(machine, command: str, payload: dict, timeout: float) -> dict:
 
 def read_config(machine) -> dict | None:
     """The settings on the machine (``None`` when notifications are not set up)."""
-    r = machine.exec(f'cat "$HOME/{NOTIFY_DIR}/config.json" 2>/dev/null', timeout=30)
+    r = program.run(machine.connection, "budget-notify.sh", "config", timeout=30)
     if r.exit_code != 0 or not r.stdout.strip():
         return None
     try:
@@ -237,7 +239,7 @@ def configure(machine, channels: list[dict], *, keep_others: bool = True, retrie
     config = {"version": 1, "machine": machine.name, "channels": merge_channels(old, channels),
               "retries": retries, "backoff": backoff, "timeout": timeout}
     payload = {"program": program_source(), "config": config, "dir": f"~/{NOTIFY_DIR}"}
-    _run_program(machine, f"python3 -c {shlex.quote(_BOOTSTRAP)}", payload, timeout=60)
+    _run_program(machine, "budget-notify-install.py", payload=payload, timeout=60)
     return config
 
 
@@ -245,7 +247,7 @@ def disable(machine) -> None:
     """Remove the settings (credentials included) and stop the spending watcher; the log
     and the program stay."""
     payload = {"program": program_source(), "config": None, "dir": f"~/{NOTIFY_DIR}"}
-    _run_program(machine, f"python3 -c {shlex.quote(_BOOTSTRAP)}", payload, timeout=60)
+    _run_program(machine, "budget-notify-install.py", payload=payload, timeout=60)
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,7 @@ def send_from_machine(machine, event: dict | str, *, retries: int | None = None,
         ev["retries"] = retries
     if not keep:
         ev["no_keep"] = True
-    out = _run_program(machine, f"{_PROGRAM} --event-json -", ev, timeout=timeout)
+    out = _run_program(machine, "budget-notify.sh", "run", "--event-json", "-", payload=ev, timeout=timeout)
     return SendResult(list(out.get("sent", [])), list(out.get("failed", [])), int(out.get("queued", 0) or 0),
                       str(out.get("skipped", "")))
 
@@ -334,8 +336,7 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
 def log_tail(machine, lines: int = 5) -> tuple[list[str], int]:
     """The last lines of the machine's notify log and the number of messages waiting in its
     outbox."""
-    r = machine.exec(f'd="$HOME/{NOTIFY_DIR}"; tail -n {int(lines)} "$d/log" 2>/dev/null; '
-                     f'echo "outbox $(ls "$d/outbox" 2>/dev/null | grep -c "json$")"', timeout=30)
+    r = program.run(machine.connection, "budget-notify.sh", "log", int(lines), timeout=30)
     out = r.stdout.splitlines()
     waiting = 0
     if out and out[-1].startswith("outbox "):
@@ -348,13 +349,11 @@ def log_tail(machine, lines: int = 5) -> tuple[list[str], int]:
 
 def crossing_elapsed(prices, threshold: float) -> float | None:
     """Seconds after billing started when spending first reaches ``threshold`` (``None``:
-    never, nothing is billed).  See :func:`gpumagic.budget.limit_deadline`."""
-    from . import ledger as budget
-
-    dl = budget.limit_deadline(prices, threshold)
+    never, nothing is billed).  See :func:`gpumagic.budget.prices.limit_deadline`."""
+    dl = limit_deadline(prices, threshold)
     if dl is None:
         return None
-    return dl if budget.spent(prices, dl) >= threshold else dl + 1
+    return dl if spent(prices, dl) >= threshold else dl + 1
 
 
 def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
@@ -362,8 +361,6 @@ def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
     """The watcher's schedule: one ``threshold`` event per threshold not yet reached, with
     ``in_s`` (seconds from ``now``), the amount at that moment, and a once-key for this
     billing session (``start``, epoch seconds).  Pure."""
-    from . import ledger as budget
-
     elapsed = max(0.0, now - start)
     items = []
     for t in sorted({float(x) for x in thresholds}):
@@ -371,7 +368,7 @@ def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
         if at is None or at <= elapsed:
             continue
         item = {"event": "threshold", "in_s": at - elapsed, "machine": name,
-                "amount": prices.money(budget.spent(prices, at)), "threshold": prices.money(t),
+                "amount": prices.money(spent(prices, at)), "threshold": prices.money(t),
                 "once": f"threshold:{name}:{start:.0f}:{t:g}"}
         if log:
             item["log"] = [log]
@@ -399,22 +396,18 @@ def schedule_thresholds(machine, ledger=None, *, now: float | None = None) -> Sc
     NotifyError
         No python3 on the machine.
     """
-    from . import ledger as budget
-
-    ledger = ledger or budget.Ledger()
-    rec = ledger.machine(machine.name) or {}
-    if "prices" not in rec:
+    ledger = ledger or Ledger()
+    rec = ledger.machine(machine.name)
+    if rec is None or rec.prices is None:
         items, reason = [], f"no prices are set for {machine.name} (`%gpu budget set --rate ...`)"
-    elif not rec.get("alerts"):
+    elif not rec.alerts:
         items, reason = [], "no alert thresholds are set (`%gpu budget set --alert 10,20`)"
     else:
-        clock, _ = budget.read_status(machine)
+        clock, _ = read_status(machine)
         local_now = time.time() if now is None else now
-        start = budget.billing_start(rec, clock, local_now)
-        items = threshold_items(machine.name, budget.Prices.from_dict(rec["prices"]), start, local_now,
-                                rec["alerts"])
+        start = rec.billing_start(clock, local_now)
+        items = threshold_items(machine.name, rec.prices, start, local_now, rec.alerts)
         reason = "" if items else "every alert threshold has already been passed"
-    sandbox = getattr(machine, "sandbox", None)
-    payload = {"items": items, "alive_path": str(sandbox.server.dir) if sandbox is not None else None}
-    _run_program(machine, f"{_PROGRAM} schedule", payload, timeout=60)
+    payload = {"items": items, "alive_path": machine.scratch_dir()}
+    _run_program(machine, "budget-notify.sh", "run", "schedule", payload=payload, timeout=60)
     return Scheduled(items, reason)

@@ -1,37 +1,21 @@
 """Can this machine shut itself down, and how: shared by jobs (``--then-shutdown``) and the
-budget guard.
+budget guard, through :meth:`gpumagic.machine.Machine.shutdown_plan` (the sandbox answers
+with its stand-in instead).
 
 Many rented "machines" are containers where ``shutdown`` exists but cannot work (PID 1 is
 not an init system) or the user is not root.  :func:`find_shutdown` answers in one round
 trip, before anything is armed, so a student is told at once instead of paying all night.
-
-Rules, in order:
-
-1. privilege: root, or ``sudo -n true`` succeeds (then the command is prefixed ``sudo -n``);
-2. a command on PATH: ``shutdown`` (run as ``shutdown -h now``), else ``poweroff``;
-3. it can act: PID 1 is an init system (``systemd``, ``init``), or the command found is not
-   the distribution's own (not under ``/sbin``, ``/usr/sbin``, ``/bin``, ``/usr/bin``): a
-   wrapper the user or platform put earlier on PATH is trusted to know what it does.
+The rules are those of the machine-side program ``budget-shutdown-probe.sh``
+(``gpumagic/remote/programs/``): root or passwordless ``sudo -n``; ``shutdown -h now`` else
+``poweroff``, looked for outside a non-login PATH too; PID 1 an init system, or a command
+that is not the distribution's own (a wrapper put earlier on PATH is trusted).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROBE = r"""
-priv=""
-if [ "$(id -u)" != 0 ]; then
-  if sudo -n true 2>/dev/null; then priv="sudo -n "; else echo "noroot"; exit 0; fi
-fi
-cmd=$(command -v shutdown 2>/dev/null) && args=" -h now" || { cmd=$(command -v poweroff 2>/dev/null) && args=""; }
-[ -n "$cmd" ] || { echo "nocmd"; exit 0; }
-init=$(cat /proc/1/comm 2>/dev/null)
-case "$cmd" in
-  /sbin/*|/usr/sbin/*|/bin/*|/usr/bin/*)
-    case "$init" in systemd|init) ;; *) echo "noinit $init"; exit 0 ;; esac ;;
-esac
-echo "ok ${priv}${cmd}${args}"
-"""
+from ..remote import program
 
 CONTAINER_HINT = ("this machine looks like a container (PID 1 is {init!r}, not an init system), "
                   "so it cannot power itself off; stop the instance from the platform's console "
@@ -60,7 +44,7 @@ class ShutdownPlan:
 
 
 def parse_probe(output: str) -> ShutdownPlan:
-    """Read the output of :data:`PROBE`."""
+    """Read the output of ``budget-shutdown-probe.sh`` (its last line)."""
     line = output.strip().splitlines()[-1] if output.strip() else ""
     word, _, rest = line.partition(" ")
     if word == "ok" and rest:
@@ -79,5 +63,4 @@ def parse_probe(output: str) -> ShutdownPlan:
 
 def find_shutdown(machine) -> ShutdownPlan:
     """Ask ``machine`` (a :class:`gpumagic.Machine`) how it can shut down; one round trip."""
-    r = machine.run(["sh", "-c", PROBE], quiet=True)
-    return parse_probe(r.stdout)
+    return parse_probe(program.run(machine.connection, "budget-shutdown-probe.sh").stdout)

@@ -460,7 +460,7 @@ class EstimateView(_View):
         self.currency = currency
 
     def _cells(self):
-        from ..budget.ledger import money
+        from ..budget.prices import money
 
         return [("OPTION", "COST", "NOTE")] + [
             (r.label, "" if r.cost is None else money(r.cost, self.currency), r.note) for r in self.rows]
@@ -482,7 +482,7 @@ class HistoryView(_View):
         self.rows = rows  # (machine, day, cost, currency)
 
     def text(self) -> str:
-        from ..budget.ledger import money
+        from ..budget.prices import money
 
         if not self.rows:
             return "no spending recorded yet (the ledger fills as `%gpu budget` reads machines)"
@@ -496,7 +496,7 @@ class HistoryView(_View):
         return text_table(cells)
 
     def html(self) -> str:
-        from ..budget.ledger import money
+        from ..budget.prices import money
 
         if not self.rows:
             return f"<p>{html.escape(self.text())}</p>"

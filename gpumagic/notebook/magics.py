@@ -27,7 +27,7 @@ from traitlets import Float, Int, Unicode
 
 from . import display, widgets
 from .. import keys as setup
-from ..budget.ledger import MAX_AMOUNT, MAX_GB, MAX_RATE
+from ..budget.prices import MAX_AMOUNT, MAX_GB, MAX_RATE
 from ..ssh import known_hosts
 from .display import job_alert, job_ended, job_started, jobs_table, render_doctor, render_status
 from ..errors import Interrupted, RemoteCommandError
@@ -887,7 +887,7 @@ def _kill(magics: GpuMagics, line: str):
 
 def _budget_ledger(magics: GpuMagics):
     """The ledger (a fresh object per command, so notes are this command's)."""
-    from ..budget.ledger import Ledger
+    from ..budget import Ledger
 
     return Ledger()
 # -- tunnels -----------------------------------------------------------------------------
@@ -956,48 +956,29 @@ def _budget_set(magics: GpuMagics, line: str):
     args = parse(_budget_set, line, "budget set")
     if args is None:
         return
-    import dataclasses
+    from .. import budget
+    from ..budget import notify
+    from ..budget.prices import PRICE_OPTIONS
 
-    from ..budget import ledger as budget
-
-    for kind in ("storage", "image"):
-        if getattr(args, f"{kind}_rate_month") is not None and getattr(args, f"{kind}_rate_day") is not None:
-            raise UsageError(f"give --{kind}-rate-month or --{kind}-rate-day, not both")
     name = args.host or magics.session.get(None).name
     ledger = _budget_ledger(magics)
-    old = ledger.machine(name)
-    _budget_notes(ledger)
-    changes = {k: getattr(args, k) for k in ("rate", "currency", "billing", "storage_gb", "image_gb", "ip_rate")
-               if getattr(args, k) is not None}
-    for kind in ("storage", "image"):
-        for per in ("month", "day"):
-            v = getattr(args, f"{kind}_rate_{per}")
-            if v is not None:
-                changes[f"{kind}_rate"], changes[f"{kind}_per"] = v, per
-    preset = None
-    if args.platform:
-        preset = budget.platform(args.platform)
-        changes["platform"] = args.platform.lower()
-        changes.setdefault("billing", preset["billing"])
-    if old and "prices" in old:
-        prices = dataclasses.replace(budget.Prices.from_dict(old["prices"]), **changes)
-    elif "rate" in changes:
-        prices = budget.Prices(**changes)
-    else:
-        raise UsageError(f"no prices stored for {name} yet: give at least --rate PRICE_PER_HOUR")
-    now = time.time()
-    started = _usage(budget.parse_time, args.started_at, now, future=False) if args.started_at else None
+    started = _usage(budget.parse_time, args.started_at, time.time(), future=False) if args.started_at else None
     alerts = _usage(budget.parse_amounts, args.alert) if args.alert else None
-    rec = budget.set_prices(ledger, name, prices, limit=args.limit, alerts=alerts, started_at=started)
-    _budget_notes(ledger)
-    if (rec.get("guard") or {}).get("limit_in") is not None:
+    try:
+        rec = _usage(budget.change_prices, ledger, name, limit=args.limit, alerts=alerts, started_at=started,
+                     **{k: getattr(args, k) for k in PRICE_OPTIONS})
+    finally:
+        _budget_notes(ledger)
+    prices = rec.prices
+    if rec.guard is not None and rec.guard.limit_in is not None:
         print("note: the armed guard still acts at the limit computed with the old prices; "
               "re-arm it with `%gpu budget guard --at-limit`")
     parts = ", ".join(f"{k} {prices.money(v)}/h" for k, v in prices.per_hour().items() if v)
     print(f"{name}: {prices.money(prices.hourly)}/h ({parts}), billed per {prices.billing}"
-          + (f"; limit {prices.money(rec['limit'])}" if rec.get("limit") is not None else "")
-          + (f"; alerts at {', '.join(prices.money(a) for a in rec['alerts'])}" if rec.get("alerts") else ""))
-    if preset:
+          + (f"; limit {prices.money(rec.limit)}" if rec.limit is not None else "")
+          + (f"; alerts at {', '.join(prices.money(a) for a in rec.alerts)}" if rec.alerts else ""))
+    if args.platform:
+        preset = budget.platform(args.platform)
         print(f"{preset['name']}: data disk {preset['data_disk'] or '-'}; to stop: {preset['stop']}")
     m = magics.session.machines.get(name)
     if m is not None and m.is_connected:  # record the session now, so alerts can fire after any cell
@@ -1006,6 +987,8 @@ def _budget_set(magics: GpuMagics, line: str):
         reading = m.budget_meter(ledger=ledger)
         for t in reading.crossed:
             _show(AlertView(f"{name} has spent {prices.money(reading.spent)}, past your alert at {prices.money(t)}"))
+        if notify.read_config(m) is not None:  # re-arm the machine's spending alerts
+            notify.schedule_thresholds(m, ledger)
 
 
 @magic_arguments()
@@ -1023,7 +1006,7 @@ def _budget_estimate(magics: GpuMagics, line: str):
     args = parse(_budget_estimate, line, "budget estimate")
     if args is None:
         return
-    from ..budget import ledger as budget
+    from .. import budget
     from .display import EstimateView
 
     stored = None
@@ -1032,8 +1015,8 @@ def _budget_estimate(magics: GpuMagics, line: str):
         ledger = _budget_ledger(magics)
         rec = ledger.machine(name)
         _budget_notes(ledger)
-        if rec and "prices" in rec:
-            stored = budget.Prices.from_dict(rec["prices"])
+        if rec is not None:
+            stored = rec.prices
     rate = args.rate if args.rate is not None else stored.rate if stored else None
     if rate is None:
         raise UsageError("give --rate PRICE_PER_HOUR (or set the machine's prices with `%gpu budget set`)")
@@ -1051,11 +1034,11 @@ def _budget_history(magics: GpuMagics, line: str):
     args = parse(_budget_history, line, "budget history")
     if args is None:
         return
-    from ..budget import ledger as budget
+    from .. import budget
     from .display import HistoryView
 
     ledger = _budget_ledger(magics)
-    rows = budget.history(ledger.read(), time.time())
+    rows = budget.history(ledger.machines(), time.time())
     _budget_notes(ledger)
     _show(HistoryView([r for r in rows if args.host in (None, r[0])]))
 
@@ -1073,7 +1056,8 @@ def _budget_guard(magics: GpuMagics, line: str):
     args = parse(_budget_guard, line, "budget guard")
     if args is None:
         return
-    from ..budget import ledger as budget
+    from .. import budget
+    from ..budget.guard import guard_log_path
     from .display import GuardView
 
     m = magics.session.get(args.host)
@@ -1092,7 +1076,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     status = m.budget_guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
     magics._budget_seen = {}
-    note = (f"armed on {m.name}; its log: {budget.guard_log_path(m)} there; "
+    note = (f"armed on {m.name}; its log: {guard_log_path(m)} there; "
             "`%gpu budget guard --cancel` disarms it")
     if idle is not None and not status.idle.startswith(("idle", "busy")):
         note += (f"\nnote: the GPU cannot be measured now ({status.idle}), so the idle rule cannot "
@@ -1139,9 +1123,9 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None,
         for t in crossed:
             shown.append(f"{name} has spent {reading.prices.money(reading.spent)}, "
                          f"past your alert at {reading.prices.money(t)}")
-        rec = ledger.machine(name) or {}
+        rec = ledger.machine(name)
         last = seen.get(name, (0.0, ""))
-        if rec.get("guard") and m.is_connected and clock() - last[0] >= poll:
+        if rec is not None and rec.guard is not None and m.is_connected and clock() - last[0] >= poll:
             try:
                 status = m.budget_guard_status()
             except Exception:  # a hook must never break the user's cell

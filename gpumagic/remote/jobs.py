@@ -963,18 +963,11 @@ def start(machine, name: str, command: str, *, python: bool = False, cwd: str | 
         if not (isinstance(then_shutdown, (int, float)) and 0 <= then_shutdown <= 30 * 24 * 60):
             raise JobError(f"--then-shutdown takes minutes from 0 to 43200, not {then_shutdown!r}",
                            "e.g. --then-shutdown 10")
-        from ..budget.shutdown import find_shutdown
-
-        plan = find_shutdown(machine)
+        plan = machine.shutdown_plan()  # the sandbox (this computer) answers with a stand-in
         if not plan.possible:
             raise JobError(f"--then-shutdown: {machine.name} cannot shut itself down, so the job "
                            f"was not started: {plan.reason}",
                            "start the job without --then-shutdown and stop the instance yourself")
-        sandbox = getattr(machine, "sandbox", None)
-        if sandbox is not None and f" {sandbox.server.bin}/" not in f" {plan.command}":
-            raise JobError("--then-shutdown: the sandbox is this computer, and gpumagic will not "
-                           f"arm a real shutdown of it ({plan.command})",
-                           "put a stand-in `shutdown` in the sandbox (see tutorial 04)")
         sd_cmd, grace = plan.command, int(round(then_shutdown * 60))
     check_text(command)
     work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
