@@ -567,10 +567,10 @@ def test_a_kernel_that_dies_says_how_and_restart_brings_a_fresh_one(m):
 
 def _guard_measure(tmp_path, home: Path) -> str:
     """What the budget guard's ``measure`` says on the test machine (fake idle H200)."""
-    from gpumagic.budget import ledger as budget
+    from gpumagic.budget.guard import GuardSettings, guard_program
 
     script = tmp_path / "g.sh"
-    script.write_text(budget.guard_script(budget.GuardSettings(idle_s=60), "true"))
+    script.write_text(guard_program())
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     smi = Path(gpumagic.__file__).parent / "gpu" / "fake" / "nvidia_smi.py"
@@ -578,7 +578,7 @@ def _guard_measure(tmp_path, home: Path) -> str:
     (bindir / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}"}
     env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
-    return subprocess.run(["sh", str(script), "measure"], env=env, capture_output=True,
+    return subprocess.run(["sh", str(script), "measure", *GuardSettings(idle_s=60).args()], env=env, capture_output=True,
                           text=True).stdout.strip()
 
 
