@@ -41,14 +41,14 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython):
     """Register ``%gpu`` and ``%%remote`` (called by ``%load_ext gpumagic``)."""
-    from .notebook.magics import GpuMagics
+    from .notebook import magics
 
-    magics = GpuMagics(shell=ipython)
-    ipython.register_magics(magics)
-    ipython._gpumagic = magics  # reached by unload and by tests
+    magics.load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    magics = getattr(ipython, "_gpumagic", None)
-    if magics is not None:
-        magics.session.close_all()
+    """Unregister gpumagic's post-cell hooks and close every connection (``%unload_ext``;
+    ``%reload_ext gpumagic`` calls it before loading again)."""
+    from .notebook import magics
+
+    magics.unload(ipython)

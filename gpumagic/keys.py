@@ -34,7 +34,8 @@ from .ssh.connection import Connection, load_private_key
 from .errors import AuthenticationFailed, ConfigError, GpumagicError
 from .ssh.config import local_user
 from .ssh.known_hosts import fingerprint
-from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, resolve, ssh_dir)
+from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, parse_target, resolve,
+                         ssh_dir)
 
 PasswordPrompt = Callable[[str], str]
 
@@ -476,6 +477,36 @@ def config_path(home: str | os.PathLike | None = None) -> Path:
     """``~/.ssh/config``; when it is a symlink (dotfile managers), the file it points to."""
     p = ssh_dir(home) / "config"
     return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
+def host_fields(target: str) -> dict:
+    """The :func:`add_host` fields a target names, to save it as a ``Host`` block.
+
+    Parameters
+    ----------
+    target : str
+        A pasted ``ssh`` command line (its ``-o`` options kept; ``-o HostName=`` wins over the
+        destination, as in OpenSSH) or ``[user@]host[:port]``.
+
+    Returns
+    -------
+    dict
+        ``hostname``, ``port``, ``user``, ``key``, ``jump`` (None where not given) and
+        ``options`` (``-o`` keyword -> value as written).
+
+    Raises
+    ------
+    ConfigError
+        A line or target that cannot be read (see :func:`gpumagic.ssh.hosts.parse_ssh_command`
+        and :func:`gpumagic.ssh.hosts.parse_target`).
+    """
+    if is_ssh_command(target):
+        cmd = parse_ssh_command(target)
+        options = dict(cmd.options)
+        return dict(hostname=options.pop("HostName", cmd.host), port=cmd.port, user=cmd.user, key=cmd.key,
+                    jump=cmd.jump, options=options)
+    t = parse_target(target)
+    return dict(hostname=t.host, port=t.port, user=t.user, key=None, jump=None, options={})
 
 
 def add_host(name: str, hostname: str, *, port: int | None = None, user: str | None = None,

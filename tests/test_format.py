@@ -34,9 +34,10 @@ def test_duration_reads_each_size_at_its_useful_precision(seconds, text):
 def test_one_duration_format_in_the_package():
     """The three formatters that were (jobs' 1:02:05, sync's 1m15s, budget's 59 min) are one:
     every display module imports gpumagic._format.duration."""
-    from gpumagic.notebook import display, more_magics
+    from gpumagic.notebook import display
+    from gpumagic.notebook.magics import budget as budget_magics
     from gpumagic.remote import jobs
 
-    assert display.duration is duration and more_magics.duration is duration
+    assert display.duration is duration and budget_magics.duration is duration
     assert jobs.duration is duration
     assert not hasattr(display, "format_seconds") and not hasattr(jobs, "format_duration")

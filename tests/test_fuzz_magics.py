@@ -15,8 +15,11 @@ What is kept out, and why (each is covered by its own tests elsewhere):
   the hosts module's cases;
 * ``keygen --passphrase`` (asks on the terminal);
 * ``doctor --sample N`` with a valid N (waits N seconds);
-* ``sync --delete``, and path words with ``/``, ``..`` or ``~`` (the machine is this
-  computer: a drawn line must not delete or write outside the temporary directories).
+* ``sync --delete``, ``wrapup --clean``, and path words with ``/``, ``..`` or ``~`` (the
+  machine is this computer: a drawn line must not delete or write outside the temporary
+  directories);
+* mail servers and webhook URLs other than a closed port on 127.0.0.1 (``budget notify``
+  sends from the machine at once).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.utils.capture import capture_output  # noqa: E402
 
+from gpumagic.budget import notify  # noqa: E402
 from gpumagic.notebook import magics  # noqa: E402
 from gpumagic.errors import GpumagicError  # noqa: E402
 
@@ -72,9 +76,13 @@ VALUES = {
     "--logdir": ["runs"], "--out": ["t", "res"], "--timeout": ["30", "0.5"], "--env": ["A=1", "B=x y"],
     "--job": ["j1", "j2"], "--stop-on": ["nan,oom", "traceback"], "--then-shutdown": ["0", "10"],
     "--port": ["22", "1"], "-p": ["1"], "--jump": [], "--alive-interval": ["30"], "--alive-count": ["3"],
+    "--card": ["H200", "4090", "24GB"], "--batch": ["1", "8"], "--seq": ["512", "2048"], "--lora": ["0", "16"],
+    "--pull": [":rsrc/ pulled/", f"{ALIAS}:rsrc pulled2"], "--mail": ["me@example.com"], "--smtp": ["127.0.0.1:1"],
+    "--from": ["me@example.com"], "--webhook": ["http://127.0.0.1:1/hook", "ask"], "--chat-id": ["42"],
+    "--retries": ["0", "1"], "--backoff": ["0", "0.1"],
 }
 #: Options whose value must never be hostile (the value reaches DNS or waits that long).
-SAFE_VALUES_ONLY = {"--remote-host", "--sample"}
+SAFE_VALUES_ONLY = {"--remote-host", "--sample", "--smtp", "--webhook"}
 
 
 #: name -> dict(cmd: the magic's words, fn: its parser's function, positional: ordinary values
@@ -112,6 +120,9 @@ def _specs():
         "tunnel jupyter": dict(cmd="tunnel jupyter", fn=m._tunnel_jupyter),
         "tunnel list": dict(cmd="tunnel list", fn=m._tunnel_list),
         "tunnel close": dict(cmd="tunnel close", fn=m._tunnel_close, positional=[["all", "18766"]]),
+        "fit": dict(cmd="fit", fn=m._fit, positional=[["7B", "350M", "1.5e9"]]),
+        "wrapup": dict(cmd="wrapup", fn=m._wrapup, exclude={"--clean"}, banned=PATH_UNSAFE),
+        "budget notify": dict(cmd="budget notify", fn=m._budget_notify),
         "%%remote": dict(cmd="%%remote", fn=m.GpuMagics.remote),
     }
 
@@ -193,6 +204,7 @@ def fuzz(_ipython, tmp_path_factory):
                 if m.is_connected:
                     m.tunnels.close_all(stop_service=True)
                     m.budget_guard_cancel()
+                    notify.disable(m)  # stops a spending watcher a drawn line armed
             except GpumagicError:
                 pass
         session.close_all()
@@ -281,7 +293,7 @@ def test_the_fuzz_got_past_the_parser_of_every_subcommand():
 def test_every_subcommand_is_fuzzed():
     names = {v["cmd"] for v in SPECS.values()}
     assert set(magics.SUBCOMMANDS) <= {n.split()[0] for n in names}
-    assert {"budget set", "budget estimate", "budget history", "budget guard", "tunnel jupyter",
+    assert {"budget set", "budget estimate", "budget history", "budget guard", "budget notify", "tunnel jupyter",
             "tunnel tensorboard", "tunnel list", "tunnel close", "%%remote"} <= names
 
 

@@ -75,7 +75,7 @@ def test_failed_python_cell_renders_the_remote_error_not_gpumagic_frames(ip, cap
     shown = capsys.readouterr()
     text = shown.out + shown.err
     assert "ValueError: remote boom" in text
-    assert "gpumagic/execution.py" not in text and "gpumagic/magics.py" not in text
+    assert "execution.py" not in text and "gpumagic/notebook/magics" not in text
 
 
 def test_interrupted_cell_reraises_keyboard_interrupt(ip):
@@ -220,6 +220,11 @@ def test_huge_output_is_capped_in_the_notebook_but_kept_by_out(ip, capsys):
     ("status --watch inf", "--watch"),
     ("logs train -n 1e3", "-n/--lines"),
     ("connect testgpu -p 99999", "-p/--port"),
+    ("fit 7B --batch ١٢", "--batch"),
+    ("fit 7B --lora 99999999999999999999", "--lora"),
+    ("fit 7B --seq nan", "--seq"),
+    ("budget notify --backoff nan", "--backoff"),
+    ("budget notify --retries -1", "--retries"),
 ])
 def test_numeric_option_refuses_nan_inf_and_out_of_range_naming_the_option(ip, line, option, tmp_path,
                                                                             monkeypatch):
@@ -267,9 +272,16 @@ def test_shared_number_type_accepts_plain_numbers_only():
 
 
 def _all_magic_parsers():
+    """Every function with a magic_arguments parser, in every module of the magics package."""
+    import importlib
+    import pkgutil
+
     from gpumagic.notebook import magics
 
-    fns = {name: fn for name, fn in vars(magics).items() if hasattr(fn, "parser")}
+    fns = {}
+    for info in pkgutil.iter_modules(magics.__path__):
+        module = importlib.import_module(f"{magics.__name__}.{info.name}")
+        fns.update({f"{info.name}.{name}": fn for name, fn in vars(module).items() if hasattr(fn, "parser")})
     fns["%%remote"] = magics.GpuMagics.remote
     return fns
 
@@ -285,4 +297,79 @@ def test_every_numeric_option_of_every_magic_uses_the_shared_type():
                 checked.append(action.dest)
             if isinstance(action.default, (int, float)) and not isinstance(action.default, bool):
                 assert action.type is not None, (name, action.dest)
-    assert {"limit", "rate", "poll", "hours", "then_shutdown", "port", "local_port", "timeout"} <= set(checked)
+    assert {"limit", "rate", "poll", "hours", "then_shutdown", "port", "local_port", "timeout", "batch", "retries",
+            "backoff"} <= set(checked)
+
+
+@pytest.mark.parametrize("line", ["fit 7B --card H200 --out 1x", "wrapup --out class", "tunnel 8000 --out 1x",
+                                  "tunnel jupyter --out 1x"])
+def test_every_out_option_refuses_a_name_that_is_not_a_variable(ip, line):
+    before = dict(ip.user_ns)
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", line)
+    assert type(e.value) is UsageError
+    name = line.rsplit(" ", 1)[1]
+    assert str(e.value) == f"--out {name!r} is not a Python variable name; e.g. --out result"
+    assert ip.user_ns.keys() == before.keys()  # nothing stored
+
+
+def test_dash_h_of_every_subcommand_prints_help_and_returns_none(ip, capsys):
+    for name in SUBCOMMANDS:
+        if name in ("budget", "tunnel"):
+            continue
+        assert ip.run_line_magic("gpu", f"{name} -h") is None
+        assert capsys.readouterr().out.startswith(f"usage: %gpu {name}"), name
+    for sub in ("set", "estimate", "history", "guard", "notify"):
+        assert ip.run_line_magic("gpu", f"budget {sub} -h") is None
+        assert capsys.readouterr().out.startswith(f"usage: %gpu budget {sub}"), sub
+    assert ip.run_cell_magic("remote", "--job j -h", "exit 1") is None
+    assert capsys.readouterr().out.startswith("usage: %remote [--python]")  # (as before the split)
+
+
+# -- %reload_ext gpumagic: one of each post-cell hook, never a stale one -----------------------
+
+HOOKS = ("_budget_post_run_cell", "_tunnel_faults_post_run_cell")
+
+
+def _hooks(ip, prefix):
+    return [cb for cb in ip.events.callbacks["post_run_cell"] if getattr(cb, "__qualname__", "").startswith(prefix)]
+
+
+def test_reload_ext_leaves_one_of_each_hook_and_a_stale_one_never_runs(ip, monkeypatch):
+    import sys
+
+    old = {p: _hooks(ip, p) for p in HOOKS}
+    assert [len(v) for v in old.values()] == [1, 1]
+    old_magics = ip._gpumagic
+    ip.run_line_magic("reload_ext", "gpumagic")
+    ip.run_line_magic("reload_ext", "gpumagic")
+    new = {p: _hooks(ip, p) for p in HOOKS}
+    assert [len(v) for v in new.values()] == [1, 1]
+    assert ip._gpumagic is not old_magics and old_magics.closed
+    # what each hook calls, recorded: once per cell, for the loaded extension only
+    seen = []
+    budget_hook, tunnel_hook = new[HOOKS[0]][0], new[HOOKS[1]][0]
+    monkeypatch.setattr(sys.modules[budget_hook.__module__], "budget_alert_hook",
+                        lambda magics, **kw: seen.append(("budget", magics)) or [])
+    monkeypatch.setattr(sys.modules[tunnel_hook.__module__], "_all_tunnels",
+                        lambda session: seen.append(("tunnel", session)) or [])
+    ip.run_cell("1 + 1")
+    assert seen == [("budget", ip._gpumagic), ("tunnel", ip._gpumagic.session)]
+    seen.clear()
+    old[HOOKS[0]][0]()  # a stale hook someone kept does nothing
+    old[HOOKS[1]][0]()
+    assert seen == []
+
+
+def test_unload_ext_removes_the_hooks_and_closes_the_machines(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    try:
+        ip.run_line_magic("unload_ext", "gpumagic")
+        assert [len(_hooks(ip, p)) for p in HOOKS] == [0, 0]
+        assert not m.is_connected
+    finally:
+        ip.run_line_magic("load_ext", "gpumagic")
+    assert [len(_hooks(ip, p)) for p in HOOKS] == [1, 1]
+    ip.run_line_magic("gpu", "connect testgpu")
+    assert ip.run_cell_magic("remote", "--out r", "echo back") is None and ip.user_ns["r"].stdout == "back\n"

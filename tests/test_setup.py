@@ -341,6 +341,17 @@ def test_connect_pasted_ssh_line_with_jump_goes_through_the_jump_host(sshd):
         assert len(m.connection._hops) == 1 and m.connection._hops[0].is_connected
 
 
+def test_host_fields_of_a_pasted_line_and_of_a_target():
+    from gpumagic.keys import host_fields
+
+    assert host_fields("ssh -p 41022 -i ~/.ssh/k -J bastion -o HostName=10.0.0.5 -o ServerAliveInterval=15 root@gpu") == dict(
+        hostname="10.0.0.5", port=41022, user="root", key="~/.ssh/k", jump="bastion",
+        options={"ServerAliveInterval": "15"})
+    assert host_fields("ubuntu@203.0.113.10:2222") == dict(hostname="203.0.113.10", port=2222, user="ubuntu",
+                                                            key=None, jump=None, options={})
+    assert host_fields("203.0.113.10")["port"] is None
+
+
 def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_name(ip, capsys, sshd):
     ip.run_line_magic("gpu", f"connect ssh -p {sshd.port} -i {sshd.client_key} "
                              f"{sshd.user}@{sshd.host} -o StrictHostKeyChecking=no --save pasted")

@@ -32,6 +32,27 @@ RECORDED_LISTING = (
 # -- pure: paths -------------------------------------------------------------------------
 
 
+def test_transfer_reads_which_side_is_the_machine_and_which_machine():
+    from gpumagic.errors import ConfigError
+    from gpumagic.sync.engine import Transfer, transfer
+
+    assert transfer("./project/", ":/ws/project/") == Transfer(sync.Endpoint("./project/"), sync.Endpoint("/ws/project/", ""))
+    assert not transfer("a", ":b").pull and transfer(":b", "a").pull
+    assert transfer("gpu2:runs/", "runs/").host == "gpu2"
+    assert transfer("gpu2:runs/", "runs/", host="gpu2").host == "gpu2"
+    assert transfer(":runs/", "runs/", host="gpu3").host == "gpu3"
+    assert transfer(":runs/", "runs/").host is None
+    for src, dst in (("a", "b"), (":a", ":b"), ("g1:a", "g2:b")):
+        with pytest.raises(ConfigError, match="^exactly one side must be remote: `%gpu sync"):
+            transfer(src, dst)
+    with pytest.raises(ConfigError) as e:
+        transfer("a", "gpu2:b", host="gpu3")
+    assert e.value.message == "gpu2:... and --host gpu3 name different machines; use one"
+    with pytest.raises(ConfigError) as e:
+        transfer("", ":b")
+    assert e.value.message == "empty sync path"
+
+
 def test_parse_endpoint_remote_default_named_and_local():
     assert parse_endpoint(":/ws") == sync.Endpoint("/ws", "")
     assert parse_endpoint("gpu2:runs/") == sync.Endpoint("runs/", "gpu2")

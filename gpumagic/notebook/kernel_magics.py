@@ -86,7 +86,7 @@ def _parse(fn, line: str, name: str):
 
 
 def _env(items):
-    from .magics import _env_pairs
+    from .magics._args import env_pairs as _env_pairs
 
     return _env_pairs(items)
 

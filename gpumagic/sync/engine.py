@@ -125,6 +125,57 @@ def destination_root(src: str, dst: str, *, src_seps: str = "/", dst_join=posixp
     return dst_join(dst, _last_component(src, src_seps))
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One copy between this computer and a machine: what ``%gpu sync SRC DST`` means.
+
+    Attributes
+    ----------
+    src, dst : Endpoint
+        Exactly one of them is remote.
+    host : str or None
+        The machine's name: from ``NAME:PATH``, else the one the caller named, else None
+        (the current machine).
+    """
+
+    src: Endpoint
+    dst: Endpoint
+    host: str | None = None
+
+    @property
+    def pull(self) -> bool:
+        """True when the source is on the machine (a pull), False for a push."""
+        return self.src.remote
+
+
+def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
+    """Read SRC and DST as rsync does (:func:`parse_endpoint`): one side local, one remote.
+
+    Parameters
+    ----------
+    src, dst : str
+        ``:PATH`` or ``NAME:PATH`` on the machine, or a local path.
+    host : str, optional
+        The machine named otherwise (``%gpu sync --host``); must agree with a ``NAME:``.
+
+    Raises
+    ------
+    ConfigError
+        An empty path; both sides local or both remote; ``NAME:`` and ``host`` naming
+        different machines.
+    """
+    a, b = parse_endpoint(src), parse_endpoint(dst)
+    if a.remote == b.remote:
+        raise ConfigError("exactly one side must be remote: `%gpu sync ./project/ :/workspace/project/` "
+                          "pushes, `%gpu sync :/workspace/runs/ ./runs/` pulls",
+                          "write the machine's side as :PATH or NAME:PATH")
+    remote = a if a.remote else b
+    if remote.host and host and remote.host != host:
+        raise ConfigError(f"{remote.host}:... and --host {host} name different machines; use one",
+                          f"drop {remote.host}: or --host {host}")
+    return Transfer(a, b, remote.host or host)
+
+
 def _local_seps() -> str:
     """Separators of local paths: ``/``, plus ``\\`` on Windows."""
     return "/" if os.sep == "/" else "/" + os.sep

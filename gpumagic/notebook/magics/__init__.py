@@ -1,0 +1,269 @@
+"""IPython layer: ``%gpu <sub-command>`` and ``%%remote``.
+
+Each sub-command is a small function ``fn(magics, line)`` with its own ``magic_arguments``
+parser, listed in :data:`SUBCOMMANDS`; it parses (:func:`._args.parse`), calls the
+plain-Python API, and displays.  The functions live one module per group: :mod:`.connect`,
+:mod:`.keys`, :mod:`.gpu`, :mod:`.sync`, :mod:`.jobs`, :mod:`.budget`, :mod:`.tunnel`,
+:mod:`.wrapup`; options several magics share are in :mod:`._args`.  Bad arguments raise
+exactly ``UsageError``; everything else is a ``GpumagicError`` whose ``_render_traceback_``
+shows a short message instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from traitlets import Float, Int, Unicode
+
+from ...errors import Interrupted, RemoteCommandError
+from ...gpu.doctor import failure_hint
+from ...session import Session
+from ._args import (GB, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, env_pairs, host_arg, number,
+                    out_arg, parse, returns_after_help, split_args)
+from .budget import GUARD_ALERT_POLL, _budget, _budget_post_run_cell, budget_alert_hook
+from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
+from .gpu import _doctor, _fit, _status
+from .jobs import _attach, _jobs, _kill, _logs, _remote_job
+from .keys import _add_host, _install_key, _keygen, show_public_key
+from .sync import _sync
+from .tunnel import _tunnel, _tunnel_faults_post_run_cell
+from .wrapup import _wrapup
+
+# Each parser's function, here as before the split (the tests reach them as ``magics._NAME``).
+from .budget import (_budget_estimate, _budget_guard, _budget_history, _budget_meter,  # noqa: F401
+                     _budget_notify, _budget_set)
+from .tunnel import (_service_note, _tunnel_close, _tunnel_jupyter, _tunnel_list,  # noqa: F401
+                     _tunnel_port, _tunnel_tensorboard)
+
+#: ``%gpu NAME`` -> (function(magics, line), one-line help for ``%gpu help``).
+def _kernel(magics: GpuMagics, line: str):
+    """`%gpu kernel SUB ...`: see gpumagic/notebook/kernel_magics.py (`%gpu kernel` lists the SUBs)."""
+    from ..kernel_magics import dispatch
+
+    return dispatch(magics, line)
+
+
+SUBCOMMANDS: dict[str, tuple[Callable, str]] = {
+    "connect": (_connect, "connect to a machine: ~/.ssh/config alias, user@host[:port] or a pasted ssh line"),
+    "disconnect": (_disconnect, "close a machine's connection (default: the current one)"),
+    "hosts": (_hosts, "list ~/.ssh/config aliases and which machines are connected"),
+    "forget": (_forget, "remove a host's key from ~/.ssh/known_hosts (after rebuilding an instance)"),
+    "cd": (_cd, "set the working directory for the current machine's cells"),
+    "keygen": (_keygen, "make an ed25519 SSH key pair and show the public key to paste"),
+    "add-host": (_add_host, "add a Host block to ~/.ssh/config (keeps the rest of the file as it is)"),
+    "install-key": (_install_key, "copy your public key to a machine that allows a password login (once)"),
+    "status": (_status, "GPU memory, utilisation, temperature, power and processes (--watch N refreshes)"),
+    "doctor": (_doctor, "preflight: GPU model and memory, PyTorch CUDA vs driver, disks, python, tools"),
+    "kernel": (_kernel, "a live Python session on the machine: start, list, attach, push, pull, stop, autorun"),
+    "fit": (_fit, "will it fit? GPU memory for training or inference, vs the GPU or a card"),
+    "sync": (_sync, "copy files to or from a machine, sending only what changed (like rsync -a)"),
+    "jobs": (_jobs, "list the detached jobs on a machine: state, start, run time, last line"),
+    "logs": (_logs, "show a job's output; --follow streams it until the job ends"),
+    "attach": (_attach, "show a job's earlier output, then follow it until it ends"),
+    "kill": (_kill, "end a job's whole process tree; --shutdown cancels its pending shutdown"),
+    "budget": (_budget, "what the rental costs: set prices, meter, estimate, history, guard"),
+    "tunnel": (_tunnel, "open a remote port in your browser: tensorboard, jupyter, PORT, list, close"),
+    "wrapup": (_wrapup, "before releasing: pull results, list/--clean caches, image size, what runs"),
+}
+
+
+@magics_class
+class GpuMagics(Magics):
+    """``%gpu`` and ``%%remote``: run notebook cells on a rented GPU machine over SSH."""
+
+    max_display_bytes = Int(
+        5_000_000, config=True,
+        help="Most characters of one cell's output shown in the notebook (the rest is still "
+             "kept by --out); a browser tab slows down on tens of megabytes.",
+    )
+
+    guard_alert_poll = Float(
+        GUARD_ALERT_POLL, config=True,
+        help="Seconds between checks, after cells run, for a warning from a machine's budget guard "
+             "(one SSH round trip each).",
+    )
+
+    default_cwd = Unicode(
+        None, allow_none=True, config=True,
+        help="Working directory for cells on newly connected machines (e.g. '/root/autodl-tmp').",
+    )
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.session = Session()
+        #: machine name -> running ``%gpu status --watch`` (a gpu.Watcher)
+        self.status_watchers: dict = {}
+        #: True once :meth:`close` ran (the extension was unloaded)
+        self.closed = False
+        #: (event, callback) registered with ``shell.events``, unregistered by :meth:`close`
+        self._hooks: list[tuple[str, Callable]] = []
+        if shell is not None:  # budget alerts and tunnel errors after each cell
+            for hook in (_budget_post_run_cell(self), _tunnel_faults_post_run_cell(self)):
+                shell.events.register("post_run_cell", hook)
+                self._hooks.append(("post_run_cell", hook))
+
+    def close(self) -> None:
+        """Unregister the post-cell hooks, stop ``--watch`` threads, close every connection.
+
+        Called by ``%unload_ext gpumagic`` and ``%reload_ext gpumagic``; safe twice.  A hook
+        kept elsewhere does nothing once this ran.
+        """
+        self.closed = True
+        while self._hooks:
+            event, hook = self._hooks.pop()
+            try:
+                self.shell.events.unregister(event, hook)
+            except ValueError:  # already gone
+                pass
+        for name in list(self.status_watchers):
+            self.status_watchers.pop(name).stop("stopped: gpumagic was unloaded")
+        self.session.close_all()
+
+    # -- %gpu ---------------------------------------------------------------------------
+
+    @line_magic
+    @returns_after_help
+    def gpu(self, line: str = ""):
+        """Drive rented GPU machines over SSH.  `%gpu help` lists the sub-commands."""
+        name, _, rest = line.strip().partition(" ")
+        if not name or name in ("help", "-h", "--help"):
+            print(self.help_text())
+            return None
+        if name not in SUBCOMMANDS:
+            raise UsageError(f"unknown sub-command {name!r}; valid: {', '.join(sorted(SUBCOMMANDS))} "
+                             "(see `%gpu help`)")
+        fn, _ = SUBCOMMANDS[name]
+        return fn(self, rest)
+
+    def help_text(self) -> str:
+        width = max(len(n) for n in SUBCOMMANDS)
+        rows = [f"  %gpu {n.ljust(width)}  {summary}" for n, (_, summary) in sorted(SUBCOMMANDS.items())]
+        return ("gpumagic: run cells on a rented GPU machine over SSH.\n\n"
+                "  %%remote [--python] ...  run the cell on the machine (see %%remote?)\n"
+                + "\n".join(rows)
+                + "\n\n`%gpu NAME -h` shows a sub-command's options.")
+
+    # -- %%remote -------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("--python", action="store_true", help="run the cell with the remote python3 (default: bash)")
+    @host_arg("machine to run on (default: the last connected)")
+    @argument("--cwd", metavar="DIR", help="working directory for this cell")
+    @argument("--env", metavar="K=V", action="append", default=[], help="environment variable (repeatable)")
+    @argument("--timeout", metavar="S", type=TIMEOUT_S, help="stop the cell after S seconds")
+    @argument("--no-raise-error", action="store_true",
+              help="do not raise when the cell exits non-zero (Run All continues)")
+    @out_arg("the RunResult (stdout, stderr, exit_code)", " (with --job: the Job handle)")
+    @argument("--job", metavar="NAME",
+              help="start the cell as a detached job that survives disconnects, and return at once "
+                   "(see `%%gpu jobs`, `%%gpu logs NAME --follow`, `%%gpu kill NAME`)")
+    @argument("--stop-on", metavar="KINDS",
+              help="with --job: kill the job when its log shows one of nan,oom,traceback "
+                   "(comma-separated; watched on the machine, so it works with the laptop closed)")
+    @argument("--then-shutdown", metavar="MINUTES", type=MINUTES,
+              help="with --job: shut the machine down MINUTES after the job succeeds (exit 0)")
+    @argument("--no-alerts", action="store_true",
+              help="with --job: do not show NaN/OOM/traceback alerts when following or listing")
+    @argument("--kernel", metavar="NAME", nargs="?", const="",
+              help="run the cell in a live Python session on the machine, whose variables persist "
+                   "(default: the one used last, or the only one; started on first use; see `%%gpu kernel`)")
+    @cell_magic
+    @returns_after_help
+    def remote(self, line: str, cell: str):
+        """Run this cell on the remote machine, with output streamed live.
+
+        The cell is a bash script, or Python with --python.  A non-zero exit raises (so
+        "Run All" stops) unless --no-raise-error.  Interrupting the kernel stops the
+        cell's whole remote process tree, then raises KeyboardInterrupt.
+        """
+        args = parse(self.remote, line)
+        if args.kernel is not None:
+            from ..kernel_magics import remote_cell
+
+            return remote_cell(self, args, cell)
+        if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
+            return _remote_job(self, args, cell)
+        machine = self.session.get(args.host)
+        echo = _CappedEcho(self.max_display_bytes)
+        try:
+            result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
+                                 timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; the cell's processes on {machine.name} were stopped") from None
+        echo.finish()
+        if args.out:
+            self.shell.user_ns[args.out] = result
+        hint = failure_hint(result.stderr, result.exit_code) if result.exit_code != 0 else None
+        if result.exit_code != 0 and not args.no_raise_error:
+            kind = "python cell" if args.python else "cell"
+            raise RemoteCommandError(f"{kind} on {machine.name} exited with code {result.exit_code}",
+                                     exit_code=result.exit_code, stdout=result.stdout,
+                                     stderr=result.stderr, hint=hint)
+        if result.exit_code != 0:
+            print(f"(exit code {result.exit_code})", file=sys.stderr)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
+        return None
+
+
+class _CappedEcho:
+    """Echo a cell's output to this kernel's stdout/stderr, up to ``limit`` characters in all.
+
+    A browser tab slows to a crawl on tens of megabytes of output; past the limit the rest is
+    not displayed (``--out VAR`` still keeps all of it) and one line says so.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.shown = 0
+        self.dropped = 0
+
+    def _write(self, stream, text: str) -> None:
+        room = self.limit - self.shown
+        if room > 0:
+            part = text[:room]
+            stream.write(part)
+            stream.flush()
+            self.shown += len(part)
+            text = text[room:]
+        self.dropped += len(text)
+
+    def stdout(self, text: str) -> None:
+        self._write(sys.stdout, text)
+
+    def stderr(self, text: str) -> None:
+        self._write(sys.stderr, text)
+
+    def finish(self) -> None:
+        if self.dropped:
+            print(f"\n[gpumagic: {self.dropped:,} more characters were not displayed (limit "
+                  f"{self.limit:,}); --out VAR keeps all output; raise it with "
+                  f"%config GpuMagics.max_display_bytes = N]", file=sys.stderr)
+
+
+# -- %load_ext / %unload_ext / %reload_ext gpumagic -------------------------------------------
+
+
+def load(shell) -> GpuMagics:
+    """Register ``%gpu`` and ``%%remote`` with ``shell`` (``%load_ext gpumagic``)."""
+    magics = GpuMagics(shell=shell)
+    shell.register_magics(magics)
+    shell._gpumagic = magics  # reached by unload and by tests
+    return magics
+
+
+def unload(shell) -> None:
+    """Undo :func:`load` (``%unload_ext gpumagic``, and the first half of ``%reload_ext``):
+    the post-cell hooks are unregistered and every connection is closed."""
+    magics = getattr(shell, "_gpumagic", None)
+    if magics is not None:
+        magics.close()
+
+
+__all__ = ["GpuMagics", "SUBCOMMANDS", "load", "unload", "budget_alert_hook", "hosts_table",
+           "show_public_key", "split_args", "split_pasted_ssh", "number", "parse",
+           "PORT", "LOCAL_PORT", "MONEY", "LIMIT", "GB", "TIMEOUT_S", "MINUTES", "LINES", "GUARD_ALERT_POLL"]

@@ -1,0 +1,140 @@
+"""Detached jobs: ``%gpu jobs``, ``logs``, ``attach``, ``kill``, and ``%%remote --job``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display as ipy_display
+
+from ...errors import Interrupted
+from ...remote.jobs import NAME_RE, parse_stop_on, scan_alerts
+from ..display import job_alert, job_ended, job_started, jobs_table
+from ._args import LINES, env_pairs, host_arg, parse
+
+if TYPE_CHECKING:
+    from . import GpuMagics
+
+
+def _job_name(name: str) -> str:
+    if not NAME_RE.fullmatch(name):
+        raise UsageError(f"{name!r} is not a job name: use letters, digits, '-' and '_' (see `%gpu jobs`)")
+    return name
+
+
+def _remote_job(magics: GpuMagics, args, cell: str):
+    """``%%remote --job NAME ...``: start the cell detached and return at once."""
+    if args.job is None:
+        raise UsageError("--stop-on, --then-shutdown and --no-alerts need --job NAME")
+    if not NAME_RE.fullmatch(args.job):
+        raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
+    if args.timeout is not None:
+        raise UsageError("--timeout does not apply to --job (a job runs until it ends or `%gpu kill NAME`)")
+    try:
+        stop_on = parse_stop_on(args.stop_on)
+    except Exception as e:
+        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    machine = magics.session.get(args.host)
+    job = machine.start_job(args.job, cell, python=args.python, cwd=args.cwd,
+                            env=env_pairs(args.env), stop_on=stop_on,
+                            then_shutdown=args.then_shutdown, alerts=not args.no_alerts)
+    if job.note and job.runner not in machine.notes_shown:
+        machine.notes_shown.add(job.runner)
+        print(job.note)
+    print(job_started(job, machine.name))
+    if args.out:
+        magics.shell.user_ns[args.out] = job
+
+
+def _show_alerts(info, alerts=None) -> None:
+    seen = set()
+    for a in (info.alerts if alerts is None else alerts):
+        if a.kind not in seen:
+            seen.add(a.kind)
+            ipy_display(job_alert(info.name, a, stopped=(info.killed == a.kind)))
+
+
+@magic_arguments()
+@host_arg()
+def _jobs(magics: GpuMagics, line: str):
+    args = parse(_jobs, line, "jobs")
+    machine = magics.session.get(args.host)
+    infos = machine.jobs()
+    ipy_display(jobs_table(infos, machine.name))
+    for info in infos:
+        _show_alerts(info)
+
+
+def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:
+    machine = magics.session.get(host)
+    job = machine.job(_job_name(name))
+    before = job.info()
+    seen: set[str] = set()
+
+    def alert(a):
+        if a.kind not in seen:  # one alert per kind while following
+            seen.add(a.kind)
+            ipy_display(job_alert(name, a, stopped=a.kind in before.stop_on))
+
+    try:
+        info = job.follow(alert=alert, lines=lines)
+    except KeyboardInterrupt:
+        raise Interrupted(f"stopped following {name}; the job keeps running on {machine.name} "
+                          f"(`%gpu attach {name}` follows it again)") from None
+    print(job_ended(info))
+
+
+@magic_arguments()
+@argument("name", help="job name (see `%%gpu jobs`)")
+@argument("-n", "--lines", type=LINES, default=100, help="how many last lines to show (default 100; 0: all)")
+@argument("-f", "--follow", action="store_true",
+          help="keep printing new output until the job ends (interrupting stops following, never the job)")
+@host_arg()
+def _logs(magics: GpuMagics, line: str):
+    args = parse(_logs, line, "logs")
+    lines = args.lines or None
+    if args.follow:
+        return _follow(magics, args.name, args.host, lines)
+    machine = magics.session.get(args.host)
+    job = machine.job(_job_name(args.name))
+    text = job.logs(lines)
+    print(text, end="" if text.endswith("\n") or not text else "\n")
+    info = job.info()
+    if info.alerts_enabled:
+        _show_alerts(info, scan_alerts(text.splitlines()))
+
+
+@magic_arguments()
+@argument("name", help="job name (see `%%gpu jobs`)")
+@argument("-n", "--lines", type=LINES, default=1000, help="earlier lines to show first (default 1000; 0: all)")
+@host_arg()
+def _attach(magics: GpuMagics, line: str):
+    args = parse(_attach, line, "attach")
+    _follow(magics, args.name, args.host, args.lines or None)
+
+
+@magic_arguments()
+@argument("name", help="job name (see `%%gpu jobs`)")
+@argument("--shutdown", action="store_true",
+          help="cancel the shutdown armed by --then-shutdown instead (the job itself is left alone)")
+@host_arg()
+def _kill(magics: GpuMagics, line: str):
+    args = parse(_kill, line, "kill")
+    machine = magics.session.get(args.host)
+    job = machine.job(_job_name(args.name))
+    if args.shutdown:
+        what = job.cancel_shutdown()
+        print({"cancelled": f"cancelled the shutdown of {machine.name} armed by job {args.name}",
+               "none": f"job {args.name} armed no shutdown; nothing to cancel",
+               "started": f"too late: the shutdown armed by job {args.name} has already run"}[what])
+        return
+    info = job.info()
+    if not info.running:
+        extra = (f"; its {info.shutdown_text} (`%gpu kill {args.name} --shutdown` cancels it)"
+                 if info.shutdown_state == "pending" else "")
+        print(f"job {args.name} is not running ({info.state_text}); nothing to kill{extra}")
+        return
+    info = job.kill()
+    print(f"killed job {args.name} on {machine.name}: {info.state_text}; "
+          "its whole process tree was stopped")

@@ -1,0 +1,51 @@
+"""``%gpu sync``: copy files to or from a machine (the engine is :mod:`gpumagic.sync.engine`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from ...errors import ConfigError
+from ...sync import engine as sync
+from .. import widgets
+from ._args import host_arg, parse
+
+if TYPE_CHECKING:
+    from . import GpuMagics
+
+
+@magic_arguments()
+@argument("src", help="source: local path, or :REMOTE_PATH / NAME:REMOTE_PATH; a trailing / copies the contents")
+@argument("dst", help="destination: the other side (exactly one side is remote)")
+@argument("--delete", action="store_true", help="delete destination files the source lacks (listed)")
+@argument("--exclude", metavar="PATTERN", action="append", default=[],
+          help="leave out paths matching this gitignore-style pattern (repeatable)")
+@argument("--no-ignore-files", action="store_true", help="do not honour .gitignore / .gpuignore files")
+@argument("--dry-run", action="store_true", help="change nothing; list what would be sent and deleted")
+@argument("--checksum", action="store_true", help="compare files by content hash, not size and mtime")
+@argument("--update", action="store_true", help="never replace a destination file that is newer")
+@host_arg("machine for :PATH (default: the current one)")
+def _sync(magics: GpuMagics, line: str):
+    args = parse(_sync, line, "sync")
+    try:
+        t = sync.transfer(args.src, args.dst, host=args.host)
+    except ConfigError as e:
+        raise UsageError(e.message) from None
+    try:
+        sync.IgnoreRules(args.exclude)  # a malformed --exclude, named before anything starts
+    except ConfigError as e:
+        raise UsageError(f"{e.message}; {e.hint}") from None
+    m = magics.session.get(t.host)
+    options = dict(delete=args.delete, exclude=args.exclude, ignore_files=not args.no_ignore_files,
+                   dry_run=args.dry_run, checksum=args.checksum, update=args.update)
+    progress = options["progress"] = None if args.dry_run else widgets.sync_progress()
+    summary = None
+    try:
+        sync_once = m.pull if t.pull else m.push
+        summary = sync_once(t.src.path, t.dst.path, **options)
+    finally:  # the bar's line ends before an error is shown
+        if progress is not None:
+            progress.close(failed=summary is None)
+    print(summary)
