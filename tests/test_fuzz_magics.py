@@ -89,6 +89,8 @@ SAFE_VALUES_ONLY = {"--remote-host", "--sample", "--smtp", "--webhook"}
 #: of each positional argument, exclude: options never drawn, banned: hostile words never drawn,
 #: hostile_positional: whether positional arguments may be hostile)
 def _specs():
+    from gpumagic.notebook import kernel_magics
+
     m = magics
     return {
         "connect": dict(cmd="connect", fn=m._connect, positional=[[ALIAS, "--sandbox"]],
@@ -123,6 +125,10 @@ def _specs():
         "fit": dict(cmd="fit", fn=m._fit, positional=[["7B", "350M", "1.5e9"]]),
         "wrapup": dict(cmd="wrapup", fn=m._wrapup, exclude={"--clean"}, banned=PATH_UNSAFE),
         "budget notify": dict(cmd="budget notify", fn=m._budget_notify),
+        # `kernel start` and the rest would start real kernels; listing and stopping (a session
+        # that does not exist) go through the same dispatcher and option checks.
+        "kernel list": dict(cmd="kernel list", fn=kernel_magics._list),
+        "kernel stop": dict(cmd="kernel stop", fn=kernel_magics._stop, positional=[["nosuch", "a"]]),
         "%%remote": dict(cmd="%%remote", fn=m.GpuMagics.remote),
     }
 
