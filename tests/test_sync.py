@@ -93,6 +93,26 @@ def _f(path, size=1, mtime_s=100, mode=0o644, digest=""):
     return Entry(path, "f", size, mtime_s * 10**9, mode, "", digest)
 
 
+def test_walk_local_is_the_agents_walk_with_ignored_dirs_never_entered(tmp_path, monkeypatch):
+    root = tmp_path / "src"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "a.py").write_text("a")
+    (root / "data" / "deep").mkdir(parents=True)
+    (root / "data" / "deep" / "big.bin").write_bytes(b"x" * 10)
+    (root / ".gitignore").write_text("data/\n")
+    (root / "link").symlink_to("pkg/a.py")
+    (root / "pkg" / ".a.py.h-1-1.gpumagic-part").write_text("half")
+    entered = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(agent.os, "scandir", lambda d: entered.append(d) or real_scandir(d))
+    walked = sync_plan.walk_local(root, IgnoreRules(), digests=True)
+    assert not any("data" in str(d) for d in entered)
+    whole = sync_plan.parse_listing(b"".join(r + b"\0" for r in agent.list_tree(str(root), True)))
+    assert walked.entries == {k: e for k, e in whole.entries.items() if not k.startswith("data")}
+    assert sorted(walked.entries) == [".", ".gitignore", "link", "pkg", "pkg/a.py"]
+    assert walked.partials == {} and walked.errors == {}
+
+
 def test_plan_compares_size_and_mtime_to_the_second():
     src = {".": Entry(".", "d", 0, 5 * 10**9, 0o755), "same": _f("same"),
            "sub_second": Entry("sub_second", "f", 1, 100 * 10**9 + 5, 0o644),

@@ -383,8 +383,14 @@ def _stat_record(out, kind_path, rel, st, want_hash):
             _record(out, "i", rel, 0, 0, 0, b"\n".join(line.split(b"\0", 1)[0] for line in data.split(b"\n")))
 
 
-def list_tree(root, want_hash=False, names=None):
-    """Records (a list of bytes fields) for ROOT and everything under it; symlinks not followed."""
+def list_tree(root, want_hash=False, names=None, prune=None):
+    """Records (a list of bytes fields) for ROOT and everything under it; symlinks not followed.
+
+    PRUNE, when given, is called as ``PRUNE(rel, items)`` with each directory's relative path
+    (``""`` for ROOT) and its ``os.DirEntry`` items before any of them is listed, and returns
+    the names to leave out: never listed, never entered (gpumagic's local walk passes its
+    ignore rules here; the agent's own operations never do).
+    """
     out = []
     try:
         st = os.lstat(root)
@@ -411,6 +417,9 @@ def list_tree(root, want_hash=False, names=None):
         except OSError as e:
             _record(out, "e", rel or ".", 0, 0, 0, e.strerror or str(e))
             continue
+        if prune is not None:
+            left_out = prune(rel, it)
+            it = [ent for ent in it if ent.name not in left_out]
         for ent in it:
             r = rel + "/" + ent.name if rel else ent.name
             parsed = parse_part(ent.name)

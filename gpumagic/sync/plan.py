@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -209,67 +208,46 @@ def parse_listing(data: bytes) -> Listing:
 
 def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
                digests: bool = False) -> Listing:
-    """List a local tree like the agent does, skipping ignored paths (ignored directories
-    are not entered).  Symlinks are listed, never followed; sockets/FIFOs are skipped."""
-    root = os.fspath(root)
-    out = Listing()
-    try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return out
-    if not stat.S_ISDIR(st.st_mode):
-        out.entries["."] = _entry(".", root, st, digests)
-        return out
-    out.entries["."] = _entry(".", root, st, digests)
-    stack = [(root, "")]
-    while stack:
-        d, rel = stack.pop()
-        try:
-            items = list(os.scandir(d))
-        except OSError as e:
-            out.errors[rel or "."] = e.strerror or str(e)
-            continue
-        if rules is not None and rules.use_files:
-            for item in items:
-                if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
-                    r = f"{rel}/{item.name}" if rel else item.name
-                    try:
-                        data = Path(item.path).read_bytes()
-                    except OSError:
-                        continue
-                    rules.add_file(r, data)
-                    out.ignore_texts[r] = data.decode("utf-8", "surrogateescape")
+    """List a local tree as the agent lists a remote one, skipping ignored paths.
+
+    The walk is the agent's own :func:`gpumagic.sync.agent.list_tree`; ``rules`` prune it:
+    each directory's ``.gitignore``/``.gpuignore`` files are read (``rules.use_files``)
+    before its entries are judged, and ignored directories are not entered.  Symlinks are
+    listed, never followed; sockets/FIFOs and part files are skipped; unreadable paths land
+    in :attr:`Listing.errors`.
+    """
+    prune = None
+    if rules is not None:
+        def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
+            return _ignored_names(rules, rel, items)
+    records = agent.list_tree(os.fspath(root), digests, None, prune)
+    listing = parse_listing(b"".join(r + b"\0" for r in records))
+    listing.partials.clear()  # a source's part files are nobody's business here
+    listing.parts.clear()
+    return listing
+
+
+def _ignored_names(rules: IgnoreRules, rel: str, items: list[os.DirEntry]) -> set[str]:
+    """Names in directory ``rel`` that ``rules`` ignore, after its ignore files are added."""
+    if rules.use_files:
         for item in items:
-            r = f"{rel}/{item.name}" if rel else item.name
-            if agent.parse_part(item.name) is not None:
-                continue  # a transfer's part file, never content
-            try:
-                st = item.stat(follow_symlinks=False)
-            except OSError as e:
-                out.errors[r] = e.strerror or str(e)
-                continue
-            is_dir = stat.S_ISDIR(st.st_mode)
-            if rules is not None and rules.active and rules.ignored(r, is_dir):
-                continue
-            e = _entry(r, item.path, st, digests)
-            if e is None:
-                continue
-            out.entries[r] = e
-            if is_dir:
-                stack.append((item.path, r))
+            if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
+                try:
+                    data = Path(item.path).read_bytes()
+                except OSError:
+                    continue
+                rules.add_file(f"{rel}/{item.name}" if rel else item.name, data)
+    if not rules.active:
+        return set()
+    out = set()
+    for item in items:
+        try:
+            is_dir = item.is_dir(follow_symlinks=False)
+        except OSError:
+            continue  # the walk records why it cannot be read
+        if rules.ignored(f"{rel}/{item.name}" if rel else item.name, is_dir):
+            out.add(item.name)
     return out
-
-
-def _entry(rel: str, path: str, st: os.stat_result, digests: bool) -> Entry | None:
-    m = st.st_mode
-    if stat.S_ISLNK(m):
-        return Entry(rel, "l", st.st_size, st.st_mtime_ns, 0, os.readlink(path))
-    if stat.S_ISDIR(m):
-        return Entry(rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(m))
-    if stat.S_ISREG(m):
-        return Entry(rel, "f", st.st_size, st.st_mtime_ns, stat.S_IMODE(m), "",
-                     agent._sha256(path) if digests else "")
-    return None
 
 
 def filter_listing(listing: Listing, rules: IgnoreRules) -> Listing:
