@@ -41,7 +41,7 @@ from ..remote.execution import start_program
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import wait_readable
 from .ignore import IgnoreRules
-from .plan import (Entry, Listing, Plan, _local_seps, destination_root, filter_listing, make_plan,
+from .plan import (Entry, Listing, Plan, destination_root, filter_listing, local_seps, make_plan,
                    parse_listing, walk_local)
 from .plan import parse_endpoint  # noqa: F401 -- read here by notebook/magics.py, more_magics.py
 
@@ -669,61 +669,185 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         place only whole, so a second sync of the same tree at once never exposes a
         partial one.
     """
+    return _sync("push", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
+                 dry_run=dry_run, checksum=checksum, update=update, progress=progress)
+
+
+@dataclass
+class _Sides:
+    """Both ends of one sync, listed: what the planner and the transfer need."""
+
+    source: dict[str, Entry]
+    dest: Listing  # its parts and partials decide what is resumed or cleaned
+    unreadable: dict[str, str]
+    source_name: str
+    dest_name: str
+    dst_root: str
+    listed: bool = False  # the listing channel is already finished (a pull of one file)
+
+
+def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude: Iterable[str],
+          ignore_files: bool, dry_run: bool, checksum: bool, update: bool,
+          progress: ProgressCallback | None) -> SyncSummary:
+    """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
+    sides (the remote one on the channel that then carries the small files), plan, copy."""
     start = time.monotonic()
-    seps = _local_seps()
-    if not os.path.lexists(src.rstrip(seps) or src):
-        raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
-                        f"the notebook's directory, {os.getcwd()})")
+    pushing = direction == "push"
+    if pushing:
+        seps = local_seps()
+        if not os.path.lexists(src.rstrip(seps) or src):
+            raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
+                            f"the notebook's directory, {os.getcwd()})")
     rules = IgnoreRules(exclude, use_files=ignore_files)
-    is_dir = os.path.isdir(src)
-    if is_dir:
-        dst_root = destination_root(src, dst, src_seps=seps)
-        ch = open_listing(machine, dst_root, digests=checksum)
-    else:
-        dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
-        ch = open_listing(machine, dst_root, digests=checksum, names=[name])
-    try:
-        # The local walk runs while the remote one does.
-        local = walk_local(src, rules if is_dir else None, digests=checksum)
-        src_entries = local.entries if is_dir else _resolve_single_file(local, name)
-        remote = read_listing(ch)
-        if remote.root is not None and remote.root.kind != "d":
-            raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
-                            "choose another destination, or remove that file first")
-        plan = make_plan(src_entries, remote.entries, delete=delete, checksum=checksum,
-                         update=update, rules=rules, unreadable=local.errors)
-        summary = SyncSummary("push", src, f"{machine.name}:{remote_root(machine, dst_root)}",
-                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete), unreadable=local.errors)
-        large = [e for e in plan.send if e.size >= LARGE_FILE]
-        small = [e for e in plan.send if e.size < LARGE_FILE]
-        resumed = {e.path for e in large}
-        clean = [p for p, target in remote.parts.items() if target not in resumed]
-        rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
-        if dry_run or not (large or rest):
-            ch.close_stdin()
-            ch.finish()
-            summary.would_send = [e.path for e in plan.send] if dry_run else []
-            summary.seconds = time.monotonic() - start
-            return summary
-        run = _Run(plan, summary, progress)
-        if large and small:
-            _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials, clean)
+    if pushing:
+        names = None
+        if os.path.isdir(src):
+            dst_root = destination_root(src, dst, src_seps=seps)
         else:
-            for e in large:
-                _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
-            if rest:
-                _push_tar(ch, run, src, plan, small, clean)
-            else:
+            dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
+            names = [name]
+        ch = open_listing(machine, dst_root, digests=checksum, names=names)
+    else:
+        ch = open_listing(machine, src, digests=checksum)
+    try:
+        if pushing:
+            sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum)
+        else:
+            sides = _pull_sides(machine, ch, src, dst, rules, checksum)
+        plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
+                         update=update, rules=rules, unreadable=sides.unreadable)
+        summary = SyncSummary(direction, sides.source_name, sides.dest_name,
+                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              deleted=list(plan.delete), unreadable=sides.unreadable)
+        if dry_run:
+            if not sides.listed:
                 ch.close_stdin()
                 ch.finish()
+            summary.would_send = [e.path for e in plan.send]
+            summary.seconds = time.monotonic() - start
+            return summary
+        if pushing:
+            run = _push_files(machine, ch, src, sides, plan, summary, progress)
+        else:
+            run = _pull_files(machine, ch, src, sides, plan, summary, progress)
     finally:
         ch.close()
-    summary.links = len(plan.links)
-    summary.dirs = len(plan.dirs)
-    run.done()
+    if run is not None:
+        summary.links = len(plan.links)
+        summary.dirs = len(plan.dirs)
+        run.done()
     summary.seconds = time.monotonic() - start
     return summary
+
+
+def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
+                rules: IgnoreRules, checksum: bool) -> _Sides:
+    # The local walk runs while the remote one does.
+    local = walk_local(src, rules if names is None else None, digests=checksum)
+    src_entries = local.entries if names is None else _resolve_single_file(local, names[0])
+    remote = read_listing(ch)
+    if remote.root is not None and remote.root.kind != "d":
+        raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
+                        "choose another destination, or remove that file first")
+    return _Sides(src_entries, remote, local.errors, src,
+                  f"{machine.name}:{remote_root(machine, dst_root)}", dst_root)
+
+
+def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
+                checksum: bool) -> _Sides:
+    # Listed while the remote side lists (assuming SRC is a directory, the usual case).
+    dst_root = destination_root(src, dst, dst_join=os.path.join)
+    local = _local_listing(dst_root, checksum, None)
+    remote = read_listing(ch)
+    if remote.root is None:
+        raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
+                        f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
+    single = remote.root.kind != "d"
+    if single:
+        # One file: fetched with `get` (resumable) from its directory.
+        ch.close_stdin()
+        ch.finish()
+        name = posixpath.basename(src)
+        if dst.endswith(tuple(local_seps())) or os.path.isdir(dst):
+            dst_root = dst
+        else:
+            dst_root, name = os.path.split(dst)
+            dst_root = dst_root or "."
+        src_entries = _resolve_single_file(remote, name)
+        local = _local_listing(dst_root, checksum, [name])
+    else:
+        src_entries = filter_listing(remote, rules).entries
+    if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
+        raise SyncError(f"{dst_root} exists and is not a directory",
+                        "choose another destination, or remove that file first")
+    return _Sides(src_entries, local, remote.errors, f"{machine.name}:{remote_root(machine, src)}",
+                  dst_root, dst_root, listed=single)
+
+
+def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
+                progress: ProgressCallback | None) -> _Run | None:
+    """Send what the plan says; ``None`` when there was nothing to do."""
+    remote, dst_root = sides.dest, sides.dst_root
+    large = [e for e in plan.send if e.size >= LARGE_FILE]
+    small = [e for e in plan.send if e.size < LARGE_FILE]
+    resumed = {e.path for e in large}
+    clean = [p for p, target in remote.parts.items() if target not in resumed]
+    rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
+    if not (large or rest):
+        ch.close_stdin()
+        ch.finish()
+        return None
+    run = _Run(plan, summary, progress)
+    if large and small:
+        _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials, clean)
+    else:
+        for e in large:
+            _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
+        if rest:
+            _push_tar(ch, run, src, plan, small, clean)
+        else:
+            ch.close_stdin()
+            ch.finish()
+    return run
+
+
+def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
+                progress: ProgressCallback | None) -> _Run:
+    """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
+    local, dst_root, single = sides.dest, sides.dst_root, sides.listed
+    large = [e for e in plan.send if e.size >= LARGE_FILE or single]
+    small = [e for e in plan.send if e.size < LARGE_FILE and not single]
+    if not small and not single:
+        ch.close_stdin()
+        ch.finish()
+    run = _Run(plan, summary, progress)
+    resumed = {e.path for e in large}
+    try:
+        agent.remove_abandoned([_local_path(dst_root, p) for p, target in local.parts.items()
+                                if target not in resumed])
+        for rel in plan.removals:
+            agent.remove(_local_path(dst_root, rel))
+        os.makedirs(dst_root, exist_ok=True)
+        for e in plan.dirs:
+            agent.make_dir(_local_path(dst_root, e.path), e.mode)
+        if small:
+            _pull_tar(ch, run, dst_root, small)
+        for e in large:
+            if single:
+                _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
+                            posixpath.basename(src))
+            else:
+                _pull_large(machine, run, src, dst_root, e, e.path)
+        for e in plan.links:
+            agent.make_link(_local_path(dst_root, e.path), e.target)
+        for rel, mode, mtime in plan.meta:
+            agent.set_meta(_local_path(dst_root, rel), mode, mtime)
+        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
+    except OSError as exc:
+        raise agent_error(agent.error_record(exc), "this computer") from None
+    except agent.AgentError as exc:
+        raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
+    return run
 
 
 def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
@@ -884,84 +1008,8 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
     ConfigError, SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
         As for :func:`push`.
     """
-    start = time.monotonic()
-    rules = IgnoreRules(exclude, use_files=ignore_files)
-    ch = open_listing(machine, src, digests=checksum)
-    try:
-        # Listed while the remote side lists (assuming SRC is a directory, the usual case).
-        dst_root = destination_root(src, dst, dst_join=os.path.join)
-        local = _local_listing(dst_root, checksum, None)
-        remote = read_listing(ch)
-        if remote.root is None:
-            raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
-                            f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
-        single = remote.root.kind != "d"
-        if single:
-            # One file: fetched with `get` (resumable) from its directory.
-            ch.close_stdin()
-            ch.finish()
-            name = posixpath.basename(src)
-            if dst.endswith(tuple(_local_seps())) or os.path.isdir(dst):
-                dst_root = dst
-            else:
-                dst_root, name = os.path.split(dst)
-                dst_root = dst_root or "."
-            src_entries = _resolve_single_file(remote, name)
-            local = _local_listing(dst_root, checksum, [name])
-        else:
-            src_entries = filter_listing(remote, rules).entries
-        if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
-            raise SyncError(f"{dst_root} exists and is not a directory",
-                            "choose another destination, or remove that file first")
-        plan = make_plan(src_entries, local.entries, delete=delete, checksum=checksum,
-                         update=update, rules=rules, unreadable=remote.errors)
-        summary = SyncSummary("pull", f"{machine.name}:{remote_root(machine, src)}", dst_root,
-                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete), unreadable=remote.errors)
-        large = [e for e in plan.send if e.size >= LARGE_FILE or single]
-        small = [e for e in plan.send if e.size < LARGE_FILE and not single]
-        if dry_run or not small:
-            if not single:
-                ch.close_stdin()
-                ch.finish()
-            if dry_run:
-                summary.would_send = [e.path for e in plan.send]
-                summary.seconds = time.monotonic() - start
-                return summary
-        run = _Run(plan, summary, progress)
-        resumed = {e.path for e in large}
-        try:
-            agent.remove_abandoned([_local_path(dst_root, p) for p, target in local.parts.items()
-                                    if target not in resumed])
-            for rel in plan.removals:
-                agent.remove(_local_path(dst_root, rel))
-            os.makedirs(dst_root, exist_ok=True)
-            for e in plan.dirs:
-                agent.make_dir(_local_path(dst_root, e.path), e.mode)
-            if small:
-                _pull_tar(ch, run, dst_root, small)
-            for e in large:
-                if single:
-                    _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
-                                posixpath.basename(src))
-                else:
-                    _pull_large(machine, run, src, dst_root, e, e.path)
-            for e in plan.links:
-                agent.make_link(_local_path(dst_root, e.path), e.target)
-            for rel, mode, mtime in plan.meta:
-                agent.set_meta(_local_path(dst_root, rel), mode, mtime)
-            agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
-        except OSError as exc:
-            raise agent_error(agent.error_record(exc), "this computer") from None
-        except agent.AgentError as exc:
-            raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
-    finally:
-        ch.close()
-    summary.links = len(plan.links)
-    summary.dirs = len(plan.dirs)
-    run.done()
-    summary.seconds = time.monotonic() - start
-    return summary
+    return _sync("pull", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
+                 dry_run=dry_run, checksum=checksum, update=update, progress=progress)
 
 
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:

@@ -93,7 +93,7 @@ def destination_root(src: str, dst: str, *, src_seps: str = "/", dst_join=posixp
     return dst_join(dst, _last_component(src, src_seps))
 
 
-def _local_seps() -> str:
+def local_seps() -> str:
     """Separators of local paths: ``/``, plus ``\\`` on Windows."""
     return "/" if os.sep == "/" else "/" + os.sep
 
