@@ -249,7 +249,7 @@ class Machine:
     def _remote_path(self, text: str) -> str:
         """A path on this machine from ``path``, ``:path`` or ``NAME:path`` (``%gpu sync``'s forms)."""
         from .errors import ConfigError
-        from .sync.engine import parse_endpoint
+        from .sync.plan import parse_endpoint
 
         end = parse_endpoint(text)
         if end.host is None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumagic.sync import engine as sync
+from gpumagic.sync import plan as sync_plan
 from gpumagic.errors import GpumagicError
-from gpumagic.sync.engine import IgnoreRules
+from gpumagic.sync.ignore import IgnoreRules
 
 BOM = b"\xef\xbb\xbf"
 
@@ -137,7 +137,7 @@ def _git_ignored(repo: Path, paths: list[str]) -> set[str]:
 
 
 def _walked_files(root: Path) -> set[str]:
-    listing = sync.walk_local(root, IgnoreRules())
+    listing = sync_plan.walk_local(root, IgnoreRules())
     return {rel for rel, e in listing.entries.items() if e.kind == "f"}
 
 

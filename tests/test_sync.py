@@ -13,7 +13,9 @@ import pytest
 from gpumagic.sync import engine as sync
 from gpumagic.sync import agent as agent
 from gpumagic.errors import ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
-from gpumagic.sync.engine import Entry, IgnoreRules, make_plan, parse_endpoint
+from gpumagic.sync import plan as sync_plan
+from gpumagic.sync.ignore import IgnoreRules
+from gpumagic.sync.plan import Entry, make_plan, parse_endpoint
 
 # `python -c 'list_tree(...)'` output of the agent for a small tree (recorded): a root dir,
 # a symlink to ".", a .gitignore (with its text), a dir, an executable, a name with a space,
@@ -54,27 +56,27 @@ def test_transfer_reads_which_side_is_the_machine_and_which_machine():
 
 
 def test_parse_endpoint_remote_default_named_and_local():
-    assert parse_endpoint(":/ws") == sync.Endpoint("/ws", "")
-    assert parse_endpoint("gpu2:runs/") == sync.Endpoint("runs/", "gpu2")
-    assert parse_endpoint("gpu2:") == sync.Endpoint(".", "gpu2")
-    assert parse_endpoint("./a:b") == sync.Endpoint("./a:b", None)
-    assert parse_endpoint("data/x") == sync.Endpoint("data/x", None)
-    assert parse_endpoint("C:\\data", windows=True) == sync.Endpoint("C:\\data", None)
+    assert parse_endpoint(":/ws") == sync_plan.Endpoint("/ws", "")
+    assert parse_endpoint("gpu2:runs/") == sync_plan.Endpoint("runs/", "gpu2")
+    assert parse_endpoint("gpu2:") == sync_plan.Endpoint(".", "gpu2")
+    assert parse_endpoint("./a:b") == sync_plan.Endpoint("./a:b", None)
+    assert parse_endpoint("data/x") == sync_plan.Endpoint("data/x", None)
+    assert parse_endpoint("C:\\data", windows=True) == sync_plan.Endpoint("C:\\data", None)
 
 
 def test_destination_root_follows_rsync_trailing_slash_rule():
-    assert sync.destination_root("source", "/ws") == "/ws/source"
-    assert sync.destination_root("source/", "/ws2") == "/ws2"
-    assert sync.destination_root("a/b/source", "/ws") == "/ws/source"
-    assert sync.destination_root(".", "/ws") == "/ws"
-    assert sync.destination_root("/", "/ws") == "/ws"
+    assert sync_plan.destination_root("source", "/ws") == "/ws/source"
+    assert sync_plan.destination_root("source/", "/ws2") == "/ws2"
+    assert sync_plan.destination_root("a/b/source", "/ws") == "/ws/source"
+    assert sync_plan.destination_root(".", "/ws") == "/ws"
+    assert sync_plan.destination_root("/", "/ws") == "/ws"
 
 
 # -- pure: listings, ignore rules, plan ------------------------------------------------------
 
 
 def test_parse_listing_reads_recorded_agent_output():
-    lst = sync.parse_listing(RECORDED_LISTING)
+    lst = sync_plan.parse_listing(RECORDED_LISTING)
     assert lst.root == Entry(".", "d", 0, 1767323045123456789, 0o755)
     assert lst.entries["self"].kind == "l" and lst.entries["self"].target == "."
     assert lst.entries["train.py"].mode == 0o755 and lst.entries["train.py"].size == 9
@@ -87,7 +89,7 @@ def test_parse_listing_reads_recorded_agent_output():
 
 def test_parse_listing_refuses_a_cut_listing():
     with pytest.raises(SyncError, match="cut short"):
-        sync.parse_listing(RECORDED_LISTING[:-20])
+        sync_plan.parse_listing(RECORDED_LISTING[:-20])
 
 
 def test_ignore_rules_nested_files_negation_and_excludes():
@@ -110,6 +112,26 @@ def test_ignore_rules_nested_files_negation_and_excludes():
 
 def _f(path, size=1, mtime_s=100, mode=0o644, digest=""):
     return Entry(path, "f", size, mtime_s * 10**9, mode, "", digest)
+
+
+def test_walk_local_is_the_agents_walk_with_ignored_dirs_never_entered(tmp_path, monkeypatch):
+    root = tmp_path / "src"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "a.py").write_text("a")
+    (root / "data" / "deep").mkdir(parents=True)
+    (root / "data" / "deep" / "big.bin").write_bytes(b"x" * 10)
+    (root / ".gitignore").write_text("data/\n")
+    (root / "link").symlink_to("pkg/a.py")
+    (root / "pkg" / ".a.py.h-1-1.gpumagic-part").write_text("half")
+    entered = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(agent.os, "scandir", lambda d: entered.append(d) or real_scandir(d))
+    walked = sync_plan.walk_local(root, IgnoreRules(), digests=True)
+    assert not any("data" in str(d) for d in entered)
+    whole = sync_plan.parse_listing(b"".join(r + b"\0" for r in agent.list_tree(str(root), True)))
+    assert walked.entries == {k: e for k, e in whole.entries.items() if not k.startswith("data")}
+    assert sorted(walked.entries) == [".", ".gitignore", "link", "pkg", "pkg/a.py"]
+    assert walked.partials == {} and walked.errors == {}
 
 
 def test_plan_compares_size_and_mtime_to_the_second():

@@ -383,8 +383,14 @@ def _stat_record(out, kind_path, rel, st, want_hash):
             _record(out, "i", rel, 0, 0, 0, b"\n".join(line.split(b"\0", 1)[0] for line in data.split(b"\n")))
 
 
-def list_tree(root, want_hash=False, names=None):
-    """Records (a list of bytes fields) for ROOT and everything under it; symlinks not followed."""
+def list_tree(root, want_hash=False, names=None, prune=None):
+    """Records (a list of bytes fields) for ROOT and everything under it; symlinks not followed.
+
+    PRUNE, when given, is called as ``PRUNE(rel, items)`` with each directory's relative path
+    (``""`` for ROOT) and its ``os.DirEntry`` items before any of them is listed, and returns
+    the names to leave out: never listed, never entered (gpumagic's local walk passes its
+    ignore rules here; the agent's own operations never do).
+    """
     out = []
     try:
         st = os.lstat(root)
@@ -411,6 +417,9 @@ def list_tree(root, want_hash=False, names=None):
         except OSError as e:
             _record(out, "e", rel or ".", 0, 0, 0, e.strerror or str(e))
             continue
+        if prune is not None:
+            left_out = prune(rel, it)
+            it = [ent for ent in it if ent.name not in left_out]
         for ent in it:
             r = rel + "/" + ent.name if rel else ent.name
             parsed = parse_part(ent.name)
@@ -489,6 +498,30 @@ def _unlink_quietly(path):
         pass
 
 
+class _Part:
+    """``with _Part(path) as tmp:`` -- TMP is a fresh part name of this writer's own beside
+    PATH; it is renamed onto PATH when the block ends normally, removed when it raises."""
+
+    def __init__(self, path):
+        self.path = path
+        self.tmp, self.token = new_part_name(path)
+
+    def __enter__(self):
+        return self.tmp
+
+    def __exit__(self, kind, value, tb):
+        done = False
+        try:
+            if kind is None:
+                _replace(self.tmp, self.path)
+                done = True
+        finally:
+            if not done:
+                _unlink_quietly(self.tmp)
+            release(self.token)
+        return False
+
+
 def write_file(path, src, size, mode, mtime, on_bytes=None):
     """Copy ``size`` bytes from ``src`` into a part file of this writer's own beside
     ``path``, check its size, then rename it onto ``path`` (see "Part files").
@@ -496,19 +529,11 @@ def write_file(path, src, size, mode, mtime, on_bytes=None):
     ``mtime`` is seconds (float) or, when an int above 1e15, nanoseconds.
     """
     _make_parent(path)
-    tmp, token = new_part_name(path)
-    done = False
-    try:
+    with _Part(path) as tmp:
         with _create(tmp) as f:
             write_rest(f, src, size, path, on_bytes)
             _check_size(f, size, path)
         set_meta(tmp, mode, mtime)
-        _replace(tmp, path)
-        done = True
-    finally:
-        if not done:
-            _unlink_quietly(tmp)
-        release(token)
 
 
 def write_rest(f, src, left, path, on_bytes=None):
@@ -691,16 +716,8 @@ def set_meta(path, mode, mtime):
 
 def make_link(path, target):
     _make_parent(path)
-    tmp, token = new_part_name(path)
-    done = False
-    try:
+    with _Part(path) as tmp:
         os.symlink(target, tmp)
-        _replace(tmp, path)
-        done = True
-    finally:
-        if not done:
-            _unlink_quietly(tmp)
-        release(token)
 
 
 def make_dir(path, mode):

@@ -1,15 +1,11 @@
-"""``%gpu sync``: incremental push and pull over the open SSH connection.
+"""``%gpu sync``: incremental push and pull over the open SSH connection -- the transfer.
 
-Two halves:
-
-* a pure plan -- where files go (rsync's trailing-slash rule), which are ignored
-  (``.gitignore`` / ``.gpuignore``, read and matched as git does, plus
-  ``--exclude``), and what differs between two listings (size and mtime to the second,
-  or sha256 with ``checksum``);
-* a transfer engine -- one round trip lists the remote tree, small files travel in one tar
-  stream over one exec channel, files of :data:`LARGE_FILE` bytes or more stream on their
-  own channel with resume.  The remote half is :mod:`gpumagic.sync.agent`, run by the
-  machine's ``python3`` (stdlib only; its source is sent with each request).
+What to send comes from :mod:`gpumagic.sync.plan` (where files go, the two listings, the
+diff) and :mod:`gpumagic.sync.ignore` (``.gitignore`` / ``.gpuignore`` / ``--exclude``, as
+git matches them).  Here: one round trip lists the remote tree, small files travel in one
+tar stream over one exec channel, files of :data:`LARGE_FILE` bytes or more stream on
+their own channel with resume.  The remote half is :mod:`gpumagic.sync.agent`, run by the
+machine's ``python3`` (stdlib only; its source is sent with each request).
 
 Every file is written to a part file of its writer's own beside its target
 (``.NAME.TOKEN.gpumagic-part``) and renamed only when whole (size checked; a resumed
@@ -25,10 +21,8 @@ import io
 import json
 import os
 import posixpath
-import re
 import shlex
 import socket
-import stat
 import struct
 import tarfile
 import threading
@@ -42,10 +36,14 @@ from typing import Callable, Iterable
 import paramiko
 
 from . import agent
-from ..errors import ConfigError, ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
+from ..errors import ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
 from ..remote.execution import start_program
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import wait_readable
+from .ignore import IgnoreRules
+from .plan import (Entry, Listing, Plan, destination_root, filter_listing, local_seps, make_plan,
+                   parse_listing, walk_local)
+from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here by the sync and wrapup magics
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
 LARGE_FILE = 8 * 1024 * 1024
@@ -53,798 +51,7 @@ LARGE_FILE = 8 * 1024 * 1024
 PROGRESS_INTERVAL = 0.1
 #: Bytes buffered before one ``sendall`` on the tar channel.
 SEND_BUFFER = 256 * 1024
-IGNORE_FILES = agent.IGNORE_FILES
 AGENT_SOURCE = Path(agent.__file__).read_text(encoding="utf-8")
-
-# -- paths -----------------------------------------------------------------------------
-
-_HOST_RE = re.compile(r"^([A-Za-z0-9._@-]*):(.*)$", re.S)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One side of a sync: a local path, or a path on a machine.
-
-    Attributes
-    ----------
-    path : str
-        As typed (a trailing slash is kept: it matters for SRC).
-    host : str or None
-        ``None`` for a local path; ``""`` for the default machine (``:path``); else the
-        machine's name (``NAME:path``).
-    """
-
-    path: str
-    host: str | None = None
-
-    @property
-    def remote(self) -> bool:
-        return self.host is not None
-
-
-def parse_endpoint(text: str, *, windows: bool = os.name == "nt") -> Endpoint:
-    """Parse ``:path`` / ``NAME:path`` (remote) or a local path, as rsync does.
-
-    A colon makes the path remote unless a ``/`` comes before it (``./a:b`` is local); on
-    Windows a one-letter name followed by a slash is a drive (``C:\\data``).
-    ``NAME:`` alone means the machine's working directory.
-    """
-    if not text:
-        raise ConfigError("empty sync path", "write a local path, :REMOTE_PATH or NAME:REMOTE_PATH")
-    m = _HOST_RE.match(text)
-    if m is None or "/" in m.group(1):
-        return Endpoint(text)
-    name, path = m.groups()
-    if windows and len(name) == 1 and name.isalpha() and path[:1] in ("\\", "/", ""):
-        return Endpoint(text)
-    return Endpoint(path or ".", name)
-
-
-def _last_component(path: str, seps: str) -> str:
-    name = path.rstrip(seps)
-    for sep in seps:
-        name = name.rsplit(sep, 1)[-1]
-    return name
-
-
-def copies_contents(path: str, *, seps: str = "/") -> bool:
-    """rsync's rule: a SRC ending in a slash (or naming ``.``/``..``/``/``) copies its
-    contents, not the directory itself."""
-    return path.endswith(tuple(seps)) or _last_component(path, seps) in ("", ".", "..")
-
-
-def destination_root(src: str, dst: str, *, src_seps: str = "/", dst_join=posixpath.join) -> str:
-    """Where SRC's directory lands: DST itself for ``src/``, ``DST/basename(src)`` for ``src``.
-
-    ``sync source :/ws`` -> ``/ws/source``; ``sync source/ :/ws2`` -> ``/ws2``
-    (rsync(1), "a trailing slash on the source").  ``src_seps`` are SRC's separators
-    (``"/\\"`` for a Windows path); ``dst_join`` joins DST's kind of path.
-    """
-    if copies_contents(src, seps=src_seps):
-        return dst
-    return dst_join(dst, _last_component(src, src_seps))
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One copy between this computer and a machine: what ``%gpu sync SRC DST`` means.
-
-    Attributes
-    ----------
-    src, dst : Endpoint
-        Exactly one of them is remote.
-    host : str or None
-        The machine's name: from ``NAME:PATH``, else the one the caller named, else None
-        (the current machine).
-    """
-
-    src: Endpoint
-    dst: Endpoint
-    host: str | None = None
-
-    @property
-    def pull(self) -> bool:
-        """True when the source is on the machine (a pull), False for a push."""
-        return self.src.remote
-
-
-def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
-    """Read SRC and DST as rsync does (:func:`parse_endpoint`): one side local, one remote.
-
-    Parameters
-    ----------
-    src, dst : str
-        ``:PATH`` or ``NAME:PATH`` on the machine, or a local path.
-    host : str, optional
-        The machine named otherwise (``%gpu sync --host``); must agree with a ``NAME:``.
-
-    Raises
-    ------
-    ConfigError
-        An empty path; both sides local or both remote; ``NAME:`` and ``host`` naming
-        different machines.
-    """
-    a, b = parse_endpoint(src), parse_endpoint(dst)
-    if a.remote == b.remote:
-        raise ConfigError("exactly one side must be remote: `%gpu sync ./project/ :/workspace/project/` "
-                          "pushes, `%gpu sync :/workspace/runs/ ./runs/` pulls",
-                          "write the machine's side as :PATH or NAME:PATH")
-    remote = a if a.remote else b
-    if remote.host and host and remote.host != host:
-        raise ConfigError(f"{remote.host}:... and --host {host} name different machines; use one",
-                          f"drop {remote.host}: or --host {host}")
-    return Transfer(a, b, remote.host or host)
-
-
-def _local_seps() -> str:
-    """Separators of local paths: ``/``, plus ``\\`` on Windows."""
-    return "/" if os.sep == "/" else "/" + os.sep
-
-
-# -- listings --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One thing in a tree, relative to the sync root.
-
-    Attributes
-    ----------
-    path : str
-        Relative path with ``/`` separators; ``"."`` is the root itself.
-    kind : str
-        ``"f"`` file, ``"d"`` directory, ``"l"`` symlink.
-    size : int
-        Bytes (files).
-    mtime_ns : int
-        Modification time, nanoseconds since the epoch (``st_mtime_ns``).
-    mode : int
-        Permission bits (``S_IMODE``).
-    target : str
-        A symlink's target, as stored (never followed).
-    digest : str
-        sha256 hex of a file's content, when asked for (``checksum``).
-    """
-
-    path: str
-    kind: str
-    size: int = 0
-    mtime_ns: int = 0
-    mode: int = 0
-    target: str = ""
-    digest: str = ""
-
-    @property
-    def mtime_s(self) -> int:
-        return self.mtime_ns // 1_000_000_000
-
-
-@dataclass
-class Listing:
-    """A tree as listed.
-
-    Attributes
-    ----------
-    entries : dict of str to Entry
-    partials : dict of str to int
-        Target path -> bytes of its largest part file (what a resume may keep, when its
-        writer is gone by then).
-    parts : dict of str to str
-        Every abandoned part file (relative path) -> its target, for removal when the
-        target is not resumed.
-    ignore_texts : dict of str to str
-        ``.gitignore``/``.gpuignore`` path -> text (``surrogateescape``).
-    errors : dict of str to str
-        Unreadable path -> reason.
-    """
-
-    entries: dict[str, Entry] = field(default_factory=dict)
-    partials: dict[str, int] = field(default_factory=dict)
-    parts: dict[str, str] = field(default_factory=dict)
-    ignore_texts: dict[str, str] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def root(self) -> Entry | None:
-        return self.entries.get(".")
-
-
-def parse_listing(data: bytes) -> Listing:
-    """Parse the agent's ``list`` output (see :mod:`gpumagic.sync.agent`).
-
-    Records are :data:`gpumagic.sync.agent.FIELDS` NUL-terminated fields: kind, path,
-    size, mtime_ns, mode (octal), link target or text, sha256 (a ``p`` record's text is
-    the part file's name).  Names are decoded as UTF-8
-    with ``surrogateescape`` so that any byte string survives the round trip.
-
-    Raises
-    ------
-    SyncError
-        When the text is not a whole number of records.
-    """
-    fields = data.split(b"\0")
-    if fields and fields[-1] == b"":
-        fields.pop()
-    if len(fields) % agent.FIELDS:
-        raise SyncError("the remote listing was cut short", "run the sync again")
-    out = Listing()
-    for i in range(0, len(fields), agent.FIELDS):
-        kind, path, size, mtime, mode, text, digest = fields[i:i + agent.FIELDS]
-        path = path.decode("utf-8", "surrogateescape")
-        if kind in (b"f", b"d", b"l"):
-            out.entries[path] = Entry(path, kind.decode(), int(size), int(mtime), int(mode, 8),
-                                      text.decode("utf-8", "surrogateescape") if text else "",
-                                      digest.decode() if digest else "")
-        elif kind == b"p":  # mode 1: its writer may still be running
-            out.partials[path] = max(out.partials.get(path, 0), int(size))
-            if text and int(mode, 8) == 0:
-                d = posixpath.dirname(path)
-                name = text.decode("utf-8", "surrogateescape")
-                out.parts[f"{d}/{name}" if d else name] = path
-        elif kind == b"i":
-            out.ignore_texts[path] = text.decode("utf-8", "surrogateescape")
-        elif kind == b"e":
-            out.errors[path] = text.decode("utf-8", "surrogateescape")
-    return out
-
-
-_BOM = "\ufeff"
-
-
-def _trim_trailing_spaces(line: str) -> str:
-    """git's ``trim_trailing_spaces`` (dir.c): drop a trailing run of unescaped spaces
-    (only ``' '``: tabs stay); ``\\ `` keeps its space, and a backslash escapes any char."""
-    last_space = None
-    i, n = 0, len(line)
-    while i < n:
-        c = line[i]
-        if c == " ":
-            if last_space is None:
-                last_space = i
-        elif c == "\\":
-            i += 1
-            if i >= n:
-                return line
-            last_space = None
-        else:
-            last_space = None
-        i += 1
-    return line if last_space is None else line[:last_space]
-
-
-def ignore_file_lines(data: bytes | str) -> list[str]:
-    """The patterns of a ``.gitignore``/``.gpuignore`` text, read as git reads one.
-
-    Follows git's ``add_patterns_from_buffer`` (dir.c): a UTF-8 byte-order mark at the start
-    is skipped; lines end at ``\\n``, and one ``\\r`` before it is dropped (CRLF files); a
-    line starting with ``#`` is a comment (``\\#`` starts a pattern); a NUL ends its line's
-    pattern; unescaped trailing spaces are stripped (``\\ `` keeps one; tabs are kept);
-    blank lines are skipped.  Bytes that are not UTF-8 are kept as surrogate escapes, as in
-    names, so they match the same bytes.
-
-    Parameters
-    ----------
-    data : bytes or str
-        The file's content (``str``: already decoded with ``surrogateescape``).
-
-    Returns
-    -------
-    list of str
-        The pattern lines, in file order.
-    """
-    if isinstance(data, bytes):
-        data = data.decode("utf-8", "surrogateescape")
-    if data.startswith(_BOM):
-        data = data[1:]
-    out = []
-    for line in data.split("\n"):
-        if not line or line[0] == "#":
-            continue
-        if "\0" in line:  # git's pattern is a C string: it ends there
-            line = line[:line.index("\0")]
-        elif line.endswith("\r"):
-            line = line[:-1]
-        line = _trim_trailing_spaces(line)
-        if line:
-            out.append(line)
-    return out
-
-
-# Character classes of git's wildmatch (ASCII only, as git's ctype; measured against
-# `git check-ignore` for every byte, see tests/test_ignore.py).
-_LETTERS = bytes(range(65, 91)) + bytes(range(97, 123))
-_DIGITS = b"0123456789"
-_PUNCT = b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
-_CLASSES = {
-    b"alnum": _LETTERS + _DIGITS, b"alpha": _LETTERS, b"blank": b" \t",
-    b"cntrl": bytes(range(32)) + b"\x7f", b"digit": _DIGITS, b"graph": bytes(range(33, 127)),
-    b"lower": bytes(range(97, 123)), b"print": bytes(range(32, 127)), b"punct": _PUNCT,
-    b"space": b" \t\n\r", b"upper": bytes(range(65, 91)), b"xdigit": _DIGITS + b"ABCDEFabcdef",
-}
-_GLOB_SPECIAL = b"*?[\\"
-
-
-class BadPattern(ValueError):
-    """A pattern git's wildmatch can never match (it aborts on it): a trailing backslash,
-    an unclosed ``[``, an unknown ``[:class:]``."""
-
-
-def _bracket(p: bytes, i: int) -> tuple[bytes, int]:
-    """The bracket expression starting at ``p[i] == '['`` as a regex class, and the index
-    after its ``]`` (wildmatch.c's ``case '['``: ``!``/``^`` negate, ``]`` first is
-    literal, ``a-z`` ranges, ``[:class:]``, backslash escapes; never ``/``)."""
-    n = len(p)
-    i += 1
-    negated = i < n and p[i] in b"!^"
-    if negated:
-        i += 1
-    chosen: set[int] = set()
-    prev = 0
-    first = True
-    while True:
-        if i >= n:
-            raise BadPattern("has an unclosed [")
-        c = p[i]
-        if c == 0x5D and not first:  # ']'
-            break
-        first = False
-        if c == 0x5C:  # '\\'
-            i += 1
-            if i >= n:
-                raise BadPattern("ends in a lone backslash")
-            c = p[i]
-            chosen.add(c)
-        elif c == 0x2D and prev and i + 1 < n and p[i + 1] != 0x5D:  # a range prev-next
-            i += 1
-            c = p[i]
-            if c == 0x5C:
-                i += 1
-                if i >= n:
-                    raise BadPattern("ends in a lone backslash")
-                c = p[i]
-            chosen.update(range(prev, c + 1))
-            c = 0
-        elif c == 0x5B and i + 1 < n and p[i + 1] == 0x3A:  # '[:'
-            j = p.find(b"]", i + 2)
-            if j < 0:
-                raise BadPattern("has an unclosed [")
-            if j - 1 < i + 2 or p[j - 1] != 0x3A:  # no ":]": a plain '['
-                chosen.add(0x5B)
-            else:
-                name = p[i + 2:j - 1]
-                if name not in _CLASSES:
-                    raise BadPattern(f"has an unknown class [:{name.decode('ascii', 'replace')}:]")
-                chosen.update(_CLASSES[name])
-                i = j
-                c = 0
-        else:
-            chosen.add(c)
-        prev = c
-        i += 1
-    if negated:
-        chosen = set(range(256)) - chosen
-    chosen.discard(0x2F)  # '/' (wildmatch with WM_PATHNAME; basenames hold none)
-    if not chosen:
-        return b"(?!)", i + 1
-    return b"[" + b"".join(re.escape(bytes([b])) for b in sorted(chosen)) + b"]", i + 1
-
-
-def _wildmatch_regex(p: bytes, start: int) -> bytes:
-    """git's wildmatch (with WM_PATHNAME) as a regex over bytes.
-
-    ``*`` and ``?`` never match ``/``; ``**`` matches across ``/`` only as a whole path
-    component (after the pattern's start or a ``/``, before its end or a ``/``), where
-    ``**/`` may also match nothing.  ``start`` is where git's match begins (after the
-    pattern's literal prefix, which ``match_pathname`` compares on its own).
-
-    Raises
-    ------
-    BadPattern
-    """
-    out = []
-    i, n = 0, len(p)
-    while i < n:
-        c = p[i]
-        if c == 0x5C:  # '\\'
-            if i + 1 >= n:
-                raise BadPattern("ends in a lone backslash")
-            out.append(re.escape(p[i + 1:i + 2]))
-            i += 2
-        elif c == 0x3F:  # '?'
-            out.append(b"[^/]")
-            i += 1
-        elif c == 0x2A:  # '*'
-            j = i
-            while j < n and p[j] == 0x2A:
-                j += 1
-            if j - i >= 2 and (i == start or p[i - 1] == 0x2F) and \
-                    (j == n or p[j] == 0x2F or p[j:j + 2] == b"\\/"):
-                if j < n and p[j] == 0x2F:
-                    out.append(b"(?:.*/)?")
-                    j += 1
-                else:
-                    out.append(b".*")
-            else:
-                out.append(b"[^/]*")
-            i = j
-        elif c == 0x5B:  # '['
-            cls, i = _bracket(p, i)
-            out.append(cls)
-        else:
-            out.append(re.escape(p[i:i + 1]))
-            i += 1
-    return b"".join(out)
-
-
-@dataclass(frozen=True)
-class GitPattern:
-    """One gitignore pattern, as git's ``parse_path_pattern`` and ``last_matching_pattern``
-    (dir.c) treat it.
-
-    Attributes
-    ----------
-    negative : bool
-        ``!pattern``: a match re-includes.
-    dir_only : bool
-        ``pattern/``: matches directories only.
-    basename : bool
-        No ``/`` (besides a trailing one): matches the last component at any depth;
-        otherwise the whole path relative to the ignore file's directory (a leading ``/``
-        only anchors).
-    regex : re.Pattern
-        Over the UTF-8 (surrogateescape) bytes of the name or path.
-    """
-
-    negative: bool
-    dir_only: bool
-    basename: bool
-    regex: re.Pattern
-
-    @classmethod
-    def parse(cls, line: str) -> "GitPattern | None":
-        """Compile one pattern line (already read as :func:`ignore_file_lines` reads it);
-        None for one that names nothing (``!`` or ``/`` alone).
-
-        Raises
-        ------
-        BadPattern
-            For a pattern git can never match (git skips it silently).
-        """
-        p = line.encode("utf-8", "surrogateescape")
-        negative = p.startswith(b"!")
-        if negative:
-            p = p[1:]
-        dir_only = p.endswith(b"/")
-        if dir_only:
-            p = p[:-1]
-        basename = b"/" not in p
-        if not basename and p.startswith(b"/"):
-            p = p[1:]
-        if not p:
-            return None
-        literal = len(p)
-        for k, ch in enumerate(p):
-            if ch in _GLOB_SPECIAL:
-                literal = k
-                break
-        start = 0 if basename else literal
-        return cls(negative, dir_only, basename, re.compile(_wildmatch_regex(p, start), re.S))
-
-    def matches(self, path: bytes, name: bytes, is_dir: bool) -> bool:
-        """Whether it matches ``path`` (relative to its file's directory; ``name`` is its
-        last component)."""
-        if self.dir_only and not is_dir:
-            return False
-        return self.regex.fullmatch(name if self.basename else path) is not None
-
-
-def _compile_lines(lines: Iterable[str]) -> list[GitPattern]:
-    """Compiled patterns of ignore-file lines; a pattern git never matches is left out."""
-    out = []
-    for line in lines:
-        try:
-            pat = GitPattern.parse(line)
-        except BadPattern:
-            continue
-        if pat is not None:
-            out.append(pat)
-    return out
-
-
-def _last_match(patterns: list[GitPattern], path: bytes, name: bytes, is_dir: bool) -> bool | None:
-    """git's ``last_matching_pattern_from_list``: the last pattern that matches decides
-    (True: ignored, False: re-included); None when none matches."""
-    for pat in reversed(patterns):
-        if pat.matches(path, name, is_dir):
-            return not pat.negative
-    return None
-
-
-class IgnoreRules:
-    """gitignore rules from ``.gitignore``/``.gpuignore`` files plus ``--exclude`` patterns.
-
-    Each ignore file applies to its own directory and below; the deepest file with a
-    matching pattern decides, and within a file the last matching line (git's precedence,
-    gitignore(5)).  ``.gpuignore`` lines come after the ``.gitignore`` lines of the same
-    directory, so they win.  Files are read as git reads them (:func:`ignore_file_lines`)
-    and matched as git matches (:class:`GitPattern`); a pattern git can never match is
-    skipped, as git skips it.  ``--exclude`` patterns (gitignore syntax, relative to the
-    sync root) always exclude.
-
-    Raises
-    ------
-    ConfigError
-        From the constructor, for an ``--exclude`` pattern git could never match (named).
-    """
-
-    def __init__(self, excludes: Iterable[str] = (), *, use_files: bool = True):
-        patterns = []
-        for e in excludes:
-            line = _trim_trailing_spaces(e)
-            if not line:
-                continue
-            try:
-                pat = GitPattern.parse(line)
-            except BadPattern as why:
-                raise ConfigError(
-                    f"bad --exclude pattern {e!r}: it {why}, so it could never match",
-                    "write a gitignore pattern, e.g. --exclude '*.ckpt' or --exclude 'data/raw/' "
-                    "(a backslash escapes the next character; \\\\ is a backslash)") from None
-            if pat is not None:
-                patterns.append(pat)
-        self.excludes = patterns or None
-        self.use_files = use_files
-        self._files: dict[str, tuple[list, list]] = {}  # dir -> (.gitignore, .gpuignore)
-        self._specs: dict[str, list[GitPattern]] = {}
-
-    def add_file(self, rel_file: str, data: bytes | str) -> None:
-        """Add the rules of the ignore file at ``rel_file`` (its path relative to the root;
-        ``data`` its content, see :func:`ignore_file_lines`)."""
-        if not self.use_files:
-            return
-        d = posixpath.dirname(rel_file)
-        d = "" if d in ("", ".") else d
-        git, gpu = self._files.setdefault(d, ([], []))
-        (gpu if posixpath.basename(rel_file) == ".gpuignore" else git)[:] = \
-            _compile_lines(ignore_file_lines(data))
-        self._specs[d] = git + gpu
-
-    @property
-    def active(self) -> bool:
-        """Whether any rule exists yet (a walk skips matching while none does)."""
-        return self.excludes is not None or bool(self._specs)
-
-    def ignored(self, rel: str, is_dir: bool) -> bool:
-        """Whether ``rel`` itself matches (parents are not checked; see :meth:`covers`)."""
-        if rel in (".", "") or not self.active:
-            return False
-        path = rel.encode("utf-8", "surrogateescape")
-        name = path.rsplit(b"/", 1)[-1]
-        if self.excludes is not None and _last_match(self.excludes, path, name, is_dir):
-            return True
-        parts = rel.split("/")
-        for i in range(len(parts) - 1, -1, -1):  # the deepest file with a match decides
-            spec = self._specs.get("/".join(parts[:i]))
-            if not spec:
-                continue
-            sub = path if i == 0 else "/".join(parts[i:]).encode("utf-8", "surrogateescape")
-            r = _last_match(spec, sub, name, is_dir)
-            if r is not None:
-                return r
-        return False
-
-    def covers(self, rel: str, is_dir: bool) -> bool:
-        """Whether ``rel`` or one of its parent directories is ignored."""
-        parts = rel.split("/")
-        for i in range(1, len(parts)):
-            if self.ignored("/".join(parts[:i]), True):
-                return True
-        return self.ignored(rel, is_dir)
-
-
-def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
-               digests: bool = False) -> Listing:
-    """List a local tree like the agent does, skipping ignored paths (ignored directories
-    are not entered).  Symlinks are listed, never followed; sockets/FIFOs are skipped."""
-    root = os.fspath(root)
-    out = Listing()
-    try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return out
-    if not stat.S_ISDIR(st.st_mode):
-        out.entries["."] = _entry(".", root, st, digests)
-        return out
-    out.entries["."] = _entry(".", root, st, digests)
-    stack = [(root, "")]
-    while stack:
-        d, rel = stack.pop()
-        try:
-            items = list(os.scandir(d))
-        except OSError as e:
-            out.errors[rel or "."] = e.strerror or str(e)
-            continue
-        if rules is not None and rules.use_files:
-            for item in items:
-                if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
-                    r = f"{rel}/{item.name}" if rel else item.name
-                    try:
-                        data = Path(item.path).read_bytes()
-                    except OSError:
-                        continue
-                    rules.add_file(r, data)
-                    out.ignore_texts[r] = data.decode("utf-8", "surrogateescape")
-        for item in items:
-            r = f"{rel}/{item.name}" if rel else item.name
-            if agent.parse_part(item.name) is not None:
-                continue  # a transfer's part file, never content
-            try:
-                st = item.stat(follow_symlinks=False)
-            except OSError as e:
-                out.errors[r] = e.strerror or str(e)
-                continue
-            is_dir = stat.S_ISDIR(st.st_mode)
-            if rules is not None and rules.active and rules.ignored(r, is_dir):
-                continue
-            e = _entry(r, item.path, st, digests)
-            if e is None:
-                continue
-            out.entries[r] = e
-            if is_dir:
-                stack.append((item.path, r))
-    return out
-
-
-def _entry(rel: str, path: str, st: os.stat_result, digests: bool) -> Entry | None:
-    m = st.st_mode
-    if stat.S_ISLNK(m):
-        return Entry(rel, "l", st.st_size, st.st_mtime_ns, 0, os.readlink(path))
-    if stat.S_ISDIR(m):
-        return Entry(rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(m))
-    if stat.S_ISREG(m):
-        return Entry(rel, "f", st.st_size, st.st_mtime_ns, stat.S_IMODE(m), "",
-                     agent._sha256(path) if digests else "")
-    return None
-
-
-def filter_listing(listing: Listing, rules: IgnoreRules) -> Listing:
-    """Drop ignored entries from a listing (used for remote sources), pruning ignored dirs."""
-    for rel, text in listing.ignore_texts.items():
-        if rel in listing.entries:
-            rules.add_file(rel, text)
-    keep: dict[str, Entry] = {}
-    pruned: list[str] = []
-    for rel in sorted(listing.entries, key=lambda p: p.split("/")):
-        e = listing.entries[rel]
-        if pruned and (rel + "/").startswith(pruned[-1]):
-            continue
-        if rules.ignored(rel, e.kind == "d"):
-            if e.kind == "d":
-                pruned.append(rel + "/")
-            continue
-        keep[rel] = e
-    listing.entries = keep
-    return listing
-
-
-# -- plan ------------------------------------------------------------------------------
-
-
-@dataclass
-class Plan:
-    """What a sync will do, from two listings.  Paths are relative to the roots.
-
-    Attributes
-    ----------
-    send : list of Entry
-        Files whose content goes over (new or different).
-    links : list of Entry
-        Symlinks to (re)create.
-    dirs : list of Entry
-        Directories to create, or whose mode/mtime to set (parents of changed entries too).
-    meta : list of (path, mode, mtime_ns)
-        Files equal in content whose mode or mtime differ (``checksum``).
-    replace : list of str
-        Destination paths of another type, removed first (a dir where a file goes).
-    delete : list of str
-        Extra destination paths (only with ``delete``), every one listed, parents first.
-    unchanged : int
-        Files and links that already match.
-    newer : list of str
-        Files skipped because the destination is newer (``update``).
-    """
-
-    send: list[Entry] = field(default_factory=list)
-    links: list[Entry] = field(default_factory=list)
-    dirs: list[Entry] = field(default_factory=list)
-    meta: list[tuple[str, int, int]] = field(default_factory=list)
-    replace: list[str] = field(default_factory=list)
-    delete: list[str] = field(default_factory=list)
-    unchanged: int = 0
-    newer: list[str] = field(default_factory=list)
-
-    @property
-    def bytes_to_send(self) -> int:
-        return sum(e.size for e in self.send)
-
-    @property
-    def removals(self) -> list[str]:
-        """Top-most paths to remove (replacements and deletions; children go with them)."""
-        out: list[str] = []
-        for p in sorted(set(self.replace) | set(self.delete), key=lambda p: p.split("/")):
-            if not out or not p.startswith(out[-1] + "/"):
-                out.append(p)
-        return out
-
-    @property
-    def empty(self) -> bool:
-        return not (self.send or self.links or self.dirs or self.meta or self.replace or self.delete)
-
-
-def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = False,
-              checksum: bool = False, update: bool = False,
-              rules: IgnoreRules | None = None, unreadable: Iterable[str] = ()) -> Plan:
-    """Compare two listings as rsync ``-a`` does.
-
-    A file is unchanged when size and mtime (whole seconds) match, or with ``checksum``
-    when the sha256 digests match; ``update`` never replaces a newer destination file.
-    With ``delete``, destination paths absent from the source are deleted, except those the
-    rules ignore (rsync: excluded files are protected from deletion), and except what lies
-    under a source path that could not be read (``unreadable``).
-    """
-    spared = tuple(p + "/" for p in unreadable if p != ".")
-    plan = Plan()
-    touched_dirs: set[str] = set()
-    for rel in sorted(src, key=lambda p: p.split("/")):
-        s, d = src[rel], dst.get(rel)
-        changed = False
-        if d is not None and d.kind != s.kind and not (s.kind == "d" and d.kind == "d"):
-            if rel != ".":
-                plan.replace.append(rel)
-            d = None
-        if s.kind == "d":
-            if d is None or d.mode != s.mode or d.mtime_s != s.mtime_s:
-                plan.dirs.append(s)
-            changed = d is None
-        elif s.kind == "l":
-            if d is None or d.target != s.target:
-                plan.links.append(s)
-                changed = True
-            else:
-                plan.unchanged += 1
-        else:
-            if d is None:
-                plan.send.append(s)
-                changed = True
-            elif update and d.mtime_s > s.mtime_s:
-                plan.newer.append(rel)
-            elif (s.digest == d.digest) if checksum else (s.size == d.size and s.mtime_s == d.mtime_s):
-                plan.unchanged += 1
-                if d.mode != s.mode or d.mtime_s != s.mtime_s:
-                    plan.meta.append((rel, s.mode, s.mtime_ns))
-            else:
-                plan.send.append(s)
-                changed = True
-        if changed and rel != ".":
-            touched_dirs.add(posixpath.dirname(rel) or ".")
-    if delete:
-        for rel in sorted(dst, key=lambda p: p.split("/")):
-            if rel == "." or rel in src:
-                continue
-            if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
-                continue
-            if "." in unreadable or (rel + "/").startswith(spared):
-                continue
-            plan.delete.append(rel)
-            touched_dirs.add(posixpath.dirname(rel) or ".")
-    for rel in plan.replace:
-        touched_dirs.add(posixpath.dirname(rel) or ".")
-    listed = {e.path for e in plan.dirs}
-    for rel in sorted(touched_dirs, key=lambda p: p.split("/")):
-        if rel not in listed and rel in src and src[rel].kind == "d":
-            plan.dirs.append(src[rel])
-    return plan
-
 
 # -- summary and progress --------------------------------------------------------------
 
@@ -1462,61 +669,185 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         place only whole, so a second sync of the same tree at once never exposes a
         partial one.
     """
+    return _sync("push", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
+                 dry_run=dry_run, checksum=checksum, update=update, progress=progress)
+
+
+@dataclass
+class _Sides:
+    """Both ends of one sync, listed: what the planner and the transfer need."""
+
+    source: dict[str, Entry]
+    dest: Listing  # its parts and partials decide what is resumed or cleaned
+    unreadable: dict[str, str]
+    source_name: str
+    dest_name: str
+    dst_root: str
+    listed: bool = False  # the listing channel is already finished (a pull of one file)
+
+
+def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude: Iterable[str],
+          ignore_files: bool, dry_run: bool, checksum: bool, update: bool,
+          progress: ProgressCallback | None) -> SyncSummary:
+    """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
+    sides (the remote one on the channel that then carries the small files), plan, copy."""
     start = time.monotonic()
-    seps = _local_seps()
-    if not os.path.lexists(src.rstrip(seps) or src):
-        raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
-                        f"the notebook's directory, {os.getcwd()})")
+    pushing = direction == "push"
+    if pushing:
+        seps = local_seps()
+        if not os.path.lexists(src.rstrip(seps) or src):
+            raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
+                            f"the notebook's directory, {os.getcwd()})")
     rules = IgnoreRules(exclude, use_files=ignore_files)
-    is_dir = os.path.isdir(src)
-    if is_dir:
-        dst_root = destination_root(src, dst, src_seps=seps)
-        ch = open_listing(machine, dst_root, digests=checksum)
-    else:
-        dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
-        ch = open_listing(machine, dst_root, digests=checksum, names=[name])
-    try:
-        # The local walk runs while the remote one does.
-        local = walk_local(src, rules if is_dir else None, digests=checksum)
-        src_entries = local.entries if is_dir else _resolve_single_file(local, name)
-        remote = read_listing(ch)
-        if remote.root is not None and remote.root.kind != "d":
-            raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
-                            "choose another destination, or remove that file first")
-        plan = make_plan(src_entries, remote.entries, delete=delete, checksum=checksum,
-                         update=update, rules=rules, unreadable=local.errors)
-        summary = SyncSummary("push", src, f"{machine.name}:{remote_root(machine, dst_root)}",
-                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete), unreadable=local.errors)
-        large = [e for e in plan.send if e.size >= LARGE_FILE]
-        small = [e for e in plan.send if e.size < LARGE_FILE]
-        resumed = {e.path for e in large}
-        clean = [p for p, target in remote.parts.items() if target not in resumed]
-        rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
-        if dry_run or not (large or rest):
-            ch.close_stdin()
-            ch.finish()
-            summary.would_send = [e.path for e in plan.send] if dry_run else []
-            summary.seconds = time.monotonic() - start
-            return summary
-        run = _Run(plan, summary, progress)
-        if large and small:
-            _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials, clean)
+    if pushing:
+        names = None
+        if os.path.isdir(src):
+            dst_root = destination_root(src, dst, src_seps=seps)
         else:
-            for e in large:
-                _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
-            if rest:
-                _push_tar(ch, run, src, plan, small, clean)
-            else:
+            dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
+            names = [name]
+        ch = open_listing(machine, dst_root, digests=checksum, names=names)
+    else:
+        ch = open_listing(machine, src, digests=checksum)
+    try:
+        if pushing:
+            sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum)
+        else:
+            sides = _pull_sides(machine, ch, src, dst, rules, checksum)
+        plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
+                         update=update, rules=rules, unreadable=sides.unreadable)
+        summary = SyncSummary(direction, sides.source_name, sides.dest_name,
+                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              deleted=list(plan.delete), unreadable=sides.unreadable)
+        if dry_run:
+            if not sides.listed:
                 ch.close_stdin()
                 ch.finish()
+            summary.would_send = [e.path for e in plan.send]
+            summary.seconds = time.monotonic() - start
+            return summary
+        if pushing:
+            run = _push_files(machine, ch, src, sides, plan, summary, progress)
+        else:
+            run = _pull_files(machine, ch, src, sides, plan, summary, progress)
     finally:
         ch.close()
-    summary.links = len(plan.links)
-    summary.dirs = len(plan.dirs)
-    run.done()
+    if run is not None:
+        summary.links = len(plan.links)
+        summary.dirs = len(plan.dirs)
+        run.done()
     summary.seconds = time.monotonic() - start
     return summary
+
+
+def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
+                rules: IgnoreRules, checksum: bool) -> _Sides:
+    # The local walk runs while the remote one does.
+    local = walk_local(src, rules if names is None else None, digests=checksum)
+    src_entries = local.entries if names is None else _resolve_single_file(local, names[0])
+    remote = read_listing(ch)
+    if remote.root is not None and remote.root.kind != "d":
+        raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
+                        "choose another destination, or remove that file first")
+    return _Sides(src_entries, remote, local.errors, src,
+                  f"{machine.name}:{remote_root(machine, dst_root)}", dst_root)
+
+
+def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
+                checksum: bool) -> _Sides:
+    # Listed while the remote side lists (assuming SRC is a directory, the usual case).
+    dst_root = destination_root(src, dst, dst_join=os.path.join)
+    local = _local_listing(dst_root, checksum, None)
+    remote = read_listing(ch)
+    if remote.root is None:
+        raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
+                        f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
+    single = remote.root.kind != "d"
+    if single:
+        # One file: fetched with `get` (resumable) from its directory.
+        ch.close_stdin()
+        ch.finish()
+        name = posixpath.basename(src)
+        if dst.endswith(tuple(local_seps())) or os.path.isdir(dst):
+            dst_root = dst
+        else:
+            dst_root, name = os.path.split(dst)
+            dst_root = dst_root or "."
+        src_entries = _resolve_single_file(remote, name)
+        local = _local_listing(dst_root, checksum, [name])
+    else:
+        src_entries = filter_listing(remote, rules).entries
+    if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
+        raise SyncError(f"{dst_root} exists and is not a directory",
+                        "choose another destination, or remove that file first")
+    return _Sides(src_entries, local, remote.errors, f"{machine.name}:{remote_root(machine, src)}",
+                  dst_root, dst_root, listed=single)
+
+
+def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
+                progress: ProgressCallback | None) -> _Run | None:
+    """Send what the plan says; ``None`` when there was nothing to do."""
+    remote, dst_root = sides.dest, sides.dst_root
+    large = [e for e in plan.send if e.size >= LARGE_FILE]
+    small = [e for e in plan.send if e.size < LARGE_FILE]
+    resumed = {e.path for e in large}
+    clean = [p for p, target in remote.parts.items() if target not in resumed]
+    rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
+    if not (large or rest):
+        ch.close_stdin()
+        ch.finish()
+        return None
+    run = _Run(plan, summary, progress)
+    if large and small:
+        _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials, clean)
+    else:
+        for e in large:
+            _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
+        if rest:
+            _push_tar(ch, run, src, plan, small, clean)
+        else:
+            ch.close_stdin()
+            ch.finish()
+    return run
+
+
+def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
+                progress: ProgressCallback | None) -> _Run:
+    """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
+    local, dst_root, single = sides.dest, sides.dst_root, sides.listed
+    large = [e for e in plan.send if e.size >= LARGE_FILE or single]
+    small = [e for e in plan.send if e.size < LARGE_FILE and not single]
+    if not small and not single:
+        ch.close_stdin()
+        ch.finish()
+    run = _Run(plan, summary, progress)
+    resumed = {e.path for e in large}
+    try:
+        agent.remove_abandoned([_local_path(dst_root, p) for p, target in local.parts.items()
+                                if target not in resumed])
+        for rel in plan.removals:
+            agent.remove(_local_path(dst_root, rel))
+        os.makedirs(dst_root, exist_ok=True)
+        for e in plan.dirs:
+            agent.make_dir(_local_path(dst_root, e.path), e.mode)
+        if small:
+            _pull_tar(ch, run, dst_root, small)
+        for e in large:
+            if single:
+                _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
+                            posixpath.basename(src))
+            else:
+                _pull_large(machine, run, src, dst_root, e, e.path)
+        for e in plan.links:
+            agent.make_link(_local_path(dst_root, e.path), e.target)
+        for rel, mode, mtime in plan.meta:
+            agent.set_meta(_local_path(dst_root, rel), mode, mtime)
+        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
+    except OSError as exc:
+        raise agent_error(agent.error_record(exc), "this computer") from None
+    except agent.AgentError as exc:
+        raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
+    return run
 
 
 def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
@@ -1677,84 +1008,8 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
     ConfigError, SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
         As for :func:`push`.
     """
-    start = time.monotonic()
-    rules = IgnoreRules(exclude, use_files=ignore_files)
-    ch = open_listing(machine, src, digests=checksum)
-    try:
-        # Listed while the remote side lists (assuming SRC is a directory, the usual case).
-        dst_root = destination_root(src, dst, dst_join=os.path.join)
-        local = _local_listing(dst_root, checksum, None)
-        remote = read_listing(ch)
-        if remote.root is None:
-            raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
-                            f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
-        single = remote.root.kind != "d"
-        if single:
-            # One file: fetched with `get` (resumable) from its directory.
-            ch.close_stdin()
-            ch.finish()
-            name = posixpath.basename(src)
-            if dst.endswith(tuple(_local_seps())) or os.path.isdir(dst):
-                dst_root = dst
-            else:
-                dst_root, name = os.path.split(dst)
-                dst_root = dst_root or "."
-            src_entries = _resolve_single_file(remote, name)
-            local = _local_listing(dst_root, checksum, [name])
-        else:
-            src_entries = filter_listing(remote, rules).entries
-        if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
-            raise SyncError(f"{dst_root} exists and is not a directory",
-                            "choose another destination, or remove that file first")
-        plan = make_plan(src_entries, local.entries, delete=delete, checksum=checksum,
-                         update=update, rules=rules, unreadable=remote.errors)
-        summary = SyncSummary("pull", f"{machine.name}:{remote_root(machine, src)}", dst_root,
-                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete), unreadable=remote.errors)
-        large = [e for e in plan.send if e.size >= LARGE_FILE or single]
-        small = [e for e in plan.send if e.size < LARGE_FILE and not single]
-        if dry_run or not small:
-            if not single:
-                ch.close_stdin()
-                ch.finish()
-            if dry_run:
-                summary.would_send = [e.path for e in plan.send]
-                summary.seconds = time.monotonic() - start
-                return summary
-        run = _Run(plan, summary, progress)
-        resumed = {e.path for e in large}
-        try:
-            agent.remove_abandoned([_local_path(dst_root, p) for p, target in local.parts.items()
-                                    if target not in resumed])
-            for rel in plan.removals:
-                agent.remove(_local_path(dst_root, rel))
-            os.makedirs(dst_root, exist_ok=True)
-            for e in plan.dirs:
-                agent.make_dir(_local_path(dst_root, e.path), e.mode)
-            if small:
-                _pull_tar(ch, run, dst_root, small)
-            for e in large:
-                if single:
-                    _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
-                                posixpath.basename(src))
-                else:
-                    _pull_large(machine, run, src, dst_root, e, e.path)
-            for e in plan.links:
-                agent.make_link(_local_path(dst_root, e.path), e.target)
-            for rel, mode, mtime in plan.meta:
-                agent.set_meta(_local_path(dst_root, rel), mode, mtime)
-            agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
-        except OSError as exc:
-            raise agent_error(agent.error_record(exc), "this computer") from None
-        except agent.AgentError as exc:
-            raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
-    finally:
-        ch.close()
-    summary.links = len(plan.links)
-    summary.dirs = len(plan.dirs)
-    run.done()
-    summary.seconds = time.monotonic() - start
-    return summary
+    return _sync("pull", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
+                 dry_run=dry_run, checksum=checksum, update=update, progress=progress)
 
 
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:

@@ -1,0 +1,440 @@
+"""The pure half of a sync: where files go, what each side holds, and what differs.
+
+* paths -- :class:`Endpoint` (``NAME:path`` or local) and rsync's trailing-slash rule
+  (:func:`destination_root`);
+* listings -- :class:`Entry` / :class:`Listing`, parsed from the agent's ``list`` records
+  (:func:`parse_listing`) or walked locally (:func:`walk_local`), with ignored paths left
+  out (:mod:`gpumagic.sync.ignore`);
+* the plan -- :func:`make_plan` compares two listings as rsync ``-a`` does.
+
+Nothing here opens a connection or writes a file.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from . import agent
+from ..errors import ConfigError, SyncError
+from .agent import IGNORE_FILES
+from .ignore import IgnoreRules
+
+# -- paths -----------------------------------------------------------------------------
+
+_HOST_RE = re.compile(r"^([A-Za-z0-9._@-]*):(.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One side of a sync: a local path, or a path on a machine.
+
+    Attributes
+    ----------
+    path : str
+        As typed (a trailing slash is kept: it matters for SRC).
+    host : str or None
+        ``None`` for a local path; ``""`` for the default machine (``:path``); else the
+        machine's name (``NAME:path``).
+    """
+
+    path: str
+    host: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.host is not None
+
+
+def parse_endpoint(text: str, *, windows: bool = os.name == "nt") -> Endpoint:
+    """Parse ``:path`` / ``NAME:path`` (remote) or a local path, as rsync does.
+
+    A colon makes the path remote unless a ``/`` comes before it (``./a:b`` is local); on
+    Windows a one-letter name followed by a slash is a drive (``C:\\data``).
+    ``NAME:`` alone means the machine's working directory.
+    """
+    if not text:
+        raise ConfigError("empty sync path", "write a local path, :REMOTE_PATH or NAME:REMOTE_PATH")
+    m = _HOST_RE.match(text)
+    if m is None or "/" in m.group(1):
+        return Endpoint(text)
+    name, path = m.groups()
+    if windows and len(name) == 1 and name.isalpha() and path[:1] in ("\\", "/", ""):
+        return Endpoint(text)
+    return Endpoint(path or ".", name)
+
+
+def _last_component(path: str, seps: str) -> str:
+    name = path.rstrip(seps)
+    for sep in seps:
+        name = name.rsplit(sep, 1)[-1]
+    return name
+
+
+def copies_contents(path: str, *, seps: str = "/") -> bool:
+    """rsync's rule: a SRC ending in a slash (or naming ``.``/``..``/``/``) copies its
+    contents, not the directory itself."""
+    return path.endswith(tuple(seps)) or _last_component(path, seps) in ("", ".", "..")
+
+
+def destination_root(src: str, dst: str, *, src_seps: str = "/", dst_join=posixpath.join) -> str:
+    """Where SRC's directory lands: DST itself for ``src/``, ``DST/basename(src)`` for ``src``.
+
+    ``sync source :/ws`` -> ``/ws/source``; ``sync source/ :/ws2`` -> ``/ws2``
+    (rsync(1), "a trailing slash on the source").  ``src_seps`` are SRC's separators
+    (``"/\\"`` for a Windows path); ``dst_join`` joins DST's kind of path.
+    """
+    if copies_contents(src, seps=src_seps):
+        return dst
+    return dst_join(dst, _last_component(src, src_seps))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy between this computer and a machine: what ``%gpu sync SRC DST`` means.
+
+    Attributes
+    ----------
+    src, dst : Endpoint
+        Exactly one of them is remote.
+    host : str or None
+        The machine's name: from ``NAME:PATH``, else the one the caller named, else None
+        (the current machine).
+    """
+
+    src: Endpoint
+    dst: Endpoint
+    host: str | None = None
+
+    @property
+    def pull(self) -> bool:
+        """True when the source is on the machine (a pull), False for a push."""
+        return self.src.remote
+
+
+def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
+    """Read SRC and DST as rsync does (:func:`parse_endpoint`): one side local, one remote.
+
+    Parameters
+    ----------
+    src, dst : str
+        ``:PATH`` or ``NAME:PATH`` on the machine, or a local path.
+    host : str, optional
+        The machine named otherwise (``%gpu sync --host``); must agree with a ``NAME:``.
+
+    Raises
+    ------
+    ConfigError
+        An empty path; both sides local or both remote; ``NAME:`` and ``host`` naming
+        different machines.
+    """
+    a, b = parse_endpoint(src), parse_endpoint(dst)
+    if a.remote == b.remote:
+        raise ConfigError("exactly one side must be remote: `%gpu sync ./project/ :/workspace/project/` "
+                          "pushes, `%gpu sync :/workspace/runs/ ./runs/` pulls",
+                          "write the machine's side as :PATH or NAME:PATH")
+    remote = a if a.remote else b
+    if remote.host and host and remote.host != host:
+        raise ConfigError(f"{remote.host}:... and --host {host} name different machines; use one",
+                          f"drop {remote.host}: or --host {host}")
+    return Transfer(a, b, remote.host or host)
+
+
+def local_seps() -> str:
+    """Separators of local paths: ``/``, plus ``\\`` on Windows."""
+    return "/" if os.sep == "/" else "/" + os.sep
+
+
+# -- listings --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing in a tree, relative to the sync root.
+
+    Attributes
+    ----------
+    path : str
+        Relative path with ``/`` separators; ``"."`` is the root itself.
+    kind : str
+        ``"f"`` file, ``"d"`` directory, ``"l"`` symlink.
+    size : int
+        Bytes (files).
+    mtime_ns : int
+        Modification time, nanoseconds since the epoch (``st_mtime_ns``).
+    mode : int
+        Permission bits (``S_IMODE``).
+    target : str
+        A symlink's target, as stored (never followed).
+    digest : str
+        sha256 hex of a file's content, when asked for (``checksum``).
+    """
+
+    path: str
+    kind: str
+    size: int = 0
+    mtime_ns: int = 0
+    mode: int = 0
+    target: str = ""
+    digest: str = ""
+
+    @property
+    def mtime_s(self) -> int:
+        return self.mtime_ns // 1_000_000_000
+
+
+@dataclass
+class Listing:
+    """A tree as listed.
+
+    Attributes
+    ----------
+    entries : dict of str to Entry
+    partials : dict of str to int
+        Target path -> bytes of its largest part file (what a resume may keep, when its
+        writer is gone by then).
+    parts : dict of str to str
+        Every abandoned part file (relative path) -> its target, for removal when the
+        target is not resumed.
+    ignore_texts : dict of str to str
+        ``.gitignore``/``.gpuignore`` path -> text (``surrogateescape``).
+    errors : dict of str to str
+        Unreadable path -> reason.
+    """
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    partials: dict[str, int] = field(default_factory=dict)
+    parts: dict[str, str] = field(default_factory=dict)
+    ignore_texts: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def root(self) -> Entry | None:
+        return self.entries.get(".")
+
+
+def parse_listing(data: bytes) -> Listing:
+    """Parse the agent's ``list`` output (see :mod:`gpumagic.sync.agent`).
+
+    Records are :data:`gpumagic.sync.agent.FIELDS` NUL-terminated fields: kind, path,
+    size, mtime_ns, mode (octal), link target or text, sha256 (a ``p`` record's text is
+    the part file's name).  Names are decoded as UTF-8
+    with ``surrogateescape`` so that any byte string survives the round trip.
+
+    Raises
+    ------
+    SyncError
+        When the text is not a whole number of records.
+    """
+    fields = data.split(b"\0")
+    if fields and fields[-1] == b"":
+        fields.pop()
+    if len(fields) % agent.FIELDS:
+        raise SyncError("the remote listing was cut short", "run the sync again")
+    out = Listing()
+    for i in range(0, len(fields), agent.FIELDS):
+        kind, path, size, mtime, mode, text, digest = fields[i:i + agent.FIELDS]
+        path = path.decode("utf-8", "surrogateescape")
+        if kind in (b"f", b"d", b"l"):
+            out.entries[path] = Entry(path, kind.decode(), int(size), int(mtime), int(mode, 8),
+                                      text.decode("utf-8", "surrogateescape") if text else "",
+                                      digest.decode() if digest else "")
+        elif kind == b"p":  # mode 1: its writer may still be running
+            out.partials[path] = max(out.partials.get(path, 0), int(size))
+            if text and int(mode, 8) == 0:
+                d = posixpath.dirname(path)
+                name = text.decode("utf-8", "surrogateescape")
+                out.parts[f"{d}/{name}" if d else name] = path
+        elif kind == b"i":
+            out.ignore_texts[path] = text.decode("utf-8", "surrogateescape")
+        elif kind == b"e":
+            out.errors[path] = text.decode("utf-8", "surrogateescape")
+    return out
+
+
+
+def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
+               digests: bool = False) -> Listing:
+    """List a local tree as the agent lists a remote one, skipping ignored paths.
+
+    The walk is the agent's own :func:`gpumagic.sync.agent.list_tree`; ``rules`` prune it:
+    each directory's ``.gitignore``/``.gpuignore`` files are read (``rules.use_files``)
+    before its entries are judged, and ignored directories are not entered.  Symlinks are
+    listed, never followed; sockets/FIFOs and part files are skipped; unreadable paths land
+    in :attr:`Listing.errors`.
+    """
+    prune = None
+    if rules is not None:
+        def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
+            return _ignored_names(rules, rel, items)
+    records = agent.list_tree(os.fspath(root), digests, None, prune)
+    listing = parse_listing(b"".join(r + b"\0" for r in records))
+    listing.partials.clear()  # a source's part files are nobody's business here
+    listing.parts.clear()
+    return listing
+
+
+def _ignored_names(rules: IgnoreRules, rel: str, items: list[os.DirEntry]) -> set[str]:
+    """Names in directory ``rel`` that ``rules`` ignore, after its ignore files are added."""
+    if rules.use_files:
+        for item in items:
+            if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
+                try:
+                    data = Path(item.path).read_bytes()
+                except OSError:
+                    continue
+                rules.add_file(f"{rel}/{item.name}" if rel else item.name, data)
+    if not rules.active:
+        return set()
+    out = set()
+    for item in items:
+        try:
+            is_dir = item.is_dir(follow_symlinks=False)
+        except OSError:
+            continue  # the walk records why it cannot be read
+        if rules.ignored(f"{rel}/{item.name}" if rel else item.name, is_dir):
+            out.add(item.name)
+    return out
+
+
+def filter_listing(listing: Listing, rules: IgnoreRules) -> Listing:
+    """Drop ignored entries from a listing (used for remote sources), pruning ignored dirs."""
+    for rel, text in listing.ignore_texts.items():
+        if rel in listing.entries:
+            rules.add_file(rel, text)
+    keep: dict[str, Entry] = {}
+    pruned: list[str] = []
+    for rel in sorted(listing.entries, key=lambda p: p.split("/")):
+        e = listing.entries[rel]
+        if pruned and (rel + "/").startswith(pruned[-1]):
+            continue
+        if rules.ignored(rel, e.kind == "d"):
+            if e.kind == "d":
+                pruned.append(rel + "/")
+            continue
+        keep[rel] = e
+    listing.entries = keep
+    return listing
+
+
+# -- plan ------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What a sync will do, from two listings.  Paths are relative to the roots.
+
+    Attributes
+    ----------
+    send : list of Entry
+        Files whose content goes over (new or different).
+    links : list of Entry
+        Symlinks to (re)create.
+    dirs : list of Entry
+        Directories to create, or whose mode/mtime to set (parents of changed entries too).
+    meta : list of (path, mode, mtime_ns)
+        Files equal in content whose mode or mtime differ (``checksum``).
+    replace : list of str
+        Destination paths of another type, removed first (a dir where a file goes).
+    delete : list of str
+        Extra destination paths (only with ``delete``), every one listed, parents first.
+    unchanged : int
+        Files and links that already match.
+    newer : list of str
+        Files skipped because the destination is newer (``update``).
+    """
+
+    send: list[Entry] = field(default_factory=list)
+    links: list[Entry] = field(default_factory=list)
+    dirs: list[Entry] = field(default_factory=list)
+    meta: list[tuple[str, int, int]] = field(default_factory=list)
+    replace: list[str] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    newer: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_to_send(self) -> int:
+        return sum(e.size for e in self.send)
+
+    @property
+    def removals(self) -> list[str]:
+        """Top-most paths to remove (replacements and deletions; children go with them)."""
+        out: list[str] = []
+        for p in sorted(set(self.replace) | set(self.delete), key=lambda p: p.split("/")):
+            if not out or not p.startswith(out[-1] + "/"):
+                out.append(p)
+        return out
+
+    @property
+    def empty(self) -> bool:
+        return not (self.send or self.links or self.dirs or self.meta or self.replace or self.delete)
+
+
+def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = False,
+              checksum: bool = False, update: bool = False,
+              rules: IgnoreRules | None = None, unreadable: Iterable[str] = ()) -> Plan:
+    """Compare two listings as rsync ``-a`` does.
+
+    A file is unchanged when size and mtime (whole seconds) match, or with ``checksum``
+    when the sha256 digests match; ``update`` never replaces a newer destination file.
+    With ``delete``, destination paths absent from the source are deleted, except those the
+    rules ignore (rsync: excluded files are protected from deletion), and except what lies
+    under a source path that could not be read (``unreadable``).
+    """
+    spared = tuple(p + "/" for p in unreadable if p != ".")
+    plan = Plan()
+    touched_dirs: set[str] = set()
+    for rel in sorted(src, key=lambda p: p.split("/")):
+        s, d = src[rel], dst.get(rel)
+        changed = False
+        if d is not None and d.kind != s.kind and not (s.kind == "d" and d.kind == "d"):
+            if rel != ".":
+                plan.replace.append(rel)
+            d = None
+        if s.kind == "d":
+            if d is None or d.mode != s.mode or d.mtime_s != s.mtime_s:
+                plan.dirs.append(s)
+            changed = d is None
+        elif s.kind == "l":
+            if d is None or d.target != s.target:
+                plan.links.append(s)
+                changed = True
+            else:
+                plan.unchanged += 1
+        else:
+            if d is None:
+                plan.send.append(s)
+                changed = True
+            elif update and d.mtime_s > s.mtime_s:
+                plan.newer.append(rel)
+            elif (s.digest == d.digest) if checksum else (s.size == d.size and s.mtime_s == d.mtime_s):
+                plan.unchanged += 1
+                if d.mode != s.mode or d.mtime_s != s.mtime_s:
+                    plan.meta.append((rel, s.mode, s.mtime_ns))
+            else:
+                plan.send.append(s)
+                changed = True
+        if changed and rel != ".":
+            touched_dirs.add(posixpath.dirname(rel) or ".")
+    if delete:
+        for rel in sorted(dst, key=lambda p: p.split("/")):
+            if rel == "." or rel in src:
+                continue
+            if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
+                continue
+            if "." in unreadable or (rel + "/").startswith(spared):
+                continue
+            plan.delete.append(rel)
+            touched_dirs.add(posixpath.dirname(rel) or ".")
+    for rel in plan.replace:
+        touched_dirs.add(posixpath.dirname(rel) or ".")
+    listed = {e.path for e in plan.dirs}
+    for rel in sorted(touched_dirs, key=lambda p: p.split("/")):
+        if rel not in listed and rel in src and src[rel].kind == "d":
+            plan.dirs.append(src[rel])
+    return plan
