@@ -36,9 +36,9 @@ RECORDED_LISTING = (
 
 def test_transfer_reads_which_side_is_the_machine_and_which_machine():
     from gpumagic.errors import ConfigError
-    from gpumagic.sync.engine import Transfer, transfer
+    from gpumagic.sync.plan import Endpoint, Transfer, transfer
 
-    assert transfer("./project/", ":/ws/project/") == Transfer(sync.Endpoint("./project/"), sync.Endpoint("/ws/project/", ""))
+    assert transfer("./project/", ":/ws/project/") == Transfer(Endpoint("./project/"), Endpoint("/ws/project/", ""))
     assert not transfer("a", ":b").pull and transfer(":b", "a").pull
     assert transfer("gpu2:runs/", "runs/").host == "gpu2"
     assert transfer("gpu2:runs/", "runs/", host="gpu2").host == "gpu2"
