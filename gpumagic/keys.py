@@ -31,7 +31,7 @@ import paramiko
 
 from ._fs import atomic_write
 from .ssh.connection import Connection, load_private_key
-from .errors import AuthenticationFailed, ConfigError, GpumagicError
+from .errors import AuthenticationFailed, ConfigError, GpumagicError, LocalFileError
 from .ssh.config import local_user
 from .ssh.known_hosts import fingerprint
 from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, resolve, ssh_dir)
@@ -45,10 +45,6 @@ class KeyExists(GpumagicError):
 
 class HostExists(GpumagicError):
     """``~/.ssh/config`` already has a ``Host`` block with that name."""
-
-
-class LocalFileError(GpumagicError):
-    """A local file (a new key, ``~/.ssh/config``) cannot be read or written here."""
 
 
 def _os_reason(e: OSError) -> str:
