@@ -8,7 +8,8 @@ trip, before anything is armed, so a student is told at once instead of paying a
 Rules, in order:
 
 1. privilege: root, or ``sudo -n true`` succeeds (then the command is prefixed ``sudo -n``);
-2. a command on PATH: ``shutdown`` (run as ``shutdown -h now``), else ``poweroff``;
+2. a command, on PATH or where images keep it off a non-login PATH (``/sbin``, ``/usr/sbin``:
+   ``gm_find`` of ``lib.sh``): ``shutdown`` (run as ``shutdown -h now``), else ``poweroff``;
 3. it can act: PID 1 is an init system (``systemd``, ``init``), or the command found is not
    the distribution's own (not under ``/sbin``, ``/usr/sbin``, ``/bin``, ``/usr/bin``): a
    wrapper the user or platform put earlier on PATH is trusted to know what it does.
@@ -18,20 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROBE = r"""
-priv=""
-if [ "$(id -u)" != 0 ]; then
-  if sudo -n true 2>/dev/null; then priv="sudo -n "; else echo "noroot"; exit 0; fi
-fi
-cmd=$(command -v shutdown 2>/dev/null) && args=" -h now" || { cmd=$(command -v poweroff 2>/dev/null) && args=""; }
-[ -n "$cmd" ] || { echo "nocmd"; exit 0; }
-init=$(cat /proc/1/comm 2>/dev/null)
-case "$cmd" in
-  /sbin/*|/usr/sbin/*|/bin/*|/usr/bin/*)
-    case "$init" in systemd|init) ;; *) echo "noinit $init"; exit 0 ;; esac ;;
-esac
-echo "ok ${priv}${cmd}${args}"
-"""
+#: The machine-side probe (``gpumagic/remote/programs/shutdown-find.sh``): it prints one line,
+#: ``ok COMMAND``, ``noroot``, ``nocmd`` or ``noinit INIT``, read by :func:`parse_probe`.
+PROBE = "shutdown-find.sh"
 
 CONTAINER_HINT = ("this machine looks like a container (PID 1 is {init!r}, not an init system), "
                   "so it cannot power itself off; stop the instance from the platform's console "
@@ -78,6 +68,12 @@ def parse_probe(output: str) -> ShutdownPlan:
 
 
 def find_shutdown(machine) -> ShutdownPlan:
-    """Ask ``machine`` (a :class:`gpumagic.Machine`) how it can shut down; one round trip."""
-    r = machine.run(["sh", "-c", PROBE], quiet=True)
+    """Ask ``machine`` (a :class:`gpumagic.Machine`) how it can shut down; one round trip.
+
+    The probe runs as a cell does, in the login environment, so a ``shutdown`` wrapper that
+    ``~/.bashrc`` puts on PATH is found as the user would find it over ``ssh host``.
+    """
+    from ..remote import program
+
+    r = machine.run(["sh", "-c", program.command(PROBE)], quiet=True)
     return parse_probe(r.stdout)
