@@ -175,6 +175,18 @@ class SyncPermissionDenied(SyncError):
     """The destination path cannot be written (permissions or a read-only mount)."""
 
 
+class LocalFileError(GpumagicError):
+    """A local file (a new key, ``~/.ssh/config``) cannot be read or written here."""
+
+
+class WrapupError(GpumagicError):
+    """The machine could not be examined (no python3 there, an unreadable answer)."""
+
+
+class KernelError(GpumagicError):
+    """A remote session cannot be started, found or used as asked."""
+
+
 class JobError(GpumagicError):
     """A detached job cannot be started, found or stopped as asked."""
 

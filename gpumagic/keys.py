@@ -31,7 +31,7 @@ import paramiko
 
 from ._fs import atomic_write
 from .ssh.connection import Connection, load_private_key
-from .errors import AuthenticationFailed, ConfigError, GpumagicError
+from .errors import AuthenticationFailed, ConfigError, GpumagicError, LocalFileError
 from .ssh.config import local_user
 from .ssh.known_hosts import fingerprint
 from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, parse_target, resolve,
@@ -46,10 +46,6 @@ class KeyExists(GpumagicError):
 
 class HostExists(GpumagicError):
     """``~/.ssh/config`` already has a ``Host`` block with that name."""
-
-
-class LocalFileError(GpumagicError):
-    """A local file (a new key, ``~/.ssh/config``) cannot be read or written here."""
 
 
 def _os_reason(e: OSError) -> str:
@@ -656,27 +652,9 @@ def _as_written(value) -> str:
 
 # -- install-key -------------------------------------------------------------------------
 
-#: POSIX sh run on the machine (``sh -s -- LINE``, script on stdin, so a fish or tcsh login
-#: shell does not matter): the key line is ``$1``.  Creates ~/.ssh (0700) and
-#: authorized_keys (0600) when missing, removes group/other write bits (sshd's StrictModes
-#: refuses such files), and appends the line unless a line already holds the same key blob
-#: (so a key with another comment or with options is not added twice).
-_AUTHORIZE_SH = r'''
-set -e
-umask 077
-line=$1
-blob=$(printf '%s\n' "$line" | awk '{print $2}')
-d="$HOME/.ssh"; f="$d/authorized_keys"
-[ -d "$d" ] || mkdir -m 700 "$d"
-chmod go-w "$d"
-if [ ! -e "$f" ]; then : > "$f"; chmod 600 "$f"; fi
-chmod go-w "$f"
-if grep -qF -- "$blob" "$f"; then echo present; exit 0; fi
-if [ -s "$f" ] && [ -n "$(tail -c 1 "$f")" ]; then printf '\n' >> "$f"; fi
-printf '%s\n' "$line" >> "$f"
-if command -v restorecon >/dev/null 2>&1; then restorecon -F "$d" "$f" >/dev/null 2>&1 || :; fi
-echo added
-'''
+#: The machine-side program (``gpumagic/remote/programs/keys-authorize.sh``): the key line is
+#: its argument (a public key is no secret); it prints ``added`` or ``present``.
+AUTHORIZE = "keys-authorize.sh"
 
 
 def authorize_key(connection: Connection, public_key: str) -> str:
@@ -692,16 +670,13 @@ def authorize_key(connection: Connection, public_key: str) -> str:
     GpumagicError
         When the remote shell cannot write the file (its stderr in the message).
     """
-    from .remote.execution import exec_simple
-
-    import shlex
+    from .remote import program
 
     _key_type_and_blob(public_key)
     line = public_key.strip()
     if "\n" in line or "\r" in line:
         raise ConfigError("the public key spans several lines", "give one .pub line")
-    r = exec_simple(connection, f"sh -s -- {shlex.quote(line)}", stdin=_AUTHORIZE_SH.encode(),
-                    timeout=60)
+    r = program.run(connection, AUTHORIZE, line, timeout=60)
     state = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     if r.exit_code != 0 or state not in ("added", "present"):
         raise GpumagicError(f"could not update ~/.ssh/authorized_keys on {connection.spec.address}: "

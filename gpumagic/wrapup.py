@@ -29,14 +29,10 @@ import json
 from dataclasses import dataclass, field
 from importlib import resources
 
-from .errors import GpumagicError
+from .errors import GpumagicError, WrapupError
 
 #: Size under which a cache is not worth listing (bytes).
 MIN_LISTED = 1
-
-
-class WrapupError(GpumagicError):
-    """The machine could not be examined (no python3 there, an unreadable answer)."""
 
 
 def program_source() -> str:

@@ -70,6 +70,25 @@ def test_gm_find_looks_outside_a_bare_path():
     assert missing == "missing"
 
 
+def test_shutdown_find_finds_shutdown_off_a_bare_path(tmp_path):
+    # A GPU image's non-login PATH often lacks /sbin: shutdown-find.sh still finds the
+    # command there (gm_find) instead of answering "nocmd".
+    off_path = lib_sh("gm_find shutdown || gm_find poweroff", env={"PATH": "/nonexistent"}).stdout.strip()
+    if not off_path:
+        pytest.skip("this computer has no shutdown or poweroff to find")
+    if os.geteuid() != 0:
+        pytest.skip("as a plain user without sudo the probe answers noroot before it looks")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("id", "cat"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    r = subprocess.run(["/bin/sh"], input=program.command("shutdown-find.sh"), capture_output=True,
+                       text=True, env={"PATH": str(bare)}, timeout=30)
+    init = open("/proc/1/comm").read().strip()
+    args = " -h now" if os.path.basename(off_path) == "shutdown" else ""
+    assert r.stdout.strip() == (f"ok {off_path}{args}" if init in ("systemd", "init") else f"noinit {init}")
+
+
 def test_command_quotes_arguments_for_sh_alone(tmp_path):
     weird = ["it's", "a b", "$HOME", "`id`", "back\\slash", "", "--", "\u4e2d\u6587"]
     text = program.command("lib.sh", *weird) + '\nfor a in "$@"; do printf "<%s>\\n" "$a"; done\n'

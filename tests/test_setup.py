@@ -637,3 +637,14 @@ def test_keygen_path_expands_environment_variables(tmp_path, monkeypatch, ip):
     ip.run_line_magic("gpu", "keygen --path $GM_KEYDIR/k1")
     assert (tmp_path / "k1").stat().st_mode & 0o777 == 0o600
     assert not Path("$GM_KEYDIR").exists()
+
+
+def test_local_file_wrapup_and_kernel_errors_live_in_errors_and_keep_their_old_names():
+    # issue 15 item 5: one exception family in gpumagic/errors.py; old imports still work.
+    from gpumagic import errors, wrapup
+    from gpumagic.remote import kernel
+
+    for name, module in (("LocalFileError", setup), ("WrapupError", wrapup), ("KernelError", kernel)):
+        cls = getattr(errors, name)
+        assert cls.__module__ == "gpumagic.errors" and issubclass(cls, errors.GpumagicError)
+        assert getattr(module, name) is cls

@@ -5,17 +5,24 @@ with its stand-in instead).
 Many rented "machines" are containers where ``shutdown`` exists but cannot work (PID 1 is
 not an init system) or the user is not root.  :func:`find_shutdown` answers in one round
 trip, before anything is armed, so a student is told at once instead of paying all night.
-The rules are those of the machine-side program ``budget-shutdown-probe.sh``
-(``gpumagic/remote/programs/``): root or passwordless ``sudo -n``; ``shutdown -h now`` else
-``poweroff``, looked for outside a non-login PATH too; PID 1 an init system, or a command
-that is not the distribution's own (a wrapper put earlier on PATH is trusted).
+
+Rules, in order:
+
+1. privilege: root, or ``sudo -n true`` succeeds (then the command is prefixed ``sudo -n``);
+2. a command, on PATH or where images keep it off a non-login PATH (``/sbin``, ``/usr/sbin``:
+   ``gm_find`` of ``lib.sh``): ``shutdown`` (run as ``shutdown -h now``), else ``poweroff``;
+3. it can act: PID 1 is an init system (``systemd``, ``init``), or the command found is not
+   the distribution's own (not under ``/sbin``, ``/usr/sbin``, ``/bin``, ``/usr/bin``): a
+   wrapper the user or platform put earlier on PATH is trusted to know what it does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..remote import program
+#: The machine-side probe (``gpumagic/remote/programs/shutdown-find.sh``): it prints one line,
+#: ``ok COMMAND``, ``noroot``, ``nocmd`` or ``noinit INIT``, read by :func:`parse_probe`.
+PROBE = "shutdown-find.sh"
 
 CONTAINER_HINT = ("this machine looks like a container (PID 1 is {init!r}, not an init system), "
                   "so it cannot power itself off; stop the instance from the platform's console "
@@ -44,7 +51,7 @@ class ShutdownPlan:
 
 
 def parse_probe(output: str) -> ShutdownPlan:
-    """Read the output of ``budget-shutdown-probe.sh`` (its last line)."""
+    """Read the output of ``shutdown-find.sh`` (its last line)."""
     line = output.strip().splitlines()[-1] if output.strip() else ""
     word, _, rest = line.partition(" ")
     if word == "ok" and rest:
@@ -62,5 +69,12 @@ def parse_probe(output: str) -> ShutdownPlan:
 
 
 def find_shutdown(machine) -> ShutdownPlan:
-    """Ask ``machine`` (a :class:`gpumagic.Machine`) how it can shut down; one round trip."""
-    return parse_probe(program.run(machine.connection, "budget-shutdown-probe.sh").stdout)
+    """Ask ``machine`` (a :class:`gpumagic.Machine`) how it can shut down; one round trip.
+
+    The probe runs as a cell does, in the login environment, so a ``shutdown`` wrapper that
+    ``~/.bashrc`` puts on PATH is found as the user would find it over ``ssh host``.
+    """
+    from ..remote import program
+
+    r = machine.run(["sh", "-c", program.command(PROBE)], quiet=True)
+    return parse_probe(r.stdout)

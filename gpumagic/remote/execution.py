@@ -22,9 +22,11 @@ only for commands that read stdin.
 
 How a cell runs
 ---------------
-The program:
+The program is the wrapper ``gpumagic/remote/programs/exec-cell.sh`` (run through
+:mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
+its arguments.  It:
 
-* prints the marker with its PID -- sshd made the login shell a session leader and
+* (in the frame :func:`program` puts around it) prints the marker with its PID -- sshd made the login shell a session leader and
   ``exec`` kept the PID, so it is also the process group of everything the cell starts;
 * enters the working directory (``~`` and relative paths start at ``$HOME``), exports the
   environment, and runs the cell (``bash -c`` or ``python3 -u -c``) with stdin from
@@ -56,6 +58,7 @@ import paramiko
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import Connection, wait_readable
 from ..errors import ConnectionLost, RemoteCommandError, RemoteTimeout
+from . import program as _program
 
 #: The exec request of every command gpumagic runs: three plain words that sh, bash, dash,
 #: zsh, fish, tcsh and csh all parse alike.  The program follows on stdin.
@@ -67,25 +70,10 @@ KILL_GRACE = 1.0
 #: The wrapper's exit status when the working directory does not exist (stderr says which).
 CWD_MISSING = 97
 
-#: Resolves ``$d`` as a working directory: ``~`` and ``~/x`` in ``$HOME``, a relative path
-#: from ``$HOME`` (the login directory on a rented machine, the sandbox's home on the sandbox).
-CD_SNIPPET = r"""case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; /*) ;; ?*) d=$HOME/$d ;; esac"""
-
-_WRAPPER = r"""
-if [ -n "$d" ] && ! cd -- "$d" 2>/dev/null; then
-  printf 'gpumagic: cannot enter directory %s on this machine\n' "$d" >&2; exit %(cwd_missing)s
-fi
-exec 3<&0
-exec /bin/sh -c 'trap "" TERM; while IFS= read -r _; do :; done; kill -TERM 0; sleep %(grace)s; kill -KILL 0' \
-  gpumagic-watchdog <&3 >/dev/null 2>&1 &
-watchdog=$!
-exec 3<&-
-%(env)s
-"$@" </dev/null
-rc=$?
-kill -KILL $watchdog 2>/dev/null
-exit $rc
-""".strip().replace("%(grace)s", str(KILL_GRACE)).replace("%(cwd_missing)s", str(CWD_MISSING))
+#: The wrapper every cell runs in (``gpumagic/remote/programs/exec-cell.sh``).
+CELL_PROGRAM = "exec-cell.sh"
+#: The login-environment probe (``gpumagic/remote/programs/exec-login-env.sh``).
+LOGIN_ENV_PROGRAM = "exec-login-env.sh"
 
 _SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Variables that belong to the shell itself (read-only where /bin/sh is bash): never passed.
@@ -161,6 +149,22 @@ def program(body: str, nonce: str) -> bytes:
     return (f"{{\nprintf '\\036gpumagic-%s %s\\n' {nonce} \"$$\"\n{body}\n}}; exit\n").encode()
 
 
+def _split_env(env: Mapping[str, str | None]) -> tuple[list[tuple[str, str | None]], dict[str, str | None]]:
+    """(the entries ``sh`` can set, in order; the entries whose names are not shell variable
+    names), leaving out the shell's own variables; RemoteCommandError for a NUL byte."""
+    shell, rest = [], {}
+    for k, v in env.items():
+        check_text(k + "=" + (v or ""), f"the environment variable {k.partition(chr(0))[0]}",
+                   by_line=False)
+        if k in _SHELL_OWN:
+            continue
+        if _SHELL_NAME.fullmatch(k):
+            shell.append((k, v))
+        else:
+            rest[k] = v
+    return shell, rest
+
+
 def export_lines(env: Mapping[str, str | None]) -> tuple[list[str], dict[str, str | None]]:
     """``sh`` lines that set ``env`` (``export K='V'``; ``unset K`` for a ``None`` value),
     and the entries no ``sh`` can set: names that are not shell variable names.
@@ -173,22 +177,14 @@ def export_lines(env: Mapping[str, str | None]) -> tuple[list[str], dict[str, st
     RemoteCommandError
         For a NUL byte in a name or value.
     """
-    lines, rest = [], {}
-    for k, v in env.items():
-        check_text(k + "=" + (v or ""), f"the environment variable {k.partition(chr(0))[0]}",
-                   by_line=False)
-        if k in _SHELL_OWN:
-            continue
-        if _SHELL_NAME.fullmatch(k):
-            lines.append(f"unset {k}" if v is None else f"export {k}={shlex.quote(v)}")
-        else:
-            rest[k] = v
-    return lines, rest
+    shell, rest = _split_env(env)
+    return [f"unset {k}" if v is None else f"export {k}={shlex.quote(v)}" for k, v in shell], rest
 
 
 def build_program(argv: Sequence[str], *, cwd: str | None = None,
                   env: Mapping[str, str | None] | None = None, nonce: str) -> bytes:
-    """The program a cell runs as (see the module docstring): the wrapper around ``argv``.
+    """The program a cell runs as (see the module docstring): the wrapper
+    ``exec-cell.sh`` around ``argv``, all of it arguments of the wrapper.
 
     ``env`` values of ``None`` unset that variable.  Names that are shell variable names are
     exported by the shell, so no value is ever in a process's argv; other names (bash's
@@ -197,13 +193,13 @@ def build_program(argv: Sequence[str], *, cwd: str | None = None,
     """
     cmd = list(argv)
     check_text(cwd or "", "the working directory", by_line=False)
-    lines = [f"d={shlex.quote(cwd or '')}", CD_SNIPPET]
-    exports, rest = export_lines(env or {})
+    shell, rest = _split_env(env or {})
     if rest:
         unset = [a for k, v in rest.items() if v is None for a in ("-u", k)]
         cmd = ["env", *unset, "--", *(f"{k}={v}" for k, v in rest.items() if v is not None), *cmd]
-    wrapper = _WRAPPER.replace("%(env)s", "\n".join(exports + ["set -- " + shlex.join(cmd)]))
-    return program("\n".join(lines) + "\n" + wrapper, nonce)
+    entries = [k if v is None else f"{k}={v}" for k, v in shell]
+    return program(_program.command(CELL_PROGRAM, cwd or "", KILL_GRACE, CWD_MISSING, len(entries),
+                                    *entries, *cmd), nonce)
 
 
 def cell_argv(code: str, *, python: bool = False, python_exe: str = "python3") -> list[str]:
@@ -580,15 +576,8 @@ def login_env_delta(conn: Connection, timeout: float = 15) -> dict[str, str | No
     it so that they see what the user sees over ``ssh host``, while each later exec pays
     only for a non-interactive shell.
     """
-    # csh and tcsh take -l only as their sole option: they read the commands from stdin.
-    probe = (f"env -0; printf '{_ENV_MARK}'\n"
-             f"cmd=\"printf '{_ENV_MARK}'; env -0\"\n"
-             'case ${SHELL##*/} in\n'
-             '  csh|tcsh) printf \'%s\\n\' "$cmd" | "$SHELL" -l ;;\n'
-             '  *) "${SHELL:-/bin/sh}" -lic "$cmd" </dev/null ;;\n'
-             'esac 2>/dev/null')
     try:
-        r = exec_simple(conn, probe, timeout=timeout)
+        r = _program.run(conn, LOGIN_ENV_PROGRAM, _ENV_MARK, timeout=timeout)
     except RemoteTimeout:
         return {}
     parts = r.stdout.split(_ENV_MARK)

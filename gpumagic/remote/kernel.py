@@ -62,7 +62,7 @@ from typing import Any, Iterable, Mapping
 import paramiko
 
 from ..ssh import _paramiko
-from ..errors import ConnectionLost, GpumagicError, Interrupted, RemoteTimeout
+from ..errors import ConnectionLost, GpumagicError, Interrupted, KernelError, RemoteTimeout
 
 #: Where the keepers keep their kernels, relative to the remote HOME.
 KERNELS_DIR = ".gpumagic/kernels"
@@ -87,10 +87,6 @@ PROTOCOL_VERSION = "5.3"
 #: SSH channel window asked for the keeper's channel (bytes).
 WINDOW_SIZE = 8 * 1024 * 1024
 MAX_PACKET_SIZE = 255 * 1024
-
-
-class KernelError(GpumagicError):
-    """A remote session cannot be started, found or used as asked."""
 
 
 class KernelConnectionLost(ConnectionLost):
