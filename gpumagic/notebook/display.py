@@ -128,9 +128,13 @@ def status_html(status: GpuStatus) -> str:
             "<th>processes</th></tr>" + "".join(rows) + "</table></div>")
 
 
-def render_status(status: GpuStatus) -> Rendered:
-    """The status as text/plain and text/html."""
-    return Rendered(status_text(status), status_html(status))
+def render_status(status: GpuStatus, note: str = "") -> Rendered:
+    """The status as text/plain and text/html (static: it renders from a saved notebook with
+    no kernel and no widget state); ``note`` is a line under it (why a --watch stopped)."""
+    if not note:
+        return Rendered(status_text(status), status_html(status))
+    return Rendered(f"{status_text(status)}\n{note}",
+                    f"{status_html(status)}<div><i>{escape(note)}</i></div>")
 
 
 # -- doctor (%gpu doctor) ----------------------------------------------------------------------
@@ -218,6 +222,33 @@ def sync_progress_text(p) -> str:
     if p.bytes_total > p.bytes_done:
         text += f"  ETA {format_seconds((p.bytes_total - p.bytes_done) / rate)}"
     return text
+
+
+def sync_bar_text(p, failed: bool = False) -> str:
+    """The sync bar as one line of text: ``sync: 4/4 files ...``; a sync with nothing to
+    transfer says so instead of showing an empty bar."""
+    if p is None:
+        return "sync: failed before anything was sent" if failed else "sync: starting"
+    if p.finished and not p.files_total and not p.bytes_total:
+        return "sync: nothing to transfer (everything is up to date)"
+    return f"sync{' FAILED' if failed else ''}: {sync_progress_text(p)}"
+
+
+def sync_bar_html(p, failed: bool = False) -> str:
+    """The sync bar as static HTML (a bar coloured by outcome and its line), for a saved
+    notebook: no widget model is needed to show it."""
+    text = sync_bar_text(p, failed)
+    if p is None or (p.finished and not p.files_total and not p.bytes_total):
+        return f"<div>{escape(text)}</div>"
+    frac = (p.bytes_done / p.bytes_total) if p.bytes_total else (1.0 if p.finished else 0.0)
+    colour = "#c62828" if failed else "#2e7d32" if p.finished else "#4a90d9"
+    return f"<div>{_bar(100 * frac, colour)} {escape(text)}</div>"
+
+
+def render_sync_bar(p, failed: bool = False) -> Rendered:
+    """A sync bar's state (a :class:`gpumagic.sync.SyncProgress`, or None before the first
+    report) as text/plain and text/html."""
+    return Rendered(sync_bar_text(p, failed), sync_bar_html(p, failed))
 
 
 def _paths(label: str, paths: list[str], limit: int = 20) -> list[str]:
@@ -411,8 +442,9 @@ def guard_text(g, *, local_now: float | None = None) -> str:
     return f"guard: {g.state}"
 
 
-def meter_text(r) -> str:
-    """The meter (a :class:`gpumagic.budget.MeterReading`) as plain text."""
+def meter_text(r, ascii_bar: bool = True) -> str:
+    """The meter (a :class:`gpumagic.budget.MeterReading`) as plain text; ``ascii_bar=False``
+    leaves the ``[###---]`` bar out of the limit line (the HTML meter draws its own)."""
     p = r.prices
     lines = [f"{r.machine}: spent {p.money(r.spent)} in {duration(r.elapsed_s)} "
              f"(since {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.started_at))}, "
@@ -427,7 +459,8 @@ def meter_text(r) -> str:
         when = ("LIMIT REACHED" if r.limit_in_s == 0
                 else f"stop within {duration(r.limit_in_s)} to stay within it" if r.limit_in_s is not None
                 else "never reached")
-        lines.append(f"  limit {p.money(r.limit)}: {_bar_text(frac)} {frac:.0%}; {when}")
+        bar = f"{_bar_text(frac)} " if ascii_bar else ""
+        lines.append(f"  limit {p.money(r.limit)}: {bar}{frac:.0%}; {when}")
     lines.append(f"  the rest of today (to midnight) costs {p.money(r.rest_of_today)} more if it stays on")
     if r.alerts:
         lines.append("  alerts at " + ", ".join(p.money(a) for a in r.alerts))
@@ -446,7 +479,7 @@ def meter_html(r) -> str:
         rows.append(f'<div style="width:320px;border:1px solid #999;height:12px">'
                     f'<div style="width:{frac * 100:.1f}%;height:100%;background:{colour}"></div></div>')
     body = "<br>".join(rows)
-    text = esc("\n".join(meter_text(r).splitlines()[1:]))
+    text = esc("\n".join(meter_text(r, ascii_bar=False).splitlines()[1:]))
     return f'<div class="gpumagic-budget">{body}<pre style="margin:4px 0">{text}</pre></div>'
 
 

@@ -1,0 +1,69 @@
+"""Every tutorial, executed with nbclient: its saved outputs render from the file alone.
+
+A reopened notebook, nbviewer and GitHub have no widget models, so a finished output must be
+static HTML with a text/plain fallback; a live widget (a --watch, a running sync bar) is
+replaced by its final static state through its display id when it stops (issue 17 item 1).
+"""
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gpumagic.__main__ import run_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+TUTORIALS = sorted((ROOT / "example-notebooks").glob("*.ipynb"))
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Each tutorial executed once in this module: {file name: executed notebook}."""
+    out = tmp_path_factory.mktemp("executed")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
+    try:
+        return {p.name: nbformat.read(run_notebook(p, out / p.stem), as_version=4) for p in TUTORIALS}
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def rich_outputs(nb, command):
+    """The display outputs of the code cells with a line that is ``command`` (a trailing
+    ``*``: that starts with it)."""
+    def runs(line):
+        line = line.split("#")[0].strip()
+        return line.startswith(command[:-1]) if command.endswith("*") else line == command
+
+    return [o for c in nb.cells if c.cell_type == "code" and any(map(runs, c.source.splitlines()))
+            for o in c.outputs if o.output_type in ("display_data", "execute_result")]
+
+
+def test_no_saved_output_needs_a_widget_model(executed):
+    for name, nb in executed.items():
+        for i, c in enumerate(nb.cells):
+            for o in c.get("outputs", []):
+                data = o.get("data", {})
+                if WIDGET in data:
+                    assert "text/plain" in data and "text/html" in data, (name, i, c.source, data)
+
+
+@pytest.mark.parametrize("notebook, cell, needle", [
+    ("02-check-the-machine.ipynb", "%gpu status", "<table>"),             # a status snapshot
+    ("02-check-the-machine.ipynb", "%gpu status --watch*", "<table>"),    # a watch, once stopped
+    ("03-sync-code-and-results.ipynb", "%gpu sync project/ :project/", "sync: "),  # a finished sync bar
+    ("06-budget.ipynb", "%gpu budget", "gpumagic-budget"),                # the budget meter
+    ("04-long-training-jobs.ipynb", "%gpu jobs", "<table>"),               # the job table
+])
+def test_finished_outputs_are_static_html_with_text(executed, notebook, cell, needle):
+    outs = rich_outputs(executed[notebook], cell)
+    assert outs, f"no display output from {cell!r} in {notebook}"
+    for o in outs:
+        assert WIDGET not in o.data, (cell, o.data)
+        assert "text/html" in o.data and "text/plain" in o.data, (cell, o.data)
+    assert any(needle in o.data["text/html"] for o in outs), [o.data["text/html"] for o in outs]
