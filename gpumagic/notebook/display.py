@@ -302,9 +302,32 @@ def _local_time(epoch: float | None) -> str:
     return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
+#: Alerts already shown in this kernel, as (job name, job start time, alert kind): each is
+#: shown once, the first time a command meets it; after that the job's row carries it.
+_ALERTS_SHOWN: set[tuple[str, float | None, str]] = set()
+
+
+def first_alert(job_name: str, started: float | None, kind: str) -> bool:
+    """True the first time the alert ``kind`` of the job ``job_name`` started at ``started``
+    (epoch seconds; a job started again under the same name is a new job) is offered in this
+    kernel, then False: an alert box is shown once, with its job, not under every later
+    ``%gpu jobs``."""
+    key = (job_name, started, kind)
+    if key in _ALERTS_SHOWN:
+        return False
+    _ALERTS_SHOWN.add(key)
+    return True
+
+
+def _alert_labels(j) -> list[str]:
+    if not getattr(j, "alerts_enabled", True):
+        return []
+    return list(dict.fromkeys(a.label for a in j.alerts))
+
+
 def job_rows(jobs) -> list[list[str]]:
-    """Header + one row per :class:`gpumagic.remote.jobs.JobInfo`: name, state, started, run time,
-    last log line."""
+    """Header + one row per :class:`gpumagic.remote.jobs.JobInfo`: name, state (with its
+    pending shutdown and the alerts its log raised), started, run time, last log line."""
     from ..remote.jobs import format_duration
 
     rows = [["NAME", "STATE", "STARTED", "RUN TIME", "LAST LINE"]]
@@ -312,6 +335,8 @@ def job_rows(jobs) -> list[list[str]]:
         state = j.state_text
         if j.shutdown_text:
             state += f"; {j.shutdown_text}"
+        for label in _alert_labels(j):
+            state += f"; alert: {label}"
         rows.append([j.name, state, _local_time(j.started), format_duration(j.run_seconds),
                      _clip(j.last_line, 60)])
     return rows
