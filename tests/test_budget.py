@@ -738,6 +738,8 @@ def test_guard_at_limit_ahead_calls_shutdown_once_at_the_limit(guards):
     assert status.state == "fired" and not status.alive
     log = g.log()
     assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
+    # issue 17 case 5: the armed line names only the triggers set, never "idle=-s"
+    assert "=-s" not in log and re.search(r"guard armed: limit_in=\d+s grace=\d+s poll=", log), log
 
 
 @pytest.mark.parametrize("alias", ["g-idle", "g-inforom"])

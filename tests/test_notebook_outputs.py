@@ -67,3 +67,23 @@ def test_finished_outputs_are_static_html_with_text(executed, notebook, cell, ne
         assert WIDGET not in o.data, (cell, o.data)
         assert "text/html" in o.data and "text/plain" in o.data, (cell, o.data)
     assert any(needle in o.data["text/html"] for o in outs), [o.data["text/html"] for o in outs]
+
+
+def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
+    # issue 17 case 5: quickstart.sh printed ipykernel's "Kernel is running over TCP without
+    # encryption" warning; the local kernel now talks over IPC sockets.
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    nbformat.write(nb, tmp_path / "tiny.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "tiny.ipynb"),
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "without encryption" not in r.stderr and "WARNING" not in r.stderr, r.stderr
+    out = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
+    assert out.cells[0].outputs[0].text == "42\n"
+    assert not list(Path(tmp_path).glob("**/kernel-ipc*"))  # no socket files left behind

@@ -90,8 +90,8 @@ def status_widget(status: GpuStatus):
             self.status = status
             header = display.escape(display.status_header(status))
             if not status.ok and status.hint:
-                header += f"<br>hint: {display.escape(status.hint)}"
-            header += "".join(f"<br>warning: {display.escape(w)}" for w in status.warnings)
+                header += f"<br>hint: {display.prose(status.hint)}"
+            header += "".join(f"<br>warning: {display.prose(w)}" for w in status.warnings)
             self.header.value = f"<b>{header}</b>"
             gpus = status.gpus if status.ok else []
             if len(self.rows) != len(gpus):
@@ -103,7 +103,7 @@ def status_widget(status: GpuStatus):
         def set_note(self, text: str) -> None:
             """A line under the status (e.g. why a --watch stopped)."""
             self.note_text = text
-            self.note.value = display.escape(text)
+            self.note.value = display.prose(text)  # `%gpu status --stop` as <code>
 
         def show(self) -> None:
             """Display the live widget under a display id, so :meth:`finish` can replace it."""
