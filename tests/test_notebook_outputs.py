@@ -14,7 +14,10 @@ import pytest
 from gpumagic.__main__ import run_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
-TUTORIALS = sorted((ROOT / "example-notebooks").glob("*.ipynb"))
+NOTEBOOKS = ROOT / "example-notebooks"
+ENGLISH = sorted(NOTEBOOKS.glob("*.ipynb"))
+CHINESE = sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))
+TUTORIALS = ENGLISH + CHINESE
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
@@ -25,7 +28,9 @@ def executed(tmp_path_factory):
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
     try:
-        return {p.name: nbformat.read(run_notebook(p, out / p.stem), as_version=4) for p in TUTORIALS}
+        return {str(p.relative_to(NOTEBOOKS)): nbformat.read(run_notebook(p, out / p.parent.name / p.stem),
+                                                             as_version=4)
+                for p in TUTORIALS}
     finally:
         if old is None:
             del os.environ["PYTHONPATH"]
@@ -87,3 +92,42 @@ def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
     out = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
     assert out.cells[0].outputs[0].text == "42\n"
     assert not list(Path(tmp_path).glob("**/kernel-ipc*"))  # no socket files left behind
+
+
+# -- the Simplified Chinese tutorials (example-notebooks/zh-CN) ------------------------------
+
+
+def _code(nb):
+    return [(c.source, c.metadata.get("tags", [])) for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("zh", CHINESE, ids=lambda p: p.name)
+def test_each_chinese_tutorial_has_the_english_ones_code_cells(zh):
+    en = NOTEBOOKS / zh.name
+    assert en.exists(), f"{zh.name} has no English twin in example-notebooks/"
+    zh_nb, en_nb = nbformat.read(zh, as_version=4), nbformat.read(en, as_version=4)
+    assert _code(zh_nb) == _code(en_nb)
+    prose = "".join(c.source for c in zh_nb.cells if c.cell_type == "markdown")
+    assert sum("\u4e00" <= ch <= "\u9fff" for ch in prose) > len(prose) / 4  # written in Chinese
+
+
+def test_executed_chinese_tutorials_match_the_english_outputs(executed):
+    # The same code gives the same kinds of output: no cell errs in one language only.
+    for zh in CHINESE:
+        zh_nb, en_nb = executed[f"zh-CN/{zh.name}"], executed[zh.name]
+        zh_kinds = [[o.output_type for o in c.outputs] for c in zh_nb.cells if c.cell_type == "code"]
+        en_kinds = [[o.output_type for o in c.outputs] for c in en_nb.cells if c.cell_type == "code"]
+        assert [("error" in k) for k in zh_kinds] == [("error" in k) for k in en_kinds], zh.name
+        assert any(zh_kinds), zh.name
+
+
+def test_readme_zh_cn_gives_the_same_two_set_up_commands():
+    import re
+
+    def commands(text):
+        block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "quickstart.sh" in b)
+        return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+
+    en = commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    zh = commands((ROOT / "README.zh-CN.md").read_text(encoding="utf-8"))
+    assert zh == en == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]
