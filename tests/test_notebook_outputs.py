@@ -27,15 +27,35 @@ def executed(tmp_path_factory):
     out = tmp_path_factory.mktemp("executed")
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
+    ran = None
     try:
-        return {str(p.relative_to(NOTEBOOKS)): nbformat.read(run_notebook(p, out / p.parent.name / p.stem),
+        ran = {str(p.relative_to(NOTEBOOKS)): nbformat.read(run_notebook(p, out / p.parent.name / p.stem),
                                                              as_version=4)
-                for p in TUTORIALS}
+                  for p in TUTORIALS}
     finally:
         if old is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = old
+        _remove_tutorial_jobs()
+    return ran
+
+
+def _remove_tutorial_jobs():
+    """Notebook 04's jobs live in this user's ~/.gpumagic/jobs (the sandbox's HOME): end and
+    remove them, a pending shutdown cancelled, as tests/test_jobs.py does after running it."""
+    import pwd
+    import shutil
+    import subprocess
+
+    from gpumagic.remote import jobs
+
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    for d in (home / ".gpumagic" / "jobs").glob("tutorial-*"):
+        subprocess.run(["/bin/sh", "-c", jobs.CANCEL_SHUTDOWN_SCRIPT, "x", d.name], capture_output=True)
+        if (d / "kill.sh").exists():
+            subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def rich_outputs(nb, command):
@@ -99,6 +119,10 @@ def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
 
 def _code(nb):
     return [(c.source, c.metadata.get("tags", [])) for c in nb.cells if c.cell_type == "code"]
+
+
+def test_every_english_tutorial_has_a_chinese_one():
+    assert [p.name for p in CHINESE] == [p.name for p in ENGLISH]
 
 
 @pytest.mark.parametrize("zh", CHINESE, ids=lambda p: p.name)
