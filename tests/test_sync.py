@@ -592,9 +592,10 @@ def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
     assert ": 2 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
     assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
     assert "1 files," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
-    # the progress bar was a widget, with a text fallback
-    bars = [o["data"] for o in cells[2].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
-    assert len(bars) == 1 and bars[0]["text/plain"].startswith("sync progress:")
+    # the progress bar was a widget while it ran; the saved file has its final static state
+    bars = [o["data"] for o in cells[2].outputs if o.output_type == "display_data"]
+    assert len(bars) == 1 and set(bars[0]) == {"text/plain", "text/html"}, bars
+    assert bars[0]["text/plain"].startswith("sync: 3/3 files")
 
 
 def test_missing_remote_python3_is_a_clear_error(tmp_path):
