@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,12 +56,21 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
     nb = nbformat.read(path, as_version=4)
     out = Path(output_dir) / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+    from traitlets.config import Config
+
+    # IPC sockets, not TCP on 127.0.0.1: the kernel is local, and over TCP ipykernel warns
+    # "Kernel is running over TCP without encryption" into every run.
+    # The socket files go in a short private directory (a Unix socket path has at most 107
+    # bytes; the kernel runs in the notebook's folder, so the path must be absolute).
+    sockets = tempfile.mkdtemp(prefix="gm-kernel-")
+    config = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "ipc")}})
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, config=config,
                             resources={"metadata": {"path": str(path.parent)}})
     try:
         client.execute()
     finally:
         nbformat.write(nb, out)
+        shutil.rmtree(sockets, ignore_errors=True)
     return out
 
 

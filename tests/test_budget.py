@@ -59,6 +59,18 @@ def test_meter_reading_for_case_1_shows_spent_and_next_boundary():
     assert "24.00" in text and "stopping now costs the same as stopping in 59 min" in text
 
 
+def test_the_html_meter_draws_one_bar_not_an_html_and_an_ascii_one():
+    # issue 17 case 5: "the meter shows an HTML bar and an ASCII bar for the same figure".
+    from gpumagic.notebook import display
+
+    now = 1_800_000_000.0
+    r = budget.meter("m", Prices(rate=12, billing="hour"), now - 61 * 60, now, limit=50)
+    assert "[" + "#" * 14 in display.meter_text(r)  # the text form keeps its bar (48%)
+    html = display.meter_html(r)
+    assert "[#" not in html and "#-" not in html
+    assert html.count("width:48.0%") == 1 and "limit 50.00: 48%; stop within" in html
+
+
 # -- case 2: storage in the hourly rate ---------------------------------------------------
 
 
@@ -767,6 +779,8 @@ def test_guard_at_limit_ahead_calls_shutdown_once_at_the_limit(guards):
     assert status.state == "fired" and not status.alive
     log = g.log()
     assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
+    # issue 17 case 5: the armed line names only the triggers set, never "idle=-s"
+    assert "=-s" not in log and re.search(r"guard armed: limit_in=\d+s grace=\d+s poll=", log), log
 
 
 @pytest.mark.parametrize("alias", ["g-idle", "g-inforom"])

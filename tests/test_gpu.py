@@ -484,7 +484,7 @@ def test_watch_keeps_running_through_a_mismatch_status():
 
 
 def test_status_widget_values_and_plain_text_form():
-    from gpumagic.notebook import widgets
+    from gpumagic.notebook import display, widgets
 
     load = smi.status_from_sections(sections_for(PACKAGED, "h200-load"), host="h", fields=RECORDED_Q)
     view = widgets.status_widget(load)
@@ -495,6 +495,7 @@ def test_status_widget_values_and_plain_text_form():
     bundle = view._repr_mimebundle_()
     assert bundle["text/plain"] == status_text(load)
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/html"] == display.status_html(load)  # the fallback without a model
     bad = smi.status_from_sections({"gpus": Section(MISMATCH, 18)}, host="h")
     view.update(bad)
     assert view.rows == [] and "driver/library mismatch" in view.header.value

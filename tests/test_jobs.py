@@ -842,3 +842,33 @@ def test_relative_job_cwd_starts_at_home_and_the_job_state_is_private(machine, s
     for p in [home / ".gpumagic", home / jobs.JOBS_DIR, d, *d.iterdir()]:
         want = 0o700 if p.is_dir() else 0o600
         assert p.stat().st_mode & 0o777 == want, p
+
+
+# -- issue 17 case 4: an alert is shown once, with its job ------------------------------------
+
+
+def test_an_alert_is_shown_once_with_its_job_not_under_every_later_listing(ip):
+    ip.run_line_magic("gpu", "connect testgpu")
+    m = ip._gpumagic.session.get()
+    diverged, later = jname("once"), jname("later")
+    ip.run_cell_magic("remote", f"--job {diverged}", "echo 'step 20 loss nan'")
+    m.job(diverged).wait(timeout=30)
+    shown = []
+    for _ in range(3):  # `%gpu attach`, then `%gpu jobs` twice, as re-running notebook 04 does
+        with capture_output() as c:
+            ip.run_line_magic("gpu", f"attach {diverged}" if not shown else "jobs")
+        shown.append(c.outputs)
+    ip.run_cell_magic("remote", f"--job {later}", "echo fine")
+    m.job(later).wait(timeout=30)
+    with capture_output() as c:
+        ip.run_line_magic("gpu", "jobs")
+    shown.append(c.outputs)
+    alerts = [[o for o in outs if "ALERT" in o.data.get("text/plain", "")] for outs in shown]
+    assert [len(a) for a in alerts] == [1, 0, 0, 0]
+    assert f"ALERT job {diverged}: NaN/inf loss in the log" in alerts[0][0].data["text/plain"]
+    table = next(o.data for o in shown[-1] if "jobs on" in o.data.get("text/plain", ""))
+    row = next(line for line in table["text/plain"].splitlines() if line.startswith(diverged))
+    assert "exited 0; alert: NaN/inf loss" in row  # the job keeps its alert, in its own row
+    assert "exited 0; alert: NaN/inf loss" in table["text/html"]
+    later_row = next(line for line in table["text/plain"].splitlines() if line.startswith(later))
+    assert "alert" not in later_row

@@ -35,9 +35,10 @@ def test_check_the_machine_notebook_runs_and_shows_status_doctor_and_hint(tmp_pa
     assert streams.splitlines() == ["sandbox: driver 580.159.04, CUDA 13.0 (driver maximum)", line,
                                     "  python3 (pid 485) 20204 MiB"]
     cell = next(c for c in nb.cells if c.cell_type == "code" and c.source == "%gpu status")
-    widget, = [o for o in cell.outputs if o.output_type == "display_data"]
-    assert "application/vnd.jupyter.widget-view+json" in widget.data
-    assert line in widget.data["text/plain"]  # the fallback is the status, not a repr
+    shown, = [o for o in cell.outputs if o.output_type == "display_data"]
+    # a one-shot status is static: HTML and text, no widget model (issue 17 case 1)
+    assert set(shown.data) == {"text/plain", "text/html"}
+    assert line in shown.data["text/plain"]
     streams, _, _ = cell_outputs(nb, "%gpu status --stop")
     assert streams == "stopped watching sandbox\n"
     _, plain, _ = cell_outputs(nb, "%gpu doctor --expect-gpu H200 --expect-count 1")

@@ -174,7 +174,9 @@ def test_watch_keeps_running_through_a_mismatch_and_stops_on_stop(kernel_ip, set
     assert watcher.running and view.rows[0].util.value == 100
     capsys.readouterr()
     ip.run_line_magic("gpu", "status --stop")
-    assert capsys.readouterr().out == "stopped watching testgpu\n"
+    # the watch's last state replaces the widget (a terminal shell prints it), then the line
+    assert capsys.readouterr().out.endswith("  python3 (pid 485) 20204 MiB\n"
+                                            "stopped (%gpu status --stop)\nstopped watching testgpu\n")
     assert not watcher.running
     assert view.note_text == "stopped (%gpu status --stop)"
     ip.run_line_magic("gpu", "status --stop")
@@ -307,3 +309,63 @@ def test_watch_refreshes_while_cells_run_on_the_same_connection(kernel_ip, capsy
     assert watcher.refreshes >= 2 and watcher.failures == 0
     assert outputs == [f"cell {i}\n" for i in range(len(outputs))]
     ip.run_line_magic("gpu", "status --stop")
+
+
+@pytest.fixture
+def published(ip, monkeypatch):
+    """What the shell publishes: (data, transient, update, thread name) per display."""
+    import threading
+
+    out = []
+
+    def publish(data, metadata=None, source=None, *, transient=None, update=False, **kw):
+        out.append((data, transient or {}, update, threading.current_thread().name))
+
+    monkeypatch.setattr(ip.display_pub, "publish", publish)
+    return out
+
+
+def test_one_shot_status_in_a_kernel_is_static_html_and_text_with_no_widget(kernel_ip, published):
+    # issue 17 case 1: a one-shot `%gpu status` needs no widget model.
+    kernel_ip.run_line_magic("gpu", "connect testgpu")
+    published.clear()
+    kernel_ip.run_line_magic("gpu", "status")
+    (data, _, _, _), = published
+    assert set(data) == {"text/plain", "text/html"}
+    assert "<table>" in data["text/html"] and "NVIDIA H200" in data["text/html"]
+    assert kernel_ip._gpumagic.status_watchers == {}
+
+
+def test_a_stopped_watch_is_replaced_by_its_static_state_through_its_display_id(kernel_ip, published):
+    # issue 17 case 1: a live widget only while it updates, then its final static state.
+    ip = kernel_ip
+    ip.run_line_magic("gpu", "connect testgpu")
+    published.clear()
+    ip.run_line_magic("gpu", "status --watch 1")
+    (live, transient, update, _), = published
+    widget = "application/vnd.jupyter.widget-view+json"
+    assert widget in live and "<table>" in live["text/html"] and "GPU0" in live["text/plain"]
+    display_id = transient["display_id"]
+    watcher = ip._gpumagic.status_watchers["testgpu"]
+    ip.run_line_magic("gpu", "status --stop")
+    data, transient, update, thread = published[-1]
+    assert update and transient == {"display_id": display_id}
+    assert widget not in data and set(data) == {"text/plain", "text/html"}
+    assert data["text/plain"].endswith("\nstopped (%gpu status --stop)")
+    assert "stopped (%gpu status --stop)" in data["text/html"] and "<table>" in data["text/html"]
+    assert thread == "MainThread"  # in the --stop cell, so a saved notebook records it
+    assert watcher.reason == "stopped (%gpu status --stop)" and not watcher.running
+
+
+def test_a_watch_that_ends_by_itself_replaces_itself_once(kernel_ip, published):
+    ip = kernel_ip
+    ip.run_line_magic("gpu", "connect testgpu")
+    published.clear()
+    ip.run_line_magic("gpu", "status --watch 1")
+    watcher = ip._gpumagic.status_watchers["testgpu"]
+    ip.run_line_magic("gpu", "disconnect")
+    watcher._thread.join(30)
+    watcher.stop()  # after it ended: nothing more is shown
+    updates = [p for p in published if p[2]]
+    assert len(updates) == 1
+    assert updates[0][0]["text/plain"].endswith("\nstopped: the machine is disconnected")

@@ -544,6 +544,7 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
     bundle = bar._repr_mimebundle_()
     assert bundle["text/plain"].startswith("sync progress: 1/4 files")
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/html"].startswith("<div><div style=") and "sync: 1/4 files" in bundle["text/html"]
     with open(tmp_path / "err.txt", "w") as f:
         t = SyncProgressText(file=f)
         t(p)
@@ -634,9 +635,10 @@ def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
     assert ": 2 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
     assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
     assert "1 files," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
-    # the progress bar was a widget, with a text fallback
-    bars = [o["data"] for o in cells[2].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
-    assert len(bars) == 1 and bars[0]["text/plain"].startswith("sync progress:")
+    # the progress bar was a widget while it ran; the saved file has its final static state
+    bars = [o["data"] for o in cells[2].outputs if o.output_type == "display_data"]
+    assert len(bars) == 1 and set(bars[0]) == {"text/plain", "text/html"}, bars
+    assert bars[0]["text/plain"].startswith("sync: 3/3 files")
 
 
 def test_missing_remote_python3_is_a_clear_error(tmp_path):
@@ -712,3 +714,54 @@ def test_python_push_and_pull_accept_the_sync_colon_forms(machine, tmp_path):
         machine.push(str(src) + "/", f"othermachine:{remote}/")
     assert "'othermachine'" in e.value.message
     machine.run(["rm", "-rf", remote], quiet=True)
+
+
+def _published(ip, monkeypatch):
+    out = []
+    monkeypatch.setattr(ip.display_pub, "publish", lambda data, metadata=None, source=None, *,
+                        transient=None, update=False, **kw: out.append((data, transient, update)))
+    return out
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_finished_sync_bar_is_replaced_by_static_html_and_text(ip, monkeypatch, failed):
+    # issue 17 case 1: the live bar, then its final state with no widget model.
+    from gpumagic.notebook.widgets import SyncProgressBar
+
+    shown = _published(ip, monkeypatch)
+    bar = SyncProgressBar()
+    (live, transient, update), = shown
+    assert "application/vnd.jupyter.widget-view+json" in live and not update
+    assert live["text/plain"] == "sync progress: starting" and bar.label.value == "starting"
+    p = sync.SyncProgress(files_total=4, bytes_total=4096, files_done=4 if not failed else 1,
+                          bytes_done=4096 if not failed else 1024, started=time.monotonic() - 2)
+    p.finished = not failed
+    bar(p)
+    bar.close(failed=failed)
+    data, transient2, update = shown[-1]
+    assert update and transient2 == transient
+    assert set(data) == {"text/plain", "text/html"}
+    if failed:
+        assert data["text/plain"].startswith("sync FAILED: 1/4 files  1.0 KiB/4.0 KiB")
+        assert "#c62828" in data["text/html"]
+    else:
+        assert data["text/plain"].startswith("sync: 4/4 files  4.0 KiB/4.0 KiB") and "done in" in data["text/plain"]
+        assert "width:100%" in data["text/html"] and "#2e7d32" in data["text/html"]
+    bar.close()  # twice: nothing more
+    assert len(shown) == 2
+
+
+def test_a_no_op_sync_says_nothing_to_transfer_instead_of_an_empty_bar(ip, monkeypatch):
+    # issue 17 case 5: "a no-op sync shows an empty, unlabelled grey bar".
+    from gpumagic.notebook.widgets import SyncProgressBar
+
+    shown = _published(ip, monkeypatch)
+    bar = SyncProgressBar()
+    p = sync.SyncProgress(files_total=0, bytes_total=0, started=time.monotonic())
+    p.finished = True
+    bar(p)
+    assert bar.label.value == "nothing to transfer (everything is up to date)"
+    bar.close()
+    data = shown[-1][0]
+    assert data["text/plain"] == "sync: nothing to transfer (everything is up to date)"
+    assert data["text/html"] == "<div>sync: nothing to transfer (everything is up to date)</div>"

@@ -24,7 +24,9 @@ class Watcher:
         Called from the thread with each new status (update widget values here; never
         write to an Output widget from a thread).
     on_stop : callable
-        Called once, from the thread, with the reason the watch ended.
+        Called once with the reason the watch ended: from the thread that called
+        :meth:`stop` (so a ``%gpu status --stop`` cell shows what it stopped), or from the
+        watch thread when the watch ends by itself.
     interval : float
         Seconds between refreshes.
     is_connected : callable
@@ -48,6 +50,8 @@ class Watcher:
         self.reason = ""
         self._stop_reason = "stopped (%gpu status --stop)"
         self._stop = threading.Event()
+        self._stopped_by_caller = False
+        self._stop_told = False
         self._thread = threading.Thread(target=self._loop, name="gpumagic-status-watch", daemon=True)
 
     def start(self) -> "Watcher":
@@ -62,9 +66,13 @@ class Watcher:
         """Ask the thread to end, and wait for it (``wait`` seconds at most); ``on_stop``
         receives ``reason``."""
         self._stop_reason = reason
+        self._stopped_by_caller = threading.current_thread() is not self._thread
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if self._thread.is_alive() and self._stopped_by_caller:
             self._thread.join(wait)
+        if self._stopped_by_caller and not self._thread.is_alive() and not self._stop_told:
+            self._stop_told = True
+            self.on_stop(self.reason or reason)
 
     def _loop(self) -> None:
         reason = "stopped"
@@ -91,5 +99,7 @@ class Watcher:
         except Exception as e:  # a bug in on_update: say so instead of dying silently
             reason = f"stopped: {type(e).__name__}: {e}"
         self.reason = reason
-        self.on_stop(reason)
+        if not self._stopped_by_caller and not self._stop_told:
+            self._stop_told = True
+            self.on_stop(reason)
 

@@ -7,6 +7,7 @@ Each view is a :class:`Rendered` (text/plain and text/html), which IPython displ
 from __future__ import annotations
 
 import html
+import re
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -38,6 +39,22 @@ class Rendered:
 def escape(x) -> str:
     """``str(x)`` made safe for HTML."""
     return html.escape(str(x))
+
+
+_BACKTICKS = re.compile(r"`([^`\n]+)`")
+
+
+def prose(x) -> str:
+    """``str(x)`` as HTML text: escaped, each ```code``` span in ``<code>`` (as Markdown
+    shows it), each line break a ``<br>`` (HTML joins lines into one)."""
+    text = _BACKTICKS.sub(r"<code>\1</code>", html.escape(str(x)))
+    return text.replace("\n", "<br>")
+
+
+#: Table cells start at the left: JupyterLab's stylesheet right-aligns them, which puts each
+#: value far from its label.
+TD = "<td style='text-align:left'>"
+TH = "<th style='text-align:left'>"
 
 
 # -- GPU status (%gpu status) ----------------------------------------------------------------
@@ -108,7 +125,7 @@ def status_html(status: GpuStatus) -> str:
     """HTML status: per GPU, memory and utilisation bars, temperature, power, processes."""
     if not status.ok:
         return (f"<div><b>{escape(status_header(status))}</b><br>"
-                f"<span>hint: {escape(status.hint)}</span></div>")
+                f"<span>hint: {prose(status.hint)}</span></div>")
     rows = []
     for g in status.gpus:
         mem_pct = (100.0 * g.memory_used_mib / g.memory_total_mib
@@ -116,23 +133,27 @@ def status_html(status: GpuStatus) -> str:
         util = g.utilization_gpu_pct if known(g.utilization_gpu_pct) else 0
         procs = "<br>".join(escape(x.strip()) for x in process_lines(status, g))
         rows.append(
-            f"<tr><td><b>{escape(g.label)}</b> {escape(g.name)}</td>"
-            f"<td>{_bar(mem_pct, '#4a90d9')} {escape(reading(g.memory_used_mib))}/"
+            f"<tr>{TD}<b>{escape(g.label)}</b> {escape(g.name)}</td>"
+            f"{TD}{_bar(mem_pct, '#4a90d9')} {escape(reading(g.memory_used_mib))}/"
             f"{escape(reading(g.memory_total_mib))} MiB</td>"
-            f"<td>{_bar(util, '#5cb85c')} {escape(reading(g.utilization_gpu_pct, unit='%'))}</td>"
-            f"<td>{escape(reading(g.temperature_c, unit=' C'))}</td>"
-            f"<td>{escape(watts(g.power_draw_w))}/{escape(watts(g.power_limit_w))} W</td>"
-            f"<td>{procs}</td></tr>")
-    warnings = "".join(f"<br><span style=\"color:#b26a00\">warning: {escape(w)}</span>"
+            f"{TD}{_bar(util, '#5cb85c')} {escape(reading(g.utilization_gpu_pct, unit='%'))}</td>"
+            f"{TD}{escape(reading(g.temperature_c, unit=' C'))}</td>"
+            f"{TD}{escape(watts(g.power_draw_w))}/{escape(watts(g.power_limit_w))} W</td>"
+            f"{TD}{procs}</td></tr>")
+    warnings = "".join(f"<br><span style=\"color:#b26a00\">warning: {prose(w)}</span>"
                        for w in status.warnings)
+    head = "".join(f"{TH}{c}</th>" for c in ("GPU", "memory", "utilisation", "temp", "power", "processes"))
     return (f"<div><b>{escape(status_header(status))}</b>{warnings}<table>"
-            "<tr><th>GPU</th><th>memory</th><th>utilisation</th><th>temp</th><th>power</th>"
-            "<th>processes</th></tr>" + "".join(rows) + "</table></div>")
+            f"<tr>{head}</tr>" + "".join(rows) + "</table></div>")
 
 
-def render_status(status: GpuStatus) -> Rendered:
-    """The status as text/plain and text/html."""
-    return Rendered(status_text(status), status_html(status))
+def render_status(status: GpuStatus, note: str = "") -> Rendered:
+    """The status as text/plain and text/html (static: it renders from a saved notebook with
+    no kernel and no widget state); ``note`` is a line under it (why a --watch stopped)."""
+    if not note:
+        return Rendered(status_text(status), status_html(status))
+    return Rendered(f"{status_text(status)}\n{note}",
+                    f"{status_html(status)}<div><i>{escape(note)}</i></div>")
 
 
 # -- doctor (%gpu doctor) ----------------------------------------------------------------------
@@ -162,9 +183,9 @@ def doctor_text(report: DoctorReport) -> str:
 def doctor_html(report: DoctorReport) -> str:
     """The checks as an HTML table, the level coloured."""
     rows = "".join(
-        f"<tr><td style='color:{_LEVEL_COLOR[c.level]};font-weight:bold'>{_LEVEL_TEXT[c.level]}</td>"
-        f"<td>{escape(c.name)}</td><td>{escape(c.summary)}"
-        + (f"<br><i>fix: {escape(c.fix)}</i>" if c.fix and c.level is not Level.OK else "")
+        f"<tr><td style='text-align:left;color:{_LEVEL_COLOR[c.level]};font-weight:bold'>"
+        f"{_LEVEL_TEXT[c.level]}</td>{TD}{escape(c.name)}</td>{TD}{prose(c.summary)}"
+        + (f"<br><i>fix: {prose(c.fix)}</i>" if c.fix and c.level is not Level.OK else "")
         + "</td></tr>" for c in report.checks)
     return f"<div><b>{escape(doctor_summary(report))}</b><table>{rows}</table></div>"
 
@@ -211,6 +232,33 @@ def sync_progress_text(p) -> str:
     if p.bytes_total > p.bytes_done:
         text += f"  ETA {duration((p.bytes_total - p.bytes_done) / rate)}"
     return text
+
+
+def sync_bar_text(p, failed: bool = False) -> str:
+    """The sync bar as one line of text: ``sync: 4/4 files ...``; a sync with nothing to
+    transfer says so instead of showing an empty bar."""
+    if p is None:
+        return "sync: failed before anything was sent" if failed else "sync: starting"
+    if p.finished and not p.files_total and not p.bytes_total:
+        return "sync: nothing to transfer (everything is up to date)"
+    return f"sync{' FAILED' if failed else ''}: {sync_progress_text(p)}"
+
+
+def sync_bar_html(p, failed: bool = False) -> str:
+    """The sync bar as static HTML (a bar coloured by outcome and its line), for a saved
+    notebook: no widget model is needed to show it."""
+    text = sync_bar_text(p, failed)
+    if p is None or (p.finished and not p.files_total and not p.bytes_total):
+        return f"<div>{escape(text)}</div>"
+    frac = (p.bytes_done / p.bytes_total) if p.bytes_total else (1.0 if p.finished else 0.0)
+    colour = "#c62828" if failed else "#2e7d32" if p.finished else "#4a90d9"
+    return f"<div>{_bar(100 * frac, colour)} {escape(text)}</div>"
+
+
+def render_sync_bar(p, failed: bool = False) -> Rendered:
+    """A sync bar's state (a :class:`gpumagic.sync.SyncProgress`, or None before the first
+    report) as text/plain and text/html."""
+    return Rendered(sync_bar_text(p, failed), sync_bar_html(p, failed))
 
 
 def _paths(label: str, paths: list[str], limit: int = 20) -> list[str]:
@@ -264,14 +312,39 @@ def _local_time(epoch: float | None) -> str:
     return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
+#: Alerts already shown in this kernel, as (job name, job start time, alert kind): each is
+#: shown once, the first time a command meets it; after that the job's row carries it.
+_ALERTS_SHOWN: set[tuple[str, float | None, str]] = set()
+
+
+def first_alert(job_name: str, started: float | None, kind: str) -> bool:
+    """True the first time the alert ``kind`` of the job ``job_name`` started at ``started``
+    (epoch seconds; a job started again under the same name is a new job) is offered in this
+    kernel, then False: an alert box is shown once, with its job, not under every later
+    ``%gpu jobs``."""
+    key = (job_name, started, kind)
+    if key in _ALERTS_SHOWN:
+        return False
+    _ALERTS_SHOWN.add(key)
+    return True
+
+
+def _alert_labels(j) -> list[str]:
+    if not getattr(j, "alerts_enabled", True):
+        return []
+    return list(dict.fromkeys(a.label for a in j.alerts))
+
+
 def job_rows(jobs) -> list[list[str]]:
-    """Header + one row per :class:`gpumagic.remote.jobs.JobInfo`: name, state, started, run time,
-    last log line."""
+    """Header + one row per :class:`gpumagic.remote.jobs.JobInfo`: name, state (with its
+    pending shutdown and the alerts its log raised), started, run time, last log line."""
     rows = [["NAME", "STATE", "STARTED", "RUN TIME", "LAST LINE"]]
     for j in jobs:
         state = j.state_text
         if j.shutdown_text:
             state += f"; {j.shutdown_text}"
+        for label in _alert_labels(j):
+            state += f"; alert: {label}"
         rows.append([j.name, state, _local_time(j.started), duration(j.run_seconds),
                      _clip(j.last_line, 60)])
     return rows
@@ -282,7 +355,7 @@ def jobs_table(jobs, machine_name: str) -> Rendered:
     if not jobs:
         text = (f"no jobs on {machine_name}; start one with `%%remote --job NAME` "
                 "(jobs live in ~/.gpumagic/jobs on the machine)")
-        return Rendered(text, f"<p>{html.escape(text)}</p>")
+        return Rendered(text, f"<p>{prose(text)}</p>")
     rows = job_rows(jobs)
     cell = "<td style='text-align:left{}'>{}</td>"
     head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in rows[0])
@@ -336,7 +409,7 @@ class _View:
         raise NotImplementedError
 
     def html(self) -> str:
-        return f"<pre>{html.escape(self.text())}</pre>"
+        return f"<pre>{prose(self.text()).replace('<br>', chr(10))}</pre>"
 
     def __repr__(self) -> str:
         return self.text()
@@ -386,8 +459,9 @@ def guard_text(g, *, local_now: float | None = None) -> str:
     return f"guard: {g.state}"
 
 
-def meter_text(r) -> str:
-    """The meter (a :class:`gpumagic.budget.MeterReading`) as plain text."""
+def meter_text(r, ascii_bar: bool = True) -> str:
+    """The meter (a :class:`gpumagic.budget.MeterReading`) as plain text; ``ascii_bar=False``
+    leaves the ``[###---]`` bar out of the limit line (the HTML meter draws its own)."""
     p = r.prices
     lines = [f"{r.machine}: spent {p.money(r.spent)} in {duration(r.elapsed_s)} "
              f"(since {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.started_at))}, "
@@ -402,7 +476,8 @@ def meter_text(r) -> str:
         when = ("LIMIT REACHED" if r.limit_in_s == 0
                 else f"stop within {duration(r.limit_in_s)} to stay within it" if r.limit_in_s is not None
                 else "never reached")
-        lines.append(f"  limit {p.money(r.limit)}: {_bar_text(frac)} {frac:.0%}; {when}")
+        bar = f"{_bar_text(frac)} " if ascii_bar else ""
+        lines.append(f"  limit {p.money(r.limit)}: {bar}{frac:.0%}; {when}")
     lines.append(f"  the rest of today (to midnight) costs {p.money(r.rest_of_today)} more if it stays on")
     if r.alerts:
         lines.append("  alerts at " + ", ".join(p.money(a) for a in r.alerts))
@@ -421,7 +496,7 @@ def meter_html(r) -> str:
         rows.append(f'<div style="width:320px;border:1px solid #999;height:12px">'
                     f'<div style="width:{frac * 100:.1f}%;height:100%;background:{colour}"></div></div>')
     body = "<br>".join(rows)
-    text = esc("\n".join(meter_text(r).splitlines()[1:]))
+    text = prose("\n".join(meter_text(r, ascii_bar=False).splitlines()[1:])).replace("<br>", "\n")
     return f'<div class="gpumagic-budget">{body}<pre style="margin:4px 0">{text}</pre></div>'
 
 
@@ -449,7 +524,7 @@ class AlertView(_View):
 
     def html(self) -> str:
         return ('<div style="border-left:6px solid #c62828;background:#ffebee;padding:6px 10px">'
-                f'<b>gpumagic budget alert</b>: {html.escape(self.message)}</div>')
+                f'<b>gpumagic budget alert</b>: {prose(self.message)}</div>')
 
 
 class EstimateView(_View):
@@ -470,8 +545,8 @@ class EstimateView(_View):
 
     def html(self) -> str:
         cells = self._cells()
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in cells[0])
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in cells[1:])
+        head = "".join(f"{TH}{html.escape(c)}</th>" for c in cells[0])
+        body = "".join("<tr>" + "".join(f"{TD}{prose(c)}</td>" for c in r) + "</tr>" for r in cells[1:])
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -499,13 +574,14 @@ class HistoryView(_View):
         from ..budget.prices import money
 
         if not self.rows:
-            return f"<p>{html.escape(self.text())}</p>"
+            return f"<p>{prose(self.text())}</p>"
         top = max(r[2] for r in self.rows) or 1
         body = "".join(
-            f"<tr><td>{html.escape(m)}</td><td>{d}</td><td>{html.escape(money(c, cur))}</td>"
-            f'<td><div style="width:{160 * c / top:.0f}px;height:10px;background:#1565c0"></div></td></tr>'
+            f"<tr>{TD}{html.escape(m)}</td>{TD}{d}</td>{TD}{html.escape(money(c, cur))}</td>"
+            f'{TD}<div style="width:{160 * c / top:.0f}px;height:10px;background:#1565c0"></div></td></tr>'
             for m, d, c, cur in self.rows)
-        return f"<table><tr><th>machine</th><th>day</th><th>spent</th><th></th></tr>{body}</table>"
+        head = "".join(f"{TH}{c}</th>" for c in ("machine", "day", "spent", ""))
+        return f"<table><tr>{head}</tr>{body}</table>"
 
 
 class GuardView(_View):
@@ -520,6 +596,19 @@ class GuardView(_View):
         if self.status.state in ("fired", "failed", "firing", "gone") and self.status.log:
             out += "\n  its log on the machine ends with:\n" + "\n".join(f"    {ln}" for ln in self.status.log)
         return out + (f"\n{self.note}" if self.note else "")
+
+    def html(self) -> str:
+        """As text, but a guard that acted (or failed to) is shown as an alert, with the
+        warning it gave first, which it logged as ``WARNING: ...``."""
+        pre = super().html()
+        if self.status.state not in ("fired", "failed", "firing"):
+            return pre
+        warned = [ln.split("WARNING: ", 1)[1] for ln in self.status.log if "WARNING: " in ln]
+        head = guard_text(self.status)
+        return ('<div style="border-left:6px solid #c62828;background:#ffebee;padding:6px 10px">'
+                f"<b>{prose(head)}</b>"
+                + "".join(f"<br>the guard warned first: {prose(w)}" for w in warned[-1:])
+                + f"</div>{pre}")
 
 
 # -- tunnels ------------------------------------------------------------------------------
@@ -554,14 +643,17 @@ def tunnel_table(tunnels: Iterable[tuple[str, object]]) -> str:
 
 def tunnel_table_html(tunnels: Iterable[tuple[str, object]]) -> str:
     """HTML table of tunnels with clickable local URLs."""
+    from .links import browser_url
+
     rows = tunnel_rows(tunnels)
     if len(rows) == 1:
-        return f"<p>{html.escape(tunnel_table([]))}</p>"
+        return f"<p>{prose(tunnel_table([]))}</p>"
     head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in rows[0])
     body = []
     for r in rows[1:]:
         cells = [html.escape(c) for c in r]
-        cells[3] = f"<a href='{cells[3]}' target='_blank'>{cells[3]}</a>"
+        link = html.escape(browser_url(r[3]), quote=True)
+        cells[3] = f"<a href='{link}' target='_blank'>{link}</a>"
         body.append("<tr>" + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -580,16 +672,21 @@ def tunnel_opened(t, machine: str, note: str = "", inline: bool = False,
     inline : bool
         Also show the page in an iframe (height in pixels).
     """
+    from .links import browser_url
+
     what = f"{t.name} on {machine} ({t.target})"
-    text = f"{what} -> {t.url}\n  (ID {t.local_port}; `%gpu tunnel close {t.local_port}` closes it)"
+    link = browser_url(t.url)
+    via = "" if link == t.url else f" (through the notebook server's proxy; {t.url} on the server)"
+    text = f"{what} -> {link}{via}\n  (ID {t.local_port}; `%gpu tunnel close {t.local_port}` closes it)"
     if note:
         text = note + "\n" + text
-    url = html.escape(t.url, quote=True)
+    url = html.escape(link, quote=True)
     parts = []
     if note:
-        parts.append(f"<div>{html.escape(note)}</div>")
+        parts.append(f"<div>{prose(note)}</div>")
     parts.append(f"<div>{html.escape(what)}: <a href='{url}' target='_blank'>{url}</a> "
-                 f"<small>(ID {t.local_port})</small></div>")
+                 f"<small>(ID {t.local_port}; <code>%gpu tunnel close {t.local_port}</code> "
+                 "closes it)</small></div>")
     if inline:
         parts.append(f"<iframe src='{url}' width='100%' height='{int(height)}' "
                      "style='border:1px solid #ccc'></iframe>")

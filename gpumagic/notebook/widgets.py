@@ -90,8 +90,8 @@ def status_widget(status: GpuStatus):
             self.status = status
             header = display.escape(display.status_header(status))
             if not status.ok and status.hint:
-                header += f"<br>hint: {display.escape(status.hint)}"
-            header += "".join(f"<br>warning: {display.escape(w)}" for w in status.warnings)
+                header += f"<br>hint: {display.prose(status.hint)}"
+            header += "".join(f"<br>warning: {display.prose(w)}" for w in status.warnings)
             self.header.value = f"<b>{header}</b>"
             gpus = status.gpus if status.ok else []
             if len(self.rows) != len(gpus):
@@ -103,7 +103,35 @@ def status_widget(status: GpuStatus):
         def set_note(self, text: str) -> None:
             """A line under the status (e.g. why a --watch stopped)."""
             self.note_text = text
-            self.note.value = display.escape(text)
+            self.note.value = display.prose(text)  # `%gpu status --stop` as <code>
+
+        def show(self) -> None:
+            """Display the live widget under a display id, so :meth:`finish` can replace it."""
+            from IPython.display import display as show
+
+            self.handle = show(self, display_id=True)
+
+        def finish(self, reason: str) -> None:
+            """The watch ended: replace the live widget by its last state as static HTML and
+            text (what a saved notebook shows with no kernel), then close the widget models."""
+            self.set_note(reason)
+            if getattr(self, "handle", None) is not None:
+                self.handle.update(self.static())
+                self.close_all()
+
+        def static(self) -> display.Rendered:
+            """The current state as static text/plain and text/html."""
+            return display.render_status(self.status, self.note_text)
+
+        def close_all(self) -> None:
+            for row in self.rows:
+                for child in (row.title, row.mem, row.mem_label, row.util, row.util_label,
+                              row.sensors, row.procs):
+                    child.close()
+                row.box.close()
+            for child in (self.header, self.note, self.rows_box):
+                child.close()
+            self.close()
 
         @property
         def text(self) -> str:
@@ -111,8 +139,11 @@ def status_widget(status: GpuStatus):
             return display.status_text(self.status) + (f"\n{self.note_text}" if self.note_text else "")
 
         def _repr_mimebundle_(self, **kwargs):
+            # The live widget, with the same state as static HTML and text beside it: what a
+            # front end without the widget's model (a reopened notebook, GitHub) shows.
             data = super()._repr_mimebundle_(**kwargs)
             data["text/plain"] = self.text
+            data["text/html"] = self.static().html
             return data
 
     return StatusWidget(status)
@@ -147,33 +178,48 @@ class SyncProgressBar:
 
         self.bar = w.IntProgress(value=0, min=0, max=1, description="sync",
                                  layout=w.Layout(width="40%"))
-        self.label = w.Label("")
+        self.label = w.Label("starting")
         self.box = w.HBox([self.bar, self.label])
         self.text = ""
+        self.last = None  # the last SyncProgress reported
+        self.handle = None
         if display:
             from IPython.display import display as show
 
-            show(self)
+            self.handle = show(self, display_id=True)
+
+    def static(self, failed: bool = False) -> "display.Rendered":
+        """The bar's state as static text/plain and text/html (no widget model needed)."""
+        return display.render_sync_bar(self.last, failed)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
-        # The widget for Jupyter; readable text where widgets cannot render (the summary line
-        # printed after the sync carries the numbers).
+        # The widget for Jupyter, its state as static HTML and text beside it for a front end
+        # without the widget's model; :meth:`close` replaces it by the static form.
         bundle = self.box._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = f"sync progress: {self.text or 'starting'}"
+        bundle["text/html"] = self.static().html
         return bundle
 
     def __call__(self, p) -> None:
+        self.last = p
         self.bar.max = max(p.bytes_total, 1)
         self.bar.value = min(p.bytes_done, self.bar.max) if p.bytes_total else (1 if p.finished else 0)
         self.text = sync_progress_text(p)
-        self.label.value = self.text
+        self.label.value = self.text if p.files_total or p.bytes_total or not p.finished \
+            else "nothing to transfer (everything is up to date)"
         if p.finished:
             self.bar.bar_style = "success"
 
     def close(self, failed: bool = False) -> None:
-        """Mark a sync that ``failed`` (a red bar); the widget stays as it stopped."""
+        """The sync ended (``failed``: with an error): the live widget is replaced, through
+        its display id, by its final state as static HTML and text, and its models closed."""
         if failed:
             self.bar.bar_style = "danger"
+        if self.handle is not None:
+            self.handle.update(self.static(failed))
+            self.handle = None
+            for w in (self.bar, self.label, self.box):
+                w.close()
 
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(self.text)
@@ -234,6 +280,15 @@ def sync_progress(display: bool = True):
 
 
 # -- setup (%gpu keygen) -----------------------------------------------------------------
+
+
+def public_key_html(pair) -> str:
+    """The new key as static HTML (heading and the key in a ``<pre>``): what a saved notebook
+    shows without the widget's model."""
+    return (f"<div><b>New SSH key</b> {html.escape(str(pair.path))} "
+            f"<code>{html.escape(pair.fingerprint)}</code><br>"
+            "Paste this public key into your GPU platform's SSH-key settings:"
+            f"<pre style='white-space:pre-wrap;word-break:break-all'>{html.escape(pair.public_key)}</pre></div>")
 
 
 def public_key_widget(pair):

@@ -48,7 +48,7 @@ def _status(magics: GpuMagics, line: str):
     if args.text:
         print(render_status(status).text)
         return
-    if not widgets.available() or (args.watch is not None and not widgets.can_show(magics.shell)):
+    if args.watch is None or not widgets.available() or not widgets.can_show(magics.shell):
         ipy_display(render_status(status))
         if args.watch is not None:  # no thread refreshing a view nobody sees
             why = ("ipywidgets is not installed (pip install ipywidgets)" if not widgets.available()
@@ -57,7 +57,7 @@ def _status(magics: GpuMagics, line: str):
                   "run `%gpu status --text` again, or use a notebook")
         return
     view = widgets.status_widget(status)
-    ipy_display(view)
+    view.show()
     if args.watch is not None:
         old = magics.status_watchers.pop(m.name, None)
         if old is not None:
@@ -65,7 +65,7 @@ def _status(magics: GpuMagics, line: str):
         view.set_note(f"refreshing every {args.watch:g} s; `%gpu status --stop` stops it")
         magics.status_watchers[m.name] = Watcher(
             lambda prev: m.gpu_status(cuda_version=prev.known_cuda if prev else None),
-            view.update, view.set_note, interval=args.watch,
+            view.update, view.finish, interval=args.watch,
             is_connected=lambda: m.is_connected, previous=status).start()
 
 

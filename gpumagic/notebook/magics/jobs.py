@@ -10,6 +10,7 @@ from IPython.display import display as ipy_display
 
 from ...errors import Interrupted
 from ...remote.jobs import NAME_RE, parse_stop_on, scan_alerts
+from .. import display
 from ..display import job_alert, job_ended, job_started, jobs_table
 from ._args import LINES, env_pairs, host_arg, parse
 
@@ -50,7 +51,7 @@ def _remote_job(magics: GpuMagics, args, cell: str):
 def _show_alerts(info, alerts=None) -> None:
     seen = set()
     for a in (info.alerts if alerts is None else alerts):
-        if a.kind not in seen:
+        if a.kind not in seen and display.first_alert(info.name, info.started, a.kind):
             seen.add(a.kind)
             ipy_display(job_alert(info.name, a, stopped=(info.killed == a.kind)))
 
@@ -73,7 +74,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
     seen: set[str] = set()
 
     def alert(a):
-        if a.kind not in seen:  # one alert per kind while following
+        if a.kind not in seen and display.first_alert(name, before.started, a.kind):  # once per kind
             seen.add(a.kind)
             ipy_display(job_alert(name, a, stopped=a.kind in before.stop_on))
 

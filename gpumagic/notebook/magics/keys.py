@@ -91,6 +91,6 @@ def show_public_key(pair: "setup.KeyPair", shell=None) -> None:
     if view is None:
         print(text)
         return
-    ipy_display({"text/plain": text,
+    ipy_display({"text/plain": text, "text/html": widgets.public_key_html(pair),
                  "application/vnd.jupyter.widget-view+json": {
                      "version_major": 2, "version_minor": 0, "model_id": view.model_id}}, raw=True)

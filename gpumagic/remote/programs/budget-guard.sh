@@ -135,7 +135,11 @@ run() {
   limit_at=""; [ -n "$LIMIT_IN" ] && limit_at=$((start + LIMIT_IN))
   deadline_at=""; [ -n "$DEADLINE_IN" ] && deadline_at=$((start + DEADLINE_IN))
   trap 'log "guard cancelled"; put_state cancelled; rm -f "$dir/alert" "$dir/pid"; exit 0' TERM INT
-  log "guard armed: idle=${IDLE_S:--}s limit_in=${LIMIT_IN:--}s deadline_in=${DEADLINE_IN:--}s grace=${GRACE_S}s poll=${POLL_S}s; shutdown: $SHUTDOWN_CMD"
+  armed=""  # only the triggers set: "idle=1800s deadline_in=3s", never "idle=-s"
+  [ -n "$IDLE_S" ] && armed="$armed idle=${IDLE_S}s"
+  [ -n "$LIMIT_IN" ] && armed="$armed limit_in=${LIMIT_IN}s"
+  [ -n "$DEADLINE_IN" ] && armed="$armed deadline_in=${DEADLINE_IN}s"
+  log "guard armed:${armed} grace=${GRACE_S}s poll=${POLL_S}s; shutdown: $SHUTDOWN_CMD"
   while :; do
     # stop if disarmed behind our back: directory removed, or another guard took over
     [ -d "$dir" ] || exit 0

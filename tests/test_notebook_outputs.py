@@ -1,0 +1,157 @@
+"""Every tutorial, executed with nbclient: its saved outputs render from the file alone.
+
+A reopened notebook, nbviewer and GitHub have no widget models, so a finished output must be
+static HTML with a text/plain fallback; a live widget (a --watch, a running sync bar) is
+replaced by its final static state through its display id when it stops (issue 17 item 1).
+"""
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gpumagic.__main__ import run_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "example-notebooks"
+ENGLISH = sorted(NOTEBOOKS.glob("*.ipynb"))
+CHINESE = sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))
+TUTORIALS = ENGLISH + CHINESE
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Each tutorial executed once in this module: {file name: executed notebook}."""
+    out = tmp_path_factory.mktemp("executed")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
+    ran = None
+    try:
+        ran = {str(p.relative_to(NOTEBOOKS)): nbformat.read(run_notebook(p, out / p.parent.name / p.stem),
+                                                             as_version=4)
+                  for p in TUTORIALS}
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+        _remove_tutorial_jobs()
+    return ran
+
+
+def _remove_tutorial_jobs():
+    """Notebook 04's jobs live in this user's ~/.gpumagic/jobs (the sandbox's HOME): end and
+    remove them, a pending shutdown cancelled, as tests/test_jobs.py does after running it."""
+    import pwd
+    import shutil
+    import subprocess
+
+    from gpumagic.remote import jobs
+
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    for d in (home / ".gpumagic" / "jobs").glob("tutorial-*"):
+        subprocess.run(["/bin/sh", "-c", jobs.CANCEL_SHUTDOWN_SCRIPT, "x", d.name], capture_output=True)
+        if (d / "kill.sh").exists():
+            subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def rich_outputs(nb, command):
+    """The display outputs of the code cells with a line that is ``command`` (a trailing
+    ``*``: that starts with it)."""
+    def runs(line):
+        line = line.split("#")[0].strip()
+        return line.startswith(command[:-1]) if command.endswith("*") else line == command
+
+    return [o for c in nb.cells if c.cell_type == "code" and any(map(runs, c.source.splitlines()))
+            for o in c.outputs if o.output_type in ("display_data", "execute_result")]
+
+
+def test_no_saved_output_needs_a_widget_model(executed):
+    for name, nb in executed.items():
+        for i, c in enumerate(nb.cells):
+            for o in c.get("outputs", []):
+                data = o.get("data", {})
+                if WIDGET in data:
+                    assert "text/plain" in data and "text/html" in data, (name, i, c.source, data)
+
+
+@pytest.mark.parametrize("notebook, cell, needle", [
+    ("02-check-the-machine.ipynb", "%gpu status", "<table>"),             # a status snapshot
+    ("02-check-the-machine.ipynb", "%gpu status --watch*", "<table>"),    # a watch, once stopped
+    ("03-sync-code-and-results.ipynb", "%gpu sync project/ :project/", "sync: "),  # a finished sync bar
+    ("06-budget.ipynb", "%gpu budget", "gpumagic-budget"),                # the budget meter
+    ("04-long-training-jobs.ipynb", "%gpu jobs", "<table>"),               # the job table
+])
+def test_finished_outputs_are_static_html_with_text(executed, notebook, cell, needle):
+    outs = rich_outputs(executed[notebook], cell)
+    assert outs, f"no display output from {cell!r} in {notebook}"
+    for o in outs:
+        assert WIDGET not in o.data, (cell, o.data)
+        assert "text/html" in o.data and "text/plain" in o.data, (cell, o.data)
+    assert any(needle in o.data["text/html"] for o in outs), [o.data["text/html"] for o in outs]
+
+
+def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
+    # issue 17 case 5: quickstart.sh printed ipykernel's "Kernel is running over TCP without
+    # encryption" warning; the local kernel now talks over IPC sockets.
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    nbformat.write(nb, tmp_path / "tiny.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "tiny.ipynb"),
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "without encryption" not in r.stderr and "WARNING" not in r.stderr, r.stderr
+    out = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
+    assert out.cells[0].outputs[0].text == "42\n"
+    assert not list(Path(tmp_path).glob("**/kernel-ipc*"))  # no socket files left behind
+
+
+# -- the Simplified Chinese tutorials (example-notebooks/zh-CN) ------------------------------
+
+
+def _code(nb):
+    return [(c.source, c.metadata.get("tags", [])) for c in nb.cells if c.cell_type == "code"]
+
+
+def test_every_english_tutorial_has_a_chinese_one():
+    assert [p.name for p in CHINESE] == [p.name for p in ENGLISH]
+
+
+@pytest.mark.parametrize("zh", CHINESE, ids=lambda p: p.name)
+def test_each_chinese_tutorial_has_the_english_ones_code_cells(zh):
+    en = NOTEBOOKS / zh.name
+    assert en.exists(), f"{zh.name} has no English twin in example-notebooks/"
+    zh_nb, en_nb = nbformat.read(zh, as_version=4), nbformat.read(en, as_version=4)
+    assert _code(zh_nb) == _code(en_nb)
+    prose = "".join(c.source for c in zh_nb.cells if c.cell_type == "markdown")
+    assert sum("\u4e00" <= ch <= "\u9fff" for ch in prose) > len(prose) / 4  # written in Chinese
+
+
+def test_executed_chinese_tutorials_match_the_english_outputs(executed):
+    # The same code gives the same kinds of output: no cell errs in one language only.
+    for zh in CHINESE:
+        zh_nb, en_nb = executed[f"zh-CN/{zh.name}"], executed[zh.name]
+        zh_kinds = [[o.output_type for o in c.outputs] for c in zh_nb.cells if c.cell_type == "code"]
+        en_kinds = [[o.output_type for o in c.outputs] for c in en_nb.cells if c.cell_type == "code"]
+        assert [("error" in k) for k in zh_kinds] == [("error" in k) for k in en_kinds], zh.name
+        assert any(zh_kinds), zh.name
+
+
+def test_readme_zh_cn_gives_the_same_two_set_up_commands():
+    import re
+
+    def commands(text):
+        block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "quickstart.sh" in b)
+        return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+
+    en = commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    zh = commands((ROOT / "README.zh-CN.md").read_text(encoding="utf-8"))
+    assert zh == en == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]
