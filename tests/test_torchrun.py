@@ -3,7 +3,9 @@ machines (real sshd on loopback with separate homes).  Skipped without torch."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
+import time
 import pytest
 
 import gpumagic
@@ -100,3 +102,64 @@ def test_torchrun_number_is_checked(a):
 def test_auto_without_gpu_says_so(a):
     with pytest.raises(JobError, match="auto counts the visible GPUs"):
         a.start_job("auto1", "print(1)", torchrun="auto")
+
+
+# -- two machines (cases 2-5) ----------------------------------------------------------------
+
+
+def test_case2_two_machines_world_4_same_sum_and_kill(a, b):
+    job = gpumagic.start_distributed([a, b], "ar2", ALLREDUCE, nproc=2, env={"HANG": "1"})
+    assert job.plan.endpoint.startswith("127.0.0.1:")
+    assert wait_until(lambda: len(job.ranks()) == 4 and job.logs_all().count("sum 6") == 4, 300), \
+        [j.logs(None) for j in job.parts]
+    for r in range(4):
+        assert f"rank {r} world 4 sum 6" in job.logs(rank=r)
+    hosts = {host for host in ("tra", "trb") if f"[{host}:" in job.logs_all()}
+    assert hosts == {"tra", "trb"}
+    assert len(procs("torchrun/ar2/")) >= 6  # two torchruns and four workers, before the kill
+    job.kill()
+    assert procs("torchrun/ar2/") == []
+    assert all(not i.running for i in job.infos())
+
+
+def test_case5_rank_3_raises_on_b(a, b):
+    job = gpumagic.start_distributed([a, b], "ar5", ALLREDUCE, nproc=2, env={"BOOM": "3"})
+    state = job.wait(timeout=300)
+    ranks = job.ranks()
+    assert ranks[3][0].machine.name == "trb"  # c10d put rank 3 on b
+    assert state.startswith("failed: rank 3 on trb"), state
+    assert "ValueError: boom on rank 3" in state
+    assert procs("torchrun/ar5/") == []
+
+
+def test_case3_same_dir_size_differs(a, b, pair):
+    homes = [s.env["HOME"] for s in pair]
+    for home, size in zip(homes, (10, 12)):
+        d = pathlib.Path(home) / "data"
+        d.mkdir(exist_ok=True)
+        (d / "train.bin").write_bytes(b"x" * size)
+        (d / "same.bin").write_bytes(b"y" * 5)
+    with pytest.raises(JobError) as e:
+        gpumagic.start_distributed([a, b], "ar3", ALLREDUCE, nproc=1, cwd="~", same_dir="data")
+    msg = str(e.value)
+    assert "data train.bin" in msg and "10 bytes" in msg and "12 bytes" in msg
+    assert "same.bin" not in msg
+    assert not a.jobs() or all(j.name != "ar3" for j in a.jobs())
+    # content differs, size equal: only --same-dir-hash sees it
+    (pathlib.Path(homes[1]) / "data" / "train.bin").write_bytes(b"z" * 10)
+    with pytest.raises(JobError, match=r"data train.bin +sha256:"):
+        gpumagic.start_distributed([a, b], "ar3", ALLREDUCE, nproc=1, cwd="~", same_dir="data",
+                                   same_dir_hash=True)
+
+
+def test_case4_unreachable_endpoint_refused_within_deadline(a, b):
+    t0 = time.monotonic()
+    with pytest.raises(JobError) as e:
+        gpumagic.start_distributed([a, b], "ar4", ALLREDUCE, nproc=1, endpoint_host="192.0.2.1",
+                                   deadline=3)
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert "192.0.2.1" in msg and "cannot be reached" in msg and "trb" in msg
+    assert took < 60
+    assert procs("torchrun_listen") == [] or wait_until(lambda: procs("torchrun_listen") == [], 40)
+    assert all(j.name != "ar4" for j in a.jobs() + b.jobs())

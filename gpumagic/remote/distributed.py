@@ -225,7 +225,7 @@ def preflight(machines: Sequence, *, nproc: int | str = 1, cwd: str | None = Non
                 endpoint_host = "127.0.0.1"
             else:
                 endpoint_host = probes[0].addrs[0]
-        r = _prun(first, "torchrun_listen.py", "0.0.0.0", endpoint_port, deadline + 30)
+        r = _prun(first, "torchrun_listen.py", "0.0.0.0", endpoint_port, deadline + 10, len(machines))
         m = re.search(r"^port (\d+)", r.stdout, re.M)
         if not m:
             raise JobError(f"could not listen on port {endpoint_port} on {first.name} for the rendezvous: "
@@ -235,7 +235,7 @@ def preflight(machines: Sequence, *, nproc: int | str = 1, cwd: str | None = Non
         port = int(m.group(1))
         plan.endpoint = f"{endpoint_host}:{port}"
         bad = []
-        for mach in machines:
+        for mach in [*machines[1:], first]:  # the first last: its connect ends the listener
             rr = _prun(mach, "torchrun_reach.sh", probes[0].python if mach is first else "",
                              endpoint_host, port, deadline, timeout=deadline + 60)
             dev = re.search(r"^dev (\S+)", rr.stdout, re.M)
@@ -273,9 +273,11 @@ class Failure:
         return f"rank {self.rank} on {self.host} failed (exit {self.exitcode}): {self.line}"
 
 
-def parse_failure(host: str, log: str) -> Failure | None:
+def parse_failure(host: str, log: str, stderr: str = "") -> Failure | None:
     """Read torchrun's root-cause block (``rank : 3 (local_rank: 1)``, ``exitcode : 1``, ``time``)
-    from a job log, and the rank's last exception line from its ``[defaultL]:`` lines."""
+    from a job log, and the rank's last exception line from ``stderr`` (its ``stderr.log``),
+    else from its ``[defaultL]:`` lines in the log (torchrun's tee may print them after the
+    block, or not at all when it stops)."""
     i = log.rfind("Root Cause (first observed failure)")
     if i < 0:
         return None
@@ -286,7 +288,8 @@ def parse_failure(host: str, log: str) -> Failure | None:
     rank, local = int(m.group(1)), int(m.group(2))
     code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
     when = re.search(r"time\s*:\s*(\S+)", block)
-    lines = [ln for ln in rank_lines(log[:i], local) if ln.strip()]
+    lines = [ln for ln in rank_lines(log, local) if ln.strip()]
+    lines += [ln for ln in stderr.splitlines() if ln.strip()]
     exc = next((ln.strip() for ln in reversed(lines) if _EXC_RE.match(ln.strip())), "")
     return Failure(host, rank, local, code.group(1) if code else "?", exc or (lines[-1].strip() if lines else ""),
                    when.group(1) if when else "")
@@ -342,7 +345,13 @@ class DistributedJob:
 
     def failure(self) -> Failure | None:
         """The rank that failed first (earliest torchrun ``time``), or None."""
-        found = [f for j in self.parts if (f := parse_failure(j.machine.name, j.logs(None)))]
+        found = []
+        for j in self.parts:
+            log = j.logs(None)
+            f = parse_failure(j.machine.name, log)
+            if f is not None:
+                err = _prun(j.machine, "torchrun_ranklog.sh", folder(self.name), f.local_rank, "stderr", 200).stdout
+                found.append(parse_failure(j.machine.name, log, err))
         return min(found, key=lambda f: f.when) if found else None
 
     @property
@@ -432,15 +441,17 @@ class DistributedJob:
 
 def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = "", rdzv_id: str = "",
             torchrun_args: Sequence[str] = (), exec_argv: Sequence[str] | None = None,
-            socket_ifname: str = "") -> str:
+            socket_ifname: str = "", is_host: bool = True) -> str:
     """The job's bash command on one machine: ``exec PYTHON -m torch.distributed.run ...``."""
     d = f'"$HOME"/{TORCHRUN_DIR}/{name}'
     argv = [python, "-m", "torch.distributed.run"]
     if nnodes == 1 and not endpoint:
         argv += ["--standalone", "--nnodes", "1"]
     else:
+        # is_host: only the first machine runs the c10d store (by default every machine whose
+        # name matches the endpoint host would, which a loopback endpoint matches everywhere).
         argv += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-id", rdzv_id,
-                 "--rdzv-endpoint", endpoint]
+                 "--rdzv-endpoint", endpoint, "--rdzv-conf", f"is_host={1 if is_host else 0}"]
     argv += ["--nproc-per-node", str(nproc), "--tee", "3", *torchrun_args]
     tail = ["--exec", *exec_argv] if exec_argv else []
     q = " ".join(shlex.quote(a) for a in argv)
@@ -515,7 +526,8 @@ def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
         for m, p in zip(machines, plan.probes):
             cmd = command(name, python=p.python, nproc=plan.nproc, nnodes=len(machines),
                           endpoint=plan.endpoint, rdzv_id=rdzv_id, torchrun_args=extra, exec_argv=exec_argv,
-                          socket_ifname=plan.devs.get(m.name, "") if len(machines) > 1 else "")
+                          socket_ifname=plan.devs.get(m.name, "") if len(machines) > 1 else "",
+                          is_host=m is machines[0])
             parts.append(m.start_job(name, cmd, cwd=cwd, env=env, stop_on=stop_on, alerts=alerts))
     except BaseException:
         for j in parts:  # nothing half-started: one machine's torchrun would wait for the others
