@@ -163,3 +163,55 @@ def test_case4_unreachable_endpoint_refused_within_deadline(a, b):
     assert took < 60
     assert procs("torchrun_listen") == [] or wait_until(lambda: procs("torchrun_listen") == [], 40)
     assert all(j.name != "ar4" for j in a.jobs() + b.jobs())
+
+
+# -- fan-out (case 6) -------------------------------------------------------------------------
+
+
+def test_case6_each_machine_sees_its_own_setting_and_sync_from_all(ip, pair, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ip.run_line_magic("gpu", "connect tra")
+    ip.run_line_magic("gpu", "connect trb")
+    cell = 'mkdir -p ~/runs && echo "LR=$LR on $(hostname)" > ~/runs/out.txt && echo "seen LR=$LR"\n'
+    ip.run_cell_magic("remote", '--job fan --hosts tra,trb --each "LR=1" "LR=2"', cell)
+    session = ip._gpumagic.session
+    for name, lr in (("tra", "1"), ("trb", "2")):
+        job = session.get(name).job("fan")
+        job.wait(timeout=120)
+        assert f"seen LR={lr}" in job.logs(None)
+    ip.run_line_magic("gpu", "sync --from-all :~/runs/ results/")
+    assert (tmp_path / "results" / "tra" / "out.txt").read_text().startswith("LR=1 ")
+    assert (tmp_path / "results" / "trb" / "out.txt").read_text().startswith("LR=2 ")
+
+
+def test_case6_each_count_must_match_hosts(a, b):
+    from gpumagic.remote.distributed import fan_out
+
+    with pytest.raises(JobError, match="--each gives 1 settings for 2 machines"):
+        fan_out([a, b], "fan2", "true", ["LR=1"])
+    assert all(j.name != "fan2" for j in a.jobs() + b.jobs())
+
+
+def test_magics_torchrun_logs_rank_and_kill(ip, pair, capsys):
+    ip.run_line_magic("gpu", "connect tra")
+    ip.run_line_magic("gpu", "connect trb")
+    ip.run_cell_magic("remote", "--job mag --torchrun 2 --hosts tra,trb --env HANG=1", ALLREDUCE)
+    assert "world size 4" in capsys.readouterr().out
+    m = ip._gpumagic.session.get("tra")
+    from gpumagic.remote import distributed
+
+    job = distributed.find(ip._gpumagic.session.get, m, "mag")
+    assert job.hosts == ["tra", "trb"]
+    assert wait_until(lambda: job.logs_all().count("sum 6") == 4, 300), [j.logs(None) for j in job.parts]
+    ip.run_line_magic("gpu", "logs mag --rank 1")
+    out = capsys.readouterr().out
+    assert "rank 1 world 4 sum 6" in out and "rank 0 " not in out
+    ip.run_line_magic("gpu", "logs mag --all")
+    out = capsys.readouterr().out
+    assert out.count("sum 6") == 4 and "[trb:" in out
+    ip.run_line_magic("gpu", "kill mag --host trb")
+    assert "every rank was stopped" in capsys.readouterr().out
+    assert procs("torchrun/mag/") == []
+    ip.run_line_magic("gpu", "jobs --all")
+    out = capsys.readouterr().out
+    assert "tra " in out and "trb " in out and "mag" in out

@@ -243,6 +243,16 @@ class GpuMagics(Magics):
     @argument("--kernel", metavar="NAME", nargs="?", const="",
               help="run the cell in a live Python session on the machine, whose variables persist "
                    "(default: the one used last, or the only one; started on first use; see `%%gpu kernel`)")
+    @argument("--torchrun", metavar="N|auto",
+              help="with --job: run the cell (a Python script, or `!command`) under PyTorch's torchrun "
+                   "with N processes per machine (auto: one per visible GPU)")
+    @argument("--torchrun-args", metavar="ARGS", help='with --torchrun: more torchrun options, e.g. "--max-restarts 1"')
+    @argument("--hosts", metavar="A,B", help="with --job: connected machines to run on (one torchrun each, "
+                                             "or with --each one job each)")
+    @argument("--each", metavar="K=V", nargs="+",
+              help='with --hosts: one environment setting per machine, e.g. --each "LR=1e-3" "LR=3e-4"')
+    @argument("--same-dir", metavar="PATH", help="with --torchrun --hosts: a data folder that must match on every machine")
+    @argument("--same-dir-hash", action="store_true", help="with --same-dir: compare contents (SHA-256), not just sizes")
     @cell_magic
     def remote(self, line: str, cell: str):
         """Run this cell on the remote machine, with output streamed live.
@@ -258,6 +268,9 @@ class GpuMagics(Magics):
         if args.kernel is not None:
             from .kernel_magics import remote_cell
             return remote_cell(self, args, cell)
+        if args.torchrun is not None or args.hosts is not None or args.each:
+            from .torchrun_magics import remote_cell as torchrun_cell
+            return torchrun_cell(self, args, cell)
         if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
             return _remote_job(self, args, cell)
         machine = self.session.get(args.host)
@@ -681,6 +694,7 @@ def _status(magics: GpuMagics, line: str):
 @argument("--sample", metavar="SECONDS", type=number(0, 600, integer=True, what="seconds"), default=0,
           help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
+@argument("--hosts", metavar="A,B", help="run the torchrun preflight across these machines instead")
 def _doctor(magics: GpuMagics, line: str):
     """Preflight checks, each ok / WARN / FAIL with a one-line fix, gathered in one round trip.
 
@@ -691,6 +705,9 @@ def _doctor(magics: GpuMagics, line: str):
     args = parse(_doctor, line, "doctor")
     if args is None:
         return
+    if args.hosts is not None:
+        from .torchrun_magics import doctor_hosts
+        return doctor_hosts(magics, args)
     m = magics.session.get(args.host)
     ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
                                        sample=args.sample)))
@@ -711,10 +728,14 @@ def _doctor(magics: GpuMagics, line: str):
 @argument("--checksum", action="store_true", help="compare files by content hash, not size and mtime")
 @argument("--update", action="store_true", help="never replace a destination file that is newer")
 @argument("--host", metavar="NAME", help="machine for :PATH (default: the current one)")
+@argument("--from-all", action="store_true", help="pull :PATH from every connected machine into DST/<machine>/")
 def _sync(magics: GpuMagics, line: str):
     args = parse(_sync, line, "sync")
     if args is None:
         return
+    if args.from_all:
+        from .torchrun_magics import sync_from_all
+        return sync_from_all(magics, args)
     from ..sync import engine as sync
     from . import widgets
     from ..errors import ConfigError
@@ -789,10 +810,14 @@ def _show_alerts(info, alerts=None) -> None:
 @subcommand("jobs", "list the detached jobs on a machine: state, start, run time, last line")
 @magic_arguments()
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
+@argument("--all", action="store_true", help="one table over every connected machine")
 def _jobs(magics: GpuMagics, line: str):
     args = parse(_jobs, line, "jobs")
     if args is None:
         return
+    if args.all:
+        from .torchrun_magics import jobs_all
+        return jobs_all(magics)
     machine = magics.session.get(args.host)
     infos = machine.jobs()
     ipy_display(jobs_table(infos, machine.name))
@@ -826,10 +851,15 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
 @argument("-f", "--follow", action="store_true",
           help="keep printing new output until the job ends (interrupting stops following, never the job)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
+@argument("--rank", metavar="R", type=int, help="a torchrun job: show global rank R's lines (default 0)")
+@argument("--all", action="store_true", help="a torchrun job: every rank's lines, prefixed [host:rank]")
 def _logs(magics: GpuMagics, line: str):
     args = parse(_logs, line, "logs")
     if args is None:
         return
+    if args.rank is not None or args.all:
+        from .torchrun_magics import logs as torchrun_logs
+        return torchrun_logs(magics, args)
     lines = args.lines or None
     if args.follow:
         return _follow(magics, args.name, args.host, lines)
@@ -866,6 +896,9 @@ def _kill(magics: GpuMagics, line: str):
         return
     machine = magics.session.get(args.host)
     job = machine.job(_job_name(args.name))
+    from .torchrun_magics import kill as torchrun_kill
+    if not args.shutdown and torchrun_kill(magics, machine, args.name):
+        return
     if args.shutdown:
         what = job.cancel_shutdown()
         print({"cancelled": f"cancelled the shutdown of {machine.name} armed by job {args.name}",

@@ -549,3 +549,65 @@ def find(session_or_machines, machine, name: str) -> DistributedJob | None:
         return None
     machines = [machine if h == machine.name else session_or_machines(h) for h in hosts]
     return DistributedJob(name, [m.job(name) for m in machines])
+
+
+# -- fan-out: one experiment, one setting per machine -------------------------------------------
+
+
+def parse_each(items: Sequence[str]) -> list[dict[str, str]]:
+    """``["LR=1e-3", "LR=3e-4 BS=64"]`` -> ``[{"LR": "1e-3"}, {"LR": "3e-4", "BS": "64"}]``
+    (each item: ``K=V`` pairs separated by spaces, split like a shell line).
+
+    Raises
+    ------
+    JobError
+        An item without ``=`` or with a name that is not a shell variable name.
+    """
+    out = []
+    for item in items:
+        env = {}
+        for pair in shlex.split(item):
+            k, eq, v = pair.partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise JobError(f"--each {item!r}: {pair!r} is not NAME=VALUE",
+                               'e.g. --each "LR=1e-3" "LR=3e-4 BS=64"')
+            env[k] = v
+        out.append(env)
+    return out
+
+
+def fan_out(machines: Sequence, name: str, command: str, each: Sequence[Mapping[str, str] | str], *,
+            python: bool = False, cwd: str | None = None, env: Mapping[str, str] | None = None,
+            **options) -> list:
+    """Start the same ``command`` as job ``name`` on every machine, machine ``i`` with the
+    environment values ``each[i]`` on top of ``env``; returns the :class:`gpumagic.remote.jobs.Job`
+    handles in machine order.
+
+    Raises
+    ------
+    JobError
+        ``each`` and ``machines`` differ in length (nothing started); a job of that name runs on
+        one of them (nothing started); a start failed (the jobs already started are killed).
+    """
+    machines = list(machines)
+    envs = [parse_each([e])[0] if isinstance(e, str) else dict(e) for e in each]
+    if len(envs) != len(machines):
+        raise JobError(f"--each gives {len(envs)} settings for {len(machines)} machines "
+                       f"({', '.join(m.name for m in machines)})", "give one setting per machine, in --hosts order")
+    jobs.check_name(name)
+    for m in machines:
+        if any(i.running for i in jobs.list_jobs(m, only=name)):
+            raise JobError(f"a job named {name!r} is already running on {m.name}",
+                           f"pick another name, or `%gpu kill {name}` first")
+    started: list = []
+    try:
+        for m, e in zip(machines, envs):
+            started.append(m.start_job(name, command, python=python, cwd=cwd, env={**(env or {}), **e}, **options))
+    except BaseException:
+        for j in started:
+            try:
+                j.kill("start failed")
+            except Exception:
+                pass
+        raise
+    return started
