@@ -485,7 +485,9 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     if sandbox:
         from .ssh.sandbox import Sandbox
 
-        sb = Sandbox(fake_gpu=fake_gpu).start()
+        # A sandbox named other than "sandbox" gets a home of its own (two sandboxes stand
+        # for two machines, as in tutorial 08); the default one keeps the shared home.
+        sb = Sandbox(fake_gpu=fake_gpu, home_name=name if name and name != "sandbox" else None).start()
         spec = sb.spec()
         name = name or "sandbox"
         cwd = cwd or "~"  # the sandbox's own HOME, not the directory sshd starts in

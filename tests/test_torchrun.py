@@ -215,3 +215,22 @@ def test_magics_torchrun_logs_rank_and_kill(ip, pair, capsys):
     ip.run_line_magic("gpu", "jobs --all")
     out = capsys.readouterr().out
     assert "tra " in out and "trb " in out and "mag" in out
+
+
+def test_notebook_08_runs(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    import nbformat
+
+    from gpumagic.__main__ import run_notebook
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    out = run_notebook(root / "example-notebooks" / "08-several-gpus.ipynb", tmp_path, timeout=400)
+    nb = nbformat.read(out, as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream")
+    assert "rank 1 of 2: all-reduced sum 1" in text
+    assert text.count(": sum 6") == 4
+    assert "trained with LR=1e-3" in text and "trained with LR=3e-4" in text
