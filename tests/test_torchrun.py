@@ -227,7 +227,12 @@ def test_notebook_08_runs(tmp_path, monkeypatch):
 
     root = Path(__file__).resolve().parent.parent
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    out = run_notebook(root / "example-notebooks" / "08-several-gpus.ipynb", tmp_path, timeout=400)
+    # run from a copy, so that results/ (the notebook's sync --from-all) lands in tmp_path
+    (tmp_path / "nb").mkdir()
+    copy = tmp_path / "nb" / "08-several-gpus.ipynb"
+    copy.write_bytes((root / "example-notebooks" / "08-several-gpus.ipynb").read_bytes())
+    out = run_notebook(copy, tmp_path, timeout=400)
+    assert (tmp_path / "nb" / "results" / "b" / "result.txt").read_text() == "trained with LR=3e-4\n"
     nb = nbformat.read(out, as_version=4)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                    if o.output_type == "stream")

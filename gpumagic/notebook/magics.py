@@ -851,7 +851,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
 @argument("-f", "--follow", action="store_true",
           help="keep printing new output until the job ends (interrupting stops following, never the job)")
 @argument("--host", metavar="NAME", help="machine (default: the current one)")
-@argument("--rank", metavar="R", type=int, help="a torchrun job: show global rank R's lines (default 0)")
+@argument("--rank", metavar="R", type=number(0, 1 << 20, integer=True, what="a rank"), help="a torchrun job: show global rank R's lines (default 0)")
 @argument("--all", action="store_true", help="a torchrun job: every rank's lines, prefixed [host:rank]")
 def _logs(magics: GpuMagics, line: str):
     args = parse(_logs, line, "logs")
