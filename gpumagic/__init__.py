@@ -24,7 +24,24 @@ __version__ = "0.1.0"
 # A library never prints through logging's last-resort handler (paramiko's transport logs
 # go under "gpumagic.ssh"); an application that configures logging sees everything.
 _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
-__all__ = ["connect", "Machine", "GpumagicError", "load_ipython_extension", "__version__"]
+__all__ = ["connect", "Machine", "GpumagicError", "start_distributed", "load_ipython_extension", "__version__"]
+
+
+def start_distributed(machines, name, script, **options):
+    """Start ``script`` under PyTorch's torchrun on every machine of ``machines`` (connected
+    :class:`Machine` objects; the first holds the c10d rendezvous endpoint); returns a
+    :class:`gpumagic.remote.distributed.DistributedJob` over all ranks (``state``,
+    ``logs(rank=)``, ``wait()``, ``kill()``).  ``options``: see
+    :func:`gpumagic.remote.distributed.start` (``nproc``, ``torchrun_args``, ``same_dir``...).
+
+    Raises
+    ------
+    JobError
+        The preflight refused (a table of what differs per host), or a bad name or nproc.
+    """
+    from .remote import distributed
+
+    return distributed.start(machines, name, script, **options)
 
 
 _SUBMODULES = ("budget", "gpu", "keys", "notebook", "remote", "ssh", "sync", "tunnel")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from .remote import execution, jobs
 from . import gpu
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import RemoteCommandError, UnknownHostKey
+from .errors import JobError, RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult
 from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel import Tunnel, TunnelManager
@@ -263,8 +263,14 @@ class Machine:
 
     def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
                   env: Mapping[str, str] | None = None, stop_on=None,
-                  then_shutdown: float | None = None, alerts: bool = True) -> Job:
+                  then_shutdown: float | None = None, alerts: bool = True, torchrun=None,
+                  torchrun_args=()) -> Job:
         """Start ``command`` as a detached job that survives disconnects; returns at once.
+
+        With ``torchrun=N`` (or ``"auto"``) the command is a Python training script (or a
+        ``!command line``) run by ``N`` ranks under PyTorch's torchrun, and the handle is a
+        :class:`gpumagic.remote.distributed.DistributedJob` (``state``, ``logs(rank=)``,
+        ``wait()``, ``kill()``); see :func:`gpumagic.remote.distributed.start`.
 
         >>> job = m.start_job("train", "python train.py", stop_on="nan")
         >>> job.state, job.logs(20), job.wait(), job.kill()
@@ -277,6 +283,14 @@ class Machine:
         ------
         JobError
         """
+        if torchrun is not None:
+            if then_shutdown is not None:
+                raise JobError("--then-shutdown does not apply to a torchrun job yet",
+                               "start it without --then-shutdown and stop the machine yourself")
+            from .remote import distributed
+
+            return distributed.start([self], name, command, nproc=torchrun, torchrun_args=torchrun_args,
+                                     cwd=cwd, env=env, stop_on=stop_on, alerts=alerts)  # type: ignore[return-value]
         return jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
                           then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
 
@@ -511,7 +525,9 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     if sandbox:
         from .ssh.sandbox import Sandbox
 
-        sb = Sandbox(fake_gpu=fake_gpu).start()
+        # A sandbox named other than "sandbox" gets a home of its own (two sandboxes stand
+        # for two machines, as in tutorial 08); the default one keeps the shared home.
+        sb = Sandbox(fake_gpu=fake_gpu, home_name=name if name and name != "sandbox" else None).start()
         spec = sb.spec()
         name = name or "sandbox"
         cwd = cwd or "~"  # the sandbox's own HOME, not the directory sshd starts in

@@ -460,9 +460,13 @@ class Sandbox:
     fake_gpu : str, optional
         Replay a recorded GPU (``h200-idle`` / ``h200-load``) through a stand-in
         ``nvidia-smi``.  Off by default: the sandbox has no GPU and says so.
+    home_name : str, optional
+        Give this sandbox its own ``$HOME`` (``sandbox-home-NAME`` beside the shared one), so
+        two sandboxes stand for two machines.
     """
 
-    def __init__(self, *, fake_gpu: str | None = None, directory: str | None = None):
+    def __init__(self, *, fake_gpu: str | None = None, directory: str | None = None,
+                 home_name: str | None = None):
         self._tmp = None
         remove_stale_sandbox_dirs()
         if directory is None:
@@ -470,6 +474,11 @@ class Sandbox:
             self._tmp = tempfile.TemporaryDirectory(prefix=f"{SANDBOX_PREFIX}{pid}-{process_start(pid)}-")
             directory = self._tmp.name
         self.home = sandbox_home()
+        if home_name:  # a separate machine: its own home beside the shared one
+            from .._fs import private_dir
+
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", home_name)
+            self.home = private_dir(self.home.parent / f"sandbox-home-{safe}")
         self.server = SshServer(directory, fake_gpu=fake_gpu, env={"HOME": str(self.home)})
 
     def start(self) -> "Sandbox":

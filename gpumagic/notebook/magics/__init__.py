@@ -168,6 +168,16 @@ class GpuMagics(Magics):
               help="with --job: shut the machine down MINUTES after the job succeeds (exit 0)")
     @argument("--no-alerts", action="store_true",
               help="with --job: do not show NaN/OOM/traceback alerts when following or listing")
+    @argument("--torchrun", metavar="N|auto",
+              help="with --job: run the cell (a Python script, or `!command`) under PyTorch's torchrun "
+                   "with N processes per machine (auto: one per visible GPU)")
+    @argument("--torchrun-args", metavar="ARGS", help='with --torchrun: more torchrun options, e.g. "--max-restarts 1"')
+    @argument("--hosts", metavar="A,B", help="with --job: connected machines to run on (one torchrun each, "
+                                             "or with --each one job each)")
+    @argument("--each", metavar="K=V", nargs="+",
+              help='with --hosts: one environment setting per machine, e.g. --each "LR=1e-3" "LR=3e-4"')
+    @argument("--same-dir", metavar="PATH", help="with --torchrun --hosts: a data folder that must match on every machine")
+    @argument("--same-dir-hash", action="store_true", help="with --same-dir: compare contents (SHA-256), not just sizes")
     @argument("--kernel", metavar="NAME", nargs="?", const="",
               help="run the cell in a live Python session on the machine, whose variables persist "
                    "(default: the one used last, or the only one; started on first use; see `%%gpu kernel`)")
@@ -185,6 +195,10 @@ class GpuMagics(Magics):
             from ..kernel_magics import remote_cell
 
             return remote_cell(self, args, cell)
+        if args.torchrun is not None or args.hosts is not None or args.each:
+            from ..torchrun_magics import remote_cell as torchrun_cell
+
+            return torchrun_cell(self, args, cell)
         if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
             return _remote_job(self, args, cell)
         machine = self.session.get(args.host)

@@ -75,6 +75,7 @@ def _status(magics: GpuMagics, line: str):
 @argument("--sample", metavar="SECONDS", type=number(0, 600, integer=True, what="seconds"), default=0,
           help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
 @host_arg()
+@argument("--hosts", metavar="A,B", help="run the torchrun preflight across these machines instead")
 def _doctor(magics: GpuMagics, line: str):
     """Preflight checks, each ok / WARN / FAIL with a one-line fix, gathered in one round trip.
 
@@ -83,6 +84,10 @@ def _doctor(magics: GpuMagics, line: str):
     disk holding the working directory, disks over 90% full), Python, venv/conda, tmux, rsync.
     """
     args = parse(_doctor, line, "doctor")
+    if args.hosts is not None:
+        from ..torchrun_magics import doctor_hosts
+
+        return doctor_hosts(magics, args)
     m = magics.session.get(args.host)
     ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
                                        sample=args.sample)))

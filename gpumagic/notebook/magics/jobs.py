@@ -12,7 +12,7 @@ from ...errors import Interrupted
 from ...remote.jobs import NAME_RE, parse_stop_on, scan_alerts
 from .. import display
 from ..display import job_alert, job_ended, job_started, jobs_table
-from ._args import LINES, env_pairs, host_arg, parse
+from ._args import LINES, env_pairs, host_arg, number, parse
 
 if TYPE_CHECKING:
     from . import GpuMagics
@@ -58,8 +58,13 @@ def _show_alerts(info, alerts=None) -> None:
 
 @magic_arguments()
 @host_arg()
+@argument("--all", action="store_true", help="one table over every connected machine")
 def _jobs(magics: GpuMagics, line: str):
     args = parse(_jobs, line, "jobs")
+    if args.all:
+        from ..torchrun_magics import jobs_all
+
+        return jobs_all(magics)
     machine = magics.session.get(args.host)
     infos = machine.jobs()
     ipy_display(jobs_table(infos, machine.name))
@@ -92,8 +97,14 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
 @argument("-f", "--follow", action="store_true",
           help="keep printing new output until the job ends (interrupting stops following, never the job)")
 @host_arg()
+@argument("--rank", metavar="R", type=number(0, 1 << 20, integer=True, what="a rank"), help="a torchrun job: show global rank R's lines (default 0)")
+@argument("--all", action="store_true", help="a torchrun job: every rank's lines, prefixed [host:rank]")
 def _logs(magics: GpuMagics, line: str):
     args = parse(_logs, line, "logs")
+    if args.rank is not None or args.all:
+        from ..torchrun_magics import logs as torchrun_logs
+
+        return torchrun_logs(magics, args)
     lines = args.lines or None
     if args.follow:
         return _follow(magics, args.name, args.host, lines)
@@ -124,6 +135,10 @@ def _kill(magics: GpuMagics, line: str):
     args = parse(_kill, line, "kill")
     machine = magics.session.get(args.host)
     job = machine.job(_job_name(args.name))
+    from ..torchrun_magics import kill as torchrun_kill
+
+    if not args.shutdown and torchrun_kill(magics, machine, args.name):
+        return
     if args.shutdown:
         what = job.cancel_shutdown()
         print({"cancelled": f"cancelled the shutdown of {machine.name} armed by job {args.name}",

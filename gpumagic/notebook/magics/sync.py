@@ -27,8 +27,13 @@ if TYPE_CHECKING:
 @argument("--checksum", action="store_true", help="compare files by content hash, not size and mtime")
 @argument("--update", action="store_true", help="never replace a destination file that is newer")
 @host_arg("machine for :PATH (default: the current one)")
+@argument("--from-all", action="store_true", help="pull :PATH from every connected machine into DST/<machine>/")
 def _sync(magics: GpuMagics, line: str):
     args = parse(_sync, line, "sync")
+    if args.from_all:
+        from ..torchrun_magics import sync_from_all
+
+        return sync_from_all(magics, args)
     try:
         t = sync.transfer(args.src, args.dst, host=args.host)
     except ConfigError as e:

@@ -1,0 +1,241 @@
+"""torchrun jobs (issue 18): real PyTorch torchrun with the gloo backend on CPU, on sandbox
+machines (real sshd on loopback with separate homes).  Skipped without torch."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import time
+import pytest
+
+import gpumagic
+from conftest import add_client_entry, make_server, wait_until
+from gpumagic.errors import JobError
+
+#: The one command that adds torch (a CPU build) to the test environment.
+INSTALL = ".venv/bin/pip install torch==2.13.0"
+pytest.importorskip("torch", reason=f"torch is not installed; add it with `{INSTALL}`")
+
+ALLREDUCE = """\
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank()
+t = torch.tensor([r])
+dist.all_reduce(t)
+print(f"rank {r} world {dist.get_world_size()} sum {t.item()}", flush=True)
+if os.environ.get("BOOM") == str(r):
+    raise ValueError(f"boom on rank {r}")
+if os.environ.get("HANG"):
+    import time; time.sleep(600)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def pair():
+    servers = []
+    for alias in ("tra", "trb"):
+        s = make_server(alias)
+        add_client_entry(s, alias)
+        servers.append(s)
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def a(pair):
+    m = gpumagic.connect("tra")
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def b(pair):
+    m = gpumagic.connect("trb")
+    yield m
+    m.close()
+
+
+def procs(word):
+    """``ps`` lines of this computer's processes (the sandboxes' too) whose command line holds
+    ``word`` (a job's torchrun folder: torchrun and every worker name it)."""
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if word in ln]
+
+
+def test_case1_two_ranks_one_machine(a, pair):
+    job = a.start_job("ar1", ALLREDUCE, torchrun=2)
+    assert job.wait(timeout=240) == "exited 0", job.parts[0].logs(None)
+    assert "rank 0 world 2 sum 1" in job.logs(rank=0)
+    r1 = job.logs(rank=1)
+    assert "rank 1 world 2 sum 1" in r1 and "rank 0" not in r1
+    assert "[tra:1] rank 1 world 2 sum 1" in job.logs_all()
+    with pytest.raises(JobError, match="no rank 5"):
+        job.logs(rank=5)
+
+
+def test_case1_kill_ends_every_rank(a, pair):
+    job = a.start_job("ar-hang", ALLREDUCE, torchrun=2, env={"HANG": "1"})
+    assert wait_until(lambda: "sum 1" in job.logs_all(), 240), job.parts[0].logs(None)
+    assert len(job.ranks()) == 2
+    assert len(procs("torchrun/ar-hang/")) >= 3  # torchrun and two workers: the check can fail
+    job.kill()
+    assert job.state.startswith("killed")
+    assert procs("torchrun/ar-hang/") == []
+
+
+def test_case5_rank_raises_names_host_rank_and_line(a, pair):
+    job = a.start_job("ar-boom", ALLREDUCE, torchrun=2, env={"BOOM": "1"})
+    state = job.wait(timeout=240)
+    assert state.startswith("failed: rank 1 on tra"), state
+    assert "ValueError: boom on rank 1" in state
+    assert not any(i.running for i in job.infos())
+    assert procs("torchrun/ar-boom/") == []
+
+
+def test_torchrun_number_is_checked(a):
+    with pytest.raises(JobError, match="--torchrun takes"):
+        a.start_job("bad", "print(1)", torchrun="zero")
+
+
+def test_auto_without_gpu_says_so(a):
+    with pytest.raises(JobError, match="auto counts the visible GPUs"):
+        a.start_job("auto1", "print(1)", torchrun="auto")
+
+
+# -- two machines (cases 2-5) ----------------------------------------------------------------
+
+
+def test_case2_two_machines_world_4_same_sum_and_kill(a, b):
+    job = gpumagic.start_distributed([a, b], "ar2", ALLREDUCE, nproc=2, env={"HANG": "1"})
+    assert job.plan.endpoint.startswith("127.0.0.1:")
+    assert wait_until(lambda: len(job.ranks()) == 4 and job.logs_all().count("sum 6") == 4, 300), \
+        [j.logs(None) for j in job.parts]
+    for r in range(4):
+        assert f"rank {r} world 4 sum 6" in job.logs(rank=r)
+    hosts = {host for host in ("tra", "trb") if f"[{host}:" in job.logs_all()}
+    assert hosts == {"tra", "trb"}
+    assert len(procs("torchrun/ar2/")) >= 6  # two torchruns and four workers, before the kill
+    job.kill()
+    assert procs("torchrun/ar2/") == []
+    assert all(not i.running for i in job.infos())
+
+
+def test_case5_rank_3_raises_on_b(a, b):
+    job = gpumagic.start_distributed([a, b], "ar5", ALLREDUCE, nproc=2, env={"BOOM": "3"})
+    state = job.wait(timeout=300)
+    ranks = job.ranks()
+    assert ranks[3][0].machine.name == "trb"  # c10d put rank 3 on b
+    assert state.startswith("failed: rank 3 on trb"), state
+    assert "ValueError: boom on rank 3" in state
+    assert procs("torchrun/ar5/") == []
+
+
+def test_case3_same_dir_size_differs(a, b, pair):
+    homes = [s.env["HOME"] for s in pair]
+    for home, size in zip(homes, (10, 12)):
+        d = pathlib.Path(home) / "data"
+        d.mkdir(exist_ok=True)
+        (d / "train.bin").write_bytes(b"x" * size)
+        (d / "same.bin").write_bytes(b"y" * 5)
+    with pytest.raises(JobError) as e:
+        gpumagic.start_distributed([a, b], "ar3", ALLREDUCE, nproc=1, cwd="~", same_dir="data")
+    msg = str(e.value)
+    assert "data train.bin" in msg and "10 bytes" in msg and "12 bytes" in msg
+    assert "same.bin" not in msg
+    assert not a.jobs() or all(j.name != "ar3" for j in a.jobs())
+    # content differs, size equal: only --same-dir-hash sees it
+    (pathlib.Path(homes[1]) / "data" / "train.bin").write_bytes(b"z" * 10)
+    with pytest.raises(JobError, match=r"data train.bin +sha256:"):
+        gpumagic.start_distributed([a, b], "ar3", ALLREDUCE, nproc=1, cwd="~", same_dir="data",
+                                   same_dir_hash=True)
+
+
+def test_case4_unreachable_endpoint_refused_within_deadline(a, b):
+    t0 = time.monotonic()
+    with pytest.raises(JobError) as e:
+        gpumagic.start_distributed([a, b], "ar4", ALLREDUCE, nproc=1, endpoint_host="192.0.2.1",
+                                   deadline=3)
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert "192.0.2.1" in msg and "cannot be reached" in msg and "trb" in msg
+    assert took < 60
+    assert procs("torchrun_listen") == [] or wait_until(lambda: procs("torchrun_listen") == [], 40)
+    assert all(j.name != "ar4" for j in a.jobs() + b.jobs())
+
+
+# -- fan-out (case 6) -------------------------------------------------------------------------
+
+
+def test_case6_each_machine_sees_its_own_setting_and_sync_from_all(ip, pair, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ip.run_line_magic("gpu", "connect tra")
+    ip.run_line_magic("gpu", "connect trb")
+    cell = 'mkdir -p ~/runs && echo "LR=$LR on $(hostname)" > ~/runs/out.txt && echo "seen LR=$LR"\n'
+    ip.run_cell_magic("remote", '--job fan --hosts tra,trb --each "LR=1" "LR=2"', cell)
+    session = ip._gpumagic.session
+    for name, lr in (("tra", "1"), ("trb", "2")):
+        job = session.get(name).job("fan")
+        job.wait(timeout=120)
+        assert f"seen LR={lr}" in job.logs(None)
+    ip.run_line_magic("gpu", "sync --from-all :~/runs/ results/")
+    assert (tmp_path / "results" / "tra" / "out.txt").read_text().startswith("LR=1 ")
+    assert (tmp_path / "results" / "trb" / "out.txt").read_text().startswith("LR=2 ")
+
+
+def test_case6_each_count_must_match_hosts(a, b):
+    from gpumagic.remote.distributed import fan_out
+
+    with pytest.raises(JobError, match="--each gives 1 settings for 2 machines"):
+        fan_out([a, b], "fan2", "true", ["LR=1"])
+    assert all(j.name != "fan2" for j in a.jobs() + b.jobs())
+
+
+def test_magics_torchrun_logs_rank_and_kill(ip, pair, capsys):
+    ip.run_line_magic("gpu", "connect tra")
+    ip.run_line_magic("gpu", "connect trb")
+    ip.run_cell_magic("remote", "--job mag --torchrun 2 --hosts tra,trb --env HANG=1", ALLREDUCE)
+    assert "world size 4" in capsys.readouterr().out
+    m = ip._gpumagic.session.get("tra")
+    from gpumagic.remote import distributed
+
+    job = distributed.find(ip._gpumagic.session.get, m, "mag")
+    assert job.hosts == ["tra", "trb"]
+    assert wait_until(lambda: job.logs_all().count("sum 6") == 4, 300), [j.logs(None) for j in job.parts]
+    ip.run_line_magic("gpu", "logs mag --rank 1")
+    out = capsys.readouterr().out
+    assert "rank 1 world 4 sum 6" in out and "rank 0 " not in out
+    ip.run_line_magic("gpu", "logs mag --all")
+    out = capsys.readouterr().out
+    assert out.count("sum 6") == 4 and "[trb:" in out
+    ip.run_line_magic("gpu", "kill mag --host trb")
+    assert "every rank was stopped" in capsys.readouterr().out
+    assert procs("torchrun/mag/") == []
+    ip.run_line_magic("gpu", "jobs --all")
+    out = capsys.readouterr().out
+    assert "tra " in out and "trb " in out and "mag" in out
+
+
+def test_notebook_08_runs(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    import nbformat
+
+    from gpumagic.__main__ import run_notebook
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    # run from a copy, so that results/ (the notebook's sync --from-all) lands in tmp_path
+    (tmp_path / "nb").mkdir()
+    copy = tmp_path / "nb" / "08-several-gpus.ipynb"
+    copy.write_bytes((root / "example-notebooks" / "08-several-gpus.ipynb").read_bytes())
+    out = run_notebook(copy, tmp_path, timeout=400)
+    assert (tmp_path / "nb" / "results" / "b" / "result.txt").read_text() == "trained with LR=3e-4\n"
+    nb = nbformat.read(out, as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream")
+    assert "rank 1 of 2: all-reduced sum 1" in text
+    assert text.count(": sum 6") == 4
+    assert "trained with LR=1e-3" in text and "trained with LR=3e-4" in text
