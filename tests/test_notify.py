@@ -9,6 +9,7 @@ import hmac
 import http.server
 import importlib.util
 import json
+import subprocess
 import os
 import re
 import stat
@@ -414,9 +415,14 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     stopped = m.start_job("notify-site-nan", "echo step 1; echo 'step 2 loss nan'; sleep 60", stop_on="nan")
     assert stopped.wait(timeout=60).killed == "nan"
     home = sshd.dir / "home" / ".gpumagic"
-    assert wait_until(lambda: len(hook.posts) == 2, 60), (  # what the machine said, if not
-        hook.posts, *[p.read_text()[-2000:] if p.exists() else f"no {p}"
-                      for p in (home / "notify" / "log", home / "jobs" / "notify-site-fail" / "log")])
+    if not wait_until(lambda: len(hook.posts) == 2, 120):  # what the machine said, if not
+        ps = subprocess.run(["ps", "-eww", "-o", "pid,pgid,sid,stat,etime,args"], capture_output=True, text=True).stdout
+        detail = [p.read_text()[-1500:] if p.exists() else f"no {p}"
+                  for p in (home / "notify" / "log", home / "jobs" / "notify-site-fail" / "log")]
+        jobdirs = {d.name: sorted(x.name for x in d.iterdir()) for d in (home / "jobs").glob("notify-site-*")}
+        print("POSTS", hook.posts, "\nNOTIFYLOG\n", detail[0], "\nJOBLOG\n", detail[1], "\nDIRS", jobdirs,
+              "\nPS\n", "\n".join(ln for ln in ps.splitlines() if "notify" in ln or "gpumagic" in ln))
+        raise AssertionError(f"{len(hook.posts)} posts")
     by_job = {b["details"]["job"]: b for _, b in hook.posts}
     failed, nan = by_job["notify-site-fail"], by_job["notify-site-nan"]
     assert failed["title"] == "job notify-site-fail failed" and "exit code 3" in failed["text"]

@@ -55,9 +55,13 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
     assert (state / "jobs" / "private-state" / "env.sh").exists()
     data = budget.data_dir()
     assert (data / "ledger.json").exists()
-    # Everything in gpumagic's data directory except the sandbox home's own files (a home
-    # directory: what cells write there is the user's), plus the machine's ~/.gpumagic.
-    paths = [p for p in walk(data) if home not in p.parents] + [home] + walk(state)
+    # Everything in gpumagic's data directory except the sandbox homes' own files (a home
+    # directory: what cells write there is the user's; other tests' named sandboxes have
+    # sandbox-home-NAME), plus each home itself and its ~/.gpumagic (torchrun's state too).
+    homes = [home, *home.parent.glob("sandbox-home-*")]
+    paths = [p for p in walk(data) if not any(h in p.parents for h in homes)]
+    for h in homes:
+        paths += [h] + (walk(h / ".gpumagic") if (h / ".gpumagic").is_dir() else [])
     wrong = {str(p): oct(stat.S_IMODE(p.lstat().st_mode)) for p in paths
              if stat.S_IMODE(p.lstat().st_mode) != (0o700 if p.is_dir() else 0o600)}
     assert wrong == {}

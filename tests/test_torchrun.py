@@ -75,6 +75,22 @@ def test_case1_two_ranks_one_machine(a, pair):
         job.logs(rank=5)
 
 
+def test_torchrun_state_is_private_and_the_script_keeps_the_users_umask(a, pair):
+    script = ALLREDUCE + "open(f'made-by-rank-{r}', 'w').close()\n"
+    job = a.start_job("arpriv", script, torchrun=2)
+    assert job.wait(timeout=240) == "exited 0", job.parts[0].logs(None)
+    home = pair[0].dir / "home"
+    state = home / ".gpumagic" / "torchrun"
+    paths = [state, *state.joinpath("arpriv").rglob("*")]
+    wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in paths
+             if p.stat().st_mode & 0o777 != (0o700 if p.is_dir() else 0o600)}
+    assert len(paths) > 8 and wrong == {}  # script.py, rank.py, hosts, ranks/*, logs/**
+    umask = a.run("umask", quiet=True).stdout.strip()
+    made = [p for p in home.rglob("made-by-rank-*")]
+    assert len(made) == 2
+    assert {oct(p.stat().st_mode & 0o777) for p in made} == {oct(0o666 & ~int(umask, 8))}
+
+
 def test_case1_kill_ends_every_rank(a, pair):
     job = a.start_job("ar-hang", ALLREDUCE, torchrun=2, env={"HANG": "1"})
     assert wait_until(lambda: "sum 1" in job.logs_all(), 240), job.parts[0].logs(None)
@@ -215,27 +231,3 @@ def test_magics_torchrun_logs_rank_and_kill(ip, pair, capsys):
     ip.run_line_magic("gpu", "jobs --all")
     out = capsys.readouterr().out
     assert "tra " in out and "trb " in out and "mag" in out
-
-
-def test_notebook_08_runs(tmp_path, monkeypatch):
-    import os
-    from pathlib import Path
-
-    import nbformat
-
-    from gpumagic.__main__ import run_notebook
-
-    root = Path(__file__).resolve().parent.parent
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    # run from a copy, so that results/ (the notebook's sync --from-all) lands in tmp_path
-    (tmp_path / "nb").mkdir()
-    copy = tmp_path / "nb" / "08-several-gpus.ipynb"
-    copy.write_bytes((root / "example-notebooks" / "08-several-gpus.ipynb").read_bytes())
-    out = run_notebook(copy, tmp_path, timeout=400)
-    assert (tmp_path / "nb" / "results" / "b" / "result.txt").read_text() == "trained with LR=3e-4\n"
-    nb = nbformat.read(out, as_version=4)
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                   if o.output_type == "stream")
-    assert "rank 1 of 2: all-reduced sum 1" in text
-    assert text.count(": sum 6") == 4
-    assert "trained with LR=1e-3" in text and "trained with LR=3e-4" in text

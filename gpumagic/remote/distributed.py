@@ -455,7 +455,9 @@ def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = 
     argv += ["--nproc-per-node", str(nproc), "--tee", "3", *torchrun_args]
     tail = ["--exec", *exec_argv] if exec_argv else []
     q = " ".join(shlex.quote(a) for a in argv)
-    lines = [f"export GPUMAGIC_TORCHRUN_DIR={d}"]
+    # torchrun itself (its logs/ and the ranks/ files) runs private, umask 077; rank.py gives
+    # the training script the user's umask back, so its checkpoints are made as in a plain cell.
+    lines = [f"export GPUMAGIC_TORCHRUN_DIR={d}", 'export GPUMAGIC_UMASK="$(umask)"', "umask 077"]
     if socket_ifname:
         lines.append(f"export NCCL_SOCKET_IFNAME=\"${{NCCL_SOCKET_IFNAME:-{socket_ifname}}}\"")
     lines.append(f"exec {q} --log-dir {d}/logs {d}/rank.py"
