@@ -225,7 +225,7 @@ def preflight(machines: Sequence, *, nproc: int | str = 1, cwd: str | None = Non
                 endpoint_host = "127.0.0.1"
             else:
                 endpoint_host = probes[0].addrs[0]
-        r = _prun(first, "torchrun_listen.py", "0.0.0.0", endpoint_port, deadline + 10, len(machines))
+        r = _prun(first, "torchrun_listen.py", endpoint_host, endpoint_port, deadline + 10, len(machines))
         m = re.search(r"^port (\d+)", r.stdout, re.M)
         if not m:
             raise JobError(f"could not listen on port {endpoint_port} on {first.name} for the rendezvous: "
