@@ -74,6 +74,25 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
     return out
 
 
+def _failed_cell(executed: Path) -> str:
+    """`` (code cell N, first line: ...)`` for the first cell of ``executed`` with an error
+    output that is not tagged ``raises-exception``; empty when it cannot be told."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(executed, as_version=4)
+    except Exception:
+        return ""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for n, c in enumerate(code, 1):
+        if "raises-exception" in c.metadata.get("tags", []):
+            continue
+        if any(o.output_type == "error" for o in c.get("outputs", [])):
+            first = next((ln for ln in c.source.splitlines() if ln.strip()), "")
+            return f" (code cell {n}: {first[:60]})"
+    return ""
+
+
 def _run_notebook(args) -> int:
     try:
         from nbclient.exceptions import CellExecutionError
@@ -98,9 +117,9 @@ def _run_notebook(args) -> int:
         raise GpumagicError(f"cannot run {args.notebook}: {e.strerror or e}{where}",
                             "the notebook must be readable and --output-dir writable") from None
     except CellExecutionError as e:
-        print(f"a cell failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
-        print(f"executed copy (with the error): {Path(args.output_dir) / Path(args.notebook).name}",
-              file=sys.stderr)
+        copy = Path(args.output_dir) / Path(args.notebook).name
+        print(f"a cell failed{_failed_cell(copy)}: {e.ename}: {e.evalue}".rstrip(": "), file=sys.stderr)
+        print(f"executed copy (with the error): {copy}", file=sys.stderr)
         return 1
     print(f"executed notebook written to {out.resolve()}")
     return 0
@@ -114,8 +133,9 @@ def main(argv=None) -> int:
                    help="replay a recorded GPU through a stand-in nvidia-smi (h200-idle, h200-load)")
     s.set_defaults(func=_sandbox)
     r = sub.add_parser("run-notebook", help="execute a notebook and write the executed copy")
-    r.add_argument("notebook")
-    r.add_argument("--output-dir", default="build/executed")
+    r.add_argument("notebook", help="the .ipynb file to run (its cells run in its own folder)")
+    r.add_argument("--output-dir", default="build/executed",
+                   help="where the executed copy is written (default: build/executed)")
     r.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     r.set_defaults(func=_run_notebook)
     args = p.parse_args(argv)

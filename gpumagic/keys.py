@@ -23,6 +23,7 @@ import re
 import socket
 import stat
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -699,7 +700,17 @@ class _PasswordConnection(Connection):
 
     def _authenticate(self, t: paramiko.Transport) -> None:
         spec = self.spec
-        password = self._password_prompt(f"Password for {spec.user}@{spec.address}: ")
+        try:
+            with warnings.catch_warnings():  # getpass's "can not control echo" on a pipe
+                warnings.simplefilter("ignore", getpass.GetPassWarning)
+                password = self._password_prompt(f"Password for {spec.user}@{spec.address}: ")
+        except (EOFError, KeyboardInterrupt, NotImplementedError) as e:
+            # no terminal (stdin at EOF), or a Jupyter frontend without an input box
+            # (ipykernel's StdinNotImplementedError is a NotImplementedError)
+            why = "cancelled" if isinstance(e, KeyboardInterrupt) else "there is no terminal or input box here"
+            raise AuthenticationFailed(f"cannot ask for the password of {spec.user}@{spec.address}: {why}",
+                                       "run it where you can type (IPython in a terminal, or a notebook cell), "
+                                       "or add the public key in your platform's console") from None
         try:
             # fallback=True: servers that offer only keyboard-interactive get the same password
             t.auth_password(spec.user, password, fallback=True)

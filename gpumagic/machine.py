@@ -121,7 +121,7 @@ class Machine:
         r = self.run(["sh", "-c", script, "sh", path], quiet=True)
         if r.exit_code != 0:
             raise RemoteCommandError(f"no directory {path} on {self.name}", exit_code=r.exit_code,
-                                     stderr=r.stderr, hint=f"create it first: %%remote\\nmkdir -p {path}")
+                                     stderr=r.stderr, hint=f"create it first: `mkdir -p {path}` in a %%remote cell")
         self.cwd = r.stdout.strip()
         return self.cwd
 

@@ -635,6 +635,11 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
     pulled = text(first["import tempfile"])
     assert "2 not pulled yet; pulled 2 files (2.9 MiB)" in pulled and "1.9 MiB  ~/.cache/pip" in pulled
     assert "cleaned 1 cache, 1.9 MiB freed:" in text(first["%gpu wrapup --clean"])
+    # the stand-in webhook is gone after the tutorial: its settings must not outlive it (later
+    # jobs on the sandbox would try it and log the failure)
+    from gpumagic.ssh.sandbox import sandbox_home
+    notify_dir = sandbox_home() / ".gpumagic" / "notify"
+    assert notify_dir.is_dir() and not (notify_dir / "config.json").exists()
 
 
 def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):

@@ -92,6 +92,14 @@ def test_three_failures_give_three_different_one_line_messages(sshd, tmp_path):
     assert "authorized_keys" in denied.value.hint
 
 
+def test_a_missing_identity_file_is_named_as_ssh_names_it(sshd, tmp_path):
+    # ssh: "Warning: Identity file X not accessible"; gpumagic listed only the keys it tried
+    missing = tmp_path / "nonexist"
+    with pytest.raises(AuthenticationFailed) as e:
+        gpumagic.connect(f"{sshd.user}@127.0.0.1:{sshd.port}", key=str(missing))
+    assert f"identity file {missing} not accessible (no such file)" in e.value.message
+
+
 def test_connect_error_has_no_paramiko_traceback_in_ipython(ip, capsys):
     port = free_port()
     ip.run_cell(f"%gpu connect 127.0.0.1:{port}")

@@ -38,13 +38,18 @@ def resolve_in(tmp_path, config: str, target: str, files: dict | None = None, **
     ("root@203.0.113.10:41022", "203.0.113.10", "root", 41022),
     ("203.0.113.10:41022", "203.0.113.10", None, 41022),
     ("ubuntu@[2001:db8::1]:2222", "2001:db8::1", "ubuntu", 2222),
+    # a bare ssh:// target (a new user got user 'ssh://root')
+    ("ssh://root@127.0.0.1:44999", "127.0.0.1", "root", 44999),
+    ("ssh://gpu-box", "gpu-box", None, None),
+    ("ssh://ubuntu@[2001:db8::1]:2222", "2001:db8::1", "ubuntu", 2222),
 ])
 def test_parse_target_reads_user_host_port(text, host, user, port):
     t = parse_target(text)
     assert (t.host, t.user, t.port) == (host, user, port)
 
 
-@pytest.mark.parametrize("bad", ["", "a b", "root@", "host:99999", "host:port"])
+@pytest.mark.parametrize("bad", ["", "a b", "root@", "host:99999", "host:port", "ssh://@h", "ssh://h/path",
+                                 "ssh://h:0"])
 def test_parse_target_rejects_malformed_text_with_hint(bad):
     with pytest.raises(ConfigError) as e:
         parse_target(bad)

@@ -131,6 +131,27 @@ def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
     assert not list(Path(tmp_path).glob("**/kernel-ipc*"))  # no socket files left behind
 
 
+def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
+    # a new user saw only "a cell failed:   hint: ..." (the last line of the error text)
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("1 / 0"), nbformat.v4.new_code_cell("x = 1"),
+                nbformat.v4.new_code_cell("open('/nonexistent/gm-file')")]
+    nb.cells[0].metadata["tags"] = ["raises-exception"]
+    nbformat.write(nb, tmp_path / "t.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[0] == ("a cell failed (code cell 3: open('/nonexistent/gm-file')): "
+                                        "FileNotFoundError: [Errno 2] No such file or directory: "
+                                        "'/nonexistent/gm-file'"), r.stderr
+    assert r.stderr.splitlines()[1] == f"executed copy (with the error): {tmp_path / 'out' / 't.ipynb'}"
+
+
 # -- the Simplified Chinese tutorials (example-notebooks/zh-CN) ------------------------------
 
 

@@ -578,6 +578,24 @@ def test_install_key_wrong_password_refused_without_echoing_it(password_server, 
     assert wrong not in str(e.value)
 
 
+@pytest.mark.parametrize("raised", [EOFError, NotImplementedError])
+def test_install_key_where_no_password_can_be_asked_says_so_in_one_line(password_server, client, raised):
+    # IPython with stdin at EOF (getpass -> EOFError), a notebook frontend without an input box
+    # (ipykernel's StdinNotImplementedError): a traceback before
+    server, user, _, _ = password_server
+    home, _ = client
+
+    def prompt(text):
+        raise raised("no input")
+
+    with pytest.raises(AuthenticationFailed) as e:
+        setup.install_key(f"{user}@{server.host}:{server.port}", password_prompt=prompt, home=home,
+                          try_key_first=False)
+    assert e.value.message == (f"cannot ask for the password of {user}@{server.host}:{server.port}: "
+                               "there is no terminal or input box here")
+    assert "console" in e.value.hint
+
+
 def test_install_key_asks_no_password_before_the_host_key_is_trusted(password_server, tmp_path):
     server, user, password, _ = password_server
     home = tmp_path / "fresh"

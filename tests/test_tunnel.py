@@ -844,6 +844,23 @@ def test_server_started_for_a_tunnel_that_cannot_open_is_stopped_again(machine, 
     assert wait_until(lambda: _running_jupyters(machine) == 0, 20)  # ...and stopped again
 
 
+def test_asking_for_jupyter_again_gives_the_open_tunnel_said_already_open(ip, capsys):
+    # a new user: the second `%gpu tunnel jupyter` said "started Jupyter" again
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", "tunnel jupyter --local-port 0 --out t")
+    t = ip.user_ns["t"]
+    try:
+        first = capsys.readouterr().out
+        assert "started Jupyter on testgpu" in first and "already open" not in first
+        ip.run_line_magic("gpu", "tunnel jupyter --local-port 0 --out t2")
+        again = capsys.readouterr().out
+        assert ip.user_ns["t2"] is t
+        assert f"Jupyter on testgpu: a tunnel is already open at {t.url} (the same one)" in again, again
+        assert "started" not in again
+    finally:
+        ip.run_line_magic("gpu", "tunnel close all --stop")
+
+
 def test_jupyter_started_by_gpumagic_is_named_and_stopped_from_a_later_kernel(ip, sshd, capsys):
     from pathlib import Path
 

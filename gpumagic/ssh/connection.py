@@ -366,6 +366,8 @@ class Connection:
             files += [f for f in default_identity_files(self.home) if f not in files]
         for path in files:
             if not os.path.exists(path):
+                if path in spec.identity_files:  # ssh: "Identity file X not accessible"
+                    self._missing_keys.append(path)
                 continue
             yield path, (lambda p=path: self._load_key(p))
 
@@ -376,7 +378,8 @@ class Connection:
 
     def _authenticate(self, t: paramiko.Transport) -> None:
         spec = self.spec
-        tried = []
+        tried: list[str] = []
+        self._missing_keys: list[str] = []
         for label, loader in self._candidate_keys():
             key = loader()
             tried.append(label)
@@ -393,10 +396,13 @@ class Connection:
                 raise ConnectionLost(f"connection to {spec.address} dropped during login: {e}",
                                      "connect again; if it repeats, check the machine's sshd")
             if t.is_authenticated():
+                self.notes += [f"warning: identity file {p} not accessible (no such file); logged in with {label}"
+                               for p in self._missing_keys]
                 return
         keys = ", ".join(tried) if tried else "none (no IdentityFile, no ~/.ssh/id_* key, no agent)"
+        missing = "".join(f"; identity file {p} not accessible (no such file)" for p in self._missing_keys)
         raise AuthenticationFailed(
-            f"{spec.user}@{spec.address} refused every key offered; keys tried: {keys}",
+            f"{spec.user}@{spec.address} refused every key offered; keys tried: {keys}{missing}",
             f"check the user name ({spec.user!r}) and that your public key is in "
             f"~/.ssh/authorized_keys on the machine, or pass the right key with -i",
         )

@@ -41,7 +41,7 @@ _TARGET_RE = re.compile(
 
 
 def parse_target(text: str) -> Target:
-    """Parse ``[user@]host[:port]`` (``[v6addr]:port`` for IPv6).
+    """Parse ``[user@]host[:port]`` (``[v6addr]:port`` for IPv6) or ``ssh://[user@]host[:port]``.
 
     Raises
     ------
@@ -49,6 +49,11 @@ def parse_target(text: str) -> Target:
         When the text is empty or not of that form.
     """
     text = (text or "").strip()
+    if text.lower().startswith("ssh://"):
+        r, user, host, uri_port = parse_ssh_uri(text, allow_v6=True)
+        if r != 0 or not host:
+            raise ConfigError(f"cannot read {text!r} as an ssh:// address", "write it as ssh://user@host:port")
+        return Target(host=host, user=user, port=uri_port if uri_port > 0 else None)
     m = _TARGET_RE.match(text)
     if not m:
         raise ConfigError(

@@ -108,9 +108,13 @@ def _service_subcommand(what: str, local_port: int, open_service, *options):
     def sub(magics: GpuMagics, line: str):
         args = parse(sub, line, f"tunnel {what.lower()}")  # every argument checked before anything starts
         m = magics.session.get(args.host)
+        open_before = list(m.tunnels)
         t = open_service(m, args)
-        how = _service_note(what, m.name, t.service)
-        note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
+        if any(t is x for x in open_before):  # asked again: the open tunnel, its server untouched
+            note = f"{what} on {m.name}: a tunnel is already open at {t.url} (the same one)"
+        else:
+            how = _service_note(what, m.name, t.service)
+            note = "\n".join(x for x in (how, _moved_note(t, magics.session)) if x)
         _show(display.tunnel_opened(t, m.name, note, inline=args.inline))
         if args.out:
             magics.shell.user_ns[args.out] = t
