@@ -39,7 +39,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, GpumagicError
+from ..errors import ConfigError, NotifyError  # noqa: F401 (NotifyError: its old home)
 from ..remote import program
 from .guard import read_status
 from .ledger import Ledger
@@ -55,10 +55,6 @@ TLS_MODES = ("auto", "ssl", "starttls", "none")
 
 #: The installed program as ``notify_command`` lines call it (``$HOME`` expanded there).
 _PROGRAM = f'python3 "$HOME/{NOTIFY_DIR}/notify.py"'
-
-
-class NotifyError(GpumagicError):
-    """Notifications cannot be set up or sent (no python3 on the machine, not configured)."""
 
 
 def program_source() -> str:

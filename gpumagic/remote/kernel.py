@@ -62,7 +62,8 @@ from typing import Any, Iterable, Mapping
 import paramiko
 
 from ..ssh import _paramiko
-from ..errors import ConnectionLost, GpumagicError, Interrupted, KernelError, RemoteTimeout
+from ..errors import (ConnectionLost, Interrupted, KernelConnectionLost, KernelError,  # noqa: F401
+                      RemoteKernelError, RemoteTimeout)
 
 #: Where the keepers keep their kernels, relative to the remote HOME.
 KERNELS_DIR = ".gpumagic/kernels"
@@ -87,32 +88,6 @@ PROTOCOL_VERSION = "5.3"
 #: SSH channel window asked for the keeper's channel (bytes).
 WINDOW_SIZE = 8 * 1024 * 1024
 MAX_PACKET_SIZE = 255 * 1024
-
-
-class KernelConnectionLost(ConnectionLost):
-    """The SSH connection dropped while a cell ran; the cell keeps running on the machine."""
-
-
-class RemoteKernelError(GpumagicError):
-    """A cell raised on the machine.
-
-    ``_render_traceback_`` gives the machine's IPython traceback (not gpumagic's frames), as
-    ipyparallel's ``RemoteError`` does.
-
-    Attributes
-    ----------
-    ename, evalue : str
-        The remote exception's type name and message.
-    traceback : list of str
-        The remote traceback lines as IPython formatted them (with ANSI colours).
-    """
-
-    def __init__(self, ename: str, evalue: str, traceback: list[str], where: str = ""):
-        super().__init__(f"{ename}: {evalue}" + (f" (on {where})" if where else ""))
-        self.ename, self.evalue, self.traceback = ename, evalue, list(traceback)
-
-    def _render_traceback_(self) -> list[str]:
-        return list(self.traceback) or [f"{self.ename}: {self.evalue}"]
 
 
 def check_name(name: str) -> str:
