@@ -44,6 +44,9 @@ class Machine:
         Add an unknown host key to known_hosts instead of refusing (never for a changed key).
     """
 
+    #: False: a rented machine, not this computer (see :class:`SandboxMachine`).
+    is_this_computer: bool = False
+
     def __init__(self, spec: HostSpec, *, name: str | None = None, cwd: str | None = None,
                  trust_new_host: bool = False, home: str | None = None,
                  passphrase_prompt: PassphrasePrompt = _default_prompt, sandbox=None):
@@ -463,6 +466,10 @@ class SandboxMachine(Machine):
     sandbox's recording ``shutdown``, never a real one; and detached programs keep their
     state in the sandbox's temporary folder (:meth:`scratch_dir`), so they end with it.
     """
+
+    #: True: its files and processes are this computer's own (``%gpu wrapup`` leaves the
+    #: system-wide caches out).
+    is_this_computer: bool = True
 
     def shutdown_plan(self) -> "ShutdownPlan":
         """The sandbox's stand-in ``shutdown -h now`` (see

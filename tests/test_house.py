@@ -41,3 +41,32 @@ def test_the_moved_errors_keep_their_old_homes():
     assert kernel.RemoteKernelError is errors.RemoteKernelError
     assert kernel.KernelConnectionLost is errors.KernelConnectionLost
     assert keys.KeyExists is errors.KeyExists and keys.HostExists is errors.HostExists
+
+
+def test_capability_modules_ask_the_machine_not_its_sandbox():
+    # The sandbox is a Machine subclass that overrides what differs (shutdown_plan,
+    # scratch_dir, is_this_computer); no capability module looks for its sandbox object.
+    import re
+    from pathlib import Path
+
+    from gpumagic.machine import Machine, SandboxMachine
+
+    assert SandboxMachine.is_this_computer and not Machine.is_this_computer
+    root = Path(gpumagic.__file__).parent
+    leaks = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if p.name not in ("machine.py", "session.py") and "notebook" not in p.parts
+             and re.search(r"getattr\(\w*machine\w*, \"sandbox\"|\bmachine\.sandbox\b", p.read_text())]
+    assert leaks == []
+
+
+def test_machine_like_names_what_the_capability_modules_use():
+    # The Protocol's members exist on Machine (mypy checks the signatures: tool.mypy files).
+    from gpumagic._types import MachineLike
+    from gpumagic.machine import Machine
+
+    members = {n for n in [*vars(MachineLike), *MachineLike.__annotations__] if not n.startswith("_")}
+    assert {"run", "exec", "name", "connection", "shutdown_plan", "is_this_computer"} <= members
+    for n in members:
+        if n in MachineLike.__annotations__:
+            continue  # instance attributes, set in Machine.__init__
+        assert hasattr(Machine, n), n

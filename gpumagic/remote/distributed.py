@@ -30,10 +30,13 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import JobError
 from . import jobs, program
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 #: Per-job folder on each machine, relative to the remote HOME.
 TORCHRUN_DIR = ".gpumagic/torchrun"
@@ -44,7 +47,7 @@ _EXC_RE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\
 _PREFIX_RE = re.compile(r"^\[default(\d+)\]:(.*)$")
 
 
-def _prun(machine, name: str, *args, **kw):
+def _prun(machine: MachineLike, name: str, *args, **kw):
     return program.run(machine.connection, name, *args, **kw)
 
 
@@ -151,7 +154,7 @@ def compare(probes: Sequence[Probe], same_dir: str | None = None) -> str:
     return _table(rows, ("differs", *hosts)) if rows else ""
 
 
-def probe(machine, *, cwd: str | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
+def probe(machine: MachineLike, *, cwd: str | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
           python: str = "") -> Probe:
     r = _prun(machine, "torchrun_probe.sh", python, cwd if cwd is not None else (machine.cwd or ""),
                     same_dir or "", "1" if same_dir_hash else "0", timeout=300)
@@ -173,7 +176,7 @@ class Plan:
     took: float = 0.0
 
 
-def preflight(machines: Sequence, *, nproc: int | str = 1, cwd: str | None = None,
+def preflight(machines: Sequence[MachineLike], *, nproc: int | str = 1, cwd: str | None = None,
               same_dir: str | None = None, same_dir_hash: bool = False, python: str = "",
               endpoint_host: str | None = None, endpoint_port: int = 0,
               deadline: float = REACH_DEADLINE) -> Plan:
@@ -464,7 +467,7 @@ def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = 
     return "\n".join(lines) + "\n"
 
 
-def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
+def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int | str = 1,
           torchrun_args: str | Sequence[str] = (), cwd: str | None = None,
           env: Mapping[str, str] | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
           python: str = "", endpoint_host: str | None = None, endpoint_port: int = 0,
@@ -539,7 +542,7 @@ def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
     return DistributedJob(name, parts, nproc=plan.nproc, plan=plan)
 
 
-def find(session_or_machines, machine, name: str) -> DistributedJob | None:
+def find(session_or_machines: Callable[[str], MachineLike], machine: MachineLike, name: str) -> DistributedJob | None:
     """The torchrun job ``name`` that ``machine`` took part in (its ``hosts`` file names the
     machines), or None when it is a plain job.  ``session_or_machines``: a callable name ->
     Machine (``Session.get``)."""
@@ -576,7 +579,7 @@ def parse_each(items: Sequence[str]) -> list[dict[str, str]]:
     return out
 
 
-def fan_out(machines: Sequence, name: str, command: str, each: Sequence[Mapping[str, str] | str], *,
+def fan_out(machines: Sequence[MachineLike], name: str, command: str, each: Sequence[Mapping[str, str] | str], *,
             python: bool = False, cwd: str | None = None, env: Mapping[str, str] | None = None,
             **options) -> list:
     """Start the same ``command`` as job ``name`` on every machine, machine ``i`` with the

@@ -64,12 +64,15 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TYPE_CHECKING
 
 from .._format import duration
 from ..errors import ConnectionLost, JobError, RemoteTimeout
 from . import program
 from .execution import check_text, export_lines
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 #: Where job directories live, relative to the remote HOME.
 JOBS_DIR = ".gpumagic/jobs"
@@ -369,7 +372,7 @@ class Job:
         Name under which a finished job of the same name was kept, if any.
     """
 
-    machine: object
+    machine: MachineLike
     name: str
     runner: str = ""
     runner_path: str = ""
@@ -528,14 +531,14 @@ class _LineScanner:
             self.buf = ""
 
 
-def list_jobs(machine, only: str | None = None) -> list[JobInfo]:
+def list_jobs(machine: MachineLike, only: str | None = None) -> list[JobInfo]:
     """Every job on ``machine`` (one round trip), oldest first."""
     args = [str(ALERT_SCAN_BYTES), only or ""] + [pattern for pattern, _ in ALERTS.values()]
     r = machine.exec(program.command("job-list.sh", *args), timeout=120)
     return sorted(parse_listing(r.stdout), key=lambda j: (j.started or 0, j.name))
 
 
-def start(machine, name: str, command: str, *, python: bool = False, cwd: str | None = None,
+def start(machine: MachineLike, name: str, command: str, *, python: bool = False, cwd: str | None = None,
           env: Mapping[str, str] | None = None, stop_on: Iterable[str] | str | None = None,
           then_shutdown: float | None = None, alerts: bool = True,
           tool_dirs: Iterable[str] = TOOL_DIRS) -> Job:

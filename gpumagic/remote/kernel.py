@@ -57,13 +57,16 @@ import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TYPE_CHECKING
 
 import paramiko
 
 from ..ssh import _paramiko
 from ..errors import (ConnectionLost, Interrupted, KernelConnectionLost, KernelError,  # noqa: F401
                       RemoteKernelError, RemoteTimeout)
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 #: Where the keepers keep their kernels, relative to the remote HOME.
 KERNELS_DIR = ".gpumagic/kernels"
@@ -430,7 +433,7 @@ class _Link:
     """One ``direct-tcpip`` channel to a keeper, with a reader thread that decodes frames
     into a bounded queue (when it is full, the rest waits on the machine)."""
 
-    def __init__(self, machine, port: int, token: str, since: int):
+    def __init__(self, machine: MachineLike, port: int, token: str, since: int):
         self.machine = machine
         conn = machine.connection
         conn.ensure_open()
@@ -555,7 +558,7 @@ class RemoteKernel:
         Session name (letters, digits, ``-``, ``_``).
     """
 
-    def __init__(self, machine, name: str):
+    def __init__(self, machine: MachineLike, name: str):
         self.machine = machine
         self.name = check_name(name)
         self.session_id = uuid.uuid4().hex
@@ -1360,7 +1363,7 @@ def _decode(data: bytearray) -> dict:
 # -- every session of a machine ---------------------------------------------------------------
 
 
-def list_kernels(machine) -> list[KernelInfo]:
+def list_kernels(machine: MachineLike) -> list[KernelInfo]:
     """Every session on ``machine`` with its state and GPU memory (one round trip)."""
     r = machine.exec("sh -c " + shlex.quote(program_text("kernel_list.sh").decode()), timeout=60)
     return parse_listing(r.stdout)
@@ -1369,7 +1372,7 @@ def list_kernels(machine) -> list[KernelInfo]:
 class Kernels:
     """The sessions of one machine that this process has used (``machine.kernel(NAME)``)."""
 
-    def __init__(self, machine):
+    def __init__(self, machine: MachineLike):
         self.machine = machine
         self.handles: dict[str, RemoteKernel] = {}
         #: The session used last: what ``%%remote --kernel`` without a name means.
@@ -1423,7 +1426,7 @@ class Kernels:
             k.close()
 
 
-def kernels_of(machine) -> Kernels:
+def kernels_of(machine: MachineLike) -> Kernels:
     """The :class:`Kernels` of ``machine`` (made on first use, kept on the machine object)."""
     ks = machine.__dict__.get("_kernels")
     if ks is None:
