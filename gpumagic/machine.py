@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from .remote import execution, jobs
 from . import gpu
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import JobError, RemoteCommandError, UnknownHostKey
+from .errors import RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult
 from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel import Tunnel, TunnelManager
@@ -287,13 +287,11 @@ class Machine:
         JobError
         """
         if torchrun is not None:
-            if then_shutdown is not None:
-                raise JobError("--then-shutdown does not apply to a torchrun job yet",
-                               "start it without --then-shutdown and stop the machine yourself")
             from .remote import distributed
 
             return distributed.start([self], name, command, nproc=torchrun, torchrun_args=torchrun_args,
-                                     cwd=cwd, env=env, stop_on=stop_on, alerts=alerts)  # type: ignore[return-value]
+                                     cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
+                                     then_shutdown=then_shutdown)  # type: ignore[return-value]
         return jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
                           then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
 

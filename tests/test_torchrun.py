@@ -239,3 +239,82 @@ def test_notebook_08_runs(tmp_path, monkeypatch):
     assert "rank 1 of 2: all-reduced sum 1" in text
     assert text.count(": sum 6") == 4
     assert "trained with LR=1e-3" in text and "trained with LR=3e-4" in text
+
+
+# -- --then-shutdown: every machine of the run, after every rank has ended ---------------------
+
+#: The stand-in `shutdown`: records the call (epoch seconds, the job, its arguments).
+RECORDER = '#!/bin/sh\necho "$(date +%s) ${GPUMAGIC_JOB:-?} $*" >> "$HOME/shutdown-calls"\n'
+#: A plain user's `sudo -n CMD`: runs CMD (this computer's own sudo is never called).
+SUDO_STAND_IN = '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n'
+
+
+@pytest.fixture
+def recorders(pair):
+    import os
+
+    made = []
+    for s in pair:
+        made.append(s.install_bin("shutdown", RECORDER))
+        if os.geteuid() != 0:
+            made.append(s.install_bin("sudo", SUDO_STAND_IN))
+    calls = [pathlib.Path(s.env["HOME"]) / "shutdown-calls" for s in pair]
+    for c in calls:
+        c.unlink(missing_ok=True)
+    yield calls
+    for p in made:
+        p.unlink()
+    for c in calls:
+        c.unlink(missing_ok=True)
+
+
+def test_then_shutdown_shuts_every_machine_down_after_all_ranks_end(ip, pair, recorders, capsys):
+    from gpumagic.budget.shutdown import find_shutdown
+
+    ip.run_line_magic("gpu", "connect tra")
+    ip.run_line_magic("gpu", "connect trb")
+    session = ip._gpumagic.session
+    for s, name in zip(pair, ("tra", "trb")):  # never a real shutdown: the plan is the stand-in
+        assert find_shutdown(session.get(name)).command.endswith(f"{s.bin}/shutdown -h now")
+    timed = ALLREDUCE + 'import time\nprint(f"ended at {time.time():.3f}", flush=True)\n'
+    ip.run_cell_magic("remote", "--job sdall --torchrun 1 --hosts tra,trb --then-shutdown 0", timed)
+    out = capsys.readouterr().out
+    assert "world size 2" in out and "once every rank has ended successfully, tra, trb shut down 0 min later" in out
+    from gpumagic.remote import distributed
+
+    job = distributed.find(session.get, session.get("tra"), "sdall")
+    assert job.wait(timeout=300) == "exited 0", [j.logs(None) for j in job.parts]
+    # When each rank's script ended (this computer's clock, as the recorder's: same computer).
+    ends = [float(ln.rsplit(" ", 1)[1]) for ln in job.logs_all(None).splitlines() if "ended at " in ln]
+    assert len(ends) == 2
+    assert wait_until(lambda: all(c.exists() for c in recorders), 60), [j.info() for j in job.parts]
+    for c in recorders:
+        (line,) = c.read_text().splitlines()
+        when, name, args = line.split(" ", 2)
+        assert (name, args) == ("sdall", "-h now")
+        assert int(when) >= int(max(ends))  # after every rank of the run (on both machines) ended
+
+    # Armed for later, then cancelled on every machine by one `%gpu kill NAME --shutdown`.
+    for c in recorders:
+        c.unlink()
+    ip.run_cell_magic("remote", "--job sdlater --torchrun 1 --hosts tra,trb --then-shutdown 30", ALLREDUCE)
+    job = distributed.find(session.get, session.get("tra"), "sdlater")
+    assert job.wait(timeout=300) == "exited 0"
+    assert all(i.shutdown_state == "pending" for i in job.infos())
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "kill sdlater --shutdown")
+    assert "shutdown of torchrun job sdlater: tra: cancelled; trb: cancelled" in capsys.readouterr().out
+    assert all(i.shutdown_state == "cancelled" for i in job.infos())
+    assert not any(c.exists() for c in recorders)
+
+
+def test_then_shutdown_refuses_before_any_start_when_one_machine_cannot(a, b, recorders, monkeypatch):
+    from gpumagic.budget.shutdown import ShutdownPlan
+
+    monkeypatch.setattr(b, "shutdown_plan", lambda: ShutdownPlan(None, "no shutdown command here"))
+    with pytest.raises(JobError) as e:
+        gpumagic.start_distributed([a, b], "sdno", ALLREDUCE, nproc=1, then_shutdown=1)
+    assert str(e.value).startswith("--then-shutdown: trb cannot shut itself down, so the job was not "
+                                   "started: no shutdown command here")
+    assert all(j.name != "sdno" for j in a.jobs() + b.jobs())
+    assert procs("torchrun/sdno/") == []

@@ -435,6 +435,12 @@ class DistributedJob:
                                     f"wait longer, or `%gpu kill {self.name}`")
             time.sleep(poll)
 
+    def cancel_shutdown(self) -> dict[str, str]:
+        """Cancel the shutdown ``then_shutdown`` armed on every machine of the run; returns
+        machine name -> ``cancelled``, ``none`` or ``started`` (see
+        :meth:`gpumagic.remote.jobs.Job.cancel_shutdown`)."""
+        return {j.machine.name: j.cancel_shutdown() for j in self.parts}
+
     def kill(self, reason: str = "user") -> str:
         """End every rank on every machine (each machine's whole job process tree)."""
         for j in self.parts:
@@ -471,7 +477,8 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
           torchrun_args: str | Sequence[str] = (), cwd: str | None = None,
           env: Mapping[str, str] | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
           python: str = "", endpoint_host: str | None = None, endpoint_port: int = 0,
-          deadline: float = REACH_DEADLINE, stop_on=None, alerts: bool = True) -> DistributedJob:
+          deadline: float = REACH_DEADLINE, stop_on=None, alerts: bool = True,
+          then_shutdown: float | None = None) -> DistributedJob:
     """Start ``script`` under torchrun on every machine of ``machines``; returns at once.
 
     Parameters
@@ -490,12 +497,20 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
     same_dir, same_dir_hash
         A data folder (relative to ``cwd``) that must hold the same file names and sizes (with
         ``same_dir_hash``: the same SHA-256) on every machine.
+    then_shutdown : float, optional
+        Minutes after which *every* machine of the run shuts down once the run has succeeded:
+        each machine's job arms its own shutdown (as a plain job's ``then_shutdown``), which
+        starts when that machine's torchrun exits 0.  torchrun exits only after every rank of
+        the run has ended (its exit barrier waits for the agents of all machines), so no
+        machine goes down under a running rank.  A failed or killed run shuts nothing down.
+        Every machine's shutdown is checked before anything starts.
 
     Raises
     ------
     JobError
-        A bad name or ``nproc``; a job of that name runs on one of the machines; the preflight
-        refused (see :func:`preflight`).
+        A bad name or ``nproc``; a job of that name runs on one of the machines; one of them
+        cannot shut itself down (with ``then_shutdown``); the preflight refused (see
+        :func:`preflight`).
     """
     jobs.check_name(name)
     nproc = parse_nproc(nproc)
@@ -510,6 +525,8 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
         if jobs.list_jobs(m, only=name) and any(i.running for i in jobs.list_jobs(m, only=name)):
             raise JobError(f"a job named {name!r} is already running on {m.name}",
                            f"pick another name, or `%gpu kill {name}` first")
+    for m in machines:  # before anything starts: one machine that cannot shut down refuses all
+        jobs.shutdown_arming(m, then_shutdown)
     plan = preflight(machines, nproc=nproc, cwd=cwd, same_dir=same_dir, same_dir_hash=same_dir_hash,
                      python=python, endpoint_host=endpoint_host, endpoint_port=endpoint_port, deadline=deadline)
     rdzv_id = f"{name}-{secrets.token_hex(4)}"
@@ -531,7 +548,8 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
                           endpoint=plan.endpoint, rdzv_id=rdzv_id, torchrun_args=extra, exec_argv=exec_argv,
                           socket_ifname=plan.devs.get(m.name, "") if len(machines) > 1 else "",
                           is_host=m is machines[0])
-            parts.append(m.start_job(name, cmd, cwd=cwd, env=env, stop_on=stop_on, alerts=alerts))
+            parts.append(m.start_job(name, cmd, cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
+                                     then_shutdown=then_shutdown))
     except BaseException:
         for j in parts:  # nothing half-started: one machine's torchrun would wait for the others
             try:
@@ -602,6 +620,8 @@ def fan_out(machines: Sequence[MachineLike], name: str, command: str, each: Sequ
         if any(i.running for i in jobs.list_jobs(m, only=name)):
             raise JobError(f"a job named {name!r} is already running on {m.name}",
                            f"pick another name, or `%gpu kill {name}` first")
+    for m in machines:  # each machine shuts down after its own job: all must be able to
+        jobs.shutdown_arming(m, options.get("then_shutdown"))
     started: list = []
     try:
         for m, e in zip(machines, envs):

@@ -538,6 +538,30 @@ def list_jobs(machine: MachineLike, only: str | None = None) -> list[JobInfo]:
     return sorted(parse_listing(r.stdout), key=lambda j: (j.started or 0, j.name))
 
 
+def shutdown_arming(machine: MachineLike, then_shutdown: float | None) -> tuple[str, int]:
+    """``(command, grace_seconds)`` that a job started with ``then_shutdown`` minutes arms on
+    ``machine`` (``("", 0)`` for None): the command of :meth:`machine.shutdown_plan()
+    <gpumagic.machine.Machine.shutdown_plan>` (the sandbox answers with its stand-in).  One
+    round trip; nothing is started.
+
+    Raises
+    ------
+    JobError
+        ``then_shutdown`` is not minutes from 0 to 43200; the machine cannot shut itself down.
+    """
+    if then_shutdown is None:
+        return "", 0
+    if not (isinstance(then_shutdown, (int, float)) and 0 <= then_shutdown <= 30 * 24 * 60):
+        raise JobError(f"--then-shutdown takes minutes from 0 to 43200, not {then_shutdown!r}",
+                       "e.g. --then-shutdown 10")
+    plan = machine.shutdown_plan()  # the sandbox (this computer) answers with a stand-in
+    if not plan.possible or plan.command is None:
+        raise JobError(f"--then-shutdown: {machine.name} cannot shut itself down, so the job "
+                       f"was not started: {plan.reason}",
+                       "start the job without --then-shutdown and stop the instance yourself")
+    return plan.command, int(round(then_shutdown * 60))
+
+
 def start(machine: MachineLike, name: str, command: str, *, python: bool = False, cwd: str | None = None,
           env: Mapping[str, str] | None = None, stop_on: Iterable[str] | str | None = None,
           then_shutdown: float | None = None, alerts: bool = True,
@@ -581,17 +605,7 @@ def start(machine: MachineLike, name: str, command: str, *, python: bool = False
     kinds = parse_stop_on(stop_on)
     tool_dirs = tuple(tool_dirs)
     searched = "its PATH" + (f" and {', '.join(tool_dirs)}" if tool_dirs else "")
-    sd_cmd, grace = "", 0
-    if then_shutdown is not None:
-        if not (isinstance(then_shutdown, (int, float)) and 0 <= then_shutdown <= 30 * 24 * 60):
-            raise JobError(f"--then-shutdown takes minutes from 0 to 43200, not {then_shutdown!r}",
-                           "e.g. --then-shutdown 10")
-        plan = machine.shutdown_plan()  # the sandbox (this computer) answers with a stand-in
-        if not plan.possible:
-            raise JobError(f"--then-shutdown: {machine.name} cannot shut itself down, so the job "
-                           f"was not started: {plan.reason}",
-                           "start the job without --then-shutdown and stop the instance yourself")
-        sd_cmd, grace = plan.command, int(round(then_shutdown * 60))
+    sd_cmd, grace = shutdown_arming(machine, then_shutdown)
     check_text(command)
     work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
     # Names that are not shell variable names (exported bash functions) are left out.
