@@ -318,3 +318,59 @@ def test_then_shutdown_refuses_before_any_start_when_one_machine_cannot(a, b, re
                                    "started: no shutdown command here")
     assert all(j.name != "sdno" for j in a.jobs() + b.jobs())
     assert procs("torchrun/sdno/") == []
+
+
+# -- alerts name the rank and the machine ------------------------------------------------------
+
+NAN_ON_RANK_3 = """\
+import time, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank()
+print(f"rank {r} step 1 loss 0.5", flush=True)
+if r == 3:
+    print("step 2 loss nan", flush=True)
+time.sleep(600)
+"""
+
+
+def _notify_message(home: str, name: str, machine: str, monkeypatch):
+    """The job-end message the machine-side notify.py composes for job ``name`` in ``home``."""
+    from gpumagic.remote import program
+
+    ns: dict = {"__name__": "gpumagic_notify_under_test", "__file__": f"{home}/.gpumagic/notify/notify.py"}
+    exec(compile(program.source("notify.py"), "notify.py", "exec"), ns)
+    monkeypatch.setenv("HOME", home)
+    return ns["job_message"]({"job": name, "job_dir": f"{home}/.gpumagic/jobs/{name}"}, machine)
+
+
+def test_alerts_and_stop_on_name_the_rank_and_machine(a, b, pair, monkeypatch):
+    job = gpumagic.start_distributed([a, b], "nan3", NAN_ON_RANK_3, nproc=2, stop_on="nan")
+    try:
+        def b_info():
+            return next(i for i in b.jobs() if i.name == "nan3")
+
+        assert wait_until(lambda: b_info().state == "killed", 300), [j.logs(None) for j in job.parts]
+        assert job.ranks()[3][0].machine.name == "trb"  # c10d put rank 3 on b
+        info = b_info()
+        assert info.state_text == "killed (nan, rank 3 on trb)"
+        assert [al.label for al in info.alerts if al.kind == "nan"] == ["NaN/inf loss from rank 3 on trb"]
+        seen = []
+        b.job("nan3").follow(out=lambda t: None, alert=seen.append, lines=None)
+        assert [al.where for al in seen if al.kind == "nan"] == ["rank 3 on trb"]
+        # the notification sent from b when its part ended
+        title, text, details = _notify_message(pair[1].env["HOME"], "nan3", "trb", monkeypatch)
+        assert title == "job nan3 stopped (nan, rank 3 on trb)"
+        assert "stopped by --stop-on nan from rank 3 on trb at: [rank 3]:step 2 loss nan" in text
+        assert details["rank"] == "rank 3 on trb"
+    finally:
+        job.kill()
+    assert procs("torchrun/nan3/") == []
+
+
+def test_failure_notification_names_the_rank_and_machine(a, b, pair, monkeypatch):
+    job = gpumagic.start_distributed([a, b], "boom3", ALLREDUCE, nproc=2, env={"BOOM": "3"})
+    assert job.wait(timeout=300).startswith("failed: rank 3 on trb")
+    title, text, details = _notify_message(pair[1].env["HOME"], "boom3", "trb", monkeypatch)
+    assert title == "job boom3 failed (rank 3 on trb)"
+    assert text.startswith("job boom3 failed (rank 3 on trb) on trb: rank 3 on trb failed first, exit code 1")
+    assert "[default" not in text  # torchrun's local prefixes are relabelled with global ranks

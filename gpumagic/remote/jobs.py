@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, TYPE_CHECKING
 
 from .._format import duration
@@ -121,14 +121,33 @@ def parse_stop_on(text: str | Iterable[str] | None) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Alert:
-    """A log line that matched an alert pattern."""
+    """A log line that matched an alert pattern.
+
+    Attributes
+    ----------
+    kind : str
+        A key of :data:`ALERTS`.
+    line : str
+        The log line, stripped.
+    where : str
+        Which process of which machine wrote it, for a torchrun job (``rank 3 on box-b``, see
+        :meth:`JobInfo.where`); empty for a plain job.
+    """
 
     kind: str
     line: str
+    where: str = ""
 
     @property
     def label(self) -> str:
-        return ALERTS[self.kind][1]
+        """What the alert means (``NaN/inf loss``), with its source when known
+        (``NaN/inf loss from rank 3 on box-b``)."""
+        return ALERTS[self.kind][1] + (f" from {self.where}" if self.where else "")
+
+
+#: torchrun's prefix of a worker's output line in the job's log (``--tee 3``): ``[defaultL]:``
+#: with ``L`` the local rank (torch.distributed.elastic's default log line prefix).
+RANK_PREFIX_RE = re.compile(r"^\[default(\d+)\]:(.*)$")
 
 
 def classify(line: str) -> str | None:
@@ -184,6 +203,13 @@ class JobInfo:
     stop_on : tuple of str
     alerts_enabled : bool
         False when started with ``--no-alerts``.
+    host : str
+        The name of the machine it runs on (as the user named it).
+    torchrun : bool
+        The job is one machine's part of a torchrun job (:mod:`gpumagic.remote.distributed`).
+    ranks : tuple of (int, int)
+        For one machine's part of a torchrun job: ``(global rank, local rank)`` of each rank
+        that started there (from ``ranks/`` in its torchrun folder); empty for a plain job.
     """
 
     name: str
@@ -201,6 +227,26 @@ class JobInfo:
     alerts: tuple[Alert, ...] = ()
     stop_on: tuple[str, ...] = ()
     alerts_enabled: bool = True
+    host: str = ""
+    torchrun: bool = False
+    ranks: tuple[tuple[int, int], ...] = ()
+
+    def where(self, line: str) -> str:
+        """Which rank of which machine wrote ``line`` of a torchrun job's log (``rank 3 on
+        box-b``; ``local rank 1 on box-b`` before its global rank is known); ``""`` for a line
+        without torchrun's ``[defaultL]:`` prefix or a plain job."""
+        m = RANK_PREFIX_RE.match(line.strip())
+        if not m or not self.torchrun:
+            return ""
+        local = int(m.group(1))
+        glob = next((g for g, lo in self.ranks if lo == local), None)
+        on = f" on {self.host}" if self.host else ""
+        return f"rank {glob}{on}" if glob is not None else f"local rank {local}{on}"
+
+    def located(self, alert: "Alert") -> "Alert":
+        """``alert`` with :attr:`Alert.where` filled in from its line (see :meth:`where`)."""
+        where = self.where(alert.line)
+        return Alert(alert.kind, alert.line, where) if where else alert
 
     @property
     def state(self) -> str:
@@ -225,7 +271,8 @@ class JobInfo:
                 return f"exited {self.exit_code} (signal {self.exit_code - 128})"
             return f"exited {self.exit_code}"
         if s == "killed":
-            return f"killed ({self.killed})"
+            where = self.where(self.stopped_by)
+            return f"killed ({self.killed}{', ' + where if where else ''})"
         return s
 
     @property
@@ -257,11 +304,13 @@ def _num(value: str) -> float | None:
         return None
 
 
-def parse_listing(text: str) -> list[JobInfo]:
+def parse_listing(text: str, host: str = "") -> list[JobInfo]:
     """Read the output of the ``job-list.sh`` program.
 
     The format (written by that script): a ``now<TAB>EPOCH`` line, then per job a
-    ``job<TAB>NAME`` line followed by ``KEY<TAB>VALUE`` lines, one value per line.
+    ``job<TAB>NAME`` line followed by ``KEY<TAB>VALUE`` lines, one value per line (``rank``:
+    ``GLOBAL LOCAL`` of a torchrun job's rank on this machine).  ``host`` names the machine
+    (:attr:`JobInfo.host`; the alerts of a torchrun job name their rank and host).
     """
     now = 0.0
     jobs: list[JobInfo] = []
@@ -269,7 +318,7 @@ def parse_listing(text: str) -> list[JobInfo]:
 
     def finish():
         if cur is not None:
-            jobs.append(_info(cur, now))
+            jobs.append(_info(cur, now, host))
 
     for line in text.splitlines():
         key, sep, value = line.partition("\t")
@@ -279,17 +328,26 @@ def parse_listing(text: str) -> list[JobInfo]:
             now = _num(value) or 0.0
         elif key == "job":
             finish()
-            cur = {"name": value, "alert": []}
+            cur = {"name": value, "alert": [], "rank": []}
         elif cur is not None:
-            if key == "alert":
-                cur["alert"].append(value)
+            if key in ("alert", "rank"):
+                cur[key].append(value)
             else:
                 cur[key] = value
     finish()
     return jobs
 
 
-def _info(d: dict, now: float) -> JobInfo:
+def _ranks(values: Iterable[str]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for v in values:
+        g, _, lo = v.partition(" ")
+        if g.isdigit() and lo.strip().isdigit():
+            out.append((int(g), int(lo)))
+    return tuple(sorted(out))
+
+
+def _info(d: dict, now: float, host: str = "") -> JobInfo:
     code = d.get("exit_code", "").strip()
     exit_code = int(code) if code.lstrip("-").isdigit() else None
     if "exit_code" in d and exit_code is None:
@@ -307,14 +365,18 @@ def _info(d: dict, now: float) -> JobInfo:
     stopped_by = d.get("stopped_by", "")
     enabled = "no_alerts" not in d
     alerts = tuple(scan_alerts(d["alert"])) if enabled else ()
-    return JobInfo(
+    info = JobInfo(
         name=d["name"], now=now, started=_num(d.get("started", "")),
         ended=_num(d.get("ended", "")), alive=d.get("alive") == "1", exit_code=exit_code,
         killed=(d.get("killed", "").strip() or None) if "killed" in d else None,
         stopped_by=stopped_by, runner=d.get("runner", "").strip(),
         shutdown_due=_num(d.get("shutdown", "")), shutdown_state=sd_state,
         last_line=d.get("last", ""), alerts=alerts,
-        stop_on=tuple(k for k in d.get("stop_on", "").split(",") if k), alerts_enabled=enabled)
+        stop_on=tuple(k for k in d.get("stop_on", "").split(",") if k), alerts_enabled=enabled,
+        host=host, torchrun="torchrun" in d, ranks=_ranks(d.get("rank", ())))
+    if info.torchrun:
+        info = replace(info, alerts=tuple(info.located(a) for a in alerts))
+    return info
 
 
 def parse_launch(output: str) -> dict:
@@ -422,7 +484,9 @@ class Job:
             Receives text chunks as they arrive (default: this process's stdout).
         alert : callable
             Receives each :class:`Alert` found in complete lines, unless the job was
-            started with ``--no-alerts``.
+            started with ``--no-alerts`` (for a torchrun job, with :attr:`Alert.where`: the
+            rank and machine; ``local rank L on HOST`` for a rank that started after following
+            began).
         lines : int or None
             Earlier lines to show first (None: the whole log).
 
@@ -441,9 +505,11 @@ class Job:
         import sys
 
         out = out or (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-        scanner = _LineScanner(alert) if alert is not None else None
-        if scanner is not None and not self.info().alerts_enabled:
-            scanner = None
+        scanner = None
+        if alert is not None:
+            first = self.info()
+            if first.alerts_enabled:  # a torchrun job's alerts name their rank and machine
+                scanner = _LineScanner(lambda a: alert(first.located(a)))
 
         def sink(text: str) -> None:
             out(text)
@@ -535,7 +601,7 @@ def list_jobs(machine: MachineLike, only: str | None = None) -> list[JobInfo]:
     """Every job on ``machine`` (one round trip), oldest first."""
     args = [str(ALERT_SCAN_BYTES), only or ""] + [pattern for pattern, _ in ALERTS.values()]
     r = machine.exec(program.command("job-list.sh", *args), timeout=120)
-    return sorted(parse_listing(r.stdout), key=lambda j: (j.started or 0, j.name))
+    return sorted(parse_listing(r.stdout, machine.name), key=lambda j: (j.started or 0, j.name))
 
 
 def shutdown_arming(machine: MachineLike, then_shutdown: float | None) -> tuple[str, int]:
