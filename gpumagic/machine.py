@@ -280,7 +280,9 @@ class Machine:
 
         Runs in tmux (``gpumagic-NAME``; found on the remote PATH or in
         :data:`gpumagic.remote.jobs.TOOL_DIRS`, see :attr:`tool_dirs`), else under ``setsid nohup``.
-        ``then_shutdown`` is in minutes after a successful end.  See :func:`gpumagic.remote.jobs.start`.
+        ``then_shutdown`` is in minutes after a successful end (for a torchrun job: after
+        every rank has ended, see :func:`gpumagic.remote.distributed.start`).  See
+        :func:`gpumagic.remote.jobs.start`.
 
         Raises
         ------

@@ -6,6 +6,9 @@
   :mod:`gpumagic.remote.distributed`);
 - ``%%remote --job NAME --hosts a,b --each "LR=1" "LR=2"``: the same cell once per machine,
   each with its own environment values;
+- with ``--then-shutdown MINUTES``: every machine of a torchrun run shuts down once every rank
+  has ended successfully (each after its own job, for ``--each``); ``%gpu kill NAME
+  --shutdown`` cancels that on every machine of a torchrun job;
 - ``%gpu logs NAME --rank R`` / ``--all``: :func:`logs`;  ``%gpu kill NAME``: :func:`kill` ends
   every rank on every machine;  ``%gpu jobs --all``: :func:`jobs_all`;
   ``%gpu sync --from-all :runs/ results/``: :func:`sync_from_all`;  ``%gpu doctor --hosts a,b``:
