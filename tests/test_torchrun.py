@@ -374,3 +374,14 @@ def test_failure_notification_names_the_rank_and_machine(a, b, pair, monkeypatch
     assert title == "job boom3 failed (rank 3 on trb)"
     assert text.startswith("job boom3 failed (rank 3 on trb) on trb: rank 3 on trb failed first, exit code 1")
     assert "[default" not in text  # torchrun's local prefixes are relabelled with global ranks
+
+
+def test_each_then_shutdown_shuts_each_machine_down_after_its_own_job(a, b, recorders):
+    from gpumagic.remote.distributed import fan_out
+
+    started = fan_out([a, b], "fansd", 'echo "LR=$LR"', ["LR=1", "LR=2"], then_shutdown=0)
+    for j in started:
+        assert j.wait(timeout=60).exit_code == 0
+    assert wait_until(lambda: all(c.exists() for c in recorders), 60)
+    for c in recorders:
+        assert c.read_text().split()[1:] == ["fansd", "-h", "now"]
