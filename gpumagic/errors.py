@@ -193,3 +193,49 @@ class JobError(GpumagicError):
 
 class TunnelError(GpumagicError):
     """A port forward could not start, or failed on its background thread."""
+
+
+class KeyExists(GpumagicError):
+    """A key file is already there; gpumagic never overwrites one."""
+
+
+class HostExists(GpumagicError):
+    """``~/.ssh/config`` already has a ``Host`` block with that name."""
+
+
+class BudgetError(GpumagicError):
+    """A budget cannot be computed or a guard cannot be armed (missing prices, no shutdown)."""
+
+
+class LedgerError(GpumagicError):
+    """The ledger file cannot be read or written."""
+
+
+class NotifyError(GpumagicError):
+    """Notifications cannot be set up or sent (no python3 on the machine, not configured)."""
+
+
+class KernelConnectionLost(ConnectionLost):
+    """The SSH connection dropped while a cell ran; the cell keeps running on the machine."""
+
+
+class RemoteKernelError(GpumagicError):
+    """A cell raised on the machine.
+
+    ``_render_traceback_`` gives the machine's IPython traceback (not gpumagic's frames), as
+    ipyparallel's ``RemoteError`` does.
+
+    Attributes
+    ----------
+    ename, evalue : str
+        The remote exception's type name and message.
+    traceback : list of str
+        The remote traceback lines as IPython formatted them (with ANSI colours).
+    """
+
+    def __init__(self, ename: str, evalue: str, traceback: list[str], where: str = ""):
+        super().__init__(f"{ename}: {evalue}" + (f" (on {where})" if where else ""))
+        self.ename, self.evalue, self.traceback = ename, evalue, list(traceback)
+
+    def _render_traceback_(self) -> list[str]:
+        return list(self.traceback) or [f"{self.ename}: {self.evalue}"]

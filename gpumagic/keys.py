@@ -32,21 +32,14 @@ import paramiko
 
 from ._fs import atomic_write
 from .ssh.connection import Connection, load_private_key
-from .errors import AuthenticationFailed, ConfigError, GpumagicError, LocalFileError
+from .errors import (AuthenticationFailed, ConfigError, GpumagicError, HostExists, KeyExists,  # noqa: F401
+                     LocalFileError)
 from .ssh.config import local_user
 from .ssh.known_hosts import fingerprint
 from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_command, parse_target, resolve,
                          ssh_dir)
 
 PasswordPrompt = Callable[[str], str]
-
-
-class KeyExists(GpumagicError):
-    """A key file is already there; gpumagic never overwrites one."""
-
-
-class HostExists(GpumagicError):
-    """``~/.ssh/config`` already has a ``Host`` block with that name."""
 
 
 def _os_reason(e: OSError) -> str:

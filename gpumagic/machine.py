@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from .remote import execution, jobs
 from . import gpu
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import JobError, RemoteCommandError, UnknownHostKey
+from .errors import RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult
 from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
 from .tunnel import Tunnel, TunnelManager
@@ -43,6 +43,9 @@ class Machine:
     trust_new_host : bool
         Add an unknown host key to known_hosts instead of refusing (never for a changed key).
     """
+
+    #: False: a rented machine, not this computer (see :class:`SandboxMachine`).
+    is_this_computer: bool = False
 
     def __init__(self, spec: HostSpec, *, name: str | None = None, cwd: str | None = None,
                  trust_new_host: bool = False, home: str | None = None,
@@ -277,20 +280,20 @@ class Machine:
 
         Runs in tmux (``gpumagic-NAME``; found on the remote PATH or in
         :data:`gpumagic.remote.jobs.TOOL_DIRS`, see :attr:`tool_dirs`), else under ``setsid nohup``.
-        ``then_shutdown`` is in minutes after a successful end.  See :func:`gpumagic.remote.jobs.start`.
+        ``then_shutdown`` is in minutes after a successful end (for a torchrun job: after
+        every rank has ended, see :func:`gpumagic.remote.distributed.start`).  See
+        :func:`gpumagic.remote.jobs.start`.
 
         Raises
         ------
         JobError
         """
         if torchrun is not None:
-            if then_shutdown is not None:
-                raise JobError("--then-shutdown does not apply to a torchrun job yet",
-                               "start it without --then-shutdown and stop the machine yourself")
             from .remote import distributed
 
             return distributed.start([self], name, command, nproc=torchrun, torchrun_args=torchrun_args,
-                                     cwd=cwd, env=env, stop_on=stop_on, alerts=alerts)  # type: ignore[return-value]
+                                     cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
+                                     then_shutdown=then_shutdown)  # type: ignore[return-value]
         return jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
                           then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
 
@@ -463,6 +466,10 @@ class SandboxMachine(Machine):
     sandbox's recording ``shutdown``, never a real one; and detached programs keep their
     state in the sandbox's temporary folder (:meth:`scratch_dir`), so they end with it.
     """
+
+    #: True: its files and processes are this computer's own (``%gpu wrapup`` leaves the
+    #: system-wide caches out).
+    is_this_computer: bool = True
 
     def shutdown_plan(self) -> "ShutdownPlan":
         """The sandbox's stand-in ``shutdown -h now`` (see

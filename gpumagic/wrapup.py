@@ -28,8 +28,12 @@ import base64
 import json
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from .errors import GpumagicError, WrapupError
+
+if TYPE_CHECKING:
+    from ._types import MachineLike
 
 #: Size under which a cache is not worth listing (bytes).
 MIN_LISTED = 1
@@ -147,7 +151,7 @@ class WrapupReport:
         return sum(c.bytes for c in self.caches)
 
 
-def scan(machine, *, clean_ids=(), timeout: float = 900) -> dict:
+def scan(machine: MachineLike, *, clean_ids=(), timeout: float = 900) -> dict:
     """Run the machine-side scanner once (and remove the caches ``clean_ids`` names).
 
     Raises
@@ -156,7 +160,7 @@ def scan(machine, *, clean_ids=(), timeout: float = 900) -> dict:
         When python3 is missing there or the answer cannot be read.
     """
     request = {"cwd": machine.cwd if machine.cwd and machine.cwd != "~" else None,
-               "system": getattr(machine, "sandbox", None) is None, "clean": list(clean_ids)}
+               "system": not machine.is_this_computer, "clean": list(clean_ids)}
     # base64 of the request: one word that every login shell (bash, zsh, fish, csh) passes as is
     word = base64.b64encode(json.dumps(request).encode("utf-8")).decode("ascii")
     r = machine.exec(f"python3 - scan {word}",
@@ -200,7 +204,7 @@ def image_line(used: int | None, prices) -> str:
             "`%gpu budget set --image-rate-month PRICE_PER_GB`")
 
 
-def what_runs(machine, answer: dict) -> tuple[list[str], list[str]]:
+def what_runs(machine: MachineLike, answer: dict) -> tuple[list[str], list[str]]:
     """(running, shutdowns): jobs, Jupyter kernels and GPU processes still running, and the
     armed shutdowns."""
     from ._format import duration
@@ -244,7 +248,7 @@ def confirm_text(caches: list[Cache]) -> str:
     return "\n".join(lines)
 
 
-def wrapup(machine, pulls: list[tuple[str, str]] | None = None, *, pull: bool = True, clean: bool = False,
+def wrapup(machine: MachineLike, pulls: list[tuple[str, str]] | None = None, *, pull: bool = True, clean: bool = False,
            confirm=None, ledger=None) -> WrapupReport:
     """Examine ``machine`` before it is released; pull, and optionally clean (see the module).
 

@@ -22,7 +22,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server
-from gpumagic.remote import jobs
+from gpumagic.remote import jobs, program
 from gpumagic.notebook.display import job_alert, jobs_table
 from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
 from gpumagic.remote.jobs import Alert, classify, parse_listing, parse_stop_on, scan_alerts
@@ -84,7 +84,7 @@ def kill_all_jobs(home: Path) -> None:
         return
     for d in base.iterdir():
         env = {**os.environ, "HOME": str(home)}
-        subprocess.run(["/bin/sh", "-c", jobs.CANCEL_SHUTDOWN_SCRIPT, "x", d.name], env=env,
+        subprocess.run(["/bin/sh", "-c", program.command("job-cancel-shutdown.sh", d.name)], env=env,
                        capture_output=True)
         if (d / "kill.sh").exists():
             subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, env=env, capture_output=True)
@@ -655,7 +655,7 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
         nb = nbformat.read(out, as_version=4)
     finally:
         for d in (home / ".gpumagic" / "jobs").glob("tutorial-*"):
-            subprocess.run(["/bin/sh", "-c", jobs.CANCEL_SHUTDOWN_SCRIPT, "x", d.name], capture_output=True)
+            subprocess.run(["/bin/sh", "-c", program.command("job-cancel-shutdown.sh", d.name)], capture_output=True)
             if (d / "kill.sh").exists():
                 subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
             shutil.rmtree(d, ignore_errors=True)

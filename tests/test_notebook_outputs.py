@@ -65,11 +65,11 @@ def _remove_tutorial_jobs():
     import pwd
     import subprocess
 
-    from gpumagic.remote import jobs
+    from gpumagic.remote import program
 
     home = Path(pwd.getpwuid(os.getuid()).pw_dir)
     for d in (home / ".gpumagic" / "jobs").glob("tutorial-*"):
-        subprocess.run(["/bin/sh", "-c", jobs.CANCEL_SHUTDOWN_SCRIPT, "x", d.name], capture_output=True)
+        subprocess.run(["/bin/sh", "-c", program.command("job-cancel-shutdown.sh", d.name)], capture_output=True)
         if (d / "kill.sh").exists():
             subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
         shutil.rmtree(d, ignore_errors=True)

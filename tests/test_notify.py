@@ -401,7 +401,7 @@ def test_a_password_is_never_sent_without_tls(clean_notify, smtp):
 
 # -- the call sites: the job runner's, tried here by patching its script; the guard's is wired --
 
-#: The line at the end of jobs.RUN_SCRIPT (after exit_code is written).
+#: The line at the end of the job runner, programs/job-run.sh (after exit_code is written).
 JOB_END = notify.notify_command("job-end", job="$GPUMAGIC_JOB", job_dir="$jd", exit_code="$rc", log="$jd/log")
 
 
@@ -409,7 +409,7 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     from gpumagic.remote import jobs
 
     m = clean_notify
-    assert JOB_END in jobs.RUN_SCRIPT  # the runner sends it itself
+    assert JOB_END in jobs.job_file("run.sh")  # the runner sends it itself
     notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])
     _start_failing_job(m, "notify-site-fail")
     stopped = m.start_job("notify-site-nan", "echo step 1; echo 'step 2 loss nan'; sleep 60", stop_on="nan")

@@ -94,3 +94,44 @@ def test_command_quotes_arguments_for_sh_alone(tmp_path):
     text = program.command("lib.sh", *weird) + '\nfor a in "$@"; do printf "<%s>\\n" "$a"; done\n'
     r = subprocess.run(["/bin/sh"], input=text, capture_output=True, text=True, timeout=30)
     assert r.stdout.splitlines() == [f"<{w}>" for w in weird]
+
+
+def test_gm_alive_refuses_an_empty_or_odd_pid():
+    # An empty pid file must read as "no process" (/proc/ exists, so a bare test would pass).
+    r = lib_sh('gm_alive "" || echo empty; gm_alive "1x" || echo odd; gm_alive $$ && echo self')
+    assert r.stdout.split() == ["empty", "odd", "self"]
+
+
+def test_gm_job_running_reads_the_job_directory(tmp_path):
+    # The one "is the job still running" test: a live runner whose cwd is the job directory
+    # runs; an exit_code, a dead pid, or a pid that is another process's (cwd elsewhere) does not.
+    d = tmp_path / "jobs" / "j"
+    d.mkdir(parents=True)
+    runner = subprocess.Popen(["sleep", "60"], cwd=d)
+    other = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
+    try:
+        def running(pid) -> bool:
+            (d / "pid").write_text(f"{pid}\n")
+            return lib_sh(f"gm_job_running {d} && echo yes || echo no").stdout.strip() == "yes"
+
+        assert running(runner.pid)
+        assert not running(other.pid)
+        (d / "exit_code").write_text("0\n")
+        assert not running(runner.pid)
+        (d / "exit_code").unlink()
+        runner.kill()
+        runner.wait()
+        assert not running(runner.pid)
+    finally:
+        for p in (runner, other):
+            p.kill()
+            p.wait()
+
+
+def test_job_programs_are_files_not_python_strings():
+    # Every shell text the job module runs on the machine comes from programs/ (issue 15).
+    from gpumagic.remote import jobs
+
+    assert set(jobs.JOB_FILES.values()) <= set(PROGRAM_FILES)
+    src = open(jobs.__file__, encoding="utf-8").read()
+    assert "#!/bin/sh" not in src and "kill -TERM" not in src and "mkfifo" not in src

@@ -231,3 +231,149 @@ def test_magics_torchrun_logs_rank_and_kill(ip, pair, capsys):
     ip.run_line_magic("gpu", "jobs --all")
     out = capsys.readouterr().out
     assert "tra " in out and "trb " in out and "mag" in out
+
+
+# -- --then-shutdown: every machine of the run, after every rank has ended ---------------------
+
+#: The stand-in `shutdown`: records the call (epoch seconds, the job, its arguments).
+RECORDER = '#!/bin/sh\necho "$(date +%s) ${GPUMAGIC_JOB:-?} $*" >> "$HOME/shutdown-calls"\n'
+#: A plain user's `sudo -n CMD`: runs CMD (this computer's own sudo is never called).
+SUDO_STAND_IN = '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n'
+
+
+@pytest.fixture
+def recorders(pair):
+    import os
+
+    made = []
+    for s in pair:
+        made.append(s.install_bin("shutdown", RECORDER))
+        if os.geteuid() != 0:
+            made.append(s.install_bin("sudo", SUDO_STAND_IN))
+    calls = [pathlib.Path(s.env["HOME"]) / "shutdown-calls" for s in pair]
+    for c in calls:
+        c.unlink(missing_ok=True)
+    yield calls
+    for p in made:
+        p.unlink()
+    for c in calls:
+        c.unlink(missing_ok=True)
+
+
+def test_then_shutdown_shuts_every_machine_down_after_all_ranks_end(ip, pair, recorders, capsys):
+    from gpumagic.budget.shutdown import find_shutdown
+
+    ip.run_line_magic("gpu", "connect tra")
+    ip.run_line_magic("gpu", "connect trb")
+    session = ip._gpumagic.session
+    for s, name in zip(pair, ("tra", "trb")):  # never a real shutdown: the plan is the stand-in
+        assert find_shutdown(session.get(name)).command.endswith(f"{s.bin}/shutdown -h now")
+    timed = ALLREDUCE + 'import time\nprint(f"ended at {time.time():.3f}", flush=True)\n'
+    ip.run_cell_magic("remote", "--job sdall --torchrun 1 --hosts tra,trb --then-shutdown 0", timed)
+    out = capsys.readouterr().out
+    assert "world size 2" in out and "once every rank has ended successfully, tra, trb shut down 0 min later" in out
+    from gpumagic.remote import distributed
+
+    job = distributed.find(session.get, session.get("tra"), "sdall")
+    assert job.wait(timeout=300) == "exited 0", [j.logs(None) for j in job.parts]
+    # When each rank's script ended (this computer's clock, as the recorder's: same computer).
+    ends = [float(ln.rsplit(" ", 1)[1]) for ln in job.logs_all(None).splitlines() if "ended at " in ln]
+    assert len(ends) == 2
+    assert wait_until(lambda: all(c.exists() for c in recorders), 60), [j.info() for j in job.parts]
+    for c in recorders:
+        (line,) = c.read_text().splitlines()
+        when, name, args = line.split(" ", 2)
+        assert (name, args) == ("sdall", "-h now")
+        assert int(when) >= int(max(ends))  # after every rank of the run (on both machines) ended
+
+    # Armed for later, then cancelled on every machine by one `%gpu kill NAME --shutdown`.
+    for c in recorders:
+        c.unlink()
+    ip.run_cell_magic("remote", "--job sdlater --torchrun 1 --hosts tra,trb --then-shutdown 30", ALLREDUCE)
+    job = distributed.find(session.get, session.get("tra"), "sdlater")
+    assert job.wait(timeout=300) == "exited 0"
+    assert all(i.shutdown_state == "pending" for i in job.infos())
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "kill sdlater --shutdown")
+    assert "shutdown of torchrun job sdlater: tra: cancelled; trb: cancelled" in capsys.readouterr().out
+    assert all(i.shutdown_state == "cancelled" for i in job.infos())
+    assert not any(c.exists() for c in recorders)
+
+
+def test_then_shutdown_refuses_before_any_start_when_one_machine_cannot(a, b, recorders, monkeypatch):
+    from gpumagic.budget.shutdown import ShutdownPlan
+
+    monkeypatch.setattr(b, "shutdown_plan", lambda: ShutdownPlan(None, "no shutdown command here"))
+    with pytest.raises(JobError) as e:
+        gpumagic.start_distributed([a, b], "sdno", ALLREDUCE, nproc=1, then_shutdown=1)
+    assert str(e.value).startswith("--then-shutdown: trb cannot shut itself down, so the job was not "
+                                   "started: no shutdown command here")
+    assert all(j.name != "sdno" for j in a.jobs() + b.jobs())
+    assert procs("torchrun/sdno/") == []
+
+
+# -- alerts name the rank and the machine ------------------------------------------------------
+
+NAN_ON_RANK_3 = """\
+import time, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank()
+print(f"rank {r} step 1 loss 0.5", flush=True)
+if r == 3:
+    print("step 2 loss nan", flush=True)
+time.sleep(600)
+"""
+
+
+def _notify_message(home: str, name: str, machine: str, monkeypatch):
+    """The job-end message the machine-side notify.py composes for job ``name`` in ``home``."""
+    from gpumagic.remote import program
+
+    ns: dict = {"__name__": "gpumagic_notify_under_test", "__file__": f"{home}/.gpumagic/notify/notify.py"}
+    exec(compile(program.source("notify.py"), "notify.py", "exec"), ns)
+    monkeypatch.setenv("HOME", home)
+    return ns["job_message"]({"job": name, "job_dir": f"{home}/.gpumagic/jobs/{name}"}, machine)
+
+
+def test_alerts_and_stop_on_name_the_rank_and_machine(a, b, pair, monkeypatch):
+    job = gpumagic.start_distributed([a, b], "nan3", NAN_ON_RANK_3, nproc=2, stop_on="nan")
+    try:
+        def b_info():
+            return next(i for i in b.jobs() if i.name == "nan3")
+
+        assert wait_until(lambda: b_info().state == "killed", 300), [j.logs(None) for j in job.parts]
+        assert job.ranks()[3][0].machine.name == "trb"  # c10d put rank 3 on b
+        info = b_info()
+        assert info.state_text == "killed (nan, rank 3 on trb)"
+        assert [al.label for al in info.alerts if al.kind == "nan"] == ["NaN/inf loss from rank 3 on trb"]
+        seen = []
+        b.job("nan3").follow(out=lambda t: None, alert=seen.append, lines=None)
+        assert [al.where for al in seen if al.kind == "nan"] == ["rank 3 on trb"]
+        # the notification sent from b when its part ended
+        title, text, details = _notify_message(pair[1].env["HOME"], "nan3", "trb", monkeypatch)
+        assert title == "job nan3 stopped (nan, rank 3 on trb)"
+        assert "stopped by --stop-on nan from rank 3 on trb at: [rank 3]:step 2 loss nan" in text
+        assert details["rank"] == "rank 3 on trb"
+    finally:
+        job.kill()
+    assert procs("torchrun/nan3/") == []
+
+
+def test_failure_notification_names_the_rank_and_machine(a, b, pair, monkeypatch):
+    job = gpumagic.start_distributed([a, b], "boom3", ALLREDUCE, nproc=2, env={"BOOM": "3"})
+    assert job.wait(timeout=300).startswith("failed: rank 3 on trb")
+    title, text, details = _notify_message(pair[1].env["HOME"], "boom3", "trb", monkeypatch)
+    assert title == "job boom3 failed (rank 3 on trb)"
+    assert text.startswith("job boom3 failed (rank 3 on trb) on trb: rank 3 on trb failed first, exit code 1")
+    assert "[default" not in text  # torchrun's local prefixes are relabelled with global ranks
+
+
+def test_each_then_shutdown_shuts_each_machine_down_after_its_own_job(a, b, recorders):
+    from gpumagic.remote.distributed import fan_out
+
+    started = fan_out([a, b], "fansd", 'echo "LR=$LR"', ["LR=1", "LR=2"], then_shutdown=0)
+    for j in started:
+        assert j.wait(timeout=60).exit_code == 0
+    assert wait_until(lambda: all(c.exists() for c in recorders), 60)
+    for c in recorders:
+        assert c.read_text().split()[1:] == ["fansd", "-h", "now"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..remote import program
@@ -25,13 +26,16 @@ from .ledger import GuardRecord, Ledger, MachineRecord, prices_of, record_sessio
 from .prices import (MAX_SPAN_S, BudgetError, MeterReading, guard_limit_in, is_number, meter,
                      platforms)
 
+if TYPE_CHECKING:
+    from .._types import MachineLike
+
 #: Where the guard lives on the machine (relative to $HOME).
 GUARD_DIR = ".gpumagic/guard"
 #: The guard's program files, in the order they are installed as one script.
 GUARD_PROGRAM = ("lib.sh", "budget-guard.sh")
 
 
-def guard_dir(machine) -> str:
+def guard_dir(machine: MachineLike) -> str:
     """The guard's folder on ``machine``: :data:`GUARD_DIR` (relative to the remote home), or
     inside the machine's :meth:`~gpumagic.machine.Machine.scratch_dir` where it has one (the
     sandbox's temporary folder): the guard exits when its folder goes, so it ends with the
@@ -40,7 +44,7 @@ def guard_dir(machine) -> str:
     return f"{scratch}/guard" if scratch else GUARD_DIR
 
 
-def guard_log_path(machine) -> str:
+def guard_log_path(machine: MachineLike) -> str:
     """Where the guard's log is on ``machine``, for messages (``~/`` for the remote home)."""
     d = guard_dir(machine)
     return f"{d}/log" if d.startswith("/") else f"~/{d}/log"
@@ -225,16 +229,16 @@ def guard_program() -> str:
     return "\n".join(program.source(name) for name in GUARD_PROGRAM)
 
 
-def _ctl(machine, *args, stdin: bytes | None = None):
+def _ctl(machine: MachineLike, *args, stdin: bytes | None = None):
     return program.run(machine.connection, "budget-guard-ctl.sh", *args, stdin=stdin, timeout=60)
 
 
-def read_status(machine) -> tuple[Clock, GuardStatus]:
+def read_status(machine: MachineLike) -> tuple[Clock, GuardStatus]:
     """One round trip: the remote clock, the machine's start, and the guard's state."""
     return parse_status(_ctl(machine, "status", guard_dir(machine)).stdout)
 
 
-def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0) -> GuardStatus:
+def arm_guard(machine: MachineLike, settings: GuardSettings, *, plan=None, wait: float = 10.0) -> GuardStatus:
     """Start the guard on ``machine``, replacing any earlier one; returns its first status.
 
     ``plan`` (a :class:`gpumagic.budget.shutdown.ShutdownPlan`) defaults to
@@ -268,7 +272,7 @@ def arm_guard(machine, settings: GuardSettings, *, plan=None, wait: float = 10.0
                       f"(state {status.state!r})", f"look at {guard_log_path(machine)} on the machine")
 
 
-def cancel_guard(machine) -> GuardStatus:
+def cancel_guard(machine: MachineLike) -> GuardStatus:
     """Stop the guard (its whole process group); returns the status after (one round trip)."""
     return parse_status(_ctl(machine, "cancel", guard_dir(machine)).stdout)[1]
 
@@ -276,7 +280,7 @@ def cancel_guard(machine) -> GuardStatus:
 # -- one machine: ledger + remote ---------------------------------------------------------
 
 
-def read_meter(machine, ledger: Ledger, *, now: float | None = None) -> MeterReading:
+def read_meter(machine: MachineLike, ledger: Ledger, *, now: float | None = None) -> MeterReading:
     """Read ``machine``'s meter (one round trip), record the session, mark new alerts as shown.
 
     Raises
@@ -298,7 +302,7 @@ def read_meter(machine, ledger: Ledger, *, now: float | None = None) -> MeterRea
     return reading
 
 
-def arm_machine_guard(machine, ledger: Ledger, *, idle_s: float | None = None, at_limit: bool = False,
+def arm_machine_guard(machine: MachineLike, ledger: Ledger, *, idle_s: float | None = None, at_limit: bool = False,
                       deadline: float | None = None, grace_s: float = 600, poll_s: float = 30,
                       idle_util: float = 5, plan=None, now: float | None = None) -> GuardStatus:
     """Arm the guard on ``machine`` with the budget's limit (``at_limit``) from the ledger.
@@ -345,7 +349,7 @@ def arm_machine_guard(machine, ledger: Ledger, *, idle_s: float | None = None, a
     return status
 
 
-def disarm_machine_guard(machine, ledger: Ledger) -> GuardStatus:
+def disarm_machine_guard(machine: MachineLike, ledger: Ledger) -> GuardStatus:
     """Cancel the guard on ``machine`` and forget it in the ledger."""
     status = cancel_guard(machine)
     with ledger.update() as machines:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 from .._fs import atomic_write, private_dir
-from ..errors import ConfigError, GpumagicError
+from ..errors import ConfigError, LedgerError  # noqa: F401 (LedgerError: its old home)
 from .prices import (MAX_AMOUNT, MAX_SPAN_S, BudgetError, MeterReading, Prices, is_number, meter,
                      price_changes, seconds_to_midnight, spent)
 
@@ -34,10 +34,6 @@ LEDGER_FORMAT = "gpumagic-ledger"
 LEDGER_VERSION = 1
 #: Two readings of the machine's start time closer than this (seconds) are the same session.
 SAME_START = 120
-
-
-class LedgerError(GpumagicError):
-    """The ledger file cannot be read or written."""
 
 
 def data_dir() -> Path:

@@ -38,12 +38,16 @@ import shlex
 import time
 import urllib.parse
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, GpumagicError
+from ..errors import ConfigError, NotifyError  # noqa: F401 (NotifyError: its old home)
 from ..remote import program
 from .guard import read_status
 from .ledger import Ledger
 from .prices import limit_deadline, spent
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 #: Where the program and its settings live on the machine (relative to $HOME).
 NOTIFY_DIR = ".gpumagic/notify"
@@ -55,10 +59,6 @@ TLS_MODES = ("auto", "ssl", "starttls", "none")
 
 #: The installed program as ``notify_command`` lines call it (``$HOME`` expanded there).
 _PROGRAM = f'python3 "$HOME/{NOTIFY_DIR}/notify.py"'
-
-
-class NotifyError(GpumagicError):
-    """Notifications cannot be set up or sent (no python3 on the machine, not configured)."""
 
 
 def program_source() -> str:
@@ -180,7 +180,7 @@ def _json_line(text: str) -> dict:
     return {}
 
 
-def _run_program(machine, name: str, *args: str, payload: dict, timeout: float) -> dict:
+def _run_program(machine: MachineLike, name: str, *args: str, payload: dict, timeout: float) -> dict:
     """Run machine-side program ``name`` with ``args``, ``payload`` as JSON on its stdin (where
     credentials travel), and return the JSON line it answers with."""
     r = program.run(machine.connection, name, *args, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
@@ -199,7 +199,7 @@ def _run_program(machine, name: str, *args: str, payload: dict, timeout: float) 
                           "run `%gpu budget notify` again; if it persists, check python3 there")
 
 
-def read_config(machine) -> dict | None:
+def read_config(machine: MachineLike) -> dict | None:
     """The settings on the machine (``None`` when notifications are not set up)."""
     r = program.run(machine.connection, "budget-notify.sh", "config", timeout=30)
     if r.exit_code != 0 or not r.stdout.strip():
@@ -211,7 +211,7 @@ def read_config(machine) -> dict | None:
     return cfg if isinstance(cfg, dict) else None
 
 
-def configure(machine, channels: list[dict], *, keep_others: bool = True, retries: int = 5,
+def configure(machine: MachineLike, channels: list[dict], *, keep_others: bool = True, retries: int = 5,
               backoff: float = 2.0, timeout: float = 15.0) -> dict:
     """Install the program and write its settings on ``machine``.
 
@@ -243,7 +243,7 @@ def configure(machine, channels: list[dict], *, keep_others: bool = True, retrie
     return config
 
 
-def disable(machine) -> None:
+def disable(machine: MachineLike) -> None:
     """Remove the settings (credentials included) and stop the spending watcher; the log
     and the program stay."""
     payload = {"program": program_source(), "config": None, "dir": f"~/{NOTIFY_DIR}"}
@@ -276,7 +276,7 @@ class SendResult:
         return bool(self.sent) and not self.failed
 
 
-def send_from_machine(machine, event: dict | str, *, retries: int | None = None, keep: bool = True,
+def send_from_machine(machine: MachineLike, event: dict | str, *, retries: int | None = None, keep: bool = True,
                       timeout: float = 180) -> SendResult:
     """Have ``machine`` send ``event`` on every configured channel, and wait for the result.
 
@@ -333,7 +333,7 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
     return guard + (f"{{ nohup {line} </dev/null >/dev/null 2>&1 & }}" if background else line)
 
 
-def log_tail(machine, lines: int = 5) -> tuple[list[str], int]:
+def log_tail(machine: MachineLike, lines: int = 5) -> tuple[list[str], int]:
     """The last lines of the machine's notify log and the number of messages waiting in its
     outbox."""
     r = program.run(machine.connection, "budget-notify.sh", "log", int(lines), timeout=30)
@@ -385,7 +385,7 @@ class Scheduled:
     reason: str = ""
 
 
-def schedule_thresholds(machine, ledger=None, *, now: float | None = None) -> Scheduled:
+def schedule_thresholds(machine: MachineLike, ledger=None, *, now: float | None = None) -> Scheduled:
     """Arm the machine-side watcher that sends each spending threshold still ahead.
 
     Reads the machine's prices, thresholds and billing start from the ledger (one round trip

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from ..errors import ConfigError, GpumagicError
+from ..errors import BudgetError, ConfigError  # noqa: F401 (BudgetError: its old home)
 
 if TYPE_CHECKING:
     from .guard import GuardStatus
@@ -51,10 +51,6 @@ def is_number(v, lo: float = -math.inf, hi: float = math.inf) -> bool:
     """True for a finite ``int``/``float`` (never a bool) from ``lo`` to ``hi``."""
     return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             and lo <= v <= hi)
-
-
-class BudgetError(GpumagicError):
-    """A budget cannot be computed or a guard cannot be armed (missing prices, no shutdown)."""
 
 
 # -- prices -------------------------------------------------------------------------------

@@ -20,13 +20,16 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence, TYPE_CHECKING
 
 from ..errors import RemoteCommandError
 from ..remote import program
 from .smi import (GPU_FIELDS, HIDDEN_USE_MIB, GpuStatus, Section, Unknown, known, read_value,
                   sections_command, split_sections, status_from_sections, status_sections,
                   version_tuple)
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 # -- checks -------------------------------------------------------------------------------------
 
@@ -485,7 +488,7 @@ def diagnose(sections: Mapping[str, Section], *, host: str = "", expect_gpu: str
     return DoctorReport(host, checks, status)
 
 
-def run_doctor(machine, *, expect_gpu: str | None = None, expect_count: int | None = None,
+def run_doctor(machine: MachineLike, *, expect_gpu: str | None = None, expect_count: int | None = None,
                sample: int = 0, timeout: float = 120) -> DoctorReport:
     """Gather everything in one round trip (through the login environment, so the python,
     venv and conda the user gets) and run :func:`diagnose`.

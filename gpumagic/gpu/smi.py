@@ -28,9 +28,12 @@ import enum
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TYPE_CHECKING
 
 from ..remote import program
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 # -- what is gathered, in one round trip ------------------------------------------------------
 
@@ -580,7 +583,7 @@ def _smi_warnings(rc: int, messages: Sequence[str], gpus: Sequence[Gpu]) -> list
     return out
 
 
-def query_status(machine, *, cuda_version: str | Unknown | None = None,
+def query_status(machine: MachineLike, *, cuda_version: str | Unknown | None = None,
                  timeout: float = 30) -> GpuStatus:
     """One snapshot of ``machine``'s GPUs in one SSH round trip.
 

@@ -6,6 +6,9 @@
   :mod:`gpumagic.remote.distributed`);
 - ``%%remote --job NAME --hosts a,b --each "LR=1" "LR=2"``: the same cell once per machine,
   each with its own environment values;
+- with ``--then-shutdown MINUTES``: every machine of a torchrun run shuts down once every rank
+  has ended successfully (each after its own job, for ``--each``); ``%gpu kill NAME
+  --shutdown`` cancels that on every machine of a torchrun job;
 - ``%gpu logs NAME --rank R`` / ``--all``: :func:`logs`;  ``%gpu kill NAME``: :func:`kill` ends
   every rank on every machine;  ``%gpu jobs --all``: :func:`jobs_all`;
   ``%gpu sync --from-all :runs/ results/``: :func:`sync_from_all`;  ``%gpu doctor --hosts a,b``:
@@ -34,8 +37,9 @@ def remote_cell(magics, args, cell: str):
     if args.job is None or not NAME_RE.fullmatch(args.job):
         raise UsageError("--torchrun, --hosts and --each start a detached job: add --job NAME "
                          "(letters, digits, '-' and '_')")
-    if args.timeout is not None or args.then_shutdown is not None:
-        raise UsageError("--timeout and --then-shutdown do not apply with --torchrun/--hosts/--each")
+    if args.timeout is not None:
+        raise UsageError("--timeout does not apply to a detached job (--torchrun/--hosts/--each): "
+                         "it runs until it ends; `%gpu kill NAME` stops it")
     if args.host and args.hosts:
         raise UsageError("--host and --hosts both name machines; use --hosts a,b alone")
     from .magics._args import env_pairs as _env_pairs
@@ -54,12 +58,16 @@ def remote_cell(magics, args, cell: str):
         except distributed.JobError as e:
             raise UsageError(f"{e.message}; {e.hint}") from None
         started = distributed.fan_out(machines, args.job, cell, each, python=args.python, cwd=args.cwd,
-                                      env=env, stop_on=stop_on, alerts=not args.no_alerts)
+                                      env=env, stop_on=stop_on, alerts=not args.no_alerts,
+                                      then_shutdown=args.then_shutdown)
         for j, e in zip(started, each):
             print(f"started job {args.job} on {j.machine.name} with "
                   + " ".join(f"{k}={v}" for k, v in e.items()))
         print("`%gpu jobs --all` lists them; `%gpu sync --from-all :PATH/ results/` pulls each "
               "machine's results into results/<machine>/")
+        if args.then_shutdown is not None:
+            print(f"each machine shuts down {args.then_shutdown:g} min after its own job succeeds; "
+                  f"`%gpu kill {args.job} --shutdown --host NAME` cancels one")
         if args.out:
             magics.shell.user_ns[args.out] = started
         return
@@ -74,12 +82,15 @@ def remote_cell(magics, args, cell: str):
         raise UsageError("--same-dir-hash needs --same-dir PATH (the data folder to compare)")
     job = distributed.start(machines, args.job, cell, nproc=nproc, torchrun_args=args.torchrun_args or "",
                             cwd=args.cwd, env=env, same_dir=args.same_dir, same_dir_hash=args.same_dir_hash,
-                            stop_on=stop_on, alerts=not args.no_alerts)
+                            stop_on=stop_on, alerts=not args.no_alerts, then_shutdown=args.then_shutdown)
     world = job.nproc * len(job.parts)
     where = ", ".join(job.hosts)
     ep = f", rendezvous at {job.plan.endpoint}" if job.plan and job.plan.endpoint else ""
     print(f"started torchrun job {args.job}: {job.nproc} per machine on {where} (world size {world}{ep}); "
           f"`%gpu logs {args.job} --rank R` or `--all` shows the ranks, `%gpu kill {args.job}` ends them all")
+    if args.then_shutdown is not None:
+        print(f"once every rank has ended successfully, {where} shut{'s' if len(job.parts) == 1 else ''} down "
+              f"{args.then_shutdown:g} min later; `%gpu kill {args.job} --shutdown` cancels that on every machine")
     if args.out:
         magics.shell.user_ns[args.out] = job
 
@@ -96,12 +107,18 @@ def logs(magics, args) -> None:
     print(text, end="" if text.endswith("\n") or not text else "\n")
 
 
-def kill(magics, machine, name: str) -> bool:
-    """``%gpu kill NAME`` of a torchrun job: end every rank on every machine; False when ``name``
-    is a plain job (the caller kills it as before)."""
+def kill(magics, machine, name: str, shutdown: bool = False) -> bool:
+    """``%gpu kill NAME`` of a torchrun job: end every rank on every machine (``--shutdown``:
+    cancel the shutdown armed on every machine instead); False when ``name`` is a plain job (the
+    caller handles it as before)."""
     job = distributed.find(magics.session.get, machine, name)
     if job is None:
         return False
+    if shutdown:
+        said = {"cancelled": "cancelled", "none": "none was armed", "started": "too late: it has already run"}
+        print(f"shutdown of torchrun job {name}: "
+              + "; ".join(f"{host}: {said.get(w, w)}" for host, w in job.cancel_shutdown().items()))
+        return True
     state = job.kill()
     print(f"killed torchrun job {name} on {', '.join(job.hosts)}: {state}; every rank was stopped")
     return True

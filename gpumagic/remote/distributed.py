@@ -30,10 +30,13 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import JobError
 from . import jobs, program
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 #: Per-job folder on each machine, relative to the remote HOME.
 TORCHRUN_DIR = ".gpumagic/torchrun"
@@ -44,7 +47,7 @@ _EXC_RE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\
 _PREFIX_RE = re.compile(r"^\[default(\d+)\]:(.*)$")
 
 
-def _prun(machine, name: str, *args, **kw):
+def _prun(machine: MachineLike, name: str, *args, **kw):
     return program.run(machine.connection, name, *args, **kw)
 
 
@@ -151,7 +154,7 @@ def compare(probes: Sequence[Probe], same_dir: str | None = None) -> str:
     return _table(rows, ("differs", *hosts)) if rows else ""
 
 
-def probe(machine, *, cwd: str | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
+def probe(machine: MachineLike, *, cwd: str | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
           python: str = "") -> Probe:
     r = _prun(machine, "torchrun_probe.sh", python, cwd if cwd is not None else (machine.cwd or ""),
                     same_dir or "", "1" if same_dir_hash else "0", timeout=300)
@@ -173,7 +176,7 @@ class Plan:
     took: float = 0.0
 
 
-def preflight(machines: Sequence, *, nproc: int | str = 1, cwd: str | None = None,
+def preflight(machines: Sequence[MachineLike], *, nproc: int | str = 1, cwd: str | None = None,
               same_dir: str | None = None, same_dir_hash: bool = False, python: str = "",
               endpoint_host: str | None = None, endpoint_port: int = 0,
               deadline: float = REACH_DEADLINE) -> Plan:
@@ -432,6 +435,12 @@ class DistributedJob:
                                     f"wait longer, or `%gpu kill {self.name}`")
             time.sleep(poll)
 
+    def cancel_shutdown(self) -> dict[str, str]:
+        """Cancel the shutdown ``then_shutdown`` armed on every machine of the run; returns
+        machine name -> ``cancelled``, ``none`` or ``started`` (see
+        :meth:`gpumagic.remote.jobs.Job.cancel_shutdown`)."""
+        return {j.machine.name: j.cancel_shutdown() for j in self.parts}
+
     def kill(self, reason: str = "user") -> str:
         """End every rank on every machine (each machine's whole job process tree)."""
         for j in self.parts:
@@ -466,11 +475,12 @@ def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = 
     return "\n".join(lines) + "\n"
 
 
-def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
+def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int | str = 1,
           torchrun_args: str | Sequence[str] = (), cwd: str | None = None,
           env: Mapping[str, str] | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
           python: str = "", endpoint_host: str | None = None, endpoint_port: int = 0,
-          deadline: float = REACH_DEADLINE, stop_on=None, alerts: bool = True) -> DistributedJob:
+          deadline: float = REACH_DEADLINE, stop_on=None, alerts: bool = True,
+          then_shutdown: float | None = None) -> DistributedJob:
     """Start ``script`` under torchrun on every machine of ``machines``; returns at once.
 
     Parameters
@@ -489,12 +499,20 @@ def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
     same_dir, same_dir_hash
         A data folder (relative to ``cwd``) that must hold the same file names and sizes (with
         ``same_dir_hash``: the same SHA-256) on every machine.
+    then_shutdown : float, optional
+        Minutes after which *every* machine of the run shuts down once the run has succeeded:
+        each machine's job arms its own shutdown (as a plain job's ``then_shutdown``), which
+        starts when that machine's torchrun exits 0.  torchrun exits only after every rank of
+        the run has ended (its exit barrier waits for the agents of all machines), so no
+        machine goes down under a running rank.  A failed or killed run shuts nothing down.
+        Every machine's shutdown is checked before anything starts.
 
     Raises
     ------
     JobError
-        A bad name or ``nproc``; a job of that name runs on one of the machines; the preflight
-        refused (see :func:`preflight`).
+        A bad name or ``nproc``; a job of that name runs on one of the machines; one of them
+        cannot shut itself down (with ``then_shutdown``); the preflight refused (see
+        :func:`preflight`).
     """
     jobs.check_name(name)
     nproc = parse_nproc(nproc)
@@ -509,6 +527,8 @@ def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
         if jobs.list_jobs(m, only=name) and any(i.running for i in jobs.list_jobs(m, only=name)):
             raise JobError(f"a job named {name!r} is already running on {m.name}",
                            f"pick another name, or `%gpu kill {name}` first")
+    for m in machines:  # before anything starts: one machine that cannot shut down refuses all
+        jobs.shutdown_arming(m, then_shutdown)
     plan = preflight(machines, nproc=nproc, cwd=cwd, same_dir=same_dir, same_dir_hash=same_dir_hash,
                      python=python, endpoint_host=endpoint_host, endpoint_port=endpoint_port, deadline=deadline)
     rdzv_id = f"{name}-{secrets.token_hex(4)}"
@@ -530,7 +550,8 @@ def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
                           endpoint=plan.endpoint, rdzv_id=rdzv_id, torchrun_args=extra, exec_argv=exec_argv,
                           socket_ifname=plan.devs.get(m.name, "") if len(machines) > 1 else "",
                           is_host=m is machines[0])
-            parts.append(m.start_job(name, cmd, cwd=cwd, env=env, stop_on=stop_on, alerts=alerts))
+            parts.append(m.start_job(name, cmd, cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
+                                     then_shutdown=then_shutdown))
     except BaseException:
         for j in parts:  # nothing half-started: one machine's torchrun would wait for the others
             try:
@@ -541,7 +562,7 @@ def start(machines: Sequence, name: str, script: str, *, nproc: int | str = 1,
     return DistributedJob(name, parts, nproc=plan.nproc, plan=plan)
 
 
-def find(session_or_machines, machine, name: str) -> DistributedJob | None:
+def find(session_or_machines: Callable[[str], MachineLike], machine: MachineLike, name: str) -> DistributedJob | None:
     """The torchrun job ``name`` that ``machine`` took part in (its ``hosts`` file names the
     machines), or None when it is a plain job.  ``session_or_machines``: a callable name ->
     Machine (``Session.get``)."""
@@ -578,7 +599,7 @@ def parse_each(items: Sequence[str]) -> list[dict[str, str]]:
     return out
 
 
-def fan_out(machines: Sequence, name: str, command: str, each: Sequence[Mapping[str, str] | str], *,
+def fan_out(machines: Sequence[MachineLike], name: str, command: str, each: Sequence[Mapping[str, str] | str], *,
             python: bool = False, cwd: str | None = None, env: Mapping[str, str] | None = None,
             **options) -> list:
     """Start the same ``command`` as job ``name`` on every machine, machine ``i`` with the
@@ -601,6 +622,8 @@ def fan_out(machines: Sequence, name: str, command: str, each: Sequence[Mapping[
         if any(i.running for i in jobs.list_jobs(m, only=name)):
             raise JobError(f"a job named {name!r} is already running on {m.name}",
                            f"pick another name, or `%gpu kill {name}` first")
+    for m in machines:  # each machine shuts down after its own job: all must be able to
+        jobs.shutdown_arming(m, options.get("then_shutdown"))
     started: list = []
     try:
         for m, e in zip(machines, envs):

@@ -57,12 +57,16 @@ import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TYPE_CHECKING
 
 import paramiko
 
 from ..ssh import _paramiko
-from ..errors import ConnectionLost, GpumagicError, Interrupted, KernelError, RemoteTimeout
+from ..errors import (ConnectionLost, Interrupted, KernelConnectionLost, KernelError,  # noqa: F401
+                      RemoteKernelError, RemoteTimeout)
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 #: Where the keepers keep their kernels, relative to the remote HOME.
 KERNELS_DIR = ".gpumagic/kernels"
@@ -87,32 +91,6 @@ PROTOCOL_VERSION = "5.3"
 #: SSH channel window asked for the keeper's channel (bytes).
 WINDOW_SIZE = 8 * 1024 * 1024
 MAX_PACKET_SIZE = 255 * 1024
-
-
-class KernelConnectionLost(ConnectionLost):
-    """The SSH connection dropped while a cell ran; the cell keeps running on the machine."""
-
-
-class RemoteKernelError(GpumagicError):
-    """A cell raised on the machine.
-
-    ``_render_traceback_`` gives the machine's IPython traceback (not gpumagic's frames), as
-    ipyparallel's ``RemoteError`` does.
-
-    Attributes
-    ----------
-    ename, evalue : str
-        The remote exception's type name and message.
-    traceback : list of str
-        The remote traceback lines as IPython formatted them (with ANSI colours).
-    """
-
-    def __init__(self, ename: str, evalue: str, traceback: list[str], where: str = ""):
-        super().__init__(f"{ename}: {evalue}" + (f" (on {where})" if where else ""))
-        self.ename, self.evalue, self.traceback = ename, evalue, list(traceback)
-
-    def _render_traceback_(self) -> list[str]:
-        return list(self.traceback) or [f"{self.ename}: {self.evalue}"]
 
 
 def check_name(name: str) -> str:
@@ -455,7 +433,7 @@ class _Link:
     """One ``direct-tcpip`` channel to a keeper, with a reader thread that decodes frames
     into a bounded queue (when it is full, the rest waits on the machine)."""
 
-    def __init__(self, machine, port: int, token: str, since: int):
+    def __init__(self, machine: MachineLike, port: int, token: str, since: int):
         self.machine = machine
         conn = machine.connection
         conn.ensure_open()
@@ -580,7 +558,7 @@ class RemoteKernel:
         Session name (letters, digits, ``-``, ``_``).
     """
 
-    def __init__(self, machine, name: str):
+    def __init__(self, machine: MachineLike, name: str):
         self.machine = machine
         self.name = check_name(name)
         self.session_id = uuid.uuid4().hex
@@ -1385,7 +1363,7 @@ def _decode(data: bytearray) -> dict:
 # -- every session of a machine ---------------------------------------------------------------
 
 
-def list_kernels(machine) -> list[KernelInfo]:
+def list_kernels(machine: MachineLike) -> list[KernelInfo]:
     """Every session on ``machine`` with its state and GPU memory (one round trip)."""
     r = machine.exec("sh -c " + shlex.quote(program_text("kernel_list.sh").decode()), timeout=60)
     return parse_listing(r.stdout)
@@ -1394,7 +1372,7 @@ def list_kernels(machine) -> list[KernelInfo]:
 class Kernels:
     """The sessions of one machine that this process has used (``machine.kernel(NAME)``)."""
 
-    def __init__(self, machine):
+    def __init__(self, machine: MachineLike):
         self.machine = machine
         self.handles: dict[str, RemoteKernel] = {}
         #: The session used last: what ``%%remote --kernel`` without a name means.
@@ -1448,7 +1426,7 @@ class Kernels:
             k.close()
 
 
-def kernels_of(machine) -> Kernels:
+def kernels_of(machine: MachineLike) -> Kernels:
     """The :class:`Kernels` of ``machine`` (made on first use, kept on the machine object)."""
     ks = machine.__dict__.get("_kernels")
     if ks is None:

@@ -803,6 +803,26 @@ class _Bad(Exception):
     """One bad line: counted, reported with its file and line when the file ends."""
 
 
+def _array_values(av, written: str):
+    """The values of an array keyword, read to the end of the line (OpenSSH readconf.c's loop
+    for SendEnv, LogVerbose, CanonicalDomains, ...): a value may not be empty, and ``none``
+    must stand alone.  A generator: each value is checked before it is handed out.
+
+    Raises
+    ------
+    _Bad
+        An empty value, or ``none`` among others.
+    """
+    i = 0
+    while (arg := av.next()) is not None:
+        if arg == "":
+            raise _Bad(f"{written} has an empty value")
+        if arg.lower() == "none" and (i > 0 or av.left > 0):
+            raise _Bad(f'{written} "none" must appear alone')
+        i += 1
+        yield arg
+
+
 class _Fatal(ConfigError):
     """An error after which OpenSSH stops at once (``fatal()``)."""
 
@@ -1148,13 +1168,7 @@ class _Reader:
             need(av.next())
         elif kind == "strarray":
             was_empty = unset(attr) if attr else True
-            i = 0
-            while (arg := av.next()) is not None:
-                if arg == "":
-                    raise _Bad(f"{written} has an empty value")
-                if arg.lower() == "none" and (i > 0 or av.left > 0):
-                    raise _Bad(f'{written} "none" must appear alone')
-                i += 1
+            for arg in _array_values(av, written):
                 if attr and on and was_empty:
                     if len(getattr(o, attr)) >= SSH_MAX_HOSTS_FILES:
                         raise _Bad(f"too many {written} entries")
@@ -1177,13 +1191,8 @@ class _Reader:
             if on and o.port == -1:
                 o.port = value
         elif kind == "logverbose":
-            i = 0
-            while (arg := av.next()) is not None:
-                if arg == "":
-                    raise _Bad(f"{written} has an empty value")
-                if arg.lower() == "none" and (i > 0 or av.left > 0):
-                    raise _Bad(f'{written} "none" must appear alone')
-                i += 1
+            for _ in _array_values(av, written):
+                pass
         elif kind == "loglevel":
             arg = av.next()
             if (arg or "").lower() not in _LOG_LEVELS:
@@ -1297,13 +1306,7 @@ class _Reader:
                     raise _Bad(f"{written} {arg} is not an IPQoS value")
         elif kind == "canonicaldomains":
             was_empty = not o.canonical_domains
-            i = 0
-            while (arg := av.next()) is not None:
-                if arg == "":
-                    raise _Bad(f"{written} has an empty value")
-                if arg.lower() == "none" and (i > 0 or av.left > 0):
-                    raise _Bad(f'{written} "none" must appear alone')
-                i += 1
+            for arg in _array_values(av, written):
                 name, err = valid_domain(arg)
                 if err:
                     raise _Bad(err)

@@ -17,6 +17,7 @@ from ..remote import program
 from .ports import check_local_port
 
 if TYPE_CHECKING:
+    from .._types import MachineLike
     from .forward import Tunnel
 
 
@@ -60,7 +61,7 @@ class RemoteService:
         return "started by gpumagic earlier" if self.ours else "not started by gpumagic"
 
 
-def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> RemoteService:
+def start_tensorboard(machine: MachineLike, logdir: str = "runs", timeout: float = 90.0) -> RemoteService:
     """Find the TensorBoard serving ``logdir`` on the machine, or start one detached.
 
     Parameters
@@ -83,7 +84,7 @@ def start_tensorboard(machine, logdir: str = "runs", timeout: float = 90.0) -> R
     return _service(info, path=prefix + "/")
 
 
-def start_jupyter(machine, timeout: float = 90.0) -> RemoteService:
+def start_jupyter(machine: MachineLike, timeout: float = 90.0) -> RemoteService:
     """Find a running Jupyter server on the machine, or start one detached.
 
     Returns
@@ -107,7 +108,7 @@ def _service(info: dict, path: str) -> RemoteService:
                          started=bool(info["started"]), log=info.get("log"), ours=bool(info.get("ours")))
 
 
-def _find_or_start(machine, what: str, kind: str, timeout: float, package: str, *args: str) -> dict:
+def _find_or_start(machine: MachineLike, what: str, kind: str, timeout: float, package: str, *args: str) -> dict:
     """Run ``tunnel-service.py KIND TIMEOUT ARGS`` with the machine's python3, in the cell
     directory and the login environment (as a cell runs); its JSON answer or a TunnelError."""
     command = program.command("tunnel-service.py", kind, float(timeout), *args)
@@ -135,7 +136,7 @@ def stop_remote_service(connection, service: RemoteService) -> None:
         program.run(connection, "tunnel-stop-service.sh", int(service.pid), timeout=30)
 
 
-def open_service_tunnel(machine, start: Callable[[], RemoteService], *, local_port: int | None,
+def open_service_tunnel(machine: MachineLike, start: Callable[[], RemoteService], *, local_port: int | None,
                         name: str) -> Tunnel:
     """Check ``local_port``, find or start the service (``start()``), and return the tunnel to
     it (reused when one is open), keeping what gpumagic knows of the service.

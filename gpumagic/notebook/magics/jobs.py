@@ -137,7 +137,7 @@ def _kill(magics: GpuMagics, line: str):
     job = machine.job(_job_name(args.name))
     from ..torchrun_magics import kill as torchrun_kill
 
-    if not args.shutdown and torchrun_kill(magics, machine, args.name):
+    if torchrun_kill(magics, machine, args.name, shutdown=args.shutdown):
         return
     if args.shutdown:
         what = job.cancel_shutdown()

@@ -5,6 +5,7 @@
 # gm_alive PID: true while PID is a live process.  A zombie (state Z in /proc/PID/stat: it
 # exited and waits for its parent) counts as ended, which `kill -0` alone does not tell.
 gm_alive() {
+  case $1 in ""|*[!0-9]*) return 1 ;; esac  # no pid (an empty pid file) is no process
   kill -0 "$1" 2>/dev/null || [ -d "/proc/$1" ] || return 1
   [ -r "/proc/$1/stat" ] || return 0  # no /proc (macOS): kill -0 is all there is
   # The state is the field after the ')' that ends the command name (which may hold spaces).
@@ -35,4 +36,41 @@ gm_python() {
   gm_find python3 && return 0
   _gm_p=$(gm_find python) || return 1
   "$_gm_p" -c 'import sys; sys.exit(sys.version_info[0] != 3)' 2>/dev/null && printf '%s\n' "$_gm_p"
+}
+
+# gm_procs: one line per process, "PID PPID SID PGID STATE", from ps or, where ps is missing
+# (slim containers), from /proc/PID/stat (proc(5): after the parenthesised command name come
+# state, ppid, pgrp, session).
+gm_procs() {
+  if command -v ps >/dev/null 2>&1; then
+    ps -e -o pid= -o ppid= -o sid= -o pgid= -o stat= 2>/dev/null; return
+  fi
+  for _gm_f in /proc/[0-9]*/stat; do
+    read -r _gm_l < "$_gm_f" 2>/dev/null || continue
+    _gm_p=${_gm_f#/proc/}; _gm_p=${_gm_p%/stat}
+    # shellcheck disable=SC2086 # split the stat fields
+    set -- ${_gm_l##*) }
+    echo "$_gm_p $2 $4 $3 $1"
+  done
+}
+
+# gm_lock_held LOCKDIR: the process named in LOCKDIR/owner ("PID PSTART") is alive and is
+# still that process (its start time matches: not a pid reused after a reboot).
+gm_lock_held() {
+  _gm_o=; _gm_t=; { read -r _gm_o _gm_t < "$1/owner"; } 2>/dev/null
+  [ -n "$_gm_o" ] && gm_alive "$_gm_o" && [ "$(gm_pstart "$_gm_o")" = "$_gm_t" ]
+}
+
+# gm_job_running DIR: the one test of "is this gpumagic job still running"
+# (gpumagic/remote/jobs.py): no DIR/exit_code yet, and the pid in DIR/pid is alive (a zombie
+# is not: see gm_alive) and still this job's runner (its /proc/PID/cwd is DIR; where /proc is
+# missing, gm_alive alone decides).  Before the runner has written its pid, the job runs while
+# a live launcher holds the job's start lock (JOBS/.NAME.starting, see job-launch.sh).
+gm_job_running() {
+  [ -e "$1/exit_code" ] && return 1
+  _gm_p=$(cat "$1/pid" 2>/dev/null)
+  if [ -z "$_gm_p" ]; then gm_lock_held "${1%/*}/.${1##*/}.starting"; return; fi
+  gm_alive "$_gm_p" || return 1
+  _gm_c=$(readlink "/proc/$_gm_p/cwd" 2>/dev/null) || return 0
+  [ "$_gm_c" = "$(cd "$1" 2>/dev/null && pwd -P)" ]
 }

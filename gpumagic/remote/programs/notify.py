@@ -47,6 +47,7 @@ import hmac
 import json
 import os
 import random
+import re
 import signal
 import smtplib
 import socket
@@ -142,9 +143,55 @@ def tail(path, n=LAST_LINES, max_bytes=64 * 1024):
     return [ln for ln in lines if ln.strip()][-n:]
 
 
+def _tail_text(path, max_bytes=64 * 1024):
+    """The last ``max_bytes`` of a file, decoded (empty when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _duration(seconds):
     seconds = int(max(0, seconds))
     return "%d:%02d:%02d" % (seconds // 3600, seconds // 60 % 60, seconds % 60)
+
+
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\).*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)",
+                         re.S)
+
+
+def torchrun_ranks(name, job_dir):
+    """For one machine's part of a torchrun job (its command exports GPUMAGIC_TORCHRUN_DIR;
+    gpumagic/remote/distributed.py): local rank -> global rank, from the ``ranks/`` files
+    torchrun_rank.py writes in its torchrun folder; None for a plain job."""
+    if "GPUMAGIC_TORCHRUN_DIR" not in _read(os.path.join(job_dir, "command")):
+        return None
+    folder = os.path.join(os.path.expanduser("~"), ".gpumagic", "torchrun", name, "ranks")
+    ranks = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        names = []
+    for n in names:
+        if n.isdigit():
+            local = _read(os.path.join(folder, n)).split(" ")[0]
+            if local.isdigit():
+                ranks[int(local)] = int(n)
+    return ranks
+
+
+def rank_of(line, ranks, machine):
+    """``rank 3 on box-b`` for a torchrun log line (``[defaultL]:`` prefix), else ``""``."""
+    m = _RANK_PREFIX.match(line or "")
+    if ranks is None or not m:
+        return ""
+    local = int(m.group(1))
+    return ("rank %d on %s" % (ranks[local], machine) if local in ranks
+            else "local rank %d on %s" % (local, machine))
 
 
 def job_message(event, machine):
@@ -165,9 +212,26 @@ def job_message(event, machine):
         took = " after %s" % _duration(ran)
     except ValueError:
         took = ""
+    ranks = torchrun_ranks(name, d)
+    lines = event.get("lines") or tail(os.path.join(d, "log"), int(event.get("n_lines") or LAST_LINES))
+    where = rank_of(stopped_by, ranks, machine)
+    failed = ""  # a torchrun job: the rank torchrun names as the first to fail
+    if ranks is not None and code not in (0, None) and not killed:
+        found = None
+        for found in _ROOT_CAUSE.finditer(_tail_text(os.path.join(d, "log"))):
+            pass  # the last block: this run's
+        if found:
+            g, local = int(found.group(1)), int(found.group(2))
+            failed = "rank %d on %s" % (g, machine)
+            ranks.setdefault(local, g)
+    if ranks is not None:  # torchrun's [defaultL]: becomes [rank G]:
+        def relabel(ln):
+            return _RANK_PREFIX.sub(lambda m: "[rank %s]:" % ranks.get(int(m.group(1)), "local " + m.group(1)), ln)
+        lines, stopped_by = [relabel(ln) for ln in lines], relabel(stopped_by)
     if killed and killed != "user":
-        title = "job %s stopped (%s)" % (name, killed)
-        why = "stopped by --stop-on %s at: %s" % (killed, stopped_by) if stopped_by else "stopped (%s)" % killed
+        title = "job %s stopped (%s%s)" % (name, killed, ", " + where if where else "")
+        why = ("stopped by --stop-on %s%s at: %s" % (killed, " from " + where if where else "", stopped_by)
+               if stopped_by else "stopped (%s)" % killed)
     elif killed:
         title, why = "job %s was killed" % name, "killed by the user"
     elif code == 0:
@@ -178,11 +242,13 @@ def job_message(event, machine):
         title, why = "job %s ended" % name, "exit code unknown"
     else:
         title, why = "job %s failed" % name, "exit code %d" % code
-    lines = event.get("lines") or tail(os.path.join(d, "log"), int(event.get("n_lines") or LAST_LINES))
+    if failed:
+        title, why = "%s (%s)" % (title, failed), "%s failed first, %s" % (failed, why)
     text = "%s on %s: %s%s." % (title, machine, why, took)
     if lines:
         text += "\nlast lines of its log:\n" + "\n".join(lines)
-    return title, text, {"job": name, "exit_code": code, "killed": killed or None, "last_lines": lines}
+    return title, text, {"job": name, "exit_code": code, "killed": killed or None, "last_lines": lines,
+                         "rank": where or failed or None}
 
 
 def compose(event, machine):

@@ -1,0 +1,96 @@
+"""What the capability modules (jobs, torchrun, budget, wrapup, tunnel services, GPU
+queries, sessions) need of a machine: :class:`MachineLike`.
+
+:class:`gpumagic.machine.Machine` (and its :class:`~gpumagic.machine.SandboxMachine`) is the
+one implementation; the capability modules take a ``MachineLike`` so that they depend on this
+small surface, not on the whole class (and not on the sandbox: where the sandbox must act
+differently it overrides a method -- :meth:`shutdown_plan`, :meth:`scratch_dir` -- or says so
+in :attr:`is_this_computer`).  mypy checks that ``Machine`` satisfies it (``tool.mypy`` in
+pyproject.toml lists this file).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from .budget.shutdown import ShutdownPlan
+    from .machine import Machine
+    from .remote.execution import RunResult
+    from .remote.jobs import Job, JobInfo
+    from .ssh.connection import Connection
+    from .tunnel import TunnelManager
+
+
+class MachineLike(Protocol):
+    """One machine reached over SSH, as the capability modules use it.
+
+    Attributes
+    ----------
+    name : str
+        The name the user gave it (``%%remote --host NAME``); messages name the machine so.
+    cwd : str or None
+        The working directory for cells (absolute, ``~/...`` or relative to ``$HOME``).
+    connection : Connection
+        The SSH connection (for :mod:`gpumagic.remote.program` and the channel-level modules).
+    tool_dirs : tuple of str
+        Directories searched for tmux (then setsid/nohup) after the remote ``PATH``.
+    tunnels : TunnelManager
+        Its local port forwards.
+    is_this_computer : bool
+        True for the sandbox, whose files and processes are this computer's own (so, for
+        example, ``%gpu wrapup`` does not report system-wide caches there).
+    """
+
+    name: str
+    cwd: str | None
+    connection: Connection
+    tool_dirs: tuple[str, ...]
+    tunnels: TunnelManager
+
+    @property
+    def is_this_computer(self) -> bool: ...
+
+    def run(self, command: str | Sequence[str], *, python: bool = False, cwd: str | None = None,
+            env: Mapping[str, str] | None = None, timeout: float | None = None,
+            check: bool = False, quiet: bool = False,
+            stdout: Callable[[str], None] | None = None,
+            stderr: Callable[[str], None] | None = None, capture: bool = True) -> RunResult:
+        """A command or cell, output streamed (:meth:`gpumagic.machine.Machine.run`)."""
+        ...
+
+    def exec(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 60) -> RunResult:
+        """A short ``/bin/sh`` command line, output captured (:meth:`gpumagic.machine.Machine.exec`)."""
+        ...
+
+    def login_env(self) -> dict[str, str | None]:
+        """The login environment's differences (:meth:`gpumagic.machine.Machine.login_env`)."""
+        ...
+
+    def shutdown_plan(self) -> ShutdownPlan:
+        """How the machine powers itself off (the sandbox: a recording stand-in)."""
+        ...
+
+    def scratch_dir(self) -> str | None:
+        """A folder that goes when the machine is closed (the sandbox's), else None."""
+        ...
+
+    def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
+                  env: Mapping[str, str] | None = None, stop_on=None,
+                  then_shutdown: float | None = None, alerts: bool = True, torchrun=None,
+                  torchrun_args=()) -> Job:
+        """Start a detached job (:meth:`gpumagic.machine.Machine.start_job`)."""
+        ...
+
+    def jobs(self) -> list[JobInfo]:
+        """Every detached job on the machine."""
+        ...
+
+    def job(self, name: str) -> Job:
+        """A handle on the detached job ``name``."""
+        ...
+
+
+if TYPE_CHECKING:
+    def _machine_is_machine_like(m: Machine) -> MachineLike:  # mypy: Machine satisfies it
+        return m

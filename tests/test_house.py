@@ -1,0 +1,72 @@
+"""The house rules of the package layout (issue 15): one home for errors, a typed machine."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import gpumagic
+from gpumagic import errors
+
+
+def _modules():
+    for info in pkgutil.walk_packages(gpumagic.__path__, "gpumagic."):
+        if ".programs" in info.name or info.name.endswith("__main__"):
+            continue  # machine-side programs, and the command line's entry point
+        yield importlib.import_module(info.name)
+
+
+def test_every_gpumagic_error_is_defined_in_errors_py():
+    # Defined elsewhere, an error class is found only by reading that module; the old names
+    # stay importable from where they were (re-exported), and are the same classes.
+    elsewhere = []
+    for mod in _modules():
+        for name, obj in vars(mod).items():
+            if isinstance(obj, type) and issubclass(obj, errors.GpumagicError):
+                if obj.__module__ != "gpumagic.errors" and not name.startswith("_"):
+                    elsewhere.append(f"{obj.__module__}.{name}")
+                elif obj.__module__ == "gpumagic.errors":
+                    assert getattr(errors, name, None) is obj or name != obj.__name__
+    assert elsewhere == []
+
+
+def test_the_moved_errors_keep_their_old_homes():
+    from gpumagic import keys
+    from gpumagic.budget import ledger, notify, prices
+    from gpumagic.remote import kernel
+
+    assert ledger.LedgerError is errors.LedgerError
+    assert prices.BudgetError is errors.BudgetError
+    assert notify.NotifyError is errors.NotifyError
+    assert kernel.RemoteKernelError is errors.RemoteKernelError
+    assert kernel.KernelConnectionLost is errors.KernelConnectionLost
+    assert keys.KeyExists is errors.KeyExists and keys.HostExists is errors.HostExists
+
+
+def test_capability_modules_ask_the_machine_not_its_sandbox():
+    # The sandbox is a Machine subclass that overrides what differs (shutdown_plan,
+    # scratch_dir, is_this_computer); no capability module looks for its sandbox object.
+    import re
+    from pathlib import Path
+
+    from gpumagic.machine import Machine, SandboxMachine
+
+    assert SandboxMachine.is_this_computer and not Machine.is_this_computer
+    root = Path(gpumagic.__file__).parent
+    leaks = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if p.name not in ("machine.py", "session.py") and "notebook" not in p.parts
+             and re.search(r"getattr\(\w*machine\w*, \"sandbox\"|\bmachine\.sandbox\b", p.read_text())]
+    assert leaks == []
+
+
+def test_machine_like_names_what_the_capability_modules_use():
+    # The Protocol's members exist on Machine (mypy checks the signatures: tool.mypy files).
+    from gpumagic._types import MachineLike
+    from gpumagic.machine import Machine
+
+    members = {n for n in [*vars(MachineLike), *MachineLike.__annotations__] if not n.startswith("_")}
+    assert {"run", "exec", "name", "connection", "shutdown_plan", "is_this_computer"} <= members
+    for n in members:
+        if n in MachineLike.__annotations__:
+            continue  # instance attributes, set in Machine.__init__
+        assert hasattr(Machine, n), n
