@@ -45,11 +45,15 @@ whole and invalid bytes never raise.
 from __future__ import annotations
 
 import codecs
+import json
 import re
 import secrets
 import shlex
 import socket
+import struct
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -63,6 +67,8 @@ from . import program as _program
 #: The exec request of every command gpumagic runs: three plain words that sh, bash, dash,
 #: zsh, fish, tcsh and csh all parse alike.  The program follows on stdin.
 BOOTSTRAP = "exec /bin/sh"
+#: Run cells through the per-connection runner when it can start (benchmarks turn it off).
+USE_RUNNER = True
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.
 MAX_INLINE = 120 * 1024
 #: Seconds between SIGTERM and SIGKILL when a cell is stopped.
@@ -329,10 +335,24 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         argv = ["bash", "-c", check_text(argv)]
     for i, a in enumerate(argv):
         check_text(a, f"argument {i} of the command", by_line=False)
+    out, err = _Stream(stdout, capture), _Stream(stderr, capture)
+    runner = _take_runner(conn) if USE_RUNNER else None
+    if runner is not None:
+        start = time.monotonic()
+        try:
+            code = runner.run(conn, argv, cwd, env, out, err, timeout, start)
+        except _NotStarted:
+            code = None  # the runner ended before it started the cell: run it the old way
+        if code is not None:
+            result = RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes,
+                               err.nbytes)
+            if check and code != 0:
+                raise RemoteCommandError(f"remote command exited with code {code}", exit_code=code,
+                                         stdout=result.stdout, stderr=result.stderr)
+            return result
     nonce = secrets.token_hex(6)
     script = build_program(argv, cwd=cwd, env=env, nonce=nonce)
     chan = conn.open_session()
-    out, err = _Stream(stdout, capture), _Stream(stderr, capture)
     marker = _MarkerFilter(nonce)
     start = time.monotonic()
     try:
@@ -452,6 +472,216 @@ def _stop(chan: paramiko.Channel) -> None:
             time.sleep(0.02)
     except Exception:
         pass
+
+
+# -- the per-connection cell runner ---------------------------------------------------------
+
+#: The cell runner (``gpumagic/remote/programs/exec-runner.py``).
+RUNNER_PROGRAM = "exec-runner.py"
+#: Seconds allowed for the runner to start (the login shell's start-up files run once).
+RUNNER_START_TIMEOUT = 30.0
+_FRAME = struct.Struct(">cI")
+#: One runner per SSH transport: a :class:`_Runner`, or None where none could start.
+_runners: "weakref.WeakKeyDictionary[paramiko.Transport, _Runner | None]" = weakref.WeakKeyDictionary()
+_runners_lock = threading.Lock()
+
+
+class _NotStarted(Exception):
+    """The runner ended before it started the cell: nothing of it ran."""
+
+
+def runner_command() -> str:
+    """The ``/bin/sh`` command that starts the cell runner: the machine's Python 3 (``-I``:
+    no ``PYTHONPATH``, no user site, no ``~/json.py`` shadowing the standard library) with
+    the program as ``-c`` text, :data:`KILL_GRACE` and :data:`CWD_MISSING` as arguments.
+    Status 127 where the machine has no Python 3."""
+    return (f"{_program.source('lib.sh')}\n_gm_py=$(gm_python) || exit 127\n"
+            f"exec \"$_gm_py\" -I -c {shlex.quote(_program.source(RUNNER_PROGRAM))} "
+            f"{KILL_GRACE:g} {CWD_MISSING}\n")
+
+
+def _take_runner(conn: Connection) -> "_Runner | None":
+    """This connection's runner, marked busy, started on first use; None when it cannot
+    start on this connection or another cell uses it now (the cell then runs the way every
+    exec does, through the login shell)."""
+    conn.ensure_open()
+    transport = conn.transport
+    if transport is None:
+        return None
+    with _runners_lock:
+        runner = _runners.get(transport, ...)
+        if runner is None:
+            return None
+        if runner is not ... and runner.busy:
+            return None
+        if runner is not ... and runner.alive:
+            runner.busy = True
+            return runner
+        runner = _runners[transport] = _Runner()
+    try:
+        if runner.start(conn):
+            return runner
+    except (paramiko.SSHException, EOFError, OSError, RemoteCommandError):
+        pass
+    except BaseException:
+        runner.discard()
+        with _runners_lock:
+            _runners.pop(transport, None)
+        raise
+    runner.discard()
+    with _runners_lock:
+        _runners[transport] = None  # no Python 3, a refused login...: the old way from now on
+    return None
+
+
+def _frames(buf: bytearray):
+    """Take the whole frames off the front of ``buf``: yields (kind, payload)."""
+    while len(buf) >= _FRAME.size:
+        kind, n = _FRAME.unpack_from(buf)
+        if len(buf) < _FRAME.size + n:
+            return
+        payload = bytes(buf[_FRAME.size:_FRAME.size + n])
+        del buf[:_FRAME.size + n]
+        yield kind, payload
+
+
+class _Runner:
+    """The client side of ``exec-runner.py`` on one session channel (see the program's
+    header for the protocol).  Used by one cell at a time (``busy``)."""
+
+    def __init__(self):
+        self.chan: paramiko.Channel | None = None
+        self.busy = True
+        self.buf = bytearray()
+
+    @property
+    def alive(self) -> bool:
+        c = self.chan
+        return c is not None and not (c.closed or c.eof_received or c.exit_status_ready())
+
+    def start(self, conn: Connection) -> bool:
+        """Start the runner through the login shell and wait for its greeting."""
+        self.chan = conn.open_session()
+        start_program(self.chan, runner_command(), timeout=RUNNER_START_TIMEOUT)
+        deadline = time.monotonic() + RUNNER_START_TIMEOUT
+        old = self.chan.gettimeout()
+        try:
+            while True:
+                for kind, payload in _frames(self.buf):
+                    return kind == b"H" and payload.startswith(b"gpumagic-runner ")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.chan.settimeout(left)
+                data = self.chan.recv(65536)
+                if not data:
+                    return False
+                self.buf += data
+        finally:
+            self.chan.settimeout(old)
+
+    def discard(self) -> None:
+        """Close the channel: the runner sees EOF and its watchdog stops what still runs."""
+        self.busy = True
+        if self.chan is not None:
+            try:
+                self.chan.close()
+            except Exception:
+                pass
+
+    def run(self, conn: Connection, argv: Sequence[str], cwd: str | None,
+            env: Mapping[str, str | None] | None, out: _Stream, err: _Stream,
+            timeout: float | None, start: float) -> int:
+        """Run one cell; its exit status.
+
+        Raises
+        ------
+        _NotStarted
+            The runner had ended before it started the cell (run it another way).
+        ConnectionLost, RemoteTimeout, KeyboardInterrupt
+            As :func:`run`; the cell's process group is stopped first.
+        """
+        check_text(cwd or "", "the working directory", by_line=False)
+        shell, rest = _split_env(env or {})
+        request = json.dumps({"argv": list(argv), "cwd": cwd or "",
+                              "env": {**dict(shell), **rest}}).encode()
+        chan = self.chan
+        assert chan is not None
+        done = False
+        try:
+            try:
+                sendall_ordered(chan, _FRAME.pack(b"C", len(request)) + request)
+            except OSError:
+                raise _NotStarted()
+            code = self._pump(conn, out, err, timeout, start)
+            done = True
+            return code
+        except _Timeout:
+            done = self._stop(conn, out, err)
+            raise RemoteTimeout(
+                f"the command ran past its timeout of {timeout:g} s and was stopped",
+                "raise --timeout, or run it as a job (%%remote --job) if it is meant to run long",
+            )
+        except KeyboardInterrupt:
+            done = self._stop(conn, out, err)
+            raise
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise _lost(conn, e)
+        finally:
+            if done:
+                self.busy = False
+            else:
+                self.discard()
+
+    def _pump(self, conn: Connection, out: _Stream, err: _Stream, timeout: float | None,
+              start: float, *, started: bool = False) -> int:
+        chan = self.chan
+        assert chan is not None
+        while True:
+            if chan.recv_ready():
+                data = chan.recv(65536)
+                self.buf += data
+                for kind, payload in _frames(self.buf):
+                    if kind == b"O":
+                        out.feed(payload)
+                    elif kind == b"E":
+                        err.feed(payload)
+                    elif kind == b"P":
+                        started = True
+                    elif kind == b"X":
+                        out.feed(b"", final=True)
+                        err.feed(b"", final=True)
+                        return int(payload)
+                if data:
+                    continue
+            while chan.recv_stderr_ready():  # the runner's own complaints: not the cell's
+                chan.recv_stderr(65536)
+            if chan.closed or chan.eof_received:
+                if not conn.is_connected:
+                    raise _lost(conn)
+                if not started:
+                    raise _NotStarted()
+                raise ConnectionLost(
+                    f"gpumagic's cell runner on {conn.spec.address} ended while the cell ran; "
+                    "its processes were stopped",
+                    "run the cell again (a new runner starts by itself)")
+            if not conn.is_connected:
+                raise _lost(conn)
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise _Timeout()
+            wait_readable(chan, 0.2)
+
+    def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
+        """Stop the cell's process group (SIGTERM, SIGKILL :data:`KILL_GRACE` s later) and
+        drain to its exit status; True when the runner is ready for the next cell."""
+        try:
+            sendall_ordered(self.chan, _FRAME.pack(b"S", 0))
+            out.sink = err.sink = None
+            out.capture = err.capture = False
+            self._pump(conn, out, err, KILL_GRACE + 2, time.monotonic(), started=True)
+            return True
+        except BaseException:
+            return False
 
 
 def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
