@@ -512,11 +512,12 @@ def _take_runner(conn: Connection) -> "_Runner | None":
         runner = _runners.get(transport, ...)
         if runner is None:
             return None
-        if runner is not ... and runner.busy:
-            return None
-        if runner is not ... and runner.alive:
-            runner.busy = True
-            return runner
+        if runner is not ... and not runner.dead:
+            if runner.busy:
+                return None
+            if runner.alive:
+                runner.busy = True
+                return runner
         runner = _runners[transport] = _Runner()
     try:
         if runner.start(conn):
@@ -552,6 +553,7 @@ class _Runner:
     def __init__(self):
         self.chan: paramiko.Channel | None = None
         self.busy = True
+        self.dead = False
         self.buf = bytearray()
 
     @property
@@ -582,7 +584,7 @@ class _Runner:
 
     def discard(self) -> None:
         """Close the channel: the runner sees EOF and its watchdog stops what still runs."""
-        self.busy = True
+        self.dead = True
         if self.chan is not None:
             try:
                 self.chan.close()
