@@ -447,7 +447,13 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
             raise _lost(conn)
         if timeout is not None and time.monotonic() - start > timeout:
             raise _Timeout()
-        wait_readable(chan, 0.01 if pending is not None else 0.2)
+        if chan.eof_received and pending is None:
+            # paramiko leaves the channel's event pipe readable for good after EOF: poll
+            # would return at once until the exit status came (a busy loop that took the
+            # CPU from sshd, measured at ~170 polls a cell); wait for the status instead.
+            chan.status_event.wait(0.2)
+        else:
+            wait_readable(chan, 0.01 if pending is not None else 0.2)
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
