@@ -22,7 +22,24 @@ only for commands that read stdin.
 
 How a cell runs
 ---------------
-The program is the wrapper ``gpumagic/remote/programs/exec-cell.sh`` (run through
+Through the connection's *runner* when it can start
+(``gpumagic/remote/programs/exec-runner.py``; :func:`_take_runner`): one Python process per
+connection, started once like every program here (through the login shell, so its
+environment is the one every exec gets; the login-environment delta is applied per cell as
+before), on a session channel that stays open.  Each cell is one request frame on that
+channel (argv, directory, environment as JSON: no shell reads them); the runner starts the
+cell as its child in a new session with stdin from ``/dev/null`` and sends back its PID,
+stdout and stderr as they come, and its exit status.  No shell start-up file runs again per
+cell (``~/.bashrc`` cost 200 ms a cell on images that run ``pyenv init`` or conda's hook
+unguarded; ``SHLVL`` is set so that the cell's own ``bash -c`` does not source it either).
+A stop request (interrupt, timeout) sends SIGTERM to the cell's process group and SIGKILL
+:data:`KILL_GRACE` seconds later.  Kill on drop: the runner's watchdog process kills every
+running cell's group when the runner ends, whether the channel closed (dropped connection,
+killed sshd, the client gave up) or the runner itself was killed.  One cell uses the runner
+at a time; a concurrent cell, or every cell where the runner cannot start (no usable
+Python 3), runs the old way below.
+
+The old way: one exec per cell.  The program is the wrapper ``gpumagic/remote/programs/exec-cell.sh`` (run through
 :mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
 its arguments.  It:
 
