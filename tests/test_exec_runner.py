@@ -49,7 +49,8 @@ def counting_server():
     server = make_server("runner-" + uuid.uuid4().hex[:6])
     home = server.env["HOME"]
     with open(os.path.join(home, ".bashrc"), "w") as f:
-        f.write('echo run >> "$HOME/rc-runs"\nexport GM_FROM_BASHRC=bashrc-value\n')
+        f.write('echo run >> "$HOME/rc-runs"\nexport GM_FROM_BASHRC=bashrc-value\n'
+                'gm_activate() { echo "activated $1"; }\n')
     with open(os.path.join(home, ".profile"), "w") as f:
         f.write('export GM_FROM_PROFILE=profile-value\n[ -f ~/.bashrc ] && . ~/.bashrc\n')
     yield server, home
@@ -80,9 +81,31 @@ def test_bashrc_runs_once_per_connection_not_once_per_cell(counting_server):
         before = rc_runs(home)
         for _ in range(3):
             m.run(["true"], quiet=True)
-        # per connection: the login-environment probe (its exec and its `bash -lic`) and the
-        # runner's start, whatever the number of cells
-        assert rc_runs(home) - before == after_first == 3
+        # per connection: the login-environment probe (its exec and its `bash -lic`), the
+        # runner's start and its reading of the functions, whatever the number of cells
+        assert rc_runs(home) - before == after_first == 4
+
+
+def test_bash_cells_keep_the_functions_bashrc_defines(counting_server):
+    # On the old path each cell's `bash -c` sourced ~/.bashrc, so a function it defines (as
+    # conda's and pyenv's init blocks do: `conda activate`) worked in a cell; it still does,
+    # without running ~/.bashrc again.
+    server, home = counting_server
+    with gpumagic.Machine(server.spec()) as m:
+        assert m.run("gm_activate train", quiet=True).stdout == "activated train\n"
+        before = rc_runs(home)
+        r = m.run('gm_activate again; echo "[$BASH_ENV]"; bash -c "type gm_activate" >/dev/null 2>&1; echo $?',
+                  quiet=True)
+        assert r.stdout == "activated again\n[]\n1\n"  # nested scripts do not get it
+        assert rc_runs(home) == before
+        r = m.run("tr '\\0' '\\n' < /proc/$$/environ | sed -n 's/^BASH_ENV=//p'", quiet=True)
+        functions = r.stdout.strip()
+        assert os.path.basename(functions).startswith("gpumagic-functions-")
+        assert os.stat(functions).st_mode & 0o077 == 0  # private to the account
+    deadline = time.monotonic() + 10  # the runner's watchdog removes it when the runner ends
+    while os.path.exists(functions) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(functions)
 
 
 def test_interrupt_under_the_runner_stops_the_tree_and_the_runner_is_reused(machine):

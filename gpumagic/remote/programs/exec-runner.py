@@ -14,6 +14,10 @@
 # entered like exec-cell.sh does ("~", "~/x" and relative paths from $HOME; CWD_MISSING and a
 # message when it does not exist).  Its text arrives in the JSON, never through a shell.
 #
+# Shell functions: a cell's own `bash -c` no longer sources ~/.bashrc (that was the 200 ms);
+# the functions it defined there (conda's `conda activate`) are read once at start into a
+# private file that bash cells get as BASH_ENV (capture_functions).
+#
 # Kill on drop: a watchdog process, forked at start, holds the read end of a pipe on which the
 # runner registers each running cell's process group.  When the runner ends for any reason
 # (the channel closed: interrupt, dropped connection, killed sshd; or the runner was killed),
@@ -26,6 +30,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 GRACE = float(sys.argv[1])
@@ -33,7 +38,7 @@ MISSING = int(sys.argv[2])
 HEAD = struct.Struct(">cI")
 
 
-def watchdog(rfd):
+def watchdog(rfd, functions):
     groups = set()
     buf = b""
     while True:
@@ -60,10 +65,15 @@ def watchdog(rfd):
                 pass
         if sig == signal.SIGTERM and groups:
             time.sleep(GRACE)
+    if functions:
+        try:
+            os.unlink(functions)
+        except OSError:
+            pass
     os._exit(0)
 
 
-def start_watchdog():
+def start_watchdog(functions):
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -73,11 +83,40 @@ def start_watchdog():
             os.dup2(null, fd)
         os.setsid()  # out of the runner's process group: a signal to it spares the watchdog
         try:
-            watchdog(rfd)
+            watchdog(rfd, functions)
         finally:
             os._exit(0)
     os.close(rfd)
     return wfd
+
+
+def capture_functions():
+    """A private file of the shell functions a cell's ``bash -c`` got from ~/.bashrc on the old
+    path (bash sources it for a command run by sshd while SHLVL is below 2: conda's and
+    pyenv's ``init`` define ``conda activate`` that way), read once here; None when none.
+    Cells that run bash get it as BASH_ENV, which it unsets, so nested scripts do not."""
+    env = dict(os.environb)
+    env[b"SHLVL"] = b"0"
+    mark = b"\x1egpumagic-functions\n"
+    fd, path = tempfile.mkstemp(prefix="gpumagic-functions-")
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            # Output to a file, not a pipe: a daemon that ~/.bashrc starts (ssh-agent) may
+            # keep its stdout open for good; only bash itself is waited for.
+            subprocess.run([b"bash", b"-c", b"printf '\\036gpumagic-functions\\n'; declare -f"],
+                           stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.DEVNULL,
+                           env=env, timeout=30)
+            f.seek(0)
+            text = f.read().partition(mark)[2]
+            if text.strip():
+                f.seek(0)
+                f.truncate()
+                f.write(text + b"\nunset BASH_ENV\n")
+                return path
+    except (OSError, subprocess.SubprocessError):
+        pass
+    os.unlink(path)
+    return None
 
 
 def send(kind, payload=b""):
@@ -99,7 +138,7 @@ def enter_dir(d):
 
 
 class Cell:
-    def __init__(self, req, wd):
+    def __init__(self, req, wd, functions):
         self.wd = wd
         env = dict(os.environb) if hasattr(os, "environb") else None
         for k, v in req["env"].items():
@@ -116,8 +155,10 @@ class Cell:
             level = 0
         if level < 1:
             env[b"SHLVL"] = b"1"
-        d = enter_dir(req["cwd"])
         argv = [a.encode("utf-8", "surrogateescape") for a in req["argv"]]
+        if functions and os.path.basename(argv[0]) == b"bash" and b"BASH_ENV" not in env:
+            env[b"BASH_ENV"] = functions.encode("utf-8", "surrogateescape")
+        d = enter_dir(req["cwd"])
         self.proc = None
         self.fds = {}
         self.code = None
@@ -192,7 +233,8 @@ class Cell:
 
 
 def main():
-    wd = start_watchdog()
+    functions = capture_functions()
+    wd = start_watchdog(functions)
     # SIGCHLD wakes the select loop (through the wakeup fd) when a cell ends.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -229,7 +271,7 @@ def main():
                     break
                 payload, buf = buf[HEAD.size:HEAD.size + n], buf[HEAD.size + n:]
                 if kind == b"C" and cell is None:
-                    cell = Cell(json.loads(payload.decode("utf-8")), wd)
+                    cell = Cell(json.loads(payload.decode("utf-8")), wd, functions)
                 elif kind == b"S" and cell is not None:
                     cell.stop()
         if cell is not None:
