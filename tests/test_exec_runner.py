@@ -203,3 +203,13 @@ def test_cell_env_unset_and_names_sh_cannot_set(machine):
     lines = r.stdout.splitlines()
     assert "HOME2=x" in lines and "A.B=dotted" in lines
     assert not any(line.startswith("LANG=") for line in lines)
+
+
+def test_a_refused_cell_leaves_the_runner_free(machine):
+    from gpumagic.errors import RemoteCommandError
+
+    runner = parent(machine)
+    for bad in ({"env": {"V": "a\0b"}}, {"cwd": "/tmp/a\0b"}):
+        with pytest.raises(RemoteCommandError):
+            machine.run("true", quiet=True, **bad)
+        assert parent(machine) == runner  # still the runner, not the old way

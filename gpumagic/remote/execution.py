@@ -39,8 +39,8 @@ killed sshd, the client gave up) or the runner itself was killed.  One cell uses
 at a time; a concurrent cell, or every cell where the runner cannot start (no usable
 Python 3), runs the old way below.
 
-The old way: one exec per cell.  The program is the wrapper ``gpumagic/remote/programs/exec-cell.sh`` (run through
-:mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
+The old way, one exec per cell: the program is the wrapper
+``gpumagic/remote/programs/exec-cell.sh`` (run through :mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
 its arguments.  It:
 
 * (in the frame :func:`program` puts around it) prints the marker with its PID -- sshd made the login shell a session leader and
@@ -353,11 +353,12 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     for i, a in enumerate(argv):
         check_text(a, f"argument {i} of the command", by_line=False)
     out, err = _Stream(stdout, capture), _Stream(stderr, capture)
+    request = runner_request(argv, cwd=cwd, env=env)  # refuses a NUL byte before anything runs
     runner = _take_runner(conn) if USE_RUNNER else None
     if runner is not None:
         start = time.monotonic()
         try:
-            code = runner.run(conn, argv, cwd, env, out, err, timeout, start)
+            code = runner.run(conn, request, out, err, timeout, start)
         except _NotStarted:
             code = None  # the runner ended before it started the cell: run it the old way
         if code is not None:
@@ -523,6 +524,21 @@ def runner_command() -> str:
             f"{KILL_GRACE:g} {CWD_MISSING}\n")
 
 
+def runner_request(argv: Sequence[str], *, cwd: str | None = None,
+                   env: Mapping[str, str | None] | None = None) -> bytes:
+    """The runner's request for one cell: JSON ``{"argv", "cwd", "env"}`` (``None`` values
+    unset a variable; the shell's own variables are left out, as :func:`build_program` does).
+
+    Raises
+    ------
+    RemoteCommandError
+        For a NUL byte in ``cwd`` or ``env`` (``argv`` is checked by :func:`run`).
+    """
+    check_text(cwd or "", "the working directory", by_line=False)
+    shell, rest = _split_env(env or {})
+    return json.dumps({"argv": list(argv), "cwd": cwd or "", "env": {**dict(shell), **rest}}).encode()
+
+
 def _take_runner(conn: Connection) -> "_Runner | None":
     """This connection's runner, marked busy, started on first use; None when it cannot
     start on this connection or another cell uses it now (the cell then runs the way every
@@ -614,10 +630,9 @@ class _Runner:
             except Exception:
                 pass
 
-    def run(self, conn: Connection, argv: Sequence[str], cwd: str | None,
-            env: Mapping[str, str | None] | None, out: _Stream, err: _Stream,
+    def run(self, conn: Connection, request: bytes, out: _Stream, err: _Stream,
             timeout: float | None, start: float) -> int:
-        """Run one cell; its exit status.
+        """Run one cell (``request``: :func:`runner_request`); its exit status.
 
         Raises
         ------
@@ -626,10 +641,6 @@ class _Runner:
         ConnectionLost, RemoteTimeout, KeyboardInterrupt
             As :func:`run`; the cell's process group is stopped first.
         """
-        check_text(cwd or "", "the working directory", by_line=False)
-        shell, rest = _split_env(env or {})
-        request = json.dumps({"argv": list(argv), "cwd": cwd or "",
-                              "env": {**dict(shell), **rest}}).encode()
         chan = self.chan
         assert chan is not None
         done = False
