@@ -213,3 +213,10 @@ def test_a_refused_cell_leaves_the_runner_free(machine):
         with pytest.raises(RemoteCommandError):
             machine.run("true", quiet=True, **bad)
         assert parent(machine) == runner  # still the runner, not the old way
+
+
+def test_an_empty_argv_runs_nothing_and_keeps_the_runner(machine):
+    runner = parent(machine)
+    r = machine.run([], quiet=True)
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "", "")  # as the old wrapper's "$@"
+    assert parent(machine) == runner

@@ -27,7 +27,7 @@ Through the connection's *runner* when it can start
 connection, started once like every program here (through the login shell, so its
 environment is the one every exec gets; the login-environment delta is applied per cell as
 before), on a session channel that stays open.  Each cell is one request frame on that
-channel (argv, directory, environment as JSON: no shell reads them); the runner starts the
+channel (argv, directory, environment, NUL-separated: no shell reads them); the runner starts the
 cell as its child in a new session with stdin from ``/dev/null`` and sends back its PID,
 stdout and stderr as they come, and its exit status.  No shell start-up file runs again per
 cell (``~/.bashrc`` cost 200 ms a cell on images that run ``pyenv init`` or conda's hook
@@ -62,7 +62,6 @@ whole and invalid bytes never raise.
 from __future__ import annotations
 
 import codecs
-import json
 import re
 import secrets
 import shlex
@@ -516,18 +515,21 @@ class _NotStarted(Exception):
 
 def runner_command() -> str:
     """The ``/bin/sh`` command that starts the cell runner: the machine's Python 3 (``-I``:
-    no ``PYTHONPATH``, no user site, no ``~/json.py`` shadowing the standard library) with
+    no ``PYTHONPATH``, no ``~/signal.py`` shadowing the standard library; ``-S``: no
+    ``site``, whose ``.pth`` files cost tens of ms and are not needed) with
     the program as ``-c`` text, :data:`KILL_GRACE` and :data:`CWD_MISSING` as arguments.
     Status 127 where the machine has no Python 3."""
     return (f"{_program.source('lib.sh')}\n_gm_py=$(gm_python) || exit 127\n"
-            f"exec \"$_gm_py\" -I -c {shlex.quote(_program.source(RUNNER_PROGRAM))} "
+            f"exec \"$_gm_py\" -I -S -c {shlex.quote(_program.source(RUNNER_PROGRAM))} "
             f"{KILL_GRACE:g} {CWD_MISSING}\n")
 
 
 def runner_request(argv: Sequence[str], *, cwd: str | None = None,
                    env: Mapping[str, str | None] | None = None) -> bytes:
-    """The runner's request for one cell: JSON ``{"argv", "cwd", "env"}`` (``None`` values
-    unset a variable; the shell's own variables are left out, as :func:`build_program` does).
+    """The runner's request for one cell (UTF-8): the directory, the number of arguments, the
+    arguments, then the environment entries (``NAME=VALUE``; a bare ``NAME`` for a ``None``
+    value, which unsets it), separated by NUL bytes, which no field can hold.  The shell's
+    own variables are left out, as :func:`build_program` does.
 
     Raises
     ------
@@ -536,7 +538,8 @@ def runner_request(argv: Sequence[str], *, cwd: str | None = None,
     """
     check_text(cwd or "", "the working directory", by_line=False)
     shell, rest = _split_env(env or {})
-    return json.dumps({"argv": list(argv), "cwd": cwd or "", "env": {**dict(shell), **rest}}).encode()
+    entries = [k if v is None else f"{k}={v}" for k, v in [*shell, *rest.items()]]
+    return "\0".join([cwd or "", str(len(argv)), *argv, *entries]).encode("utf-8", "surrogateescape")
 
 
 def _take_runner(conn: Connection) -> "_Runner | None":
@@ -551,15 +554,13 @@ def _take_runner(conn: Connection) -> "_Runner | None":
         runner = _runners.get(transport, ...)
         if runner is None:
             return None
-        if runner is not ... and not runner.dead:
-            if runner.busy:
-                return None
-            if runner.alive:
-                runner.busy = True
-                return runner
-        runner = _runners[transport] = _Runner()
+        if runner is not ... and not runner.dead and runner.busy:
+            return None
+        if runner is ... or runner.dead or (runner.ready and not runner.alive):
+            runner = _runners[transport] = _Runner()
+        runner.busy = True
     try:
-        if runner.start(conn):
+        if runner.ready or runner.start(conn):
             return runner
     except (paramiko.SSHException, EOFError, OSError, RemoteCommandError):
         pass
@@ -572,6 +573,31 @@ def _take_runner(conn: Connection) -> "_Runner | None":
     with _runners_lock:
         _runners[transport] = None  # no Python 3, a refused login...: the old way from now on
     return None
+
+
+def prestart_runner(conn: Connection) -> None:
+    """Send the runner's start to the machine without waiting for it, so that it starts
+    while the caller does something else there (the login-environment probe); the first
+    cell then waits only for what is left.  Nothing happens when this connection has a
+    runner, or had one fail to start."""
+    if not USE_RUNNER or conn.transport is None:
+        return
+    transport = conn.transport
+    with _runners_lock:
+        if transport in _runners and (_runners[transport] is None or not _runners[transport].dead):
+            return
+        runner = _runners[transport] = _Runner()
+    try:
+        runner.begin(conn)
+    except BaseException as e:
+        runner.discard()
+        with _runners_lock:
+            if _runners.get(transport) is runner:
+                del _runners[transport]
+        if not isinstance(e, Exception):
+            raise
+    finally:
+        runner.busy = False
 
 
 def _frames(buf: bytearray):
@@ -593,6 +619,8 @@ class _Runner:
         self.chan: paramiko.Channel | None = None
         self.busy = True
         self.dead = False
+        self.ready = False
+        self.tag = b""
         self.buf = bytearray()
 
     @property
@@ -600,11 +628,22 @@ class _Runner:
         c = self.chan
         return c is not None and not (c.closed or c.eof_received or c.exit_status_ready())
 
-    def start(self, conn: Connection) -> bool:
-        """Start the runner through the login shell and wait for its greeting."""
+    def begin(self, conn: Connection) -> None:
+        """Open the channel and send the runner's start (through the login shell)."""
         self.chan = conn.open_session()
-        start_program(self.chan, runner_command(), timeout=RUNNER_START_TIMEOUT)
-        deadline = time.monotonic() + RUNNER_START_TIMEOUT
+        self.tag = _send_program(self.chan, runner_command())
+
+    def start(self, conn: Connection) -> bool:
+        """Start the runner (unless :meth:`begin` did) and wait for its greeting."""
+        if self.chan is None:
+            self.begin(conn)
+        assert self.chan is not None
+        _await_marker(self.chan, self.tag, RUNNER_START_TIMEOUT)
+        self.ready = self._greeted(time.monotonic() + RUNNER_START_TIMEOUT)
+        return self.ready
+
+    def _greeted(self, deadline: float) -> bool:
+        assert self.chan is not None
         old = self.chan.gettimeout()
         try:
             while True:
@@ -781,11 +820,21 @@ def start_program(chan: paramiko.Channel, command: str, *, timeout: float | None
     RemoteCommandError
         For a NUL byte in ``command``.
     """
+    _await_marker(chan, _send_program(chan, command), timeout)
+
+
+def _send_program(chan: paramiko.Channel, command: str) -> bytes:
+    """The first half of :func:`start_program`: the exec request and the program; returns
+    the marker's tag to wait for."""
     nonce = secrets.token_hex(6)
     script = program(command, nonce)
     chan.exec_command(BOOTSTRAP)
     sendall_ordered(chan, script)
-    tag = f"\x1egpumagic-{nonce} ".encode()
+    return f"\x1egpumagic-{nonce} ".encode()
+
+
+def _await_marker(chan: paramiko.Channel, tag: bytes, timeout: float | None) -> None:
+    """The second half of :func:`start_program`: read up to the end of the marker line."""
     deadline = None if timeout is None else time.monotonic() + timeout
     old = chan.gettimeout()
     try:

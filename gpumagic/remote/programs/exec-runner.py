@@ -5,14 +5,15 @@
 #
 # Protocol on stdin/stdout (the SSH channel), frames of one type byte, a 4-byte big-endian
 # length and the payload:
-#   client -> runner: "C" JSON {argv, cwd, env}: start a cell (env values null = unset);
+#   client -> runner: "C" cwd NUL argc NUL argv... NUL entries... (NAME=VALUE, or NAME to
+#                     unset it; NUL-separated, no field holds a NUL): start a cell;
 #                     "S" (empty): stop it: SIGTERM to its process group, SIGKILL GRACE s later.
 #   runner -> client: "H" version (once, at start); "P" PID (the cell started; its process
 #                     group and session); "O"/"E" stdout/stderr bytes; "X" exit status
 #                     (decimal; 128+N when ended by signal N).
 # A cell runs in a new session (its PID is its process group), stdin /dev/null, its cwd
 # entered like exec-cell.sh does ("~", "~/x" and relative paths from $HOME; CWD_MISSING and a
-# message when it does not exist).  Its text arrives in the JSON, never through a shell.
+# message when it does not exist).  Its text arrives in the request, never through a shell.
 #
 # Shell functions: a cell's own `bash -c` no longer sources ~/.bashrc (that was the 200 ms);
 # the functions it defined there (conda's `conda activate`) are read once at start into a
@@ -23,14 +24,12 @@
 # (the channel closed: interrupt, dropped connection, killed sshd; or the runner was killed),
 # the pipe reaches EOF and the watchdog sends SIGTERM to every registered group, then SIGKILL
 # GRACE seconds later.  Nothing a cell started is left running.
-import json
 import os
 import select
 import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 
 GRACE = float(sys.argv[1])
@@ -98,7 +97,12 @@ def capture_functions():
     env = dict(os.environb)
     env[b"SHLVL"] = b"0"
     mark = b"\x1egpumagic-functions\n"
-    fd, path = tempfile.mkstemp(prefix="gpumagic-functions-")
+    path = os.path.join(os.environ.get("TMPDIR") or "/tmp",
+                        "gpumagic-functions-%d-%s" % (os.getpid(), os.urandom(6).hex()))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
     try:
         with os.fdopen(fd, "w+b") as f:
             # Output to a file, not a pipe: a daemon that ~/.bashrc starts (ssh-agent) may
@@ -137,16 +141,25 @@ def enter_dir(d):
     return d
 
 
+def parse(payload):
+    """(cwd, argv, env entries) of a request: NUL-separated cwd, argc, the argv, then the
+    entries (NAME=VALUE sets one, a bare NAME unsets it); no field can hold a NUL."""
+    fields = payload.split(b"\0")
+    argc = int(fields[1])
+    return fields[0], fields[2:2 + argc], fields[2 + argc:]
+
+
 class Cell:
-    def __init__(self, req, wd, functions):
+    def __init__(self, payload, wd, functions):
         self.wd = wd
-        env = dict(os.environb) if hasattr(os, "environb") else None
-        for k, v in req["env"].items():
-            k = k.encode("utf-8", "surrogateescape")
-            if v is None:
-                env.pop(k, None)
+        cwd, argv, entries = parse(payload)
+        env = dict(os.environb)
+        for entry in entries:
+            k, eq, v = entry.partition(b"=")
+            if eq:
+                env[k] = v
             else:
-                env[k] = v.encode("utf-8", "surrogateescape")
+                env.pop(k, None)
         # bash sources ~/.bashrc for a command run by sshd (SSH_CLIENT set) when SHLVL is
         # below 2 after it counts itself; the runner's environment already holds what it set.
         try:
@@ -155,10 +168,9 @@ class Cell:
             level = 0
         if level < 1:
             env[b"SHLVL"] = b"1"
-        argv = [a.encode("utf-8", "surrogateescape") for a in req["argv"]]
         if functions and os.path.basename(argv[0]) == b"bash" and b"BASH_ENV" not in env:
             env[b"BASH_ENV"] = functions.encode("utf-8", "surrogateescape")
-        d = enter_dir(req["cwd"])
+        d = enter_dir(cwd.decode("utf-8", "surrogateescape"))
         self.proc = None
         self.fds = {}
         self.code = None
@@ -170,13 +182,15 @@ class Cell:
                 self.code = MISSING
                 return
             env[b"PWD"] = d.encode("utf-8", "surrogateescape")
+        if not argv:  # as `"$@"` with no words: nothing runs, status 0
+            self.code = 0
+            return
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, cwd=d or None, env=env,
                                          start_new_session=True)
         except OSError as e:
-            send(b"E", ("gpumagic: %s: %s\n" % (req["argv"][0], e.strerror))
-                 .encode("utf-8", "surrogateescape"))
+            send(b"E", b"gpumagic: %s: %s\n" % (argv[0], e.strerror.encode()))
             self.code = 127 if isinstance(e, FileNotFoundError) else 126
             return
         self.pid = self.proc.pid
@@ -271,7 +285,7 @@ def main():
                     break
                 payload, buf = buf[HEAD.size:HEAD.size + n], buf[HEAD.size + n:]
                 if kind == b"C" and cell is None:
-                    cell = Cell(json.loads(payload.decode("utf-8")), wd, functions)
+                    cell = Cell(payload, wd, functions)
                 elif kind == b"S" and cell is not None:
                     cell.stop()
         if cell is not None:
