@@ -141,6 +141,16 @@ def enter_dir(d):
     return d
 
 
+def signal_name(n):
+    """The description a shell prints for a job ended by signal ``n`` ("Killed")."""
+    try:
+        text = signal.strsignal(n)  # Python 3.8+
+    except (AttributeError, ValueError):
+        text = None
+    return text or {9: "Killed", 15: "Terminated", 11: "Segmentation fault",
+                    6: "Aborted"}.get(n, "Signal %d" % n)
+
+
 def parse(payload):
     """(cwd, argv, env entries) of a request: NUL-separated cwd, argc, the argv, then the
     entries (NAME=VALUE sets one, a bare NAME unsets it); no field can hold a NUL."""
@@ -226,6 +236,9 @@ class Cell:
             os.write(self.wd, b"-%d\n" % self.pid)
         self.proc.stdout.close()
         self.proc.stderr.close()
+        if rc < 0 and -rc not in (signal.SIGINT, signal.SIGPIPE) and self.kill_at is None:
+            # what the old path's wrapper sh said on stderr ("Killed": the OOM killer's mark)
+            send(b"E", b"%s\n" % signal_name(-rc).encode())
         self.code = 128 - rc if rc < 0 else rc
         return self.code
 
