@@ -1,18 +1,23 @@
 """Per-command latency: a gpumagic cell on the open connection vs the `ssh host cmd` command.
 
-Starts its own loopback sshd (like the test bed), then times, N times each:
-  * `ssh -i KEY -p PORT host true`             (what a student types; a new connection each time)
-  * a raw paramiko exec of `true` on the open connection (open_session, exec_command,
-    read to the exit status: the least any exec can cost)
+Starts its own loopback sshds (like the test bed): one whose account has an empty HOME, one
+whose ``~/.bashrc`` costs about 200 ms (``sleep 0.2`` with no "not interactive, return" guard,
+as many GPU images ship with conda or pyenv init).  On each it times, N times each:
+  * `ssh -i KEY -p PORT host echo hi`          (what a student types; a new connection each time)
+  * a raw paramiko exec of `echo hi` on the open connection (open_session, exec_command,
+    read to the exit status: the least any exec can cost; it runs the login shell too)
   * `machine.exec("true")`                      (one exec on the open connection, no wrapper)
-  * `machine.run(["true"])`                     (a full %%remote cell: wrapper, login env, cleanup)
+  * `machine.run(["true"])`                     (a full %%remote cell)
   * `machine.run("echo hi")`                    (the same for `%%remote echo hi`: bash runs the cell)
-and prints medians and the ratios gpumagic / ssh and gpumagic / raw paramiko exec.
+each cell both through the per-connection runner (today's path) and with the runner turned
+off (``execution.USE_RUNNER = False``: one exec through the login shell per cell, as before),
+then prints medians and the issue's two ratios against their targets.
 Not a test: numbers vary by machine.
 
     python benchmarks/exec_vs_ssh.py [N]
 """
 
+import os
 import statistics
 import subprocess
 import sys
@@ -20,7 +25,10 @@ import tempfile
 import time
 
 import gpumagic
+from gpumagic.remote import execution
 from gpumagic.ssh.sandbox import SshServer
+
+SLOW_BASHRC = "sleep 0.2\nexport GM_SLOW_RC=1\n"
 
 
 def median_seconds(fn, n):
@@ -32,32 +40,61 @@ def median_seconds(fn, n):
     return statistics.median(times)
 
 
-def main(n=20):
-    with tempfile.TemporaryDirectory() as d, SshServer(d) as server:
-        ssh = server.ssh_command("true")
-        subprocess.run(ssh, check=True)
-        t_ssh = median_seconds(lambda: subprocess.run(ssh, check=True), n)
+def measure(d, name, bashrc, n):
+    home = os.path.join(d, name + "-home")
+    os.makedirs(home)
+    if bashrc:
+        with open(os.path.join(home, ".bashrc"), "w") as f:
+            f.write(bashrc)
+    out = {}
+    with SshServer(os.path.join(d, name), env={"HOME": home}, alias=name) as server:
+        ssh = server.ssh_command("echo hi")
+        subprocess.run(ssh, check=True, capture_output=True)
+        out["ssh host echo hi"] = median_seconds(
+            lambda: subprocess.run(ssh, check=True, capture_output=True), max(5, n // 2))
         m = gpumagic.Machine(server.spec()).connect()
-        m.run(["true"], quiet=True)  # reads the login environment once
+        m.run(["true"], quiet=True)  # reads the login environment once, starts the runner
         transport = m.connection.transport
 
         def raw():
             chan = transport.open_session()
-            chan.exec_command("true")
+            chan.exec_command("echo hi")
             chan.recv_exit_status()
             chan.close()
 
-        t_raw = median_seconds(raw, n)
-        t_exec = median_seconds(lambda: m.exec("true"), n)
-        t_cell = median_seconds(lambda: m.run(["true"], quiet=True), n)
-        t_echo = median_seconds(lambda: m.run("echo hi", quiet=True), n)
+        out["raw paramiko exec"] = median_seconds(raw, n)
+        out["machine.exec('true')"] = median_seconds(lambda: m.exec("true"), n)
+        for use in (False, True):
+            execution.USE_RUNNER = use
+            m.run(["true"], quiet=True)
+            tag = "runner" if use else "no runner"
+            out[f"run(['true']), {tag}"] = median_seconds(lambda: m.run(["true"], quiet=True), n)
+            out[f"run('echo hi'), {tag}"] = median_seconds(lambda: m.run("echo hi", quiet=True), n)
+        execution.USE_RUNNER = True
         m.close()
-    print(f"median of {n}:")
-    print(f"  ssh host true          {t_ssh * 1000:8.1f} ms")
-    print(f"  raw paramiko exec      {t_raw * 1000:8.1f} ms   ratio {t_raw / t_ssh:.3f}x ssh")
-    for label, t in (("machine.exec('true')", t_exec), ("machine.run(['true'])", t_cell),
-                     ("machine.run('echo hi')", t_echo)):
-        print(f"  {label:<22} {t * 1000:8.1f} ms   ratio {t / t_ssh:.3f}x ssh, {t / t_raw:.3f}x raw exec")
+    return out
+
+
+def main(n=20):
+    with tempfile.TemporaryDirectory() as d:
+        empty = measure(d, "empty", "", n)
+        slow = measure(d, "slowrc", SLOW_BASHRC, n)
+    print(f"median of {n} (ssh: of {max(5, n // 2)}), ms:")
+    print(f"  {'':<28} {'empty HOME':>11} {'slow .bashrc':>13}")
+    for k in empty:
+        print(f"  {k:<28} {empty[k] * 1000:11.1f} {slow[k] * 1000:13.1f}")
+    print("issue 20 targets:")
+    for tag in ("no runner", "runner"):
+        cell_e, cell_s = empty[f"run('echo hi'), {tag}"], slow[f"run('echo hi'), {tag}"]
+        r1 = cell_e / empty["raw paramiko exec"]
+        r2 = cell_s / slow["ssh host echo hi"]
+        r3 = cell_s / slow["raw paramiko exec"]
+        print(f"  [{tag}] %%remote echo hi / raw exec, empty HOME: {r1:.2f}x (target <= 1.5x) "
+              f"{'met' if r1 <= 1.5 else 'NOT met'}")
+        print(f"  [{tag}] %%remote echo hi / ssh host echo hi, slow .bashrc: {r2:.3f}x (target <= 0.1x) "
+              f"{'met' if r2 <= 0.1 else 'NOT met'}")
+        print(f"  [{tag}] %%remote echo hi / raw exec, slow .bashrc: {r3:.2f}x (target <= 1.5x) "
+              f"{'met' if r3 <= 1.5 else 'NOT met'}")
 
 
 if __name__ == "__main__":

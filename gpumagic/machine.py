@@ -72,6 +72,7 @@ class Machine:
         self.connection.ensure_open()
         opened = self.connection.opened_count
         if self._login_env is None or self._login_env[0] != opened:
+            execution.prestart_runner(self.connection)  # starts while the probe runs
             self._login_env = (opened, execution.login_env_delta(self.connection))
         return self._login_env[1]
 

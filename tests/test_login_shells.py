@@ -177,3 +177,11 @@ def test_bootstrap_is_plain_words_every_shell_reads_alike():
     from gpumagic.remote.execution import BOOTSTRAP
 
     assert re.fullmatch(r"[A-Za-z0-9/ ]+", BOOTSTRAP)
+
+
+def test_cells_run_in_the_runner_started_through_that_shell(shell_machine):
+    # Issue 20: the per-connection runner starts through fish, tcsh and zsh too, and the
+    # cell (its text in the runner's request, never re-read by a shell) is its child.
+    m, _, _ = shell_machine
+    r = m.run('tr "\\0" " " < /proc/$PPID/cmdline | grep -c gpumagic-runner', quiet=True)
+    assert r.stdout == "1\n"

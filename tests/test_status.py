@@ -33,6 +33,21 @@ def _count_channels(machine) -> list:
     return opened
 
 
+def _count_runner_cells(monkeypatch) -> list:
+    """Count the cells run on a connection's cell runner from now on (one round trip each,
+    on the runner's open channel: no channel is opened for them)."""
+    from gpumagic.remote import execution
+
+    cells, real = [], execution._Runner.run
+
+    def counting(self, *args, **kwargs):
+        cells.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(execution._Runner, "run", counting)
+    return cells
+
+
 def test_status_on_h200_load_in_one_round_trip(machine, set_gpu):
     set_gpu("h200-load")
     machine.login_env()  # read once per connection (the PATH nvidia-smi is looked up in)
@@ -195,12 +210,13 @@ def test_watch_stops_on_disconnect_saying_so(kernel_ip):
     assert view.note_text == "stopped: the machine is disconnected"
 
 
-def test_doctor_expect_a100_on_h200_load_fails_naming_both_in_one_round_trip(machine, set_gpu):
+def test_doctor_expect_a100_on_h200_load_fails_naming_both_in_one_round_trip(machine, set_gpu,
+                                                                            monkeypatch):
     set_gpu("h200-load")
     machine.login_env()  # read once per connection by every run()
-    opened = _count_channels(machine)
+    opened, cells = _count_channels(machine), _count_runner_cells(monkeypatch)
     report = machine.doctor(expect_gpu="A100")
-    assert len(opened) == 1
+    assert len(opened) + len(cells) == 1
     checks = {c.name: c for c in report.checks}
     assert checks["GPU model"].level is Level.FAIL
     assert checks["GPU model"].summary == "expected A100, the machine has NVIDIA H200"

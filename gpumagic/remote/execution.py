@@ -22,8 +22,25 @@ only for commands that read stdin.
 
 How a cell runs
 ---------------
-The program is the wrapper ``gpumagic/remote/programs/exec-cell.sh`` (run through
-:mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
+Through the connection's *runner* when it can start
+(``gpumagic/remote/programs/exec-runner.py``; :func:`_take_runner`): one Python process per
+connection, started once like every program here (through the login shell, so its
+environment is the one every exec gets; the login-environment delta is applied per cell as
+before), on a session channel that stays open.  Each cell is one request frame on that
+channel (argv, directory, environment, NUL-separated: no shell reads them); the runner starts the
+cell as its child in a new session with stdin from ``/dev/null`` and sends back its PID,
+stdout and stderr as they come, and its exit status.  No shell start-up file runs again per
+cell (``~/.bashrc`` cost 200 ms a cell on images that run ``pyenv init`` or conda's hook
+unguarded; ``SHLVL`` is set so that the cell's own ``bash -c`` does not source it either).
+A stop request (interrupt, timeout) sends SIGTERM to the cell's process group and SIGKILL
+:data:`KILL_GRACE` seconds later.  Kill on drop: the runner's watchdog process kills every
+running cell's group when the runner ends, whether the channel closed (dropped connection,
+killed sshd, the client gave up) or the runner itself was killed.  One cell uses the runner
+at a time; a concurrent cell, or every cell where the runner cannot start (no usable
+Python 3), runs the old way below.
+
+The old way, one exec per cell: the program is the wrapper
+``gpumagic/remote/programs/exec-cell.sh`` (run through :mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
 its arguments.  It:
 
 * (in the frame :func:`program` puts around it) prints the marker with its PID -- sshd made the login shell a session leader and
@@ -49,7 +66,10 @@ import re
 import secrets
 import shlex
 import socket
+import struct
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -63,6 +83,8 @@ from . import program as _program
 #: The exec request of every command gpumagic runs: three plain words that sh, bash, dash,
 #: zsh, fish, tcsh and csh all parse alike.  The program follows on stdin.
 BOOTSTRAP = "exec /bin/sh"
+#: Run cells through the per-connection runner when it can start (benchmarks turn it off).
+USE_RUNNER = True
 #: Largest cell or command text sent inline (bytes).  Linux limits one argument to 128 KiB.
 MAX_INLINE = 120 * 1024
 #: Seconds between SIGTERM and SIGKILL when a cell is stopped.
@@ -329,10 +351,25 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         argv = ["bash", "-c", check_text(argv)]
     for i, a in enumerate(argv):
         check_text(a, f"argument {i} of the command", by_line=False)
+    out, err = _Stream(stdout, capture), _Stream(stderr, capture)
+    request = runner_request(argv, cwd=cwd, env=env)  # refuses a NUL byte before anything runs
+    runner = _take_runner(conn) if USE_RUNNER else None
+    if runner is not None:
+        start = time.monotonic()
+        try:
+            code = runner.run(conn, request, out, err, timeout, start)
+        except _NotStarted:
+            code = None  # the runner ended before it started the cell: run it the old way
+        if code is not None:
+            result = RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes,
+                               err.nbytes)
+            if check and code != 0:
+                raise RemoteCommandError(f"remote command exited with code {code}", exit_code=code,
+                                         stdout=result.stdout, stderr=result.stderr)
+            return result
     nonce = secrets.token_hex(6)
     script = build_program(argv, cwd=cwd, env=env, nonce=nonce)
     chan = conn.open_session()
-    out, err = _Stream(stdout, capture), _Stream(stderr, capture)
     marker = _MarkerFilter(nonce)
     start = time.monotonic()
     try:
@@ -427,7 +464,13 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
             raise _lost(conn)
         if timeout is not None and time.monotonic() - start > timeout:
             raise _Timeout()
-        wait_readable(chan, 0.01 if pending is not None else 0.2)
+        if chan.eof_received and pending is None:
+            # paramiko leaves the channel's event pipe readable for good after EOF: poll
+            # would return at once until the exit status came (a busy loop that took the
+            # CPU from sshd, measured at ~170 polls a cell); wait for the status instead.
+            chan.status_event.wait(0.2)
+        else:
+            wait_readable(chan, 0.01 if pending is not None else 0.2)
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
@@ -452,6 +495,268 @@ def _stop(chan: paramiko.Channel) -> None:
             time.sleep(0.02)
     except Exception:
         pass
+
+
+# -- the per-connection cell runner ---------------------------------------------------------
+
+#: The cell runner (``gpumagic/remote/programs/exec-runner.py``).
+RUNNER_PROGRAM = "exec-runner.py"
+#: Seconds allowed for the runner to start (the login shell's start-up files run once).
+RUNNER_START_TIMEOUT = 30.0
+_FRAME = struct.Struct(">cI")
+#: One runner per SSH transport: a :class:`_Runner`, or None where none could start.
+_runners: "weakref.WeakKeyDictionary[paramiko.Transport, _Runner | None]" = weakref.WeakKeyDictionary()
+_runners_lock = threading.Lock()
+
+
+class _NotStarted(Exception):
+    """The runner ended before it started the cell: nothing of it ran."""
+
+
+def runner_command() -> str:
+    """The ``/bin/sh`` command that starts the cell runner: the machine's Python 3 (``-I``:
+    no ``PYTHONPATH``, no ``~/signal.py`` shadowing the standard library; ``-S``: no
+    ``site``, whose ``.pth`` files cost tens of ms and are not needed) with
+    the program as ``-c`` text, :data:`KILL_GRACE` and :data:`CWD_MISSING` as arguments.
+    Status 127 where the machine has no Python 3."""
+    return (f"{_program.source('lib.sh')}\n_gm_py=$(gm_python) || exit 127\n"
+            f"exec \"$_gm_py\" -I -S -c {shlex.quote(_program.source(RUNNER_PROGRAM))} "
+            f"{KILL_GRACE:g} {CWD_MISSING}\n")
+
+
+def runner_request(argv: Sequence[str], *, cwd: str | None = None,
+                   env: Mapping[str, str | None] | None = None) -> bytes:
+    """The runner's request for one cell (UTF-8): the directory, the number of arguments, the
+    arguments, then the environment entries (``NAME=VALUE``; a bare ``NAME`` for a ``None``
+    value, which unsets it), separated by NUL bytes, which no field can hold.  The shell's
+    own variables are left out, as :func:`build_program` does.
+
+    Raises
+    ------
+    RemoteCommandError
+        For a NUL byte in ``cwd`` or ``env`` (``argv`` is checked by :func:`run`).
+    """
+    check_text(cwd or "", "the working directory", by_line=False)
+    shell, rest = _split_env(env or {})
+    entries = [k if v is None else f"{k}={v}" for k, v in [*shell, *rest.items()]]
+    return "\0".join([cwd or "", str(len(argv)), *argv, *entries]).encode("utf-8", "surrogateescape")
+
+
+def _take_runner(conn: Connection) -> "_Runner | None":
+    """This connection's runner, marked busy, started on first use; None when it cannot
+    start on this connection or another cell uses it now (the cell then runs the way every
+    exec does, through the login shell)."""
+    conn.ensure_open()
+    transport = conn.transport
+    if transport is None:
+        return None
+    with _runners_lock:
+        runner = _runners.get(transport, ...)
+        if runner is None:
+            return None
+        if runner is not ... and not runner.dead and runner.busy:
+            return None
+        if runner is ... or runner.dead or (runner.ready and not runner.alive):
+            runner = _runners[transport] = _Runner()
+        runner.busy = True
+    try:
+        if runner.ready or runner.start(conn):
+            return runner
+    except (paramiko.SSHException, EOFError, OSError, RemoteCommandError):
+        pass
+    except BaseException:
+        runner.discard()
+        with _runners_lock:
+            _runners.pop(transport, None)
+        raise
+    runner.discard()
+    with _runners_lock:
+        _runners[transport] = None  # no Python 3, a refused login...: the old way from now on
+    return None
+
+
+def prestart_runner(conn: Connection) -> None:
+    """Send the runner's start to the machine without waiting for it, so that it starts
+    while the caller does something else there (the login-environment probe); the first
+    cell then waits only for what is left.  Nothing happens when this connection has a
+    runner, or had one fail to start."""
+    if not USE_RUNNER or conn.transport is None:
+        return
+    transport = conn.transport
+    with _runners_lock:
+        if transport in _runners and (_runners[transport] is None or not _runners[transport].dead):
+            return
+        runner = _runners[transport] = _Runner()
+    try:
+        runner.begin(conn)
+    except BaseException as e:
+        runner.discard()
+        with _runners_lock:
+            if _runners.get(transport) is runner:
+                del _runners[transport]
+        if not isinstance(e, Exception):
+            raise
+    finally:
+        runner.busy = False
+
+
+def _frames(buf: bytearray):
+    """Take the whole frames off the front of ``buf``: yields (kind, payload)."""
+    while len(buf) >= _FRAME.size:
+        kind, n = _FRAME.unpack_from(buf)
+        if len(buf) < _FRAME.size + n:
+            return
+        payload = bytes(buf[_FRAME.size:_FRAME.size + n])
+        del buf[:_FRAME.size + n]
+        yield kind, payload
+
+
+class _Runner:
+    """The client side of ``exec-runner.py`` on one session channel (see the program's
+    header for the protocol).  Used by one cell at a time (``busy``)."""
+
+    def __init__(self):
+        self.chan: paramiko.Channel | None = None
+        self.busy = True
+        self.dead = False
+        self.ready = False
+        self.tag = b""
+        self.buf = bytearray()
+
+    @property
+    def alive(self) -> bool:
+        c = self.chan
+        return c is not None and not (c.closed or c.eof_received or c.exit_status_ready())
+
+    def begin(self, conn: Connection) -> None:
+        """Open the channel and send the runner's start (through the login shell)."""
+        self.chan = conn.open_session()
+        self.tag = _send_program(self.chan, runner_command())
+
+    def start(self, conn: Connection) -> bool:
+        """Start the runner (unless :meth:`begin` did) and wait for its greeting."""
+        if self.chan is None:
+            self.begin(conn)
+        assert self.chan is not None
+        _await_marker(self.chan, self.tag, RUNNER_START_TIMEOUT)
+        self.ready = self._greeted(time.monotonic() + RUNNER_START_TIMEOUT)
+        return self.ready
+
+    def _greeted(self, deadline: float) -> bool:
+        assert self.chan is not None
+        old = self.chan.gettimeout()
+        try:
+            while True:
+                for kind, payload in _frames(self.buf):
+                    return kind == b"H" and payload.startswith(b"gpumagic-runner ")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.chan.settimeout(left)
+                data = self.chan.recv(65536)
+                if not data:
+                    return False
+                self.buf += data
+        finally:
+            self.chan.settimeout(old)
+
+    def discard(self) -> None:
+        """Close the channel: the runner sees EOF and its watchdog stops what still runs."""
+        self.dead = True
+        if self.chan is not None:
+            try:
+                self.chan.close()
+            except Exception:
+                pass
+
+    def run(self, conn: Connection, request: bytes, out: _Stream, err: _Stream,
+            timeout: float | None, start: float) -> int:
+        """Run one cell (``request``: :func:`runner_request`); its exit status.
+
+        Raises
+        ------
+        _NotStarted
+            The runner had ended before it started the cell (run it another way).
+        ConnectionLost, RemoteTimeout, KeyboardInterrupt
+            As :func:`run`; the cell's process group is stopped first.
+        """
+        chan = self.chan
+        assert chan is not None
+        done = False
+        try:
+            try:
+                sendall_ordered(chan, _FRAME.pack(b"C", len(request)) + request)
+            except OSError:
+                raise _NotStarted()
+            code = self._pump(conn, out, err, timeout, start)
+            done = True
+            return code
+        except _Timeout:
+            done = self._stop(conn, out, err)
+            raise RemoteTimeout(
+                f"the command ran past its timeout of {timeout:g} s and was stopped",
+                "raise --timeout, or run it as a job (%%remote --job) if it is meant to run long",
+            )
+        except KeyboardInterrupt:
+            done = self._stop(conn, out, err)
+            raise
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise _lost(conn, e)
+        finally:
+            if done:
+                self.busy = False
+            else:
+                self.discard()
+
+    def _pump(self, conn: Connection, out: _Stream, err: _Stream, timeout: float | None,
+              start: float, *, started: bool = False) -> int:
+        chan = self.chan
+        assert chan is not None
+        while True:
+            if chan.recv_ready():
+                data = chan.recv(65536)
+                self.buf += data
+                for kind, payload in _frames(self.buf):
+                    if kind == b"O":
+                        out.feed(payload)
+                    elif kind == b"E":
+                        err.feed(payload)
+                    elif kind == b"P":
+                        started = True
+                    elif kind == b"X":
+                        out.feed(b"", final=True)
+                        err.feed(b"", final=True)
+                        return int(payload)
+                if data:
+                    continue
+            while chan.recv_stderr_ready():  # the runner's own complaints: not the cell's
+                chan.recv_stderr(65536)
+            if chan.closed or chan.eof_received:
+                if not conn.is_connected:
+                    raise _lost(conn)
+                if not started:
+                    raise _NotStarted()
+                raise ConnectionLost(
+                    f"gpumagic's cell runner on {conn.spec.address} ended while the cell ran; "
+                    "its processes were stopped",
+                    "run the cell again (a new runner starts by itself)")
+            if not conn.is_connected:
+                raise _lost(conn)
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise _Timeout()
+            wait_readable(chan, 0.2)
+
+    def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
+        """Stop the cell's process group (SIGTERM, SIGKILL :data:`KILL_GRACE` s later) and
+        drain to its exit status; True when the runner is ready for the next cell."""
+        try:
+            sendall_ordered(self.chan, _FRAME.pack(b"S", 0))
+            out.sink = err.sink = None
+            out.capture = err.capture = False
+            self._pump(conn, out, err, KILL_GRACE + 2, time.monotonic(), started=True)
+            return True
+        except BaseException:
+            return False
 
 
 def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
@@ -515,11 +820,21 @@ def start_program(chan: paramiko.Channel, command: str, *, timeout: float | None
     RemoteCommandError
         For a NUL byte in ``command``.
     """
+    _await_marker(chan, _send_program(chan, command), timeout)
+
+
+def _send_program(chan: paramiko.Channel, command: str) -> bytes:
+    """The first half of :func:`start_program`: the exec request and the program; returns
+    the marker's tag to wait for."""
     nonce = secrets.token_hex(6)
     script = program(command, nonce)
     chan.exec_command(BOOTSTRAP)
     sendall_ordered(chan, script)
-    tag = f"\x1egpumagic-{nonce} ".encode()
+    return f"\x1egpumagic-{nonce} ".encode()
+
+
+def _await_marker(chan: paramiko.Channel, tag: bytes, timeout: float | None) -> None:
+    """The second half of :func:`start_program`: read up to the end of the marker line."""
     deadline = None if timeout is None else time.monotonic() + timeout
     old = chan.gettimeout()
     try:
