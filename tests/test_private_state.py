@@ -37,6 +37,10 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
             assert m.run('echo "$K"', env={"K": "v"}, quiet=True).stdout == "v\n"
             job = m.start_job("private-state", "echo job; touch ~/made-by-job", env={"TOKEN": "t"})
             assert job.wait(timeout=60).state_text == "exited 0"
+            # killed, stopped by --stop-on: kill.sh and watch.sh write there too (`killed` was 0644)
+            m.start_job("private-killed", "sleep 60").kill()
+            stopped = m.start_job("private-stopped", "echo 'loss nan'; sleep 60", stop_on="nan")
+            assert stopped.wait(timeout=60).killed == "nan"
             (tmp_path / "src").mkdir()
             (tmp_path / "src" / "f.txt").write_text("data")
             m.push(str(tmp_path / "src") + "/", "~/private-sync/")
@@ -53,6 +57,8 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
     state = home / ".gpumagic"
     assert log.parent == state and "token" in log.read_text()
     assert (state / "jobs" / "private-state" / "env.sh").exists()
+    assert (state / "jobs" / "private-killed" / "killed").exists()
+    assert (state / "jobs" / "private-stopped" / "stopped_by").exists()
     data = budget.data_dir()
     assert (data / "ledger.json").exists()
     # Everything in gpumagic's data directory except the sandbox homes' own files (a home

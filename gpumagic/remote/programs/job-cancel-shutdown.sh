@@ -3,6 +3,7 @@
 # armed), `started` (too late) or `nojob`.  `mv` is atomic, so exactly one of this program and
 # the timer in job-run.sh wins the `shutdown` file.
 # shellcheck shell=sh
+umask 077  # what it writes in the job's directory is private, as the rest there
 d=$HOME/.gpumagic/jobs/$1
 [ -d "$d" ] || { echo "nojob"; exit 0; }
 cd "$d" || exit 0

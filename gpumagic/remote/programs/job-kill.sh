@@ -4,6 +4,7 @@
 # descendant, then SIGKILL to what is left after kill_grace seconds.  Prints `killed`,
 # `ended` (it had already ended) or `lost` (its runner is gone, or the pid is no longer it).
 # shellcheck shell=sh
+umask 077  # what it writes in the job's directory is private, as the rest there
 trap '' TERM HUP INT
 reason=${1:-user}
 if [ -e exit_code ]; then echo "ended"; exit 0; fi

@@ -3,6 +3,7 @@
 # first line matching stop_on_re, records it in stopped_by and runs `kill.sh KIND` (the kind
 # whose own pattern, stop_on_re.KIND, matches that line).
 # shellcheck shell=sh
+umask 077  # what it writes in the job's directory is private, as the rest there
 re=$(cat stop_on_re)
 rm -f watch.fifo; mkfifo watch.fifo || exit 0
 tail -n +1 -f log > watch.fifo 2>/dev/null &
