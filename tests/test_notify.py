@@ -383,10 +383,10 @@ def test_notify_magic_shows_settings_without_secrets_and_off_deletes_them(ip, ho
 
 def test_notify_command_is_one_guarded_background_line():
     line = notify.notify_command("job-end", job="train", job_dir="$HOME/.gpumagic/jobs/train", log="/tmp/x y")
-    assert line == ('[ -f "$HOME/.gpumagic/notify/config.json" ] && { nohup python3 "$HOME/.gpumagic/notify/notify.py" '
-                    '--event job-end --job train --job-dir "$HOME/.gpumagic/jobs/train" --log \'/tmp/x y\' '
-                    '</dev/null >/dev/null 2>&1 & }')
-    assert re.search(r"&& \{ .* & \}$", line)
+    send = ('python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train '
+            '--job-dir "$HOME/.gpumagic/jobs/train" --log \'/tmp/x y\'')
+    assert line == ('[ -f "$HOME/.gpumagic/notify/config.json" ] && ( ( trap \'\' HUP; if command -v setsid >/dev/null 2>&1; '
+                    f'then exec setsid nohup {send}; fi; exec nohup {send} ) </dev/null >/dev/null 2>&1 & )')
 
 
 def test_a_password_is_never_sent_without_tls(clean_notify, smtp):
@@ -401,8 +401,9 @@ def test_a_password_is_never_sent_without_tls(clean_notify, smtp):
 
 # -- the call sites: the job runner's, tried here by patching its script; the guard's is wired --
 
-#: The line at the end of the job runner, programs/job-run.sh (after exit_code is written).
-JOB_END = notify.notify_command("job-end", job="$GPUMAGIC_JOB", job_dir="$jd", exit_code="$rc", log="$jd/log")
+#: What the job runner (programs/job-run.sh) starts, detached, after exit_code is written.
+JOB_END = ('gm_detach python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$GPUMAGIC_JOB" '
+           '--job-dir "$jd" --exit-code "$rc" --log "$jd/log"')
 
 
 def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, monkeypatch, sshd):
@@ -431,6 +432,8 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     assert "stopped by --stop-on nan at: step 2 loss nan" in nan["text"]
     log = sshd.dir / "home" / ".gpumagic" / "jobs" / "notify-site-fail" / "log"
     assert wait_until(lambda: "notify: sent job-end by json webhook (127.0.0.1)" in log.read_text(), 10)
+    # that line is gpumagic's, not the job's: the job table's last line stays the job's own
+    assert m.job("notify-site-fail").info().last_line == "RuntimeError: boom"
 
 
 def test_guard_call_site_warns_once_before_the_shutdown(hook, monkeypatch, tmp_path):

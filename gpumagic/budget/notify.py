@@ -313,7 +313,8 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
 
     ``fields`` become options (``job="train"`` -> ``--job train``); values are quoted, and
     ones holding ``$`` are left for the shell to expand, inside double quotes.  With
-    ``background`` the line never blocks its caller: ``nohup``, stdio on /dev/null, ``&``.
+    ``background`` the line never blocks its caller: detached (``setsid nohup``, stdio on
+    /dev/null, ``&``), outside the caller's process tree.
     It does nothing when notifications are not set up.
     """
     def word(v) -> str:
@@ -328,9 +329,12 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
         args.append(f"--log {word(log)}")
     line = f'{_PROGRAM} {" ".join(args)}'
     guard = f'[ -f "$HOME/{NOTIFY_DIR}/config.json" ] && '
-    # nohup: a job runner in tmux is a session leader; when it exits, its terminal's process
-    # group gets SIGHUP, which would end a send still retrying
-    return guard + (f"{{ nohup {line} </dev/null >/dev/null 2>&1 & }}" if background else line)
+    # Detached as lib.sh's gm_detach does it (this line stands alone, without lib.sh): out of
+    # the caller's process tree, group and session (setsid where it exists), so that a job's
+    # kill.sh or a tmux pane's SIGHUP never ends a send still retrying.
+    detached = ("( ( trap '' HUP; if command -v setsid >/dev/null 2>&1; then exec setsid nohup "
+                f"{line}; fi; exec nohup {line} ) </dev/null >/dev/null 2>&1 & )")
+    return guard + (detached if background else line)
 
 
 def log_tail(machine: MachineLike, lines: int = 5) -> tuple[list[str], int]:

@@ -116,8 +116,7 @@ notify() {
   [ -f "$HOME/.gpumagic/notify/config.json" ] || return 0
   _py=$(gm_python) || return 0
   _event=$1 _text=$2; shift 2
-  nohup "$_py" "$HOME/.gpumagic/notify/notify.py" --event "$_event" --text "$_text" --log "$dir/log" "$@" \
-    </dev/null >/dev/null 2>&1 &
+  gm_detach "$_py" "$HOME/.gpumagic/notify/notify.py" --event "$_event" --text "$_text" --log "$dir/log" "$@"
 }
 
 put_state() {

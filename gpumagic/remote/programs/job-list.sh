@@ -4,8 +4,8 @@
 #
 # Prints a `now<TAB>EPOCH` line, then per job (all of ~/.gpumagic/jobs, or only NAME) a
 # `job<TAB>NAME` line followed by `KEY<TAB>VALUE` lines: the job directory's small files, `alive`
-# while it runs (gm_job_running), `last` (its log's last non-blank line), `alert` lines (the
-# first two lines of the log's last SCAN_BYTES bytes matching each ERE, case-insensitive) and,
+# while it runs (gm_job_running), `last` (its log's last non-blank line, not a notify line),
+# `alert` lines (the first two lines of the log's last SCAN_BYTES bytes matching each ERE, case-insensitive) and,
 # for one machine's part of a torchrun job (its command exports GPUMAGIC_TORCHRUN_DIR), a
 # `torchrun<TAB>1` line and a `rank<TAB>GLOBAL LOCAL` line per rank that started here (~/.gpumagic/torchrun/NAME/ranks/,
 # written by torchrun_rank.py).
@@ -33,7 +33,9 @@ for d in "$base"/*; do
     done
   fi
   [ -f "$d/log" ] || continue
-  printf 'last\t%s\n' "$(tail -c 4096 "$d/log" | tr '\r' '\n' | grep -a -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300)"
+  # (gpumagic's own "TIME notify: ..." lines, written after the job ended, are not its output)
+  printf 'last\t%s\n' "$(tail -c 4096 "$d/log" | tr '\r' '\n' | grep -a -v -E -e '^[[:space:]]*$' \
+    -e '^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9:]{8}Z notify: ' | tail -n 1 | cut -c1-300)"
   for are in "$@"; do
     tail -c "$scan" "$d/log" | tr '\r' '\n' | grep -a -i -E -m 2 -e "$are" | cut -c1-300 |
       while IFS= read -r l; do printf 'alert\t%s\n' "$l"; done

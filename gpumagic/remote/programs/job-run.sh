@@ -53,4 +53,6 @@ if [ "$rc" = 0 ] && [ -s shutdown_command ] && [ ! -e killed ]; then
 fi
 echo "$rc" > exit_code.tmp && mv exit_code.tmp exit_code
 # Tell the user away from the notebook (gpumagic.budget.notify; nothing when not set up).
-[ -f "$HOME/.gpumagic/notify/config.json" ] && { nohup python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$GPUMAGIC_JOB" --job-dir "$jd" --exit-code "$rc" --log "$jd/log" </dev/null >/dev/null 2>&1 & }
+# Detached: kill.sh, ending a stopped job's tree, would otherwise end a send still under way.
+[ -f "$HOME/.gpumagic/notify/config.json" ] &&
+  gm_detach python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$GPUMAGIC_JOB" --job-dir "$jd" --exit-code "$rc" --log "$jd/log"

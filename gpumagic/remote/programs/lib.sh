@@ -38,6 +38,17 @@ gm_python() {
   "$_gm_p" -c 'import sys; sys.exit(sys.version_info[0] != 3)' 2>/dev/null && printf '%s\n' "$_gm_p"
 }
 
+# gm_detach CMD [ARG...]: start CMD in the background outside the caller's process tree,
+# process group and session (setsid where it exists), stdio on /dev/null, immune to SIGHUP;
+# so a job's kill.sh, which ends the runner's whole tree, never ends it.
+gm_detach() {
+  ( (
+    trap '' HUP  # at once: a tmux pane closing as the caller exits sends it before setsid runs
+    if command -v setsid >/dev/null 2>&1; then exec setsid nohup "$@"; fi
+    exec nohup "$@"
+  ) </dev/null >/dev/null 2>&1 & )
+}
+
 # gm_procs: one line per process, "PID PPID SID PGID STATE", from ps or, where ps is missing
 # (slim containers), from /proc/PID/stat (proc(5): after the parenthesised command name come
 # state, ppid, pgrp, session).
