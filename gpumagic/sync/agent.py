@@ -30,7 +30,9 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
 ``put NONCE ROOT CWD REL SIZE MTIME_NS MODE OFFSET SHA256``
     One large file with resume: when an abandoned part file of REL holds OFFSET bytes whose
     sha256 is SHA256, it is taken over and they are kept (a matching part whose writer still
-    runs is waited for up to :data:`RESUME_WAIT` s); prints ``OFFSET n``, then reads
+    runs is waited for up to :data:`RESUME_WAIT` s); failing that, when REL itself starts
+    with those bytes (a file that grew by appending: a log, an event file), a copy of them
+    made on the machine starts the part; prints ``OFFSET n``, then reads
     SIZE - n bytes from stdin and, when n > 0, the sha256 (64 hex digits) of the whole
     source file, which the part must then hash to before it is renamed.
 ``send`` (a ``serve`` command)
@@ -597,7 +599,9 @@ def _adopt(cand, tmp):
 
 def open_resumable(path, offset, digest):
     """A part file of this writer's own for ``path``: an abandoned part taken over when its
-    first ``offset`` bytes hash to ``digest`` (the rest cut off), else a new one.
+    first ``offset`` bytes hash to ``digest`` (the rest cut off); else, when ``path`` itself
+    starts with those bytes (it grew by appending), a part holding a copy of them; else a
+    new one.
 
     Returns
     -------
@@ -631,12 +635,70 @@ def open_resumable(path, offset, digest):
                 if not busy or time.time() >= deadline:
                     break
                 time.sleep(0.05)  # its writer may be ending (a cut connection's)
+            f = _grown_from(path, tmp, offset, digest)
+            if f is not None:
+                return f, offset, tmp, token
         f = _create(tmp)
         _try_lock(f)
         return f, 0, tmp, token
     except BaseException:
         release(token)
         raise
+
+
+def copy_prefix(src, f, size):
+    """Copy the first ``size`` bytes of the open file ``src`` into the open file ``f`` (in the
+    kernel where it can: ``copy_file_range``, which may share blocks on btrfs/XFS/NFS)."""
+    src.seek(0)
+    f.seek(0)
+    f.truncate(0)
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < size:
+                n = os.copy_file_range(src.fileno(), f.fileno(), size - done, done, done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError:
+            done = 0
+    if done < size:
+        src.seek(done)
+        f.seek(done)
+        while done < size:
+            b = src.read(min(CHUNK, size - done))
+            if not b:
+                break
+            f.write(b)
+            done += len(b)
+        f.flush()
+    f.seek(done)
+    return done
+
+
+def _grown_from(path, tmp, offset, digest):
+    """For a file that grew by appending: when the target ``path`` itself is a regular
+    file whose first ``offset`` bytes hash to ``digest``, a new part ``tmp`` holding a copy
+    of those bytes (open, locked, positioned at ``offset``), so that only the rest has to
+    travel; else None.  The target is never written: the part is renamed onto it whole."""
+    try:
+        src = open(path, "rb")
+    except OSError:
+        return None
+    with src:
+        st = os.fstat(src.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size < offset or hash_file(src, offset).hexdigest() != digest:
+            return None
+        f = _create(tmp)
+        try:
+            _try_lock(f)
+            if copy_prefix(src, f, offset) != offset:
+                raise AgentError("%s shrank while it was being copied" % path)
+        except BaseException:
+            f.close()
+            _unlink_quietly(tmp)
+            raise
+        return f
 
 
 def take_part(path):

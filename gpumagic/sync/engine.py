@@ -23,6 +23,7 @@ import os
 import posixpath
 import shlex
 import socket
+import stat
 import struct
 import tarfile
 import threading
@@ -47,6 +48,10 @@ from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here 
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
 LARGE_FILE = 8 * 1024 * 1024
+#: A changed file at least this big whose destination is as big as this or more goes on
+#: its own channel, so that when the destination holds the source's first bytes (a log,
+#: event file or CSV that grew by appending) only the new bytes travel (bytes).
+APPEND_MIN = 256 * 1024
 #: Seconds between progress callbacks (the last one always comes).
 PROGRESS_INTERVAL = 0.1
 #: Bytes buffered before one ``sendall`` on the tar channel.
@@ -757,7 +762,11 @@ def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
                 checksum: bool) -> _Sides:
     # Listed while the remote side lists (assuming SRC is a directory, the usual case).
     dst_root = destination_root(src, dst, dst_join=os.path.join)
-    local = _local_listing(dst_root, checksum, None)
+    try:
+        local = _local_listing(dst_root, checksum, None)
+        refused = None
+    except SyncError as exc:  # DST is a file: fine when SRC is one too (known below)
+        local, refused = Listing(), exc
     remote = read_listing(ch)
     if remote.root is None:
         raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
@@ -776,6 +785,8 @@ def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
         src_entries = _resolve_single_file(remote, name)
         local = _local_listing(dst_root, checksum, [name])
     else:
+        if refused is not None:
+            raise refused
         src_entries = filter_listing(remote, rules).entries
     if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
         raise SyncError(f"{dst_root} exists and is not a directory",
@@ -788,10 +799,12 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
                 progress: ProgressCallback | None) -> _Run | None:
     """Send what the plan says; ``None`` when there was nothing to do."""
     remote, dst_root = sides.dest, sides.dst_root
-    large = [e for e in plan.send if e.size >= LARGE_FILE]
-    small = [e for e in plan.send if e.size < LARGE_FILE]
+    grown = _grown(plan, remote.entries)
+    large = [e for e in plan.send if e.size >= LARGE_FILE or e.path in grown]
+    small = [e for e in plan.send if e.size < LARGE_FILE and e.path not in grown]
     resumed = {e.path for e in large}
     clean = [p for p, target in remote.parts.items() if target not in resumed]
+    offsets = {e.path: remote.partials.get(e.path, 0) or grown.get(e.path, 0) for e in large}
     rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
     if not (large or rest):
         ch.close_stdin()
@@ -799,10 +812,10 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         return None
     run = _Run(plan, summary, progress)
     if large and small:
-        _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, remote.partials, clean)
+        _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)
     else:
         for e in large:
-            _push_large(machine, run, src, dst_root, e, remote.partials.get(e.path, 0))
+            _push_large(machine, run, src, dst_root, e, offsets[e.path])
         if rest:
             _push_tar(ch, run, src, plan, small, clean)
         else:
@@ -811,12 +824,26 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     return run
 
 
+def _grown(plan: Plan, dest: dict[str, Entry]) -> dict[str, int]:
+    """Files to send whose destination may hold their first bytes (it is a smaller file of
+    at least :data:`APPEND_MIN` bytes): path -> the destination's size.  Whether it really
+    does is checked by hashing (the agent's ``put``/``get``); when not, the file is sent
+    whole."""
+    out = {}
+    for e in plan.send:
+        d = dest.get(e.path)
+        if d is not None and d.kind == "f" and APPEND_MIN <= d.size < e.size:
+            out[e.path] = d.size
+    return out
+
+
 def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
                 progress: ProgressCallback | None) -> _Run:
     """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
     local, dst_root, single = sides.dest, sides.dst_root, sides.listed
-    large = [e for e in plan.send if e.size >= LARGE_FILE or single]
-    small = [e for e in plan.send if e.size < LARGE_FILE and not single]
+    grown = _grown(plan, local.entries)
+    large = [e for e in plan.send if e.size >= LARGE_FILE or single or e.path in grown]
+    small = [e for e in plan.send if e.size < LARGE_FILE and not single and e.path not in grown]
     if not small and not single:
         ch.close_stdin()
         ch.finish()
@@ -863,7 +890,7 @@ def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
 
 
 def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str, plan: Plan,
-                     small: list[Entry], large: list[Entry], partials: dict[str, int],
+                     small: list[Entry], large: list[Entry], offsets: dict[str, int],
                      clean: list[str]) -> None:
     """Large files on a worker thread while the tar of small files streams.
 
@@ -878,7 +905,7 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
         for e in large:
             if stop.is_set():
                 return
-            _push_large(machine, run, src, dst_root, e, partials.get(e.path, 0), channels)
+            _push_large(machine, run, src, dst_root, e, offsets[e.path], channels)
 
     with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
         fut = pool.submit(worker)
@@ -1044,6 +1071,23 @@ def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> N
         raise ch.failure()
 
 
+def _copy_grown(path: str, f, size: int) -> int:
+    """Start the new part ``f`` of ``path`` with a copy of the local file (when it is a
+    regular file of at least :data:`APPEND_MIN` bytes but fewer than ``size``): the machine
+    then sends only the rest if its file starts with the same bytes (it grew by
+    appending), else everything (the copy is cut off).  Bytes copied (0: none)."""
+    try:
+        with open(path, "rb") as src:
+            st = os.fstat(src.fileno())
+            if not (stat.S_ISREG(st.st_mode) and APPEND_MIN <= st.st_size < size):
+                return 0
+            return agent.copy_prefix(src, f, st.st_size)
+    except OSError:
+        f.seek(0)
+        f.truncate(0)
+        return 0
+
+
 def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
     """Fetch one file on its own channel, continuing an abandoned local part when the
     source's first bytes hash the same; a resumed file is checked against the sha256 of
@@ -1052,6 +1096,8 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
     path = _local_path(dst_root, e.path)
     f, have, tmp, token = agent.take_part(path)
     try:
+        if not have:
+            have = _copy_grown(path, f, e.size)
         have = min(have, e.size)
         digest = agent.hash_file(f, have).hexdigest() if have else "-"
         ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest)
