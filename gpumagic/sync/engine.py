@@ -25,7 +25,6 @@ import shlex
 import socket
 import stat
 import struct
-import tarfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -547,19 +546,6 @@ class _TarSink(io.RawIOBase):
             self.ch.send(data)
 
 
-class _Counting:
-    """A read-only file wrapper that reports bytes read."""
-
-    def __init__(self, f, on_bytes: Callable[[int], None]):
-        self.f = f
-        self.on_bytes = on_bytes
-
-    def read(self, n: int = -1) -> bytes:
-        b = self.f.read(n)
-        self.on_bytes(len(b))
-        return b
-
-
 class _Run:
     """Shared state of one push or pull: the plan, counters, progress throttling.
 
@@ -606,19 +592,9 @@ class _Run:
         self.tick(force=True)
 
 
-def _tarinfo(e: Entry) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(e.path)
-    ti.mode = e.mode
-    ti.mtime = e.mtime_ns // 1_000_000_000  # whole seconds: no pax header per file
-    ti.uname = ti.gname = ""
-    if e.kind == "d":
-        ti.type = tarfile.DIRTYPE
-    elif e.kind == "l":
-        ti.type = tarfile.SYMTYPE
-        ti.linkname = e.target
-    else:
-        ti.size = e.size
-    return ti
+def _tar_header(e: Entry) -> bytes:
+    """The tar header of a link or directory entry (whole-second mtime)."""
+    return agent.tar_header(e.path, e.kind, 0, e.mode, e.mtime_ns // 1_000_000_000, e.target)
 
 
 def _local_path(root: str, rel: str) -> str:
@@ -935,23 +911,24 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
                             "meta": [[p, m, t] for p, m, t in plan.meta], "clean": list(clean)})
         ch.send(struct.pack(">I", len(head)) + head)
         sink = _TarSink(ch)
-        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
-                          errors="surrogateescape", bufsize=SEND_BUFFER) as tf:
-            for e in small:
-                path = _local_path(src, e.path)
-                try:
-                    f = open(path, "rb")
-                except OSError as exc:
-                    raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
-                with f:
-                    tf.addfile(_tarinfo(e), _Counting(f, run.add_bytes))
-                run.file_done(e.path)
-            for e in plan.links:
-                tf.addfile(_tarinfo(e))
-            if before_dirs is not None:
-                before_dirs()
-            for e in plan.dirs:
-                tf.addfile(_tarinfo(e))
+        for e in small:
+            path = _local_path(src, e.path)
+            try:
+                with open(path, "rb") as f:
+                    agent.write_tar_file(sink, e.path, f, e.size, e.mode, e.mtime_ns // 1_000_000_000)
+            except OSError as exc:
+                raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
+            except agent.AgentError:
+                raise SyncError(f"{path} shrank while it was being sent", "run the sync again") from None
+            run.add_bytes(e.size)
+            run.file_done(e.path)
+        for e in plan.links:
+            sink.write(_tar_header(e))
+        if before_dirs is not None:
+            before_dirs()
+        for e in plan.dirs:
+            sink.write(_tar_header(e))
+        agent.end_tar(sink)
         sink.flush()
         ch.close_stdin()
         reply = ch.read()
@@ -1062,7 +1039,7 @@ def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> N
     except agent.AgentError as exc:
         raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
                         "run the sync again; if it repeats, check the machine") from None
-    except (tarfile.TarError, EOFError) as exc:
+    except EOFError as exc:
         if ch.finish() != 0:
             raise ch.failure() from None
         raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
