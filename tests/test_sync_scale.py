@@ -115,3 +115,89 @@ def test_a_changed_file_that_did_not_grow_by_appending_is_sent_whole(machine, tm
     assert s.bytes_sent == 4 * MIB
     assert _digest(back / "ckpt.pt") == _digest(remote / "ckpt.pt")
     assert not _parts(back)
+
+
+# -- the tar stream (agent's own writer and reader) ---------------------------------------
+
+_NAMES = ["a.txt", "d/" + "n" * 150 + ".bin", "héllo wörld/ü.py", "bad\udcff.dat", "x" * 99]
+
+
+def test_tarfile_reads_what_the_agent_writes(tmp_path):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    for i, name in enumerate(_NAMES):
+        data = bytes([i]) * (i * 700)
+        agent.write_tar_file(buf, name, io.BytesIO(data), len(data), 0o640 + i, 1_700_000_000 + i)
+    buf.write(agent.tar_header("d", "d", 0, 0o755, 1_600_000_000))
+    buf.write(agent.tar_header("link", "l", 0, 0o777, 5, "t" * 120 + "é"))
+    agent.end_tar(buf)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf, mode="r:", encoding="utf-8", errors="surrogateescape") as tf:
+        members = tf.getmembers()
+        assert [m.name for m in members] == _NAMES + ["d", "link"]
+        for i, m in enumerate(members[:len(_NAMES)]):
+            assert (m.size, m.mode, m.mtime) == (i * 700, 0o640 + i, 1_700_000_000 + i)
+            assert tf.extractfile(m).read() == bytes([i]) * (i * 700)
+        assert members[-2].isdir() and members[-2].mtime == 1_600_000_000
+        assert members[-1].issym() and members[-1].linkname == "t" * 120 + "é"
+
+
+@pytest.mark.parametrize("fmt", ["PAX_FORMAT", "GNU_FORMAT", "USTAR_FORMAT"])
+def test_the_agent_extracts_what_tarfile_writes(tmp_path, fmt):
+    import io
+    import tarfile
+
+    names = _NAMES if fmt != "USTAR_FORMAT" else ["a.txt", "p" * 120 + "/q.bin"]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=getattr(tarfile, fmt), encoding="utf-8",
+                      errors="surrogateescape") as tf:
+        for i, name in enumerate(names):
+            data = os.urandom(i * 3000 + 1)
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), 0o600 + i, 1_650_000_000 + i
+            tf.addfile(ti, io.BytesIO(data))
+            (tmp_path / f"want{i}").write_bytes(data)
+    buf.seek(0)
+    seen = []
+    out = tmp_path / "out"
+    assert agent.extract(str(out), buf, on_file=seen.append) == len(names)
+    assert seen == names
+    for i, name in enumerate(names):
+        p = out / name
+        assert p.read_bytes() == (tmp_path / f"want{i}").read_bytes()
+        assert (p.stat().st_mode & 0o777, int(p.stat().st_mtime)) == (0o600 + i, 1_650_000_000 + i)
+    assert not _parts(out)
+
+
+def test_a_cut_or_damaged_stream_leaves_no_file_under_its_name(tmp_path):
+    import io
+
+    data = os.urandom(5000)
+    whole = io.BytesIO()
+    agent.write_tar_file(whole, "f.bin", io.BytesIO(data), len(data), 0o644, 1)
+    agent.end_tar(whole)
+    raw = whole.getvalue()
+    with pytest.raises(EOFError):
+        agent.extract(str(tmp_path / "cut"), io.BytesIO(raw[:3000]))
+    assert not (tmp_path / "cut" / "f.bin").exists() and not _parts(tmp_path / "cut")
+    bad = bytearray(raw)
+    bad[10] ^= 1
+    with pytest.raises(agent.AgentError, match="damaged header"):
+        agent.extract(str(tmp_path / "bad"), io.BytesIO(bytes(bad)))
+    assert not _parts(tmp_path / "bad")
+    # a big file (written in chunks) cut short: nothing under its name, no part left
+    big = os.urandom(agent.SMALL + 10)
+    s = io.BytesIO()
+    agent.write_tar_file(s, "big.bin", io.BytesIO(big), len(big), 0o644, 1)
+    with pytest.raises(EOFError):
+        agent.extract(str(tmp_path / "bigcut"), io.BytesIO(s.getvalue()[:len(big) // 2]))
+    assert not (tmp_path / "bigcut" / "big.bin").exists() and not _parts(tmp_path / "bigcut")
+
+
+def test_a_file_that_shrinks_while_it_is_sent_is_refused(tmp_path):
+    import io
+
+    with pytest.raises(agent.AgentError, match="shrank"):
+        agent.write_tar_file(io.BytesIO(), "f", io.BytesIO(b"abc"), 10, 0o644, 1)

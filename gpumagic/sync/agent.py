@@ -362,7 +362,12 @@ def _sha256(path, limit=None):
 
 
 def _record(out, kind, rel, size=0, mtime_ns=0, mode=0, text="", digest=""):
-    """Append one record: FIELDS fields, NUL-separated (the caller NUL-terminates it)."""
+    """Append one record: FIELDS fields, NUL-separated (the caller NUL-terminates it); or,
+    when ``out`` is not a list, hand the fields to its ``add`` (a local walk that builds its
+    entries directly)."""
+    if out.__class__ is not list:
+        out.add(kind, rel, size, mtime_ns, mode, text, digest)
+        return
     out.append(b"%s\0%s\0%d\0%d\0%o\0%s\0%s" % (
         kind.encode(), os.fsencode(rel), size, mtime_ns, mode, os.fsencode(text), digest.encode()))
 
@@ -385,15 +390,18 @@ def _stat_record(out, kind_path, rel, st, want_hash):
             _record(out, "i", rel, 0, 0, 0, b"\n".join(line.split(b"\0", 1)[0] for line in data.split(b"\n")))
 
 
-def list_tree(root, want_hash=False, names=None, prune=None):
+def list_tree(root, want_hash=False, names=None, prune=None, out=None):
     """Records (a list of bytes fields) for ROOT and everything under it; symlinks not followed.
+
+    OUT, when given, receives the fields of each record through its ``add(kind, rel, size,
+    mtime_ns, mode, text, digest)`` instead (and is returned).
 
     PRUNE, when given, is called as ``PRUNE(rel, items)`` with each directory's relative path
     (``""`` for ROOT) and its ``os.DirEntry`` items before any of them is listed, and returns
     the names to leave out: never listed, never entered (gpumagic's local walk passes its
     ignore rules here; the agent's own operations never do).
     """
-    out = []
+    out = [] if out is None else out
     try:
         st = os.lstat(root)
     except FileNotFoundError:

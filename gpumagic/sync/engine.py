@@ -41,8 +41,8 @@ from ..remote.execution import start_program
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import wait_readable
 from .ignore import IgnoreRules
-from .plan import (Entry, Listing, Plan, destination_root, filter_listing, local_seps, make_plan,
-                   parse_listing, walk_local)
+from .plan import (Entry, Listing, Plan, destination_root, filter_listing, list_local, local_seps,
+                   make_plan, parse_listing, walk_local)
 from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here by the sync and wrapup magics
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
@@ -572,14 +572,19 @@ class _Run:
                 self.summary.bytes_sent += n
         self.tick()
 
-    def file_done(self, name: str) -> None:
+    def file_done(self, name: str, nbytes: int = 0) -> None:
+        """A file is complete (``nbytes``: its bytes not yet counted by :meth:`add_bytes`)."""
         with self.lock:
             self.state.files_done += 1
+            self.state.bytes_done += nbytes
+            self.summary.bytes_sent += nbytes
             self.state.current = name
             self.summary.files_sent += 1
         self.tick()
 
     def tick(self, force: bool = False) -> None:
+        """Call the progress callback when :data:`PROGRESS_INTERVAL` seconds have passed
+        since the last call (or ``force``): at most 10 a second, whatever the file count."""
         if self.progress is None or threading.get_ident() != self.owner:
             return
         now = time.monotonic()
@@ -920,8 +925,7 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
                 raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
             except agent.AgentError:
                 raise SyncError(f"{path} shrank while it was being sent", "run the sync again") from None
-            run.add_bytes(e.size)
-            run.file_done(e.path)
+            run.file_done(e.path, e.size)
         for e in plan.links:
             sink.write(_tar_header(e))
         if before_dirs is not None:
@@ -1019,7 +1023,7 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:
     """The local destination, listed by the agent's own code (partials included)."""
     try:
-        return parse_listing(b"".join(r + b"\0" for r in agent.list_tree(root, digests, names)))
+        return list_local(root, digests, names)
     except NotADirectoryError:
         raise SyncError(f"cannot copy into {root} on this computer: part of that path is a file, "
                         "not a directory", "name another destination, or move that file away") from None

@@ -271,11 +271,38 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
     if rules is not None:
         def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
             return _ignored_names(rules, rel, items)
-    records = agent.list_tree(os.fspath(root), digests, None, prune)
-    listing = parse_listing(b"".join(r + b"\0" for r in records))
+    listing = list_local(os.fspath(root), digests, None, prune)
     listing.partials.clear()  # a source's part files are nobody's business here
     listing.parts.clear()
     return listing
+
+
+class _Collect(Listing):
+    """A :class:`Listing` filled by :func:`gpumagic.sync.agent.list_tree` field by field,
+    as :func:`parse_listing` would fill it from the records (no encoding and parsing)."""
+
+    def add(self, kind: str, rel: str, size: int, mtime_ns: int, mode: int, text, digest: str) -> None:
+        if kind in ("f", "d", "l"):
+            self.entries[rel] = Entry(rel, kind, size, mtime_ns, mode, text, digest)
+        elif kind == "p":
+            self.partials[rel] = max(self.partials.get(rel, 0), size)
+            if text and not mode:
+                d = posixpath.dirname(rel)
+                self.parts[f"{d}/{text}" if d else text] = rel
+        elif kind == "i":
+            self.ignore_texts[rel] = text.decode("utf-8", "surrogateescape") if isinstance(text, bytes) else text
+        elif kind == "e":
+            self.errors[rel] = text
+
+
+def list_local(root: str, digests: bool = False, names: list[str] | None = None,
+               prune=None) -> Listing:
+    """A local tree listed by the agent's own walk (:func:`gpumagic.sync.agent.list_tree`),
+    the same :class:`Listing` that :func:`parse_listing` makes of its records; part files
+    included.  Raises what the walk raises (OSError)."""
+    out = _Collect()
+    agent.list_tree(root, digests, names, prune, out)
+    return Listing(out.entries, out.partials, out.parts, out.ignore_texts, out.errors)
 
 
 def _ignored_names(rules: IgnoreRules, rel: str, items: list[os.DirEntry]) -> set[str]:
