@@ -201,3 +201,48 @@ def test_a_file_that_shrinks_while_it_is_sent_is_refused(tmp_path):
 
     with pytest.raises(agent.AgentError, match="shrank"):
         agent.write_tar_file(io.BytesIO(), "f", io.BytesIO(b"abc"), 10, 0o644, 1)
+
+
+# -- progress --------------------------------------------------------------------------------
+
+
+class _TimedProgress:
+    """A progress callback (tqdm's text bar into a buffer) that times itself."""
+
+    def __init__(self):
+        import io
+
+        from gpumagic.notebook.widgets import SyncProgressText
+
+        self.bar = SyncProgressText(file=io.StringIO())
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, p):
+        t = time.perf_counter()
+        self.bar(p)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+
+
+def test_progress_for_many_files_is_throttled_and_costs_under_2_percent(machine, tmp_path):
+    src = tmp_path / "src"
+    for i in range(3000):
+        d = src / f"d{i % 30}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.txt").write_bytes(b"x" * 100)
+    progress = _TimedProgress()
+    t = time.perf_counter()
+    s = machine.push(f"{src}/", str(tmp_path / "remote"), progress=progress)
+    wall = time.perf_counter() - t
+    progress.bar.close()
+    assert s.files_sent == 3000
+    # at most one call per PROGRESS_INTERVAL, plus the first and the last
+    assert progress.calls <= wall / sync.PROGRESS_INTERVAL + 2, (progress.calls, wall)
+    assert progress.seconds < 0.02 * wall, (progress.seconds, wall)
+    # what every file costs the throttle itself (the callback not due): far under 2%
+    run = sync._Run(sync.Plan(), sync.SyncSummary("push", "a", "b"), progress)
+    t = time.perf_counter()
+    for i in range(3000):
+        run.file_done("x", 100)
+    assert time.perf_counter() - t < 0.02 * wall

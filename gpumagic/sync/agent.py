@@ -1200,10 +1200,22 @@ def _get(root, argv, out):
 def main(argv):
     op, nonce, root, cwd = argv[0], argv[1], argv[2], argv[3]
     root = resolve(root, cwd)
-    out = sys.stdout.buffer
+    # Buffers of CHUNK bytes rather than 8 KiB: a stream of small files is read and written
+    # in a few large system calls.
+    out = os.fdopen(sys.stdout.fileno(), "wb", CHUNK, closefd=False)
     out.write(MARKER_PREFIX + nonce.encode("ascii") + b"\n")
     out.flush()  # at once: a listing with hashes, or a prefix hash, may take minutes
-    inp = sys.stdin.buffer
+    inp = os.fdopen(sys.stdin.fileno(), "rb", CHUNK, closefd=False)
+    try:
+        _main(op, root, argv, inp, out)
+    finally:
+        try:
+            out.flush()
+        except OSError:
+            pass  # the caller is gone
+
+
+def _main(op, root, argv, inp, out):
     if op == "serve":
         names = None if argv[5] == "-" else _json(argv[5])
         try:
