@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--folders", type=int, default=100)
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--resync-only", action="store_true", help="profile only the no-change resync")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="gpumagic-prof-"))
     prof_dir = base / "agent-prof"
@@ -58,8 +59,10 @@ def main() -> None:
             (d / f"f{i:06d}.bin").write_bytes(payload)
         machine = Machine(server.spec()).connect()
         dst = str(base / "remote")
+        if args.resync_only:
+            machine.push(f"{src}/", dst)
         engine.AGENT_SOURCE = wrapped
-        for label in ("first push", "no-change resync"):
+        for label in ("no-change resync",) if args.resync_only else ("first push", "no-change resync"):
             for p in prof_dir.iterdir():
                 p.unlink()
             prof = cProfile.Profile()
