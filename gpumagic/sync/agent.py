@@ -381,8 +381,8 @@ def _stat_record(out, kind_path, rel, st, want_hash):
     elif stat.S_ISREG(m):
         digest = _sha256(kind_path) if want_hash else ""
         _record(out, "f", rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(m), "", digest)
-        name = os.path.basename(rel)
-        if name in IGNORE_FILES and st.st_size <= MAX_IGNORE_TEXT:
+        if rel.endswith(IGNORE_FILES) and os.path.basename(rel) in IGNORE_FILES \
+                and st.st_size <= MAX_IGNORE_TEXT:
             with open(kind_path, "rb") as f:
                 data = f.read()
             # Bytes as they are (git reads them so); a NUL ends its line's pattern in git, and

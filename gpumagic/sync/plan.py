@@ -444,9 +444,10 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
                 changed = True
             elif update and d.mtime_s > s.mtime_s:
                 plan.newer.append(rel)
-            elif (s.digest == d.digest) if checksum else (s.size == d.size and s.mtime_s == d.mtime_s):
+            elif (s.digest == d.digest) if checksum else (
+                    s.size == d.size and s.mtime_ns // 1_000_000_000 == d.mtime_ns // 1_000_000_000):
                 plan.unchanged += 1
-                if d.mode != s.mode or d.mtime_s != s.mtime_s:
+                if d.mode != s.mode or s.mtime_ns // 1_000_000_000 != d.mtime_ns // 1_000_000_000:
                     plan.meta.append((rel, s.mode, s.mtime_ns))
             else:
                 plan.send.append(s)
