@@ -272,8 +272,8 @@ def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_pat
 def test_a_slow_listing_is_not_mistaken_for_a_helper_that_never_started(machine, tmp_path, monkeypatch):
     """The start marker leaves at once; only the login shell's start has a deadline."""
     slow = sync.AGENT_SOURCE.replace(
-        "def list_tree(root, want_hash=False, names=None, prune=None):\n",
-        "def list_tree(root, want_hash=False, names=None, prune=None):\n    import time; time.sleep(2.5)\n")
+        "def list_tree(root, want_hash=False, names=None, prune=None, out=None):\n",
+        "def list_tree(root, want_hash=False, names=None, prune=None, out=None):\n    import time; time.sleep(2.5)\n")
     assert slow != sync.AGENT_SOURCE
     monkeypatch.setattr(sync, "AGENT_SOURCE", slow)
     monkeypatch.setattr(sync, "START_TIMEOUT", 1.5)

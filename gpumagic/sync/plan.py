@@ -217,6 +217,13 @@ class Listing:
         return self.entries.get(".")
 
 
+def tree_order(path: str) -> str:
+    """Sort key that orders paths component by component (a directory before the files of
+    its siblings whose names extend its name: ``a/b`` before ``a-x``), as sorting by
+    ``path.split("/")`` does, but as one string: ``/`` becomes NUL, which no name holds."""
+    return path.replace("/", "\0")
+
+
 def parse_listing(data: bytes) -> Listing:
     """Parse the agent's ``list`` output (see :mod:`gpumagic.sync.agent`).
 
@@ -230,29 +237,27 @@ def parse_listing(data: bytes) -> Listing:
     SyncError
         When the text is not a whole number of records.
     """
-    fields = data.split(b"\0")
-    if fields and fields[-1] == b"":
+    # One decode of the whole (UTF-8 keeps NUL a NUL): fields are str from here on.
+    fields = data.decode("utf-8", "surrogateescape").split("\0")
+    if fields and fields[-1] == "":
         fields.pop()
     if len(fields) % agent.FIELDS:
         raise SyncError("the remote listing was cut short", "run the sync again")
     out = Listing()
-    for i in range(0, len(fields), agent.FIELDS):
-        kind, path, size, mtime, mode, text, digest = fields[i:i + agent.FIELDS]
-        path = path.decode("utf-8", "surrogateescape")
-        if kind in (b"f", b"d", b"l"):
-            out.entries[path] = Entry(path, kind.decode(), int(size), int(mtime), int(mode, 8),
-                                      text.decode("utf-8", "surrogateescape") if text else "",
-                                      digest.decode() if digest else "")
-        elif kind == b"p":  # mode 1: its writer may still be running
+    entries = out.entries
+    it = iter(fields)
+    for kind, path, size, mtime, mode, text, digest in zip(it, it, it, it, it, it, it):
+        if kind == "f" or kind == "d" or kind == "l":
+            entries[path] = Entry(path, kind, int(size), int(mtime), int(mode, 8), text, digest)
+        elif kind == "p":  # mode 1: its writer may still be running
             out.partials[path] = max(out.partials.get(path, 0), int(size))
             if text and int(mode, 8) == 0:
                 d = posixpath.dirname(path)
-                name = text.decode("utf-8", "surrogateescape")
-                out.parts[f"{d}/{name}" if d else name] = path
-        elif kind == b"i":
-            out.ignore_texts[path] = text.decode("utf-8", "surrogateescape")
-        elif kind == b"e":
-            out.errors[path] = text.decode("utf-8", "surrogateescape")
+                out.parts[f"{d}/{text}" if d else text] = path
+        elif kind == "i":
+            out.ignore_texts[path] = text
+        elif kind == "e":
+            out.errors[path] = text
     return out
 
 
@@ -271,11 +276,38 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
     if rules is not None:
         def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
             return _ignored_names(rules, rel, items)
-    records = agent.list_tree(os.fspath(root), digests, None, prune)
-    listing = parse_listing(b"".join(r + b"\0" for r in records))
+    listing = list_local(os.fspath(root), digests, None, prune)
     listing.partials.clear()  # a source's part files are nobody's business here
     listing.parts.clear()
     return listing
+
+
+class _Collect(Listing):
+    """A :class:`Listing` filled by :func:`gpumagic.sync.agent.list_tree` field by field,
+    as :func:`parse_listing` would fill it from the records (no encoding and parsing)."""
+
+    def add(self, kind: str, rel: str, size: int, mtime_ns: int, mode: int, text, digest: str) -> None:
+        if kind in ("f", "d", "l"):
+            self.entries[rel] = Entry(rel, kind, size, mtime_ns, mode, text, digest)
+        elif kind == "p":
+            self.partials[rel] = max(self.partials.get(rel, 0), size)
+            if text and not mode:
+                d = posixpath.dirname(rel)
+                self.parts[f"{d}/{text}" if d else text] = rel
+        elif kind == "i":
+            self.ignore_texts[rel] = text.decode("utf-8", "surrogateescape") if isinstance(text, bytes) else text
+        elif kind == "e":
+            self.errors[rel] = text
+
+
+def list_local(root: str, digests: bool = False, names: list[str] | None = None,
+               prune=None) -> Listing:
+    """A local tree listed by the agent's own walk (:func:`gpumagic.sync.agent.list_tree`),
+    the same :class:`Listing` that :func:`parse_listing` makes of its records; part files
+    included.  Raises what the walk raises (OSError)."""
+    out = _Collect()
+    agent.list_tree(root, digests, names, prune, out)
+    return Listing(out.entries, out.partials, out.parts, out.ignore_texts, out.errors)
 
 
 def _ignored_names(rules: IgnoreRules, rel: str, items: list[os.DirEntry]) -> set[str]:
@@ -308,7 +340,7 @@ def filter_listing(listing: Listing, rules: IgnoreRules) -> Listing:
             rules.add_file(rel, text)
     keep: dict[str, Entry] = {}
     pruned: list[str] = []
-    for rel in sorted(listing.entries, key=lambda p: p.split("/")):
+    for rel in sorted(listing.entries, key=tree_order):
         e = listing.entries[rel]
         if pruned and (rel + "/").startswith(pruned[-1]):
             continue
@@ -365,7 +397,7 @@ class Plan:
     def removals(self) -> list[str]:
         """Top-most paths to remove (replacements and deletions; children go with them)."""
         out: list[str] = []
-        for p in sorted(set(self.replace) | set(self.delete), key=lambda p: p.split("/")):
+        for p in sorted(set(self.replace) | set(self.delete), key=tree_order):
             if not out or not p.startswith(out[-1] + "/"):
                 out.append(p)
         return out
@@ -389,7 +421,7 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
     spared = tuple(p + "/" for p in unreadable if p != ".")
     plan = Plan()
     touched_dirs: set[str] = set()
-    for rel in sorted(src, key=lambda p: p.split("/")):
+    for rel in sorted(src, key=tree_order):
         s, d = src[rel], dst.get(rel)
         changed = False
         if d is not None and d.kind != s.kind and not (s.kind == "d" and d.kind == "d"):
@@ -412,9 +444,10 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
                 changed = True
             elif update and d.mtime_s > s.mtime_s:
                 plan.newer.append(rel)
-            elif (s.digest == d.digest) if checksum else (s.size == d.size and s.mtime_s == d.mtime_s):
+            elif (s.digest == d.digest) if checksum else (
+                    s.size == d.size and s.mtime_ns // 1_000_000_000 == d.mtime_ns // 1_000_000_000):
                 plan.unchanged += 1
-                if d.mode != s.mode or d.mtime_s != s.mtime_s:
+                if d.mode != s.mode or s.mtime_ns // 1_000_000_000 != d.mtime_ns // 1_000_000_000:
                     plan.meta.append((rel, s.mode, s.mtime_ns))
             else:
                 plan.send.append(s)
@@ -422,7 +455,7 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
         if changed and rel != ".":
             touched_dirs.add(posixpath.dirname(rel) or ".")
     if delete:
-        for rel in sorted(dst, key=lambda p: p.split("/")):
+        for rel in sorted(dst, key=tree_order):
             if rel == "." or rel in src:
                 continue
             if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
@@ -434,7 +467,7 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
     for rel in plan.replace:
         touched_dirs.add(posixpath.dirname(rel) or ".")
     listed = {e.path for e in plan.dirs}
-    for rel in sorted(touched_dirs, key=lambda p: p.split("/")):
+    for rel in sorted(touched_dirs, key=tree_order):
         if rel not in listed and rel in src and src[rel].kind == "d":
             plan.dirs.append(src[rel])
     return plan
