@@ -506,6 +506,21 @@ def test_missing_local_source_is_a_clear_error(machine, tmp_path):
         machine.push(str(tmp_path / "nope") + "/", str(tmp_path / "x"))
 
 
+def test_a_file_given_as_a_folder_is_a_one_line_error_on_either_side(machine, tmp_path):
+    # a new user: `%gpu sync afile/ :x/` ended in NotADirectoryError's traceback, and a pull of
+    # `:/etc/hostname/` said "cannot create /etc/hostname/" as if it were the destination
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SyncError) as e:
+        machine.push(str(tmp_path / "afile") + "/", "x/")
+    assert e.value.message == f"{tmp_path / 'afile'}/ is a file, not a directory (a trailing / means the folder's contents)"
+    assert e.value.hint == f"drop the trailing / to copy the file itself: {tmp_path / 'afile'}"
+    machine.run(["sh", "-c", "echo x > ~/a-remote-file"], quiet=True)
+    with pytest.raises(SyncError) as e:
+        machine.pull("~/a-remote-file/", str(tmp_path / "z") + "/")
+    assert e.value.message.endswith(f"a-remote-file/ on {machine.name} is not a directory: part of that path is a file")
+    assert not (tmp_path / "z").exists()
+
+
 # -- magics ----------------------------------------------------------------------------------
 
 

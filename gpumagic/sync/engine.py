@@ -457,6 +457,9 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
         return SyncError(f"cannot create {path}{on}{at}: {rec.get('error')}",
                          "choose a destination that can be created, e.g. under ~ or your workspace "
                          "(running the sync again will not help)")
+    if code == "ENOTDIR" and doing == "reading":
+        return SyncError(f"{path}{on} is not a directory: part of that path is a file",
+                         "drop a trailing / to copy a file itself, or check the path")
     return SyncError(f"sync failed{on} at {path}{at}: {rec.get('error')}",
                      "run the sync again; completed files are kept")
 
@@ -686,6 +689,9 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
         if not os.path.lexists(src.rstrip(seps) or src):
             raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
                             f"the notebook's directory, {os.getcwd()})")
+        if src.endswith(tuple(seps)) and not os.path.isdir(src):  # rsync: change_dir ... Not a directory
+            raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
+                            f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
     rules = IgnoreRules(exclude, use_files=ignore_files)
     if pushing:
         names = None
@@ -697,6 +703,7 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
         ch = open_listing(machine, dst_root, digests=checksum, names=names)
     else:
         ch = open_listing(machine, src, digests=checksum)
+        ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
     try:
         with _no_cyclic_gc():
             if pushing:
