@@ -12,7 +12,8 @@
 #   2. as that user, with a plain user's PATH (/usr/local/bin:/usr/bin:/bin) and a clean
 #      environment: a venv from a python3 it can run (Debian's /usr/bin/python3), then
 #      `pip install -e ".[test]"` (scripts/_setup.sh), with pip's cache in its own home
-#      (seeded once from root's cache);
+#      (seeded once from root's cache) and root's own pip.conf (copied once, where it has one);
+#      GPUMAGIC_TEST_* (GPUMAGIC_TEST_TORCH=1: torch for the torchrun tests) pass through;
 #   3. as that user: python -m pytest "$@".  The exit status is pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +46,8 @@ as_user() {
   while IFS= read -r var; do
     case "$var" in
       PIP_*|http_proxy|https_proxy|no_proxy|HTTP_PROXY|HTTPS_PROXY|NO_PROXY|LANG|LC_*|TERM|TZ|CI|\
-      SSL_CERT_FILE|SSL_CERT_DIR|PYTHONUNBUFFERED|PYTHONDONTWRITEBYTECODE|PYTHONFAULTHANDLER|PYTEST_ADDOPTS)
+      SSL_CERT_FILE|SSL_CERT_DIR|PYTHONUNBUFFERED|PYTHONDONTWRITEBYTECODE|PYTHONFAULTHANDLER|PYTEST_ADDOPTS|\
+      GPUMAGIC_TEST_*|GPUMAGIC_FUZZ_*)
         keep+=("$var=${!var}") ;;
     esac
   done < <(compgen -e)
@@ -73,6 +75,15 @@ if [ -d "$root_cache" ] && [ ! -d "$user_cache" ]; then
   chown -R "$user:" "$home/.cache"
 fi
 unset PIP_CACHE_DIR
+# pip's settings: the user installs from where root installs (an index or a folder of wheels
+# named in root's own pip.conf; the system-wide ones, /etc/pip.conf, apply to both already).
+for conf in .config/pip/pip.conf .pip/pip.conf; do
+  if [ -f "$HOME/$conf" ] && [ ! -e "$home/$conf" ]; then
+    say "copying root's ~/$conf to $user"
+    as_user mkdir -p "$home/$(dirname "$conf")"
+    as_user tee "$home/$conf" < "$HOME/$conf" >/dev/null
+  fi
+done
 
 # The checkout's files, as git sees the working tree; the user's .venv there is kept.
 dest=$home/gpumagic
