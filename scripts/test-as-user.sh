@@ -81,7 +81,8 @@ for conf in .config/pip/pip.conf .pip/pip.conf; do
   if [ -f "$HOME/$conf" ] && [ ! -e "$home/$conf" ]; then
     say "copying root's ~/$conf to $user"
     as_user mkdir -p "$home/$(dirname "$conf")"
-    as_user tee "$home/$conf" < "$HOME/$conf" >/dev/null
+    # shellcheck disable=SC2016  # $1 is expanded by that sh: the file, written for the user alone
+    as_user sh -c 'umask 077 && cat > "$1"' sh "$home/$conf" < "$HOME/$conf"
   fi
 done
 
