@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -44,14 +45,17 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int | None
 
 
 def private_dir(path: str | os.PathLike) -> Path:
-    """Create gpumagic's own directory ``path`` (and missing parents) and make it 0700.
+    """Create gpumagic's own directory ``path`` (and missing parents) for the user alone (0700).
 
     gpumagic's state (the budget ledger, the sandbox's home) is for the user alone; a
-    directory an older version made 0755 is tightened too.  Returns the path.
+    directory an older version made 0755 is tightened to 0700.  Tightening only takes the
+    group's and others' bits away: it never gives the owner a right the directory lacked (a
+    directory the user made read-only, 0555, becomes 0500 and stays read-only).  Another
+    user's directory is left as it is.  Returns the path.
     """
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_mode & 0o077 and st.st_uid == os.getuid():  # another user's directory: not ours to change
-        os.chmod(path, 0o700)
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
     return path

@@ -2,34 +2,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-need=()
-[ -x /usr/sbin/sshd ] || command -v sshd >/dev/null 2>&1 || need+=(openssh-server)
-command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
-command -v rsync >/dev/null 2>&1 || need+=(rsync)
-command -v tmux >/dev/null 2>&1 || need+=(tmux)
-command -v git >/dev/null 2>&1 || need+=(git)
-# Optional for the tests: login shells that re-read a command differently, and shellcheck for
-# the machine-side programs.  Installed when we are root; otherwise their tests are skipped
-# with the install line.
-if [ "$(id -u)" = 0 ]; then
-  for tool in fish tcsh zsh shellcheck; do
-    command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
-  done
-fi
-command -v python3 >/dev/null 2>&1 || need+=(python3)
-python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "gpumagic: installing ${need[*]} with apt-get" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-  else
-    echo "gpumagic: missing ${need[*]}; install them first, e.g.:" >&2
-    echo "  sudo apt-get install ${need[*]}" >&2
-    exit 1
-  fi
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/_packages.sh"
 
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv

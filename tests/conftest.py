@@ -60,6 +60,24 @@ def add_client_entry(server: SshServer, alias: str, extra: str = "") -> None:
         f.write(server.known_hosts.read_text())
 
 
+#: Where the suite does not run as root, a machine can shut itself down only through passwordless
+#: sudo (gpumagic.budget.shutdown): the probe then finds ``sudo -n BIN/shutdown -h now``.
+SUDO = "" if os.geteuid() == 0 else "sudo -n "
+#: A stand-in ``sudo`` that only runs its command (after ``-n``).
+SUDO_STAND_IN = '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n'
+
+
+def install_shutdown(server: SshServer, script: str) -> str:
+    """Make ``server`` a machine that can shut itself down, harmlessly, as root or not:
+    ``script`` is its ``shutdown`` (first on its PATH) and, where the suite is not root, a
+    stand-in ``sudo`` goes next to it.  Returns the command gpumagic's probe must find there
+    (``BIN/shutdown -h now``, after ``sudo -n`` where not root): never a real shutdown."""
+    server.install_bin("shutdown", script)
+    if SUDO:
+        server.install_bin("sudo", SUDO_STAND_IN)
+    return f"{SUDO}{server.bin}/shutdown -h now"
+
+
 @pytest.fixture(scope="session")
 def client_home() -> Path:
     return CLIENT_HOME

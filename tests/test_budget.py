@@ -27,7 +27,7 @@ from gpumagic.budget.ledger import record_session
 from gpumagic.budget.prices import BILLING_UNITS, guard_limit_in, new_alerts
 from gpumagic.errors import GpumagicError
 
-from conftest import add_client_entry, make_server
+from conftest import add_client_entry, install_shutdown, make_server
 
 RECORDINGS = Path(gpumagic.__file__).parent / "gpu" / "fake" / "recordings"
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,12 +430,12 @@ def guards(tmp_path_factory):
     out = {}
     for alias, gpu in setups.items():
         server = make_server(alias, fake_gpu=gpu or "h200-idle")
-        server.install_bin("shutdown", STAND_IN)
+        expected = install_shutdown(server, STAND_IN)
         add_client_entry(server, alias)
         m = gpumagic.connect(alias)
         plan = find_shutdown(m)
         # never a real shutdown: the command found must be this server's stand-in
-        assert plan.command == f"{server.bin}/shutdown -h now", plan
+        assert plan.command == expected, plan
         if alias == "g-limit":
             m.budget_set(360, currency="CNY", limit=11, started_at=time.time() - 100, ledger=ledger)
             status = m.budget_guard(at_limit=True, grace=30, poll=POLL, ledger=ledger, plan=plan)
@@ -473,17 +473,51 @@ def test_guards_arm_and_report_their_first_measurement(guards):
 def test_guard_refuses_where_no_shutdown_can_run_and_says_how_to_stop(tmp_path):
     server = make_server("g-noroot")
     server.install_bin("id", "#!/bin/sh\necho 1000\n")      # the probe sees a non-root user
-    server.install_bin("sudo", "#!/bin/sh\nexit 1\n")        # whose sudo needs a password
+    server.install_bin("sudo", "#!/bin/sh\necho 'sudo: a password is required' >&2\nexit 1\n")  # as sudo says
     add_client_entry(server, "g-noroot")
     try:
         with gpumagic.connect("g-noroot") as m:
             with pytest.raises(budget.BudgetError) as e:
                 m.budget_guard(idle=60, ledger=Ledger(tmp_path / "l.json"))
             assert "no shutdown command can run" in str(e.value)
-            assert "sudo" in e.value.hint and "console" in e.value.hint
+            assert e.value.hint.startswith("not root, and `sudo -n true` failed (sudo: a password is required), "
+                                           "so no shutdown command can run")
+            assert "console" in e.value.hint
             assert m.budget_guard_status().state == "none"
     finally:
         server.stop()
+
+
+def _probe_as_user_1000(tmp_path, sudo: str | None) -> str:
+    """The shutdown probe's reason, run by this computer's /bin/sh for a user who is not root
+    (a stand-in ``id``), with ``sudo`` as given (None: no sudo on PATH at all)."""
+    from gpumagic.budget.shutdown import PROBE, parse_probe
+    from gpumagic.remote import program
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True)
+    for name, script in (("id", "#!/bin/sh\necho 1000\n"), ("sudo", sudo)):
+        if script is not None:
+            (bindir / name).write_text(script)
+            (bindir / name).chmod(0o755)
+    r = subprocess.run(["/bin/sh", "-c", program.command(PROBE)], env={"PATH": str(bindir)},
+                       capture_output=True, text=True)
+    return parse_probe(r.stdout).reason
+
+
+def test_shutdown_refusal_says_sudo_is_not_installed_where_it_is_not(tmp_path):
+    # issue 17: it said "`sudo -n` needs a password" on a machine without sudo
+    assert _probe_as_user_1000(tmp_path, None) == (
+        "not root, and sudo is not installed, so no shutdown command can run; run as root, allow "
+        "passwordless sudo for shutdown, or stop the instance from the platform's console")
+
+
+def test_shutdown_refusal_quotes_the_first_line_sudo_said_or_its_exit_code(tmp_path):
+    said = _probe_as_user_1000(tmp_path / "a", "#!/bin/sh\necho 'sudo: a password is required' >&2\n"
+                                               "echo 'second line' >&2\nexit 1\n")
+    assert said.startswith("not root, and `sudo -n true` failed (sudo: a password is required), so no")
+    silent = _probe_as_user_1000(tmp_path / "b", "#!/bin/sh\nexit 3\n")
+    assert silent.startswith("not root, and `sudo -n true` failed (it exited with code 3), so no")
 
 
 def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
@@ -539,7 +573,7 @@ def _run(ip, line):
 def budget_ip(ip, tmp_path, monkeypatch):
     monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
     server = make_server(f"b-magic-{os.getpid()}-{time.monotonic_ns()}", fake_gpu="h200-idle")
-    server.install_bin("shutdown", STAND_IN)
+    install_shutdown(server, STAND_IN)
     add_client_entry(server, server.alias)
     ip.run_line_magic("gpu", f"connect {server.alias}")
     yield ip, server

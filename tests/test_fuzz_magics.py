@@ -40,7 +40,7 @@ from gpumagic.budget import notify  # noqa: E402
 from gpumagic.notebook import magics  # noqa: E402
 from gpumagic.errors import GpumagicError  # noqa: E402
 
-from conftest import CLIENT_HOME, add_client_entry, make_server  # noqa: E402
+from conftest import CLIENT_HOME, add_client_entry, install_shutdown, make_server  # noqa: E402
 
 ALIAS = "fuzzgpu"
 HOSTILE = ["nan", "NaN", "inf", "-inf", "Infinity", "-5", "-1", "0", "1e400", "1e308", "-1e400",
@@ -180,7 +180,8 @@ def fuzz(_ipython, tmp_path_factory):
     working directory and data directory, and getpass answering "" (no terminal here)."""
     base = tmp_path_factory.mktemp("fuzz")
     server = make_server(ALIAS, fake_gpu="h200-idle")
-    server.install_bin("shutdown", '#!/bin/sh\necho "$*" >> "$(dirname "$0")/../shutdown-calls"\n')
+    # where not root, with a stand-in sudo too: --then-shutdown and the guard are armed, not refused
+    install_shutdown(server, '#!/bin/sh\necho "$*" >> "$(dirname "$0")/../shutdown-calls"\n')
     if Path("/usr/bin/python3").exists():  # jupyter/tensorboard missing: refused at once
         server.install_bin("python3", '#!/bin/sh\nexec /usr/bin/python3 "$@"\n')
     add_client_entry(server, ALIAS)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from IPython.utils.capture import capture_output
 
-from conftest import add_client_entry, make_server
+from conftest import add_client_entry, install_shutdown, make_server
 from gpumagic.remote import jobs, program
 from gpumagic.notebook.display import job_alert, jobs_table
 from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
@@ -209,18 +209,12 @@ def test_job_renderings_have_text_and_html():
 # -- case 5: --then-shutdown with a recording stand-in (started first: it takes a minute) ----
 
 
-#: A plain user's shutdown needs passwordless sudo: where the tests do not run as root, this
-#: stand-in `sudo` (it only runs its command) goes next to the stand-in `shutdown`.
-SUDO_STAND_IN = '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n'
-SUDO = "" if os.geteuid() == 0 else "sudo -n "
-
-
 @pytest.fixture(scope="module")
 def shutdown_server():
     server = make_server("jobs-shutdown")
-    server.install_bin("shutdown", '#!/bin/sh\necho "$(date +%s) ${GPUMAGIC_JOB:-?} $*" >> "$HOME/shutdown-calls"\n')
-    if SUDO:
-        server.install_bin("sudo", SUDO_STAND_IN)
+    # a plain user's shutdown goes through passwordless sudo: a stand-in one where not root
+    server.expected_shutdown = install_shutdown(
+        server, '#!/bin/sh\necho "$(date +%s) ${GPUMAGIC_JOB:-?} $*" >> "$HOME/shutdown-calls"\n')
     add_client_entry(server, "jobs-shutdown")
     yield server
     kill_all_jobs(Path(server.env["HOME"]))
@@ -236,7 +230,7 @@ def shutdown_jobs(shutdown_server):
     m = gpumagic.connect("jobs-shutdown")
     plan = find_shutdown(m)
     # Never a real shutdown: the plan must be the stand-in in this server's bin/.
-    assert plan.command == f"{SUDO}{shutdown_server.bin}/shutdown -h now"
+    assert plan.command == shutdown_server.expected_shutdown
     names = {k: jname(f"sd-{k}") for k in ("ok", "fail", "cancel")}
     m.start_job(names["ok"], "echo trained", then_shutdown=1)
     m.start_job(names["fail"], "echo broken; exit 3", then_shutdown=1)
@@ -264,12 +258,15 @@ def test_then_shutdown_is_pending_after_success_only_and_kill_shutdown_cancels(i
 
 
 def test_then_shutdown_is_refused_where_the_machine_cannot_shut_down(machine):
-    if find_shutdown(machine).possible:
+    plan = find_shutdown(machine)
+    if plan.possible:
         pytest.skip("this test machine could really shut down; refusing needs one that cannot")
     name = jname("sd-refused")
     with pytest.raises(JobError) as e:
         machine.start_job(name, "exit 1", then_shutdown=1)
-    assert f"{machine.name} cannot shut itself down, so the job was not started" in str(e.value)
+    # the actual reason (a plain user: no sudo, or what sudo said; root: a container's PID 1)
+    assert str(e.value).startswith(f"--then-shutdown: {machine.name} cannot shut itself down, so the job "
+                                   f"was not started: {plan.reason}")
     assert name not in [j.name for j in machine.jobs()]
 
 
@@ -286,7 +283,8 @@ def test_then_shutdown_is_never_armed_for_real_on_the_sandbox():
     import gpumagic
 
     # The sandbox is this computer: its shutdown plan is its stand-in, never the real
-    # `shutdown` a probe would find on this computer's PATH.
+    # `shutdown` a probe would find on this computer's PATH, and, as for the guard, whoever
+    # the user is (issue 17: a plain user got a refusal about sudo instead).
     m = gpumagic.connect(sandbox=True)
     name = jname("sd-sandbox")
     try:
@@ -294,6 +292,7 @@ def test_then_shutdown_is_never_armed_for_real_on_the_sandbox():
         armed = m.exec(f'cat "$HOME/.gpumagic/jobs/{name}/shutdown_command"').stdout.strip()
         assert armed == f"{m.sandbox.server.bin}/shutdown -h now"
         assert m.job(name).wait(timeout=60).exit_code == 1  # a failed job: nothing is called
+        assert not (m.sandbox.server.dir / "shutdown-calls").exists()
     finally:
         m.exec(f'rm -rf "$HOME/.gpumagic/jobs/{name}"')
         m.close()
@@ -638,11 +637,6 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
     import nbformat
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    if SUDO:  # the notebook puts a stand-in shutdown on the sandbox; a plain user needs sudo too
-        (tmp_path / "sudo-bin").mkdir()
-        (tmp_path / "sudo-bin" / "sudo").write_text(SUDO_STAND_IN)
-        (tmp_path / "sudo-bin" / "sudo").chmod(0o755)
-        monkeypatch.setenv("PATH", f"{tmp_path / 'sudo-bin'}:{os.environ['PATH']}")
     names = ("tutorial-train", "tutorial-eval")
     home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # the sandbox's remote HOME is this user's
     made = [p for p in (home / ".gpumagic", home / ".gpumagic" / "jobs") if not p.exists()]

@@ -76,21 +76,18 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
 
 
 def test_the_budget_guard_and_jobs_on_a_rented_machine_keep_a_private_state_dir(tmp_path):
-    from conftest import make_server
+    from conftest import install_shutdown, make_server
     from gpumagic.budget import Ledger
     from gpumagic.budget.shutdown import find_shutdown
 
     old_umask = os.umask(0o022)
     try:
         server = make_server("private-guard", fake_gpu="h200-idle")
-        server.install_bin("shutdown", f"#!/bin/sh\necho \"$*\" >> {server.dir}/shutdown-calls\n")
-        sudo = "" if os.geteuid() == 0 else "sudo -n "
-        if sudo:  # a plain user's shutdown needs passwordless sudo: a stand-in that runs it
-            server.install_bin("sudo", '#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n')
+        expected = install_shutdown(server, f"#!/bin/sh\necho \"$*\" >> {server.dir}/shutdown-calls\n")
         m = gpumagic.Machine(server.spec()).connect()
         try:
             plan = find_shutdown(m)
-            assert plan.command == f"{sudo}{server.bin}/shutdown -h now", plan  # never a real one
+            assert plan.command == expected, plan  # never a real one
             ledger = Ledger(tmp_path / "ledger.json")
             m.budget_set(1, currency="CNY", ledger=ledger)
             m.budget_guard(idle=3600, poll=1, ledger=ledger, plan=plan)
@@ -109,3 +106,21 @@ def test_the_budget_guard_and_jobs_on_a_rented_machine_keep_a_private_state_dir(
              if stat.S_IMODE(p.lstat().st_mode) != (0o700 if p.is_dir() else 0o600)}
     assert wrong == {}
     assert stat.S_IMODE((tmp_path / "ledger.json").stat().st_mode) == 0o600
+
+
+def test_private_dir_only_takes_bits_away_and_leaves_a_read_only_directory_read_only(tmp_path):
+    from gpumagic._fs import private_dir
+
+    opened, read_only = tmp_path / "opened", tmp_path / "read-only"
+    opened.mkdir()
+    opened.chmod(0o755)  # what an older gpumagic made: tightened
+    read_only.mkdir()
+    read_only.chmod(0o555)  # what the user made read-only: still without the owner's w
+    try:
+        private_dir(opened)
+        private_dir(read_only)
+        assert stat.S_IMODE(opened.stat().st_mode) == 0o700
+        assert stat.S_IMODE(read_only.stat().st_mode) == 0o500
+        assert stat.S_IMODE(private_dir(tmp_path / "new" / "dir").stat().st_mode) == 0o700
+    finally:
+        read_only.chmod(0o700)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import gpumagic
-from conftest import add_client_entry, make_server, wait_until
+from conftest import _TMP, add_client_entry, make_server, wait_until
 from gpumagic.errors import JobError
 
 #: The one command that adds torch (a CPU build) to the test environment.
@@ -57,11 +57,13 @@ def b(pair):
     m.close()
 
 
-def procs(word):
+def procs(word, *, ours=True):
     """``ps`` lines of this computer's processes (the sandboxes' too) whose command line holds
-    ``word`` (a job's torchrun folder: torchrun and every worker name it)."""
+    ``word`` (a job's torchrun folder: torchrun and every worker name it).  ``ours``: only those
+    of this test run (the folder is in a machine's HOME, under the suite's temp dir), not those of
+    another test run on the same computer, whose jobs have the same names."""
     out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if word in ln]
+    return [ln for ln in out.splitlines() if word in ln and (not ours or f"{_TMP}/" in ln)]
 
 
 def test_case1_two_ranks_one_machine(a, pair):
@@ -177,7 +179,8 @@ def test_case4_unreachable_endpoint_refused_within_deadline(a, b):
     msg = str(e.value)
     assert "192.0.2.1" in msg and "cannot be reached" in msg and "trb" in msg
     assert took < 60
-    assert procs("torchrun_listen") == [] or wait_until(lambda: procs("torchrun_listen") == [], 40)
+    assert procs("torchrun_listen", ours=False) == [] or wait_until(  # its text names no folder
+        lambda: procs("torchrun_listen", ours=False) == [], 40)
     assert all(j.name != "ar4" for j in a.jobs() + b.jobs())
 
 

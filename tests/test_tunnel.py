@@ -917,15 +917,17 @@ def test_tensorboard_logdir_with_quotes_spaces_and_dollar_is_the_directory_it_se
     from pathlib import Path
 
     logdir = "it's a $HOME `id` dir"  # an argument of tunnel-service.py, never program text
+    cwd = Path(machine.run("pwd", quiet=True).stdout.strip())  # the machine's HOME: this user's
     t = machine.tensorboard(logdir, local_port=0)
     pid = t.service.pid
     try:
-        cwd = Path(machine.run("pwd", quiet=True).stdout.strip())
         assert (cwd / logdir).is_dir()
         assert t.service.started and t.name == f"tensorboard {logdir}"
         assert json.loads(fetch(t.url + "data/logdir"))["logdir"] == str(cwd / logdir)
     finally:
         machine.tunnels.close(t.local_port, stop_service=True)
+        if (cwd / logdir).is_dir() and not any((cwd / logdir).iterdir()):
+            (cwd / logdir).rmdir()  # the service made it empty: leave this user's HOME as it was
     assert wait_until(lambda: process_gone(pid), 15)
 
 

@@ -9,6 +9,8 @@ trip, before anything is armed, so a student is told at once instead of paying a
 Rules, in order:
 
 1. privilege: root, or ``sudo -n true`` succeeds (then the command is prefixed ``sudo -n``);
+   otherwise the answer says which: no ``sudo`` on PATH, or the first line ``sudo -n true``
+   printed (its exit code where it printed nothing);
 2. a command, on PATH or where images keep it off a non-login PATH (``/sbin``, ``/usr/sbin``:
    ``gm_find`` of ``lib.sh``): ``shutdown`` (run as ``shutdown -h now``), else ``poweroff``;
 3. it can act: PID 1 is an init system (``systemd``, ``init``), or the command found is not
@@ -21,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: The machine-side probe (``gpumagic/remote/programs/shutdown-find.sh``): it prints one line,
-#: ``ok COMMAND``, ``noroot``, ``nocmd`` or ``noinit INIT``, read by :func:`parse_probe`.
+#: ``ok COMMAND``, ``noroot nosudo``, ``noroot sudo exit CODE LINE``, ``nocmd`` or
+#: ``noinit INIT``, read by :func:`parse_probe`.
 PROBE = "shutdown-find.sh"
 
 CONTAINER_HINT = ("this machine looks like a container (PID 1 is {init!r}, not an init system), "
@@ -57,15 +60,28 @@ def parse_probe(output: str) -> ShutdownPlan:
     if word == "ok" and rest:
         return ShutdownPlan(rest)
     if word == "noroot":
-        return ShutdownPlan(None, "not root and `sudo -n` needs a password, so no shutdown command "
-                                  "can run; run as root, allow passwordless sudo for shutdown, or "
-                                  "stop the instance from the platform's console")
+        return ShutdownPlan(None, f"{_not_root(rest)}, so no shutdown command can run; run as root, "
+                                  "allow passwordless sudo for shutdown, or stop the instance from "
+                                  "the platform's console")
     if word == "nocmd":
         return ShutdownPlan(None, "neither `shutdown` nor `poweroff` exists on this machine; "
                                   "stop the instance from the platform's console")
     if word == "noinit":
         return ShutdownPlan(None, CONTAINER_HINT.format(init=rest or "?"))
     return ShutdownPlan(None, f"could not tell whether this machine can shut down ({line!r})")
+
+
+def _not_root(detail: str) -> str:
+    """Why a user who is not root cannot shut down, from the probe's ``noroot`` detail:
+    ``nosudo``, or ``sudo exit CODE LINE`` (LINE: the first line ``sudo -n true`` printed)."""
+    if detail == "nosudo":
+        return "not root, and sudo is not installed"
+    kind, _, rest = detail.partition(" ")
+    if kind == "sudo":
+        _, code, said = (rest.split(" ", 2) + ["", ""])[:3]
+        said = said.strip() or f"it exited with code {code or '?'}"
+        return f"not root, and `sudo -n true` failed ({said})"
+    return "not root, and passwordless sudo was not available"
 
 
 def find_shutdown(machine) -> ShutdownPlan:

@@ -52,8 +52,9 @@ process group, the session and every descendant of the runner (read from ``ps``,
 ``/proc/*/stat`` where ``ps`` is missing), waits up to :data:`KILL_GRACE` seconds, and
 SIGKILLs what is left.  Processes that daemonize away (double fork) escape, as from any
 process-tree kill.  Zombies count as ended (some container init processes never reap them).  ``--then-shutdown`` makes
-``run.sh`` arm a timer after a successful exit (code 0) that runs the command found by
-:func:`gpumagic.budget.shutdown.find_shutdown` after the grace, unless cancelled.
+``run.sh`` arm a timer after a successful exit (code 0) that runs the command of
+:meth:`gpumagic.machine.Machine.shutdown_plan` (the budget guard's; on the sandbox, its
+stand-in) after the grace, unless cancelled.
 
 The alert patterns (:data:`ALERTS`) are POSIX extended regular expressions matched
 case-insensitively, the same text for the remote ``grep -E -i`` and Python's :mod:`re`.
@@ -651,7 +652,8 @@ def start(machine: MachineLike, name: str, command: str, *, python: bool = False
         Kill the job at the first log line of these alert kinds (watched on the remote).
     then_shutdown : float, optional
         Minutes after a successful end (exit 0) after which the machine shuts down.
-        Checked now with :func:`gpumagic.budget.shutdown.find_shutdown`.
+        Checked now with :meth:`Machine.shutdown_plan <gpumagic.machine.Machine.shutdown_plan>`
+        (on the sandbox: its stand-in).
     alerts : bool
         Show alerts when following or listing (``--no-alerts`` turns them off).
     tool_dirs : iterable of str

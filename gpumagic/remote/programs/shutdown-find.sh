@@ -1,13 +1,23 @@
 # shutdown-find.sh: can this machine shut itself down, and how (gpumagic/budget/shutdown.py
 # reads the last line).  Prints one of:
 #   ok COMMAND      the command that powers the machine off (prefixed "sudo -n " when needed)
-#   noroot          not root and `sudo -n` needs a password
+#   noroot nosudo   not root, and no sudo on PATH
+#   noroot sudo exit CODE LINE
+#                   not root, and `sudo -n true` failed with CODE; LINE is the first line it
+#                   printed (empty when it printed nothing)
 #   nocmd           neither shutdown nor poweroff exists (on PATH or off it: gm_find)
 #   noinit INIT     the command is the distribution's own but PID 1 (INIT) is no init system
 # shellcheck shell=sh
 priv=""
 if [ "$(id -u)" != 0 ]; then
-  if sudo -n true 2>/dev/null; then priv="sudo -n "; else echo "noroot"; exit 0; fi
+  command -v sudo >/dev/null 2>&1 || { echo "noroot nosudo"; exit 0; }
+  if said=$(sudo -n true 2>&1 </dev/null); then priv="sudo -n "
+  else
+    rc=$?
+    nl='
+'
+    echo "noroot sudo exit $rc ${said%%"$nl"*}"; exit 0
+  fi
 fi
 if cmd=$(gm_find shutdown); then args=" -h now"
 elif cmd=$(gm_find poweroff); then args=""
