@@ -15,6 +15,11 @@ if [ "$(id -u)" = 0 ]; then
   for tool in fish tcsh zsh shellcheck; do
     command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
   done
+  # GPUMAGIC_TEST_BROWSER=1 (.ci/run sets it): Debian's chromium for tests/test_browser.py, driven
+  # by Playwright (whose own browser download cannot work here).
+  if [ "${GPUMAGIC_TEST_BROWSER:-}" = 1 ] && [ ! -x /usr/bin/chromium ]; then
+    need+=(chromium)
+  fi
 fi
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
