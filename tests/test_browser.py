@@ -194,6 +194,8 @@ def _screenshot(page, name: str) -> Path:
     """The whole notebook: the viewport is made as tall as its scrolled content (at most 30000 px)."""
     height = page.evaluate("p => document.querySelector(`${p} .jp-WindowedPanel-outer`).scrollHeight", PANEL)
     page.set_viewport_size({"width": 1280, "height": min(int(height) + 200, 30_000)})
+    page.evaluate("p => { document.querySelector(`${p} .jp-WindowedPanel-outer`).scrollTop = 0; }", PANEL)
+    page.wait_for_timeout(500)
     out = SHOTS / (name.replace("/", "-").removesuffix(".ipynb") + ".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(out))
@@ -289,8 +291,10 @@ def test_saved_notebook_renders_with_no_kernel(kernelless, browser, name):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
         _open(page, kernelless, name)
-        page.get_by_role("button", name="No Kernel").click()  # the "Select Kernel" dialog
-        page.get_by_text("No Kernel |").first.wait_for(timeout=60_000)  # the status bar's kernel
+        dialog = page.get_by_role("dialog")  # "Select Kernel": the file's python3 is not here
+        dialog.get_by_text("Select Kernel").first.wait_for(timeout=60_000)
+        dialog.locator("button.jp-Dialog-button", has_text="No Kernel").click()
+        dialog.wait_for(state="detached", timeout=60_000)
         page.wait_for_function("([p, n]) => document.querySelectorAll(`${p} .jp-OutputArea-output`).length >= n",
                                arg=[PANEL, sum(saved_outputs)], timeout=60_000)
         shown = page.evaluate(CELLS)
