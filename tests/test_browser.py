@@ -155,12 +155,43 @@ def browser():
 #: The notebook on show (JupyterLab hides the others' panels).
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 
-ALL_PROMPTS_NUMBERED = """() => {
+
+#: One look at the page while Run All goes on: every widget output is given an id and its
+#: record kept in window.__gm (polls seen, ever visible: a box with a size and some text);
+#: returns whether every cell ran, whether "Error displaying widget" is shown, and the records.
+LOOK = """() => {
   const PANEL = '%s';
-  const p = [...document.querySelectorAll(`${PANEL} .jp-CodeCell .jp-InputPrompt`)]
-    .map(e => e.textContent.trim());
-  return p.length > 0 && p.every(t => /^\\[\\d+\\]:$/.test(t));
+  const gm = window.__gm = window.__gm || {next: 0, seen: {}, error: false};
+  const views = [...document.querySelectorAll(`${PANEL} .jp-OutputArea-output`)]
+    .filter(e => e.querySelector('.jupyter-widgets'));  // a widget view (no data-mime-type there)
+  for (const e of views) {
+    if (!e.dataset.gmId) e.dataset.gmId = String(gm.next++);
+    const s = gm.seen[e.dataset.gmId] = gm.seen[e.dataset.gmId] || {polls: 0, visible: false, text: ''};
+    const r = e.getBoundingClientRect();
+    s.polls++;
+    if (r.width > 0 && r.height > 0 && e.innerText.trim() !== '') {
+      s.visible = true;
+      s.text = e.innerText.slice(0, 200);
+    }
+  }
+  gm.error = gm.error || document.body.innerText.includes('Error displaying widget');
+  const p = [...document.querySelectorAll(`${PANEL} .jp-CodeCell .jp-InputPrompt`)].map(e => e.textContent.trim());
+  return {done: p.length > 0 && p.every(t => /^\\[\\d+\\]:$/.test(t)), error: gm.error,
+          seen: Object.values(gm.seen)};
 }""" % PANEL
+
+
+def _run_all_and_watch(page, timeout: float) -> dict:
+    """Poll the page (every 0.3 s) until every code cell has run; returns the last look."""
+    deadline = time.monotonic() + timeout
+    while True:
+        look = page.evaluate(LOOK)
+        if look["done"]:
+            return look
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Run All did not finish within {timeout:.0f} s")
+        page.wait_for_timeout(300)
+
 
 #: Per code cell, in order: its input prompt, its stderr texts, and its widget outputs
 #: (visible: a box with a size; text: what it shows).
@@ -169,7 +200,8 @@ CELLS = """() => { const PANEL = '%s'; return [...document.querySelectorAll(`${P
   outputs: c.querySelectorAll('.jp-OutputArea-output').length,
   stderr: [...c.querySelectorAll('.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"]')]
     .map(e => e.innerText),
-  widgets: [...c.querySelectorAll('.jp-OutputArea-output[data-mime-type="%s"]')].map(e => {
+  widgets: [...c.querySelectorAll('.jp-OutputArea-output')].filter(e => e.querySelector('.jupyter-widgets'))
+    .map(e => {
     const r = e.getBoundingClientRect();
     return {visible: r.width > 0 && r.height > 0 && getComputedStyle(e).visibility !== 'hidden',
             text: e.innerText};
@@ -178,7 +210,7 @@ CELLS = """() => { const PANEL = '%s'; return [...document.querySelectorAll(`${P
     const r = e.getBoundingClientRect();
     return !(r.width > 0 && r.height > 0);
   }).length,
-}))}""" % (PANEL, WIDGET)
+}))}""" % PANEL
 
 
 def _code_cells(path: Path):
@@ -239,6 +271,7 @@ def _problems(name: str, cells: list, shown: list) -> list[str]:
 # -- the tests ------------------------------------------------------------------------------
 
 _ran: dict[str, float] = {}  # the tutorials run below and their seconds, for the reopen test
+_widgets: dict[str, int] = {}  # widget outputs on each one's page once it finished
 
 
 @pytest.mark.timeout(900)
@@ -253,8 +286,9 @@ def test_tutorial_runs_in_jupyterlab_with_run_all(lab, browser, name):
         page.get_by_text("| Idle").wait_for(timeout=120_000)  # the status bar: the kernel is ready
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").click()
         page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
-        page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=780_000, polling=1000)
+        live = _run_all_and_watch(page, 780)
         page.get_by_text("| Idle").wait_for(timeout=120_000)
+        live = page.evaluate(LOOK)
         page.keyboard.press("Control+s")
         cells = _saved(lab.root / name)
         shown = page.evaluate(CELLS)
@@ -263,10 +297,15 @@ def test_tutorial_runs_in_jupyterlab_with_run_all(lab, browser, name):
     finally:
         page.close()
         lab.shut_down_kernels()  # the sandbox stops with its kernel
-    assert "Error displaying widget" not in body
+    assert "Error displaying widget" not in body and not live["error"]
+    # a live widget may be replaced by its static state between two looks; one seen three
+    # times or more must have been visible
+    assert [w for w in live["seen"] if w["polls"] >= 3 and not w["visible"]] == []
     assert _problems(name, cells, shown) == []
     assert all(d["empty"] == 0 for d in shown), [d for d in shown if d["empty"]]
     _ran[name] = time.monotonic() - started
+    _widgets[name] = sum(w["visible"] for w in live["seen"])
+    print(f"{name}: ran in {_ran[name]:.0f} s, {_widgets[name]} live widget outputs seen visible")
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +350,11 @@ def test_saved_notebook_renders_with_no_kernel(kernelless, browser, name):
         for o in cell.outputs:
             if WIDGET in o.get("data", {}):
                 assert "text/html" in o.data and "text/plain" in o.data, (name, cell.source)
+
+
+def test_live_widgets_were_seen_and_checked():
+    # The widget checks above must have had something to check: the tutorials' live widgets
+    # (tutorial 03's sync bars, for one) were on the page, visible, while Run All went on.
+    if not _ran:
+        pytest.skip("no tutorial was run in the browser in this session")
+    assert sum(_widgets.values()) > 0, _widgets
