@@ -177,7 +177,11 @@ class PlainUser:
                     os.kill(pid, 9)
                 except ProcessLookupError:
                     pass
-            subprocess.run(["userdel", self.name], capture_output=True)
+            deadline = time.monotonic() + 30  # userdel refuses while the user has processes
+            while self.processes() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            r = subprocess.run(["userdel", self.name], capture_output=True, text=True)
+            assert r.returncode == 0, f"userdel {self.name}: {r.stderr.strip()}"
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +226,10 @@ def binder_env():
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         yield user, str(venv / "bin" / "python"), repo, timings
     finally:
-        user.remove()
-        shutil.rmtree(base, ignore_errors=True)
+        try:
+            user.remove()
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 #: Building the environment (pip downloads into an empty cache) counts in the first test's time.

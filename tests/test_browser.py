@@ -198,6 +198,7 @@ def _run_all_and_watch(page, timeout: float) -> dict:
 CELLS = """() => { const PANEL = '%s'; return [...document.querySelectorAll(`${PANEL} .jp-CodeCell`)].map(c => ({
   prompt: c.querySelector('.jp-InputPrompt').textContent.trim(),
   outputs: c.querySelectorAll('.jp-OutputArea-output').length,
+  html: c.querySelectorAll('.jp-OutputArea-output.jp-RenderedHTML').length,
   stderr: [...c.querySelectorAll('.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"]')]
     .map(e => e.innerText),
   widgets: [...c.querySelectorAll('.jp-OutputArea-output')].filter(e => e.querySelector('.jupyter-widgets'))
@@ -344,6 +345,9 @@ def test_saved_notebook_renders_with_no_kernel(kernelless, browser, name):
     assert kernelless.api("sessions") == []  # nothing was executed: the outputs are the file's
     assert "Error displaying widget" not in body
     assert [d["outputs"] for d in shown] == saved_outputs
+    # every saved HTML form is what shows (a status table, a sync bar, the meter, the job
+    # table), not the widget renderer's text/plain stand-in
+    assert [d["html"] for d in shown] == [sum("text/html" in o.get("data", {}) for o in c.outputs) for c in cells]
     assert all(d["empty"] == 0 for d in shown), [d for d in shown if d["empty"]]
     assert _problems(name, cells, shown) == []
     for cell, dom in zip(cells, shown):  # what the file saved as a widget has static HTML with it
