@@ -15,6 +15,13 @@ if [ "$(id -u)" = 0 ]; then
   for tool in fish tcsh zsh shellcheck; do
     command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
   done
+  # GPUMAGIC_TEST_BROWSER=1 (.ci/run sets it): Debian's chromium for tests/test_browser.py, driven
+  # by Playwright (whose own browser download cannot work here), and a Chinese font (5 MB) so the
+  # zh-CN tutorials' screenshots show characters, not boxes.
+  if [ "${GPUMAGIC_TEST_BROWSER:-}" = 1 ]; then
+    [ -x /usr/bin/chromium ] || need+=(chromium)
+    [ -e /usr/share/fonts/truetype/wqy/wqy-microhei.ttc ] || need+=(fonts-wqy-microhei)
+  fi
 fi
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
