@@ -298,6 +298,24 @@ def test_then_shutdown_is_never_armed_for_real_on_the_sandbox():
         m.close()
 
 
+def test_the_magics_say_a_sandbox_shutdown_is_a_stand_in(ip, capsys):
+    # a new user, as root on a laptop, could not tell that the laptop would not power off
+    from gpumagic.notebook.display import SANDBOX_SHUTDOWN_NOTE
+
+    ip.run_line_magic("gpu", "connect --sandbox")
+    name = jname("sd-note")
+    m = ip._gpumagic.session.get()
+    try:
+        ip.run_cell_magic("remote", f"--job {name} --then-shutdown 1", "exit 1")
+        assert SANDBOX_SHUTDOWN_NOTE in capsys.readouterr().out
+        ip.run_line_magic("gpu", "budget guard --idle 30m")
+        assert SANDBOX_SHUTDOWN_NOTE in capsys.readouterr().out
+    finally:
+        ip.run_line_magic("gpu", "budget guard --cancel")
+        m.job(name).wait(timeout=60)
+        m.exec(f'rm -rf "$HOME/.gpumagic/jobs/{name}"')
+
+
 # -- case 1: a job survives the connection and the shell that started it -------------------
 
 _STARTER = """

@@ -53,6 +53,10 @@ def prose(x) -> str:
 
 #: Table cells start at the left: JupyterLab's stylesheet right-aligns them, which puts each
 #: value far from its label.
+#: Said wherever a shutdown is armed on the sandbox, which is this computer.
+SANDBOX_SHUTDOWN_NOTE = ("sandbox: its shutdown is a stand-in that only records the call (in the sandbox's "
+                         "folder, shutdown-calls); this computer is not shut down")
+
 TD = "<td style='text-align:left'>"
 TH = "<th style='text-align:left'>"
 

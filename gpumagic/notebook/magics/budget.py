@@ -18,7 +18,7 @@ from ...budget import Ledger
 from ...budget import notify as notifymod
 from ...budget.guard import guard_log_path
 from ...budget.prices import MAX_AMOUNT
-from ..display import AlertView, EstimateView, GuardView, HistoryView, MeterView
+from ..display import SANDBOX_SHUTDOWN_NOTE, AlertView, EstimateView, GuardView, HistoryView, MeterView
 from ._args import GB, LIMIT, MONEY, host_arg, number, parse
 
 if TYPE_CHECKING:
@@ -192,6 +192,8 @@ def _budget_guard(magics: GpuMagics, line: str):
     magics._budget_seen = {}
     note = (f"armed on {m.name}; its log: {guard_log_path(m)} there; "
             "`%gpu budget guard --cancel` disarms it")
+    if m.is_this_computer:
+        note += f"\n{SANDBOX_SHUTDOWN_NOTE}"
     if idle is not None and not status.idle.startswith(("idle", "busy")):
         note += (f"\nnote: the GPU cannot be measured now ({status.idle}), so the idle rule cannot "
                  "fire until it can (an unreadable GPU never counts as idle)")

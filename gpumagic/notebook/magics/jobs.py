@@ -11,7 +11,7 @@ from IPython.display import display as ipy_display
 from ...errors import Interrupted
 from ...remote.jobs import NAME_RE, parse_stop_on, scan_alerts
 from .. import display
-from ..display import job_alert, job_ended, job_started, jobs_table
+from ..display import SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table
 from ._args import LINES, env_pairs, host_arg, number, parse
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ def _remote_job(magics: GpuMagics, args, cell: str):
         machine.notes_shown.add(job.runner)
         print(job.note)
     print(job_started(job, machine.name))
+    if args.then_shutdown is not None and machine.is_this_computer:
+        print(SANDBOX_SHUTDOWN_NOTE)
     if args.out:
         magics.shell.user_ns[args.out] = job
 
