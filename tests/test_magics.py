@@ -323,7 +323,7 @@ def test_dash_h_of_every_subcommand_prints_help_and_returns_none(ip, capsys):
         assert ip.run_line_magic("gpu", f"budget {sub} -h") is None
         assert capsys.readouterr().out.startswith(f"usage: %gpu budget {sub}"), sub
     assert ip.run_cell_magic("remote", "--job j -h", "exit 1") is None
-    assert capsys.readouterr().out.startswith("usage: %remote [--python]")  # (as before the split)
+    assert capsys.readouterr().out.startswith("usage: %%remote [--python]")  # a cell magic: two %
 
 
 # -- %reload_ext gpumagic: one of each post-cell hook, never a stale one -----------------------

@@ -190,7 +190,7 @@ class GpuMagics(Magics):
         "Run All" stops) unless --no-raise-error.  Interrupting the kernel stops the
         cell's whole remote process tree, then raises KeyboardInterrupt.
         """
-        args = parse(self.remote, line)
+        args = parse(self.remote, line, cell=True)
         if args.kernel is not None:
             from ..kernel_magics import remote_cell
 

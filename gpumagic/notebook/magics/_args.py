@@ -160,18 +160,23 @@ def returns_after_help(magic):
     return run
 
 
-def parse(fn, line: str, name: str | None = None) -> argparse.Namespace:
+def parse(fn, line: str, name: str | None = None, *, cell: bool = False) -> argparse.Namespace:
     """Parse ``line`` with ``fn``'s magic_arguments parser.
 
-    ``-h`` prints the help and raises :class:`HelpShown`.  Bad arguments, and an ``--out``
-    that is not a variable name, raise exactly ``UsageError``.
+    ``-h`` prints the help (``cell``: a cell magic's, usage ``%%name``) and raises
+    :class:`HelpShown`.  Bad arguments, and an ``--out`` that is not a variable name, raise
+    exactly ``UsageError``.
     """
     if name is not None:
         fn.parser.prog = f"%gpu {name}"
     argv = split_args(line)
     if any(tok in ("-h", "--help") for tok in argv):  # IPython's parser has add_help=False
-        # IPython's parser formats help for docstrings ("::", "%%"); show it as typed.
-        print("usage: " + fn.parser.format_help().lstrip(": \n").replace("%%", "%"))
+        # IPython's parser formats help for docstrings ("::", "%%"); show it as typed, a cell
+        # magic with its two %.
+        text = fn.parser.format_help().lstrip(": \n").replace("%%", "%")
+        if cell:
+            text = text.replace(f"%{fn.__name__}", f"%%{fn.__name__}", 1)
+        print("usage: " + text)
         raise HelpShown
     try:
         args = fn.parser.parse_args(argv)
