@@ -171,6 +171,41 @@ def test_the_agent_extracts_what_tarfile_writes(tmp_path, fmt):
     assert not _parts(out)
 
 
+def test_files_above_the_small_size_keep_the_stream_in_step(tmp_path):
+    # A file of more than agent.SMALL bytes (written through a part file) whose size is not a
+    # multiple of 512 skipped one block of padding too many: the next member's header was read
+    # from the wrong place ("damaged header", or a name missing its first letters).
+    import io
+    import tarfile
+
+    sizes = [agent.SMALL - 1, agent.SMALL, agent.SMALL + 1, agent.SMALL + 513, 3_000_000, 11]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i, n in enumerate(sizes):
+            data = os.urandom(n)
+            ti = tarfile.TarInfo(f"d/f{i}")
+            ti.size, ti.mode, ti.mtime = n, 0o644, 1_650_000_000
+            tf.addfile(ti, io.BytesIO(data))
+            (tmp_path / f"want{i}").write_bytes(data)
+    buf.seek(0)
+    out = tmp_path / "out"
+    assert agent.extract(str(out), buf) == len(sizes)
+    for i in range(len(sizes)):
+        assert (out / "d" / f"f{i}").read_bytes() == (tmp_path / f"want{i}").read_bytes(), i
+
+
+def test_push_and_pull_of_files_just_above_the_small_size(machine, tmp_path):
+    src = tmp_path / "src"
+    (src / "exp1").mkdir(parents=True)
+    (src / "exp1" / "last.pt").write_bytes(os.urandom(agent.SMALL + 1))
+    (src / "exp1" / "metrics.csv").write_text("epoch,loss\n")
+    machine.push(str(src) + "/", "~/small-edge/")
+    back = tmp_path / "back"
+    machine.pull("~/small-edge/", str(back) + "/")
+    for name in ("exp1/last.pt", "exp1/metrics.csv"):
+        assert (back / name).read_bytes() == (src / name).read_bytes(), name
+
+
 def test_a_cut_or_damaged_stream_leaves_no_file_under_its_name(tmp_path):
     import io
 

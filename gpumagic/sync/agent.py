@@ -1053,7 +1053,7 @@ def extract(root, stream, on_file=None, on_bytes=None, allowed=None):
             else:
                 w.parent(path)
                 write_file(path, stream, m.size, m.mode, m.mtime, on_bytes)
-                skip_data(stream, -m.size % BLOCK)
+                _read_exact(stream, -m.size % BLOCK)  # its padding (skip_data would add its own)
             n += 1
             if on_file is not None:
                 on_file(m.name)
