@@ -506,6 +506,20 @@ def test_missing_local_source_is_a_clear_error(machine, tmp_path):
         machine.push(str(tmp_path / "nope") + "/", str(tmp_path / "x"))
 
 
+def test_a_home_relative_destination_is_named_as_given(machine, tmp_path):
+    # the summary said "sandbox:~/~/x" (the cell directory joined with a path the agent
+    # expands from $HOME itself)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("x")
+    old = machine.cwd
+    machine.cd("~")
+    try:
+        s = machine.push(str(tmp_path / "src") + "/", "~/home-rel/")
+    finally:
+        machine.cwd = old
+    assert s.destination == f"{machine.name}:~/home-rel"
+
+
 def test_a_file_given_as_a_folder_is_a_one_line_error_on_either_side(machine, tmp_path):
     # a new user: `%gpu sync afile/ :x/` ended in NotADirectoryError's traceback, and a pull of
     # `:/etc/hostname/` said "cannot create /etc/hostname/" as if it were the destination

@@ -516,7 +516,7 @@ def remote_listing(machine, root: str, *, digests: bool = False,
 
 def remote_root(machine, root: str) -> str:
     """The absolute remote path the agent resolves ``root`` to (for messages)."""
-    if root.startswith("/"):
+    if root.startswith("/") or root == "~" or root.startswith("~/"):  # the agent expands ~ itself
         return posixpath.normpath(root)
     cwd = machine.cwd or ""
     return posixpath.normpath(posixpath.join(cwd, root)) if cwd else root
