@@ -629,6 +629,9 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
     import nbformat
 
     monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
+    # a sandbox home of its own: what other tutorials left in the shared one (caches the
+    # wrapup would count, jobs) must not change what this one shows
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     out = run_notebook(ROOT / "example-notebooks" / "06-budget.ipynb", tmp_path / "executed", timeout=120)
     nb = nbformat.read(out, as_version=4)
@@ -673,6 +676,7 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
     # jobs on the sandbox would try it and log the failure)
     from gpumagic.ssh.sandbox import sandbox_home
     notify_dir = sandbox_home() / ".gpumagic" / "notify"
+    assert tmp_path / "xdg" in notify_dir.parents
     assert notify_dir.is_dir() and not (notify_dir / "config.json").exists()
 
 
