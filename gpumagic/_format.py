@@ -36,3 +36,9 @@ def duration(seconds: float | None) -> str:
     h, m = divmod(rem, 60)
     parts = ([f"{d} d"] if d else []) + ([f"{h} h"] if h else []) + ([f"{m} min"] if m else [])
     return " ".join(parts)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "file")`` -> ``"1 file"``,
+    ``count(3, "cache", "caches")`` -> ``"3 caches"`` (default plural: ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"

@@ -41,3 +41,10 @@ def test_one_duration_format_in_the_package():
     assert display.duration is duration and budget_magics.duration is duration
     assert jobs.duration is duration
     assert not hasattr(display, "format_seconds") and not hasattr(jobs, "format_duration")
+
+
+def test_count_says_one_file_and_two_files():
+    from gpumagic._format import count
+
+    assert [count(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    assert count(1, "cache", "caches") == "1 cache" and count(3, "cache", "caches") == "3 caches"

@@ -548,7 +548,7 @@ def test_magic_sync_trailing_slash_rule(ip, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "ws" / "source" / "some_data").read_text() == "d"
     assert (tmp_path / "ws2" / "some_data").read_text() == "d"
     out = capsys.readouterr().out
-    assert f"push source -> testgpu:{tmp_path}/ws/source: 1 files" in out
+    assert f"push source -> testgpu:{tmp_path}/ws/source: 1 file," in out
 
 
 def test_magic_sync_bad_arguments_are_usage_errors(ip, tmp_path):
@@ -663,7 +663,7 @@ def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
     assert "trained; wrote ['metrics.json', 'model.ckpt']" in text(4)
     assert ": 2 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
     assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
-    assert "1 files," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
+    assert "1 file," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
     # the progress bar was a widget while it ran; the saved file has its final static state
     bars = [o["data"] for o in cells[2].outputs if o.output_type == "display_data"]
     assert len(bars) == 1 and set(bars[0]) == {"text/plain", "text/html"}, bars

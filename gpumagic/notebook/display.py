@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .._format import duration
+from .._format import count, duration
 from ..gpu.doctor import DoctorReport, Level
 from ..gpu.smi import Gpu, GpuStatus, known
 
@@ -279,11 +279,11 @@ def sync_summary_text(s) -> str:
     (or, for a dry run, those that would be sent and deleted)."""
     arrow = f"{s.source} -> {s.destination}"
     if s.dry_run:
-        head = (f"dry run, nothing changed: {arrow}: would send {len(s.would_send)} files, "
+        head = (f"dry run, nothing changed: {arrow}: would send {count(len(s.would_send), 'file')}, "
                 f"delete {len(s.deleted)}, {s.skipped} unchanged")
         lines = [head] + _paths("would send", s.would_send) + _paths("would delete", s.deleted)
         return "\n".join(lines + _unreadable(s))
-    head = (f"{s.direction} {arrow}: {s.files_sent} files, {format_bytes(s.bytes_sent)} sent"
+    head = (f"{s.direction} {arrow}: {count(s.files_sent, 'file')}, {format_bytes(s.bytes_sent)} sent"
             + (f" (+{format_bytes(s.bytes_resumed)} resumed)" if s.bytes_resumed else "")
             + f", {s.skipped} unchanged"
             + (f", {len(s.deleted)} deleted" if s.deleted else "")

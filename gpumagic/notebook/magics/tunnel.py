@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as _show
 
+from ..._format import count
 from ...session import Session
 from .. import display
 from ._args import LOCAL_PORT, PORT, host_arg, out_arg, parse
@@ -182,7 +183,7 @@ def _tunnel_close(magics: GpuMagics, line: str):
         raise UsageError(f"no tunnel with ID {args.id} (open: {ids})")
     for t in closed:
         print(f"closed tunnel {t.local_port} -> {t.target} ({t.name}); "
-              f"{t.connections_total} connection(s), {display.format_bytes(t.bytes_down)} down")
+              f"{count(t.connections_total, 'connection')}, {display.format_bytes(t.bytes_down)} down")
         if args.stop and t.service is not None:
             print(f"  stopped its server on the machine (pid {t.service.pid})" if t.service.ours
                   else "  its server was not started by gpumagic; left running")
