@@ -17,13 +17,14 @@ Who sends what:
   is sent once (a ``--once`` key).
 * **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown
   and its failed shutdown -- ``budget-guard.sh`` calls it for those two): the program on the
-  machine is called by whoever sees the event there, e.g.::
+  machine is called by whoever sees the event there, detached from the caller's process
+  tree (the job runner and the guard use lib.sh's ``gm_detach``), e.g.::
 
-      nohup python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train \\
-          --job-dir "$HOME/.gpumagic/jobs/train" --log "$HOME/.gpumagic/jobs/train/log" \\
-          </dev/null >/dev/null 2>&1 &
+      gm_detach python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job train \\
+          --job-dir "$HOME/.gpumagic/jobs/train" --log "$HOME/.gpumagic/jobs/train/log"
 
-  (:func:`notify_command` builds such lines).  From Python, :func:`send_from_machine`.
+  (:func:`notify_command` builds such a line that stands alone, for a script or crontab of
+  your own).  From Python, :func:`send_from_machine`.
 
 A send that fails is retried with exponential backoff, then kept in the machine's outbox and
 recorded in its log (and in the caller's ``--log`` file); it is sent with the next message.
@@ -309,7 +310,9 @@ def send_from_machine(machine: MachineLike, event: dict | str, *, retries: int |
 
 
 def notify_command(event: str, *, log: str | None = None, background: bool = True, **fields) -> str:
-    """The ``sh`` line that sends ``event`` from the machine (for the guard and job scripts).
+    """The ``sh`` line that sends ``event`` from the machine, standing alone (no lib.sh):
+    for a script or crontab of the user's own (gpumagic's job runner and guard detach the
+    same program with lib.sh's ``gm_detach``).
 
     ``fields`` become options (``job="train"`` -> ``--job train``); values are quoted, and
     ones holding ``$`` are left for the shell to expand, inside double quotes.  With
