@@ -20,6 +20,7 @@ each time, as it does when typed by hand.
     PYTHONPATH=. python benchmarks/sync_vs_rsync.py            # issue 20's sizes
     PYTHONPATH=. python benchmarks/sync_vs_rsync.py --quick    # 20,000 files, 256 MiB, 100 MiB
     ... --cases many,pull --many 50000 --runs 1
+    ... --dir /dev/shm                                         # trees on tmpfs
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def main() -> None:
     ap.add_argument("--huge-mib", "--size", type=int, default=None, help="the one big file (2048)")
     ap.add_argument("--append-base-mib", type=int, default=None, help="the file appended to (500)")
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--dir", default=None,
+                    help="where the trees go (default: the system's temp dir); /dev/shm takes the "
+                         "disk out of the comparison")
     args = ap.parse_args()
     many = args.many or (20000 if args.quick else 100000)
     huge = args.huge_mib or (256 if args.quick else 2048)
@@ -147,7 +151,7 @@ def main() -> None:
     if bad:
         sys.exit(f"unknown case(s) {', '.join(sorted(bad))}; choose from {', '.join(CASES)}")
 
-    base = Path(tempfile.mkdtemp(prefix="gpumagic-bench-"))
+    base = Path(tempfile.mkdtemp(prefix="gpumagic-bench-", dir=args.dir))
     server = SshServer(base / "sshd", env={"HOME": str(base)}).start()
     remote_host = f"{server.user}@{server.host}"
     rows: list[tuple[str, str, str, str, str]] = []  # case, gpumagic, rsync, ratio, target
@@ -268,7 +272,7 @@ def main() -> None:
             shutil.rmtree(src), shutil.rmtree(ag), shutil.rmtree(ar)
         machine.close()
         # the table before the clean-up (removing 100,000 files takes a while)
-        print(f"\nloopback sshd, {os.cpu_count()} CPUs, median of {args.runs} run(s)\n")
+        print(f"\nloopback sshd, {os.cpu_count()} CPUs, median of {args.runs} run(s), trees under {base.parent}\n")
         print("| case | gpumagic | rsync | ratio | target |\n| --- | --- | --- | --- | --- |")
         for row in rows:
             print("| " + " | ".join(row) + " |", flush=True)

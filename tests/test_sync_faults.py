@@ -123,10 +123,10 @@ def test_cut_while_listing_says_lost_and_rerun_completes(machine, tmp_path, monk
     real = sync.read_listing
     killer = _Killer(machine, lambda p: True)
 
-    def cut_then_read(ch):
+    def cut_then_read(ch, *same_as):
         killer.kill()
         time.sleep(0.3)
-        return real(ch)
+        return real(ch, *same_as)
 
     monkeypatch.setattr(sync, "read_listing", cut_then_read)
     go = machine.push if direction == "push" else machine.pull

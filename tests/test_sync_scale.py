@@ -281,3 +281,175 @@ def test_progress_for_many_files_is_throttled_and_costs_under_2_percent(machine,
     for i in range(3000):
         run.file_done("x", 100)
     assert time.perf_counter() - t < 0.02 * wall
+
+
+# -- no-change resync: one fingerprint each way, no listing ---------------------------------
+
+
+def _kinds_tree(root: Path, files: int = 300) -> Path:
+    """Every kind a listing holds: files in folders, an executable, a symlink, an empty
+    folder, non-ASCII and non-UTF-8 names, a .gitignore and a file it ignores."""
+    for i in range(files):
+        d = root / f"d{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"img{i:04d}.jpg").write_bytes(os.urandom(1 + i % 900))
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "latest").symlink_to("d0/img0000.jpg")
+    (root / "empty").mkdir()
+    (root / "数据").mkdir()
+    (root / "数据" / "样本.txt").write_text("样本\n", encoding="utf-8")
+    os.close(os.open(os.path.join(os.fsencode(root), b"bad\xff.txt"), os.O_CREAT | os.O_WRONLY, 0o644))
+    (root / ".gitignore").write_text("*.ckpt\n")
+    (root / "model.ckpt").write_bytes(b"never pushed")
+    _set_mtime(root / "d1", 1e9)  # a second long past: a change to it is never in the same one
+    return root
+
+
+def _tree_state(root: Path, skip: tuple[str, ...] = ()) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, os.fsencode(root))
+            if rel.decode("utf-8", "surrogateescape").endswith(skip):
+                continue
+            st = os.lstat(p)
+            if os.path.islink(p):
+                out[rel] = ("l", os.readlink(p))
+            elif os.path.isdir(p):
+                out[rel] = ("d", st.st_mode & 0o7777, int(st.st_mtime))
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("f", f.read(), st.st_mode & 0o7777, int(st.st_mtime))
+    return out
+
+
+def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path):
+    from gpumagic.sync.plan import walk_source
+
+    root = _kinds_tree(tmp_path / "t")
+    (root / "model.ckpt").unlink()  # the agent's listing applies no ignore rules
+    mine = walk_source(root)
+    theirs = agent.list_tree(str(root), out=agent.Listed())
+    assert mine.fingerprint() == agent.fingerprint(theirs.rows)
+    # the inline rows of plain files are canon_row's
+    rows = [agent.canon_row(*f) for f in theirs.fields]
+    assert mine.fingerprint() == agent.fingerprint([r for r in rows if r is not None])
+    assert mine.unchanged == 300 + 5  # files and the symlink (.gitignore, run.sh, 样本, bad\xff)
+    (root / "run.sh").chmod(0o700)
+    assert walk_source(root).fingerprint() != agent.fingerprint(theirs.rows)
+
+
+def test_a_no_change_resync_receives_no_listing(machine, tmp_path, wire, monkeypatch):
+    src = _kinds_tree(tmp_path / "src", files=2000)
+    remote = tmp_path / "remote"
+    machine.push(f"{src}/", str(remote))
+    assert _tree_state(remote) == _tree_state(src, skip=("model.ckpt",))
+    wire["received"] = wire["sent"] = 0
+    s = machine.push(f"{src}/", str(remote))
+    # marker (~33 bytes), the length and the 32-byte fingerprint; the listing is ~100 KB
+    assert wire["received"] < 200 and wire["sent"] < 10, wire
+    assert (s.files_sent, s.bytes_sent, s.skipped, s.deleted) == (0, 0, 2005, [])
+    assert "2,005" in str(s) or "2005" in str(s)
+    # the same push with the listing read (the fingerprint made unequal) counts the same
+    from gpumagic.sync.plan import SourceWalk
+
+    monkeypatch.setattr(SourceWalk, "fingerprint", lambda self: bytes(32))
+    wire["received"] = 0
+    slow = machine.push(f"{src}/", str(remote))
+    assert wire["received"] > 50_000
+    assert (slow.files_sent, slow.skipped, slow.deleted) == (0, s.skipped, [])
+
+
+def _set_mtime(p: Path, t: float) -> None:
+    os.utime(p, (t, t), follow_symlinks=False)
+
+
+_CHANGES = {
+    "same size, new content, later mtime": lambda s, r: (
+        (s / "d1" / "img0001.jpg").write_bytes(b"x" * 2), _set_mtime(s / "d1" / "img0001.jpg", 2e9)),
+    "mode of a file": lambda s, r: (s / "run.sh").chmod(0o700),
+    "mtime of a file only": lambda s, r: _set_mtime(s / "d2" / "img0002.jpg", 1.5e9),
+    "mode of a folder": lambda s, r: (s / "empty").chmod(0o700),
+    "mtime of a folder": lambda s, r: _set_mtime(s / "d3", 1.4e9),
+    "symlink retargeted": lambda s, r: ((s / "latest").unlink(), (s / "latest").symlink_to("run.sh")),
+    "new empty folder": lambda s, r: (s / "new").mkdir(),
+    "file deleted here": lambda s, r: (s / "d4" / "img0004.jpg").unlink(),
+    "extra file there": lambda s, r: (r / "d5" / "extra.txt").write_text("x"),
+    "file there edited": lambda s, r: ((r / "d6" / "img0006.jpg").write_bytes(b"yy"),
+                                       _set_mtime(r / "d6" / "img0006.jpg", 1e9)),
+    "file became a folder": lambda s, r: ((s / "d0" / "img0007.jpg").unlink(),
+                                          (s / "d0" / "img0007.jpg").mkdir()),
+    # the folder keeps its synced mtime (a crash in the second it was stamped): removing the
+    # part changes it, so it must be set again
+    "abandoned part there": lambda s, r: ((r / "d1" / f".img0008.jpg.x{agent.PART_SUFFIX}").write_bytes(b"p"),
+                                          _set_mtime(r / "d1", (s / "d1").stat().st_mtime)),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_every_change_is_synced_and_the_next_resync_sends_no_listing(machine, tmp_path, wire, change):
+    src = _kinds_tree(tmp_path / "src", files=40)
+    remote = tmp_path / "remote"
+    machine.push(f"{src}/", str(remote), delete=True)
+    _CHANGES[change](src, remote)
+    machine.push(f"{src}/", str(remote), delete=True)
+    assert _tree_state(remote) == _tree_state(src, skip=("model.ckpt",))
+    wire["received"] = 0
+    s = machine.push(f"{src}/", str(remote), delete=True)
+    assert wire["received"] < 200 and s.files_sent == 0, (wire, s)
+
+
+def _rows(entries) -> list[str]:
+    return [agent.canon_row(e.kind, e.path, e.size, e.mtime_ns, e.mode, e.target, e.digest) for e in entries]
+
+
+def test_equal_fingerprints_mean_an_empty_plan():
+    """canon_row holds every field make_plan compares: whenever the rows of two listings are
+    equal, whatever else differs (sub-second mtimes, a symlink's own size and mtime), the
+    plan is empty; changing any compared field changes the fingerprint."""
+    import dataclasses
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from gpumagic.sync.plan import Entry, make_plan
+
+    entry = st.builds(
+        Entry, path=st.sampled_from(["a", "b", "a/x", "a/y", "c d", "数据"]),
+        kind=st.sampled_from("fdl"), size=st.integers(0, 3), mtime_ns=st.integers(0, 3 * 10**9),
+        mode=st.sampled_from([0o644, 0o755, 0o600]), target=st.sampled_from(["", "t", "u"]),
+        digest=st.sampled_from(["", "d1", "d2"]))
+    field = st.sampled_from(["kind", "size", "mtime_ns", "mode", "target", "digest"])
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(entry, max_size=6, unique_by=lambda e: e.path),
+           st.lists(st.tuples(st.integers(0, 5), field, st.integers(0, 3 * 10**9))), st.booleans(),
+           st.booleans())
+    def check(src, edits, delete, checksum):
+        src = [dataclasses.replace(e, path=".", kind="d") if i == 0 else e for i, e in enumerate(src)]
+        dst = list(src)
+        for i, name, value in edits:
+            if i < len(dst):
+                e = dst[i]
+                new = {"kind": "fdl"[value % 3], "target": "tu"[value % 2], "digest": f"d{value % 3}",
+                       "mode": [0o644, 0o755][value % 2], "size": value % 4}.get(name, value)
+                dst[i] = dataclasses.replace(e, **{name: new})
+        same = agent.fingerprint(_rows(src)) == agent.fingerprint(_rows(dst))
+        plan = make_plan({e.path: e for e in src}, {e.path: e for e in dst}, delete=delete, checksum=checksum)
+        if same:
+            assert plan.empty and plan.unchanged == sum(e.kind in "fl" for e in src), (src, dst, plan)
+
+    check()
+
+
+def test_a_pull_that_cleans_an_abandoned_part_sets_its_folders_mtime_again(machine, tmp_path):
+    remote = _kinds_tree(tmp_path / "remote", files=20)
+    back = tmp_path / "back"
+    machine.pull(f"{remote}/", str(back))
+    (back / "d1" / f".img0008.jpg.x{agent.PART_SUFFIX}").write_bytes(b"p")
+    _set_mtime(back / "d1", (remote / "d1").stat().st_mtime)
+    machine.pull(f"{remote}/", str(back))
+    assert not _parts(back)
+    assert _tree_state(back) == _tree_state(remote, skip=("model.ckpt",))

@@ -43,8 +43,8 @@ from ..remote.execution import start_program
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import wait_readable
 from .ignore import IgnoreRules
-from .plan import (Entry, Listing, Plan, destination_root, filter_listing, list_local, local_seps,
-                   make_plan, parse_listing, walk_local)
+from .plan import (Entry, Listing, Plan, SourceWalk, destination_root, filter_listing, list_local,
+                   local_seps, make_plan, parse_listing, walk_local, walk_source)
 from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here by the sync and wrapup magics
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
@@ -482,19 +482,32 @@ def _lost(machine, exc: Exception | None = None) -> ConnectionLost:
 
 
 def open_listing(machine, root: str, *, digests: bool = False,
-                 names: list[str] | None = None) -> "_Channel":
+                 names: list[str] | None = None, compare: bool = False) -> "_Channel":
     """Start the agent's ``serve`` operation on ``root``: it lists the tree at once, then
-    waits on the same channel for one command (see :mod:`gpumagic.sync.agent`)."""
+    waits on the same channel for one command (see :mod:`gpumagic.sync.agent`).  With
+    ``compare``, read it with :func:`read_listing` given the local tree."""
     return _Channel(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
-                    json.dumps(names) if names is not None else "-")
+                    json.dumps(names) if names is not None else "-", "1" if compare else "0")
 
 
-def read_listing(ch: "_Channel") -> Listing:
-    """Read the listing a ``serve`` channel sends first (length-prefixed records)."""
+def read_listing(ch: "_Channel", same_as: SourceWalk | None = None) -> Listing | None:
+    """Read the listing a ``serve`` channel sends first (length-prefixed records).
+
+    ``same_as`` (for a channel opened with ``compare``): the local tree, whose fingerprint is
+    compared with the remote one first; None (and no records sent) when they are equal,
+    which means the plan would be empty."""
     head = ch.read_exact(8)
     if len(head) < 8:
         raise ch.failure()
     (n,) = struct.unpack(">Q", head)
+    if same_as is not None:
+        theirs = ch.read_exact(32)
+        if len(theirs) < 32:
+            raise ch.failure()
+        if not same_as.has_errors and theirs == same_as.fingerprint():
+            ch.send(b"=")
+            return None
+        ch.send(b"L")
     data = ch.read_exact(n)
     if len(data) < n:
         raise ch.failure()
@@ -507,6 +520,7 @@ def remote_listing(machine, root: str, *, digests: bool = False,
     ch = open_listing(machine, root, digests=digests, names=names)
     try:
         listing = read_listing(ch)
+        assert listing is not None
         ch.close_stdin()
         ch.finish()
         return listing
@@ -537,7 +551,8 @@ class _TarSink(io.RawIOBase):
         return True
 
     def write(self, b) -> int:
-        b = bytes(b)
+        if b.__class__ is not bytes:
+            b = bytes(b)
         self.parts.append(b)
         self.n += len(b)
         if self.n >= SEND_BUFFER:
@@ -615,6 +630,33 @@ def _local_path(root: str, rel: str) -> str:
     return os.path.join(root, *rel.split("/"))
 
 
+def _local_paths(root: str) -> Callable[[str], str]:
+    """:func:`_local_path` for many ``rel`` of one ``root`` (whether it is a file is asked
+    once, not once a file)."""
+    if os.path.isfile(root):
+        return lambda rel: root
+    if os.sep == "/":
+        prefix = root if root.endswith("/") else root + "/"
+        return lambda rel: root if rel == "." else prefix + rel
+    return lambda rel: _local_path(root, rel)
+
+
+def _read_whole(path: str, size: int) -> bytes | None:
+    """The first ``size`` bytes of the file ``path`` (a file of the tar stream: below
+    :data:`LARGE_FILE`), or None when it holds fewer now (it shrank since it was listed)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        data = os.read(fd, size) if size else b""
+        while len(data) < size:
+            more = os.read(fd, size - len(data))
+            if not more:
+                return None
+            data += more
+        return data
+    finally:
+        os.close(fd)
+
+
 def _resolve_single_file(src_entries: Listing, name: str) -> dict[str, Entry]:
     e = src_entries.entries["."]
     return {name: Entry(name, e.kind, e.size, e.mtime_ns, e.mode, e.target, e.digest)}
@@ -675,6 +717,9 @@ class _Sides:
     dest_name: str
     dst_root: str
     listed: bool = False  # the listing channel is already finished (a pull of one file)
+    #: Files and links of the source, when both trees had the same fingerprint (the
+    #: remote listing was not sent; ``source`` and ``dest`` are empty).
+    same: int | None = None
 
 
 def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude: Iterable[str],
@@ -700,7 +745,7 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
         else:
             dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
             names = [name]
-        ch = open_listing(machine, dst_root, digests=checksum, names=names)
+        ch = open_listing(machine, dst_root, digests=checksum, names=names, compare=names is None)
     else:
         ch = open_listing(machine, src, digests=checksum)
         ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
@@ -710,8 +755,11 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
                 sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum)
             else:
                 sides = _pull_sides(machine, ch, src, dst, rules, checksum)
-            plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
-                             update=update, rules=rules, unreadable=sides.unreadable)
+            if sides.same is not None:  # both trees give the same rows: nothing differs
+                plan = Plan(unchanged=sides.same)
+            else:
+                plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
+                                 update=update, rules=rules, unreadable=sides.unreadable)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
                               skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
                               deleted=list(plan.delete), unreadable=sides.unreadable)
@@ -755,14 +803,23 @@ def _no_cyclic_gc():
 def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
                 rules: IgnoreRules, checksum: bool) -> _Sides:
     # The local walk runs while the remote one does.
-    local = walk_local(src, rules if names is None else None, digests=checksum)
-    src_entries = local.entries if names is None else _resolve_single_file(local, names[0])
-    remote = read_listing(ch)
+    dest_name = f"{machine.name}:{remote_root(machine, dst_root)}"
+    if names is None:
+        walk = walk_source(src, rules, digests=checksum)
+        remote = read_listing(ch, walk)
+        if remote is None:
+            return _Sides({}, Listing(), {}, src, dest_name, dst_root, same=walk.unchanged)
+        local = walk.listing()
+        src_entries = local.entries
+    else:
+        local = walk_local(src, None, digests=checksum)
+        src_entries = _resolve_single_file(local, names[0])
+        remote = read_listing(ch)
+    assert remote is not None
     if remote.root is not None and remote.root.kind != "d":
         raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
                         "choose another destination, or remove that file first")
-    return _Sides(src_entries, remote, local.errors, src,
-                  f"{machine.name}:{remote_root(machine, dst_root)}", dst_root)
+    return _Sides(src_entries, remote, local.errors, src, dest_name, dst_root)
 
 
 def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
@@ -775,6 +832,7 @@ def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
     except SyncError as exc:  # DST is a file: fine when SRC is one too (known below)
         local, refused = Listing(), exc
     remote = read_listing(ch)
+    assert remote is not None
     if remote.root is None:
         raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
                         f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
@@ -811,6 +869,7 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     small = [e for e in plan.send if e.size < LARGE_FILE and e.path not in grown]
     resumed = {e.path for e in large}
     clean = [p for p, target in remote.parts.items() if target not in resumed]
+    _restamp_parents(plan, sides.source, clean)
     offsets = {e.path: remote.partials.get(e.path, 0) or grown.get(e.path, 0) for e in large}
     rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
     if not (large or rest):
@@ -829,6 +888,18 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
             ch.close_stdin()
             ch.finish()
     return run
+
+
+def _restamp_parents(plan: Plan, source: dict[str, Entry], removed: list[str]) -> None:
+    """Add the folders of ``removed`` (abandoned part files, cleaned) to ``plan.dirs``:
+    removing a file changes its folder's mtime, which is set again last."""
+    listed = {e.path for e in plan.dirs}
+    for p in removed:
+        d = posixpath.dirname(p) or "."
+        e = source.get(d)
+        if d not in listed and e is not None and e.kind == "d":
+            plan.dirs.append(e)
+            listed.add(d)
 
 
 def _grown(plan: Plan, dest: dict[str, Entry]) -> dict[str, int]:
@@ -856,9 +927,10 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         ch.finish()
     run = _Run(plan, summary, progress)
     resumed = {e.path for e in large}
+    clean = [p for p, target in local.parts.items() if target not in resumed]
+    _restamp_parents(plan, sides.source, clean)
     try:
-        agent.remove_abandoned([_local_path(dst_root, p) for p, target in local.parts.items()
-                                if target not in resumed])
+        agent.remove_abandoned([_local_path(dst_root, p) for p in clean])
         for rel in plan.removals:
             agent.remove(_local_path(dst_root, rel))
         os.makedirs(dst_root, exist_ok=True)
@@ -942,15 +1014,16 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
                             "meta": [[p, m, t] for p, m, t in plan.meta], "clean": list(clean)})
         ch.send(struct.pack(">I", len(head)) + head)
         sink = _TarSink(ch)
+        path_of = _local_paths(src)
         for e in small:
-            path = _local_path(src, e.path)
+            path = path_of(e.path)
             try:
-                with open(path, "rb") as f:
-                    agent.write_tar_file(sink, e.path, f, e.size, e.mode, e.mtime_ns // 1_000_000_000)
+                data = _read_whole(path, e.size)
             except OSError as exc:
                 raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
-            except agent.AgentError:
-                raise SyncError(f"{path} shrank while it was being sent", "run the sync again") from None
+            if data is None:
+                raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
+            sink.write(agent.tar_member(e.path, data, e.mode, e.mtime_ns // 1_000_000_000))
             run.file_done(e.path, e.size)
         for e in plan.links:
             sink.write(_tar_header(e))

@@ -262,6 +262,52 @@ def parse_listing(data: bytes) -> Listing:
 
 
 
+class SourceWalk(agent.Listed):
+    """A local source tree as walked: each record's fields, and the rows its
+    :func:`gpumagic.sync.agent.fingerprint` is made of, for a no-change sync that builds no
+    :class:`Entry` at all.  Part files are dropped (a source's are nobody's business)."""
+
+    parts = False
+
+    def fingerprint(self) -> bytes:
+        """The tree's fingerprint (32 bytes; sorts the rows)."""
+        return agent.fingerprint(self.rows)
+
+    @property
+    def unchanged(self) -> int:
+        """Files and symlinks: what a no-change sync counts as unchanged."""
+        return sum(1 for f in self.fields if f[0] == "f" or f[0] == "l")
+
+    def listing(self) -> Listing:
+        """The :class:`Listing` of these records (as :func:`walk_local` returns it)."""
+        out = _Collect()
+        entries = out.entries
+        for f in self.fields:
+            kind = f[0]
+            if kind == "f" or kind == "d" or kind == "l":  # _Collect.add's first case, inline
+                entries[f[1]] = Entry(f[1], kind, f[2], f[3], f[4], f[5], f[6])
+            else:
+                out.add(*f)
+        return Listing(out.entries, out.partials, out.parts, out.ignore_texts, out.errors)
+
+
+def walk_source(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
+                digests: bool = False) -> SourceWalk:
+    """:func:`walk_local` kept as a :class:`SourceWalk` (its ``listing()`` is that Listing)."""
+    out = SourceWalk()
+    agent.list_tree(os.fspath(root), digests, None, _pruner(rules), out)
+    return out
+
+
+def _pruner(rules: IgnoreRules | None):
+    if rules is None:
+        return None
+
+    def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
+        return _ignored_names(rules, rel, items)
+    return prune
+
+
 def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
                digests: bool = False) -> Listing:
     """List a local tree as the agent lists a remote one, skipping ignored paths.
@@ -272,11 +318,7 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
     listed, never followed; sockets/FIFOs and part files are skipped; unreadable paths land
     in :attr:`Listing.errors`.
     """
-    prune = None
-    if rules is not None:
-        def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
-            return _ignored_names(rules, rel, items)
-    listing = list_local(os.fspath(root), digests, None, prune)
+    listing = list_local(os.fspath(root), digests, None, _pruner(rules))
     listing.partials.clear()  # a source's part files are nobody's business here
     listing.parts.clear()
     return listing
