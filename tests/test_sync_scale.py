@@ -144,6 +144,15 @@ def test_tarfile_reads_what_the_agent_writes(tmp_path):
         assert members[-1].issym() and members[-1].linkname == "t" * 120 + "é"
 
 
+def test_a_whole_member_is_the_same_bytes_as_header_data_and_padding():
+    for i, name in enumerate(_NAMES + ["d" * 100, "e" * 101, "z"]):
+        for size in (0, 1, 511, 512, 513, 4096 + 7):
+            data = os.urandom(size)
+            for mode, mtime in ((0o644, 1_700_000_000 + i), (0o4755, 0), (0o600, 8 ** 11), (0o644, -5)):
+                want = agent.tar_header(name, "f", size, mode, mtime) + data + agent._pad(size)
+                assert agent.tar_member(name, data, mode, mtime) == want, (name, size, mode, mtime)
+
+
 @pytest.mark.parametrize("fmt", ["PAX_FORMAT", "GNU_FORMAT", "USTAR_FORMAT"])
 def test_the_agent_extracts_what_tarfile_writes(tmp_path, fmt):
     import io

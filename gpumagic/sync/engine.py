@@ -641,10 +641,13 @@ def _local_paths(root: str) -> Callable[[str], str]:
     return lambda rel: _local_path(root, rel)
 
 
+_O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+
+
 def _read_whole(path: str, size: int) -> bytes | None:
     """The first ``size`` bytes of the file ``path`` (a file of the tar stream: below
     :data:`LARGE_FILE`), or None when it holds fewer now (it shrank since it was listed)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    fd = os.open(path, _O_READ)
     try:
         data = os.read(fd, size) if size else b""
         while len(data) < size:
@@ -936,13 +939,16 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         os.makedirs(dst_root, exist_ok=True)
         for e in plan.dirs:
             agent.make_dir(_local_path(dst_root, e.path), e.mode)
-        if small:
-            _pull_tar(ch, run, dst_root, small)
-        for e in large:
-            if single:
+        if single:
+            for e in large:
                 _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
                             posixpath.basename(src))
-            else:
+        elif small and large:
+            _pull_overlapped(machine, ch, run, src, dst_root, small, large)
+        else:
+            if small:
+                _pull_tar(ch, run, dst_root, small)
+            for e in large:
                 _pull_large(machine, run, src, dst_root, e, e.path)
         for e in plan.links:
             agent.make_link(_local_path(dst_root, e.path), e.target)
@@ -954,6 +960,36 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     except agent.AgentError as exc:
         raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
     return run
+
+
+def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
+                     small: list[Entry], large: list[Entry]) -> None:
+    """Large files on a worker thread (each on its own channel) while the tar of small files
+    streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
+    stop = threading.Event()
+    channels: list[_Channel] = []
+
+    def worker() -> None:
+        for e in large:
+            if stop.is_set():
+                return
+            _pull_large(machine, run, src, dst_root, e, e.path, channels)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
+        fut = pool.submit(worker)
+        try:
+            _pull_tar(ch, run, dst_root, small)
+            while True:
+                try:
+                    fut.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    run.tick()
+        except BaseException:
+            stop.set()
+            for c in list(channels):
+                c.close()
+            raise
 
 
 def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
@@ -1168,7 +1204,8 @@ def _copy_grown(path: str, f, size: int) -> int:
         return 0
 
 
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
+def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str,
+                channels: list | None = None) -> None:
     """Fetch one file on its own channel, continuing an abandoned local part when the
     source's first bytes hash the same; a resumed file is checked against the sha256 of
     the source that follows its bytes before it is renamed (see ``get`` in
@@ -1181,6 +1218,8 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
         have = min(have, e.size)
         digest = agent.hash_file(f, have).hexdigest() if have else "-"
         ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest)
+        if channels is not None:
+            channels.append(ch)
         try:
             line = ch.readline()
             if not line.startswith(b"OFFSET "):
