@@ -402,8 +402,7 @@ def test_a_password_is_never_sent_without_tls(clean_notify, smtp):
 # -- the call sites: the job runner's, tried here by patching its script; the guard's is wired --
 
 #: What the job runner (programs/job-run.sh) starts, detached, after exit_code is written.
-JOB_END = ('gm_detach python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$GPUMAGIC_JOB" '
-           '--job-dir "$jd" --exit-code "$rc" --log "$jd/log"')
+JOB_END = 'gm_job_end_notify "$jd" "$GPUMAGIC_JOB" "$rc"'
 
 
 def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, monkeypatch, sshd):
@@ -434,6 +433,24 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     assert wait_until(lambda: "notify: sent job-end by json webhook (127.0.0.1)" in log.read_text(), 10)
     # that line is gpumagic's, not the job's: the job table's last line stays the job's own
     assert m.job("notify-site-fail").info().last_line == "RuntimeError: boom"
+
+
+def test_a_runner_killed_before_it_could_tell_is_told_once_by_kill_sh(clean_notify, hook):
+    # The command ignores SIGTERM, so after kill_grace kill.sh SIGKILLs the whole tree, the
+    # runner with it, before the runner reaches its message: kill.sh sends it (before, nothing
+    # was sent; the same happened to a nan stop on a loaded machine in a full test run).
+    m = clean_notify
+    notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])
+    job = m.start_job("notify-stubborn", "trap '' TERM; echo up; sleep 60")
+    assert wait_until(lambda: job.logs(5).strip().endswith("up"), 30)
+    info = job.kill()
+    assert info.exit_code == 137 and info.killed == "user"
+    assert wait_until(lambda: len(hook.posts) >= 1, 60), hook.posts
+    time.sleep(3)  # and only once
+    assert len(hook.posts) == 1
+    body = hook.posts[0][1]
+    assert body["details"]["job"] == "notify-stubborn" and body["details"]["exit_code"] == 137
+    assert body["title"] == "job notify-stubborn was killed"
 
 
 def test_guard_call_site_warns_once_before_the_shutdown(hook, monkeypatch, tmp_path):

@@ -20,7 +20,8 @@ environment); the job's own command runs with the user's umask.
 Other files: ``ended`` (epoch seconds), ``killed`` (why it was stopped: ``user``, ``nan``,
 ``oom``, ``traceback``), ``stopped_by`` (the log line that stopped it), ``runner`` (``tmux``
 or ``nohup``), ``shutdown`` (epoch seconds of a pending shutdown), ``shutdown_started`` /
-``shutdown_cancelled``, ``kill_grace``, and the job's own scripts ``run.sh``, ``kill.sh``,
+``shutdown_cancelled``, ``kill_grace``, ``notified`` (a directory: the job-end message was
+claimed by its one sender, see ``gm_job_end_notify`` in ``programs/lib.sh``), and the job's own scripts ``run.sh``, ``kill.sh``,
 ``watch.sh`` (:data:`JOB_FILES`).
 
 The machine-side programs are files under ``gpumagic/remote/programs/`` (run by name through

@@ -49,6 +49,15 @@ if [ ! -e exit_code ]; then
   [ -e ended ] || date +%s > ended
   echo 137 > exit_code.tmp && mv exit_code.tmp exit_code
 fi
+# The job's end is told once: by the runner, or here when the runner was killed before it
+# got there (whichever sender claims it first; see gm_job_end_notify).  Before the group is
+# killed below (this script may be in it: watch.sh runs it), a sender must have left it.
+jd=$(pwd -P)
+gm_job_end_notify "$jd" "$(cat name 2>/dev/null)" "$(cat exit_code 2>/dev/null)"
+if [ -f "$HOME/.gpumagic/notify/config.json" ]; then
+  i=0
+  while [ ! -d notified ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+fi
 echo "killed"
 kill -KILL -"$pg" 2>/dev/null
 exit 0

@@ -52,7 +52,5 @@ if [ "$rc" = 0 ] && [ -s shutdown_command ] && [ ! -e killed ]; then
   fi
 fi
 echo "$rc" > exit_code.tmp && mv exit_code.tmp exit_code
-# Tell the user away from the notebook (gpumagic.budget.notify; nothing when not set up).
-# Detached: kill.sh, ending a stopped job's tree, would otherwise end a send still under way.
-[ -f "$HOME/.gpumagic/notify/config.json" ] &&
-  gm_detach python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$GPUMAGIC_JOB" --job-dir "$jd" --exit-code "$rc" --log "$jd/log"
+# Tell the user away from the notebook (once; kill.sh tells it when it killed us first).
+gm_job_end_notify "$jd" "$GPUMAGIC_JOB" "$rc"

@@ -41,6 +41,18 @@ gm_python() {
 # gm_detach CMD [ARG...]: start CMD in the background outside the caller's process tree,
 # process group and session (setsid where it exists), stdio on /dev/null, immune to SIGHUP;
 # so a job's kill.sh, which ends the runner's whole tree, never ends it.
+# gm_job_end_notify JOB_DIR NAME EXIT_CODE: the job's end, told once (gpumagic.budget.notify;
+# nothing when not set up).  The runner calls it when the job ends; kill.sh calls it too, for
+# a runner it had to kill before it got there.  The sender claims the job by making
+# JOB_DIR/notified only once detached (gm_detach), so a kill of the runner's process group
+# never takes the claim with it: the first sender to get that far sends, any other exits.
+gm_job_end_notify() {
+  [ -f "$HOME/.gpumagic/notify/config.json" ] || return 0
+  # shellcheck disable=SC2016 # expanded by the detached sh, from its arguments
+  gm_detach /bin/sh -c 'mkdir "$1/notified" 2>/dev/null || exit 0
+exec python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$2" --job-dir "$1" --exit-code "$3" --log "$1/log"' \
+    gm-notify "$1" "$2" "$3"
+}
 gm_detach() {
   ( (
     trap '' HUP  # at once: a tmux pane closing as the caller exits sends it before setsid runs
