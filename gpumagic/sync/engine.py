@@ -966,6 +966,20 @@ def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
                      small: list[Entry], large: list[Entry]) -> None:
     """Large files on a worker thread (each on its own channel) while the tar of small files
     streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
+    def stream(wait_for_large: Callable[[], None]) -> None:
+        _pull_tar(ch, run, dst_root, small)
+        wait_for_large()
+
+    _beside_the_tar(run, large, lambda e, chs: _pull_large(machine, run, src, dst_root, e, e.path, chs),
+                    stream)
+
+
+def _beside_the_tar(run: _Run, large: list[Entry], one: Callable[[Entry, list], None],
+                    stream: Callable[[Callable[[], None]], None]) -> None:
+    """``one(entry, channels)`` for each large file on a worker thread while
+    ``stream(wait_for_large)`` moves the small files' tar; ``wait_for_large`` returns when
+    the worker is done (re-raising its error).  An error or interrupt of the stream stops the
+    worker and closes its channels."""
     stop = threading.Event()
     channels: list[_Channel] = []
 
@@ -973,18 +987,20 @@ def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
         for e in large:
             if stop.is_set():
                 return
-            _pull_large(machine, run, src, dst_root, e, e.path, channels)
+            one(e, channels)
 
     with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
         fut = pool.submit(worker)
-        try:
-            _pull_tar(ch, run, dst_root, small)
+
+        def wait_for_large() -> None:
             while True:
                 try:
-                    fut.result(timeout=0.05)
-                    break
+                    return fut.result(timeout=0.05)
                 except FutureTimeout:
                     run.tick()
+
+        try:
+            stream(wait_for_large)
         except BaseException:
             stop.set()
             for c in list(channels):
@@ -1013,32 +1029,9 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
     so the large files' bytes flow meanwhile.  Directory entries (stamped last by the agent)
     are written only after the large files are in place, so their mtimes stay right.
     """
-    stop = threading.Event()
-    channels: list[_Channel] = []
-
-    def worker() -> None:
-        for e in large:
-            if stop.is_set():
-                return
-            _push_large(machine, run, src, dst_root, e, offsets[e.path], channels)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
-        fut = pool.submit(worker)
-
-        def wait_for_large() -> None:
-            while True:
-                try:
-                    return fut.result(timeout=0.05)
-                except FutureTimeout:
-                    run.tick()
-
-        try:
-            _push_tar(ch, run, src, plan, small, clean, before_dirs=wait_for_large)
-        except BaseException:
-            stop.set()
-            for c in list(channels):
-                c.close()
-            raise
+    _beside_the_tar(run, large,
+                    lambda e, chs: _push_large(machine, run, src, dst_root, e, offsets[e.path], chs),
+                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_dirs=wait))
 
 
 def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
