@@ -939,16 +939,13 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         os.makedirs(dst_root, exist_ok=True)
         for e in plan.dirs:
             agent.make_dir(_local_path(dst_root, e.path), e.mode)
-        if single:
-            for e in large:
+        if small:
+            _pull_tar(ch, run, dst_root, small)
+        for e in large:
+            if single:
                 _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
                             posixpath.basename(src))
-        elif small and large:
-            _pull_overlapped(machine, ch, run, src, dst_root, small, large)
-        else:
-            if small:
-                _pull_tar(ch, run, dst_root, small)
-            for e in large:
+            else:
                 _pull_large(machine, run, src, dst_root, e, e.path)
         for e in plan.links:
             agent.make_link(_local_path(dst_root, e.path), e.target)
@@ -960,52 +957,6 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     except agent.AgentError as exc:
         raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
     return run
-
-
-def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
-                     small: list[Entry], large: list[Entry]) -> None:
-    """Large files on a worker thread (each on its own channel) while the tar of small files
-    streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
-    def stream(wait_for_large: Callable[[], None]) -> None:
-        _pull_tar(ch, run, dst_root, small)
-        wait_for_large()
-
-    _beside_the_tar(run, large, lambda e, chs: _pull_large(machine, run, src, dst_root, e, e.path, chs),
-                    stream)
-
-
-def _beside_the_tar(run: _Run, large: list[Entry], one: Callable[[Entry, list], None],
-                    stream: Callable[[Callable[[], None]], None]) -> None:
-    """``one(entry, channels)`` for each large file on a worker thread while
-    ``stream(wait_for_large)`` moves the small files' tar; ``wait_for_large`` returns when
-    the worker is done (re-raising its error).  An error or interrupt of the stream stops the
-    worker and closes its channels."""
-    stop = threading.Event()
-    channels: list[_Channel] = []
-
-    def worker() -> None:
-        for e in large:
-            if stop.is_set():
-                return
-            one(e, channels)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
-        fut = pool.submit(worker)
-
-        def wait_for_large() -> None:
-            while True:
-                try:
-                    return fut.result(timeout=0.05)
-                except FutureTimeout:
-                    run.tick()
-
-        try:
-            stream(wait_for_large)
-        except BaseException:
-            stop.set()
-            for c in list(channels):
-                c.close()
-            raise
 
 
 def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
@@ -1029,9 +980,32 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
     so the large files' bytes flow meanwhile.  Directory entries (stamped last by the agent)
     are written only after the large files are in place, so their mtimes stay right.
     """
-    _beside_the_tar(run, large,
-                    lambda e, chs: _push_large(machine, run, src, dst_root, e, offsets[e.path], chs),
-                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_dirs=wait))
+    stop = threading.Event()
+    channels: list[_Channel] = []
+
+    def worker() -> None:
+        for e in large:
+            if stop.is_set():
+                return
+            _push_large(machine, run, src, dst_root, e, offsets[e.path], channels)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
+        fut = pool.submit(worker)
+
+        def wait_for_large() -> None:
+            while True:
+                try:
+                    return fut.result(timeout=0.05)
+                except FutureTimeout:
+                    run.tick()
+
+        try:
+            _push_tar(ch, run, src, plan, small, clean, before_dirs=wait_for_large)
+        except BaseException:
+            stop.set()
+            for c in list(channels):
+                c.close()
+            raise
 
 
 def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
@@ -1197,8 +1171,7 @@ def _copy_grown(path: str, f, size: int) -> int:
         return 0
 
 
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str,
-                channels: list | None = None) -> None:
+def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
     """Fetch one file on its own channel, continuing an abandoned local part when the
     source's first bytes hash the same; a resumed file is checked against the sha256 of
     the source that follows its bytes before it is renamed (see ``get`` in
@@ -1211,8 +1184,6 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
         have = min(have, e.size)
         digest = agent.hash_file(f, have).hexdigest() if have else "-"
         ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest)
-        if channels is not None:
-            channels.append(ch)
         try:
             line = ch.readline()
             if not line.startswith(b"OFFSET "):
