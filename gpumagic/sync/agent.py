@@ -432,15 +432,13 @@ class Listed(object):
         self.has_errors = False
 
     def add(self, kind, rel, size, mtime_ns, mode, text, digest):
-        if kind == "f":  # canon_row's file row, inline: this runs once a file
-            self.rows.append("f\0%s\0%d\0%d\0%o\0%s\0" % (rel, size, mtime_ns // 1000000000, mode, digest))
-        elif kind == "p" and not self.parts:
+        # (a plain file without a digest never comes here: list_tree appends its row itself)
+        if kind == "p" and not self.parts:
             return
-        else:
-            row = canon_row(kind, rel, size, mtime_ns, mode, text, digest)
-            if row is not None:
-                self.rows.append(row)
-            self.has_errors = self.has_errors or kind == "e"
+        row = canon_row(kind, rel, size, mtime_ns, mode, text, digest)
+        if row is not None:
+            self.rows.append(row)
+        self.has_errors = self.has_errors or kind == "e"
         self.fields.append((kind, rel, size, mtime_ns, mode, text, digest))
 
     def records(self):
