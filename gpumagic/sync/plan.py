@@ -318,10 +318,7 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
     listed, never followed; sockets/FIFOs and part files are skipped; unreadable paths land
     in :attr:`Listing.errors`.
     """
-    listing = list_local(os.fspath(root), digests, None, _pruner(rules))
-    listing.partials.clear()  # a source's part files are nobody's business here
-    listing.parts.clear()
-    return listing
+    return walk_source(root, rules, digests=digests).listing()  # part files dropped there
 
 
 class _Collect(Listing):
