@@ -72,7 +72,7 @@ PHASES = {
     # the kill comes (the channel window is 8 MiB), so the sync cannot have ended by then.
     "small-files": (dict(small=400, small_size=80_000), lambda p: p.files_done >= 100),
     "large-file": (dict(large=1, large_size=40 << 20), lambda p: p.bytes_done >= 12 << 20),
-    "both": (dict(small=300, large=1, large_size=30 << 20), lambda p: p.bytes_done >= 8 << 20),
+    "both": (dict(small=300, large=1, large_size=40 << 20), lambda p: p.bytes_done >= 8 << 20),
 }
 
 

@@ -29,8 +29,7 @@ import stat
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -581,6 +580,7 @@ class _Run:
         self.last = 0.0
         self.owner = threading.get_ident()
         self.lock = threading.Lock()
+        self.due = threading.Event()  # a worker's counters changed and a call is due
         self.tick(force=True)
 
     def add_bytes(self, n: int, resumed: bool = False) -> None:
@@ -605,12 +605,26 @@ class _Run:
     def tick(self, force: bool = False) -> None:
         """Call the progress callback when :data:`PROGRESS_INTERVAL` seconds have passed
         since the last call (or ``force``): at most 10 a second, whatever the file count."""
-        if self.progress is None or threading.get_ident() != self.owner:
+        if self.progress is None:
             return
         now = time.monotonic()
         if force or now - self.last >= PROGRESS_INTERVAL:
+            if threading.get_ident() != self.owner:
+                self.due.set()  # wakes the owner in wait_for (a worker never calls it)
+                return
             self.last = now
             self.progress(self.state)
+
+    def wait_for(self, fut: Future) -> None:
+        """On the owner thread: wait for a worker's ``fut``, calling the progress callback as
+        soon as the worker's counters make a call due (not on a polling beat, so a callback
+        that acts on a count sees it while the transfer is still going); re-raise its error."""
+        fut.add_done_callback(lambda _: self.due.set())
+        while not fut.done():
+            self.due.wait(0.5)
+            self.due.clear()
+            self.tick()
+        fut.result()
 
     def done(self) -> None:
         self.state.finished = True
@@ -939,13 +953,16 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         os.makedirs(dst_root, exist_ok=True)
         for e in plan.dirs:
             agent.make_dir(_local_path(dst_root, e.path), e.mode)
-        if small:
-            _pull_tar(ch, run, dst_root, small)
-        for e in large:
-            if single:
+        if single:
+            for e in large:
                 _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
                             posixpath.basename(src))
-            else:
+        elif small and large:
+            _pull_overlapped(machine, ch, run, src, dst_root, small, large)
+        else:
+            if small:
+                _pull_tar(ch, run, dst_root, small)
+            for e in large:
                 _pull_large(machine, run, src, dst_root, e, e.path)
         for e in plan.links:
             agent.make_link(_local_path(dst_root, e.path), e.target)
@@ -957,6 +974,45 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     except agent.AgentError as exc:
         raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
     return run
+
+
+def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
+                     small: list[Entry], large: list[Entry]) -> None:
+    """Large files on a worker thread (each on its own channel) while the tar of small files
+    streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
+    def stream(wait_for_large: Callable[[], None]) -> None:
+        _pull_tar(ch, run, dst_root, small)
+        wait_for_large()
+
+    _beside_the_tar(run, large, lambda e, chs: _pull_large(machine, run, src, dst_root, e, e.path, chs),
+                    stream)
+
+
+def _beside_the_tar(run: _Run, large: list[Entry], one: Callable[[Entry, list], None],
+                    stream: Callable[[Callable[[], None]], None]) -> None:
+    """``one(entry, channels)`` for each large file on a worker thread while
+    ``stream(wait_for_large)`` moves the small files' tar; ``wait_for_large`` returns when
+    the worker is done (re-raising its error).  An error or interrupt of the stream stops the
+    worker and closes its channels."""
+    stop = threading.Event()
+    channels: list[_Channel] = []
+
+    def worker() -> None:
+        for e in large:
+            if stop.is_set():
+                return
+            one(e, channels)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
+        fut = pool.submit(worker)
+
+        try:
+            stream(lambda: run.wait_for(fut))
+        except BaseException:
+            stop.set()
+            for c in list(channels):
+                c.close()
+            raise
 
 
 def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
@@ -980,32 +1036,9 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
     so the large files' bytes flow meanwhile.  Directory entries (stamped last by the agent)
     are written only after the large files are in place, so their mtimes stay right.
     """
-    stop = threading.Event()
-    channels: list[_Channel] = []
-
-    def worker() -> None:
-        for e in large:
-            if stop.is_set():
-                return
-            _push_large(machine, run, src, dst_root, e, offsets[e.path], channels)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="gpumagic-sync") as pool:
-        fut = pool.submit(worker)
-
-        def wait_for_large() -> None:
-            while True:
-                try:
-                    return fut.result(timeout=0.05)
-                except FutureTimeout:
-                    run.tick()
-
-        try:
-            _push_tar(ch, run, src, plan, small, clean, before_dirs=wait_for_large)
-        except BaseException:
-            stop.set()
-            for c in list(channels):
-                c.close()
-            raise
+    _beside_the_tar(run, large,
+                    lambda e, chs: _push_large(machine, run, src, dst_root, e, offsets[e.path], chs),
+                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_dirs=wait))
 
 
 def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
@@ -1171,7 +1204,8 @@ def _copy_grown(path: str, f, size: int) -> int:
         return 0
 
 
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str) -> None:
+def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str,
+                channels: list | None = None) -> None:
     """Fetch one file on its own channel, continuing an abandoned local part when the
     source's first bytes hash the same; a resumed file is checked against the sha256 of
     the source that follows its bytes before it is renamed (see ``get`` in
@@ -1184,6 +1218,8 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
         have = min(have, e.size)
         digest = agent.hash_file(f, have).hexdigest() if have else "-"
         ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest)
+        if channels is not None:
+            channels.append(ch)
         try:
             line = ch.readline()
             if not line.startswith(b"OFFSET "):
