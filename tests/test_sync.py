@@ -582,6 +582,24 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
     assert "done in" in t.text
 
 
+def test_progress_while_the_walk_still_counts_ends_its_totals_in_plus_and_has_no_eta(tmp_path):
+    from gpumagic.notebook.display import sync_progress_text
+    from gpumagic.notebook.widgets import SyncProgressText
+
+    p = sync.SyncProgress(files_total=40, bytes_total=4 << 20, files_done=3, bytes_done=1 << 20,
+                          started=time.monotonic() - 2, counting=True)
+    text = sync_progress_text(p)
+    assert text.startswith("3/40+ files  1.0 MiB/4.0 MiB+  ") and "ETA" not in text, text
+    with open(tmp_path / "err.txt", "w") as f:
+        t = SyncProgressText(file=f)
+        t(p)
+        grown = sync.SyncProgress(files_total=90, bytes_total=9 << 20, files_done=50,
+                                  bytes_done=5 << 20, started=p.started, counting=False)
+        t(grown)
+        assert t.bar.total == 9 << 20 and "50/90 files" in str(t.bar), str(t.bar)
+        t.close()
+
+
 def test_progress_shows_no_rate_or_eta_in_the_first_second(tmp_path):
     from gpumagic.notebook.display import sync_progress_text
     from gpumagic.notebook.widgets import SyncProgressText

@@ -223,17 +223,20 @@ def sync_progress_text(p) -> str:
 
     Rate is bytes per second of wall time since the transfer started; ETA assumes it holds.
     Both appear only after :data:`RATE_AFTER_S` seconds with bytes moved (and at the end).
+    While the totals still grow (``counting``: the walk goes on), they end in ``+`` and no
+    ETA is shown.
     """
     elapsed = max(p.elapsed, 1e-6)
     rate = p.bytes_done / elapsed
-    text = (f"{p.files_done}/{p.files_total} files  "
-            f"{format_bytes(p.bytes_done)}/{format_bytes(p.bytes_total)}")
+    more = "+" if getattr(p, "counting", False) and not p.finished else ""  # totals still grow
+    text = (f"{p.files_done}/{p.files_total}{more} files  "
+            f"{format_bytes(p.bytes_done)}/{format_bytes(p.bytes_total)}{more}")
     if p.finished:
         return text + f"  {format_bytes(rate)}/s  done in {duration(elapsed)}"
     if elapsed < RATE_AFTER_S or rate <= 0:
         return text
     text += f"  {format_bytes(rate)}/s"
-    if p.bytes_total > p.bytes_done:
+    if p.bytes_total > p.bytes_done and not more:
         text += f"  ETA {duration((p.bytes_total - p.bytes_done) / rate)}"
     return text
 

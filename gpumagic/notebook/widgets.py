@@ -251,8 +251,11 @@ class SyncProgressText:
                             postfix=f"{p.files_done}/{p.files_total} files")
         if self.bar.bar_format is not None and p.elapsed >= RATE_AFTER_S and p.bytes_done:
             self.bar.bar_format = None  # tqdm's own: with rate and ETA
+        if self.bar.total != p.bytes_total:  # a push into an empty folder counts as it goes
+            self.bar.total = p.bytes_total
         self.bar.update(p.bytes_done - self.bar.n)
-        self.bar.set_postfix_str(f"{p.files_done}/{p.files_total} files", refresh=False)
+        more = "+" if getattr(p, "counting", False) and not p.finished else ""
+        self.bar.set_postfix_str(f"{p.files_done}/{p.files_total}{more} files", refresh=False)
         self.text = sync_progress_text(p)
         if p.finished:
             self.close()

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import posixpath
+import queue
 import shlex
 import socket
 import stat
@@ -43,7 +44,8 @@ from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import wait_readable
 from .ignore import IgnoreRules
 from .plan import (Entry, Listing, Plan, SourceWalk, destination_root, filter_listing, list_local,
-                   local_seps, make_plan, parse_listing, walk_local, walk_source)
+                   local_seps, make_plan, parse_listing, tree_order, walk_local, walk_source)
+from .plan import _pruner
 from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here by the sync and wrapup magics
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
@@ -118,7 +120,12 @@ class SyncSummary:
 
 @dataclass
 class SyncProgress:
-    """Progress so far, handed to the ``progress`` callback (bytes and seconds)."""
+    """Progress so far, handed to the ``progress`` callback (bytes and seconds).
+
+    ``counting`` is true while the totals still grow: a push into an empty destination
+    sends each folder's files as soon as the local walk has listed them (rsync's
+    incremental recursion, its ``ir-chk``), before the whole tree is counted.
+    """
 
     files_total: int
     bytes_total: int
@@ -127,6 +134,7 @@ class SyncProgress:
     current: str = ""
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
+    counting: bool = False
 
     @property
     def elapsed(self) -> float:
@@ -184,6 +192,11 @@ class _Channel:
         self.buf = bytearray()
         self.err = bytearray()
         self.marked = False
+        #: A ``serve`` channel's listing head (length, fingerprint) or whole listing, when
+        #: :func:`early_listing` read them before the local walk.
+        self.empty: bool | None = None
+        self.head: tuple[int, bytes] | None = None
+        self.early: Listing | None = None
         self.started = self.active = time.monotonic()
         try:
             # whatever the login shell; a start-up file that never returns is named
@@ -489,28 +502,80 @@ def open_listing(machine, root: str, *, digests: bool = False,
                     json.dumps(names) if names is not None else "-", "1" if compare else "0")
 
 
+def _listing_head(ch: "_Channel", compare: bool) -> tuple[int, bytes]:
+    """What a ``serve`` channel sends before its listing: the listing's length (bytes) and,
+    when opened with ``compare``, the remote tree's fingerprint (32 bytes; else ``b""``)."""
+    if ch.head is not None:
+        return ch.head
+    if compare:
+        _destination_empty(ch)
+    head = ch.read_exact(8)
+    if len(head) < 8:
+        raise ch.failure()
+    (n,) = struct.unpack(">Q", head)
+    theirs = b""
+    if compare:
+        theirs = ch.read_exact(32)
+        if len(theirs) < 32:
+            raise ch.failure()
+    ch.head = (n, theirs)
+    return ch.head
+
+
+def _listing_body(ch: "_Channel", n: int) -> Listing:
+    data = ch.read_exact(n)
+    if len(data) < n:
+        raise ch.failure()
+    return parse_listing(data)
+
+
 def read_listing(ch: "_Channel", same_as: SourceWalk | None = None) -> Listing | None:
     """Read the listing a ``serve`` channel sends first (length-prefixed records).
 
     ``same_as`` (for a channel opened with ``compare``): the local tree, whose fingerprint is
     compared with the remote one first; None (and no records sent) when they are equal,
-    which means the plan would be empty."""
-    head = ch.read_exact(8)
-    if len(head) < 8:
-        raise ch.failure()
-    (n,) = struct.unpack(">Q", head)
+    which means the plan would be empty.  A listing :func:`early_listing` read is returned
+    as it is."""
+    if ch.early is not None:
+        return ch.early
+    n, theirs = _listing_head(ch, same_as is not None)
     if same_as is not None:
-        theirs = ch.read_exact(32)
-        if len(theirs) < 32:
-            raise ch.failure()
         if not same_as.has_errors and theirs == same_as.fingerprint():
             ch.send(b"=")
             return None
         ch.send(b"L")
-    data = ch.read_exact(n)
-    if len(data) < n:
-        raise ch.failure()
-    return parse_listing(data)
+    return _listing_body(ch, n)
+
+
+def _destination_empty(ch: "_Channel") -> bool:
+    """The byte a ``serve`` channel opened with ``compare`` sends before its walk: whether
+    the root is absent or an empty folder (read once)."""
+    if ch.empty is None:
+        b = ch.read_exact(1)
+        if len(b) < 1:
+            raise ch.failure()
+        ch.empty = b == b"0"
+    return ch.empty
+
+
+def early_listing(ch: "_Channel") -> Listing | None:
+    """On a push's ``serve`` channel opened with ``compare``: when the agent says at once
+    that the destination is absent or an empty folder, its listing (one record at most,
+    asked for without waiting for the local walk, kept for :func:`read_listing`); else None,
+    and the listing waits for the local walk's fingerprint."""
+    if not _destination_empty(ch):
+        return None
+    n, _ = _listing_head(ch, True)
+    ch.send(b"L")
+    ch.early = _listing_body(ch, n)
+    return ch.early
+
+
+def _is_empty(listing: Listing) -> bool:
+    """Whether a destination holds nothing: absent, or an empty folder (no part files)."""
+    return (not listing.partials and not listing.parts and not listing.errors
+            and (not listing.entries or (len(listing.entries) == 1 and listing.root is not None
+                                         and listing.root.kind == "d")))
 
 
 def remote_listing(machine, root: str, *, digests: bool = False,
@@ -572,16 +637,26 @@ class _Run:
     progress callback only ever runs on the thread that started the sync.
     """
 
-    def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None):
+    def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None,
+                 counting: bool = False):
         self.plan = plan
         self.summary = summary
         self.progress = progress
-        self.state = SyncProgress(len(plan.send), plan.bytes_to_send)
+        self.state = SyncProgress(len(plan.send), plan.bytes_to_send, counting=counting)
         self.last = 0.0
         self.owner = threading.get_ident()
         self.lock = threading.Lock()
         self.due = threading.Event()  # a worker's counters changed and a call is due
         self.tick(force=True)
+
+    def grow(self, files: int, nbytes: int, counting: bool = True) -> None:
+        """The walk found ``files`` more files of ``nbytes`` bytes to send (``counting``:
+        whether it goes on)."""
+        with self.lock:
+            self.state.files_total += files
+            self.state.bytes_total += nbytes
+            self.state.counting = counting
+        self.tick(force=not counting)  # the whole count is shown at once
 
     def add_bytes(self, n: int, resumed: bool = False) -> None:
         with self.lock:
@@ -767,6 +842,14 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
         ch = open_listing(machine, src, digests=checksum)
         ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
     try:
+        if pushing and names is None and not dry_run:
+            early = early_listing(ch)
+            if early is not None and _is_empty(early):
+                summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
+                run = _Run(Plan(), summary, progress, counting=True)
+                with _no_cyclic_gc():
+                    plan = _push_fresh(machine, ch, src, dst_root, rules, run)
+                return _finished(summary, plan, run, start)
         with _no_cyclic_gc():
             if pushing:
                 sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum)
@@ -793,6 +876,10 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
             run = _pull_files(machine, ch, src, sides, plan, summary, progress)
     finally:
         ch.close()
+    return _finished(summary, plan, run, start)
+
+
+def _finished(summary: SyncSummary, plan: Plan, run: _Run | None, start: float) -> SyncSummary:
     if run is not None:
         summary.links = len(plan.links)
         summary.dirs = len(plan.dirs)
@@ -988,7 +1075,7 @@ def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
                     stream)
 
 
-def _beside_the_tar(run: _Run, large: list[Entry], one: Callable[[Entry, list], None],
+def _beside_the_tar(run: _Run, large: Iterable[Entry], one: Callable[[Entry, list], None],
                     stream: Callable[[Callable[[], None]], None]) -> None:
     """``one(entry, channels)`` for each large file on a worker thread while
     ``stream(wait_for_large)`` moves the small files' tar; ``wait_for_large`` returns when
@@ -1041,41 +1128,127 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
                     lambda wait: _push_tar(ch, run, src, plan, small, clean, before_dirs=wait))
 
 
+class _TarSender:
+    """The ``recv`` command on a ``serve`` channel and its tar stream: small files one by
+    one (each read whole), then links and directories (the agent stamps those last), then
+    the agent's answer.  ``removals``, ``meta``, ``clean``: see ``apply_push`` in
+    :mod:`gpumagic.sync.agent`."""
+
+    def __init__(self, ch: "_Channel", run: _Run, src: str, removals: Iterable[str] = (),
+                 meta: Iterable[tuple[str, int, int]] = (), clean: Iterable[str] = ()):
+        self.ch, self.run = ch, run
+        self.sink = _TarSink(ch)
+        self.path_of = _local_paths(src)
+        head = _json_bytes({"op": "recv", "delete": list(removals),
+                            "meta": [[p, m, t] for p, m, t in meta], "clean": list(clean)})
+        ch.send(struct.pack(">I", len(head)) + head)
+
+    def file(self, rel: str, size: int, mode: int, mtime_ns: int) -> None:
+        path = self.path_of(rel)
+        try:
+            data = _read_whole(path, size)
+        except OSError as exc:
+            raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
+        if data is None:
+            raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
+        self.sink.write(agent.tar_member(rel, data, mode, mtime_ns // 1_000_000_000))
+        self.run.file_done(rel, size)
+
+    def finish(self, links: list[Entry], dirs: list[Entry],
+               before_dirs: Callable[[], None] | None = None) -> None:
+        for e in links:
+            self.sink.write(_tar_header(e))
+        if before_dirs is not None:
+            before_dirs()
+        for e in dirs:
+            self.sink.write(_tar_header(e))
+        agent.end_tar(self.sink)
+        self.sink.flush()
+        self.ch.close_stdin()
+        reply = self.ch.read()
+        if self.ch.finish() != 0:
+            raise self.ch.failure(reply)
+
+
 def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
               clean: list[str] = (), before_dirs: Callable[[], None] | None = None) -> None:
     """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the
     result.  ``clean``: abandoned part files to remove."""
     try:
-        head = _json_bytes({"op": "recv", "delete": plan.removals,
-                            "meta": [[p, m, t] for p, m, t in plan.meta], "clean": list(clean)})
-        ch.send(struct.pack(">I", len(head)) + head)
-        sink = _TarSink(ch)
-        path_of = _local_paths(src)
+        tar = _TarSender(ch, run, src, plan.removals, plan.meta, clean)
         for e in small:
-            path = path_of(e.path)
-            try:
-                data = _read_whole(path, e.size)
-            except OSError as exc:
-                raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
-            if data is None:
-                raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
-            sink.write(agent.tar_member(e.path, data, e.mode, e.mtime_ns // 1_000_000_000))
-            run.file_done(e.path, e.size)
-        for e in plan.links:
-            sink.write(_tar_header(e))
-        if before_dirs is not None:
-            before_dirs()
-        for e in plan.dirs:
-            sink.write(_tar_header(e))
-        agent.end_tar(sink)
-        sink.flush()
-        ch.close_stdin()
-        reply = ch.read()
-        if ch.finish() != 0:
-            raise ch.failure(reply)
+            tar.file(e.path, e.size, e.mode, e.mtime_ns)
+        tar.finish(plan.links, plan.dirs, before_dirs)
     except KeyboardInterrupt:
         ch.close()
         raise
+
+
+class _Handed(agent.Listed):
+    """The sink of :func:`_push_fresh`'s walk: records' fields only, until handed off (no
+    fingerprint rows, no part files)."""
+
+    parts = False
+    keeps_rows = False
+
+
+def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
+                run: _Run) -> Plan:
+    """A push into an empty destination: with nothing there to compare, each folder's files
+    go as soon as the walk has listed them, so the machine writes while this side still
+    walks (rsync's incremental recursion).  Large files go beside the tar on their own
+    channels, as in any push; links and directories follow the files.  The progress totals
+    grow meanwhile (``counting``).  Returns the plan carried out (its links and dirs)."""
+    walk = _Handed()
+    plan = Plan()
+    large: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
+    inner = _pruner(rules)
+
+    def stream(wait_for_large: Callable[[], None]) -> None:
+        try:
+            tar = _TarSender(ch, run, src)
+
+            def hand_off(counting: bool = True) -> None:
+                # what the walk added since the last call: small files into the tar now
+                batch = []
+                files = nbytes = 0
+                for kind, rel, size, mtime_ns, mode, text, _ in walk.fields:
+                    if kind == "f":
+                        files += 1
+                        nbytes += size
+                        if size >= LARGE_FILE:
+                            large.put(Entry(rel, "f", size, mtime_ns, mode))
+                        else:
+                            batch.append((rel, size, mode, mtime_ns))
+                    elif kind == "d":
+                        plan.dirs.append(Entry(rel, "d", 0, mtime_ns, mode))
+                    elif kind == "l":
+                        plan.links.append(Entry(rel, "l", 0, mtime_ns, mode, text))
+                    elif kind == "e":
+                        run.summary.unreadable[rel] = text
+                walk.fields.clear()  # the walk appends to this very list
+                run.grow(files, nbytes, counting)
+                for item in batch:
+                    tar.file(*item)
+
+            def prune(rel: str, items: list[os.DirEntry]) -> Iterable[str]:
+                hand_off()  # a new folder: the ones before it are listed whole
+                return inner(rel, items) if inner is not None else ()
+
+            agent.list_tree(src, False, None, prune, walk)
+            hand_off(counting=False)
+        finally:
+            large.put(None)
+        plan.dirs.sort(key=lambda e: tree_order(e.path))
+        tar.finish(plan.links, plan.dirs, wait_for_large)
+
+    try:
+        _beside_the_tar(run, iter(large.get, None),
+                        lambda e, chs: _push_large(machine, run, src, dst_root, e, 0, chs), stream)
+    except KeyboardInterrupt:
+        ch.close()
+        raise
+    return plan
 
 
 def _json_bytes(obj) -> bytes:
