@@ -120,20 +120,21 @@ def test_pull_cut_in_each_phase_says_lost_and_rerun_completes(machine, tmp_path,
 def test_cut_while_listing_says_lost_and_rerun_completes(machine, tmp_path, monkeypatch, direction):
     tree = _tree(tmp_path / "tree", small=20)
     other = tmp_path / "other"
-    real = sync._listing_head  # every listing read starts there (a push's early one too)
+    real = sync._Channel.read_exact  # the first read of a sync is its listing's first bytes
     killer = _Killer(machine, lambda p: True)
 
-    def cut_then_read(ch, compare):
-        killer.kill()
-        time.sleep(0.3)
-        return real(ch, compare)
+    def cut_then_read(ch, n):
+        if not killer.done:
+            killer.kill()
+            time.sleep(0.3)
+        return real(ch, n)
 
-    monkeypatch.setattr(sync, "_listing_head", cut_then_read)
+    monkeypatch.setattr(sync._Channel, "read_exact", cut_then_read)
     go = machine.push if direction == "push" else machine.pull
     with pytest.raises(ConnectionLost) as e:
         go(str(tree) + "/", str(other))
     _assert_lost(e)
-    monkeypatch.setattr(sync, "_listing_head", real)
+    monkeypatch.setattr(sync._Channel, "read_exact", real)
     go(str(tree) + "/", str(other))
     assert _files(other) == _files(tree)
 

@@ -23,9 +23,9 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     ``-`` or a JSON list that limits the listing to those entries of ROOT.  With COMPARE
     ``1`` it first writes one byte before it walks, ``0`` when ROOT is absent or an empty
     directory (:func:`is_empty`: a push there has nothing to compare and starts sending at
-    once), else ``1``; then the listing's 8-byte length and its :func:`fingerprint` (32
-    bytes), and reads one byte: ``L`` asks for the records, ``=`` says the caller's own tree
-    has the same fingerprint (nothing to do: the records are not sent).
+    once), else ``1``; then, walked, the tree's :func:`fingerprint` (32 bytes), and reads
+    one byte: ``L`` asks for the listing (length and records, as above), ``=`` says the
+    caller's own tree has the same fingerprint (nothing to do: no records are made).
 ``recv`` (a ``serve`` command)
     ``{"op": "recv", "delete": [paths], "meta": [[path, mode, mtime_ns]], "clean":
     [part paths]}`` (removals first; mode/mtime of files equal in content; abandoned part
@@ -1445,16 +1445,18 @@ def _main(op, root, argv, inp, out):
             listed = list_tree(root, argv[4] == "1", names, out=Listed() if compare else None)
         except OSError as e:
             _fail(error_record(e, root), sys.stderr.buffer)
-        records = listed.records() if compare else listed
-        data = b"".join(r + b"\0" for r in records)
-        out.write(struct.pack(">Q", len(data)))
         if compare:
             out.write(fingerprint(listed.rows))
             out.flush()
-            if inp.read(1) != b"L":  # "=": the caller's tree gives the same rows; EOF: gone
-                data = b""
-        out.write(data)
-        out.flush()
+            # "=": the caller's tree gives the same rows (no records are made); EOF: gone
+            records = listed.records() if inp.read(1) == b"L" else None
+        else:
+            records = listed
+        if records is not None:
+            data = b"".join(r + b"\0" for r in records)
+            out.write(struct.pack(">Q", len(data)))
+            out.write(data)
+            out.flush()
         raw = inp.read(4)
         if len(raw) < 4:
             return

@@ -192,10 +192,9 @@ class _Channel:
         self.buf = bytearray()
         self.err = bytearray()
         self.marked = False
-        #: A ``serve`` channel's listing head (length, fingerprint) or whole listing, when
+        #: A ``serve`` channel's first byte (its root is empty) and its listing, when
         #: :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
-        self.head: tuple[int, bytes] | None = None
         self.early: Listing | None = None
         self.started = self.active = time.monotonic()
         try:
@@ -502,27 +501,33 @@ def open_listing(machine, root: str, *, digests: bool = False,
                     json.dumps(names) if names is not None else "-", "1" if compare else "0")
 
 
-def _listing_head(ch: "_Channel", compare: bool) -> tuple[int, bytes]:
-    """What a ``serve`` channel sends before its listing: the listing's length (bytes) and,
-    when opened with ``compare``, the remote tree's fingerprint (32 bytes; else ``b""``)."""
-    if ch.head is not None:
-        return ch.head
-    if compare:
-        _destination_empty(ch)
+def _destination_empty(ch: "_Channel") -> bool:
+    """The byte a ``serve`` channel opened with ``compare`` sends before its walk: whether
+    the root is absent or an empty folder (read once)."""
+    if ch.empty is None:
+        b = ch.read_exact(1)
+        if len(b) < 1:
+            raise ch.failure()
+        ch.empty = b == b"0"
+    return ch.empty
+
+
+def _remote_fingerprint(ch: "_Channel") -> bytes:
+    """What a ``serve`` channel opened with ``compare`` sends once it has walked: its tree's
+    fingerprint (32 bytes; see :func:`gpumagic.sync.agent.fingerprint`)."""
+    _destination_empty(ch)
+    theirs = ch.read_exact(32)
+    if len(theirs) < 32:
+        raise ch.failure()
+    return theirs
+
+
+def _listing_body(ch: "_Channel") -> Listing:
+    """The listing itself: an 8-byte length, then the records."""
     head = ch.read_exact(8)
     if len(head) < 8:
         raise ch.failure()
     (n,) = struct.unpack(">Q", head)
-    theirs = b""
-    if compare:
-        theirs = ch.read_exact(32)
-        if len(theirs) < 32:
-            raise ch.failure()
-    ch.head = (n, theirs)
-    return ch.head
-
-
-def _listing_body(ch: "_Channel", n: int) -> Listing:
     data = ch.read_exact(n)
     if len(data) < n:
         raise ch.failure()
@@ -538,24 +543,13 @@ def read_listing(ch: "_Channel", same_as: SourceWalk | None = None) -> Listing |
     as it is."""
     if ch.early is not None:
         return ch.early
-    n, theirs = _listing_head(ch, same_as is not None)
     if same_as is not None:
+        theirs = _remote_fingerprint(ch)
         if not same_as.has_errors and theirs == same_as.fingerprint():
             ch.send(b"=")
             return None
         ch.send(b"L")
-    return _listing_body(ch, n)
-
-
-def _destination_empty(ch: "_Channel") -> bool:
-    """The byte a ``serve`` channel opened with ``compare`` sends before its walk: whether
-    the root is absent or an empty folder (read once)."""
-    if ch.empty is None:
-        b = ch.read_exact(1)
-        if len(b) < 1:
-            raise ch.failure()
-        ch.empty = b == b"0"
-    return ch.empty
+    return _listing_body(ch)
 
 
 def early_listing(ch: "_Channel") -> Listing | None:
@@ -565,9 +559,9 @@ def early_listing(ch: "_Channel") -> Listing | None:
     and the listing waits for the local walk's fingerprint."""
     if not _destination_empty(ch):
         return None
-    n, _ = _listing_head(ch, True)
+    _remote_fingerprint(ch)
     ch.send(b"L")
-    ch.early = _listing_body(ch, n)
+    ch.early = _listing_body(ch)
     return ch.early
 
 
