@@ -520,9 +520,22 @@ def test_extracted_files_get_their_exact_mode_under_any_umask(tmp_path, monkeypa
 # -- a push into an empty folder: files go while the walk goes on ----------------------------
 
 
+@pytest.mark.parametrize("walk", ["outlasts the agent's start", "ends first"])
 @pytest.mark.parametrize("there", ["absent", "empty folder", "one file"])
-def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_path, monkeypatch, there):
+def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_path, monkeypatch, there, walk):
+    # The local walk starts before the agent has said whether the destination is empty
+    # (~0.1 s to start it); 400 files are walked sooner than that, so each order is forced:
+    # the walk waits for the answer at its first folder, or never looks at it.
     monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    real = sync._FirstByte.stop_if_empty
+
+    def at_each_folder(self):
+        if walk == "ends first":
+            return
+        self.done.wait()
+        real(self)
+
+    monkeypatch.setattr(sync._FirstByte, "stop_if_empty", at_each_folder)
     src = tmp_path / "src"
     for i in range(400):
         d = src / f"d{i % 40:02d}"
@@ -541,11 +554,12 @@ def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_pa
     totals = [total for _, total, _, _ in seen]
     assert totals == sorted(totals)
     sent_while_counting = [x for x in seen if x[0] > 0 and x[2]]
-    if there == "one file":  # something to compare with: the whole tree is walked first
+    if there == "one file" or walk == "ends first":  # the whole tree was walked first
         assert not any(counting for _, _, counting, _ in seen)
-        assert (remote / "old.txt").read_text() == "kept\n"
     else:
         assert sent_while_counting and all(total < 400 for _, total, _, _ in sent_while_counting)
+    if there == "one file":
+        assert (remote / "old.txt").read_text() == "kept\n"
     assert _tree_state(remote, skip=("old.txt",)) == _tree_state(src)
 
 

@@ -45,7 +45,6 @@ from ..ssh.connection import wait_readable
 from .ignore import IgnoreRules
 from .plan import (Entry, Listing, Plan, SourceWalk, destination_root, filter_listing, list_local,
                    local_seps, make_plan, parse_listing, tree_order, walk_local, walk_source)
-from .plan import _pruner
 from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here by the sync and wrapup magics
 
 #: Files of at least this many bytes go on their own channel with resume (bytes).
@@ -501,6 +500,42 @@ def open_listing(machine, root: str, *, digests: bool = False,
                     json.dumps(names) if names is not None else "-", "1" if compare else "0")
 
 
+class _Empty(Exception):
+    """The agent said the destination is empty: the local walk stops (see :class:`_FirstByte`)."""
+
+
+class _FirstByte:
+    """Reads a push channel's first byte (is the destination empty?) on a thread while the
+    local walk goes on: the walk need not wait the ~0.1 s the agent takes to start."""
+
+    def __init__(self, ch: "_Channel"):
+        self.ch = ch
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._read, name="gpumagic-sync-first", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            _destination_empty(self.ch)
+        except BaseException as e:  # re-raised on the caller's thread by wait()
+            self.error = e
+        finally:
+            self.done.set()
+
+    def stop_if_empty(self) -> None:
+        """For the walk, at each folder: raise :class:`_Empty` once the answer is "empty"
+        (or reading it failed: :meth:`wait` raises why)."""
+        if self.done.is_set() and (self.error is not None or self.ch.empty):
+            raise _Empty
+
+    def wait(self) -> bool:
+        """Whether the destination is empty (re-raises what reading the byte raised)."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return bool(self.ch.empty)
+
+
 def _destination_empty(ch: "_Channel") -> bool:
     """The byte a ``serve`` channel opened with ``compare`` sends before its walk: whether
     the root is absent or an empty folder (read once)."""
@@ -836,17 +871,25 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
         ch = open_listing(machine, src, digests=checksum)
         ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
     try:
+        walk = None
         if pushing and names is None and not dry_run:
-            early = early_listing(ch)
-            if early is not None and _is_empty(early):
-                summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
-                run = _Run(Plan(), summary, progress, counting=True)
+            # The walk starts at once; when the agent says the destination is empty, it
+            # turns into a push that sends each folder's files as soon as they are listed.
+            first = _FirstByte(ch)
+            try:
                 with _no_cyclic_gc():
-                    plan = _push_fresh(machine, ch, src, dst_root, rules, run)
+                    walk = walk_source(src, rules, digests=checksum, each_dir=first.stop_if_empty)
+            except _Empty:
+                walk = None
+            if first.wait() and _is_empty(early_listing(ch)):
+                summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
+                run = _Run(Plan(), summary, progress, counting=walk is None)
+                with _no_cyclic_gc():
+                    plan = _push_fresh(machine, ch, src, dst_root, rules, run, walk)
                 return _finished(summary, plan, run, start)
         with _no_cyclic_gc():
             if pushing:
-                sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum)
+                sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum, walk)
             else:
                 sides = _pull_sides(machine, ch, src, dst, rules, checksum)
             if sides.same is not None:  # both trees give the same rows: nothing differs
@@ -899,11 +942,12 @@ def _no_cyclic_gc():
 
 
 def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
-                rules: IgnoreRules, checksum: bool) -> _Sides:
-    # The local walk runs while the remote one does.
+                rules: IgnoreRules, checksum: bool, walk: SourceWalk | None = None) -> _Sides:
+    # The local walk runs while the remote one does (``walk``: already made).
     dest_name = f"{machine.name}:{remote_root(machine, dst_root)}"
     if names is None:
-        walk = walk_source(src, rules, digests=checksum)
+        if walk is None:
+            walk = walk_source(src, rules, digests=checksum)
         remote = read_listing(ch, walk)
         if remote is None:
             return _Sides({}, Listing(), {}, src, dest_name, dst_root, same=walk.unchanged)
@@ -1178,7 +1222,7 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
         raise
 
 
-class _Handed(agent.Listed):
+class _Handed(SourceWalk):
     """The sink of :func:`_push_fresh`'s walk: records' fields only, until handed off (no
     fingerprint rows, no part files)."""
 
@@ -1187,16 +1231,17 @@ class _Handed(agent.Listed):
 
 
 def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
-                run: _Run) -> Plan:
+                run: _Run, walked: SourceWalk | None = None) -> Plan:
     """A push into an empty destination: with nothing there to compare, each folder's files
     go as soon as the walk has listed them, so the machine writes while this side still
     walks (rsync's incremental recursion).  Large files go beside the tar on their own
     channels, as in any push; links and directories follow the files.  The progress totals
-    grow meanwhile (``counting``).  Returns the plan carried out (its links and dirs)."""
-    walk = _Handed()
+    grow meanwhile (``counting``).  ``walked``: the whole tree, when the walk ended before
+    the agent said the destination was empty.  Returns the plan carried out (its links and
+    dirs)."""
+    walk = _Handed() if walked is None else walked
     plan = Plan()
     large: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
-    inner = _pruner(rules)
 
     def stream(wait_for_large: Callable[[], None]) -> None:
         try:
@@ -1225,11 +1270,8 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
                 for item in batch:
                     tar.file(*item)
 
-            def prune(rel: str, items: list[os.DirEntry]) -> Iterable[str]:
-                hand_off()  # a new folder: the ones before it are listed whole
-                return inner(rel, items) if inner is not None else ()
-
-            agent.list_tree(src, False, None, prune, walk)
+            if walked is None:  # at each new folder, the ones before it are listed whole
+                walk_source(src, rules, each_dir=hand_off, out=walk)
             hand_off(counting=False)
         finally:
             large.put(None)

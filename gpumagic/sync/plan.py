@@ -17,7 +17,7 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from . import agent
 from ..errors import ConfigError, SyncError
@@ -292,19 +292,25 @@ class SourceWalk(agent.Listed):
 
 
 def walk_source(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
-                digests: bool = False) -> SourceWalk:
-    """:func:`walk_local` kept as a :class:`SourceWalk` (its ``listing()`` is that Listing)."""
-    out = SourceWalk()
-    agent.list_tree(os.fspath(root), digests, None, _pruner(rules), out)
+                digests: bool = False, each_dir: Callable[[], None] | None = None,
+                out: SourceWalk | None = None) -> SourceWalk:
+    """:func:`walk_local` kept as a :class:`SourceWalk` (its ``listing()`` is that Listing).
+
+    ``each_dir`` is called as each directory is entered, before its entries are listed
+    (what it raises ends the walk); ``out``: the sink (a :class:`SourceWalk` subclass)."""
+    out = SourceWalk() if out is None else out
+    agent.list_tree(os.fspath(root), digests, None, _pruner(rules, each_dir), out)
     return out
 
 
-def _pruner(rules: IgnoreRules | None):
-    if rules is None:
+def _pruner(rules: IgnoreRules | None, each_dir: Callable[[], None] | None = None):
+    if rules is None and each_dir is None:
         return None
 
     def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
-        return _ignored_names(rules, rel, items)
+        if each_dir is not None:
+            each_dir()
+        return _ignored_names(rules, rel, items) if rules is not None else set()
     return prune
 
 
