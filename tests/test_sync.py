@@ -600,6 +600,30 @@ def test_progress_while_the_walk_still_counts_ends_its_totals_in_plus_and_has_no
         t.close()
 
 
+def test_the_text_bar_keeps_drawing_after_a_large_step(tmp_path):
+    # tqdm's dynamic miniters, after one step of 9 MB, waited for another as large before it
+    # drew again: the bar froze for the rest of the sync (2 frames for 300 calls)
+    import io
+
+    from gpumagic.notebook.widgets import SyncProgressText
+
+    buf = io.StringIO()
+    bar = SyncProgressText(file=buf)
+    p = sync.SyncProgress(300, 10_000_000, counting=True)
+    bar(p)
+    assert "0/300+ files" in buf.getvalue()
+    p.files_done, p.bytes_done = 1, 9_000_000
+    bar(p)
+    for _ in range(299):
+        p.files_done += 1
+        p.bytes_done += 1000
+        time.sleep(0.005)  # 1.5 s in all: tqdm draws at most every 0.1 s
+        bar(p)
+    frames = [f for f in buf.getvalue().split("\r") if f.strip()]
+    assert len(frames) >= 6, frames
+    bar.close()
+
+
 def test_progress_shows_no_rate_or_eta_in_the_first_second(tmp_path):
     from gpumagic.notebook.display import sync_progress_text
     from gpumagic.notebook.widgets import SyncProgressText

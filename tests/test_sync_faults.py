@@ -281,3 +281,38 @@ def test_a_slow_listing_is_not_mistaken_for_a_helper_that_never_started(machine,
     src = _tree(tmp_path / "src", small=3)
     s = machine.push(str(src) + "/", str(tmp_path / "remote"))
     assert s.files_sent == 3 and _files(tmp_path / "remote") == _files(src)
+
+
+# -- Ctrl-C while the agent starts ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_start():
+    server = make_server("slowstart")
+    home = Path(server.env["HOME"])
+    for rc in (".bashrc", ".profile", ".bash_profile", ".zshenv"):
+        (home / rc).write_text("sleep 2\n")
+    yield server
+    server.stop()
+
+
+def _agents_for(path: Path) -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-af", str(path)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "python3" in line]
+
+
+def test_ctrl_c_while_the_agent_starts_leaves_no_agent_running(slow_start, tmp_path):
+    # The channel was left open when Ctrl-C came while the login shell was still starting
+    # the agent: it then ran (and waited) until the whole connection closed.
+    src = _tree(tmp_path / "src", small=3)
+    dst = tmp_path / "dst-ctrl-c"
+    with Machine(slow_start.spec()) as m:
+        t0 = time.monotonic()
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            m.push(str(src) + "/", str(dst))
+        while time.monotonic() - t0 < 4.5:  # the agent would have started at ~2 s
+            time.sleep(0.1)
+        assert _agents_for(dst) == [], "an agent runs on after Ctrl-C (connection still open)"

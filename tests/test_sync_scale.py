@@ -490,15 +490,9 @@ def test_a_header_with_any_one_byte_changed_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002, 0o000])
-@pytest.mark.parametrize("proc_status", [True, False], ids=["umask-known", "umask-unknown"])
-def test_extracted_files_get_their_exact_mode_under_any_umask(tmp_path, monkeypatch, umask, proc_status):
-    # A file is created with its final mode when the umask keeps every bit of it (no chmod);
-    # otherwise, or where the umask cannot be read, it is chmodded: either way the mode is
-    # the source's, set-id bits included.
+def test_extracted_files_get_their_exact_mode_under_any_umask(tmp_path, umask):
     import io
 
-    if not proc_status:
-        monkeypatch.setattr(agent, "_umask", lambda: None)
     modes = [0o644, 0o755, 0o600, 0o444, 0o640, 0o700, 0o666, 0o777, 0o4755, 0o2750, 0o1644]
     stream = io.BytesIO()
     for i, mode in enumerate(modes):
@@ -507,14 +501,77 @@ def test_extracted_files_get_their_exact_mode_under_any_umask(tmp_path, monkeypa
     stream.seek(0)
     old = os.umask(umask)
     try:
-        if proc_status:
-            assert agent._umask() == umask
         agent.extract(str(tmp_path / "out"), stream)
     finally:
         os.umask(old)
     for i, mode in enumerate(modes):
         st = (tmp_path / "out" / "d" / f"f{i}").stat()
         assert (oct(st.st_mode & 0o7777), st.st_mtime) == (oct(mode), 1_600_000_000 + i)
+
+
+def test_a_push_into_a_folder_with_a_default_acl_keeps_every_mode(machine, tmp_path):
+    # A default ACL replaces the umask for files made in its folder (here: group r-x,
+    # other none); rsync's modes arrive all the same, and so must ours, streamed or not.
+    import struct
+
+    src = tmp_path / "src"
+    src.mkdir()
+    modes = {"a": 0o644, "b": 0o755, "c": 0o600}
+    for name, mode in modes.items():
+        (src / name).write_text(name)
+        (src / name).chmod(mode)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF)
+                                          for tag, perm in ((1, 7), (4, 5), (0x20, 0)))
+    try:
+        os.setxattr(dst, "system.posix_acl_default", acl)
+    except OSError as e:
+        pytest.skip(f"no POSIX ACLs on {tmp_path}: {e}")
+    machine.push(f"{src}/", str(dst))
+    assert {n: oct((dst / n).stat().st_mode & 0o7777) for n in modes} == {n: oct(m) for n, m in modes.items()}
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_large_files_keep_an_mtime_near_or_before_1970(machine, tmp_path, direction):
+    # An mtime of 1 s (Nix and reproducible builds) was read as seconds when it came as
+    # nanoseconds (<= 1e15 taken for seconds): 1 s became 2001, and every push sent it again.
+    src = tmp_path / "src"
+    src.mkdir()
+    for mt in (1, -12345, 1_700_000_000):
+        p = src / f"big_{mt}"
+        p.write_bytes(b"\0" * (sync.LARGE_FILE + 1))
+        os.utime(p, (mt, mt))
+    dst = tmp_path / "dst"
+    go = machine.push if direction == "push" else machine.pull
+    go(f"{src}/", str(dst))
+    assert {p.name: int(p.stat().st_mtime) for p in dst.iterdir()} == {p.name: int(p.stat().st_mtime)
+                                                                        for p in src.iterdir()}
+    assert go(f"{src}/", str(dst)).files_sent == 0
+
+
+def test_a_folder_another_writer_just_made_is_never_removed(tmp_path, monkeypatch):
+    # Two syncs of one tree at once: when the folder appeared between "is it a folder?" and
+    # making it, the second writer took it for something in the way and removed it, with
+    # the other writer's files inside.
+    d = tmp_path / "fill" / "00042"
+    d.mkdir(parents=True)
+    (d / "theirs.txt").write_text("the other writer's\n")
+    real = os.path.isdir
+    calls = []
+
+    def not_yet_there(p):  # the first look says "absent", as it was a moment before
+        calls.append(p)
+        return False if len(calls) == 1 else real(p)
+
+    monkeypatch.setattr(agent.os.path, "isdir", not_yet_there)
+    agent._make_parent(str(d / "mine.txt"))
+    monkeypatch.undo()
+    assert (d / "theirs.txt").read_text() == "the other writer's\n"
+    # something that is not a folder is still replaced
+    (tmp_path / "afile").write_text("x")
+    agent._make_parent(str(tmp_path / "afile" / "new.txt"))
+    assert (tmp_path / "afile").is_dir()
 
 
 # -- a push into an empty folder: files go while the walk goes on ----------------------------

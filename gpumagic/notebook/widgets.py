@@ -244,18 +244,20 @@ class SyncProgressText:
     def __call__(self, p) -> None:
         from tqdm import tqdm
 
+        more = "+" if getattr(p, "counting", False) and not p.finished else ""
+        files = f"{p.files_done}/{p.files_total}{more} files"
         if self.bar is None:
+            # miniters=1: each call draws (the sync calls at most 10 times a second); tqdm's
+            # own dynamic miniters stopped drawing after one large step in bytes
             self.bar = tqdm(total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024,
                             file=self.file, desc="sync", leave=False, dynamic_ncols=True,
-                            bar_format=self.EARLY_FORMAT,
-                            postfix=f"{p.files_done}/{p.files_total} files")
+                            bar_format=self.EARLY_FORMAT, miniters=1, postfix=files)
         if self.bar.bar_format is not None and p.elapsed >= RATE_AFTER_S and p.bytes_done:
             self.bar.bar_format = None  # tqdm's own: with rate and ETA
         if self.bar.total != p.bytes_total:  # a push into an empty folder counts as it goes
             self.bar.total = p.bytes_total
         self.bar.update(p.bytes_done - self.bar.n)
-        more = "+" if getattr(p, "counting", False) and not p.finished else ""
-        self.bar.set_postfix_str(f"{p.files_done}/{p.files_total}{more} files", refresh=False)
+        self.bar.set_postfix_str(files, refresh=False)
         self.text = sync_progress_text(p)
         if p.finished:
             self.close()

@@ -569,9 +569,16 @@ def remove(path):
 
 
 def _make_parent(path):
+    """Make ``path``'s folder; something else in its place (a file or link the plan
+    replaces) is removed first.  Never a folder another writer has just made: it is
+    removed only when it is not a folder at that moment."""
     d = os.path.dirname(path)
-    if not os.path.isdir(d):
-        if os.path.lexists(d):
+    if os.path.isdir(d):
+        return
+    try:
+        os.makedirs(d, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        if os.path.lexists(d) and not os.path.isdir(d):
             remove(d)
         os.makedirs(d, exist_ok=True)
 
@@ -628,7 +635,7 @@ def write_file(path, src, size, mode, mtime, on_bytes=None):
     """Copy ``size`` bytes from ``src`` into a part file of this writer's own beside
     ``path``, check its size, then rename it onto ``path`` (see "Part files").
 
-    ``mtime`` is seconds (float) or, when an int above 1e15, nanoseconds.
+    ``mtime``: seconds.
     """
     _make_parent(path)
     with _Part(path) as tmp:
@@ -838,7 +845,7 @@ def leave_part(f, tmp):
         _unlink_quietly(tmp)
 
 
-def finish_part(f, tmp, path, size, mode, mtime, digest=None):
+def finish_part(f, tmp, path, size, mode, mtime_ns, digest=None):
     """Check the part file ``f`` (at ``tmp``) and rename it onto ``path``; closes ``f``.
 
     Its size must be ``size``; with ``digest`` (a resumed file) its whole content must hash
@@ -859,7 +866,7 @@ def finish_part(f, tmp, path, size, mode, mtime, digest=None):
             _unlink_quietly(tmp)
             raise AgentError("%s: the resumed file does not hash to the source's sha256 (did the source "
                              "change while it was sent?); its part was removed" % path)
-        set_meta(tmp, mode, mtime)
+        set_meta(tmp, mode, mtime_ns, ns=True)
         if os.name == "nt":
             f.close()
         _replace(tmp, path)
@@ -868,9 +875,11 @@ def finish_part(f, tmp, path, size, mode, mtime, digest=None):
     remove_abandoned(abandoned_parts(path))
 
 
-def set_meta(path, mode, mtime):
+def set_meta(path, mode, mtime, ns=False):
+    """Set ``path``'s permission bits and mtime: seconds, or nanoseconds with ``ns`` (said,
+    never guessed from the size: an mtime of 1 ns and one of 1 s are both real)."""
     os.chmod(path, mode & 0o7777)
-    if isinstance(mtime, int) and mtime > 10 ** 15:
+    if ns:
         os.utime(path, ns=(mtime, mtime))
     else:
         os.utime(path, (mtime, mtime))
@@ -888,11 +897,12 @@ def make_dir(path, mode):
     os.makedirs(path, mode=0o700 | (mode & 0o777), exist_ok=True)
 
 
-def stamp_dirs(dirs):
-    """Set (path, mode, mtime) on directories, deepest first (children change parents' mtime)."""
+def stamp_dirs(dirs, ns=False):
+    """Set (path, mode, mtime) on directories, deepest first (children change parents' mtime);
+    mtimes in seconds, or nanoseconds with ``ns``."""
     for path, mode, mtime in sorted(dirs, key=lambda d: -d[0].count(os.sep)):
         try:
-            set_meta(path, mode, mtime)
+            set_meta(path, mode, mtime, ns)
         except FileNotFoundError:
             pass
 
@@ -1095,30 +1105,15 @@ def skip_data(stream, size):
 SMALL = 1 << 20
 
 
-def _umask():
-    """This process's umask, read without setting it (``Umask:`` in /proc/self/status, Linux
-    4.7+; setting and restoring it races with other threads creating files), or None."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class _Writer(object):
     """Writes many files of one stream under ``root``: parent directories checked once each,
-    paths put together without os.path calls, and a file created with its final permission
-    bits where the umask keeps them all (no chmod afterwards)."""
+    paths put together without os.path calls.  Each file is chmodded, even where the umask
+    would keep its mode: a folder's default ACL replaces the umask and narrows it."""
 
     def __init__(self, root):
         self.root = root
         self.prefix = root if root.endswith(os.sep) else root + os.sep
         self.dirs = set([root])
-        umask = _umask() if _FD_META else None
-        self.umask = -1 if umask is None else umask
 
     def path(self, rel):
         """The path of the checked relative name ``rel`` (``/``-separated) under ``root``."""
@@ -1144,16 +1139,14 @@ class _Writer(object):
             self.dirs.add(d)
         tmp, token = _part_in(d, name)
         mode &= 0o7777
-        chmod = self.umask < 0 or mode & (0o7000 | self.umask)
         try:
-            fd = os.open(tmp, _O_NEW, 0o600 if chmod else mode)
+            fd = os.open(tmp, _O_NEW, 0o600)
             try:
                 done = os.write(fd, data)
                 while done < len(data):
                     done += os.write(fd, data[done:])
                 if _FD_META:
-                    if chmod:
-                        os.fchmod(fd, mode)
+                    os.fchmod(fd, mode)
                     os.utime(fd, (mtime, mtime))
             finally:
                 os.close(fd)
@@ -1292,7 +1285,7 @@ def apply_push(root, head, inp, out):
             remove(current[0])
         for rel, mode, mtime in head.get("meta", []):
             current[0] = os.path.join(root, check_rel(rel))
-            set_meta(current[0], mode, mtime)
+            set_meta(current[0], mode, mtime, ns=True)  # mtime_ns, as the plan has it
         remove_abandoned([os.path.join(root, check_rel(rel)) for rel in head.get("clean", [])])
 
         def on_file(name):

@@ -205,6 +205,9 @@ class _Channel:
         except (paramiko.SSHException, EOFError, OSError) as e:
             self.chan.close()
             raise _lost(machine, e) from None
+        except BaseException:  # Ctrl-C while the login shell starts it: no agent left behind
+            self.chan.close()
+            raise
 
     def _never_started(self) -> SyncError:
         return SyncError(
@@ -1092,8 +1095,8 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         for e in plan.links:
             agent.make_link(_local_path(dst_root, e.path), e.target)
         for rel, mode, mtime in plan.meta:
-            agent.set_meta(_local_path(dst_root, rel), mode, mtime)
-        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs])
+            agent.set_meta(_local_path(dst_root, rel), mode, mtime, ns=True)
+        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs], ns=True)
     except OSError as exc:
         raise agent_error(agent.error_record(exc), "this computer") from None
     except agent.AgentError as exc:
