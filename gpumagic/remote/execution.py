@@ -168,7 +168,9 @@ def program(body: str, nonce: str) -> bytes:
         When ``body`` holds a NUL byte.
     """
     check_text(body, "the command")
-    return (f"{{\nprintf '\\036gpumagic-%s %s\\n' {nonce} \"$$\"\n{body}\n}}; exit\n").encode()
+    # surrogateescape: a path that is not UTF-8 (os.fsdecode's \udcXX) goes as its own bytes
+    return (f"{{\nprintf '\\036gpumagic-%s %s\\n' {nonce} \"$$\"\n{body}\n}}; exit\n").encode(
+        "utf-8", "surrogateescape")
 
 
 def _split_env(env: Mapping[str, str | None]) -> tuple[list[tuple[str, str | None]], dict[str, str | None]]:
