@@ -44,7 +44,7 @@ def measure(d, name, bashrc, n):
     home = os.path.join(d, name + "-home")
     os.makedirs(home)
     if bashrc:
-        with open(os.path.join(home, ".bashrc"), "w") as f:
+        with open(os.path.join(home, ".bashrc"), "w", encoding="utf-8") as f:
             f.write(bashrc)
     out = {}
     with SshServer(os.path.join(d, name), env={"HOME": home}, alias=name) as server:

@@ -103,7 +103,7 @@ def run_gm(k, code: str) -> float:
 
 
 def rss() -> int:
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="utf-8") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024

@@ -17,6 +17,24 @@ It prints each ratio (gpumagic / rsync), its target and whether it was met.  gpu
 connection is opened once beforehand (as in a notebook); rsync pays its own ssh handshake
 each time, as it does when typed by hand.
 
+Fairness (issue 29, "The loopback figures of the last round do not hold here"): the runs of
+each case alternate which tool goes first (rsync, gpumagic / gpumagic, rsync / ...; give an
+even ``--runs`` so that each goes first equally often); before every timed run the page cache
+is written back (``sync``, then until Dirty + Writeback are under 32 MB, at most 60 s;
+``--no-settle`` skips it), so that no run pays for the writeback of the tree made or written
+before it; nothing is removed until the end.  Each run's line says who went first, the
+seconds, Dirty at its start, and the CPU seconds (user/system) of each side: the client (this
+process for gpumagic, the rsync and ssh processes for rsync) and the machine side (every
+process under the test sshd).  On ext4 without a journal (this machine's /tmp) the benchmark
+says so: there, inodes deleted in the last 1-6 minutes are skipped when new ones are
+allocated, so a large deletion shortly before a run (another process's clean-up, the last
+benchmark's) costs that run system time, and a tool that makes each folder just before its
+files (gpumagic's streaming push) pays more of it than one that makes every folder first
+(rsync): see PROFILE-sync.md, "ext4 without a journal".  There the benchmark writes the page cache back at its
+start and lets a minute pass before its first timed run, so that deletions made before it
+(the last benchmark's clean-up) no longer count; deletions by other processes during the
+runs still do (the per-run CPU lines show them as machine-side system time).
+
     PYTHONPATH=. python benchmarks/sync_vs_rsync.py            # issue 20's sizes
     PYTHONPATH=. python benchmarks/sync_vs_rsync.py --quick    # 20,000 files, 256 MiB, 100 MiB
     ... --cases many,pull --many 50000 --runs 1
@@ -27,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import random
 import re
 import resource
@@ -86,6 +105,97 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def meminfo_mb(*keys: str) -> float:
+    """Sum of ``/proc/meminfo`` fields, MB (0 where there is no /proc)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            fields = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+    except OSError:
+        return 0.0
+    return sum(fields.get(k, 0) for k in keys) / 1024
+
+
+def settle_writeback(limit_mb: float = 32, timeout: float = 60) -> tuple[float, float]:
+    """Write the page cache back (``sync``), then wait until Dirty + Writeback < ``limit_mb``
+    (other processes may keep dirtying): returns (seconds it took, MB left)."""
+    t = time.perf_counter()
+    os.sync()
+    while meminfo_mb("Dirty", "Writeback") >= limit_mb and time.perf_counter() - t < timeout:
+        time.sleep(0.2)
+    return time.perf_counter() - t, meminfo_mb("Dirty", "Writeback")
+
+
+def _proc_stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def tree_cpu(root_pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``root_pid`` and all its descendants, the
+    exited ones included (each live process's own time plus what it reaped: ``cutime``,
+    ``cstime``, proc(5)).  (0, 0) where there is no /proc."""
+    parent: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0.0, 0.0
+    for pid in pids:
+        try:
+            stats[pid] = _proc_stat(pid)
+            parent[pid] = int(stats[pid][1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = set(), [root_pid]
+    children: dict[int, list[int]] = {}
+    for pid, pp in parent.items():
+        children.setdefault(pp, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        if pid in stats and pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    hz = os.sysconf("SC_CLK_TCK")
+    user = sum(int(stats[p][11]) + int(stats[p][13]) for p in tree) / hz
+    system = sum(int(stats[p][12]) + int(stats[p][14]) for p in tree) / hz
+    return user, system
+
+
+def journal_note(path: Path) -> str | None:
+    """A warning when ``path`` is on ext4 without a journal (Linux: /proc/fs/ext4/DEV exists,
+    /proc/fs/jbd2/DEV-* does not), where recently deleted inodes are skipped on allocation."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        st = os.stat(path)
+        dev = os.path.basename(os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"))
+    except OSError:
+        return None
+    if not os.path.isdir(f"/proc/fs/ext4/{dev}"):
+        return None
+    journals = os.listdir("/proc/fs/jbd2") if os.path.isdir("/proc/fs/jbd2") else []
+    if any(name.startswith(dev + "-") for name in journals):
+        return None
+    return (f"note: {path} is on ext4 without a journal ({dev}): inodes deleted there in the last 1-6 minutes "
+            "are skipped when new ones are allocated (fs/ext4/ialloc.c recently_deleted), and a deletion "
+            "waits for its discard; a large deletion shortly before a run makes that run slower, the "
+            "more so for a tool that makes each folder just before its files (--dir /dev/shm avoids it)")
+
+
+def walk_seconds(root: Path) -> float:
+    """A bare walk of ``root``: scandir every folder and lstat every entry (what any sync's
+    no-change pass must do at least)."""
+    t = time.perf_counter()
+    todo = [str(root)]
+    while todo:
+        with os.scandir(todo.pop()) as it:
+            for e in it:
+                e.stat(follow_symlinks=False)
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+    return time.perf_counter() - t
+
+
 class WireCount:
     """Bytes gpumagic's sync channels carry (payload, both ways), counted on _Channel."""
 
@@ -116,7 +226,7 @@ class TimedProgress:
         try:
             self.view, self.kind = widgets.SyncProgressBar(display=False), "widget"
         except ImportError:
-            self.view, self.kind = widgets.SyncProgressText(file=open(os.devnull, "w")), "tqdm"
+            self.view, self.kind = widgets.SyncProgressText(file=open(os.devnull, "w", encoding="utf-8")), "tqdm"
         self.calls, self.seconds = 0, 0.0
 
     def __call__(self, p) -> None:
@@ -142,6 +252,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None,
                     help="where the trees go (default: the system's temp dir); /dev/shm takes the "
                          "disk out of the comparison")
+    ap.add_argument("--no-settle", action="store_true",
+                    help="do not write the page cache back before each timed run")
     args = ap.parse_args()
     many = args.many or (20000 if args.quick else 100000)
     huge = args.huge_mib or (256 if args.quick else 2048)
@@ -152,6 +264,14 @@ def main() -> None:
         sys.exit(f"unknown case(s) {', '.join(sorted(bad))}; choose from {', '.join(CASES)}")
 
     base = Path(tempfile.mkdtemp(prefix="gpumagic-bench-", dir=args.dir))
+    note = journal_note(base)
+    synced_at = 0.0
+    if note:
+        print(note, flush=True)
+        os.sync()  # inodes deleted before now leave the 6-minute window for the 1-minute one
+        synced_at = time.monotonic()
+    if args.runs > 1 and args.runs % 2:
+        print(f"note: --runs {args.runs} is odd: rsync goes first once more than gpumagic", flush=True)
     server = SshServer(base / "sshd", env={"HOME": str(base)}).start()
     remote_host = f"{server.user}@{server.host}"
     rows: list[tuple[str, str, str, str, str]] = []  # case, gpumagic, rsync, ratio, target
@@ -162,15 +282,37 @@ def main() -> None:
 
         def rsync(src: str, dst: str, *extra: str) -> str:
             return subprocess.run(rsync_argv(server, src, dst, *extra), check=True,
-                                  capture_output=True, text=True).stdout
+                                  capture_output=True, text=True, encoding="utf-8").stdout
+
+        def one_run(tool: str, fn) -> tuple[float, str]:
+            """Seconds of one timed run, and its line: settle, Dirty, CPU of each side."""
+            settled = "" if args.no_settle else "settled in %.1f s, " % settle_writeback()[0]
+            dirty = meminfo_mb("Dirty", "Writeback")
+            mine0, kids0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            far0 = tree_cpu(server.proc.pid)
+            seconds = timed(fn)
+            mine1, kids1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            far1 = tree_cpu(server.proc.pid)
+            near = (mine1, mine0) if tool == "gpumagic" else (kids1, kids0)
+            line = (f"{tool:8s} {seconds:7.2f} s ({settled}Dirty+Writeback {dirty:.0f} MB at start; CPU user/sys: "
+                    f"client {near[0].ru_utime - near[1].ru_utime:.1f}/{near[0].ru_stime - near[1].ru_stime:.1f} s, "
+                    f"machine side {far1[0] - far0[0]:.1f}/{far1[1] - far0[1]:.1f} s)")
+            return seconds, line
 
         def compare(case: str, fn_g, fn_r, target: float | None, prepare=None) -> None:
             g, r = [], []
+            print(f"  {case}:", flush=True)
+            wait = synced_at + 61 - time.monotonic()
+            if synced_at and wait > 0:  # ext4 without a journal: past RECENTCY_MIN of earlier deletions
+                print(f"    waiting {wait:.0f} s: inodes deleted before this benchmark are still skipped", flush=True)
+                time.sleep(wait)
             for run in range(args.runs):
                 for tool in ("rsync", "gpumagic") if run % 2 == 0 else ("gpumagic", "rsync"):
                     if prepare is not None:
                         prepare(tool)
-                    (g if tool == "gpumagic" else r).append(timed(fn_g if tool == "gpumagic" else fn_r))
+                    seconds, line = one_run(tool, fn_g if tool == "gpumagic" else fn_r)
+                    (g if tool == "gpumagic" else r).append(seconds)
+                    print(f"    run {run + 1}: {line}", flush=True)
             gm, rm = statistics.median(g), statistics.median(r)
             verdict = "" if target is None else f"<= {target:.1f}x " + ("met" if gm / rm <= target else "MISSED")
             rows.append((case, f"{gm:.3f} s", f"{rm:.3f} s", f"{gm / rm:.2f}x", verdict))
@@ -196,6 +338,17 @@ def main() -> None:
             dg, dr = dest["gpumagic"], dest["rsync"]
             compare(f"no-change resync of those {many:,}", lambda: machine.push(f"{src}/", str(dg)),
                     lambda: rsync(f"{src}/", f"{remote_host}:{dr}/"), 0.3)
+            # The floor of a no-change resync: the slower side's bare walk plus one round trip
+            # (a keepalive request answered by sshd), each the median of 3.
+            walk = max(statistics.median(walk_seconds(src) for _ in range(3)),
+                       statistics.median(walk_seconds(dg) for _ in range(3)))
+            transport = machine.connection.transport
+            rtt = statistics.median(timed(lambda: transport.global_request("keepalive@openssh.com", wait=True))
+                                    for _ in range(3))
+            resync = float(rows[-1][1].split()[0])
+            rows.append((f"  floor: the slower bare walk + 1 round trip ({walk:.3f} + {rtt * 1000:.2f} ms)",
+                         f"{resync:.3f} s", f"{walk + rtt:.3f} s", f"{resync / (walk + rtt):.2f}x",
+                         "<= 1.3x the floor " + ("met" if resync <= 1.3 * (walk + rtt) else "MISSED")))
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             rows.append((f"client peak RSS during the {many:,}", f"{rss:.0f} MB", "-", "-",
                          "< 300 MB " + ("met" if rss < 300 else "MISSED")
@@ -211,14 +364,16 @@ def main() -> None:
         if "pull" in cases:
             remote = base / "pull-remote"
             build_pull_tree(remote, args.files, args.big_mib)
-            bg, br = base / "pull-g", base / "pull-r"
+            pulled = {"gpumagic": base / "pull-g", "rsync": base / "pull-r"}
+            fresh_pull = iter(range(1, 10 ** 6))
 
-            def clean(tool):
-                shutil.rmtree(bg if tool == "gpumagic" else br, ignore_errors=True)
+            def clean(tool):  # a new, empty destination each run: nothing removed before a run
+                pulled[tool] = base / f"pull-{tool[0]}{next(fresh_pull)}"
 
             compare(f"pull, {args.files:,} x 1-8 KB + {args.big_mib} MB",
-                    lambda: machine.pull(f"{remote}/", str(bg)),
-                    lambda: rsync(f"{remote_host}:{remote}/", f"{br}/"), 1.0, prepare=clean)
+                    lambda: machine.pull(f"{remote}/", str(pulled["gpumagic"])),
+                    lambda: rsync(f"{remote_host}:{remote}/", f"{pulled['rsync']}/"), 1.0, prepare=clean)
+            bg, br = pulled["gpumagic"], pulled["rsync"]
             out = subprocess.run(["diff", "-r", str(bg), str(br)], capture_output=True)
             print(f"  pulled trees equal: {out.returncode == 0}")
             compare(f"no-change resync, {args.files:,} files + {args.big_mib} MB",
@@ -279,13 +434,17 @@ def main() -> None:
             shutil.rmtree(src), shutil.rmtree(ag), shutil.rmtree(ar)
         machine.close()
         # the table before the clean-up (removing 100,000 files takes a while)
-        print(f"\nloopback sshd, {os.cpu_count()} CPUs, median of {args.runs} run(s), trees under {base.parent}\n")
+        settle = "no settling" if args.no_settle else "page cache written back before each run"
+        print(f"\nloopback sshd, {os.cpu_count()} CPUs, median of {args.runs} run(s) (alternating who goes first; "
+              f"{settle}), trees under {base.parent}\n")
         print("| case | gpumagic | rsync | ratio | target |\n| --- | --- | --- | --- | --- |")
         for row in rows:
             print("| " + " | ".join(row) + " |", flush=True)
     finally:
         server.stop()
+        t = time.perf_counter()
         shutil.rmtree(base, ignore_errors=True)
+        print(f"(removed the trees in {time.perf_counter() - t:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

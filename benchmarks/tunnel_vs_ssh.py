@@ -11,9 +11,13 @@ Prints each run, the medians and the ratios gpumagic / OpenSSH (throughput: high
 better, target >= 0.9; latency: lower is better, target <= 1.2), and the time to first byte
 without any tunnel, so the latency each tunnel adds can be compared too.
 
+With ``--reverse`` the same, the other way: a gpumagic reverse tunnel
+(:class:`gpumagic.tunnel.ReverseTunnel`) against ``ssh -N -R``, curl on the machine's side
+(the machine is this computer) reaching the HTTP server on this side.
+
 Usage::
 
-    PYTHONPATH=. python benchmarks/tunnel_vs_ssh.py [--mb 200] [--runs 3] [--small 100]
+    PYTHONPATH=. python benchmarks/tunnel_vs_ssh.py [--mb 200] [--runs 3] [--small 100] [--reverse]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpumagic.ssh.connection import Connection  # noqa: E402
 from gpumagic.ssh.sandbox import SshServer, free_port  # noqa: E402
 from gpumagic.tunnel.forward import Tunnel  # noqa: E402
+from gpumagic.tunnel.reverse import ReverseTunnel  # noqa: E402
 
 
 def serve(port: int, megabytes: int) -> None:
@@ -69,7 +74,7 @@ def wait_port(port: int, timeout: float = 20) -> None:
 def download(port: int) -> tuple[float, int]:
     """Seconds and bytes of one /big download through local ``port``."""
     out = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{time_total} %{size_download}",
-                          f"http://127.0.0.1:{port}/big"], capture_output=True, text=True, check=True)
+                          f"http://127.0.0.1:{port}/big"], capture_output=True, text=True, check=True, encoding="utf-8")
     secs, size = out.stdout.split()
     return float(secs), int(size)
 
@@ -78,7 +83,7 @@ def small_ttfb(port: int, n: int) -> list[float]:
     """Time to first byte (seconds) of ``n`` small requests, one new connection each."""
     urls = [a for _ in range(n) for a in ("-o", "/dev/null", f"http://127.0.0.1:{port}/small")]
     out = subprocess.run(["curl", "-sS", "-w", "%{time_starttransfer}\n", *urls],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, encoding="utf-8")
     return [float(x) for x in out.stdout.split()]
 
 
@@ -87,6 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=int, default=200, help="size of the big download (MB)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--small", type=int, default=100, help="small requests per run")
+    p.add_argument("--reverse", action="store_true", help="reverse tunnels: gpumagic's against ssh -N -R")
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
@@ -106,11 +112,18 @@ def main(argv=None) -> int:
                 ["ssh", "-N", "-F", "/dev/null", "-i", str(server.client_key), "-p", str(server.port),
                  "-o", f"UserKnownHostsFile={server.known_hosts}", "-o", "StrictHostKeyChecking=yes",
                  "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes",
-                 "-L", f"127.0.0.1:{ssh_port}:127.0.0.1:{http_port}", f"{server.user}@{server.host}"])
+                 "-R" if args.reverse else "-L", f"127.0.0.1:{ssh_port}:127.0.0.1:{http_port}",
+                 f"{server.user}@{server.host}"])
             wait_port(ssh_port)
             conn.open()
-            tunnel = Tunnel(conn, http_port, remote_host="127.0.0.1", local_port=0).start()
-            ports = {"openssh": ssh_port, "gpumagic": tunnel.local_port}
+            tunnel: Tunnel | ReverseTunnel
+            if args.reverse:
+                tunnel = ReverseTunnel(conn, http_port, remote_port=free_port()).start()
+                ports = {"openssh": ssh_port, "gpumagic": tunnel.remote_port}
+            else:
+                tunnel = Tunnel(conn, http_port, remote_host="127.0.0.1", local_port=0).start()
+                ports = {"openssh": ssh_port, "gpumagic": tunnel.local_port}
+            print("reverse tunnels (ssh -R)" if args.reverse else "local tunnels (ssh -L)")
             cipher = conn.transport.remote_cipher
             mac = "built in (AEAD)" if "gcm" in cipher else conn.transport.remote_mac
             print(f"gpumagic (paramiko) cipher: {cipher}, MAC: {mac}; ssh: its defaults")

@@ -22,7 +22,8 @@ def _sandbox(args) -> int:
     def stop(signum, frame):  # a closed terminal or `kill` stops the sandbox like Ctrl-C
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGHUP (a closed terminal) is POSIX's; Windows has SIGTERM and Ctrl-C.
+    for sig in (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,):
         signal.signal(sig, stop)
 
     try:

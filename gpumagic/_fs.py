@@ -52,10 +52,18 @@ def private_dir(path: str | os.PathLike) -> Path:
     group's and others' bits away: it never gives the owner a right the directory lacked (a
     directory the user made read-only, 0555, becomes 0500 and stays read-only).  Another
     user's directory is left as it is.  Returns the path.
+
+    On Windows the mode bits say nothing (Python reports every folder as 0o777, and
+    ``chmod`` only sets the read-only flag): the folder is made and left to the access list
+    it inherits, which under the user's profile (``%LOCALAPPDATA%``, where platformdirs puts
+    gpumagic's data) is the user's alone.
     """
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:  # Windows
+        return path
     st = path.stat()
-    if st.st_mode & 0o077 and st.st_uid == os.getuid():  # another user's directory: not ours to change
+    if st.st_mode & 0o077 and st.st_uid == getuid():  # another user's directory: not ours to change
         os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
     return path

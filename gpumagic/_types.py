@@ -67,6 +67,11 @@ class MachineLike(Protocol):
         """The login environment's differences (:meth:`gpumagic.machine.Machine.login_env`)."""
         ...
 
+    def environment(self) -> dict[str, str | None]:
+        """What cells, sessions and jobs start with: the login differences, gpumagic's
+        settings, the proxy (:meth:`gpumagic.machine.Machine.environment`)."""
+        ...
+
     def shutdown_plan(self) -> ShutdownPlan:
         """How the machine powers itself off (the sandbox: a recording stand-in)."""
         ...

@@ -175,6 +175,15 @@ class SyncPermissionDenied(SyncError):
     """The destination path cannot be written (permissions or a read-only mount)."""
 
 
+class SyncIncomplete(SyncError):
+    """Some source files could not be read and were left out; everything else was synced
+    (rsync's exit status 23).  ``summary`` is the sync's :class:`gpumagic.sync.SyncSummary`."""
+
+    def __init__(self, message: str, hint: str | None = None, *, summary=None):
+        super().__init__(message, hint)
+        self.summary = summary
+
+
 class LocalFileError(GpumagicError):
     """A local file (a new key, ``~/.ssh/config``) cannot be read or written here."""
 

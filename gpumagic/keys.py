@@ -195,11 +195,15 @@ def keygen(path: str | os.PathLike | None = None, *, comment: str | None = None,
     KeyExists
         When ``path`` or ``path.pub`` exists (nothing is written).
     LocalFileError
-        When the key cannot be written there (nothing is left behind).
+        When the key cannot be written there, or ``path`` holds a NUL byte (nothing is left
+        behind).
     """
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    if path and "\0" in str(path):
+        raise LocalFileError(f"the key path {str(path)[:60]!r} holds a NUL byte (\\0), which no file name can",
+                             "give --path without it, e.g. --path ~/.ssh/id_ed25519 (the default)")
     path = _local_path(path) if path else default_key_path(home)
     pub_path = Path(str(path) + ".pub")
     for p in (path, pub_path):

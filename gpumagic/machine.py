@@ -20,9 +20,10 @@ from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult
 from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
-from .tunnel import Tunnel, TunnelManager
+from .tunnel import ReverseTunnel, Tunnel, TunnelManager
 
 if TYPE_CHECKING:
+    from .net.proxy import Proxy
     from .remote.jobs import Job, JobInfo
     from .remote.kernel import RemoteKernel
     from .budget.shutdown import ShutdownPlan
@@ -56,7 +57,9 @@ class Machine:
         self.sandbox = sandbox
         self.connection = Connection(spec, trust_new_host=trust_new_host, home=home,
                                      passphrase_prompt=passphrase_prompt)
-        self._login_env: tuple[int, dict] | None = None
+        self._login_env: tuple[int, dict, dict] | None = None
+        #: The laptop's proxy lent to this machine (``%gpu proxy on``), or None.
+        self.proxy: Proxy | None = None
         #: Directories searched for tmux (then setsid/nohup) after the remote PATH.
         self.tool_dirs: tuple[str, ...] = jobs.TOOL_DIRS
         #: One-time notes already shown for this machine (e.g. the nohup fallback).
@@ -67,14 +70,43 @@ class Machine:
     def login_env(self) -> dict[str, str | None]:
         """Environment differences of an interactive ``ssh host`` login, read once per connection.
 
-        See :func:`gpumagic.remote.execution.login_env_delta`.
+        See :func:`gpumagic.remote.execution.read_environment`.
         """
-        self.connection.ensure_open()
+        return self._read_environment()[1]
+
+    def settings_env(self) -> dict[str, str]:
+        """gpumagic's own settings for every cell, session and job on this machine
+        (``~/.gpumagic/env`` there: ``HF_ENDPOINT`` from ``%gpu mirrors hf``), read with
+        :meth:`login_env`."""
+        return self._read_environment()[2]
+
+    def _read_environment(self) -> tuple[int, dict, dict]:
+        self.connection.ensure_alive()  # before every cell: a dead path is left here
         opened = self.connection.opened_count
         if self._login_env is None or self._login_env[0] != opened:
             execution.prestart_runner(self.connection)  # starts while the probe runs
-            self._login_env = (opened, execution.login_env_delta(self.connection))
-        return self._login_env[1]
+            self._login_env = (opened, *execution.read_environment(self.connection))
+        return self._login_env
+
+    def forget_environment(self) -> None:
+        """Read the login environment and the settings again before the next cell (after a
+        change to the machine's dotfiles or ``~/.gpumagic/env``)."""
+        self._login_env = None
+
+    def environment(self) -> dict[str, str | None]:
+        """The environment that cells, sessions and jobs start with, beyond the exec
+        environment (``None``: unset), in this order, later ones winning: the login
+        shell's differences (:meth:`login_env`), gpumagic's settings on the machine
+        (:meth:`settings_env`), the proxy's variables while ``%gpu proxy on``
+        (:meth:`gpumagic.net.proxy.Proxy.environment`).  A running session keeps the
+        environment it started with."""
+        env: dict[str, str | None] = {**self.login_env(), **self.settings_env()}
+        if self.proxy is not None and self.proxy.tunnel.stopped:
+            self.proxy = None  # its tunnel was closed (`%gpu tunnel close R...`): the variables go too
+        if self.proxy is not None:
+            self.proxy.follow_move(self)
+            env.update(self.proxy.environment())
+        return env
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -94,7 +126,8 @@ class Machine:
         A closed machine re-opens on its next use, except the sandbox, whose server is gone.
         """
         self.tunnels.close_all(stop_service=self.sandbox is not None)
-        kernels = self.__dict__.get("_kernels")  # gpumagic/kernel.py: sessions keep running
+        self.proxy = None
+        kernels = self.__dict__.get("_kernels")  # gpumagic/remote/kernel.py: sessions keep running
         if kernels is not None:
             kernels.close()
         self.connection.close()
@@ -121,12 +154,14 @@ class Machine:
         """
         # `cd -` (and a CDPATH match) print a directory themselves; "~" is not expanded in "$1"
         script = ('case "$1" in -) set -- ./- ;; "~") set -- "$HOME" ;; "~/"*) set -- "$HOME/${1#"~/"}" ;; esac; '
-                  'cd -- "$1" >/dev/null && pwd -P')
+                  'cd -- "$1" >/dev/null && pwd -P | od -An -tx1')
         r = self.run(["sh", "-c", script, "sh", path], quiet=True)
         if r.exit_code != 0:
             raise RemoteCommandError(f"no directory {path} on {self.name}", exit_code=r.exit_code,
                                      stderr=r.stderr, hint=f"create it first: `mkdir -p {path}` in a %%remote cell")
-        self.cwd = r.stdout.strip()
+        # in hex (od): a name that is not UTF-8 comes back as os.fsdecode gives it (\udcXX for
+        # each such byte), which later cells send as the same bytes, not as U+FFFD
+        self.cwd = bytes.fromhex("".join(r.stdout.split())).removesuffix(b"\n").decode("utf-8", "surrogateescape")
         return self.cwd
 
     # -- running ----------------------------------------------------------------------
@@ -170,7 +205,7 @@ class Machine:
         if not quiet:
             stdout = stdout or _echo(sys.stdout)
             stderr = stderr or _echo(sys.stderr)
-        full_env = {**self.login_env(), **(env or {})}
+        full_env = {**self.environment(), **(env or {})}
         result = execution.run(self.connection, argv, cwd=cwd if cwd is not None else self.cwd,
                                env=full_env, stdout=stdout, stderr=stderr, timeout=timeout,
                                capture=capture)
@@ -195,7 +230,7 @@ class Machine:
         """
         return execution.exec_simple(self.connection, command, stdin=stdin, timeout=timeout)
 
-    # -- GPU status and preflight (gpumagic/gpu.py) -----------------------------------------
+    # -- GPU status and preflight (gpumagic/gpu/) ------------------------------------------
 
     def gpu_status(self, *, cuda_version: str | None = None) -> gpu.GpuStatus:
         """A snapshot of the GPUs in one round trip; see :func:`gpumagic.gpu.query_status`.
@@ -263,7 +298,7 @@ class Machine:
                               f"write the path on {self.name} alone, or use that machine's push/pull")
         return end.path
 
-    # -- detached jobs (gpumagic/jobs.py) --------------------------------------------------
+    # -- detached jobs (gpumagic/remote/jobs.py) -------------------------------------------
 
     def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
                   env: Mapping[str, str] | None = None, stop_on=None,
@@ -306,7 +341,7 @@ class Machine:
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
 
-    # -- live Python sessions (gpumagic/kernel.py) -----------------------------------------
+    # -- live Python sessions (gpumagic/remote/kernel.py) ----------------------------------
 
     def kernel(self, name: str | None = None, *, start: bool = True, python: str | None = None,
                cwd: str | None = None, env: Mapping[str, str] | None = None,
@@ -422,6 +457,125 @@ class Machine:
         return self.tunnels.open(remote_port, local_port=local_port, remote_host=remote_host,
                                  name=name, path=path)
 
+    def reverse_tunnel(self, local_port: int, *, remote_port: int | None = None,
+                       name: str = "") -> ReverseTunnel:
+        """Make the machine's ``127.0.0.1:remote_port`` reach this computer's
+        ``127.0.0.1:local_port`` (like ``ssh -N -R P:127.0.0.1:L``), started and listed in
+        :attr:`tunnels`; it listens again after a reconnect.
+
+        Parameters
+        ----------
+        local_port : int
+            Port on this computer (a local proxy's, 7890).
+        remote_port : int, optional
+            Port on the machine's 127.0.0.1 (default: the same number; when that one is
+            taken there, one the server picks: ``tunnel.remote_port``, ``tunnel.moved_from``).
+            A port given here that is taken is refused.
+        name : str
+            Label for listings.
+
+        Returns
+        -------
+        ReverseTunnel
+            Already listening on the machine's loopback only; ``with`` closes it.  An open
+            one to the same local port is returned as it is, unless another
+            ``remote_port`` is asked for.
+
+        Raises
+        ------
+        TunnelError
+            Refused by the server, with why (taken, AllowTcpForwarding, GatewayPorts yes).
+        ConnectionLost
+        """
+        return self.tunnels.open_reverse(local_port, remote_port=remote_port, name=name)
+
+    # -- the machine's way out (gpumagic/net/) ---------------------------------------------
+
+    def proxy_on(self, local_port: int = 7890, *, remote_port: int | None = None,
+                 persist: bool = False) -> "Proxy":
+        """Lend this computer's proxy (Clash, v2rayN on 127.0.0.1:``local_port``) to the
+        machine: a reverse tunnel, and ``http_proxy``/``https_proxy``/``all_proxy`` (and upper
+        case) with a ``no_proxy`` that keeps the machine's mirrors and metadata endpoints
+        direct, in every cell, session and job started after it; see
+        :func:`gpumagic.net.proxy.turn_on`.
+
+        Parameters
+        ----------
+        local_port : int
+            The proxy's port on this computer.
+        remote_port : int, optional
+            Port on the machine's 127.0.0.1 (default: the same; another if taken).
+        persist : bool
+            Also write the variables into the login shell's start-up file on the machine
+            (a marked block that :meth:`proxy_off` removes), for terminals opened there.
+
+        Raises
+        ------
+        GpumagicError, TunnelError
+        """
+        from .net.proxy import turn_on
+
+        return turn_on(self, local_port, remote_port=remote_port, persist=persist)
+
+    def proxy_off(self):
+        """Undo :meth:`proxy_on`: close the tunnel, new cells get no proxy variable, and a
+        persisted block is removed (also one an earlier session left); returns
+        :class:`gpumagic.net.proxy.ProxyOff`."""
+        from .net.proxy import turn_off
+
+        return turn_off(self)
+
+    def mirrors(self, kind: str, name: str | None = None):
+        """Make this machine use a well-known mirror (``%gpu mirrors``): ``kind`` ``pip``
+        (``pip config --user``), ``hf`` (``HF_ENDPOINT`` for new cells, sessions and jobs) or
+        ``conda`` (``~/.condarc``); ``name`` from ``gpumagic/net/mirrors.json`` (default: the
+        kind's first).  Returns the change (:class:`gpumagic.net.mirrors.MirrorChange`:
+        ``.before``, ``.after``, ``.text``); :meth:`mirrors_off` undoes it.
+
+        Raises
+        ------
+        ConfigError
+            An unknown kind or mirror name (naming those that exist).
+        """
+        from .net.mirrors import set_mirror
+
+        return set_mirror(self, kind, name)
+
+    def mirrors_off(self, kind: str):
+        """Undo :meth:`mirrors` for ``kind``: what was there before comes back."""
+        from .net.mirrors import unset_mirror
+
+        return unset_mirror(self, kind)
+
+    def net_targets(self) -> list:
+        """What :meth:`net_doctor` measures by default: the upstreams (PyPI, the PyTorch
+        wheel index, Hugging Face, GitHub, conda-forge), the mirrors this machine uses and
+        each kind's default mirror (one round trip to read which are in use)."""
+        from .net.doctor import machine_targets
+
+        return machine_targets(self)
+
+    def net_doctor(self, targets=None, *, timeout: float | None = None, read_time: float | None = None):
+        """What the machine can reach, how fast, and what to do (``%gpu doctor --net``): each
+        target's time to first byte and throughput, measured from the machine at once
+        within ``timeout`` (s, default 4) plus ``read_time`` (s, default 2); see
+        :func:`gpumagic.net.doctor.run`.
+
+        Parameters
+        ----------
+        targets : list of gpumagic.net.catalog.Target, optional
+            What to measure (default: :meth:`net_targets`).
+
+        Returns
+        -------
+        gpumagic.net.doctor.NetReport
+            ``.text`` one line per target with its verdict and hint; ``.results``.
+        """
+        from .net import doctor
+
+        return doctor.run(self, targets, timeout=doctor.TIMEOUT if timeout is None else timeout,
+                          read_time=doctor.READ_TIME if read_time is None else read_time)
+
     def tensorboard(self, logdir: str = "runs", *, local_port: int | None = 6006) -> Tunnel:
         """Open TensorBoard on ``logdir`` through a tunnel, starting it on the machine if no
         TensorBoard serves that directory yet (bound to the machine's 127.0.0.1).
@@ -472,6 +626,11 @@ class SandboxMachine(Machine):
     #: system-wide caches out).
     is_this_computer: bool = True
 
+    def __init__(self, spec: HostSpec, **options):
+        super().__init__(spec, **options)
+        #: The stand-in sites of :meth:`net_targets` (started on first use, stopped by close).
+        self._internet: dict = {}
+
     def shutdown_plan(self) -> "ShutdownPlan":
         """The sandbox's stand-in ``shutdown -h now`` (see
         :meth:`gpumagic.ssh.sandbox.Sandbox.shutdown_stand_in`); no round trip."""
@@ -485,12 +644,57 @@ class SandboxMachine(Machine):
         """The sandbox's temporary folder (removed when the sandbox stops)."""
         return None if self.sandbox is None else str(self.sandbox.server.dir)
 
+    def net_targets(self) -> list:
+        """Stand-ins for the internet, on this computer (:mod:`gpumagic.net.standin`), named
+        as the real targets are: a fast pypi.org and conda-forge, a slow PyTorch wheel
+        index and GitHub, a huggingface.co that never answers and a fast hf-mirror.com; so
+        ``%gpu doctor --net`` shows each verdict and nothing leaves the computer."""
+        from .net.catalog import Target, mirror
+        from .net.standin import StandInSite
+
+        if not self._internet:
+            self._internet = {k: StandInSite(k).start() for k in ("fast", "slow", "silent")}
+        site = {k: s.url for k, s in self._internet.items()}
+        hf = mirror("hf")
+        return [Target("pypi.org", site["fast"] + "simple/torch/", "pip"),
+                Target("download.pytorch.org", site["slow"] + "whl/torch/"),
+                Target("huggingface.co", site["silent"] + "gpt2/resolve/main/vocab.json", "hf"),
+                Target("github.com", site["slow"] + "pytorch/pytorch/archive/v2.0.0.tar.gz"),
+                Target("conda-forge", site["fast"] + "conda-forge/noarch/repodata.json", "conda"),
+                Target(hf.host, site["fast"] + "gpt2/resolve/main/vocab.json", "hf", hf.name)]
+
+    def close(self) -> None:
+        for s in self._internet.values():
+            s.stop()
+        self._internet = {}
+        super().close()
+
 
 def _echo(stream):
     def write(text: str) -> None:
         stream.write(text)
         stream.flush()
     return write
+
+
+#: The longest machine name (``--name``): it names a sandbox's home folder, and the file
+#: systems' NAME_MAX is 255 bytes.
+MAX_NAME = 100
+
+
+def check_machine_name(name: str) -> str:
+    """Return ``name`` if it can name a machine (``%gpu connect --name``), else raise
+    :class:`~gpumagic.errors.ConfigError`: at most :data:`MAX_NAME` characters, no NUL byte,
+    no line break."""
+    from .errors import ConfigError
+
+    bad = (f"is {len(name)} characters long (at most {MAX_NAME})" if len(name) > MAX_NAME else
+           "holds a NUL byte (\\0)" if "\0" in name else
+           "holds a line break" if any(c in name for c in "\r\n") else "")
+    if bad:
+        raise ConfigError(f"the machine name (--name) {bad}",
+                          "give a short name of letters, digits, '-' and '_', e.g. --name gpu1")
+    return name
 
 
 def connect(target: str | None = None, *, port: int | None = None, key: str | None = None,
@@ -525,10 +729,13 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
     Raises
     ------
     GpumagicError
-        One of its kinds (HostNotFound, ConnectionRefused, ConnectTimeout,
+        One of its kinds (ConfigError for a ``name`` :func:`check_machine_name` refuses,
+        HostNotFound, ConnectionRefused, ConnectTimeout,
         AuthenticationFailed, WrongPassphrase, InsecureKeyFile, UnknownHostKey,
         ChangedHostKey, RevokedHostKey), each with a one-line hint.
     """
+    if name:
+        check_machine_name(name)
     sb = None
     if sandbox:
         from .ssh.sandbox import Sandbox

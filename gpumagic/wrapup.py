@@ -11,7 +11,7 @@ things, through the public APIs of the other modules:
    the same pull without ``dry_run`` fetches it.  A newer local file is never replaced.
 2. **Caches an image would carry**: pip and the rest of ``~/.cache``, conda's package
    caches, the temporary folder, old VS Code server versions, ``__pycache__`` folders, each
-   with its size (the machine-side program ``gpumagic/remote/programs/wrapup.py``, sent with
+   with its size (the machine-side program ``gpumagic/remote/programs/wrapup-scan.py``, sent with
    each call).  ``clean=True`` removes them after one confirmation that lists them -- those
    caches only, never anything else.
 3. **The system disk** (``/``): what an image of it would hold (used bytes, from
@@ -40,8 +40,8 @@ MIN_LISTED = 1
 
 
 def program_source() -> str:
-    """The machine-side scanner (``gpumagic/remote/programs/wrapup.py``)."""
-    return (resources.files("gpumagic.remote") / "programs" / "wrapup.py").read_text(encoding="utf-8")
+    """The machine-side scanner (``gpumagic/remote/programs/wrapup-scan.py``)."""
+    return (resources.files("gpumagic.remote") / "programs" / "wrapup-scan.py").read_text(encoding="utf-8")
 
 
 # -- remembered result folders ---------------------------------------------------------------

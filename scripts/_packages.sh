@@ -1,4 +1,7 @@
-# Sourced by _setup.sh and test-as-user.sh: the system packages the tests need (apt-get as root).
+# Sourced by _setup.sh and test-as-user.sh: the system packages (apt-get as root).
+# GPUMAGIC_FOR=main (scripts/quickstart.sh): only what the sandbox machine and a notebook need:
+# sshd and ssh, rsync, tmux, python3-venv.  GPUMAGIC_FOR=test (the default: test.sh,
+# test-as-user.sh): also the tools only the tests use.
 # shellcheck shell=bash
 set -euo pipefail
 
@@ -7,14 +10,20 @@ need=()
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v rsync >/dev/null 2>&1 || need+=(rsync)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
-command -v git >/dev/null 2>&1 || need+=(git)
-# Optional for the tests: login shells that re-read a command differently, and shellcheck for
-# the machine-side programs.  Installed when we are root; otherwise their tests are skipped
+if [ "${GPUMAGIC_FOR:-test}" = test ]; then
+  command -v git >/dev/null 2>&1 || need+=(git)
+  command -v curl >/dev/null 2>&1 || need+=(curl)  # what a machine's cells fetch with (tests/test_proxy.py)
+fi
+# Optional for the tests: login shells that re-read a command differently, shellcheck for
+# the machine-side programs, and FUSE.  Installed when we are root; otherwise their tests are skipped
 # with the install line.
-if [ "$(id -u)" = 0 ]; then
+if [ "${GPUMAGIC_FOR:-test}" = test ] && [ "$(id -u)" = 0 ]; then
   for tool in fish tcsh zsh shellcheck; do
     command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
   done
+  # fuse3 (fusermount3, libfuse3) for the laptop-like file systems of tests/test_windows.py
+  # (case-insensitive NTFS/APFS stand-ins, tests/casefold_fs.py); skipped without it.
+  command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
   # GPUMAGIC_TEST_BROWSER=1 (.ci/run sets it): Debian's chromium for tests/test_browser.py, driven
   # by Playwright (whose own browser download cannot work here), and a Chinese font (5 MB) so the
   # zh-CN tutorials' screenshots show characters, not boxes.

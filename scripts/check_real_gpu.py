@@ -38,12 +38,12 @@ while time.time() < end:
 def gather(sections: list, outdir: Path, tag: str) -> dict:
     script = smi.sections_command(sections)
     start = time.monotonic()
-    r = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=300, encoding="utf-8")
     took = time.monotonic() - start
-    (outdir / f"{tag}.sections.txt").write_text(r.stdout)
+    (outdir / f"{tag}.sections.txt").write_text(r.stdout, encoding="utf-8")
     secs = smi.split_sections(r.stdout)
     for name, s in secs.items():
-        (outdir / f"{tag}.{name}.txt").write_text(f"# rc={s.rc}\n{s.text}")
+        (outdir / f"{tag}.{name}.txt").write_text(f"# rc={s.rc}\n{s.text}", encoding="utf-8")
     print(f"[{tag}] gathered {sorted(secs)} in {took:.2f} s (stderr: {r.stderr.strip()!r})")
     return secs
 
@@ -66,7 +66,7 @@ def main() -> int:
                                capture_output=True).returncode == 0
     print("torch with CUDA:", has_torch)
     if has_torch:
-        load = subprocess.Popen([sys.executable, "-c", LOAD, "25"], stdout=subprocess.PIPE, text=True)
+        load = subprocess.Popen([sys.executable, "-c", LOAD, "25"], stdout=subprocess.PIPE, text=True, encoding="utf-8")
         try:
             assert load.stdout.readline().strip() == "load running"
             time.sleep(2)
@@ -81,8 +81,8 @@ def main() -> int:
             load.wait()
         oom = subprocess.run([sys.executable, "-c",
                               "import torch; torch.empty(400 * 2**30, dtype=torch.uint8, device='cuda')"],
-                             capture_output=True, text=True)
-        (outdir / "oom-stderr.txt").write_text(oom.stderr)
+                             capture_output=True, text=True, encoding="utf-8")
+        (outdir / "oom-stderr.txt").write_text(oom.stderr, encoding="utf-8")
         print("OOM exit:", oom.returncode, "last line:", oom.stderr.strip().splitlines()[-1][:200])
         print("hint:", doctor.failure_hint(oom.stderr, oom.returncode))
     return 0

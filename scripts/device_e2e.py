@@ -35,7 +35,7 @@ def step(name):
             ok = True
         except Exception as e:  # report every step, keep going
             note = f"{type(e).__name__}: {e}"
-            (OUT / f"{name}.traceback.txt").write_text(traceback.format_exc())
+            (OUT / f"{name}.traceback.txt").write_text(traceback.format_exc(), encoding="utf-8")
             ok = False
         took = time.monotonic() - t
         results.append((name, ok, note, took))
@@ -92,10 +92,10 @@ def _():
 def _():
     s = m.gpu_status()
     text = display.status_text(s)
-    (OUT / "status.txt").write_text(text)
+    (OUT / "status.txt").write_text(text, encoding="utf-8")
     assert "H200" in text, text
     d = m.doctor(expect_gpu="H200", expect_count=1)
-    (OUT / "doctor.txt").write_text(display.doctor_text(d))
+    (OUT / "doctor.txt").write_text(display.doctor_text(d), encoding="utf-8")
     return text.splitlines()[1] if len(text.splitlines()) > 1 else text
 
 
@@ -139,7 +139,7 @@ def _():
     src = OUT / "tree"
     (src / "data").mkdir(parents=True, exist_ok=True)
     for i in range(200):
-        (src / "data" / f"f{i}.txt").write_text(f"file {i}\n" * 50)
+        (src / "data" / f"f{i}.txt").write_text(f"file {i}\n" * 50, encoding="utf-8")
     (src / "big.bin").write_bytes(os.urandom(64 * 2**20))
     a = mm.push(str(src) + "/", "/tmp/e2e-tree/")
     b = mm.push(str(src) + "/", "/tmp/e2e-tree/")
@@ -185,6 +185,6 @@ def _():
 m.close()
 failed = [r for r in results if not r[1]]
 (OUT / "summary.txt").write_text("\n".join(f"{n}: {'ok' if ok else 'FAIL'} {note} ({t:.2f} s)"
-                                           for n, ok, note, t in results) + "\n")
+                                           for n, ok, note, t in results) + "\n", encoding="utf-8")
 print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
 sys.exit(1 if failed else 0)

@@ -14,7 +14,7 @@
 #      `pip install -e ".[test]"` (scripts/_setup.sh), with pip's cache in its own home
 #      (seeded once from root's cache) and root's own pip.conf (copied once, where it has one);
 #      GPUMAGIC_TEST_* (GPUMAGIC_TEST_TORCH=1: torch for the torchrun tests) pass through;
-#   3. as that user: python -m pytest "$@".  The exit status is pytest's.
+#   3. as that user: python -m pytest "$@" (with test.sh's EncodingWarning check).  The exit status is pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -105,6 +105,6 @@ as_user bash scripts/_setup.sh
 say "venv ready as $user ($((SECONDS - step))s)"
 step=$SECONDS
 rc=0
-as_user .venv/bin/python -m pytest "$@" || rc=$?
+as_user .venv/bin/python -X warn_default_encoding -W error::EncodingWarning -m pytest "$@" || rc=$?  # as test.sh
 say "pytest as $user exited $rc (suite $((SECONDS - step))s, all $((SECONDS - started))s)"
 exit "$rc"

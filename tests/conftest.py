@@ -53,11 +53,11 @@ def add_client_entry(server: SshServer, alias: str, extra: str = "") -> None:
     the client's ~/.ssh/known_hosts (the real OpenSSH files that gpumagic reads)."""
     ssh = CLIENT_HOME / ".ssh"
     ssh.mkdir(mode=0o700, exist_ok=True)
-    with open(ssh / "config", "a") as f:
+    with open(ssh / "config", "a", encoding="utf-8") as f:
         f.write(f"\nHost {alias}\n  HostName {server.host}\n  Port {server.port}\n"
                 f"  User {server.user}\n  IdentityFile {server.client_key}\n  IdentitiesOnly yes\n{extra}")
-    with open(ssh / "known_hosts", "a") as f:
-        f.write(server.known_hosts.read_text())
+    with open(ssh / "known_hosts", "a", encoding="utf-8") as f:
+        f.write(server.known_hosts.read_text(encoding="utf-8"))
 
 
 #: Where the suite does not run as root, a machine can shut itself down only through passwordless
@@ -101,6 +101,39 @@ def machine(sshd):
     m.close()
 
 
+@pytest.fixture
+def make_link(sshd):
+    """Factory of machines behind an emulated link (tests/linkemu.py): ``make_link(rtt_ms=40,
+    up_mbit=20, down_mbit=50, queue=None, keepalive=300, connect=True)`` returns a
+    :class:`linkemu.LinkedMachine` (``.machine`` connected through a :class:`linkemu.Link` in
+    front of ``sshd``; ``blink``, ``hold``/``release``, ``roam``, ``counters``, ``settle``).
+    Everything made is closed after the test."""
+    from linkemu import Link, LinkedMachine
+
+    made: list = []
+
+    def make(*, rtt_ms: float = 40, up_mbit: float | None = 20, down_mbit: float | None = 50,
+             queue: int | None = None, **options) -> LinkedMachine:
+        link = Link(sshd.port, rtt_ms=rtt_ms, up_mbit=up_mbit, down_mbit=down_mbit, queue=queue).start()
+        try:
+            made.append(LinkedMachine(sshd, link, **options))
+        except BaseException:
+            link.close()
+            raise
+        return made[-1]
+
+    yield make
+    for linked in made:
+        linked.close()
+
+
+@pytest.fixture
+def link(make_link, request):
+    """A machine behind the default emulated link (40 ms RTT, 20 Mbit/s up, 50 down); other
+    parameters through ``@pytest.mark.parametrize("link", [dict(rtt_ms=60)], indirect=True)``."""
+    return make_link(**getattr(request, "param", {}))
+
+
 @pytest.fixture(scope="session")
 def _ipython():
     from IPython.core.interactiveshell import InteractiveShell
@@ -116,9 +149,9 @@ def _ipython():
 @pytest.fixture
 def ip(_ipython, sshd):
     """A real InteractiveShell with gpumagic loaded and no machine connected."""
-    _ipython._gpumagic.session.close_all()
+    _ipython._gpumagic.fleet.close_all()
     yield _ipython
-    _ipython._gpumagic.session.close_all()
+    _ipython._gpumagic.fleet.close_all()
 
 
 def session_sshd_pid(machine) -> int:

@@ -30,7 +30,7 @@ def _home(tmp_path):
 
 def ssh_G(cfg, name: str) -> tuple[int, dict, str]:
     p = subprocess.run(["ssh", "-G", "-F", str(cfg), name], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=60)
+                       stdin=subprocess.DEVNULL, timeout=60, encoding="utf-8")
     out: dict[str, list[str]] = {}
     for line in p.stdout.splitlines():
         key, _, value = line.partition(" ")
@@ -113,4 +113,4 @@ def test_issue8_add_host_magic_with_a_quote_in_the_user(tmp_path, monkeypatch, i
     assert (g["user"], g["identityfile"]) == (["o'brien"], ["~/.ssh/o'key"])
     with pytest.raises(ConfigError, match="ProxyJump"):
         ip.run_line_magic("gpu", """add-host r --hostname 192.0.2.5 -J "o'x@bastion" """)
-    assert ssh_G(cfg, "r")[0] == 0 and "Host r" not in cfg.read_text()
+    assert ssh_G(cfg, "r")[0] == 0 and "Host r" not in cfg.read_text(encoding="utf-8")

@@ -43,14 +43,14 @@ TUTORIALS = [str(p.relative_to(NOTEBOOKS)) for p in
 def runtime_version() -> str:
     """``binder/runtime.txt``'s Python version: ``python-3.10`` -> ``"3.10"`` (repo2docker's
     format, ``python-X.Y``)."""
-    text = (BINDER / "runtime.txt").read_text().strip()
+    text = (BINDER / "runtime.txt").read_text(encoding="utf-8").strip()
     m = re.fullmatch(r"python-(\d+\.\d+)", text)
     assert m, f"binder/runtime.txt says {text!r}; repo2docker reads python-X.Y"
     return m.group(1)
 
 
 def apt_packages() -> list[str]:
-    return [line.split("#")[0].strip() for line in (BINDER / "apt.txt").read_text().splitlines()
+    return [line.split("#")[0].strip() for line in (BINDER / "apt.txt").read_text(encoding="utf-8").splitlines()
             if line.split("#")[0].strip()]
 
 
@@ -63,13 +63,13 @@ def test_apt_txt_packages_are_installed():
     # on the machine already (scripts/_setup.sh installs them as root).
     missing = [p for p in apt_packages()
                if subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True,
-                                 text=True).stdout != "install ok installed"]
+                                 text=True, encoding="utf-8").stdout != "install ok installed"]
     if missing:
         pytest.skip(f"binder/apt.txt packages not installed here: sudo apt-get install {' '.join(missing)}")
 
 
 def test_requirements_install_this_repository_and_what_the_tutorials_import():
-    reqs = [line.split("#")[0].strip() for line in (BINDER / "requirements.txt").read_text().splitlines()]
+    reqs = [line.split("#")[0].strip() for line in (BINDER / "requirements.txt").read_text(encoding="utf-8").splitlines()]
     assert ".[notebook]" in reqs  # the repository itself, with nbclient and ipykernel
     for name in ("tensorboard", "jupyter-server-proxy", "matplotlib", "pandas"):
         assert name in reqs, name
@@ -80,7 +80,7 @@ def test_requirements_install_this_repository_and_what_the_tutorials_import():
 def test_readme_binder_badge_opens_the_tutorials(readme, labpath):
     # pyproject's [project.urls] Repository (a regex: tomllib is Python 3.11+)
     slug = re.search(r'^Repository = "https://github\.com/([\w.-]+/[\w.-]+)"$',
-                     (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+                     (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M).group(1)
     text = (ROOT / readme).read_text(encoding="utf-8")
     badges = re.findall(r"\[!\[Binder\]\((https://mybinder\.org/badge_logo\.svg)\)\]\((\S+?)\)", text)
     # Binder's URL scheme: /v2/gh/OWNER/REPO/REF, and ?labpath= opens that path in JupyterLab
@@ -95,7 +95,7 @@ def test_readme_binder_badge_opens_the_tutorials(readme, labpath):
 def _version_of(python: str) -> str | None:
     try:
         r = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, encoding="utf-8")
     except OSError:
         return None
     return r.stdout.strip() if r.returncode == 0 else None
@@ -122,7 +122,7 @@ def _relocated_python(python: str, dest: Path) -> str:
     root's private home). Its executable's RUNPATH (pyenv's absolute ``PREFIX/lib``, where
     libpython is) is rewritten in place to ``$ORIGIN/../lib``, as patchelf does for a shorter path."""
     prefix = subprocess.run([python, "-c", "import sys; print(sys.base_prefix)"], capture_output=True,
-                            text=True, check=True).stdout.strip()
+                            text=True, check=True, encoding="utf-8").stdout.strip()
     shutil.copytree(prefix, dest, symlinks=True,
                     ignore=shutil.ignore_patterns("site-packages", "test", "__pycache__", "idlelib", "tkinter"))
     exe = dest / "bin" / Path(python).name
@@ -164,10 +164,10 @@ class PlainUser:
         prefix = ["runuser", "-u", self.name, "--"] if IS_ROOT else []
         # env -i: exactly this environment, whoever runs it
         return subprocess.run([*prefix, "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv],
-                              capture_output=True, text=True, **kwargs)
+                              capture_output=True, text=True, encoding="utf-8", **kwargs)
 
     def processes(self) -> list[int]:
-        r = subprocess.run(["pgrep", "-u", str(self.uid)], capture_output=True, text=True)
+        r = subprocess.run(["pgrep", "-u", str(self.uid)], capture_output=True, text=True, encoding="utf-8")
         return [int(p) for p in r.stdout.split()]
 
     def remove(self) -> None:
@@ -180,7 +180,7 @@ class PlainUser:
             deadline = time.monotonic() + 30  # userdel refuses while the user has processes
             while self.processes() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            r = subprocess.run(["userdel", self.name], capture_output=True, text=True)
+            r = subprocess.run(["userdel", self.name], capture_output=True, text=True, encoding="utf-8")
             assert r.returncode == 0, f"userdel {self.name}: {r.stderr.strip()}"
 
 
@@ -208,7 +208,7 @@ def binder_env():
         # repo2docker copies the repository into the image (REPO_DIR, the user's home)
         repo = home / "gpumagic"
         files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+                               cwd=ROOT, capture_output=True, text=True, check=True, encoding="utf-8").stdout.split("\0")
         for f in filter(None, files):
             if (ROOT / f).is_file():
                 (repo / f).parent.mkdir(parents=True, exist_ok=True)

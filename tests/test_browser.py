@@ -77,7 +77,7 @@ class Lab:
         settings = state / "lab-settings"
         for name, value in LAB_SETTINGS.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
-            (settings / name).write_text(json.dumps(value))
+            (settings / name).write_text(json.dumps(value), encoding="utf-8")
         env = dict(os.environ,  # HOME is the suite's temp HOME (conftest): the sandbox lives there
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                    JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_RUNTIME_DIR=str(state / "runtime"),
@@ -87,7 +87,7 @@ class Lab:
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
              f"--port={self.port}", f"--IdentityProvider.token={self.token}",
              f"--ServerApp.root_dir={root}", *extra],
-            env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdout=open(self.log, "w", encoding="utf-8"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -95,7 +95,7 @@ class Lab:
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{self.log.read_text()[-3000:]}")
+                    raise RuntimeError(f"JupyterLab did not start:\n{self.log.read_text(encoding='utf-8')[-3000:]}")
                 time.sleep(0.5)
 
     def url(self, path: str) -> str:

@@ -23,7 +23,7 @@ import gpumagic
 from gpumagic import budget
 from gpumagic.budget import GuardSettings, Ledger, Prices
 from gpumagic.budget.guard import guard_program, parse_status
-from gpumagic.budget.ledger import record_session
+from gpumagic.budget.ledger import record_rental
 from gpumagic.budget.prices import BILLING_UNITS, guard_limit_in, new_alerts
 from gpumagic.errors import GpumagicError
 
@@ -98,7 +98,7 @@ def test_alerts_through_the_ledger_fire_once_per_threshold(tmp_path):
     t0 = 1_800_000_000.0
     budget.set_prices(ledger, "m", Prices(rate=6, billing="second"), alerts=[10, 20], started_at=t0)
     with ledger.update() as machines:
-        record_session(machines["m"], t0, t0, Prices(rate=6))
+        record_rental(machines["m"], t0, t0, Prices(rate=6))
     fired = []
     for minutes in (30, 90, 110, 150, 210, 300):  # 3, 9, 11, 15, 21, 30 spent
         _, new = budget.check_alerts(ledger, "m", now=t0 + minutes * 60)
@@ -147,7 +147,7 @@ def test_history_spreads_a_session_over_the_days_it_covers(tmp_path):
     midnight = dt.datetime(2027, 1, 2).astimezone().timestamp()
     budget.set_prices(ledger, "m", Prices(rate=10, currency="CNY"))
     with ledger.update() as machines:
-        s = record_session(machines["m"], midnight - 3600, midnight - 3600, Prices(rate=10, currency="CNY"))
+        s = record_rental(machines["m"], midnight - 3600, midnight - 3600, Prices(rate=10, currency="CNY"))
         s.last_seen = midnight + 2 * 3600
     rows = budget.history(ledger.machines(), midnight + 5 * 3600)
     assert [(r[1], round(r[2], 6), r[3]) for r in rows] == [("2027-01-01", 10, "CNY"), ("2027-01-02", 20, "CNY")]
@@ -188,17 +188,17 @@ def test_ledger_records_are_dataclasses_written_back_only_when_changed(tmp_path)
     t0 = 1_800_000_000.0
     budget.set_prices(ledger, "a", Prices(rate=6), alerts=[10], started_at=t0)
     with ledger.update() as machines:
-        record_session(machines["a"], t0, t0 + 60, Prices(rate=6))
+        record_rental(machines["a"], t0, t0 + 60, Prices(rate=6))
     rec = ledger.machine("a")
     assert isinstance(rec, budget.MachineRecord) and rec.alerts == [10.0] and rec.started_at == t0
-    assert rec.sessions == [budget.Session(t0, t0 + 60, Prices(rate=6), [])]
+    assert rec.rentals == [budget.Rental(t0, t0 + 60, Prices(rate=6), [])]
     assert budget.MachineRecord.from_dict(rec.to_dict()) == rec
     # a record written by hand in a shorter form stays as it was while another one changes
-    data = json.loads(ledger.path.read_text())
+    data = json.loads(ledger.path.read_text(encoding="utf-8"))
     data["machines"]["b"] = {"prices": {"rate": 1}}
-    ledger.path.write_text(json.dumps(data))
+    ledger.path.write_text(json.dumps(data), encoding="utf-8")
     budget.set_prices(ledger, "a", Prices(rate=7))
-    after = json.loads(ledger.path.read_text())["machines"]
+    after = json.loads(ledger.path.read_text(encoding="utf-8"))["machines"]
     assert after["b"] == {"prices": {"rate": 1}} and after["a"]["prices"]["rate"] == 7
 
 
@@ -221,13 +221,13 @@ def test_truncated_ledger_is_reported_moved_aside_kept_and_a_new_one_started(tmp
     assert len(kept) == 1 and str(kept[0]) in ledger.notes[0]
     assert kept[0].read_bytes() == truncated
     budget.set_prices(ledger, "m2", Prices(rate=3))
-    assert set(json.loads(path.read_text())["machines"]) == {"m2"}
+    assert set(json.loads(path.read_text(encoding="utf-8"))["machines"]) == {"m2"}
     assert kept[0].read_bytes() == truncated  # never overwritten
 
 
 def test_ledger_written_by_a_newer_gpumagic_is_left_alone(tmp_path):
     path = tmp_path / "ledger.json"
-    path.write_text(json.dumps({"format": "gpumagic-ledger", "version": 99, "machines": {}}))
+    path.write_text(json.dumps({"format": "gpumagic-ledger", "version": 99, "machines": {}}), encoding="utf-8")
     with pytest.raises(GpumagicError, match="newer gpumagic"):
         Ledger(path).read()
     assert list(tmp_path.iterdir()) == [path]
@@ -253,6 +253,12 @@ DAMAGED = {  # field -> (value, what the note must say)
     "sessions-start": ([{"start": None, "prices": {"rate": 1}}], "sessions[0].start is None, not a number"),
     "started_at": ("yesterday", "started_at is 'yesterday', not a number"),
     "limit-inf": (float("inf"), "limit is inf, not a number from 0 to 1e+12"),
+    # issue 31: an integer too large for a float (math.isfinite raised OverflowError)
+    "limit-huge": (10**400, "limit is 100000000000000000000000000000... (401 characters), not a number"),
+    "started_at-huge": (10**309, "started_at is 100000000000000000000000000000... (310 characters)"),
+    "sessions-huge": ([{"start": 10**400, "prices": {"rate": 1}}], "sessions[0].start is 1000000000"),
+    "guard-huge": ({"deadline_in": 10**400}, "guard is {'deadline_in': 1000"),
+    "prices-huge": ({"rate": 10**400}, "prices: "),
 }
 
 
@@ -277,13 +283,30 @@ def test_damaged_record_is_one_note_naming_file_and_field_and_the_other_machines
     assert DAMAGED[field][1] in shown[0], shown[0]
     assert "set it again with `%gpu budget set --host damaged --rate PRICE_PER_HOUR`" in shown[0]
     assert out.startswith("damaged: 2.00/h")
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text(encoding="utf-8"))
     assert data["machines"]["kept"] == GOOD_RECORD  # every valid record kept as it was
     assert data["machines"]["damaged"]["prices"]["rate"] == 2
     kept, = tmp_path.glob("data/ledger.json.corrupt-*")
     assert kept.read_bytes() == raw and str(kept) in shown[0]
     _, again = _run(ip, "budget history")  # the note was said once; the file is whole now
     assert not [t for t in again if "budget alert" in t]
+
+
+@pytest.mark.parametrize("raw,says", [
+    (b'{"format": "gpumagic-ledger", "version": 1, "machines": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "not valid JSON (nested deeper than Python's parser follows)"),
+    (b'{"format": "gpumagic-ledger", "version": 1, "machines": {"m": {"limit": ' + b"9" * 5000 + b"}}}",
+     "not valid JSON (a number in it is too long: Exceeds the limit (4300 digits)"),
+])
+def test_a_ledger_python_cannot_parse_is_kept_aside_with_one_note(tmp_path, raw, says):
+    """Issue 31: RecursionError and the int digit limit's ValueError were tracebacks."""
+    path = tmp_path / "ledger.json"
+    path.write_bytes(raw)
+    ledger = Ledger(path)
+    assert ledger.read()["machines"] == {}
+    kept, = tmp_path.glob("ledger.json.corrupt-*")
+    assert kept.read_bytes() == raw
+    assert len(ledger.notes) == 1 and says in ledger.notes[0] and str(kept) in ledger.notes[0]
 
 
 def test_ledger_read_keeps_every_valid_machine_of_a_damaged_file(tmp_path):
@@ -367,13 +390,13 @@ def test_stored_inf_limit_never_breaks_a_later_budget_set(budget_ip, tmp_path):
     path = Path(os.environ["GPUMAGIC_DATA_DIR"]) / "ledger.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     rec = {**GOOD_RECORD, "limit": float("inf")}
-    path.write_text(json.dumps({"format": "gpumagic-ledger", "version": 1, "machines": {server.alias: rec}}))
+    path.write_text(json.dumps({"format": "gpumagic-ledger", "version": 1, "machines": {server.alias: rec}}), encoding="utf-8")
     out, shown = _run(ip, "budget set --rate 2 --limit 5")
     assert "limit is inf" in shown[0]
     assert f"{server.alias}: 2.00/h" in out and "limit 5.00" in out
     _, meter = _run(ip, "budget")
     assert "limit 5.00" in meter[0]
-    assert json.loads(path.read_text())["machines"][server.alias]["limit"] == 5
+    assert json.loads(path.read_text(encoding="utf-8"))["machines"][server.alias]["limit"] == 5
 
 
 # -- the guard on real servers (cases 4 and 5) --------------------------------------------
@@ -391,7 +414,7 @@ def _recording_814_mib_78_percent(dest: Path) -> Path:
     numbers; no process listed, as in a container that hides other processes)."""
     shutil.copytree(RECORDINGS / "h200-idle", dest)
     for name in ("query-gpu.csv", "query-gpu-noheader-nounits.csv"):
-        lines = (dest / name).read_text().splitlines()
+        lines = (dest / name).read_text(encoding="utf-8").splitlines()
         out = []
         for line in lines:
             cols = line.split(", ")
@@ -401,7 +424,7 @@ def _recording_814_mib_78_percent(dest: Path) -> Path:
                 cols[7] = "142342 MiB" if units else "142342"
                 cols[8] = "78 %" if units else "78"
             out.append(", ".join(cols))
-        (dest / name).write_text("\n".join(out) + "\n")
+        (dest / name).write_text("\n".join(out) + "\n", encoding="utf-8")
     return dest
 
 
@@ -412,10 +435,10 @@ class Guarded:
     @property
     def calls(self) -> list[str]:
         f = self.server.dir / "shutdown-calls"
-        return f.read_text().splitlines() if f.exists() else []
+        return f.read_text(encoding="utf-8").splitlines() if f.exists() else []
 
     def log(self) -> str:
-        return (Path(self.server.env["HOME"]) / ".gpumagic/guard/log").read_text()
+        return (Path(self.server.env["HOME"]) / ".gpumagic/guard/log").read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -498,10 +521,10 @@ def _probe_as_user_1000(tmp_path, sudo: str | None) -> str:
     bindir.mkdir(parents=True)
     for name, script in (("id", "#!/bin/sh\necho 1000\n"), ("sudo", sudo)):
         if script is not None:
-            (bindir / name).write_text(script)
+            (bindir / name).write_text(script, encoding="utf-8")
             (bindir / name).chmod(0o755)
     r = subprocess.run(["/bin/sh", "-c", program.command(PROBE)], env={"PATH": str(bindir)},
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, encoding="utf-8")
     return parse_probe(r.stdout).reason
 
 
@@ -523,33 +546,33 @@ def test_shutdown_refusal_quotes_the_first_line_sudo_said_or_its_exit_code(tmp_p
 def test_guard_measure_reads_a_running_gpumagic_job_as_busy(tmp_path):
     """The jobs layout: ~/.gpumagic/jobs/NAME/pid, exit_code absent while running."""
     script = tmp_path / "g.sh"
-    script.write_text(guard_program())
+    script.write_text(guard_program(), encoding="utf-8")
     jobs = tmp_path / "home/.gpumagic/jobs"
     (jobs / "train").mkdir(parents=True)
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        (jobs / "train/pid").write_text(f"{sleeper.pid}\n")
+        (jobs / "train/pid").write_text(f"{sleeper.pid}\n", encoding="utf-8")
         bindir = tmp_path / "bin"
         bindir.mkdir()
         (bindir / "nvidia-smi").write_text(
-            f"#!/bin/sh\nexec {sys.executable} {RECORDINGS.parent / 'nvidia_smi.py'} \"$@\"\n")
+            f"#!/bin/sh\nexec {sys.executable} {RECORDINGS.parent / 'nvidia_smi.py'} \"$@\"\n", encoding="utf-8")
         (bindir / "nvidia-smi").chmod(0o755)
         env = {**os.environ, "HOME": str(tmp_path / "home"), "PATH": f"{bindir}:{os.environ['PATH']}"}
         env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
 
         def measure():
             return subprocess.run(["sh", str(script), "measure", *GuardSettings(idle_s=60).args()], env=env,
-                                  capture_output=True, text=True).stdout.strip()
+                                  capture_output=True, text=True, encoding="utf-8").stdout.strip()
 
         assert measure() == f"busy gpumagic job train is running (pid {sleeper.pid})"
-        (jobs / "train/exit_code").write_text("0\n")
+        (jobs / "train/exit_code").write_text("0\n", encoding="utf-8")
         assert measure().startswith("idle GPU utilisation 0%")
         # a job that died without an exit_code, left a zombie (never reaped): not running
         zombie = subprocess.Popen(["true"])
         while Path(f"/proc/{zombie.pid}/cmdline").read_bytes():
             time.sleep(0.01)
         (jobs / "crashed").mkdir()
-        (jobs / "crashed/pid").write_text(f"{zombie.pid}\n")
+        (jobs / "crashed/pid").write_text(f"{zombie.pid}\n", encoding="utf-8")
         assert measure().startswith("idle GPU utilisation 0%")
         zombie.wait()
     finally:
@@ -577,7 +600,7 @@ def budget_ip(ip, tmp_path, monkeypatch):
     add_client_entry(server, server.alias)
     ip.run_line_magic("gpu", f"connect {server.alias}")
     yield ip, server
-    ip._gpumagic.session.close_all()
+    ip._gpumagic.fleet.close_all()
     server.stop()
 
 
@@ -703,13 +726,13 @@ def test_alert_hook_after_cells_shows_each_new_threshold_once(budget_ip):
 
 def test_meter_default_start_is_when_the_machine_started(budget_ip, tmp_path):
     ip, server = budget_ip
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     ledger = Ledger(tmp_path / "own.json")
     m.budget_set(1.0, ledger=ledger)
     r = m.budget_meter(ledger=ledger)
     # the test server is this computer: PID 1's start, from /proc as proc(5) describes it
-    btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime"))
-    ticks = int(open("/proc/1/stat").read().rsplit(")", 1)[1].split()[19])
+    btime = next(int(ln.split()[1]) for ln in open("/proc/stat", encoding="utf-8") if ln.startswith("btime"))
+    ticks = int(open("/proc/1/stat", encoding="utf-8").read().rsplit(")", 1)[1].split()[19])
     expected = btime + ticks / os.sysconf("SC_CLK_TCK")
     assert abs(r.started_at - expected) < 3
 

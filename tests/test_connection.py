@@ -1,5 +1,6 @@
 """Connecting: keys, errors, ProxyJump and keepalive against real sshd servers."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -56,7 +57,7 @@ def test_wrong_passphrase_names_the_key_file_not_authentication(sshd, tmp_path):
     key = tmp_path / "id_locked"
     pub = encrypted_key(key, b"correct horse")
     server = make_server("passphrase")
-    server.authorized_keys.write_text(pub + "\n")
+    server.authorized_keys.write_text(pub + "\n", encoding="utf-8")
     spec = replace(server.spec(), identity_files=(str(key),))
     prompts = []
     with pytest.raises(WrongPassphrase) as e:
@@ -117,7 +118,7 @@ def test_proxyjump_goes_through_the_bastion(sshd):
     with gpumagic.connect("gpu-behind") as m:
         assert m.run(["echo", "behind"], quiet=True).stdout == "behind\n"
         assert [h.spec.alias for h in m.connection._hops] == ["bastion"]
-    log = bastion.log.read_text()
+    log = bastion.log.read_text(encoding="utf-8")
     assert f"target 127.0.0.1 port {behind.port}" in log
     bastion.stop()
     behind.stop()
@@ -132,9 +133,9 @@ def test_two_hop_proxyjump_chain_in_written_order(sshd):
     add_client_entry(target, "hop-target", extra="  ProxyJump hop-a,hop-b\n")
     with gpumagic.connect("hop-target") as m:
         assert m.run(["echo", "two hops"], quiet=True).stdout == "two hops\n"
-    assert f"target 127.0.0.1 port {b.port}" in a.log.read_text()
-    assert f"target 127.0.0.1 port {target.port}" in b.log.read_text()
-    assert f"port {target.port}" not in a.log.read_text()
+    assert f"target 127.0.0.1 port {b.port}" in a.log.read_text(encoding="utf-8")
+    assert f"target 127.0.0.1 port {target.port}" in b.log.read_text(encoding="utf-8")
+    assert f"port {target.port}" not in a.log.read_text(encoding="utf-8")
     for s in (a, b, target):
         s.stop()
 
@@ -161,7 +162,8 @@ def test_dead_peer_is_reported_after_interval_times_count(sshd):
         assert "did not answer keepalives for 1 s" in m.connection.lost_reason
     finally:
         os.kill(sshd_child, signal.SIGCONT)
-        os.kill(sshd_child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # continued, it may see its client gone and end
+            os.kill(sshd_child, signal.SIGKILL)
     # the next use reconnects by itself
     assert m.run(["echo", "back"], quiet=True).stdout == "back\n"
     m.close()
@@ -241,7 +243,7 @@ def test_a_port_that_is_not_ssh_says_so_at_once_without_paramiko_noise(sshd):
         code = ("import gpumagic\ntry:\n    gpumagic.connect('127.0.0.1:%d')\n"
                 "except gpumagic.GpumagicError as e:\n    print(e.message)\n" % port)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, encoding="utf-8")
     finally:
         server.shutdown()
     want = f"127.0.0.1:{port} is not an SSH server: it closed the connection without an SSH greeting"

@@ -48,17 +48,17 @@ def counting_server():
     it) counts its runs in ~/rc-runs and exports a variable; ~/.profile exports another."""
     server = make_server("runner-" + uuid.uuid4().hex[:6])
     home = server.env["HOME"]
-    with open(os.path.join(home, ".bashrc"), "w") as f:
+    with open(os.path.join(home, ".bashrc"), "w", encoding="utf-8") as f:
         f.write('echo run >> "$HOME/rc-runs"\nexport GM_FROM_BASHRC=bashrc-value\n'
                 'gm_activate() { echo "activated $1"; }\n')
-    with open(os.path.join(home, ".profile"), "w") as f:
+    with open(os.path.join(home, ".profile"), "w", encoding="utf-8") as f:
         f.write('export GM_FROM_PROFILE=profile-value\n[ -f ~/.bashrc ] && . ~/.bashrc\n')
     yield server, home
     server.stop()
 
 
 def rc_runs(home):
-    with open(os.path.join(home, "rc-runs")) as f:
+    with open(os.path.join(home, "rc-runs"), encoding="utf-8") as f:
         return len(f.read().split())
 
 
@@ -164,9 +164,9 @@ def test_a_machine_where_the_runner_cannot_start_runs_cells_the_old_way():
     # cells still run, each through the login shell as before.
     server = make_server("norunner-" + uuid.uuid4().hex[:6])
     home = server.env["HOME"]
-    (server.bin / "python3").write_text("#!/bin/sh\necho 'python3: broken' >&2\nexit 1\n")
+    (server.bin / "python3").write_text("#!/bin/sh\necho 'python3: broken' >&2\nexit 1\n", encoding="utf-8")
     os.chmod(server.bin / "python3", 0o755)
-    with open(os.path.join(home, ".bashrc"), "w") as f:
+    with open(os.path.join(home, ".bashrc"), "w", encoding="utf-8") as f:
         f.write('echo run >> "$HOME/rc-runs"\nexport GM_FROM_BASHRC=bashrc-value\n')
     try:
         with gpumagic.Machine(server.spec()) as m:

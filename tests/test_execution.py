@@ -147,9 +147,9 @@ def test_cells_get_the_interactive_login_environment():
     # (conda init, exports) is what `ssh host` gives, and cells must see it too.
     server = make_server("loginenv")
     home = server.env["HOME"]
-    with open(os.path.join(home, ".profile"), "w") as f:
+    with open(os.path.join(home, ".profile"), "w", encoding="utf-8") as f:
         f.write('[ -f ~/.bashrc ] && . ~/.bashrc\n')
-    with open(os.path.join(home, ".bashrc"), "w") as f:
+    with open(os.path.join(home, ".bashrc"), "w", encoding="utf-8") as f:
         f.write('echo "chatty rc"\ncase $- in *i*) ;; *) return;; esac\n'
                 'export CONDA_DEFAULT_ENV=train\nexport PATH="$HOME/miniconda/bin:$PATH"\n')
     with gpumagic.Machine(server.spec()) as m:
@@ -178,7 +178,7 @@ def test_cells_work_with_more_than_1024_open_file_descriptors(machine):
     if hard != resource.RLIM_INFINITY and hard < need:
         pytest.skip(f"the hard limit of open files is {hard} (needs {need})")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need), hard))
-    held = [open(os.devnull) for _ in range(1100)]
+    held = [open(os.devnull, encoding="utf-8") for _ in range(1100)]
     try:
         machine.connection.close()  # the new connection's socket gets a descriptor above 1024
         r = machine.run("echo high", quiet=True)
@@ -242,7 +242,7 @@ def test_env_values_and_login_exports_are_in_no_process_command_line():
     server = make_server("argv-secrets")
     home = server.env["HOME"]
     profile_secret = "pr0file" + uuid.uuid4().hex
-    with open(os.path.join(home, ".profile"), "w") as f:  # read by `ssh host` logins only
+    with open(os.path.join(home, ".profile"), "w", encoding="utf-8") as f:  # read by `ssh host` logins only
         f.write(f"export PROFILE_TOKEN={profile_secret}\n")
     cell_secret, job_secret = "c3ll" + uuid.uuid4().hex, "j0b" + uuid.uuid4().hex
     seen, stop = [], threading.Event()

@@ -93,7 +93,7 @@ SMALL_CONFIGS = [
                          ids=[f"{c['model_type']}-{n}" for c, n in SMALL_CONFIGS])
 def test_config_json_gives_the_exact_parameter_count(tmp_path, cfg, count):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path.write_text(json.dumps(cfg), encoding="utf-8")
     shape = fit.load_model(str(path))
     assert shape.params == count
     assert shape.exact
@@ -182,10 +182,10 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError) as e:
         fit.load_model("meta-llama/Llama-2-7b-hf")
     assert "`%gpu fit 7B`" in e.value.hint
-    (tmp_path / "moe.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
+    (tmp_path / "moe.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}), encoding="utf-8")
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         fit.load_model(str(tmp_path / "moe.json"))
-    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ConfigError, match="as JSON"):
         fit.load_model(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="--dtype"):

@@ -14,7 +14,8 @@ What is kept out, and why (each is covered by its own tests elsewhere):
   targets, ``-J``, ``tunnel --remote-host``): slow where DNS is slow; hostile targets are
   the hosts module's cases;
 * ``keygen --passphrase`` (asks on the terminal);
-* ``doctor --sample N`` with a valid N (waits N seconds);
+* ``doctor --sample N`` with a valid N (waits N seconds), and ``doctor --net`` (it measures
+  sites on the internet: tests/test_net_doctor.py measures stand-ins);
 * ``sync --delete``, ``wrapup --clean``, and path words with ``/``, ``..`` or ``~`` (the
   machine is this computer: a drawn line must not delete or write outside the temporary
   directories);
@@ -25,6 +26,7 @@ What is kept out, and why (each is covered by its own tests elsewhere):
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import shlex
 from pathlib import Path
@@ -79,7 +81,7 @@ VALUES = {
     "--card": ["H200", "4090", "24GB"], "--batch": ["1", "8"], "--seq": ["512", "2048"], "--lora": ["0", "16"],
     "--pull": [":rsrc/ pulled/", f"{ALIAS}:rsrc pulled2"], "--mail": ["me@example.com"], "--smtp": ["127.0.0.1:1"],
     "--from": ["me@example.com"], "--webhook": ["http://127.0.0.1:1/hook", "ask"], "--chat-id": ["42"],
-    "--retries": ["0", "1"], "--backoff": ["0", "0.1"],
+    "--retries": ["0", "1"], "--backoff": ["0", "0.1"], "--local": ["1", "18765"], "--remote-port": ["18766", "18767"],
 }
 #: Options whose value must never be hostile (the value reaches DNS or waits that long).
 SAFE_VALUES_ONLY = {"--remote-host", "--sample", "--smtp", "--webhook"}
@@ -89,7 +91,8 @@ SAFE_VALUES_ONLY = {"--remote-host", "--sample", "--smtp", "--webhook"}
 #: of each positional argument, exclude: options never drawn, banned: hostile words never drawn,
 #: hostile_positional: whether positional arguments may be hostile)
 def _specs():
-    from gpumagic.notebook import kernel_magics
+    from gpumagic.notebook.magics import kernel as kernel_magics
+    from gpumagic.notebook.magics import net as net_magics
 
     m = magics
     return {
@@ -105,7 +108,7 @@ def _specs():
         "install-key": dict(cmd="install-key", fn=m._install_key, positional=[[ALIAS]],
                             exclude={"-J", "--jump"}, hostile_positional=False),
         "status": dict(cmd="status", fn=m._status),
-        "doctor": dict(cmd="doctor", fn=m._doctor),
+        "doctor": dict(cmd="doctor", fn=m._doctor, exclude={"--net"}),
         "sync": dict(cmd="sync", fn=m._sync, exclude={"--delete"}, banned=PATH_UNSAFE,
                      positional=[["src", "src/", ":rsrc/", f"{ALIAS}:rsrc"], ["dst", ":rdst", f"{ALIAS}:rdst/"]]),
         "jobs": dict(cmd="jobs", fn=m._jobs),
@@ -121,7 +124,12 @@ def _specs():
         "tunnel tensorboard": dict(cmd="tunnel tensorboard", fn=m._tunnel_tensorboard),
         "tunnel jupyter": dict(cmd="tunnel jupyter", fn=m._tunnel_jupyter),
         "tunnel list": dict(cmd="tunnel list", fn=m._tunnel_list),
-        "tunnel close": dict(cmd="tunnel close", fn=m._tunnel_close, positional=[["all", "18766"]]),
+        "tunnel close": dict(cmd="tunnel close", fn=m._tunnel_close, positional=[["all", "18766", "R18766"]]),
+        "tunnel --reverse": dict(cmd="tunnel --reverse", fn=m._tunnel_reverse, positional=[["1", "18765"]]),
+        # nothing listens on the drawn local ports: `proxy on` is refused behind its parser
+        "proxy on": dict(cmd="proxy on", fn=net_magics._proxy_on),
+        "proxy off": dict(cmd="proxy off", fn=net_magics._proxy_off),
+        "mirrors": dict(cmd="mirrors", fn=net_magics._mirrors, positional=[["hf", "npm"], ["off", "nosuch", "hf-mirror"]]),
         "fit": dict(cmd="fit", fn=m._fit, positional=[["7B", "350M", "1.5e9"]]),
         "wrapup": dict(cmd="wrapup", fn=m._wrapup, exclude={"--clean"}, banned=PATH_UNSAFE),
         "budget notify": dict(cmd="budget notify", fn=m._budget_notify),
@@ -187,15 +195,15 @@ def fuzz(_ipython, tmp_path_factory):
     add_client_entry(server, ALIAS)
     remote_dir = Path(server.env["HOME"]) / "work"
     (remote_dir / "rsrc").mkdir(parents=True)
-    (remote_dir / "rsrc" / "r.txt").write_text("remote\n")
+    (remote_dir / "rsrc" / "r.txt").write_text("remote\n", encoding="utf-8")
     local = base / "cwd"
     (local / "src").mkdir(parents=True)
-    (local / "src" / "a.txt").write_text("local\n")
+    (local / "src" / "a.txt").write_text("local\n", encoding="utf-8")
     saved = {"cwd": os.getcwd(), "data": os.environ.get("GPUMAGIC_DATA_DIR"), "getpass": getpass.getpass}
     os.chdir(local)
     os.environ["GPUMAGIC_DATA_DIR"] = str(base / "data")
     getpass.getpass = lambda prompt="": ""
-    _ipython._gpumagic.session.close_all()
+    _ipython._gpumagic.fleet.close_all()
     try:
         yield _ipython, server, remote_dir
     finally:
@@ -205,8 +213,8 @@ def fuzz(_ipython, tmp_path_factory):
             os.environ.pop("GPUMAGIC_DATA_DIR", None)
         else:
             os.environ["GPUMAGIC_DATA_DIR"] = saved["data"]
-        session = _ipython._gpumagic.session
-        for m in list(session.machines.values()):
+        fleet = _ipython._gpumagic.fleet
+        for m in list(fleet.machines.values()):
             try:
                 if m.is_connected:
                     m.tunnels.close_all(stop_service=True)
@@ -214,7 +222,7 @@ def fuzz(_ipython, tmp_path_factory):
                     notify.disable(m)  # stops a spending watcher a drawn line armed
             except GpumagicError:
                 pass
-        session.close_all()
+        fleet.close_all()
         for name, w in list(_ipython._gpumagic.status_watchers.items()):
             w.stop()
         server.stop()
@@ -240,12 +248,12 @@ def _restore(root: Path, saved: dict[Path, bytes]) -> None:
 
 
 def _run_one(ip, server, remote_dir: Path, name: str, line: str) -> None:
-    session = ip._gpumagic.session
-    m = session.machines.get(ALIAS)
-    if m is None or not m.is_connected or session.default != ALIAS:
+    fleet = ip._gpumagic.fleet
+    m = fleet.machines.get(ALIAS)
+    if m is None or not m.is_connected or fleet.default != ALIAS:
         with capture_output():
             ip.run_line_magic("gpu", f"connect {ALIAS}")
-        m = session.get(ALIAS)
+        m = fleet.get(ALIAS)
     m.cwd = str(remote_dir)  # a drawn `cd /` must never make `sync` write outside the temp dirs
     ssh = _snapshot(CLIENT_HOME / ".ssh")
     outcome = "success"
@@ -271,6 +279,8 @@ def _run_one(ip, server, remote_dir: Path, name: str, line: str) -> None:
         _restore(CLIENT_HOME / ".ssh", ssh)
         for t in list(m.tunnels):  # a drawn `tunnel PORT` keeps listening otherwise
             m.tunnels.close(t.local_port, stop_service=True)
+        for r in m.tunnels.reverse_tunnels():  # and a drawn `tunnel --reverse N`
+            m.tunnels.close_reverse(r.id)
 
 
 @pytest.mark.timeout(600)
@@ -305,12 +315,12 @@ def test_every_subcommand_is_fuzzed():
 
 
 def test_the_snapshot_puts_ssh_back(tmp_path):
-    (tmp_path / "a").write_text("1")
+    (tmp_path / "a").write_text("1", encoding="utf-8")
     saved = _snapshot(tmp_path)
-    (tmp_path / "a").write_text("2")
-    (tmp_path / "b").write_text("new")
+    (tmp_path / "a").write_text("2", encoding="utf-8")
+    (tmp_path / "b").write_text("new", encoding="utf-8")
     _restore(tmp_path, saved)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and (tmp_path / "a").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and (tmp_path / "a").read_text(encoding="utf-8") == "1"
 
 
 # -- what the fuzz found, each kept as a plain test -------------------------------------------
@@ -345,13 +355,13 @@ def test_pull_into_a_path_under_a_file_is_one_sync_error(machine, tmp_path):
 
     remote = tmp_path / "remote"
     (remote / "d").mkdir(parents=True)
-    (remote / "d" / "f.txt").write_text("x")
-    (tmp_path / "nan").write_text("a file, not a directory")
+    (remote / "d" / "f.txt").write_text("x", encoding="utf-8")
+    (tmp_path / "nan").write_text("a file, not a directory", encoding="utf-8")
     with pytest.raises(SyncError) as e:
         machine.pull(str(remote / "d"), str(tmp_path / "nan"))
     assert e.value.message == (f"cannot copy into {tmp_path / 'nan' / 'd'} on this computer: part of that "
                                "path is a file, not a directory")
-    assert (tmp_path / "nan").read_text() == "a file, not a directory"
+    assert (tmp_path / "nan").read_text(encoding="utf-8") == "a file, not a directory"
 
 
 def test_cd_dash_and_tilde_give_one_directory(machine):
@@ -361,3 +371,149 @@ def test_cd_dash_and_tilde_give_one_directory(machine):
     with pytest.raises(GpumagicError, match="no directory -"):
         machine.cd("-")  # a directory named "-", not the previous one with two lines of output
     assert machine.cwd == os.path.realpath("/tmp")
+
+
+# -- issue 31: the kinds the fuzz of the README's magics found, each with its exact input ----
+
+
+def _connected(ip):
+    with capture_output():
+        ip.run_line_magic("gpu", "connect testgpu")
+    return ip._gpumagic.fleet.get()
+
+
+def test_a_lone_surrogate_for_a_byte_is_that_byte_in_cd_cwd_env_and_a_shell_cell(ip, tmp_path):
+    """``\\udcff`` is os.fsdecode's stand-in for the byte 0xff (a file name that is not UTF-8):
+    `%gpu cd`, --cwd, --env and a bash cell send it as that byte, so all four name one file."""
+    (tmp_path / os.fsdecode(b"d\xff")).mkdir()
+    m = _connected(ip)
+    name = str(tmp_path / "d\udcff")
+    with capture_output():
+        ip.run_line_magic("gpu", f"cd {shlex.quote(name)}")
+    assert os.fsencode(m.cwd) == os.fsencode(os.path.realpath(tmp_path)) + b"/d\xff"
+    ip.run_cell_magic("remote", f"--cwd {shlex.quote(name)} --env 'A=x\udcff' --out r",
+                      "{ printf '%s|%s|' \"$PWD\" \"$A\"; ls -d ../d\udcff; } | od -An -tx1")
+    r = ip.user_ns["r"]  # od: the bytes as the machine has them (output is shown as UTF-8)
+    assert r.exit_code == 0
+    assert bytes.fromhex("".join(r.stdout.split())) == os.fsencode(m.cwd) + b"|x\xff|../d\xff\n"
+
+
+@pytest.mark.parametrize("line,cell", [("--python", "print('\udcff')"),
+                                       ("--python --job j31", "x = 1\nprint('\udcff')")])
+def test_a_lone_surrogate_in_a_python_cell_or_job_is_one_error_naming_the_line(ip, line, cell):
+    _connected(ip)
+    with pytest.raises(GpumagicError) as e:
+        ip.run_cell_magic("remote", line, cell)
+    where = "line 2" if "\n" in cell else "line 1"
+    assert e.value.message == (f"{where} of the cell holds a lone surrogate U+DCFF (text from a broken "
+                               "decode), and Python source must be UTF-8")
+    assert "b'\\xff'" in e.value.hint
+
+
+@pytest.mark.parametrize("line", ["cd /tmp/\ud800", "--cwd /tmp/\ud800", "--env A=\ud800", "--job j31 --env A=\ud800",
+                                  "--job j31 --cwd /tmp/\ud800", "--job j31"])
+def test_a_lone_surrogate_no_encoding_carries_is_one_error(ip, line):
+    _connected(ip)
+    with pytest.raises(GpumagicError, match="holds a lone surrogate U[+]D800 .*which no encoding can send"):
+        if line.startswith("cd "):
+            ip.run_line_magic("gpu", line)
+        else:
+            ip.run_cell_magic("remote", line, "echo \ud800" if line == "--job j31" else "true")
+    assert not [j for j in ip._gpumagic.fleet.get().jobs() if j.name == "j31"]  # nothing started
+
+
+def test_a_shell_job_sends_a_lone_surrogate_as_its_byte(ip, tmp_path):
+    m = _connected(ip)
+    out = tmp_path / "job.out"
+    with capture_output():
+        ip.run_cell_magic("remote", "--job j31b --no-alerts", f"printf 'x\udcff' > {shlex.quote(str(out))}")
+    m.job("j31b").wait(timeout=30)
+    assert out.read_bytes() == b"x\xff"
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "intermediate_size": 11008, "vocab_size": 32000}
+BAD_CONFIGS = {  # the field's JSON text -> what the one-line error says
+    '"num_attention_heads": 0': "num_attention_heads is 0, not a whole number from 1 to 2147483647",
+    '"hidden_size": NaN': "hidden_size is NaN, not a whole number from 1 to 2147483647",
+    '"hidden_size": Infinity': "hidden_size is Infinity, not a whole number from 1 to 2147483647",
+    '"num_hidden_layers": "32"': 'num_hidden_layers is "32", not a whole number from 1 to 2147483647',
+    '"intermediate_size": "11008"': 'intermediate_size is "11008", not a whole number from 1 to 2147483647',
+    '"vocab_size": 1e400': "vocab_size is Infinity, not a whole number from 1 to 2147483647",
+    '"vocab_size": 99999999999999999999': "vocab_size is 99999999999999999999, not a whole number from 1",
+    '"attention_dropout": "0.1"': 'attention_dropout is "0.1", not a probability from 0 to 1',
+    '"hidden_size": 2147483647': "describes 368937283T parameters, more than the 1000T of any model",
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_CONFIGS))
+def test_fit_on_a_bad_config_names_the_field_and_the_file(ip, tmp_path, field):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(LLAMA)[:-1] + ", " + field + "}", encoding="utf-8")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", f"fit {path} --card H200")
+    assert type(e.value) is UsageError
+    assert str(e.value).startswith("bad.json") and BAD_CONFIGS[field] in str(e.value), str(e.value)
+    assert len(str(e.value).splitlines()) == 2  # the message and its hint
+
+
+@pytest.mark.parametrize("text,says", [
+    ("[" * 100_000 + "]" * 100_000, "it is nested deeper than Python's parser follows"),
+    ('{"vocab_size": ' + "9" * 5000 + "}", "a number in it is too long (Exceeds the limit (4300 digits)"),
+])
+def test_fit_on_a_config_json_cannot_read_is_one_error(ip, tmp_path, text, says):
+    path = tmp_path / "config.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UsageError, match=f"cannot read {path} as JSON: ") as e:
+        ip.run_line_magic("gpu", f"fit {tmp_path}")
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("arg,says", [("x" * 5000, '"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx..." (5000 characters) as a path: '
+                                                   "File name too long"),
+                                      ("1e99999999", "'1e99999999' is more than 1000T parameters"),
+                                      ("1e400", "'1e400' is more than 1000T parameters")])
+def test_fit_on_a_huge_count_or_an_over_long_argument_is_one_usage_error(ip, tmp_path, monkeypatch, arg, says):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", f"fit {arg} --card H200")
+    assert says in str(e.value)
+
+
+def test_connect_with_a_name_of_5000_characters_is_one_error_before_a_sandbox_starts(ip):
+    from gpumagic.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        ip.run_line_magic("gpu", "connect --sandbox --name " + "n" * 5000)
+    assert e.value.message == "the machine name (--name) is 5000 characters long (at most 100)"
+    assert ip._gpumagic.fleet.machines == {}
+
+
+def test_keygen_with_a_nul_in_its_path_is_one_error(ip, tmp_path, monkeypatch):
+    from gpumagic.keys import LocalFileError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LocalFileError) as e:
+        ip.run_line_magic("gpu", "keygen --path k\x001")
+    assert e.value.message == "the key path 'k\\x001' holds a NUL byte (\\0), which no file name can"
+    assert "--path" in e.value.hint and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("line", ["""--job t31 --torchrun 1 --torchrun-args "'" """,
+                                  """--job t31 --hosts a --each "'" """])
+def test_a_quoted_list_option_with_an_unclosed_quote_is_a_usage_error(ip, line):
+    with pytest.raises(UsageError) as e:
+        ip.run_cell_magic("remote", line, "print(1)")
+    assert type(e.value) is UsageError and "No closing quotation" in str(e.value)
+    assert "close the quote" in str(e.value)
+
+
+def test_a_torchrun_cell_command_line_with_an_unclosed_quote_is_one_error():
+    from gpumagic.errors import JobError
+    from gpumagic.remote import distributed
+
+    class NoMachine:
+        name = "m"
+
+    with pytest.raises(JobError, match=r"cannot split the cell's command line after '!' \("):
+        distributed.start([NoMachine()], "t31", "!python train.py --tag 'x", nproc=1)  # asks no machine

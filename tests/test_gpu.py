@@ -36,7 +36,7 @@ RECORDED_Q = ("index,uuid,name,driver_version,pci.bus_id,memory.total,memory.use
 
 
 def read(d: Path, *parts: str) -> str:
-    return d.joinpath(*parts).read_text()
+    return d.joinpath(*parts).read_text(encoding="utf-8")
 
 
 def sections_for(d: Path, recording: str) -> dict[str, Section]:
@@ -45,7 +45,7 @@ def sections_for(d: Path, recording: str) -> dict[str, Section]:
     apps = rec / "query-compute-apps-noheader-nounits.csv"
     return {
         "gpus": Section(read(rec, "query-gpu-noheader-nounits.csv"), 0),
-        "apps": Section(apps.read_text() if apps.exists() else "", 0),
+        "apps": Section(apps.read_text(encoding="utf-8") if apps.exists() else "", 0),
         "version": Section(read(d / "h200-idle", "nvidia-smi-version.txt"), 0),
     }
 
@@ -202,7 +202,7 @@ def gather_here(sections, *, path: str = "", env: dict | None = None, smi_second
     else:
         command = program.command(smi.SECTIONS_PROGRAM, smi_seconds, login_path, *sections)
     return subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, env=env,
-                          timeout=60).stdout
+                          timeout=60, encoding="utf-8").stdout
 
 
 def bin_dir(tmp_path, **scripts: str) -> Path:
@@ -211,7 +211,7 @@ def bin_dir(tmp_path, **scripts: str) -> Path:
     d.mkdir(exist_ok=True)
     for name, body in scripts.items():
         f = d / name.replace("_", "-")
-        f.write_text("#!/bin/sh\n" + body)
+        f.write_text("#!/bin/sh\n" + body, encoding="utf-8")
         f.chmod(0o755)
     return d
 
@@ -234,7 +234,7 @@ def test_sections_keep_output_and_status_of_each_command(tmp_path):
 def test_missing_nvidia_smi_is_status_127_and_no_nvidia_smi(tmp_path):
     d = bin_dir(tmp_path)  # empty: nvidia-smi is not on PATH
     found = subprocess.run(["/bin/sh", "-c", program.source("lib.sh") + "\ngm_find nvidia-smi"],
-                           env={**os.environ, "PATH": str(d)}, capture_output=True, text=True)
+                           env={**os.environ, "PATH": str(d)}, capture_output=True, text=True, encoding="utf-8")
     if found.returncode == 0:
         pytest.skip(f"this computer has an nvidia-smi off PATH: {found.stdout.strip()}")
     secs = smi.split_sections(gather_here(smi.status_sections(), login_path=str(d)))
@@ -259,13 +259,13 @@ def test_the_program_gathers_what_the_recorded_doctor_script_gathered(tmp_path):
     sent when the H200 recordings were made (Python text then); gpu-sections.sh, run here
     beside it with the fake nvidia-smi replaying h200-load, prints the same sections."""
     state = tmp_path / "state"
-    state.write_text("h200-load")
+    state.write_text("h200-load", encoding="utf-8")
     d = bin_dir(tmp_path, nvidia_smi=f'exec {sys.executable} {FAKE} "$@"\n')
     env = {**os.environ, "PATH": f"{d}:{os.environ['PATH']}", "GPUMAGIC_FAKE_GPU_STATE": str(state)}
     old = subprocess.Popen(["/bin/sh", str(LIVE / "doctor-sample3.sh")], stdout=subprocess.PIPE,
-                           text=True, env=env, cwd=tmp_path)
+                           text=True, env=env, cwd=tmp_path, encoding="utf-8")
     new = subprocess.Popen(["/bin/sh", "-c", smi.sections_command(doctor.doctor_sections(sample=3))],
-                           stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+                           stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path, encoding="utf-8")
     was, now = (smi.split_sections(p.communicate(timeout=60)[0]) for p in (old, new))
     assert list(now) == list(was) == ["gpus", "apps", "version", "torch", "env", "cwd", "df", "sample"]
     for name in was:
@@ -430,6 +430,76 @@ def test_failure_hint_for_known_messages(stderr, code, expect):
     assert expect in doctor.failure_hint("Traceback ...\n" + stderr + "\n", code)
 
 
+# The exact wordings, as the projects' own sources print them (PyTorch c10/cuda/CUDAFunctions.cpp,
+# torch/cuda/__init__.py, cudart's cudaGetErrorString, NCCL's ncclGetErrorString, nvidia-smi).
+TORCH_OLD_DRIVER = (
+    "RuntimeError: The NVIDIA driver on your system is too old (found version {v}). Please update your "
+    "GPU driver by downloading and installing a new version from the URL: "
+    "http://www.nvidia.com/Download/index.aspx Alternatively, go to: https://pytorch.org to install a "
+    "PyTorch version that has been compiled with your version of the CUDA driver.")
+TORCH_NO_KERNEL = (
+    "/usr/local/lib/python3.10/dist-packages/torch/cuda/__init__.py:235: UserWarning: \n"
+    "NVIDIA GeForce RTX 5090 with CUDA capability sm_120 is not compatible with the current PyTorch installation.\n"
+    "The current PyTorch install supports CUDA capabilities sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90.\n"
+    "If you want to use the NVIDIA GeForce RTX 5090 GPU with PyTorch, please check the instructions at "
+    "https://pytorch.org/get-started/locally/\n\n  warnings.warn(\n"
+    "Traceback (most recent call last):\n  File \"<stdin>\", line 1, in <module>\n"
+    "RuntimeError: CUDA error: no kernel image is available for execution on the device\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below "
+    "might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n")
+TORCH_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+    "139.81 GiB of which 1.23 GiB is free. Including non-PyTorch memory, this process has 138.57 GiB memory "
+    "in use. Of the allocated memory 137.10 GiB is allocated by PyTorch, and 682.00 MiB is reserved by "
+    "PyTorch but unallocated.")
+NCCL_SYSTEM = (
+    "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, "
+    "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n"
+    "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error. \n"
+    "Last error:\n")
+NVML_MISMATCH = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 535.183\n"
+
+
+def test_pytorch_old_driver_message_names_the_drivers_cuda_version():
+    hint = doctor.failure_hint(TORCH_OLD_DRIVER.format(v=11040), 1)
+    assert hint is not None and "supports CUDA up to 11.4 (found version 11040)" in hint
+    assert "rent a machine with a newer driver" in hint  # no current PyTorch build runs on CUDA 11.4
+    hint = doctor.failure_hint(TORCH_OLD_DRIVER.format(v=12080), 1)
+    assert "CUDA up to 12.8" in hint and "https://download.pytorch.org/whl/cu128" in hint
+
+
+@pytest.mark.parametrize("v, text", [(11040, "11.4"), (12080, "12.8"), (12060, "12.6"), (13000, "13.0"),
+                                     (9020, "9.2")])
+def test_cuda_driver_version_number_decodes(v, text):
+    assert doctor.cuda_version_text(v) == text
+
+
+def test_missing_kernel_image_names_the_card_and_its_architecture():
+    hint = doctor.failure_hint(TORCH_NO_KERNEL, 1)
+    assert hint.startswith("this PyTorch build has no kernels for the NVIDIA GeForce RTX 5090's sm_120 "
+                           "(it has sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90)")
+    assert "torch.cuda.get_arch_list() includes sm_120" in hint
+    # Without the warning (an extension's kernel, or the warning went to another stream)
+    hint = doctor.failure_hint("RuntimeError: CUDA error: no kernel image is available for execution on "
+                               "the device\n", 1)
+    assert "TORCH_CUDA_ARCH_LIST" in hint
+
+
+@pytest.mark.parametrize("stderr, expect", [
+    (TORCH_OOM, "GPU memory ran out: halve the batch size"),
+    ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported", "GPU memory ran out"),
+    ("RuntimeError: CUDA error: CUDA driver version is insufficient for CUDA runtime version",
+     "built for a newer CUDA than the driver supports"),
+    (NCCL_SYSTEM, "rerun with NCCL_DEBUG=INFO"),
+    (NVML_MISMATCH, "reboot the machine"),
+    ("AssertionError: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU and "
+     "installed a driver from http://www.nvidia.com/Download/index.aspx", "found no NVIDIA driver"),
+])
+def test_cuda_and_driver_messages_get_their_hint(stderr, expect):
+    hint = doctor.failure_hint("Traceback (most recent call last):\n" + stderr + "\n", 1)
+    assert hint is not None and expect in hint
+
+
 def test_python_cell_killed_silently_with_137_gets_the_host_ram_hint():
     assert "OOM killer" in doctor.failure_hint("", 137)  # a killed python3 -c prints nothing
 
@@ -568,7 +638,7 @@ def fake_sections(tmp_path, mode: str) -> dict[str, Section]:
     """What gpu-sections.sh gathers for a status (``gpus``, ``apps``) here, with the fake
     nvidia-smi replaying ``mode`` first on PATH."""
     state = tmp_path / "state"
-    state.write_text(mode)
+    state.write_text(mode, encoding="utf-8")
     d = bin_dir(tmp_path, nvidia_smi=f'exec {sys.executable} {FAKE} "$@"\n')
     return smi.split_sections(gather_here(smi.status_sections(with_version=False),
                                           path=f"{d}:{os.environ['PATH']}",

@@ -22,7 +22,7 @@ def write_home(tmp_path, config: str, files: dict | None = None):
     for rel, text in {".ssh/config": config, **(files or {})}.items():
         p = home / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text.replace("{H}", str(home)))
+        p.write_text(text.replace("{H}", str(home)), encoding="utf-8")
         p.chmod(0o600)
     return home
 
@@ -131,7 +131,7 @@ def test_include_relative_to_ssh_dir_in_sorted_glob_order(tmp_path):
 
 def test_include_absolute_and_missing_files(tmp_path):
     other = tmp_path / "other.conf"
-    other.write_text("Host x\n  Port 2200\n")
+    other.write_text("Host x\n  Port 2200\n", encoding="utf-8")
     other.chmod(0o600)
     assert resolve_in(tmp_path, f"Include {other} ~/nope/*\n", "x").port == 2200
 
@@ -188,10 +188,10 @@ def test_issue4_match_user_root_resolves_and_hosts_lists(tmp_path, monkeypatch):
     assert (s.user, s.port) == ("root", 2222)
     assert resolve("other", home=tmp_path / "home").port == 22
     from gpumagic.notebook.magics import hosts_table
-    from gpumagic.session import Session
+    from gpumagic.fleet import Fleet
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    table = hosts_table(Session())
+    table = hosts_table(Fleet())
     assert "root@10.0.0.7:2222" in table and "bob@other:22" in table
 
 
@@ -215,7 +215,7 @@ def test_issue4_match_exec_runs_through_the_users_shell_with_tokens(tmp_path, mo
     s = resolve_in(tmp_path, f'Host gpu\n  HostName Box.Example\nMatch exec "echo %h %n %p %r >> {log}"\n'
                              "  Port 2300\n", "gpu", user="u")
     assert s.port == 2300
-    assert log.read_text() == "Box.Example gpu 22 u\n"  # %h in Match exec: HostName as written (readconf.c)
+    assert log.read_text(encoding="utf-8") == "Box.Example gpu 22 u\n"  # %h in Match exec: HostName as written (readconf.c)
     s = resolve_in(tmp_path, "Match !exec false\n  Port 2301\nMatch exec false\n  User never\n", "gpu")
     assert s.port == 2301 and s.user != "never"
 
@@ -231,7 +231,7 @@ def test_issue4_match_exec_that_hangs_is_stopped_and_reported(tmp_path, monkeypa
         resolve_in(tmp_path, f'Match exec "echo $$ > {pidfile}; exec sleep 30"\n', "gpu")
     assert time.monotonic() - t0 < 10
     assert "\n" not in e.value.message
-    pid = int(pidfile.read_text())
+    pid = int(pidfile.read_text(encoding="utf-8"))
     with pytest.raises(ProcessLookupError):  # killed, not left running
         for _ in range(50):
             os.kill(pid, 0)
@@ -338,7 +338,7 @@ def test_tokens_and_tilde_in_paths(tmp_path, monkeypatch):
 def test_hosts_module_never_uses_paramiko_for_config():
     src = (hosts.__file__, hosts.__file__.replace("hosts.py", "config.py"))
     for path in src:
-        assert "paramiko" not in open(path).read(), path
+        assert "paramiko" not in open(path, encoding="utf-8").read(), path
 
 
 def test_idna_unencodable_host_is_a_one_line_error():
@@ -374,4 +374,4 @@ def test_match_exec_child_does_not_inherit_a_terminal(tmp_path, monkeypatch):
     out = tmp_path / "out"
     resolve_in(tmp_path, f'Match exec "readlink /proc/$$/fd/0 /proc/$$/fd/1 | cat > {out}"\n', "gpu")
     if sys.platform.startswith("linux"):
-        assert out.read_text().split() == ["/dev/null", "/dev/null"]
+        assert out.read_text(encoding="utf-8").split() == ["/dev/null", "/dev/null"]

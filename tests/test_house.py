@@ -54,8 +54,8 @@ def test_capability_modules_ask_the_machine_not_its_sandbox():
     assert SandboxMachine.is_this_computer and not Machine.is_this_computer
     root = Path(gpumagic.__file__).parent
     leaks = [str(p.relative_to(root)) for p in root.rglob("*.py")
-             if p.name not in ("machine.py", "session.py") and "notebook" not in p.parts
-             and re.search(r"getattr\(\w*machine\w*, \"sandbox\"|\bmachine\.sandbox\b", p.read_text())]
+             if p.name not in ("machine.py", "fleet.py") and "notebook" not in p.parts
+             and re.search(r"getattr\(\w*machine\w*, \"sandbox\"|\bmachine\.sandbox\b", p.read_text(encoding="utf-8"))]
     assert leaks == []
 
 
@@ -70,3 +70,20 @@ def test_machine_like_names_what_the_capability_modules_use():
         if n in MachineLike.__annotations__:
             continue  # instance attributes, set in Machine.__init__
         assert hasattr(Machine, n), n
+
+
+def test_the_readme_layout_names_every_module_and_folder():
+    # README.md's layout section is how a newcomer finds each idea: a module or folder added,
+    # moved or renamed must show there.
+    import re
+    from pathlib import Path
+
+    root = Path(gpumagic.__file__).parent
+    readme = (root.parent / "README.md").read_text(encoding="utf-8")
+    layout = readme.split("## Layout", 1)[1].split("```")[1]
+    words = set(re.findall(r"[\w.-]+/?", layout))
+    missing = [str(p.relative_to(root)) for p in sorted(root.rglob("*"))
+               if "programs" not in p.parts[len(root.parts):-1] and "recordings" not in p.parts
+               and "__pycache__" not in p.parts and p.name != "__init__.py" and p.suffix != ".pyc"
+               and (p.name + "/" if p.is_dir() else p.stem if p.suffix == ".py" else p.name) not in words]
+    assert missing == []

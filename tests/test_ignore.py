@@ -239,7 +239,7 @@ def test_character_classes_match_the_bytes_git_matches(tmp_path):
     names = [b"x" + bytes([b]) for b in range(1, 256) if b != ord("/")]
     for cls in ("alnum", "alpha", "blank", "cntrl", "digit", "graph", "lower", "print", "punct",
                 "space", "upper", "xdigit"):
-        (root / ".gitignore").write_text(f"x[[:{cls}:]]\n")
+        (root / ".gitignore").write_text(f"x[[:{cls}:]]\n", encoding="utf-8")
         out = subprocess.run(["git", "-C", str(root), "check-ignore", "--no-index", "--stdin", "-z"],
                              input=b"\0".join(names) + b"\0", capture_output=True)
         want = {n for n in out.stdout.split(b"\0") if n}
@@ -280,7 +280,7 @@ def test_random_patterns_match_exactly_what_git_matches(tmp_path):
         where = rng.choice(["", "a"])
         for d in ("", "a"):
             (root / d / ".gitignore").unlink(missing_ok=True)
-        (root / where / ".gitignore").write_text(data)
+        (root / where / ".gitignore").write_text(data, encoding="utf-8")
         want = _git_ignored(root, paths)
         rules = IgnoreRules()
         rules.add_file(f"{where}/.gitignore" if where else ".gitignore", data.encode())
@@ -294,7 +294,7 @@ def test_gitignore_saved_with_a_bom_keeps_its_first_line_secret(machine, tmp_pat
     src = tmp_path / "proj"
     src.mkdir()
     (src / ".gitignore").write_bytes(BOM + b"secrets.env\r\n*.ckpt\r\n")
-    (src / "secrets.env").write_text("TOKEN=hunter2\n")
-    (src / "train.py").write_text("print(1)\n")
+    (src / "secrets.env").write_text("TOKEN=hunter2\n", encoding="utf-8")
+    (src / "train.py").write_text("print(1)\n", encoding="utf-8")
     machine.push(str(src) + "/", str(tmp_path / "remote"))
     assert sorted(os.listdir(tmp_path / "remote")) == [".gitignore", "train.py"]

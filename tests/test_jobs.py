@@ -46,14 +46,14 @@ def shown(cap) -> str:
 
 def processes(pattern: str) -> list[str]:
     """Command lines of processes on this machine matching ``pattern`` (regex)."""
-    out = subprocess.run(["ps", "-e", "-o", "stat=,pid=,sid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-e", "-o", "stat=,pid=,sid=,args="], capture_output=True, text=True, encoding="utf-8").stdout
     return [ln.strip() for ln in out.splitlines()
             if re.search(pattern, ln) and "ps -e" not in ln and not ln.lstrip().startswith("Z")]
 
 
 def session_members(sid: int) -> list[str]:
     """Live (not zombie) processes in session or process group ``sid``."""
-    out = subprocess.run(["ps", "-e", "-o", "stat=,pid=,sid=,pgid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-e", "-o", "stat=,pid=,sid=,pgid=,args="], capture_output=True, text=True, encoding="utf-8").stdout
     return [ln for ln in out.splitlines()
             if not ln.startswith("Z") and str(sid) in (ln.split()[2], ln.split()[3])]
 
@@ -181,9 +181,9 @@ def test_alert_patterns_classify_recorded_lines():
 def test_remote_grep_selects_the_same_lines_as_python(tmp_path):
     # The watcher and the listing match with `grep -a -i -E` on the machine: same verdicts.
     sample = tmp_path / "log"
-    sample.write_text("\n".join(ALERT_LINES) + "\n")
+    sample.write_text("\n".join(ALERT_LINES) + "\n", encoding="utf-8")
     for kind, (pattern, _) in jobs.ALERTS.items():
-        r = subprocess.run(["grep", "-a", "-i", "-E", "-e", pattern, str(sample)], capture_output=True, text=True)
+        r = subprocess.run(["grep", "-a", "-i", "-E", "-e", pattern, str(sample)], capture_output=True, text=True, encoding="utf-8")
         assert r.stdout.splitlines() == [ln for ln, k in ALERT_LINES.items() if k == kind], kind
 
 
@@ -304,7 +304,7 @@ def test_the_magics_say_a_sandbox_shutdown_is_a_stand_in(ip, capsys):
 
     ip.run_line_magic("gpu", "connect --sandbox")
     name = jname("sd-note")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     try:
         ip.run_cell_magic("remote", f"--job {name} --then-shutdown 1", "exit 1")
         assert SANDBOX_SHUTDOWN_NOTE in capsys.readouterr().out
@@ -336,7 +336,7 @@ def survivor(sshd):
     name = jname("survive")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", _STARTER.format(name=name)], env=env,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, encoding="utf-8")
     return name, r
 
 
@@ -389,7 +389,7 @@ def test_tmux_only_in_local_bin_with_exec_path_lacking_it_runs_the_job_in_tmux(p
 
 def test_without_tmux_the_job_runs_under_nohup_and_the_message_says_so_once(ip, path_server):
     ip.run_line_magic("gpu", "connect jobs-path")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     m.tool_dirs = ()  # nothing after the exec PATH, which has no tmux
     first, second = jname("nohup1"), jname("nohup2")
     with capture_output() as c:
@@ -437,7 +437,7 @@ def test_stop_on_nan_alerts_with_the_line_kills_the_job_and_reads_killed_nan(ip)
     assert "step 20 loss nan" in alerts[0].data["text/html"]
     assert c.stdout.startswith("step 10 loss 2.31\nstep 20 loss nan\n")
     assert f"job {name} killed (nan) after" in c.stdout
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     info = m.job(name).info()
     assert (info.state_text, info.stopped_by) == ("killed (nan)", "step 20 loss nan")
     assert "never" not in m.job(name).logs()
@@ -479,7 +479,7 @@ def test_kill_leaves_no_process_of_the_job_children_included(ip):
         ip.run_line_magic("gpu", f"kill {name}")
     assert f"killed job {name} on testgpu: killed (user)" in c.stdout
     assert processes(pattern) == []
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     assert m.job(name).info().state_text == "killed (user)"
     with capture_output() as c:
         ip.run_line_magic("gpu", f"kill {name}")
@@ -559,7 +559,7 @@ def test_job_options_without_job_and_bad_values_are_usage_errors(ip):
 @needs_tmux
 def test_job_runs_in_its_directory_with_its_env_and_pythonunbuffered_unless_set(ip):
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     a, b = jname("env1"), jname("env2")
     ip.run_cell_magic("remote", f"--job {a} --cwd /tmp --env FOO=bar", 'echo "$PWD $FOO $PYTHONUNBUFFERED"')
     ip.run_cell_magic("remote", f"--job {b} --env PYTHONUNBUFFERED=0", 'echo "$PYTHONUNBUFFERED $GPUMAGIC_JOB"')
@@ -599,7 +599,7 @@ def test_dropped_connection_while_following_leaves_the_job_running(machine):
 @needs_tmux
 def test_a_job_whose_runner_was_killed_outright_reads_lost(ip):
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     job = m.start_job(jname("lost"), "sleep 600")
     os.killpg(job.pid, 9)  # what a reboot or `kill -9 -PGID` does: no exit_code is written
     assert wait_for(lambda: job.info().state == "lost", 5)
@@ -635,7 +635,7 @@ def test_kill_on_a_machine_without_ps_still_ends_the_tree_and_escalates_to_sigki
 def test_the_surviving_job_later_shows_exited_0_with_all_20_lines_in_its_log(ip, survivor):
     name, _ = survivor
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     info = m.job(name).wait(timeout=60)
     assert info.state_text == "exited 0"
     assert info.run_seconds >= 19  # it ran its whole course, not cut short by the disconnect
@@ -702,7 +702,7 @@ def test_then_shutdown_calls_the_recorder_about_a_minute_after_success_and_not_a
     ok = m.job(names["ok"]).wait(timeout=30)
     assert wait_for(recorder.exists, ok.ended + 80 - time.time(), interval=0.5)
     time.sleep(3)  # the failed and cancelled jobs ended at the same time as the ok one
-    calls = recorder.read_text().splitlines()
+    calls = recorder.read_text(encoding="utf-8").splitlines()
     assert len(calls) == 1
     when, job, args = calls[0].split(" ", 2)
     assert (job, args) == (names["ok"], "-h now")
@@ -722,7 +722,7 @@ def runners_in(job_dir: Path) -> list[int]:
         try:
             if (os.readlink(p / "cwd") == str(job_dir.resolve())
                     and (p / "cmdline").read_bytes() == b"/bin/sh\0./run.sh\0"
-                    and (p / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                    and (p / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] != "Z"):
                 found.append(int(p.name))
         except OSError:
             continue
@@ -766,7 +766,7 @@ def test_two_concurrent_starts_of_one_name_start_one_job_and_the_other_is_told_a
             assert len(won) == 1 and len(lost) == 1, results
             assert f"a job named {name!r} is already running on testgpu" in str(lost[0])
             winner = results.index(won[0])
-            assert (base / name / "command").read_text() == f"echo from-{winner}; sleep {tag}{round_}"
+            assert (base / name / "command").read_text(encoding="utf-8") == f"echo from-{winner}; sleep {tag}{round_}"
             assert wait_for(lambda: won[0].logs() == f"from-{winner}\n", 10)
             assert runners_in(base / name) == [won[0].pid]
             assert not (base / f"{name}-").exists()
@@ -786,13 +786,13 @@ def test_a_zombie_runner_counts_as_ended_for_wait_follow_list_and_kill(machine, 
     # as a runner that died without writing exit_code would leave it.
     zombie = subprocess.Popen(["true"])
     try:
-        assert wait_for(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 5)
+        assert wait_for(lambda: Path(f"/proc/{zombie.pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] == "Z", 5)
         name = jname("zombie")
         d = Path(sshd.env["HOME"]) / jobs.JOBS_DIR / name
         d.mkdir(parents=True)
-        (d / "pid").write_text(f"{zombie.pid}\n")
-        (d / "started").write_text(f"{int(time.time())}\n")
-        (d / "log").write_text("step 1\n")
+        (d / "pid").write_text(f"{zombie.pid}\n", encoding="utf-8")
+        (d / "started").write_text(f"{int(time.time())}\n", encoding="utf-8")
+        (d / "log").write_text("step 1\n", encoding="utf-8")
         job = machine.job(name)
         start = time.monotonic()
         assert job.wait(timeout=20).state == "lost"
@@ -816,7 +816,7 @@ def test_a_start_lock_left_by_a_dead_launcher_is_broken_and_a_live_one_means_alr
         lock = base / f".{name}.starting"
         lock.mkdir()
         if owner:
-            (lock / "owner").write_text(owner + "\n")
+            (lock / "owner").write_text(owner + "\n", encoding="utf-8")
         job = machine.start_job(name, "echo ran")
         assert job.wait(timeout=30).state_text == "exited 0" and job.logs() == "ran\n"
         assert not lock.exists()
@@ -824,14 +824,14 @@ def test_a_start_lock_left_by_a_dead_launcher_is_broken_and_a_live_one_means_alr
     name = jname("starting")
     lock = base / f".{name}.starting"
     lock.mkdir()
-    start_time = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    (lock / "owner").write_text(f"{os.getpid()} {start_time}\n")
+    start_time = Path(f"/proc/{os.getpid()}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[19]
+    (lock / "owner").write_text(f"{os.getpid()} {start_time}\n", encoding="utf-8")
     with pytest.raises(JobError) as e:
         machine.start_job(name, "echo never")
     assert "is already running" in str(e.value)
     assert not (base / name).exists() and lock.exists()
     # A pid reused by another process (after a reboot) does not hold it.
-    (lock / "owner").write_text(f"{os.getpid()} 1\n")
+    (lock / "owner").write_text(f"{os.getpid()} 1\n", encoding="utf-8")
     assert machine.start_job(name, "echo now").wait(timeout=30).state_text == "exited 0"
 
 
@@ -850,7 +850,7 @@ def test_relative_job_cwd_starts_at_home_and_the_job_state_is_private(machine, s
     made = (home / "jobsub" / "made-by-the-job").stat().st_mode & 0o777
     assert made == 0o666 & ~int(umask, 8)  # the job itself keeps the user's umask
     d = home / jobs.JOBS_DIR / name
-    assert "TOKEN_FOR_JOB='s3cret'" in (d / "env.sh").read_text()
+    assert "TOKEN_FOR_JOB='s3cret'" in (d / "env.sh").read_text(encoding="utf-8")
     for p in [home / ".gpumagic", home / jobs.JOBS_DIR, d, *d.iterdir()]:
         want = 0o700 if p.is_dir() else 0o600
         assert p.stat().st_mode & 0o777 == want, p
@@ -861,7 +861,7 @@ def test_relative_job_cwd_starts_at_home_and_the_job_state_is_private(machine, s
 
 def test_an_alert_is_shown_once_with_its_job_not_under_every_later_listing(ip):
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     diverged, later = jname("once"), jname("later")
     ip.run_cell_magic("remote", f"--job {diverged}", "echo 'step 20 loss nan'")
     m.job(diverged).wait(timeout=30)

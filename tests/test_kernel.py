@@ -1,4 +1,4 @@
-"""Live Python sessions on the machine (gpumagic/remote/kernel.py, notebook/kernel_magics.py,
+"""Live Python sessions on the machine (gpumagic/remote/kernel.py, notebook/magics/kernel.py,
 remote/programs/kernel_keeper.py), against the real test sshd.
 
 The test machine is this computer: kernels run with this venv's python (it has ipykernel,
@@ -81,7 +81,7 @@ def stop_every_kernel(sshd):
     root = remote_home(sshd) / ".gpumagic" / "kernels"
     for state in root.glob("*/state.json"):
         try:
-            pid = json.loads(state.read_text())["keeper_pid"]
+            pid = json.loads(state.read_text(encoding="utf-8"))["keeper_pid"]
             os.kill(pid, signal.SIGTERM)
         except (OSError, ValueError, KeyError):
             pass
@@ -183,7 +183,10 @@ def test_a_plot_comes_back_as_png_and_a_dataframe_as_html_in_the_executed_notebo
 # -- case 3 -------------------------------------------------------------------------------
 
 
-def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m):
+def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m, monkeypatch):
+    # A running cell reconnects by itself now (tests/test_resilience.py); without that,
+    # the cell's error and then `attach` must still show every line once, in order.
+    monkeypatch.setattr(gk, "RECONNECTS", 0)
     k = start(m, "c3")
     try:
         sshd_pid = session_sshd_pid(m)
@@ -304,7 +307,7 @@ def test_a_cell_that_ignores_sigint_says_so_and_restart_is_the_way_out(m, monkey
 def _local_process(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HOME": str(CLIENT_HOME),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120, encoding="utf-8")
 
 
 def test_variables_are_there_for_a_new_local_process_after_the_first_exits(sshd):
@@ -404,7 +407,7 @@ def _listening(pid: int) -> list[str]:
     found = []
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
-            rows = Path(table).read_text().splitlines()[1:]
+            rows = Path(table).read_text(encoding="utf-8").splitlines()[1:]
         except OSError:
             continue
         for row in rows:
@@ -433,9 +436,9 @@ def test_connection_file_is_private_ports_are_loopback_and_the_key_is_never_show
         assert stat.S_IMODE(cf.stat().st_mode) == 0o600
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
         assert stat.S_IMODE(d.parent.stat().st_mode) == 0o700
-        info = json.loads(cf.read_text())
+        info = json.loads(cf.read_text(encoding="utf-8"))
         assert info["ip"] == "127.0.0.1"
-        state = json.loads((d / "state.json").read_text())
+        state = json.loads((d / "state.json").read_text(encoding="utf-8"))
         kernel_ports = _listening(state["kernel_pid"])
         keeper_ports = _listening(state["keeper_pid"])
         assert len(kernel_ports) >= 5 and len(keeper_ports) == 1
@@ -570,16 +573,16 @@ def _guard_measure(tmp_path, home: Path) -> str:
     from gpumagic.budget.guard import GuardSettings, guard_program
 
     script = tmp_path / "g.sh"
-    script.write_text(guard_program())
+    script.write_text(guard_program(), encoding="utf-8")
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     smi = Path(gpumagic.__file__).parent / "gpu" / "fake" / "nvidia_smi.py"
-    (bindir / "nvidia-smi").write_text(f"#!/bin/sh\nexec {PY} {smi} \"$@\"\n")
+    (bindir / "nvidia-smi").write_text(f"#!/bin/sh\nexec {PY} {smi} \"$@\"\n", encoding="utf-8")
     (bindir / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}"}
     env.pop("GPUMAGIC_FAKE_GPU_STATE", None)  # default recording: h200-idle
     return subprocess.run(["sh", str(script), "measure", *GuardSettings(idle_s=60).args()], env=env, capture_output=True,
-                          text=True).stdout.strip()
+                          text=True, encoding="utf-8").stdout.strip()
 
 
 def test_list_shows_busy_since_and_the_budget_guard_counts_a_busy_kernel(m, sshd, tmp_path):
@@ -620,7 +623,7 @@ def test_parse_listing_sums_gpu_memory_of_the_kernels_process_group():
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
 def test_the_listing_script_passes_shellcheck():
     path = ROOT / "gpumagic" / "remote" / "programs" / "kernel_list.sh"
-    r = subprocess.run(["shellcheck", "-s", "sh", str(path)], capture_output=True, text=True)
+    r = subprocess.run(["shellcheck", "-s", "sh", str(path)], capture_output=True, text=True, encoding="utf-8")
     assert r.returncode == 0, r.stdout
 
 
@@ -663,7 +666,7 @@ def test_tutorial_07_trains_plots_pulls_and_finds_the_model_after_reconnecting(t
     finally:
         for state in kernels.glob("*/state.json"):  # a failed run must not leave the session
             try:
-                os.kill(json.loads(state.read_text())["keeper_pid"], signal.SIGTERM)
+                os.kill(json.loads(state.read_text(encoding="utf-8"))["keeper_pid"], signal.SIGTERM)
             except (OSError, ValueError, KeyError):
                 pass
     cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]

@@ -29,16 +29,17 @@ import gpumagic
 from gpumagic.ssh import known_hosts
 from gpumagic.errors import ChangedHostKey, RevokedHostKey, UnknownHostKey
 from gpumagic.ssh.hosts import HostSpec
+from gpumagic.ssh.connection import load_private_key
 from gpumagic.ssh.sandbox import make_keypair
 
 
 def other_key(tmp_path, name="other"):
     make_keypair(tmp_path / name)
-    return paramiko.Ed25519Key.from_private_key_file(str(tmp_path / name))
+    return load_private_key(str(tmp_path / name))
 
 
 def server_key(sshd):
-    parts = (sshd.host_key.parent / (sshd.host_key.name + ".pub")).read_text().split()
+    parts = (sshd.host_key.parent / (sshd.host_key.name + ".pub")).read_text(encoding="utf-8").split()
     return f"{parts[0]} {parts[1]}"
 
 
@@ -50,7 +51,7 @@ def test_port_22_entry_is_never_used_for_another_port(sshd, tmp_path):
     wrong = other_key(tmp_path)
     line22 = f"{sshd.host} {server_key(sshd)}\n"
     line_port = f"[{sshd.host}]:{sshd.port} {wrong.get_name()} {wrong.get_base64()}\n"
-    kh.write_text(line22 + line_port)
+    kh.write_text(line22 + line_port, encoding="utf-8")
     spec = sshd.spec()
     spec = replace(spec, known_hosts=str(kh))
     m = gpumagic.Machine(spec)
@@ -58,7 +59,7 @@ def test_port_22_entry_is_never_used_for_another_port(sshd, tmp_path):
         m.connect()
     assert f"{sshd.host}:{sshd.port}" in e.value.message
     assert f"%gpu forget {sshd.host}:{sshd.port}" in e.value.hint
-    assert kh.read_text() == line22 + line_port  # nothing rewritten
+    assert kh.read_text(encoding="utf-8") == line22 + line_port  # nothing rewritten
 
 
 def test_trusting_a_new_port_leaves_other_lines_untouched(sshd, tmp_path):
@@ -66,16 +67,16 @@ def test_trusting_a_new_port_leaves_other_lines_untouched(sshd, tmp_path):
     wrong = other_key(tmp_path)
     before = (f"# my hosts\n{sshd.host} {wrong.get_name()} {wrong.get_base64()}\n"
               f"|1|c2FsdHNhbHRzYWx0c2FsdHNhbHQ=|aGFzaGhhc2hoYXNoaGFzaGhhc2g= ssh-ed25519 AAAA\n")
-    kh.write_text(before)
+    kh.write_text(before, encoding="utf-8")
     spec = replace(sshd.spec(), known_hosts=str(kh))
     with pytest.raises(UnknownHostKey) as e:
         gpumagic.Machine(spec).connect()
     assert e.value.fingerprint.startswith("SHA256:")
     assert "--trust-new-host" in e.value.hint
-    assert kh.read_text() == before  # refusing wrote nothing
+    assert kh.read_text(encoding="utf-8") == before  # refusing wrote nothing
     m = gpumagic.Machine(spec, trust_new_host=True).connect()
     m.close()
-    after = kh.read_text()
+    after = kh.read_text(encoding="utf-8")
     assert after.startswith(before)
     assert after[len(before):] == f"[{sshd.host}]:{sshd.port} {server_key(sshd)}\n"
     assert "trusted new host" in m.connection.notes[0]
@@ -85,11 +86,11 @@ def test_unknown_host_message_shows_the_sha256_fingerprint_ssh_prints(sshd, tmp_
     spec = replace(sshd.spec(), known_hosts=str(tmp_path / "none"))
     with pytest.raises(UnknownHostKey) as e:
         gpumagic.Machine(spec).connect()
-    want = known_hosts.fingerprint(paramiko.Ed25519Key.from_private_key_file(str(sshd.host_key)))
+    want = known_hosts.fingerprint(load_private_key(str(sshd.host_key)))
     assert want in e.value.message
     if shutil.which("ssh-keygen"):
         out = subprocess.run(["ssh-keygen", "-lf", str(sshd.host_key) + ".pub"],
-                             capture_output=True, text=True).stdout
+                             capture_output=True, text=True, encoding="utf-8").stdout
         assert want in out
     assert not (tmp_path / "none").exists()
 
@@ -100,10 +101,10 @@ def test_forget_removes_only_that_host_and_port_like_ssh_keygen_R(tmp_path):
     a = f"203.0.113.10 {k.get_name()} {k.get_base64()}\n"
     b = f"[203.0.113.10]:41022 {k.get_name()} {k.get_base64()}\n"
     c = f"other {k.get_name()} {k.get_base64()}\n"
-    kh.write_text(a + b + c)
+    kh.write_text(a + b + c, encoding="utf-8")
     assert known_hosts.forget(kh, "203.0.113.10", 41022) == 1
-    assert kh.read_text() == a + c
-    assert (tmp_path / "known_hosts.old").read_text() == a + b + c
+    assert kh.read_text(encoding="utf-8") == a + c
+    assert (tmp_path / "known_hosts.old").read_text(encoding="utf-8") == a + b + c
     assert known_hosts.forget(kh, "203.0.113.10", 41022) == 0
 
 
@@ -112,11 +113,11 @@ def test_hashed_entries_are_matched_and_forgotten(tmp_path):
     name = "[203.0.113.10]:41022"
     hashed = paramiko.HostKeys.hash_host(name)
     kh = tmp_path / "known_hosts"
-    kh.write_text(f"{hashed} {k.get_name()} {k.get_base64()}\n")
+    kh.write_text(f"{hashed} {k.get_name()} {k.get_base64()}\n", encoding="utf-8")
     assert known_hosts.lookup(kh, "203.0.113.10", 41022)[0] == k
     assert known_hosts.lookup(kh, "203.0.113.10", 22) == []
     assert known_hosts.forget(kh, "203.0.113.10", 41022) == 1
-    assert kh.read_text() == ""
+    assert kh.read_text(encoding="utf-8") == ""
 
 
 # -- OpenSSH 9.x conformance: the cases (the whole kind is in
@@ -137,11 +138,11 @@ def test_hostname_in_capitals_finds_the_line_ssh_wrote_for_it(sshd, tmp_path):
                    f"  IdentityFile {sshd.client_key}\n  IdentitiesOnly yes\n"
                    f"  UserKnownHostsFile {kh}\n  GlobalKnownHostsFile /dev/null\n"
                    f"  StrictHostKeyChecking accept-new\n  BatchMode yes\n"
-                   f"  ProxyCommand {sys.executable} {relay_path()} 127.0.0.1 {sshd.port}\n")
+                   f"  ProxyCommand {sys.executable} {relay_path()} 127.0.0.1 {sshd.port}\n", encoding="utf-8")
     r = subprocess.run(["ssh", "-F", str(cfg), "box", "true"], capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, SHELL="/bin/sh"))
+                       timeout=60, env=dict(os.environ, SHELL="/bin/sh"), encoding="utf-8")
     assert r.returncode == 0, r.stderr
-    assert kh.read_text().split()[0] == "gpu-box.example"  # what ssh wrote
+    assert kh.read_text(encoding="utf-8").split()[0] == "gpu-box.example"  # what ssh wrote
     verdict, err = gpumagic_verdict(sshd, kh, "GPU-Box.example", 22)
     assert verdict == "accept", err
     assert known_hosts.lookup(kh, "GPU-Box.example", 22)
@@ -159,7 +160,7 @@ def test_trust_new_host_writes_the_line_ssh_finds_for_a_capitalised_name(sshd, t
     c = RoutedConnection(spec, sshd.port, trust_new_host=True)
     c.open()
     c.close()
-    assert kh.read_text() == f"[gpu-box.example]:2222 {server_key(sshd)}\n"
+    assert kh.read_text(encoding="utf-8") == f"[gpu-box.example]:2222 {server_key(sshd)}\n"
     assert "trusted new host [gpu-box.example]:2222" in c.notes[0]
     assert ssh_verdict(sshd, kh, "GPU-Box.example", 2222)[0] == "accept"
 
@@ -171,7 +172,7 @@ def test_revoked_host_key_is_refused_naming_the_line(sshd, tmp_path, trust):
     kh = tmp_path / "known_hosts"
     text = (f"# mine\n[{sshd.host}]:{sshd.port} {server_key(sshd)}\n"
             f"@revoked * {server_key(sshd)}\n")
-    kh.write_text(text)
+    kh.write_text(text, encoding="utf-8")
     spec = replace(sshd.spec(), known_hosts=str(kh))
     with pytest.raises(RevokedHostKey) as e:
         gpumagic.Machine(spec, trust_new_host=trust).connect()
@@ -179,12 +180,12 @@ def test_revoked_host_key_is_refused_naming_the_line(sshd, tmp_path, trust):
     assert "REVOKED" in e.value.message and "\n" not in e.value.message
     assert e.value.fingerprint == sshd.host_key_fingerprint
     assert "@revoked" in e.value.hint and "hint:" in str(e.value)
-    assert kh.read_text() == text
+    assert kh.read_text(encoding="utf-8") == text
 
 
 def test_revoked_line_for_another_host_does_not_apply(sshd, tmp_path):
     kh = tmp_path / "known_hosts"
-    kh.write_text(f"[{sshd.host}]:{sshd.port} {server_key(sshd)}\n@revoked other.example {server_key(sshd)}\n")
+    kh.write_text(f"[{sshd.host}]:{sshd.port} {server_key(sshd)}\n@revoked other.example {server_key(sshd)}\n", encoding="utf-8")
     m = gpumagic.Machine(replace(sshd.spec(), known_hosts=str(kh))).connect()
     assert m.run("echo ok", quiet=True).stdout.strip() == "ok"
     m.close()
@@ -195,19 +196,19 @@ def test_cert_authority_line_is_never_taken_as_the_host_key(sshd, tmp_path):
     # with a one-line note saying why; --trust-new-host then adds a normal line.
     kh = tmp_path / "known_hosts"
     text = f"@cert-authority * {server_key(sshd)}\n"
-    kh.write_text(text)
+    kh.write_text(text, encoding="utf-8")
     spec = replace(sshd.spec(), known_hosts=str(kh))
     with pytest.raises(UnknownHostKey) as e:
         gpumagic.Machine(spec).connect()
     assert f"{kh}:1 is a @cert-authority line" in e.value.message
     assert "sent no certificate" in e.value.message and "\n" not in e.value.message
-    assert kh.read_text() == text
+    assert kh.read_text(encoding="utf-8") == text
 
 
 def test_changed_key_message_names_the_offending_line(sshd, tmp_path):
     kh = tmp_path / "known_hosts"
     wrong = other_key(tmp_path)
-    kh.write_text(f"# x\n[{sshd.host}]:{sshd.port} {wrong.get_name()} {wrong.get_base64()}\n")
+    kh.write_text(f"# x\n[{sshd.host}]:{sshd.port} {wrong.get_name()} {wrong.get_base64()}\n", encoding="utf-8")
     with pytest.raises(ChangedHostKey) as e:
         gpumagic.Machine(replace(sshd.spec(), known_hosts=str(kh))).connect()
     assert f"{kh}:2 holds a different ssh-ed25519 key" in e.value.message
@@ -219,11 +220,11 @@ def test_key_stored_under_another_type_is_changed_not_unknown(sshd, tmp_path):
     kh = tmp_path / "known_hosts"
     ecdsa = keygen(tmp_path / "ecdsa", "ecdsa")
     text = f"[{sshd.host}]:{sshd.port} {ecdsa}\n"
-    kh.write_text(text)
+    kh.write_text(text, encoding="utf-8")
     with pytest.raises(ChangedHostKey) as e:
         gpumagic.Machine(replace(sshd.spec(), known_hosts=str(kh)), trust_new_host=True).connect()
     assert "ecdsa-sha2-nistp256 key" in e.value.message
-    assert kh.read_text() == text
+    assert kh.read_text(encoding="utf-8") == text
 
 
 @pytest.mark.parametrize("broken", ["{t} AAAAC3NzaC1lZDI1NTE5AAAAI!!!notbase64", "{t} {b40}", "{t}",
@@ -234,11 +235,11 @@ def test_broken_line_for_the_target_is_skipped_as_ssh_skips_it(sshd, tmp_path, b
     kh = tmp_path / "known_hosts"
     typ, blob = server_key(sshd).split()
     line = broken.format(t=f"[{sshd.host}]:{sshd.port} {typ}", b40=blob[:40], b=blob)
-    kh.write_text(line + "\n")
+    kh.write_text(line + "\n", encoding="utf-8")
     spec = replace(sshd.spec(), known_hosts=str(kh))
     with pytest.raises(UnknownHostKey):
         gpumagic.Machine(spec).connect()
-    kh.write_text(line + "\n" + f"[{sshd.host}]:{sshd.port} {server_key(sshd)}\n")
+    kh.write_text(line + "\n" + f"[{sshd.host}]:{sshd.port} {server_key(sshd)}\n", encoding="utf-8")
     gpumagic.Machine(spec).connect().close()
 
 
@@ -312,10 +313,10 @@ def make_cert(ca: paramiko.PKey, key: paramiko.PKey, *, cert_type=2, principals=
 def ca_and_key(tmp_path):
     make_keypair(tmp_path / "ca")
     make_keypair(tmp_path / "host")
-    ca = paramiko.Ed25519Key.from_private_key_file(str(tmp_path / "ca"))
-    host = paramiko.Ed25519Key.from_private_key_file(str(tmp_path / "host"))
+    ca = load_private_key(str(tmp_path / "ca"))
+    host = load_private_key(str(tmp_path / "host"))
     kh = tmp_path / "known_hosts"
-    kh.write_text(f"@cert-authority * {ca.get_name()} {ca.get_base64()}\n")
+    kh.write_text(f"@cert-authority * {ca.get_name()} {ca.get_base64()}\n", encoding="utf-8")
     return ca, host, kh
 
 
@@ -361,7 +362,7 @@ def test_sha1_rsa_ca_signature_is_refused_as_ssh_does(tmp_path):
                         "-n", "h", str(tmp_path / "host.pub")], capture_output=True)
     if r.returncode != 0:
         pytest.skip("this ssh-keygen cannot sign with ssh-rsa")
-    blob = base64.b64decode((tmp_path / "host-cert.pub").read_text().split()[1])
+    blob = base64.b64decode((tmp_path / "host-cert.pub").read_text(encoding="utf-8").split()[1])
     assert "ssh-rsa, which ssh no longer accepts" in known_hosts.Certificate.parse(blob).problem("h")
 
 
@@ -372,18 +373,18 @@ def test_server_with_a_host_certificate_signed_by_a_known_ca_is_accepted(tmp_pat
     # key; gpumagic checks the certificate itself (CA signature, host type, validity,
     # principals) as OpenSSH's sshkey_cert_check_host does.
     keygen(tmp_path / "ca", "ed25519")
-    ca_pub = " ".join((tmp_path / "ca.pub").read_text().split()[:2])
+    ca_pub = " ".join((tmp_path / "ca.pub").read_text(encoding="utf-8").split()[:2])
     server = start_server("kh-direct-cert", cert=(tmp_path / "ca", "127.0.0.1", "-5m:+1d"))
     try:
         kh = tmp_path / "known_hosts"
-        kh.write_text(f"@cert-authority 127.0.0.1,[127.0.0.1]:* {ca_pub}\n")
+        kh.write_text(f"@cert-authority 127.0.0.1,[127.0.0.1]:* {ca_pub}\n", encoding="utf-8")
         m = gpumagic.Machine(replace(server.spec(), known_hosts=str(kh))).connect()
         assert m.connection.transport.host_key_type == "ssh-ed25519-cert-v01@openssh.com"
         assert m.run("echo ok", quiet=True).stdout.strip() == "ok"
         m.close()
         assert ssh_verdict(server, kh, "127.0.0.1", server.port)[0] == "accept"
         # the same certificate does not vouch for another name: unknown, with the reason
-        kh.write_text(f"@cert-authority * {ca_pub}\n")
+        kh.write_text(f"@cert-authority * {ca_pub}\n", encoding="utf-8")
         v, err = gpumagic_verdict(server, kh, "other.example", 22)
         assert v == "unknown" and "other.example is not among its principals (127.0.0.1)" in err.message
     finally:
@@ -396,9 +397,9 @@ def test_forget_keeps_revoked_and_cert_authority_lines(tmp_path):
     pub = f"{k.get_name()} {k.get_base64()}"
     text = (f"GPU-Box.example {pub}\n@revoked gpu-box.example {pub}\n@cert-authority *.example {pub}\n"
             f"|1|{'A' * 27}=|x {pub}\nother {pub}\n")
-    kh.write_text(text)
+    kh.write_text(text, encoding="utf-8")
     assert known_hosts.forget(kh, "gpu-box.EXAMPLE", 22) == 1
-    assert kh.read_text() == text.split("\n", 1)[1]
+    assert kh.read_text(encoding="utf-8") == text.split("\n", 1)[1]
 
 
 def test_add_writes_lower_case_and_the_port_form(tmp_path):
@@ -416,8 +417,8 @@ def test_certificates_signed_by_each_kind_of_ca_verify(tmp_path, kind):
     keygen(tmp_path / "ca", kind)
     keygen(tmp_path / "host", "ecdsa")
     sign_host_key(tmp_path / "ca", tmp_path / "host.pub", "h", "-5m:+1h")
-    blob = base64.b64decode((tmp_path / "host-cert.pub").read_text().split()[1])
+    blob = base64.b64decode((tmp_path / "host-cert.pub").read_text(encoding="utf-8").split()[1])
     cert = known_hosts.Certificate.parse(blob)
     assert cert.problem("h") is None
-    assert cert.key == base64.b64decode((tmp_path / "host.pub").read_text().split()[1])
+    assert cert.key == base64.b64decode((tmp_path / "host.pub").read_text(encoding="utf-8").split()[1])
     assert cert.key_type == "ecdsa-sha2-nistp256"

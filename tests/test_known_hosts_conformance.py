@@ -72,7 +72,7 @@ def keygen(path: Path, kind: str) -> str:
     else:
         subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)]
                        + (["-b", "2048"] if kind == "rsa" else []), check=True)
-    return " ".join(Path(str(path) + ".pub").read_text().split()[:2])
+    return " ".join(Path(str(path) + ".pub").read_text(encoding="utf-8").split()[:2])
 
 
 def sign_host_key(ca: Path, pub: Path, principals: str, validity: str) -> Path:
@@ -99,13 +99,13 @@ def start_server(name: str, key_kinds=(), cert: tuple[Path, str, str] | None = N
 
 
 def server_pub(server, kind: str = "ed25519") -> str:
-    return " ".join(Path(str(server.dir / f"host_{kind}") + ".pub").read_text().split()[:2])
+    return " ".join(Path(str(server.dir / f"host_{kind}") + ".pub").read_text(encoding="utf-8").split()[:2])
 
 
 def relay_path() -> Path:
     path = CLIENT_HOME.parent / "known-hosts-relay.py"
     if not path.exists():
-        path.write_text(RELAY)
+        path.write_text(RELAY, encoding="utf-8")
     return path
 
 
@@ -121,7 +121,7 @@ def ssh_verdict(server, kh: Path, name: str, port: int) -> tuple[str, str]:
          "-o", f"UserKnownHostsFile={kh}", "-o", "GlobalKnownHostsFile=/dev/null",
          "-o", "UpdateHostKeys=no", "-o", f"ProxyCommand={proxy}", "-o", "IdentitiesOnly=yes",
          "-i", str(server.client_key), "-p", str(port), f"{server.user}@{name}", "true"],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ, SHELL="/bin/sh"))
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, SHELL="/bin/sh"), encoding="utf-8")
     if r.returncode == 0:
         return "accept", r.stderr
     decisive = _STRICT.findall(r.stderr)
@@ -314,7 +314,7 @@ def _write_case(case: Case, bed, tmp_path: Path) -> tuple[object, Path]:
     kh.write_bytes(render(case.lines, server, keys).encode())
     if case.hashed:
         subprocess.run(["ssh-keygen", "-H", "-f", str(kh)], check=True, capture_output=True)
-        assert "|1|" in kh.read_text()
+        assert "|1|" in kh.read_text(encoding="utf-8")
     return server, kh
 
 
@@ -372,19 +372,19 @@ def test_forget_agrees_with_ssh_keygen_R(lines, host, port, hashed, bed, tmp_pat
     servers, keys = bed
     text = render(lines, servers["plain"], keys)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    theirs.write_text(text)
+    theirs.write_text(text, encoding="utf-8")
     if hashed:
         subprocess.run(["ssh-keygen", "-H", "-f", str(theirs)], check=True, capture_output=True)
-        text = theirs.read_text()
-    ours.write_text(text)
+        text = theirs.read_text(encoding="utf-8")
+    ours.write_text(text, encoding="utf-8")
     # ssh-keygen -R is given the lower-case name: it hashes the name as typed, so
     # `ssh-keygen -R GPU-Box.example` misses the hashed line that ssh itself finds (ssh looks
     # up gpu-box.example).  gpumagic forgets what ssh finds, whatever the case typed.
     name = known_hosts.known_name(host, port)
-    r = subprocess.run(["ssh-keygen", "-R", name, "-f", str(theirs)], capture_output=True, text=True)
+    r = subprocess.run(["ssh-keygen", "-R", name, "-f", str(theirs)], capture_output=True, text=True, encoding="utf-8")
     assert r.returncode == 0, r.stderr
     removed = known_hosts.forget(ours, host, port)
-    assert ours.read_text().splitlines() == theirs.read_text().splitlines(), name
+    assert ours.read_text(encoding="utf-8").splitlines() == theirs.read_text(encoding="utf-8").splitlines(), name
     assert removed == r.stdout.count("found: line")
 
 
@@ -395,18 +395,18 @@ def test_forget_cleans_a_file_that_ssh_keygen_R_refuses(bed, tmp_path):
     servers, keys = bed
     text = render(f"{H} {{ED}}\nnot a key line\n{H} ssh-ed25519\nother.example {{ED}}\n", servers["plain"], keys)
     kh = tmp_path / "known_hosts"
-    kh.write_text(text)
-    r = subprocess.run(["ssh-keygen", "-R", H, "-f", str(kh)], capture_output=True, text=True)
-    assert r.returncode != 0 and kh.read_text() == text
+    kh.write_text(text, encoding="utf-8")
+    r = subprocess.run(["ssh-keygen", "-R", H, "-f", str(kh)], capture_output=True, text=True, encoding="utf-8")
+    assert r.returncode != 0 and kh.read_text(encoding="utf-8") == text
     assert known_hosts.forget(kh, H, 22) == 1
-    assert kh.read_text() == text.split("\n", 1)[1]
+    assert kh.read_text(encoding="utf-8") == text.split("\n", 1)[1]
 
 
 def test_default_algorithm_lists_are_the_ssh_clients():
     # The orders gpumagic asks for host keys in, and the CA signatures it accepts, are the
     # installed ssh's defaults (ssh -G prints them).
     out = subprocess.run(["ssh", "-G", "-F", "/dev/null", "example"], capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL).stdout
+                         stdin=subprocess.DEVNULL, encoding="utf-8").stdout
     opts = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
     assert tuple(opts["hostkeyalgorithms"].split(",")) == known_hosts.DEFAULT_HOST_KEY_ALGORITHMS
     assert set(opts["casignaturealgorithms"].split(",")) == known_hosts.CA_SIGNATURE_ALGORITHMS

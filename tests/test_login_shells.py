@@ -50,7 +50,7 @@ def _login_shell_server(name: str, shell: str, tmp: Path):
     home = Path(server.env["HOME"])
     for rel, text in RC_FILES[name].items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
-        (home / rel).write_text(text)
+        (home / rel).write_text(text, encoding="utf-8")
     return server
 
 
@@ -139,15 +139,15 @@ def test_sync_push_and_pull_round_trip(shell_machine, tmp_path):
     m, server, name = shell_machine
     src = tmp_path / "src"
     (src / "sub dir").mkdir(parents=True)
-    (src / "a\\b 'q'.txt").write_text(NASTY)
+    (src / "a\\b 'q'.txt").write_text(NASTY, encoding="utf-8")
     (src / "sub dir" / "big.bin").write_bytes(os.urandom(9 * 1024 * 1024))  # own channel
     remote = Path(server.env["HOME"]) / f"sync-{name}"
     m.push(str(src) + "/", f"{remote}/")
-    assert (remote / "a\\b 'q'.txt").read_text() == NASTY
+    assert (remote / "a\\b 'q'.txt").read_text(encoding="utf-8") == NASTY
     back = tmp_path / "back"
     m.pull(f"{remote}/", str(back) + "/")
     assert (back / "sub dir" / "big.bin").read_bytes() == (src / "sub dir" / "big.bin").read_bytes()
-    assert (back / "a\\b 'q'.txt").read_text() == NASTY
+    assert (back / "a\\b 'q'.txt").read_text(encoding="utf-8") == NASTY
 
 
 @pytest.mark.parametrize("shell_machine", ["fish"], indirect=True)  # one slow start is enough
@@ -168,7 +168,7 @@ def test_jupyter_tunnel_starts_and_stops(shell_machine):
 def gone(pid: int) -> bool:
     """No process ``pid`` on this computer (the test machine), a zombie counting as gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
 

@@ -28,6 +28,74 @@ def test_unknown_subcommand_is_a_usage_error_naming_the_valid_ones(ip):
     assert "'conect'" in str(e.value) and "connect" in str(e.value) and "disconnect" in str(e.value)
 
 
+#: ``%gpu LINE`` -> the whole message: the table's name for it, the valid names in table order.
+UNKNOWN = {
+    "kernel frobnicate": "unknown sub-command 'frobnicate' of %gpu kernel; valid: start, list, attach, push, pull, "
+                         "interrupt, restart, stop, autorun; `%gpu kernel help` says what each does",
+    "budget sett --rate 1": "unknown sub-command 'sett' of %gpu budget (did you mean set?); valid: set, estimate, "
+                            "history, guard, notify, none (the meter); `%gpu budget help` says what each does",
+    "tunnel tensorbord": "unknown sub-command 'tensorbord' of %gpu tunnel (did you mean tensorboard?); valid: "
+                         "tensorboard, jupyter, list, --reverse, close, PORT; `%gpu tunnel help` says what each does",
+    "--host a status": "unknown sub-command '--host' of %gpu; valid: " + ", ".join(SUBCOMMANDS)
+                       + "; `%gpu help` says what each does",
+}
+
+
+@pytest.mark.parametrize("line", UNKNOWN)
+def test_an_unknown_subcommand_of_any_table_names_the_valid_ones(_ipython, line):
+    with pytest.raises(UsageError) as e:
+        _ipython.run_line_magic("gpu", line)
+    assert type(e.value) is UsageError and str(e.value) == UNKNOWN[line]
+    assert str(e.value).startswith("unknown sub-command")
+
+
+@pytest.mark.parametrize("group", ["kernel", "budget", "tunnel"])
+def test_a_group_lists_its_subcommands_for_help_and_help_name_is_name_dash_h(_ipython, capsys, group):
+    from gpumagic.notebook.magics import budget, kernel, tunnel
+
+    table = {"kernel": kernel.KERNEL, "budget": budget.BUDGET, "tunnel": tunnel.TUNNEL}[group]
+    shown = []
+    for line in [f"{group} -h", f"{group} --help", f"{group} help"] + ([] if group == "budget" else [group]):
+        assert _ipython.run_line_magic("gpu", line) is None
+        shown.append(capsys.readouterr().out)
+    assert shown == [table.help_text() + "\n"] * len(shown)
+    assert [name for name in table if f"\n  %gpu {group} {name}" not in shown[0]] == []
+    first = next(iter(table))
+    _ipython.run_line_magic("gpu", f"help {group} {first}")
+    via_help = capsys.readouterr().out
+    _ipython.run_line_magic("gpu", f"{group} {first} -h")
+    assert via_help == capsys.readouterr().out and via_help.startswith(f"usage: %gpu {group} {first}")
+
+
+@pytest.mark.parametrize("line", ["kernel stop", "kernel list --bogus", "kernel push", "kernel start ../x",
+                                  "kernel attach a b", "kernel autorun sideways", "budget --bogus",
+                                  "budget set --rate abc", "tunnel close", "tunnel 99999", "tunnel 8000 --local-port x",
+                                  "tunnel list extra"])
+def test_bad_arguments_of_group_subcommands_are_exactly_usage_error_before_any_connection(_ipython, line):
+    _ipython._gpumagic.fleet.close_all()  # refused by the parser, not by NotConnected
+    with pytest.raises(UsageError) as e:
+        _ipython.run_line_magic("gpu", line)
+    assert type(e.value) is UsageError
+
+
+def test_remote_help_reads_as_one_section_per_mode(_ipython):
+    text = _ipython.object_inspect_text("%%remote")  # what `%%remote?` shows
+    headings = ["a cell (the default):", "every mode:", "a detached job (--job NAME):",
+                "torchrun and fan-out (with --job NAME):", "a live Python session (--kernel [NAME]):"]
+    at = [text.index(f"\n{h}\n") for h in headings]
+    assert at == sorted(at) and "\noptions:\n" not in text  # every option is in a mode's section
+
+    def section(opt: str) -> str:
+        where = text.index(f"\n  {opt} ")
+        return max((i, h) for i, h in zip(at, headings) if i < where)[1]
+
+    assert {o: section(o) for o in ("--python", "--timeout", "--host", "--out", "--job", "--then-shutdown",
+                                    "--torchrun", "--each", "--same-dir-hash", "--kernel")} == {
+        "--python": headings[0], "--timeout": headings[0], "--host": headings[1], "--out": headings[1],
+        "--job": headings[2], "--then-shutdown": headings[2], "--torchrun": headings[3], "--each": headings[3],
+        "--same-dir-hash": headings[3], "--kernel": headings[4]}
+
+
 def test_remote_help_shows_real_options(ip):
     doc = ip.find_cell_magic("remote").__doc__
     for opt in ("--python", "--host", "--cwd", "--env", "--timeout", "--no-raise-error", "--out"):
@@ -126,28 +194,28 @@ def test_disconnect_and_forget(ip, capsys, client_home, sshd):
     with pytest.raises(NotConnected):
         ip.run_cell_magic("remote", "", "true")
     kh = client_home / ".ssh" / "known_hosts"
-    before = kh.read_text()
-    kh.write_text(before + "[203.0.113.10]:41022 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n")
+    before = kh.read_text(encoding="utf-8")
+    kh.write_text(before + "[203.0.113.10]:41022 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n", encoding="utf-8")
     ip.run_line_magic("gpu", "forget 203.0.113.10:41022")
     assert "removed 1 line(s) for [203.0.113.10]:41022" in capsys.readouterr().out
-    assert kh.read_text() == before
+    assert kh.read_text(encoding="utf-8") == before
 
 
 def test_connected_magic_unknown_host_prints_fingerprint_and_trust_option(ip, capsys, sshd, client_home):
     kh = client_home / ".ssh" / "known_hosts"
-    saved = kh.read_text()
-    kh.write_text("")
+    saved = kh.read_text(encoding="utf-8")
+    kh.write_text("", encoding="utf-8")
     try:
         result = ip.run_cell("%gpu connect testgpu")
         text = "".join(capsys.readouterr())
         assert not result.success
         assert "UnknownHostKey" in text and "SHA256:" in text and "--trust-new-host" in text
-        assert kh.read_text() == ""
+        assert kh.read_text(encoding="utf-8") == ""
         ip.run_line_magic("gpu", "connect testgpu --trust-new-host")
         assert "trusted new host" in capsys.readouterr().out
-        assert f"[127.0.0.1]:{sshd.port} ssh-ed25519" in kh.read_text()
+        assert f"[127.0.0.1]:{sshd.port} ssh-ed25519" in kh.read_text(encoding="utf-8")
     finally:
-        kh.write_text(saved)
+        kh.write_text(saved, encoding="utf-8")
 
 
 def test_quoted_arguments_are_read_like_a_shell_would(ip):
@@ -250,7 +318,7 @@ def test_tunnel_close_superscript_two_is_a_usage_error(ip):
         ip.run_line_magic("gpu", "tunnel close ²")
     assert type(e.value) is UsageError
     assert str(e.value) == ("`%gpu tunnel close ²`: give an ID from `%gpu tunnel list` (a local port "
-                            "number) or `all`")
+                            "number, or R and a port for a reverse tunnel) or `all`")
 
 
 def test_shared_number_type_accepts_plain_numbers_only():
@@ -315,13 +383,20 @@ def test_every_out_option_refuses_a_name_that_is_not_a_variable(ip, line):
 
 def test_dash_h_of_every_subcommand_prints_help_and_returns_none(ip, capsys):
     for name in SUBCOMMANDS:
-        if name in ("budget", "tunnel", "kernel"):  # groups: their -h lists their sub-commands
+        if name in ("budget", "tunnel", "kernel", "proxy"):  # groups: their -h lists their sub-commands
             continue
         assert ip.run_line_magic("gpu", f"{name} -h") is None
         assert capsys.readouterr().out.startswith(f"usage: %gpu {name}"), name
     for sub in ("set", "estimate", "history", "guard", "notify"):
         assert ip.run_line_magic("gpu", f"budget {sub} -h") is None
         assert capsys.readouterr().out.startswith(f"usage: %gpu budget {sub}"), sub
+    for sub in ("on", "off"):
+        assert ip.run_line_magic("gpu", f"proxy {sub} -h") is None
+        assert capsys.readouterr().out.startswith(f"usage: %gpu proxy {sub}"), sub
+    assert ip.run_line_magic("gpu", "tunnel --reverse -h") is None  # as the other tunnel sub-commands
+    assert "%gpu tunnel --reverse [--remote-port P]" in capsys.readouterr().out
+    assert ip.run_line_magic("gpu", "proxy -h") is None
+    assert capsys.readouterr().out.startswith("%gpu proxy: lend this computer's proxy")
     assert ip.run_cell_magic("remote", "--job j -h", "exit 1") is None
     assert capsys.readouterr().out.startswith("usage: %%remote [--python]")  # a cell magic: two %
 
@@ -352,9 +427,9 @@ def test_reload_ext_leaves_one_of_each_hook_and_a_stale_one_never_runs(ip, monke
     monkeypatch.setattr(sys.modules[budget_hook.__module__], "budget_alert_hook",
                         lambda magics, **kw: seen.append(("budget", magics)) or [])
     monkeypatch.setattr(sys.modules[tunnel_hook.__module__], "_all_tunnels",
-                        lambda session: seen.append(("tunnel", session)) or [])
+                        lambda fleet: seen.append(("tunnel", fleet)) or [])
     ip.run_cell("1 + 1")
-    assert seen == [("budget", ip._gpumagic), ("tunnel", ip._gpumagic.session)]
+    assert seen == [("budget", ip._gpumagic), ("tunnel", ip._gpumagic.fleet)]
     seen.clear()
     old[HOOKS[0]][0]()  # a stale hook someone kept does nothing
     old[HOOKS[1]][0]()
@@ -363,7 +438,7 @@ def test_reload_ext_leaves_one_of_each_hook_and_a_stale_one_never_runs(ip, monke
 
 def test_unload_ext_removes_the_hooks_and_closes_the_machines(ip):
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     try:
         ip.run_line_magic("unload_ext", "gpumagic")
         assert [len(_hooks(ip, p)) for p in HOOKS] == [0, 0]

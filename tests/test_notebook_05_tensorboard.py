@@ -47,7 +47,7 @@ def test_tensorboard_notebook_serves_tensorboard_through_the_tunnel(tmp_path, mo
     pid = int(started.group(1))
     try:
         os.kill(pid, 0)  # the sandbox is this computer: the process must be gone
-        alive = Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        alive = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").split()[2] != "Z"
     except ProcessLookupError:
         alive = False
     assert not alive, f"TensorBoard (pid {pid}) still running after `close --stop`"

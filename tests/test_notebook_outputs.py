@@ -123,7 +123,7 @@ def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "tiny.ipynb"),
                         "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=300, encoding="utf-8")
     assert r.returncode == 0, r.stderr
     assert "without encryption" not in r.stderr and "WARNING" not in r.stderr, r.stderr
     out = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
@@ -144,7 +144,7 @@ def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
                         "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=300, encoding="utf-8")
     assert r.returncode == 1
     assert r.stderr.splitlines()[0] == ("a cell failed (code cell 3: open('/nonexistent/gm-file')): "
                                         "FileNotFoundError: [Errno 2] No such file or directory: "
@@ -202,9 +202,31 @@ def test_readme_zh_cn_gives_the_same_two_set_up_commands():
 def test_tutorial_08_trains_on_two_sandboxes_and_pulls_each_result(executed, name):
     # run from a copy (the fixture's src/), so results/ (the notebook's sync --from-all) lands there
     src = Path(executed.src) / name
-    assert (src.parent / "results" / "b" / "result.txt").read_text() == "trained with LR=3e-4\n"
+    assert (src.parent / "results" / "b" / "result.txt").read_text(encoding="utf-8") == "trained with LR=3e-4\n"
     text = "".join(o.get("text", "") for c in executed[name].cells if c.cell_type == "code"
                    for o in c.outputs if o.output_type == "stream")
     assert "rank 1 of 2: all-reduced sum 1" in text
     assert text.count(": sum 6") == 4
     assert "trained with LR=1e-3" in text and "trained with LR=3e-4" in text
+
+
+@pytest.mark.parametrize("name", ["10-proxy-and-mirrors.ipynb", "zh-CN/10-proxy-and-mirrors.ipynb"])
+def test_tutorial_10_lends_the_stand_in_proxy_sets_mirrors_and_undoes_both(executed, name):
+    nb = executed[name]
+
+    def text(start):
+        cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
+        assert not [o for o in cell.outputs if o.output_type == "error"], cell.outputs
+        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+    doctor = text("%gpu doctor --net")
+    assert "huggingface.co timed out (no answer within 4 s); hf-mirror.com " in doctor
+    assert "github.com slow (" in doctor and "try `%gpu proxy on`" in doctor
+    assert "proxy on for sandbox: the machine's 127.0.0.1:" in text("%gpu proxy on")
+    curl = text('%%remote\necho "https_proxy=')
+    assert curl.startswith("https_proxy=http://127.0.0.1:")
+    assert curl.endswith("stand-in for github.com: this request went through the proxy on this computer\n")
+    assert text('print("requests the proxy carried:"') == "requests the proxy carried: {'github.com': 1}\n"
+    assert "100.100.100.200\n169.254.169.254\n" in text('%%remote\necho "$no_proxy"')
+    assert "HF_ENDPOINT = https://hf-mirror.com\n" in text("%%remote --python\nimport os")
+    assert text("%%remote\nenv | grep") == "no proxy variable left\nHF_ENDPOINT=[]\n"

@@ -55,7 +55,7 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
 
 
 def _pgrep(pattern):
-    r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, encoding="utf-8")
     return r.stdout.split()
 
 
@@ -106,7 +106,7 @@ def test_run_notebook_command_bad_notebook_is_a_one_line_error(tmp_path, monkeyp
                                                               message, hint):
     from gpumagic.__main__ import main  # what `python -m gpumagic` runs
 
-    (tmp_path / "not-json.ipynb").write_text("print('hello')\n")
+    (tmp_path / "not-json.ipynb").write_text("print('hello')\n", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     assert main(["run-notebook", name]) == 1
     out, err = capsys.readouterr()

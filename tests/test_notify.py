@@ -28,7 +28,7 @@ from gpumagic.ssh.sandbox import free_port
 
 from conftest import wait_until
 
-PROGRAM = Path(notify.__file__).parent.parent / "remote" / "programs" / "notify.py"
+PROGRAM = Path(notify.__file__).parent.parent / "remote" / "programs" / "budget-notifier.py"
 
 
 def load_program():
@@ -178,6 +178,129 @@ def test_service_error_codes_in_a_200_reply_count_as_failures():
     prog._check_reply("slack", 200, b"ok")
 
 
+class BusyServer:
+    """A local HTTP server that answers 429 (or ``status``) with ``Retry-After`` until the
+    (test's) clock reaches ``free_at``, then 200; it records the clock at each POST."""
+
+    def __init__(self, clock, free_at, status=429, header=None):
+        self.arrivals = []
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                now = clock()
+                outer.arrivals.append(now)
+                if now < free_at:
+                    self.send_response(status)
+                    self.send_header("Retry-After", header(now) if header else str(round(free_at - now)))
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = "http://127.0.0.1:%d/hook" % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeTime:
+    """A clock that only moves when slept on: the planned delays, without waiting them out."""
+
+    def __init__(self):
+        self.now = time.time()
+        self.sleeps = []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+MSG = {"event": "message", "machine": "gpu1", "title": "t", "text": "x", "time": "2026-01-01T00:00:00Z"}
+
+
+@pytest.fixture
+def fake_time():
+    return FakeTime()
+
+
+def test_a_429_with_retry_after_5_is_retried_once_after_5_seconds(fake_time):
+    prog = load_program()
+    server = BusyServer(fake_time, fake_time.now + 5)
+    try:
+        err = prog.deliver({"url": server.url, "format": "json"}, MSG, retries=5, backoff=2.0, timeout=5,
+                           sleep=fake_time.sleep, clock=fake_time)
+    finally:
+        server.stop()
+    assert err is None
+    assert len(server.arrivals) == 2  # not a second 429 at +2.2 s: the first retry goes through
+    assert fake_time.sleeps == [pytest.approx(5.0)]
+
+
+def test_a_503_with_an_http_date_retry_after_waits_until_that_date(fake_time):
+    from email.utils import formatdate
+    prog = load_program()
+    # The HTTP-date is read against the real clock, as a server's would be; whole seconds, so
+    # the server answers 200 from one second before the date it named.
+    date = int(time.time()) + 31
+    server = BusyServer(fake_time, date - 1, status=503, header=lambda now: formatdate(date, usegmt=True))
+    fake_time.now = time.time()
+    try:
+        err = prog.deliver({"url": server.url, "format": "json"}, MSG, retries=5, backoff=2.0, timeout=5,
+                           sleep=fake_time.sleep, clock=fake_time)
+    finally:
+        server.stop()
+    assert err is None and len(server.arrivals) == 2
+    assert 29 <= fake_time.sleeps[0] <= 32
+
+
+def test_retry_after_parses_seconds_and_http_dates():
+    prog = load_program()
+    assert prog.retry_after_seconds("120") == 120.0
+    assert prog.retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412480 - 60) == 60.0
+    assert prog.retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412480 + 60) == 0.0
+    assert prog.retry_after_seconds("soon") is None and prog.retry_after_seconds(None) is None
+    assert prog.retry_after_seconds("-5") is None
+
+
+def test_a_retry_after_beyond_the_retry_budget_keeps_the_message_with_why_it_waits(fake_time, tmp_path):
+    prog = load_program()
+    server = BusyServer(fake_time, fake_time.now + 3600)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"channels": [{"url": server.url, "format": "json"}], "retries": 3,
+                                  "backoff": 1.0, "timeout": 5}), encoding="utf-8")
+    config.chmod(0o600)
+    try:
+        result = prog.send_event({"event": "message", "text": "hi"}, base=str(tmp_path), config_path=str(config),
+                                 sleep=fake_time.sleep, clock=fake_time)
+        # one try, then no sleep through an hour (the budget is 1+2+4 s) and no tries it would refuse
+        assert len(server.arrivals) == 1 and fake_time.sleeps == []
+        assert result["queued"] == 1 and "Retry-After" in result["failed"][0]
+        item, = [json.loads(p.read_text(encoding="utf-8")) for p in (tmp_path / "outbox").glob("*.json")]
+        assert item["not_before"] == pytest.approx(fake_time.now + 3600, abs=2)
+        assert item["why"].startswith("HTTP 429 Too Many Requests; the server asked to wait 3600 s (Retry-After)")
+        log = (tmp_path / "log").read_text(encoding="utf-8")
+        assert "kept in" in log and "(the server's Retry-After)" in log
+        # a flush before that time sends nothing; after it, the message goes
+        assert prog.flush(str(tmp_path), json.loads(config.read_text(encoding="utf-8")), [], 5, fake_time.sleep, fake_time) == (0, 1)
+        assert len(server.arrivals) == 1
+        fake_time.now += 3601
+        assert prog.flush(str(tmp_path), json.loads(config.read_text(encoding="utf-8")), [], 5, fake_time.sleep, fake_time) == (1, 0)
+        assert len(server.arrivals) == 2 and not list((tmp_path / "outbox").glob("*.json"))
+    finally:
+        server.stop()
+
+
 def test_threshold_schedule_is_when_spending_reaches_each_threshold():
     p = budget.Prices(rate=12, billing="hour", currency="CNY")
     start, now = 1000.0, 1000.0 + 3590
@@ -193,7 +316,7 @@ def test_threshold_schedule_is_when_spending_reaches_each_threshold():
 
 def test_threshold_mail_arrives_once_with_machine_amount_and_threshold(ip, smtp, data_dir, notify_dir, sshd):
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     try:
         # billed by the hour at 12/h, started 3596 s ago: 12 spent; the next hour (24) passes 20
         budget.set_prices(budget.Ledger(), "testgpu", budget.Prices(rate=12, billing="hour", currency="CNY"),
@@ -220,14 +343,14 @@ def test_threshold_mail_arrives_once_with_machine_amount_and_threshold(ip, smtp,
         assert r.skipped.startswith("already sent")
         time.sleep(1)
         assert len(smtp.messages) == 1
-        assert "sent threshold by mail to me@example.com" in (notify_dir / "log").read_text()
+        assert "sent threshold by mail to me@example.com" in (notify_dir / "log").read_text(encoding="utf-8")
     finally:
         notify.disable(m)
 
 
 def test_budget_set_re_arms_the_spending_alerts_where_notifications_are_set_up(ip, hook, data_dir, sshd):
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     try:
         notify.configure(m, [notify.webhook_channel(f"http://127.0.0.1:{hook.port}/h", "json")])  # arms nothing
         # 1 CNY a second from 2 s ago: 2 spent; the alert at 5 falls about 3 s from now
@@ -265,7 +388,7 @@ def test_webhook_gets_the_job_failed_message_with_its_last_lines(clean_notify, h
     assert body["details"]["last_lines"][-2:] == ["step 30", "RuntimeError: boom"]
     assert len(body["details"]["last_lines"]) == 20 and "step 12" in body["text"]
     log = sshd.dir / "home" / ".gpumagic" / "jobs" / "notify-fail" / "notify.log"
-    assert wait_until(lambda: log.exists() and "sent job-end by json webhook" in log.read_text(), 10)
+    assert wait_until(lambda: log.exists() and "sent job-end by json webhook" in log.read_text(encoding="utf-8"), 10)
 
 
 def test_a_down_server_loses_nothing_and_stops_nothing(clean_notify, notify_dir, sshd):
@@ -280,7 +403,7 @@ def test_a_down_server_loses_nothing_and_stops_nothing(clean_notify, notify_dir,
     assert r.stdout.split() == ["tick", "1", "tick", "2", "tick", "3", "loop-done"] and r.seconds < 5
     outbox = notify_dir / "outbox"
     assert wait_until(lambda: outbox.exists() and len(list(outbox.glob("*.json"))) == 3, 60)
-    text = guard_log.read_text()
+    text = guard_log.read_text(encoding="utf-8")
     assert text.count("notify: shutdown by slack webhook (127.0.0.1) FAILED") == 3
     assert "(3 attempts); kept in" in text and "SECRET-PATH" not in text
     # a direct send fails too, and says so, without raising
@@ -341,8 +464,8 @@ def test_credentials_are_in_a_0600_file_and_never_in_a_command_line(clean_notify
     cfg = notify_dir / "config.json"
     assert stat.S_IMODE(cfg.stat().st_mode) == 0o600
     assert stat.S_IMODE(notify_dir.stat().st_mode) == 0o700
-    assert secrets[0] in cfg.read_text()
-    assert all(s not in (notify_dir / "log").read_text() for s in secrets)
+    assert secrets[0] in cfg.read_text(encoding="utf-8")
+    assert all(s not in (notify_dir / "log").read_text(encoding="utf-8") for s in secrets)
     # a settings file others can read is refused, as OpenSSH refuses such a key
     os.chmod(cfg, 0o644)
     r = notify.send_from_machine(m, "test")
@@ -377,7 +500,7 @@ def test_notify_magic_shows_settings_without_secrets_and_off_deletes_them(ip, ho
         ip.run_line_magic("gpu", "budget notify --mail nobody --smtp x:25")
     with pytest.raises(UsageError, match="chat-id"):
         ip.run_line_magic("gpu", "budget notify --webhook https://api.telegram.org/botX --format telegram")
-    r = notify.send_from_machine(ip._gpumagic.session.get(), "test")  # the program stays, settings gone
+    r = notify.send_from_machine(ip._gpumagic.fleet.get(), "test")  # the program stays, settings gone
     assert r.skipped == "notifications are not set up on this machine (`%gpu budget notify`)" and not r.sent
 
 
@@ -416,8 +539,8 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     assert stopped.wait(timeout=60).killed == "nan"
     home = sshd.dir / "home" / ".gpumagic"
     if not wait_until(lambda: len(hook.posts) == 2, 120):  # what the machine said, if not
-        ps = subprocess.run(["ps", "-eww", "-o", "pid,pgid,sid,stat,etime,args"], capture_output=True, text=True).stdout
-        detail = [p.read_text()[-1500:] if p.exists() else f"no {p}"
+        ps = subprocess.run(["ps", "-eww", "-o", "pid,pgid,sid,stat,etime,args"], capture_output=True, text=True, encoding="utf-8").stdout
+        detail = [p.read_text(encoding="utf-8")[-1500:] if p.exists() else f"no {p}"
                   for p in (home / "notify" / "log", home / "jobs" / "notify-site-fail" / "log")]
         jobdirs = {d.name: sorted(x.name for x in d.iterdir()) for d in (home / "jobs").glob("notify-site-*")}
         print("POSTS", hook.posts, "\nNOTIFYLOG\n", detail[0], "\nJOBLOG\n", detail[1], "\nDIRS", jobdirs,
@@ -430,7 +553,7 @@ def test_job_runner_call_site_sends_failure_and_nan_stop(clean_notify, hook, mon
     assert nan["title"] == "job notify-site-nan stopped (nan)"
     assert "stopped by --stop-on nan at: step 2 loss nan" in nan["text"]
     log = sshd.dir / "home" / ".gpumagic" / "jobs" / "notify-site-fail" / "log"
-    assert wait_until(lambda: "notify: sent job-end by json webhook (127.0.0.1)" in log.read_text(), 10)
+    assert wait_until(lambda: "notify: sent job-end by json webhook (127.0.0.1)" in log.read_text(encoding="utf-8"), 10)
     # that line is gpumagic's, not the job's: the job table's last line stays the job's own
     assert m.job("notify-site-fail").info().last_line == "RuntimeError: boom"
 
@@ -467,7 +590,7 @@ def test_guard_call_site_warns_once_before_the_shutdown(hook, monkeypatch, tmp_p
         body = hook.posts[0][1]
         assert body["event"] == "shutdown" and body["machine"] == "sandbox"
         assert re.search(r"the guard will shut it down: shutting down in \d+s \(deadline reached\)", body["text"])
-        log = Path(guard_log_path(m)).read_text()
+        log = Path(guard_log_path(m)).read_text(encoding="utf-8")
         assert "notify: sent shutdown by json webhook" in log and "shutdown command succeeded" in log
     finally:
         m.close()
@@ -489,6 +612,6 @@ def test_guard_call_site_says_when_the_shutdown_failed(hook, monkeypatch, tmp_pa
         assert events["guard"]["text"] == ("sandbox: the guard could not shut down (exit code 3): "
                                            "stop the instance yourself")
         assert m.budget_guard_status().state == "failed"
-        assert "notify: sent guard by json webhook" in Path(guard_log_path(m)).read_text()
+        assert "notify: sent guard by json webhook" in Path(guard_log_path(m)).read_text(encoding="utf-8")
     finally:
         m.close()

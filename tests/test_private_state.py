@@ -42,7 +42,7 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
             stopped = m.start_job("private-stopped", "echo 'loss nan'; sleep 60", stop_on="nan")
             assert stopped.wait(timeout=60).killed == "nan"
             (tmp_path / "src").mkdir()
-            (tmp_path / "src" / "f.txt").write_text("data")
+            (tmp_path / "src" / "f.txt").write_text("data", encoding="utf-8")
             m.push(str(tmp_path / "src") + "/", "~/private-sync/")
             m.pull("~/private-sync/", str(tmp_path / "back") + "/")
             m.budget_set(2.5, currency="CNY")
@@ -55,7 +55,7 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
     finally:
         os.umask(old_umask)
     state = home / ".gpumagic"
-    assert log.parent == state and "token" in log.read_text()
+    assert log.parent == state and "token" in log.read_text(encoding="utf-8")
     assert (state / "jobs" / "private-state" / "env.sh").exists()
     assert (state / "jobs" / "private-killed" / "killed").exists()
     assert (state / "jobs" / "private-stopped" / "stopped_by").exists()

@@ -21,7 +21,7 @@ PROGRAM_FILES = sorted(p.name for p in program.PROGRAMS.iterdir() if p.name.ends
 
 def lib_sh(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["/bin/sh", "-c", program.source("lib.sh") + "\n" + script],
-                          capture_output=True, text=True, env=env, timeout=30)
+                          capture_output=True, text=True, env=env, timeout=30, encoding="utf-8")
 
 
 @pytest.mark.parametrize("name", [n for n in PROGRAM_FILES if n.endswith(".sh")])
@@ -29,7 +29,7 @@ def test_shell_programs_pass_shellcheck(name):
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed: sudo apt-get install shellcheck")
     path = program.PROGRAMS / name
-    r = subprocess.run(["shellcheck", "-s", "sh", "-x", str(path)], capture_output=True, text=True)
+    r = subprocess.run(["shellcheck", "-s", "sh", "-x", str(path)], capture_output=True, text=True, encoding="utf-8")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -42,11 +42,11 @@ def test_a_zombie_is_not_alive_and_its_parent_is():
     # The parent forks a child that exits at once and is never reaped: a zombie.
     parent = subprocess.Popen([sys.executable, "-c",
                                "import os, sys, time\npid = os.fork()\nif pid == 0: os._exit(0)\n"
-                               "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                               "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True, encoding="utf-8")
     try:
         child = int(parent.stdout.readline())
         deadline = time.monotonic() + 10
-        while open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        while open(f"/proc/{child}/stat", encoding="utf-8").read().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.02)
         r = lib_sh(f"gm_alive {child} && echo child-alive; gm_alive {parent.pid} && echo parent-alive")
@@ -83,8 +83,8 @@ def test_shutdown_find_finds_shutdown_off_a_bare_path(tmp_path):
     for tool in ("id", "cat"):
         (bare / tool).symlink_to(shutil.which(tool))
     r = subprocess.run(["/bin/sh"], input=program.command("shutdown-find.sh"), capture_output=True,
-                       text=True, env={"PATH": str(bare)}, timeout=30)
-    init = open("/proc/1/comm").read().strip()
+                       text=True, env={"PATH": str(bare)}, timeout=30, encoding="utf-8")
+    init = open("/proc/1/comm", encoding="utf-8").read().strip()
     args = " -h now" if os.path.basename(off_path) == "shutdown" else ""
     assert r.stdout.strip() == (f"ok {off_path}{args}" if init in ("systemd", "init") else f"noinit {init}")
 
@@ -92,7 +92,7 @@ def test_shutdown_find_finds_shutdown_off_a_bare_path(tmp_path):
 def test_command_quotes_arguments_for_sh_alone(tmp_path):
     weird = ["it's", "a b", "$HOME", "`id`", "back\\slash", "", "--", "\u4e2d\u6587"]
     text = program.command("lib.sh", *weird) + '\nfor a in "$@"; do printf "<%s>\\n" "$a"; done\n'
-    r = subprocess.run(["/bin/sh"], input=text, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["/bin/sh"], input=text, capture_output=True, text=True, timeout=30, encoding="utf-8")
     assert r.stdout.splitlines() == [f"<{w}>" for w in weird]
 
 
@@ -111,12 +111,12 @@ def test_gm_job_running_reads_the_job_directory(tmp_path):
     other = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
     try:
         def running(pid) -> bool:
-            (d / "pid").write_text(f"{pid}\n")
+            (d / "pid").write_text(f"{pid}\n", encoding="utf-8")
             return lib_sh(f"gm_job_running {d} && echo yes || echo no").stdout.strip() == "yes"
 
         assert running(runner.pid)
         assert not running(other.pid)
-        (d / "exit_code").write_text("0\n")
+        (d / "exit_code").write_text("0\n", encoding="utf-8")
         assert not running(runner.pid)
         (d / "exit_code").unlink()
         runner.kill()

@@ -22,14 +22,14 @@ def alive(pid):
     except ProcessLookupError:
         return False
     try:  # a zombie still answers kill -0
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").split()[2] != "Z"
     except FileNotFoundError:
         return False
 
 
 def test_sandbox_connects_without_touching_the_users_known_hosts(client_home):
     kh = client_home / ".ssh" / "known_hosts"
-    before = kh.read_text() if kh.exists() else None
+    before = kh.read_text(encoding="utf-8") if kh.exists() else None
     m = gpumagic.connect(sandbox=True)
     try:
         assert m.run(["echo", "sandboxed"], quiet=True).stdout == "sandboxed\n"
@@ -38,7 +38,7 @@ def test_sandbox_connects_without_touching_the_users_known_hosts(client_home):
     finally:
         m.close()
     assert not alive(pid)
-    assert (kh.read_text() if kh.exists() else None) == before
+    assert (kh.read_text(encoding="utf-8") if kh.exists() else None) == before
 
 
 def test_sandbox_with_fake_gpu_replays_the_recording():
@@ -62,7 +62,7 @@ def test_sandbox_stops_when_the_python_process_exits(tmp_path):
             "print(m.sandbox.server.proc.pid, flush=True)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=60)
+                         timeout=60, encoding="utf-8")
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 5
     while alive(pid) and time.monotonic() < deadline:
@@ -73,14 +73,14 @@ def test_sandbox_stops_when_the_python_process_exits(tmp_path):
 def test_command_line_sandbox_is_reachable_with_the_ssh_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "gpumagic", "sandbox"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env, encoding="utf-8")
     try:
         lines = []
         while not any(line.startswith("reach it with:") for line in lines):
             lines.append(proc.stdout.readline())
             assert proc.poll() is None, lines
         ssh_cmd = proc.stdout.readline().split()
-        r = subprocess.run(ssh_cmd + ["echo", "via-openssh"], capture_output=True, text=True, timeout=30)
+        r = subprocess.run(ssh_cmd + ["echo", "via-openssh"], capture_output=True, text=True, timeout=30, encoding="utf-8")
         assert r.stdout == "via-openssh\n", r.stderr
     finally:
         proc.send_signal(signal.SIGINT)
@@ -118,7 +118,7 @@ def test_sandbox_sshd_dies_with_a_killed_python_process():
             "print(m.sandbox.server.proc.pid, flush=True)\n"
             "time.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, encoding="utf-8")
     pid = int(proc.stdout.readline())
     proc.kill()  # SIGKILL: no atexit, no finalizer runs
     proc.wait()
@@ -132,7 +132,7 @@ def test_command_line_sandbox_stops_on_sigterm_and_sighup():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         proc = subprocess.Popen([sys.executable, "-m", "gpumagic", "sandbox"], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)
+                                stderr=subprocess.STDOUT, text=True, env=env, encoding="utf-8")
         line = proc.stdout.readline()  # "sandbox sshd running at 127.0.0.1:PORT ..."
         port = int(line.split("127.0.0.1:")[1].split()[0])
         proc.send_signal(sig)
@@ -145,7 +145,7 @@ def test_command_line_sandbox_stops_on_sigterm_and_sighup():
 def test_submodules_are_reachable_after_import_gpumagic():
     code = "import gpumagic; print(gpumagic.keys.keygen.__name__, gpumagic.sync.push.__name__)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, encoding="utf-8")
     assert r.stdout == "keygen push\n", r.stderr
 
 
@@ -162,7 +162,7 @@ def test_next_sandbox_removes_a_killed_ones_temp_dir_and_keeps_a_live_ones(tmp_p
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", _HOLD_SANDBOX], stdout=subprocess.PIPE, text=True,
-                              env=env) for _ in range(2)]
+                              env=env, encoding="utf-8") for _ in range(2)]
     try:
         killed_dir, live_dir = (Path(p.stdout.readline().strip()) for p in procs)
         assert killed_dir.parent == live_dir.parent == tmp_path
@@ -199,7 +199,7 @@ def test_process_running_tells_a_reused_pid_and_a_zombie_from_the_owner():
     assert sandbox.process_running(me, sandbox.process_start(me))
     assert not sandbox.process_running(me, sandbox.process_start(me) + 1)
     zombie = subprocess.Popen(["true"])  # exited, not reaped yet: a zombie
-    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while Path(f"/proc/{zombie.pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0] != "Z":
         time.sleep(0.01)
     assert not sandbox.process_running(zombie.pid, 0)
     zombie.wait()

@@ -7,6 +7,7 @@ Real OpenSSH servers throughout; the password-login server uses a throwaway loca
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import shutil
@@ -121,7 +122,7 @@ def _home_with_config(tmp_path, data: bytes) -> Path:
 def _ssh_G(config: Path, name: str) -> dict:
     """What the real OpenSSH client makes of ``name`` (``ssh -G``: resolved options)."""
     out = subprocess.run(["ssh", "-G", "-F", str(config), name], capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, encoding="utf-8").stdout
     return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
 
 
@@ -166,7 +167,7 @@ def test_add_host_replace_shows_old_block_and_swaps_it_in_place(tmp_path):
                        server_alive_count_max=None, home=home)
     assert r.action == "replaced"
     assert r.old_block == "Host old\n  HostName 198.51.100.9\n  User ubuntu\n"
-    text = (home / ".ssh" / "config").read_text()
+    text = (home / ".ssh" / "config").read_text(encoding="utf-8")
     assert text == data.decode().replace("Host old\n  HostName 198.51.100.9\n  User ubuntu\n",
                                          "Host old\n  HostName 203.0.113.99\n  Port 2222\n")
     assert (home / ".ssh" / "config.bak").read_bytes() == data
@@ -209,7 +210,7 @@ def test_keygen_refuses_existing_key_and_leaves_it_unchanged(tmp_path):
     assert key.read_bytes() == b"precious"
     assert not Path(str(key) + ".pub").exists()
     pub_only = tmp_path / "other"
-    Path(str(pub_only) + ".pub").write_text("ssh-ed25519 AAAA x\n")
+    Path(str(pub_only) + ".pub").write_text("ssh-ed25519 AAAA x\n", encoding="utf-8")
     with pytest.raises(setup.KeyExists):
         setup.keygen(pub_only)
     assert not pub_only.exists()
@@ -232,17 +233,17 @@ def test_keygen_new_key_mode_0600_and_logs_in_once_authorized(tmp_path, keygen_s
     assert pair.path.read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
     # OpenSSH itself derives the same public key (the file is in its format).
     derived = subprocess.run(["ssh-keygen", "-y", "-f", str(pair.path)], capture_output=True,
-                             text=True, check=True).stdout.split()
+                             text=True, check=True, encoding="utf-8").stdout.split()
     assert derived[:2] == pair.public_key.split()[:2]
     fp = subprocess.run(["ssh-keygen", "-l", "-f", str(pair.public_path)], capture_output=True,
-                        text=True, check=True).stdout.split()[1]
+                        text=True, check=True, encoding="utf-8").stdout.split()[1]
     assert fp == pair.fingerprint
     s = keygen_server
     spec = s.spec().with_options(identity_files=(str(pair.path),))
     m = gpumagic.Machine(spec, name="keygen")
     with pytest.raises(AuthenticationFailed):
         m.connect()  # not authorized yet
-    with open(s.authorized_keys, "a") as f:
+    with open(s.authorized_keys, "a", encoding="utf-8") as f:
         f.write(pair.public_key + "\n")
     with gpumagic.Machine(spec, name="keygen") as m:
         assert m.exec("echo in").stdout == "in\n"
@@ -251,11 +252,11 @@ def test_keygen_new_key_mode_0600_and_logs_in_once_authorized(tmp_path, keygen_s
 def test_keygen_passphrase_encrypts_the_private_key(tmp_path):
     pair = setup.keygen(tmp_path / "k", passphrase="correct horse", comment="c")
     with pytest.raises(paramiko.PasswordRequiredException):
-        paramiko.Ed25519Key.from_private_key_file(str(pair.path))
-    k = paramiko.Ed25519Key.from_private_key_file(str(pair.path), password="correct horse")
+        paramiko.Ed25519Key.from_private_key(io.StringIO(pair.path.read_text(encoding="ascii")))
+    k = paramiko.Ed25519Key.from_private_key(io.StringIO(pair.path.read_text(encoding="ascii")), password="correct horse")
     assert k.get_base64() == pair.public_key.split()[1]
     out = subprocess.run(["ssh-keygen", "-y", "-P", "correct horse", "-f", str(pair.path)],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, encoding="utf-8").stdout
     assert out.split()[1] == pair.public_key.split()[1]
 
 
@@ -263,12 +264,12 @@ def test_keygen_magic_prints_the_public_key_to_paste(ip, capsys, tmp_path):
     path = tmp_path / "magic_key"
     ip.run_line_magic("gpu", f"keygen --path {path} --comment me@laptop")
     out = capsys.readouterr().out
-    pub = Path(str(path) + ".pub").read_text().strip()
+    pub = Path(str(path) + ".pub").read_text(encoding="utf-8").strip()
     assert pub in out.splitlines()
     assert "mode 0600" in out
     with pytest.raises(setup.KeyExists):
         ip.run_line_magic("gpu", f"keygen --path {path}")
-    assert Path(str(path) + ".pub").read_text().strip() == pub
+    assert Path(str(path) + ".pub").read_text(encoding="utf-8").strip() == pub
 
 
 def test_keygen_to_an_unwritable_path_is_one_line_error_with_hint(ip, capsys):
@@ -282,21 +283,21 @@ def test_keygen_to_an_unwritable_path_is_one_line_error_with_hint(ip, capsys):
 
 
 def test_keygen_under_a_file_names_the_directory_it_cannot_make(tmp_path):
-    (tmp_path / "afile").write_text("x")
+    (tmp_path / "afile").write_text("x", encoding="utf-8")
     with pytest.raises(setup.LocalFileError) as info:
         setup.keygen(tmp_path / "afile" / "id_ed25519")
     assert info.value.message == (f"cannot write the key to {tmp_path}/afile/id_ed25519: cannot make "
                                   f"the directory {tmp_path}/afile: File exists")
-    assert (tmp_path / "afile").read_text() == "x"
+    assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
 
 
 def test_add_host_with_ssh_dir_a_file_says_it_cannot_read_the_config(tmp_path):
-    (tmp_path / ".ssh").write_text("not a directory")
+    (tmp_path / ".ssh").write_text("not a directory", encoding="utf-8")
     with pytest.raises(setup.LocalFileError) as info:
         setup.add_host("gpu", "203.0.113.10", home=tmp_path)
     assert info.value.message == f"cannot read {tmp_path}/.ssh/config: Not a directory"
     assert "ls -ld ~/.ssh ~/.ssh/config" in info.value.hint
-    assert (tmp_path / ".ssh").read_text() == "not a directory"
+    assert (tmp_path / ".ssh").read_text(encoding="utf-8") == "not a directory"
 
 
 def test_add_host_to_an_unwritable_config_is_one_line_error_with_hint(tmp_path):
@@ -363,14 +364,14 @@ def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_na
     assert (g["hostname"], g["port"], g["user"]) == (sshd.host, str(sshd.port), sshd.user)
     assert g["identityfile"] == str(sshd.client_key)
     assert out.index("connected to pasted") < out.index("added to")  # saved once it worked
-    m = ip._gpumagic.session.get("pasted")
+    m = ip._gpumagic.fleet.get("pasted")
     assert m.name == "pasted" and m.spec.port == sshd.port
     ip.run_cell_magic("remote", "--out r", "echo saved-host")
     assert ip.user_ns["r"].stdout == "saved-host\n"
     # The real OpenSSH client logs in with the saved block (as VS Code Remote-SSH would).
     plain = subprocess.run(["ssh", "-F", str(cfg), "-o", "BatchMode=yes",
                             "-o", f"UserKnownHostsFile={CLIENT_HOME / '.ssh' / 'known_hosts'}",
-                            "pasted", "echo", "plain-ssh"], capture_output=True, text=True, timeout=30)
+                            "pasted", "echo", "plain-ssh"], capture_output=True, text=True, timeout=30, encoding="utf-8")
     assert plain.stdout == "plain-ssh\n", plain.stderr
     # Saving again the same way changes nothing.
     before = cfg.read_bytes()
@@ -396,7 +397,7 @@ def test_connect_save_refuses_a_different_existing_block_before_connecting(ip, s
     with pytest.raises(setup.HostExists):  # Host testgpu exists with other settings
         ip.run_line_magic("gpu", f"connect ssh -p {sshd.port} root@192.0.2.1 --save testgpu")
     assert cfg.read_bytes() == before
-    assert ip._gpumagic.session.machines == {}
+    assert ip._gpumagic.fleet.machines == {}
 
 
 def test_connect_pasted_line_to_unknown_host_key_hints_the_same_line(keygen_server):
@@ -413,7 +414,7 @@ def test_keygen_magic_passphrase_is_asked_twice_without_echo(ip, capsys, monkeyp
     path = tmp_path / "enc"
     ip.run_line_magic("gpu", f"keygen --path {path} --passphrase")
     assert "s3cret" not in capsys.readouterr().out
-    paramiko.Ed25519Key.from_private_key_file(str(path), password="s3cret pass")
+    paramiko.Ed25519Key.from_private_key(io.StringIO(Path(path).read_text(encoding="ascii")), password="s3cret pass")
     answers = iter(["one", "two"])
     from IPython.core.error import UsageError
 
@@ -447,7 +448,7 @@ def test_add_host_magic_then_connect_by_name(ip, capsys, sshd):
     out = capsys.readouterr().out
     assert "Host byname" in out and "ServerAliveInterval 30" in out
     ip.run_line_magic("gpu", "connect byname")
-    m = ip._gpumagic.session.get("byname")
+    m = ip._gpumagic.fleet.get("byname")
     assert m.exec("echo named").stdout == "named\n"
     assert (m.spec.server_alive_interval, m.spec.server_alive_count_max) == (30, 3)
 
@@ -506,7 +507,7 @@ def _retry_locked(argv) -> bool:
     import time
 
     for attempt in range(20):
-        r = subprocess.run(argv, capture_output=True, text=True)
+        r = subprocess.run(argv, capture_output=True, text=True, encoding="utf-8")
         if r.returncode == 0 or not any(w in r.stderr for w in ("lock", "currently used")):
             return r.returncode == 0
         time.sleep(0.1 * (attempt + 1))
@@ -519,7 +520,7 @@ def client(tmp_path, password_server):
     server = password_server[0]
     home = tmp_path / "client"
     pair = setup.keygen(comment="install-key-test", home=home)
-    (home / ".ssh" / "known_hosts").write_text(server.known_hosts.read_text())
+    (home / ".ssh" / "known_hosts").write_text(server.known_hosts.read_text(encoding="utf-8"), encoding="utf-8")
     return home, pair
 
 
@@ -546,7 +547,7 @@ def test_install_key_twice_one_line_mode_0600_and_key_login_works(password_serve
     assert (third.state, third.used_password, ask.calls) == ("present", True, 2)
     ak = rhome / ".ssh" / "authorized_keys"
     blob = pair.public_key.split()[1]
-    assert ak.read_text().count(blob) == 1
+    assert ak.read_text(encoding="utf-8").count(blob) == 1
     assert _mode(ak) == 0o600 and _mode(rhome / ".ssh") == 0o700
     assert os.stat(ak).st_uid == os.stat(rhome).st_uid != 0  # written as that user
     with gpumagic.connect(target, key=str(pair.path), home=str(home)) as m:
@@ -559,12 +560,12 @@ def test_install_key_appends_after_a_last_line_without_newline(password_server, 
     ak = rhome / ".ssh" / "authorized_keys"
     ak.parent.mkdir(exist_ok=True)
     other = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEhXdfgdsIfmHK+9ysqALkyJJSkiWpBKa5W1B1JmJsPX other"
-    ak.write_text(other)  # no trailing newline
+    ak.write_text(other, encoding="utf-8")  # no trailing newline
     shutil.chown(ak, user, user)
     r = setup.install_key(f"{user}@{server.host}:{server.port}", password_prompt=Prompt(password),
                           home=home)
     assert r.state == "added"
-    assert ak.read_text() == other + "\n" + pair.public_key + "\n"
+    assert ak.read_text(encoding="utf-8") == other + "\n" + pair.public_key + "\n"
 
 
 def test_install_key_wrong_password_refused_without_echoing_it(password_server, client):

@@ -55,7 +55,7 @@ SSH = shutil.which("ssh")
 def _ssh_version() -> str:
     if not SSH:
         return ""
-    return subprocess.run([SSH, "-V"], capture_output=True, text=True).stderr
+    return subprocess.run([SSH, "-V"], capture_output=True, text=True, encoding="utf-8").stderr
 
 
 pytestmark = pytest.mark.skipif(not re.match(r"OpenSSH_9\.", _ssh_version()),
@@ -385,7 +385,7 @@ def _env(home: Path) -> dict:
 def ssh_G(args: list[str], home: Path, cwd: Path) -> tuple[int, dict, str]:
     """``ssh -G ARGS``: (exit status, keyword -> list of values, stderr)."""
     p = subprocess.run([SSH, "-G", *args], capture_output=True, text=True, env=_env(home), cwd=cwd,
-                       stdin=subprocess.DEVNULL, timeout=60)
+                       stdin=subprocess.DEVNULL, timeout=60, encoding="utf-8")
     out: dict[str, list[str]] = {}
     for line in p.stdout.splitlines():
         key, _, value = line.partition(" ")
@@ -561,10 +561,10 @@ def test_pasted_line_resolves_as_ssh_G(case, tmp_path):
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     for name in ("k1", "k2", "cfgkey"):
-        (tmp_path / name).write_text("")
+        (tmp_path / name).write_text("", encoding="utf-8")
     cfg = tmp_path / "config"
-    cfg.write_text(_fill(LINE_CONFIG, tmp_path, home))
-    (tmp_path / "other").write_text("Host gpu\n  Port 2300\n")
+    cfg.write_text(_fill(LINE_CONFIG, tmp_path, home), encoding="utf-8")
+    (tmp_path / "other").write_text("Host gpu\n  Port 2300\n", encoding="utf-8")
     args = ["-F", str(cfg), *shlex.split(_fill(case.line, tmp_path, home))]
     rc, g, err = ssh_G(args, home, tmp_path)
     line = "ssh " + shlex.join(args)

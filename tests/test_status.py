@@ -80,7 +80,7 @@ def test_status_over_ssh_with_exit_14_lists_the_gpu_and_warns(ip, set_gpu, capsy
     """Issue 7: nvidia-smi exits 14 (infoROM is corrupted) while printing valid rows."""
     set_gpu("inforom")
     ip.run_line_magic("gpu", "connect testgpu")
-    status = ip._gpumagic.session.get().gpu_status()
+    status = ip._gpumagic.fleet.get().gpu_status()
     assert status.kind is StatusKind.OK and len(status.gpus) == 1
     assert status.warnings[0].startswith("nvidia-smi exited with status 14 (the infoROM is corrupted)")
     capsys.readouterr()

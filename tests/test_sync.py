@@ -117,12 +117,12 @@ def _f(path, size=1, mtime_s=100, mode=0o644, digest=""):
 def test_walk_local_is_the_agents_walk_with_ignored_dirs_never_entered(tmp_path, monkeypatch):
     root = tmp_path / "src"
     (root / "pkg").mkdir(parents=True)
-    (root / "pkg" / "a.py").write_text("a")
+    (root / "pkg" / "a.py").write_text("a", encoding="utf-8")
     (root / "data" / "deep").mkdir(parents=True)
     (root / "data" / "deep" / "big.bin").write_bytes(b"x" * 10)
-    (root / ".gitignore").write_text("data/\n")
+    (root / ".gitignore").write_text("data/\n", encoding="utf-8")
     (root / "link").symlink_to("pkg/a.py")
-    (root / "pkg" / ".a.py.h-1-1.gpumagic-part").write_text("half")
+    (root / "pkg" / ".a.py.h-1-1.gpumagic-part").write_text("half", encoding="utf-8")
     entered = []
     real_scandir = os.scandir
     monkeypatch.setattr(agent.os, "scandir", lambda d: entered.append(d) or real_scandir(d))
@@ -205,15 +205,15 @@ def test_agent_error_names_path_and_mount_for_disk_full_and_permission(tmp_path)
 def _tree(root: Path) -> Path:
     """The tree of issue case 2."""
     (root / "data").mkdir(parents=True)
-    (root / "train.py").write_text("import torch\nprint('train')\n")
-    (root / "data" / "a b.txt").write_text("a file with a space\n")
-    (root / "data" / "--help").write_text("not an option\n")
+    (root / "train.py").write_text("import torch\nprint('train')\n", encoding="utf-8")
+    (root / "data" / "a b.txt").write_text("a file with a space\n", encoding="utf-8")
+    (root / "data" / "--help").write_text("not an option\n", encoding="utf-8")
     (root / "数据").mkdir()
     (root / "数据" / "样本.txt").write_text("样本\n", encoding="utf-8")
     (root / "empty").mkdir()
-    (root / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (root / "run.sh").write_text("#!/bin/sh\necho run\n", encoding="utf-8")
     (root / "run.sh").chmod(0o755)
-    (root / "it's \"quoted\"").write_text("q")
+    (root / "it's \"quoted\"").write_text("q", encoding="utf-8")
     return root
 
 
@@ -266,7 +266,7 @@ def test_small_files_and_large_file_together_keep_every_mtime(machine, tmp_path)
 def test_symlinks_are_recreated_and_never_followed(machine, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "f.txt").write_text("x")
+    (src / "f.txt").write_text("x", encoding="utf-8")
     os.symlink(".", src / "loop")
     os.symlink("f.txt", src / "alias")
     os.symlink("/nonexistent/target", src / "dangling")
@@ -281,12 +281,12 @@ def test_symlinks_are_recreated_and_never_followed(machine, tmp_path):
 def test_delete_removes_extra_remote_file_and_lists_it(machine, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "keep.py").write_text("k")
+    (src / "keep.py").write_text("k", encoding="utf-8")
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "stale.py").write_text("old")
+    (remote / "stale.py").write_text("old", encoding="utf-8")
     (remote / "old_dir").mkdir()
-    (remote / "old_dir" / "x").write_text("x")
+    (remote / "old_dir" / "x").write_text("x", encoding="utf-8")
     kept = machine.push(str(src) + "/", str(remote))
     assert (remote / "stale.py").exists() and kept.deleted == []
     dry = machine.push(str(src) + "/", str(remote), delete=True, dry_run=True)
@@ -302,9 +302,9 @@ def test_gitignore_ckpt_and_pycache_not_pushed_unless_no_ignore_files(machine, t
     src = tmp_path / "src"
     (src / "__pycache__").mkdir(parents=True)
     (src / "pkg" / "__pycache__").mkdir(parents=True)
-    (src / ".gitignore").write_text("*.ckpt\n__pycache__/\n")
+    (src / ".gitignore").write_text("*.ckpt\n__pycache__/\n", encoding="utf-8")
     (src / "model.ckpt").write_bytes(b"\0" * 100)
-    (src / "train.py").write_text("t")
+    (src / "train.py").write_text("t", encoding="utf-8")
     (src / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"pyc")
     (src / "pkg" / "__pycache__" / "m.pyc").write_bytes(b"pyc")
     machine.push(str(src) + "/", str(tmp_path / "a"))
@@ -318,11 +318,11 @@ def test_gitignore_ckpt_and_pycache_not_pushed_unless_no_ignore_files(machine, t
 def test_pull_honours_remote_gitignore_and_exclude(machine, tmp_path):
     remote = tmp_path / "runs"
     (remote / "logs").mkdir(parents=True)
-    (remote / ".gpuignore").write_text("scratch/\n")
+    (remote / ".gpuignore").write_text("scratch/\n", encoding="utf-8")
     (remote / "scratch").mkdir()
-    (remote / "scratch" / "tmp.bin").write_text("t")
-    (remote / "logs" / "train.log").write_text("loss 0.1")
-    (remote / "logs" / "debug.trace").write_text("trace")
+    (remote / "scratch" / "tmp.bin").write_text("t", encoding="utf-8")
+    (remote / "logs" / "train.log").write_text("loss 0.1", encoding="utf-8")
+    (remote / "logs" / "debug.trace").write_text("trace", encoding="utf-8")
     s = machine.pull(str(remote) + "/", str(tmp_path / "local"), exclude=["*.trace"])
     got = sorted(str(p.relative_to(tmp_path / "local")) for p in (tmp_path / "local").rglob("*"))
     assert got == [".gpuignore", "logs", "logs/train.log"]
@@ -410,7 +410,7 @@ def test_no_change_resync_is_one_channel_round_trip(machine, tmp_path, monkeypat
     monkeypatch.setattr(machine.connection, "open_session", lambda: opened.append(1) or real())
     s = machine.push(str(src) + "/", str(tmp_path / "remote"))
     assert s.bytes_sent == 0 and len(opened) == 1
-    (src / "train.py").write_text("changed\n")
+    (src / "train.py").write_text("changed\n", encoding="utf-8")
     s = machine.push(str(src) + "/", str(tmp_path / "remote"))
     assert s.files_sent == 1 and len(opened) == 2
 
@@ -436,7 +436,8 @@ def test_large_pull_resumes_from_a_verified_partial(machine, tmp_path):
     assert list(local.glob("*.gpumagic-part")) == []
 
 
-def test_a_source_file_deleted_mid_pull_is_named_and_a_rerun_helps(machine, tmp_path, monkeypatch):
+def test_a_source_file_deleted_mid_pull_is_named_as_vanished_and_no_part_is_left(machine, tmp_path, monkeypatch):
+    """rsync's "file has vanished" (its exit 24): a warning in the summary, not an error."""
     remote = tmp_path / "remote"
     remote.mkdir()
     (remote / "ckpt.pt").write_bytes(os.urandom(sync.LARGE_FILE + 10))
@@ -447,23 +448,22 @@ def test_a_source_file_deleted_mid_pull_is_named_and_a_rerun_helps(machine, tmp_
         return real(machine, run, src_root, dst_root, e, remote_rel)
 
     monkeypatch.setattr(sync, "_pull_large", delete_first)
-    with pytest.raises(SyncError) as e:
-        machine.pull(str(remote) + "/", str(tmp_path / "local"))
-    assert str(remote / "ckpt.pt") in e.value.message and "No such file" in e.value.message
-    assert "run the sync again" in e.value.hint and "will not help" not in e.value.hint
-    assert list((tmp_path / "local").glob("*.gpumagic-part")) == []
+    summary = machine.pull(str(remote) + "/", str(tmp_path / "local"))
+    assert summary.vanished == {"ckpt.pt": "No such file or directory"} and summary.files_sent == 0
+    assert "file has vanished, not synced (1):\n  ckpt.pt" in str(summary)
+    assert list((tmp_path / "local").iterdir()) == []
 
 
 def test_single_file_push_into_directory_and_to_new_name(machine, tmp_path):
     f = tmp_path / "model.py"
-    f.write_text("m")
+    f.write_text("m", encoding="utf-8")
     (tmp_path / "ws").mkdir()
     machine.push(str(f), str(tmp_path / "ws"))
-    assert (tmp_path / "ws" / "model.py").read_text() == "m"
+    assert (tmp_path / "ws" / "model.py").read_text(encoding="utf-8") == "m"
     machine.push(str(f), str(tmp_path / "ws" / "renamed.py"))
-    assert (tmp_path / "ws" / "renamed.py").read_text() == "m"
+    assert (tmp_path / "ws" / "renamed.py").read_text(encoding="utf-8") == "m"
     machine.pull(str(tmp_path / "ws" / "renamed.py"), str(tmp_path / "back") + "/")
-    assert (tmp_path / "back" / "renamed.py").read_text() == "m"
+    assert (tmp_path / "back" / "renamed.py").read_text(encoding="utf-8") == "m"
 
 
 @pytest.fixture
@@ -481,13 +481,13 @@ def small_mount(tmp_path):
 def test_remote_disk_full_names_path_and_mount_and_keeps_complete_files(machine, tmp_path, small_mount):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "a_small.txt").write_text("fits")
+    (src / "a_small.txt").write_text("fits", encoding="utf-8")
     (src / "b_big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
     with pytest.raises(SyncDiskFull) as e:
         machine.push(str(src) + "/", str(small_mount / "ws"))
     assert f"mount {small_mount}" in e.value.message
     assert str(small_mount / "ws") in e.value.message
-    assert (small_mount / "ws" / "a_small.txt").read_text() == "fits"
+    assert (small_mount / "ws" / "a_small.txt").read_text(encoding="utf-8") == "fits"
     assert not (small_mount / "ws" / "b_big.bin").exists()
 
 
@@ -495,7 +495,7 @@ def test_remote_read_only_or_forbidden_dir_is_a_clear_error(machine, tmp_path, s
     subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
     src = tmp_path / "src"
     src.mkdir()
-    (src / "x.py").write_text("x")
+    (src / "x.py").write_text("x", encoding="utf-8")
     with pytest.raises(SyncPermissionDenied) as e:
         machine.push(str(src) + "/", str(small_mount / "ws"))
     assert "read-only" in e.value.message and f"mount {small_mount}" in e.value.message
@@ -510,7 +510,7 @@ def test_a_home_relative_destination_is_named_as_given(machine, tmp_path):
     # the summary said "sandbox:~/~/x" (the cell directory joined with a path the agent
     # expands from $HOME itself)
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "f").write_text("x")
+    (tmp_path / "src" / "f").write_text("x", encoding="utf-8")
     old = machine.cwd
     machine.cd("~")
     try:
@@ -523,7 +523,7 @@ def test_a_home_relative_destination_is_named_as_given(machine, tmp_path):
 def test_a_file_given_as_a_folder_is_a_one_line_error_on_either_side(machine, tmp_path):
     # a new user: `%gpu sync afile/ :x/` ended in NotADirectoryError's traceback, and a pull of
     # `:/etc/hostname/` said "cannot create /etc/hostname/" as if it were the destination
-    (tmp_path / "afile").write_text("x")
+    (tmp_path / "afile").write_text("x", encoding="utf-8")
     with pytest.raises(SyncError) as e:
         machine.push(str(tmp_path / "afile") + "/", "x/")
     assert e.value.message == f"{tmp_path / 'afile'}/ is a file, not a directory (a trailing / means the folder's contents)"
@@ -541,12 +541,12 @@ def test_a_file_given_as_a_folder_is_a_one_line_error_on_either_side(machine, tm
 def test_magic_sync_trailing_slash_rule(ip, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "source").mkdir()
-    (tmp_path / "source" / "some_data").write_text("d")
+    (tmp_path / "source" / "some_data").write_text("d", encoding="utf-8")
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("gpu", f"sync source :{tmp_path}/ws")
     ip.run_line_magic("gpu", f"sync source/ testgpu:{tmp_path}/ws2")
-    assert (tmp_path / "ws" / "source" / "some_data").read_text() == "d"
-    assert (tmp_path / "ws2" / "some_data").read_text() == "d"
+    assert (tmp_path / "ws" / "source" / "some_data").read_text(encoding="utf-8") == "d"
+    assert (tmp_path / "ws2" / "some_data").read_text(encoding="utf-8") == "d"
     out = capsys.readouterr().out
     assert f"push source -> testgpu:{tmp_path}/ws/source: 1 file," in out
 
@@ -574,7 +574,7 @@ def test_progress_widget_and_text_show_files_bytes_rate(tmp_path):
     assert bundle["text/plain"].startswith("sync progress: 1/4 files")
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/html"].startswith("<div><div style=") and "sync: 1/4 files" in bundle["text/html"]
-    with open(tmp_path / "err.txt", "w") as f:
+    with open(tmp_path / "err.txt", "w", encoding="utf-8") as f:
         t = SyncProgressText(file=f)
         t(p)
         p.finished = True
@@ -590,7 +590,7 @@ def test_progress_while_the_walk_still_counts_ends_its_totals_in_plus_and_has_no
                           started=time.monotonic() - 2, counting=True)
     text = sync_progress_text(p)
     assert text.startswith("3/40+ files  1.0 MiB/4.0 MiB+  ") and "ETA" not in text, text
-    with open(tmp_path / "err.txt", "w") as f:
+    with open(tmp_path / "err.txt", "w", encoding="utf-8") as f:
         t = SyncProgressText(file=f)
         t(p)
         grown = sync.SyncProgress(files_total=90, bytes_total=9 << 20, files_done=50,
@@ -634,7 +634,7 @@ def test_progress_shows_no_rate_or_eta_in_the_first_second(tmp_path):
     later = sync.SyncProgress(files_total=4, bytes_total=4 << 20, bytes_done=1 << 20,
                               started=time.monotonic() - 2)
     assert "/s  ETA " in sync_progress_text(later)
-    with open(tmp_path / "err.txt", "w") as f:
+    with open(tmp_path / "err.txt", "w", encoding="utf-8") as f:
         t = SyncProgressText(file=f)
         t(early)
         first = (tmp_path / "err.txt").read_bytes().decode()  # keeping the \r
@@ -651,7 +651,7 @@ def test_failed_sync_ends_the_bar_line_before_the_error_and_leaves_nothing_behin
     from gpumagic.notebook.widgets import SyncProgressText
 
     p = sync.SyncProgress(files_total=4, bytes_total=4000, started=time.monotonic() - 0.1)
-    with open(tmp_path / "err.txt", "w") as f:
+    with open(tmp_path / "err.txt", "w", encoding="utf-8") as f:
         t = SyncProgressText(file=f)
         t(p)
         t.close(failed=True)  # what %gpu sync does in its finally
@@ -747,40 +747,40 @@ def test_pull_extraction_refuses_entries_it_did_not_ask_for(tmp_path):
 def test_checksum_sends_a_file_whose_size_and_mtime_match_but_content_differs(machine, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "cfg.yaml").write_text("lr: 0.1\n")
+    (src / "cfg.yaml").write_text("lr: 0.1\n", encoding="utf-8")
     remote = tmp_path / "remote"
     machine.push(str(src) + "/", str(remote))
-    (remote / "cfg.yaml").write_text("lr: 0.9\n")
+    (remote / "cfg.yaml").write_text("lr: 0.9\n", encoding="utf-8")
     st = (src / "cfg.yaml").stat()
     os.utime(remote / "cfg.yaml", ns=(st.st_atime_ns, st.st_mtime_ns))
     assert machine.push(str(src) + "/", str(remote)).files_sent == 0
     assert machine.push(str(src) + "/", str(remote), checksum=True).files_sent == 1
-    assert (remote / "cfg.yaml").read_text() == "lr: 0.1\n"
+    assert (remote / "cfg.yaml").read_text(encoding="utf-8") == "lr: 0.1\n"
 
 
 def test_update_keeps_a_newer_remote_file(machine, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "notes.txt").write_text("old local")
+    (src / "notes.txt").write_text("old local", encoding="utf-8")
     os.utime(src / "notes.txt", (1_600_000_000, 1_600_000_000))
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "notes.txt").write_text("edited on the machine")
+    (remote / "notes.txt").write_text("edited on the machine", encoding="utf-8")
     s = machine.push(str(src) + "/", str(remote), update=True)
     assert s.newer == ["notes.txt"] and s.files_sent == 0
-    assert (remote / "notes.txt").read_text() == "edited on the machine"
+    assert (remote / "notes.txt").read_text(encoding="utf-8") == "edited on the machine"
 
 
 def test_python_push_and_pull_accept_the_sync_colon_forms(machine, tmp_path):
     from gpumagic.errors import ConfigError
     src = tmp_path / "colon src"
     src.mkdir()
-    (src / "f.txt").write_text("colon\n")
+    (src / "f.txt").write_text("colon\n", encoding="utf-8")
     remote = f"/tmp/gm-colon-{os.getpid()}"
     machine.push(str(src) + "/", f":{remote}/")
     assert machine.run(["cat", f"{remote}/f.txt"], quiet=True).stdout == "colon\n"
     machine.pull(f"{machine.name}:{remote}/", str(tmp_path / "back") + "/")
-    assert (tmp_path / "back" / "f.txt").read_text() == "colon\n"
+    assert (tmp_path / "back" / "f.txt").read_text(encoding="utf-8") == "colon\n"
     with pytest.raises(ConfigError) as e:
         machine.push(str(src) + "/", f"othermachine:{remote}/")
     assert "'othermachine'" in e.value.message

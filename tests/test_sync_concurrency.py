@@ -19,6 +19,7 @@ import pytest
 
 from gpumagic.sync import agent
 from gpumagic.sync import engine as sync
+from gpumagic.sync import laptop
 from gpumagic.errors import GpumagicError, SyncError
 
 BIG = 64 << 20
@@ -57,8 +58,8 @@ class _Poller(threading.Thread):
         while not self.stop.is_set():
             for dirpath, _dirs, files in os.walk(self.root):
                 for name in files:
-                    if name.endswith(agent.PART_SUFFIX):
-                        continue
+                    if name.endswith(agent.PART_SUFFIX) or name.startswith(laptop.PROBE_PREFIX):
+                        continue  # a part, or the file-system probe's own empty file
                     p = os.path.join(dirpath, name)
                     rel = os.path.relpath(p, self.root).replace(os.sep, "/")
                     try:
@@ -185,7 +186,7 @@ def test_two_pull_processes_into_one_directory_at_once(sshd, tmp_path):
             str(sshd.known_hosts), str(remote) + "/", str(local)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     try:
-        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, encoding="utf-8")
                  for _ in range(2)]
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -272,7 +273,7 @@ def test_push_never_takes_over_a_part_whose_writer_runs(machine, tmp_path):
 def test_abandoned_parts_of_unchanged_or_small_files_are_removed(machine, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "a.txt").write_text("a")
+    (src / "a.txt").write_text("a", encoding="utf-8")
     remote = tmp_path / "remote"
     machine.push(str(src) + "/", str(remote))
     _part(remote / "a.txt", _dead_pid()).write_bytes(b"left by a killed writer")

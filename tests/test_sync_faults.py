@@ -185,7 +185,7 @@ def chatty():
     server = make_server("chatty")
     home = Path(server.env["HOME"])
     for rc in (".bashrc", ".profile", ".bash_profile", ".zshenv"):
-        (home / rc).write_text(BANNER_RC)
+        (home / rc).write_text(BANNER_RC, encoding="utf-8")
     yield server
     server.stop()
 
@@ -221,7 +221,7 @@ def test_start_up_files_that_never_finish_are_a_clear_error(tmp_path, monkeypatc
     try:
         home = Path(server.env["HOME"])
         for rc in (".bashrc", ".profile", ".bash_profile"):
-            (home / rc).write_text('echo "loading..."\nsleep 60\n')
+            (home / rc).write_text('echo "loading..."\nsleep 60\n', encoding="utf-8")
         src = _tree(tmp_path / "src", small=3)
         with Machine(server.spec()) as m:
             started = time.monotonic()
@@ -273,8 +273,8 @@ def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_pat
 def test_a_slow_listing_is_not_mistaken_for_a_helper_that_never_started(machine, tmp_path, monkeypatch):
     """The start marker leaves at once; only the login shell's start has a deadline."""
     slow = sync.AGENT_SOURCE.replace(
-        "def list_tree(root, want_hash=False, names=None, prune=None, out=None):\n",
-        "def list_tree(root, want_hash=False, names=None, prune=None, out=None):\n    import time; time.sleep(2.5)\n")
+        "def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None):\n",
+        "def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None):\n    import time; time.sleep(2.5)\n")
     assert slow != sync.AGENT_SOURCE
     monkeypatch.setattr(sync, "AGENT_SOURCE", slow)
     monkeypatch.setattr(sync, "START_TIMEOUT", 1.5)
@@ -291,7 +291,7 @@ def slow_start():
     server = make_server("slowstart")
     home = Path(server.env["HOME"])
     for rc in (".bashrc", ".profile", ".bash_profile", ".zshenv"):
-        (home / rc).write_text("sleep 2\n")
+        (home / rc).write_text("sleep 2\n", encoding="utf-8")
     yield server
     server.stop()
 
@@ -299,7 +299,7 @@ def slow_start():
 def _agents_for(path: Path) -> list[str]:
     import subprocess
 
-    out = subprocess.run(["pgrep", "-af", str(path)], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-af", str(path)], capture_output=True, text=True, encoding="utf-8").stdout
     return [line for line in out.splitlines() if "python3" in line]
 
 

@@ -207,7 +207,7 @@ def test_push_and_pull_of_files_just_above_the_small_size(machine, tmp_path):
     src = tmp_path / "src"
     (src / "exp1").mkdir(parents=True)
     (src / "exp1" / "last.pt").write_bytes(os.urandom(agent.SMALL + 1))
-    (src / "exp1" / "metrics.csv").write_text("epoch,loss\n")
+    (src / "exp1" / "metrics.csv").write_text("epoch,loss\n", encoding="utf-8")
     machine.push(str(src) + "/", "~/small-edge/")
     back = tmp_path / "back"
     machine.pull("~/small-edge/", str(back) + "/")
@@ -308,14 +308,14 @@ def _kinds_tree(root: Path, files: int = 300) -> Path:
         d = root / f"d{i % 7}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"img{i:04d}.jpg").write_bytes(os.urandom(1 + i % 900))
-    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").write_text("#!/bin/sh\n", encoding="utf-8")
     (root / "run.sh").chmod(0o755)
     (root / "latest").symlink_to("d0/img0000.jpg")
     (root / "empty").mkdir()
     (root / "数据").mkdir()
     (root / "数据" / "样本.txt").write_text("样本\n", encoding="utf-8")
     os.close(os.open(os.path.join(os.fsencode(root), b"bad\xff.txt"), os.O_CREAT | os.O_WRONLY, 0o644))
-    (root / ".gitignore").write_text("*.ckpt\n")
+    (root / ".gitignore").write_text("*.ckpt\n", encoding="utf-8")
     (root / "model.ckpt").write_bytes(b"never pushed")
     _set_mtime(root / "d1", 1e9)  # a second long past: a change to it is never in the same one
     return root
@@ -391,7 +391,7 @@ _CHANGES = {
     "symlink retargeted": lambda s, r: ((s / "latest").unlink(), (s / "latest").symlink_to("run.sh")),
     "new empty folder": lambda s, r: (s / "new").mkdir(),
     "file deleted here": lambda s, r: (s / "d4" / "img0004.jpg").unlink(),
-    "extra file there": lambda s, r: (r / "d5" / "extra.txt").write_text("x"),
+    "extra file there": lambda s, r: (r / "d5" / "extra.txt").write_text("x", encoding="utf-8"),
     "file there edited": lambda s, r: ((r / "d6" / "img0006.jpg").write_bytes(b"yy"),
                                        _set_mtime(r / "d6" / "img0006.jpg", 1e9)),
     "file became a folder": lambda s, r: ((s / "d0" / "img0007.jpg").unlink(),
@@ -518,7 +518,7 @@ def test_a_push_into_a_folder_with_a_default_acl_keeps_every_mode(machine, tmp_p
     src.mkdir()
     modes = {"a": 0o644, "b": 0o755, "c": 0o600}
     for name, mode in modes.items():
-        (src / name).write_text(name)
+        (src / name).write_text(name, encoding="utf-8")
         (src / name).chmod(mode)
     dst = tmp_path / "dst"
     dst.mkdir()
@@ -556,7 +556,7 @@ def test_a_folder_another_writer_just_made_is_never_removed(tmp_path, monkeypatc
     # the other writer's files inside.
     d = tmp_path / "fill" / "00042"
     d.mkdir(parents=True)
-    (d / "theirs.txt").write_text("the other writer's\n")
+    (d / "theirs.txt").write_text("the other writer's\n", encoding="utf-8")
     real = os.path.isdir
     calls = []
 
@@ -567,9 +567,9 @@ def test_a_folder_another_writer_just_made_is_never_removed(tmp_path, monkeypatc
     monkeypatch.setattr(agent.os.path, "isdir", not_yet_there)
     agent._make_parent(str(d / "mine.txt"))
     monkeypatch.undo()
-    assert (d / "theirs.txt").read_text() == "the other writer's\n"
+    assert (d / "theirs.txt").read_text(encoding="utf-8") == "the other writer's\n"
     # something that is not a folder is still replaced
-    (tmp_path / "afile").write_text("x")
+    (tmp_path / "afile").write_text("x", encoding="utf-8")
     agent._make_parent(str(tmp_path / "afile" / "new.txt"))
     assert (tmp_path / "afile").is_dir()
 
@@ -602,7 +602,7 @@ def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_pa
     if there != "absent":
         remote.mkdir()
     if there == "one file":
-        (remote / "old.txt").write_text("kept\n")
+        (remote / "old.txt").write_text("kept\n", encoding="utf-8")
     seen = []
     s = machine.push(f"{src}/", str(remote),
                      progress=lambda p: seen.append((p.files_done, p.files_total, p.counting, p.finished)))
@@ -616,7 +616,7 @@ def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_pa
     else:
         assert sent_while_counting and all(total < 400 for _, total, _, _ in sent_while_counting)
     if there == "one file":
-        assert (remote / "old.txt").read_text() == "kept\n"
+        assert (remote / "old.txt").read_text(encoding="utf-8") == "kept\n"
     assert _tree_state(remote, skip=("old.txt",)) == _tree_state(src)
 
 

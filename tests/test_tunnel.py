@@ -151,7 +151,7 @@ def listening_sockets_of_this_process() -> list[tuple[str, int]]:
     found = []
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            lines = open(f"/proc/net/{name}").read().splitlines()[1:]
+            lines = open(f"/proc/net/{name}", encoding="utf-8").read().splitlines()[1:]
         except FileNotFoundError:
             continue
         for line in lines:
@@ -282,7 +282,7 @@ def test_many_short_connections_never_break_the_ssh_connection(machine, http_ser
     # connection ("ieof packet referred to nonexistent channel"); seen about 1 in 1000.
     port = http_server(marker="short")
     opened = machine.connection.opened_count
-    log_before = sshd.log.read_text(errors="replace").count("nonexistent channel")
+    log_before = sshd.log.read_text(errors="replace", encoding="utf-8").count("nonexistent channel")
     with machine.tunnel(port, local_port=0) as t:
         for _ in range(200):
             with socket.create_connection(("127.0.0.1", t.local_port), timeout=20) as s:
@@ -292,7 +292,7 @@ def test_many_short_connections_never_break_the_ssh_connection(machine, http_ser
                 while chunk := s.recv(65536):
                     reply += chunk
             assert reply.endswith(b"short")
-    assert sshd.log.read_text(errors="replace").count("nonexistent channel") == log_before
+    assert sshd.log.read_text(errors="replace", encoding="utf-8").count("nonexistent channel") == log_before
     assert machine.connection.opened_count == opened
     assert t.reconnects == 0
 
@@ -632,7 +632,7 @@ def test_magic_list_and_close(ip, http_server, capsys):
     port = http_server(marker="z")
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("gpu", f"tunnel {port} --local-port 0")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     (t,) = list(m.tunnels)
     fetch(t.url)
     assert wait_until(lambda: t.active_connections == 0, 10)
@@ -656,7 +656,7 @@ def test_magic_says_when_nothing_listens_and_reports_the_failure_after_the_next_
     out = capsys.readouterr().out
     assert (f"nothing accepts connections on localhost:{dead} on the machine yet "
             "(Connection refused)") in out, out
-    (t,) = list(ip._gpumagic.session.get().tunnels)
+    (t,) = list(ip._gpumagic.fleet.get().tunnels)
     with pytest.raises(OSError):  # a browser sees only a reset connection
         fetch(t.url, timeout=10)
     assert wait_until(lambda: t.faults, 10)
@@ -720,7 +720,7 @@ def test_jupyter_tunnel_url_carries_the_token_and_stop_ends_the_server(machine):
 def process_gone(pid: int) -> bool:
     """True when no process ``pid`` runs on this computer (a zombie counts as gone)."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        return open(f"/proc/{pid}/stat", encoding="utf-8").read().rsplit(")", 1)[1].split()[0] == "Z"
     except (FileNotFoundError, ProcessLookupError):
         return True
 
@@ -731,7 +731,7 @@ def process_gone(pid: int) -> bool:
 def test_same_target_three_times_is_one_tunnel_said_already_open(ip, http_server, capsys):
     port = http_server(marker="once")
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     capsys.readouterr()
     outs = []
     for _ in range(3):
@@ -748,7 +748,7 @@ def test_same_target_three_times_is_one_tunnel_said_already_open(ip, http_server
 def tunnel_twice_on_one_local_port(ip, capsys, first: int, second: int, local: int):
     """``%gpu tunnel first`` then ``second``, both asking for ``local``: (machine, the second's output)."""
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     ip.run_line_magic("gpu", f"tunnel {first} --local-port {local}")
     capsys.readouterr()
     ip.run_line_magic("gpu", f"tunnel {second} --local-port {local}")
@@ -814,7 +814,7 @@ def test_bad_arguments_start_no_server_on_the_machine(ip, sshd):
     from IPython.core.error import UsageError
 
     ip.run_line_magic("gpu", "connect testgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     before = _service_logs(sshd)
     for line in ("tunnel jupyter --local-port 70000", "tunnel jupyter --out 1bad",
                  "tunnel tensorboard --local-port -1", "tunnel tensorboard --out class"):
@@ -873,7 +873,7 @@ def test_jupyter_started_by_gpumagic_is_named_and_stopped_from_a_later_kernel(ip
     try:
         assert record.exists()
         ip.run_line_magic("gpu", "tunnel close all")  # the server is left running
-        ip._gpumagic.session.close_all()  # as after a kernel restart: gpumagic remembers nothing
+        ip._gpumagic.fleet.close_all()  # as after a kernel restart: gpumagic remembers nothing
         ip.run_line_magic("gpu", "connect testgpu")
         capsys.readouterr()
         ip.run_line_magic("gpu", "tunnel jupyter --local-port 0")

@@ -83,13 +83,13 @@ def test_two_new_result_files_are_listed_and_pulled(ip, server, tmp_path, data_d
     _write(runs / "metrics.csv", 20)
     ip.run_line_magic("gpu", "connect wrapgpu")
     local = tmp_path / "results"
-    ip._gpumagic.session.get().pull(f"{runs}/", f"{local}/")  # pulled once before
+    ip._gpumagic.fleet.get().pull(f"{runs}/", f"{local}/")  # pulled once before
     _write(runs / "ckpt/last.pt", 3000)
     _write(runs / "log.txt", 40)
     out = _run(ip, f"wrapup --pull :{runs}/ {local}/")
     assert f"results :{runs}/ -> {local}/: 2 not pulled yet; pulled 2 files (3.0 KiB)" in out
     assert "  ckpt/last.pt\n" in out and "  log.txt\n" in out and "metrics.csv" not in out
-    assert (local / "ckpt/last.pt").stat().st_size == 3000 and (local / "log.txt").read_text() == "x" * 40
+    assert (local / "ckpt/last.pt").stat().st_size == 3000 and (local / "log.txt").read_text(encoding="utf-8") == "x" * 40
     # the folders are remembered for this machine
     out = _run(ip, "wrapup")
     assert f"results :{runs}/ -> {local}/: everything is already here" in out
@@ -139,7 +139,7 @@ def test_clean_removes_only_the_caches_after_one_confirmation(ip, server, caches
 
 def test_a_running_job_is_named(ip, server, data_dir):
     ip.run_line_magic("gpu", "connect wrapgpu")
-    m = ip._gpumagic.session.get()
+    m = ip._gpumagic.fleet.get()
     job = m.start_job("wrapup-sleeper", "echo training epoch 3; sleep 120")
     try:
         out = _run(ip, "wrapup")

@@ -3,22 +3,22 @@ for idle.
 
 * :mod:`~gpumagic.budget.prices`: prices, billing arithmetic, the meter, estimates, platform
   presets (pure).
-* :mod:`~gpumagic.budget.ledger`: the local ledger file of prices, limits, alerts and billing
-  sessions (:class:`MachineRecord`).
+* :mod:`~gpumagic.budget.ledger`: the local ledger file of prices, limits, alerts and rentals
+  (:class:`MachineRecord`, :class:`Rental`).
 * :mod:`~gpumagic.budget.guard`: the guard on the machine, and the meter read from it.
 * :mod:`~gpumagic.budget.shutdown`: whether and how a machine can shut itself down.
 * :mod:`~gpumagic.budget.notify`: alerts by mail or webhook, sent from the machine.
 """
 
 from .guard import GuardSettings, GuardStatus, arm_guard, cancel_guard, read_meter, read_status
-from .ledger import (GuardRecord, Ledger, LedgerError, MachineRecord, Session, change_prices, check_alerts,
+from .ledger import (GuardRecord, Ledger, LedgerError, MachineRecord, Rental, change_prices, check_alerts,
                      data_dir, history, set_prices)
 from .prices import (BudgetError, MeterReading, Prices, estimate, limit_deadline, meter, money,
                      next_boundary_in, parse_amounts, parse_duration, parse_time, platform, platforms, spent)
 from .shutdown import ShutdownPlan, find_shutdown
 
 __all__ = ["BudgetError", "GuardRecord", "GuardSettings", "GuardStatus", "Ledger", "LedgerError",
-           "MachineRecord", "MeterReading", "Prices", "Session", "ShutdownPlan", "arm_guard", "cancel_guard",
+           "MachineRecord", "MeterReading", "Prices", "Rental", "ShutdownPlan", "arm_guard", "cancel_guard",
            "change_prices", "check_alerts", "data_dir", "estimate", "find_shutdown", "history",
            "limit_deadline", "meter", "money", "next_boundary_in", "parse_amounts", "parse_duration",
            "parse_time", "platform", "platforms", "read_meter", "read_status", "set_prices", "spent"]

@@ -8,7 +8,7 @@ so it works with the laptop closed.  The programs are files in ``gpumagic/remote
 
 :func:`arm_guard`, :func:`cancel_guard` and :func:`read_status` act on the machine alone;
 :func:`read_meter`, :func:`arm_machine_guard` and :func:`disarm_machine_guard` also read and
-record the machine's prices, limit and sessions in the :class:`~gpumagic.budget.ledger.Ledger`.
+record the machine's prices, limit and rentals in the :class:`~gpumagic.budget.ledger.Ledger`.
 How the machine is stopped comes from :meth:`gpumagic.machine.Machine.shutdown_plan` (the
 sandbox, which is this computer, answers with a stand-in).
 """
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..remote import program
-from .ledger import GuardRecord, Ledger, MachineRecord, prices_of, record_session
+from .ledger import GuardRecord, Ledger, MachineRecord, prices_of, record_rental
 from .prices import (MAX_SPAN_S, BudgetError, MeterReading, guard_limit_in, is_number, meter,
                      platforms)
 
@@ -281,7 +281,7 @@ def cancel_guard(machine: MachineLike) -> GuardStatus:
 
 
 def read_meter(machine: MachineLike, ledger: Ledger, *, now: float | None = None) -> MeterReading:
-    """Read ``machine``'s meter (one round trip), record the session, mark new alerts as shown.
+    """Read ``machine``'s meter (one round trip), record the rental, mark new alerts as shown.
 
     Raises
     ------
@@ -295,10 +295,10 @@ def read_meter(machine: MachineLike, ledger: Ledger, *, now: float | None = None
     with ledger.update() as machines:
         rec = machines[name]
         start = rec.billing_start(clock, local_now)
-        session = record_session(rec, start, local_now, prices)
+        rental = record_rental(rec, start, local_now, prices)
         reading = meter(name, prices, start, local_now, limit=rec.limit, alerts=rec.alerts,
-                        alerted=session.alerted, guard=guard if guard.state != "none" else None)
-        session.alerted = sorted(set(session.alerted) | set(reading.crossed))
+                        alerted=rental.alerted, guard=guard if guard.state != "none" else None)
+        rental.alerted = sorted(set(rental.alerted) | set(reading.crossed))
     return reading
 
 

@@ -1,7 +1,7 @@
 """The ledger: one JSON file in the user's data directory recording each machine's prices,
-spending limit, alert thresholds, armed guard and billing sessions.
+spending limit, alert thresholds, armed guard and rentals (stretches of billing).
 
-Its records are :class:`MachineRecord` (with :class:`Session` and :class:`GuardRecord`); the
+Its records are :class:`MachineRecord` (with :class:`Rental` and :class:`GuardRecord`); the
 file keeps the JSON form described in :class:`Ledger`.  Written with
 :func:`gpumagic._fs.atomic_write` under a lock; a file that cannot be read is reported, moved
 aside (kept, never overwritten) and a new one started; a damaged record is left out and
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 LEDGER_FORMAT = "gpumagic-ledger"
 LEDGER_VERSION = 1
-#: Two readings of the machine's start time closer than this (seconds) are the same session.
+#: Two readings of the machine's start time closer than this (seconds) are the same rental.
 SAME_START = 120
 
 
@@ -50,8 +50,8 @@ def data_dir() -> Path:
 
 
 @dataclass
-class Session:
-    """One billing session of a machine: from its start to the last time gpumagic saw it up.
+class Rental:
+    """One rental of a machine: billed from its start to the last time gpumagic saw it up.
 
     Attributes
     ----------
@@ -60,7 +60,7 @@ class Session:
     prices : Prices
         The prices when it was last seen.
     alerted : list of float
-        Alert thresholds already shown for this session.
+        Alert thresholds already shown for this rental.
     """
 
     start: float
@@ -69,7 +69,7 @@ class Session:
     alerted: list = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Session":
+    def from_dict(cls, d: dict) -> "Rental":
         return cls(d["start"], d.get("last_seen"), Prices.from_dict(d["prices"]), list(d.get("alerted", [])))
 
     def to_dict(self) -> dict:
@@ -119,7 +119,8 @@ class MachineRecord:
         Billing start given by the user (epoch seconds); ``None``: the machine's start.
     guard : GuardRecord or None
         The guard armed from here (``None``: none, or disarmed).
-    sessions : list of Session
+    rentals : list of Rental
+        Stored under the JSON key ``sessions``, as since the format's version 1.
     """
 
     prices: Prices | None = None
@@ -127,7 +128,7 @@ class MachineRecord:
     alerts: list = field(default_factory=list)
     started_at: float | None = None
     guard: GuardRecord | None = None
-    sessions: list = field(default_factory=list)
+    rentals: list = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MachineRecord":
@@ -135,13 +136,13 @@ class MachineRecord:
         return cls(prices=Prices.from_dict(d["prices"]) if "prices" in d else None,
                    limit=d.get("limit"), alerts=list(d.get("alerts", [])), started_at=d.get("started_at"),
                    guard=GuardRecord.from_dict(d["guard"]) if d.get("guard") is not None else None,
-                   sessions=[Session.from_dict(s) for s in d.get("sessions", [])])
+                   rentals=[Rental.from_dict(s) for s in d.get("sessions", [])])
 
     def to_dict(self) -> dict:
         out = {} if self.prices is None else {"prices": self.prices.to_dict()}
         out.update(limit=self.limit, alerts=list(self.alerts), started_at=self.started_at,
                    guard=None if self.guard is None else self.guard.to_dict(),
-                   sessions=[s.to_dict() for s in self.sessions])
+                   sessions=[s.to_dict() for s in self.rentals])
         return out
 
     def billing_start(self, clock: "Clock", local_now: float) -> float:
@@ -175,16 +176,16 @@ def prices_of(rec: MachineRecord | None, name: str) -> Prices:
     return rec.prices
 
 
-def record_session(rec: MachineRecord, start: float, now: float, prices: Prices) -> Session:
-    """Add or extend the billing session that began at ``start`` (within :data:`SAME_START`
+def record_rental(rec: MachineRecord, start: float, now: float, prices: Prices) -> Rental:
+    """Add or extend the rental that began at ``start`` (within :data:`SAME_START`
     seconds) in ``rec``, seen up at ``now`` with ``prices``; returns it."""
-    for s in rec.sessions:
+    for s in rec.rentals:
         if abs(float(s.start) - start) <= SAME_START:
             s.last_seen = max(float(s.last_seen or 0), now)
             s.prices = prices
             return s
-    s = Session(start, now, prices, [])
-    rec.sessions.append(s)
+    s = Rental(start, now, prices, [])
+    rec.rentals.append(s)
     return s
 
 
@@ -196,7 +197,7 @@ def _empty() -> dict:
 
 
 class Ledger:
-    """The local record of machines' prices and billing sessions (JSON, one file).
+    """The local record of machines' prices and rentals (JSON, one file).
 
     Parameters
     ----------
@@ -249,6 +250,10 @@ class Ledger:
             problem = _ledger_problem(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             problem = f"not valid JSON ({e})"
+        except RecursionError:
+            problem = "not valid JSON (nested deeper than Python's parser follows)"
+        except ValueError as e:  # an integer of more than 4300 digits (sys.get_int_max_str_digits)
+            problem = f"not valid JSON (a number in it is too long: {str(e).partition(';')[0]})"
         if problem is None:
             return self._drop_damaged(data, raw)
         if problem == "newer":
@@ -355,7 +360,13 @@ def _listing(bad: dict) -> str:
 def _number_problem(field_name: str, v, lo: float = 0, hi: float = math.inf, *, optional: bool = False):
     if (v is None and optional) or is_number(v, lo, hi):
         return None
-    return f"{field_name} is {v!r}, not a number from {lo:g} to {hi:g}"
+    return f"{field_name} is {_short(v)}, not a number from {lo:g} to {hi:g}"
+
+
+def _short(v) -> str:
+    """``repr(v)``, cut to about 40 characters (a number of 400 digits, a long text)."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
 
 
 def record_problem(rec) -> str | None:
@@ -381,8 +392,8 @@ def record_problem(rec) -> str | None:
         return f"alerts is {alerts!r}, not a list of amounts"
     guard = rec.get("guard")
     if guard is not None and not (isinstance(guard, dict) and all(
-            v is None or is_number(v) for v in guard.values())):
-        return f"guard is {guard!r}, not a table of numbers"
+            v is None or is_number(v, -epoch, epoch) for v in guard.values())):  # seconds, amounts
+        return f"guard is {_short(guard)}, not a table of numbers"
     sessions = rec.get("sessions", [])
     if not isinstance(sessions, list):
         return f"sessions is {sessions!r}, not a list"
@@ -405,23 +416,24 @@ def record_problem(rec) -> str | None:
 
 @contextlib.contextmanager
 def _locked(lock_path: Path, unwritable=None):
+    """Hold the ledger's lock file ``lock_path`` exclusively (waiting for it) for the block.
+
+    filelock takes it with ``flock`` on POSIX and ``msvcrt.locking`` on Windows, so two
+    notebooks recording at once on either never lose a record.  ``unwritable`` turns an
+    ``OSError`` taking it (a read-only folder) into gpumagic's error."""
+    import filelock
+
+    lock = filelock.FileLock(os.fspath(lock_path), mode=0o600)
     try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks; atomic_write still prevents torn files
-        yield
-        return
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        lock.acquire()
     except OSError as e:
         if unwritable is None:
             raise
         raise unwritable(e) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lock.release()
 
 
 
@@ -489,26 +501,26 @@ def change_prices(ledger: Ledger, name: str, *, limit: float | None = None,
 
 
 def check_alerts(ledger: Ledger, name: str, *, now: float | None = None) -> tuple[MeterReading | None, list[float]]:
-    """Alert thresholds newly crossed by ``name``'s latest session, computed locally (no round
-    trip); each is returned once, then recorded as shown.  ``(None, [])`` without a session."""
+    """Alert thresholds newly crossed by ``name``'s latest rental, computed locally (no round
+    trip); each is returned once, then recorded as shown.  ``(None, [])`` without a rental."""
     local_now = time.time() if now is None else now
     rec = ledger.machine(name)
-    if rec is None or not rec.alerts or not rec.sessions or rec.prices is None:
+    if rec is None or not rec.alerts or not rec.rentals or rec.prices is None:
         return None, []
     with ledger.update() as machines:
         rec = machines[name]
-        session = max(rec.sessions, key=lambda s: float(s.start))
-        reading = meter(name, rec.prices, float(session.start), local_now, limit=rec.limit,
-                        alerts=rec.alerts, alerted=session.alerted)
+        rental = max(rec.rentals, key=lambda s: float(s.start))
+        reading = meter(name, rec.prices, float(rental.start), local_now, limit=rec.limit,
+                        alerts=rec.alerts, alerted=rental.alerted)
         if reading.crossed:
-            session.alerted = sorted(set(session.alerted) | set(reading.crossed))
+            rental.alerted = sorted(set(rental.alerted) | set(reading.crossed))
     return reading, list(reading.crossed)
 
 
 def history(machines: Mapping[str, MachineRecord], now: float) -> list[tuple[str, str, float, str]]:
-    """Spending per machine and local day from the machines' sessions (:meth:`Ledger.machines`).
+    """Spending per machine and local day from the machines' rentals (:meth:`Ledger.machines`).
 
-    A session runs from its ``start`` to its ``last_seen`` (the last time gpumagic saw the
+    A rental runs from its ``start`` to its ``last_seen`` (the last time gpumagic saw the
     machine up); its cost is :func:`gpumagic.budget.prices.spent` over that span, spread over
     the days it covers in proportion to time.  Returns ``(machine, "YYYY-MM-DD", cost,
     currency)`` rows, sorted.
@@ -516,7 +528,7 @@ def history(machines: Mapping[str, MachineRecord], now: float) -> list[tuple[str
     totals: dict[tuple[str, str], float] = {}
     currencies: dict[str, str] = {}
     for name, rec in machines.items():
-        for s in rec.sessions:
+        for s in rec.rentals:
             start, end = float(s.start), float(s.last_seen or s.start)
             end = min(end, now)
             if end <= start:

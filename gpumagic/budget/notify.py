@@ -2,7 +2,7 @@
 
 A notebook alert reaches nobody while the laptop is closed, so the sending happens on the
 rented machine.  :func:`configure` installs the machine-side program
-(``gpumagic/remote/programs/notify.py``, standard library only) as
+(``gpumagic/remote/programs/budget-notifier.py``, standard library only) as
 ``~/.gpumagic/notify/notify.py`` with its settings in ``config.json`` beside it: the folder
 is 0700 and the file 0600, written by ``budget-notify-install.py``, which reads everything from
 the SSH channel's stdin, so no credential ever appears in a command line (``/proc/*/cmdline``)
@@ -13,7 +13,7 @@ Who sends what:
 * **Spending thresholds**: :func:`schedule_thresholds` computes, from the ledger's prices
   and alert thresholds (:mod:`gpumagic.budget`), when spending will pass each threshold, and
   arms a small detached watcher on the machine (``notify.py watch``) that sends one message
-  per threshold at that moment -- laptop closed or not.  Each threshold of a billing session
+  per threshold at that moment -- laptop closed or not.  Each threshold of a rental
   is sent once (a ``--once`` key).
 * **Anything else** (a job's end, a NaN/OOM stop, the guard's warning before a shutdown
   and its failed shutdown -- ``budget-guard.sh`` calls it for those two): the program on the
@@ -26,8 +26,10 @@ Who sends what:
   (:func:`notify_command` builds such a line that stands alone, for a script or crontab of
   your own).  From Python, :func:`send_from_machine`.
 
-A send that fails is retried with exponential backoff, then kept in the machine's outbox and
-recorded in its log (and in the caller's ``--log`` file); it is sent with the next message.
+A send that fails is retried with exponential backoff (at least the server's ``Retry-After``
+apart after a 429 or 503), then kept in the machine's outbox with why it waits and recorded in
+its log (and in the caller's ``--log`` file); it is sent with the next message (not before the
+time a ``Retry-After`` named).
 The program never raises into its caller and always exits 0.
 """
 
@@ -63,8 +65,8 @@ _PROGRAM = f'python3 "$HOME/{NOTIFY_DIR}/notify.py"'
 
 
 def program_source() -> str:
-    """The machine-side program's source (``gpumagic/remote/programs/notify.py``)."""
-    return program.source("notify.py")
+    """The machine-side program's source (``gpumagic/remote/programs/budget-notifier.py``)."""
+    return program.source("budget-notifier.py")
 
 
 # -- channels (pure) ---------------------------------------------------------------------------
@@ -367,7 +369,7 @@ def threshold_items(name: str, prices, start: float, now: float, thresholds, *,
                     log: str | None = None) -> list[dict]:
     """The watcher's schedule: one ``threshold`` event per threshold not yet reached, with
     ``in_s`` (seconds from ``now``), the amount at that moment, and a once-key for this
-    billing session (``start``, epoch seconds).  Pure."""
+    rental (``start``, epoch seconds).  Pure."""
     elapsed = max(0.0, now - start)
     items = []
     for t in sorted({float(x) for x in thresholds}):

@@ -48,9 +48,10 @@ MAX_SPAN_S = 10 * 365 * 86400
 
 
 def is_number(v, lo: float = -math.inf, hi: float = math.inf) -> bool:
-    """True for a finite ``int``/``float`` (never a bool) from ``lo`` to ``hi``."""
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            and lo <= v <= hi)
+    """True for a finite ``int``/``float`` (never a bool) from ``lo`` to ``hi`` (an ``int`` too
+    large for a float is compared as it is: ``math.isfinite`` would raise OverflowError)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (isinstance(v, int) or math.isfinite(v)) and lo <= v <= hi)
 
 
 # -- prices -------------------------------------------------------------------------------

@@ -20,12 +20,12 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, TYPE_CHECKING
+from typing import Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
 
 from ..errors import RemoteCommandError
 from ..remote import program
-from .smi import (GPU_FIELDS, HIDDEN_USE_MIB, GpuStatus, Section, Unknown, known, read_value,
-                  sections_command, split_sections, status_from_sections, status_sections,
+from .smi import (GPU_FIELDS, HIDDEN_USE_MIB, NVML_MISMATCH_HINT, GpuStatus, Section, Unknown, known,
+                  read_value, sections_command, split_sections, status_from_sections, status_sections,
                   version_tuple)
 
 if TYPE_CHECKING:
@@ -513,30 +513,126 @@ def run_doctor(machine: MachineLike, *, expect_gpu: str | None = None, expect_co
 
 
 # -- failure hints for %%remote cells ------------------------------------------------------------
+#
+# Each well-known failure is one pattern over the cell's stderr and one function that words the
+# hint from the match.  The patterns are the projects' own wordings:
+#
+# * PyTorch ``c10/cuda/CUDAFunctions.cpp`` (``cudaErrorInsufficientDriver`` from
+#   ``cudaGetDeviceCount``): "The NVIDIA driver on your system is too old (found version 11040)"
+#   -- the number is ``cudaDriverGetVersion``'s, 1000 x major + 10 x minor; and "Found no NVIDIA
+#   driver on your system".
+# * cudart's ``cudaGetErrorString``: "CUDA driver version is insufficient for CUDA runtime
+#   version", "no kernel image is available for execution on the device", "out of memory"
+#   (PyTorch prefixes "CUDA error: ").
+# * PyTorch ``torch/cuda/__init__.py`` ``_check_capability``: "NVIDIA GeForce RTX 5090 with CUDA
+#   capability sm_120 is not compatible with the current PyTorch installation. The current
+#   PyTorch install supports CUDA capabilities sm_50 ... sm_90."
+# * PyTorch's caching allocator: "CUDA out of memory. Tried to allocate 2.00 GiB", raised as
+#   ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` before 2.4).
+# * NCCL ``ncclGetErrorString(ncclSystemError)``: "unhandled system error (run with
+#   NCCL_DEBUG=INFO for details)", after PyTorch's "NCCL error in: ...ProcessGroupNCCL.cpp:N, ".
+# * NVML (nvidia-smi, pynvml, PyTorch's memory queries): "Failed to initialize NVML:
+#   Driver/library version mismatch".
 
 _NOSPACE_PATH = re.compile(r"No space left on device: '([^']+)'")
+
+
+def cuda_version_text(version: int) -> str:
+    """``cudaDriverGetVersion``'s number as CUDA's version: 11040 -> ``"11.4"``, 12080 ->
+    ``"12.8"`` (1000 x major + 10 x minor, CUDA Runtime API "Version Management")."""
+    return f"{version // 1000}.{(version % 1000) // 10}"
+
+
+def _old_driver_hint(m: re.Match, tail: str) -> str:
+    cuda = cuda_version_text(int(m.group(1)))
+    what = (f"the machine's NVIDIA driver supports CUDA up to {cuda} (found version {m.group(1)}), "
+            "older than this PyTorch's build")
+    if not any(version_tuple(b) <= version_tuple(cuda) for b in TORCH_CUDA_BUILDS):
+        return (f"{what}, and than every current PyTorch build: rent a machine with a newer driver "
+                "(or update the driver); `%gpu doctor` shows both versions")
+    return f"{what}: {_torch_fix(cuda)} (`%gpu doctor` shows both versions)"
+
+
+def _no_driver_hint(m: re.Match, tail: str) -> str:
+    return ("PyTorch found no NVIDIA driver on the machine: `%gpu doctor` checks nvidia-smi; rent an "
+            "instance with a GPU (on a container platform, one started with the GPU attached)")
+
+
+def _insufficient_driver_hint(m: re.Match, tail: str) -> str:
+    return ("this PyTorch was built for a newer CUDA than the driver supports: "
+            "`%gpu doctor` shows both versions and which build to install")
+
+
+_ARCH = re.compile(r"([^\n:]+?) with CUDA capability (sm_\d+) is not compatible with the current PyTorch "
+                   r"installation\.?(?:\s*The current PyTorch install supports CUDA capabilities ([^\n.]*))?")
+
+
+def _no_kernel_hint(m: re.Match, tail: str) -> str:
+    arch = _ARCH.search(tail)
+    if arch:
+        card, sm, has = arch.group(1).strip(), arch.group(2), (arch.group(3) or "").strip()
+        built = f" (it has {has})" if has else ""
+        return (f"this PyTorch build has no kernels for the {card}'s {sm}{built}: install a PyTorch "
+                f"build whose torch.cuda.get_arch_list() includes {sm} (a newer release, or the "
+                "build for a newer CUDA); `%gpu doctor` shows the card and the build")
+    return ("this PyTorch build (or a compiled extension) has no kernels for this GPU's architecture: "
+            "install a build whose torch.cuda.get_arch_list() includes the card's sm_XX "
+            "(torch.cuda.get_device_capability()), or rebuild the extension with TORCH_CUDA_ARCH_LIST set")
+
+
+def _oom_hint(m: re.Match, tail: str) -> str:
+    return ("GPU memory ran out: halve the batch size, use mixed precision "
+            "(torch.autocast(\"cuda\", dtype=torch.bfloat16)), or gradient checkpointing; "
+            "`%gpu status` shows what holds the memory")
+
+
+def _nccl_system_hint(m: re.Match, tail: str) -> str:
+    return ("NCCL failed in a system call (a socket, shared memory or a device): rerun with "
+            "NCCL_DEBUG=INFO to see which; in a container /dev/shm is often too small (`df -h /dev/shm`), "
+            "and NCCL_SOCKET_IFNAME=<interface> picks the network between the machines")
+
+
+def _nvml_mismatch_hint(m: re.Match, tail: str) -> str:
+    return f"NVML: Driver/library version mismatch: {NVML_MISMATCH_HINT}"
+
+
+def _nospace_hint(m: re.Match, tail: str) -> str:
+    path = _NOSPACE_PATH.search(tail)
+    where = f"the disk holding {path.group(1)}" if path else "a disk"
+    return (f"{where} is full: `%gpu doctor` lists each mount with its free space "
+            "(write large files to the data disk)")
+
+
+#: (pattern, hint) in the order they are tried: the more precise wording first (a missing
+#: kernel image is reported with the architecture warning above it; an old driver by PyTorch
+#: before cudart's own words).
+FAILURE_HINTS: tuple[tuple[re.Pattern, Callable[[re.Match, str], str]], ...] = (
+    (re.compile(r"The NVIDIA driver on your system is too old \(found version (\d+)\)"), _old_driver_hint),
+    (re.compile(r"Found no NVIDIA driver on your system"), _no_driver_hint),
+    (re.compile(r"CUDA driver version is insufficient for CUDA runtime version"), _insufficient_driver_hint),
+    (re.compile(r"no kernel image is available for execution on the device|with CUDA capability sm_\d+ "
+                r"is not compatible with the current PyTorch installation"), _no_kernel_hint),
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory"), _oom_hint),
+    (re.compile(r"unhandled system error \(run with NCCL_DEBUG=INFO for details\)|NCCL error[^\n]*"
+                r"unhandled system error|ncclSystemError"), _nccl_system_hint),
+    (re.compile(r"Failed to initialize NVML: Driver/library version mismatch"), _nvml_mismatch_hint),
+    (re.compile(r"No space left on device"), _nospace_hint),
+)
 
 
 def failure_hint(stderr: str, exit_code: int) -> str | None:
     """One line of advice for a failed cell whose stderr shows a well-known failure.
 
-    Looks at the last 64 KiB of ``stderr``: CUDA out of memory, a CUDA driver older than
-    PyTorch's build, a full disk; and at ``exit_code`` 137 (killed by SIGKILL, usually the
-    OOM killer).  Returns None when nothing is recognised.
+    Looks at the last 64 KiB of ``stderr`` for each of :data:`FAILURE_HINTS` (CUDA out of
+    memory, a driver older than PyTorch's build, a build without kernels for the card, NCCL's
+    system errors, an NVML driver/library mismatch, a full disk); and at ``exit_code`` 137
+    (killed by SIGKILL, usually the OOM killer).  Returns None when nothing is recognised.
     """
     tail = stderr[-65536:]
-    if re.search(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory", tail):
-        return ("GPU memory ran out: halve the batch size, use mixed precision "
-                "(torch.autocast(\"cuda\", dtype=torch.bfloat16)), or gradient checkpointing; "
-                "`%gpu status` shows what holds the memory")
-    if "CUDA driver version is insufficient" in tail:
-        return ("this PyTorch was built for a newer CUDA than the driver supports: "
-                "`%gpu doctor` shows both versions and which build to install")
-    if "No space left on device" in tail:
-        m = _NOSPACE_PATH.search(tail)
-        where = f"the disk holding {m.group(1)}" if m else "a disk"
-        return (f"{where} is full: `%gpu doctor` lists each mount with its free space "
-                "(write large files to the data disk)")
+    for pattern, hint in FAILURE_HINTS:
+        m = pattern.search(tail)
+        if m:
+            return hint(m, tail)
     if exit_code == 137:
         # SIGKILL from outside: gpumagic's own stops raise KeyboardInterrupt/RemoteTimeout
         # instead.  The shell usually prints "Killed", but not every shell does.

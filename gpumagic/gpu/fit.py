@@ -84,6 +84,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZERS = ("adamw", "sgd")
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+#: The largest parameter count taken (a thousand times today's largest models): beyond it a
+#: count is a typo, and its memory would overflow every table.
+MAX_PARAMS = 10**15
 _COUNT = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([kmbgt]?)$", re.I)
 
 #: Common cards: name -> (label, memory in MiB as nvidia-smi's ``memory.total`` reports it,
@@ -174,15 +177,20 @@ def parse_count(text: str) -> int:
     Raises
     ------
     ValueError
-        When ``text`` is not such a count (or is not positive).
+        When ``text`` is not such a count (or is not positive, or is over :data:`MAX_PARAMS`).
     """
     t = text.strip().replace("_", "").replace(",", "")
     m = _COUNT.match(t)
     if not m:
         raise ValueError(f"{text!r} is not a parameter count: write it as 7B, 350M or 1.5e9")
-    value = float(m.group(1)) * 10 ** int(m.group(2) or 0) * _SUFFIX[m.group(3).lower()]
+    exponent = int(m.group(2) or 0)
+    # 10 ** 99999999 would take minutes to compute: past 10**30 no digit can matter
+    value = float(m.group(1)) * 10.0 ** max(-30, min(30, exponent)) * _SUFFIX[m.group(3).lower()]
     if value < 1 or not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a positive parameter count: write it as 7B, 350M or 1.5e9")
+        raise ValueError(f"{text[:40]!r} is not a positive parameter count: write it as 7B, 350M or 1.5e9")
+    if value > MAX_PARAMS:
+        raise ValueError(f"{text[:40]!r} is more than {format_count(MAX_PARAMS)} parameters, which no "
+                         "model has: write it as 7B, 350M or 1.5e9")
     return int(round(value))
 
 
@@ -218,6 +226,51 @@ def _get(cfg: dict, *names, default=None):
     return default
 
 
+#: The largest width, depth, head count or vocabulary a config field may give (2**31 - 1, the
+#: frameworks' int32 index); beyond it a field is damaged, and its products overflow.
+MAX_FIELD = 2**31 - 1
+
+
+def _show(v) -> str:
+    """``v`` as JSON writes it, cut to about 40 characters (a list or table: its type)."""
+    if isinstance(v, str) and len(v) > 40:
+        return f"{json.dumps(v[:30])[:-1]}...\" ({len(v)} characters)"
+    text = json.dumps(v) if isinstance(v, (int, float, str, bool)) or v is None else type(v).__name__
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} digits)"
+
+
+def _count(cfg: dict, file: str, *names: str, default=None, minimum: int = 1):
+    """The whole number in the first of ``names`` that ``cfg`` gives (or ``default``).
+
+    Raises
+    ------
+    ConfigError
+        Naming the field and the file, for anything but a whole number from ``minimum`` to
+        :data:`MAX_FIELD` (a string, NaN, Infinity, zero heads, a bool, a list).
+    """
+    field = next((n for n in names if cfg.get(n) is not None), None)
+    if field is None:
+        return default
+    v = cfg[field]
+    whole = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+    if not whole or not minimum <= v <= MAX_FIELD:
+        raise ConfigError(f"{file}: {field} is {_show(v)}, not a whole number from {minimum} to {MAX_FIELD}",
+                          f"fix {field} in {file} (the model's own config.json on the Hub has it "
+                          "right), or give its parameter count (e.g. 7B)")
+    return int(v)
+
+
+def _fraction(cfg: dict, file: str, name: str, default: float) -> float:
+    """A probability field (a dropout rate) from 0 to 1, or ``default``; ConfigError naming it."""
+    v = cfg.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise ConfigError(f"{file}: {name} is {_show(v)}, not a probability from 0 to 1",
+                          f"fix {name} in {file}, or give the model's parameter count (e.g. 7B)")
+    return float(v)
+
+
 #: model_type values whose parameter count is exact here (the Hugging Face transformers
 #: modeling code of each: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 #: Qwen3ForCausalLM, GPT2LMHeadModel, BertModel/RobertaModel).
@@ -240,55 +293,64 @@ def shape_from_config(cfg: dict, name: str = "config.json") -> ModelShape:
     Raises
     ------
     ConfigError
-        When a needed field is missing, or for a mixture-of-experts config.
+        When a needed field is missing or is not a whole number in range (naming the field
+        and the file), when the fields add up to more than :data:`MAX_PARAMS` parameters, or
+        for a mixture-of-experts config.
     """
+    shape = _shape(cfg, name)
+    if shape.params > MAX_PARAMS:
+        raise ConfigError(f"{name} describes {format_count(shape.params)} parameters, more than the "
+                          f"{format_count(MAX_PARAMS)} of any model: a field is damaged (hidden_size "
+                          f"{shape.hidden}, num_hidden_layers {shape.layers}, vocab_size {shape.vocab})",
+                          f"fix {name}, or give the model's parameter count (e.g. 7B)")
+    return shape
+
+
+def _shape(cfg: dict, name: str) -> ModelShape:
     mtype = str(cfg.get("model_type", "")).lower()
     if _get(cfg, "num_local_experts", "num_experts", "n_routed_experts"):
         raise ConfigError(f"{name} describes a mixture-of-experts model ({mtype or 'unknown type'}), "
                           "which this estimate does not model",
                           "give its total parameter count instead, e.g. `%gpu fit 47B`")
-    h = _get(cfg, "hidden_size", "n_embd", "d_model")
-    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _get(cfg, "num_attention_heads", "n_head")
-    vocab = _get(cfg, "vocab_size")
+    h = _count(cfg, name, "hidden_size", "n_embd", "d_model")
+    layers = _count(cfg, name, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _count(cfg, name, "num_attention_heads", "n_head")
+    vocab = _count(cfg, name, "vocab_size")
     missing = [k for k, v in (("hidden_size", h), ("num_hidden_layers", layers),
                               ("num_attention_heads", heads), ("vocab_size", vocab)) if v is None]
     if missing:
         raise ConfigError(f"{name} has no {', '.join(missing)} (model_type {mtype or 'not given'})",
                           "give the model's own config.json, or its parameter count (e.g. 7B)")
-    h, layers, heads, vocab = int(h), int(layers), int(heads), int(vocab)
-    kv = int(_get(cfg, "num_key_value_heads", default=heads))
-    hd = int(_get(cfg, "head_dim", default=h // heads))
-    positions = _get(cfg, "max_position_embeddings", "n_positions", "n_ctx")
-    positions = int(positions) if positions is not None else None
+    kv = _count(cfg, name, "num_key_value_heads", default=heads)
+    hd = _count(cfg, name, "head_dim", default=max(1, h // heads))
+    positions = _count(cfg, name, "max_position_embeddings", "n_positions", "n_ctx")
     q, kvw = heads * hd, kv * hd
     if mtype == "gpt2":
-        inner = int(_get(cfg, "n_inner", default=4 * h))
+        inner = _count(cfg, name, "n_inner", default=4 * h)
         per_layer = (2 * h + h * 3 * h + 3 * h + h * h + h + 2 * h
                      + h * inner + inner + inner * h + h)
         params = vocab * h + (positions or 0) * h + layers * per_layer + 2 * h
         if cfg.get("tie_word_embeddings") is False:
             params += vocab * h
-        drop = float(_get(cfg, "resid_pdrop", default=0.1)) > 0
+        drop = _fraction(cfg, name, "resid_pdrop", 0.1) > 0
         return ModelShape(params=params, layers=layers, hidden=h, heads=heads, kv_heads=heads, head_dim=hd,
                           intermediate=inner, vocab=vocab, gated_mlp=False, dropout=drop,
-                          attn_dropout=float(_get(cfg, "attn_pdrop", default=0.1)) > 0,
+                          attn_dropout=_fraction(cfg, name, "attn_pdrop", 0.1) > 0,
                           causal_lm=True, max_positions=positions, source=f"{name} (gpt2)", exact=True)
     if mtype in ENCODERS:
-        inner = int(_get(cfg, "intermediate_size", default=4 * h))
-        types = int(_get(cfg, "type_vocab_size", default=2))
+        inner = _count(cfg, name, "intermediate_size", default=4 * h)
+        types = _count(cfg, name, "type_vocab_size", default=2, minimum=0)
         per_layer = 4 * h * h + 4 * h + 2 * h + h * inner + inner + inner * h + h + 2 * h
         params = vocab * h + (positions or 0) * h + types * h + 2 * h + layers * per_layer + h * h + h
-        drop = float(_get(cfg, "hidden_dropout_prob", default=0.1)) > 0
+        drop = _fraction(cfg, name, "hidden_dropout_prob", 0.1) > 0
         return ModelShape(params=params, layers=layers, hidden=h, heads=heads, kv_heads=heads, head_dim=hd,
                           intermediate=inner, vocab=vocab, gated_mlp=False, dropout=drop,
-                          attn_dropout=float(_get(cfg, "attention_probs_dropout_prob", default=0.1)) > 0,
+                          attn_dropout=_fraction(cfg, name, "attention_probs_dropout_prob", 0.1) > 0,
                           causal_lm=False, max_positions=positions, source=f"{name} ({mtype})", exact=True)
-    inner = _get(cfg, "intermediate_size")
+    inner = _count(cfg, name, "intermediate_size")
     if inner is None:
         raise ConfigError(f"{name} has no intermediate_size (model_type {mtype or 'not given'})",
                           "give the model's own config.json, or its parameter count (e.g. 7B)")
-    inner = int(inner)
     if mtype == "qwen2":
         qkv_bias, o_bias = True, False
     elif mtype == "mistral":
@@ -301,7 +363,7 @@ def shape_from_config(cfg: dict, name: str = "config.json") -> ModelShape:
     norms = 2 * h + (2 * hd if mtype == "qwen3" else 0)
     tied = bool(cfg.get("tie_word_embeddings", False))
     params = vocab * h + layers * (attn + mlp + norms) + h + (0 if tied else vocab * h)
-    dropout = float(_get(cfg, "attention_dropout", default=0.0) or 0) > 0
+    dropout = _fraction(cfg, name, "attention_dropout", 0.0) > 0
     return ModelShape(params=params, layers=layers, hidden=h, heads=heads, kv_heads=kv, head_dim=hd,
                       intermediate=inner, vocab=vocab, gated_mlp=True, dropout=False, attn_dropout=dropout,
                       causal_lm=True, max_positions=positions, exact=mtype in LLAMA_LIKE,
@@ -320,12 +382,23 @@ def load_model(text: str) -> ModelShape:
     """
     try:
         return assumed_shape(parse_count(text))
-    except ValueError:
-        pass
+    except ValueError as e:  # a count out of range, unless a file has that name
+        count_problem = str(e) if _COUNT.match(text.strip().replace("_", "").replace(",", "")) else ""
+    if "\0" in text:
+        raise ConfigError(f"{_show(text)} holds a NUL byte (\\0), which no file name can",
+                          "give a parameter count (7B, 350M, 1.5e9) or the path of a config.json")
     path = Path(os.path.expanduser(text))
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+        is_file = path.is_file()
+    except (OSError, ValueError) as e:  # a name too long, a NUL
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"cannot use {_show(text)} as a path: {why}",
+                          "give a parameter count (7B, 350M, 1.5e9) or the path of a config.json") from None
+    if not is_file and count_problem:
+        raise ConfigError(count_problem, "give the model's parameter count (7B, 350M, 1.5e9)")
+    if not is_file:
         looks_like_id = "/" in text and not text.startswith((".", "/", "~")) and not path.parent.exists()
         if not looks_like_id:
             raise ConfigError(f"no file {path}",
@@ -339,6 +412,12 @@ def load_model(text: str) -> ModelShape:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read {path} as JSON ({e})",
+                          "give a Hugging Face config.json, or a parameter count (7B)") from None
+    except RecursionError:
+        raise ConfigError(f"cannot read {path} as JSON: it is nested deeper than Python's parser follows",
+                          "give a Hugging Face config.json, or a parameter count (7B)") from None
+    except ValueError as e:  # an integer of more than 4300 digits (sys.get_int_max_str_digits)
+        raise ConfigError(f"cannot read {path} as JSON: a number in it is too long ({str(e).partition(';')[0]})",
                           "give a Hugging Face config.json, or a parameter count (7B)") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path} is not a config.json (not a JSON object)",

@@ -479,6 +479,12 @@ class GpuStatus:
         return rest if rest >= HIDDEN_USE_MIB else 0
 
 
+#: What to do about "Failed to initialize NVML: Driver/library version mismatch" (nvidia-smi, and
+#: every program that loads NVML): the kernel module and the user-space libraries differ.
+NVML_MISMATCH_HINT = ("the driver was upgraded but the old kernel module is still loaded: reboot the "
+                      "machine (or reload the nvidia kernel modules)")
+
+
 def classify_failure(text: str, rc: int) -> tuple[StatusKind, str, str, str | Unknown]:
     """Kind, message, hint and NVML library version for an nvidia-smi call that failed.
 
@@ -500,8 +506,7 @@ def classify_failure(text: str, rc: int) -> tuple[StatusKind, str, str, str | Un
         lib = m.group(1) if m else Unknown("nvidia-smi did not print it")
         return (StatusKind.MISMATCH,
                 f"Failed to initialize NVML: Driver/library version mismatch (NVML library {lib})",
-                "the driver was upgraded but the old kernel module is still loaded: reboot the "
-                "machine (or reload the nvidia kernel modules)", lib)
+                NVML_MISMATCH_HINT, lib)
     if "couldn't communicate with the NVIDIA driver" in text:
         return (StatusKind.NO_DRIVER, "nvidia-smi couldn't communicate with the NVIDIA driver",
                 "the driver is not loaded: reboot the machine; if that does not help, "

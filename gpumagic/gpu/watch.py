@@ -2,7 +2,7 @@
 
 The thread only fetches and hands each new :class:`~gpumagic.gpu.smi.GpuStatus` to a
 callback; what shows it (a widget's values, never an Output widget from the thread) is the
-caller's business (gpumagic/notebook/magics.py).
+caller's business (gpumagic/notebook/magics/gpu.py).
 """
 
 from __future__ import annotations

@@ -286,17 +286,43 @@ def sync_summary_text(s) -> str:
                 f"delete {len(s.deleted)}, {s.skipped} unchanged")
         lines = [head] + _paths("would send", s.would_send) + _paths("would delete", s.deleted)
         return "\n".join(lines + _unreadable(s))
-    head = (f"{s.direction} {arrow}: {count(s.files_sent, 'file')}, {format_bytes(s.bytes_sent)} sent"
+    wire = getattr(s, "wire_bytes", None)  # compressed: what the data took on the wire
+    sent = (f"{format_bytes(s.bytes_sent)}, {format_bytes(wire)} sent" if wire is not None
+            else f"{format_bytes(s.bytes_sent)} sent")
+    head = (f"{s.direction} {arrow}: {count(s.files_sent, 'file')}, {sent}"
             + (f" (+{format_bytes(s.bytes_resumed)} resumed)" if s.bytes_resumed else "")
             + f", {s.skipped} unchanged"
             + (f", {len(s.deleted)} deleted" if s.deleted else "")
             + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
             + f" in {duration(s.seconds)}")
-    return "\n".join([head] + _paths("deleted", s.deleted) + _unreadable(s))
+    return "\n".join([head] + _paths("deleted", s.deleted) + _unreadable(s) + _laptop_notes(s))
 
 
 def _unreadable(s) -> list[str]:
-    return _paths("could not read, not synced", [f"{p}: {why}" for p, why in s.unreadable.items()])
+    """Source entries left out: unreadable (an error, rsync's 23), vanished while the sync
+    ran (a warning, rsync's "file has vanished", its 24), special files (rsync -a's
+    "skipping non-regular file")."""
+    vanished = getattr(s, "vanished", None) or {}
+    specials = getattr(s, "specials", None) or {}
+    return (_paths("could not read, not synced", [f"{p}: {why}" for p, why in s.unreadable.items()])
+            + _paths("file has vanished, not synced", list(vanished))
+            + _paths("skipping non-regular file", [f"{p} ({what})" for p, what in specials.items()]))
+
+
+def _laptop_notes(s) -> list[str]:
+    """What this computer's folder could not hold as the machine has it: one line each."""
+    out = []
+    refused = getattr(s, "links_refused", None) or {}
+    if refused:
+        shown = ", ".join(f"{p} -> {t}" for p, t in list(refused.items())[:5])
+        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
+        out.append(f"{count(len(refused), 'symlink')} not made here, this computer refused them: {shown}{more} "
+                   "(Windows makes symlinks with Developer Mode on, or as administrator; then sync again)")
+    renamed = getattr(s, "renamed", None) or {}
+    if renamed:
+        out += _paths("written under another name (this folder ignores case)",
+                      [f"{p} -> {q}" for p, q in renamed.items()])
+    return out
 
 
 # -- jobs (%%remote --job, %gpu jobs/logs/attach/kill) --------------------------------------
@@ -622,19 +648,28 @@ class GuardView(_View):
 
 
 def tunnel_rows(tunnels: Iterable[tuple[str, object]]) -> list[tuple[str, ...]]:
-    """Rows of ``%gpu tunnel list`` for (machine name, :class:`gpumagic.tunnel.Tunnel`) pairs.
+    """Rows of ``%gpu tunnel list`` for (machine name, tunnel) pairs, local
+    (:class:`gpumagic.tunnel.Tunnel`) and reverse (:class:`gpumagic.tunnel.ReverseTunnel`).
 
-    Columns: ID (the local port, what ``%gpu tunnel close`` takes), MACHINE, WHAT, LOCAL URL,
-    REMOTE (host:port as the machine sees it), CONNS (active/total), DOWN and UP (bytes
-    from and to the remote service), STATE (with the number of faults and the last one).
+    Columns: ID (what ``%gpu tunnel close`` takes: the local port, or ``R`` and the machine's
+    port), MACHINE, WHAT, LOCAL (the URL here; for a reverse tunnel the local ``host:port`` its
+    connections reach), REMOTE (host:port as the machine sees it; for a reverse tunnel where
+    the machine listens), CONNS (active/total), DOWN and UP (bytes towards this computer and
+    towards the machine), STATE (with the number of faults and the last one).
     """
-    rows = [("ID", "MACHINE", "WHAT", "LOCAL URL", "REMOTE", "CONNS", "DOWN", "UP", "STATE")]
+    from ..tunnel import ReverseTunnel
+
+    rows = [("ID", "MACHINE", "WHAT", "LOCAL", "REMOTE", "CONNS", "DOWN", "UP", "STATE")]
     for machine, t in tunnels:
         state = t.state
         if t.faults:
             last = t.faults[-1]
             state += f"; {len(t.faults)} error(s), last: {last.message}"
-        rows.append((str(t.local_port), machine, t.name, t.url, t.target,
+        if isinstance(t, ReverseTunnel):
+            local, remote, what = t.target, f"listens on {t.listen}", f"reverse: {t.name}"
+        else:
+            local, remote, what = t.url, t.target, t.name
+        rows.append((t.id, machine, what, local, remote,
                      f"{t.active_connections}/{t.connections_total}",
                      format_bytes(t.bytes_down), format_bytes(t.bytes_up), state))
     return rows
@@ -659,10 +694,35 @@ def tunnel_table_html(tunnels: Iterable[tuple[str, object]]) -> str:
     body = []
     for r in rows[1:]:
         cells = [html.escape(c) for c in r]
-        link = html.escape(browser_url(r[3]), quote=True)
-        cells[3] = f"<a href='{link}' target='_blank'>{link}</a>"
+        if r[3].startswith("http"):  # a reverse tunnel's local end is no web page
+            link = html.escape(browser_url(r[3]), quote=True)
+            cells[3] = f"<a href='{link}' target='_blank'>{link}</a>"
         body.append("<tr>" + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def reverse_tunnel_opened(t, machine: str, note: str = "") -> Rendered:
+    """The message after a reverse tunnel opened: where the machine listens, where that
+    reaches here, and how to close it.
+
+    Parameters
+    ----------
+    t : gpumagic.tunnel.ReverseTunnel
+    machine : str
+        The machine's name.
+    note : str
+        One more line (e.g. "port 7890 on the machine is taken ...; using 41234 instead").
+    """
+    text = (f"{t.name} on {machine}: the machine's {t.listen} -> this computer's {t.target}\n"
+            f"  (ID {t.id}; `%gpu tunnel close {t.id}` closes it)")
+    if note:
+        text = note + "\n" + text
+    parts = [f"<div>{prose(note)}</div>"] if note else []
+    parts.append(f"<div>{html.escape(t.name)} on {html.escape(machine)}: the machine's "
+                 f"<code>{html.escape(t.listen)}</code> -&gt; this computer's "
+                 f"<code>{html.escape(t.target)}</code> <small>(ID {html.escape(t.id)}; "
+                 f"<code>%gpu tunnel close {html.escape(t.id)}</code> closes it)</small></div>")
+    return Rendered(text, "".join(parts))
 
 
 def tunnel_opened(t, machine: str, note: str = "", inline: bool = False,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import JobError
 from . import jobs, program
+from .execution import cell_bytes, cell_text
 
 if TYPE_CHECKING:
     from .._types import MachineLike
@@ -522,7 +523,20 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
     names = [m.name for m in machines]
     if len(set(names)) != len(names):
         raise JobError(f"--hosts names a machine twice ({', '.join(names)})", "name each machine once")
-    extra = shlex.split(torchrun_args) if isinstance(torchrun_args, str) else list(torchrun_args)
+    extra = split_torchrun_args(torchrun_args) if isinstance(torchrun_args, str) else list(torchrun_args)
+    exec_argv = None
+    script = cell_text(script)  # CRLF -> LF, no NUL
+    text = script.lstrip()
+    if text.startswith("!"):
+        first = text[1:].partition("\n")[0].strip()
+        try:
+            exec_argv = shlex.split(text[1:].strip())
+        except ValueError as e:
+            raise JobError(f"cannot split the cell's command line after '!' ({first[:60]!r}): {e}",
+                           "close the quote (write a quote inside a word as \\' or \"'\")") from None
+        if not exec_argv:
+            raise JobError("the cell's command line after '!' is empty", "e.g. `!python train.py`")
+    data = cell_bytes(script, python=exec_argv is None)  # Python source must be UTF-8
     for m in machines:
         if jobs.list_jobs(m, only=name) and any(i.running for i in jobs.list_jobs(m, only=name)):
             raise JobError(f"a job named {name!r} is already running on {m.name}",
@@ -532,16 +546,10 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
     plan = preflight(machines, nproc=nproc, cwd=cwd, same_dir=same_dir, same_dir_hash=same_dir_hash,
                      python=python, endpoint_host=endpoint_host, endpoint_port=endpoint_port, deadline=deadline)
     rdzv_id = f"{name}-{secrets.token_hex(4)}"
-    exec_argv = None
-    text = script.lstrip()
-    if text.startswith("!"):
-        exec_argv = shlex.split(text[1:].strip())
-        if not exec_argv:
-            raise JobError("the cell's command line after '!' is empty", "e.g. `!python train.py`")
     d = folder(name)
     for m, p in zip(machines, plan.probes):
         _prun(m, "torchrun_stage.sh", d, "rank.py", "1", stdin=program.source("torchrun_rank.py").encode())
-        _prun(m, "torchrun_stage.sh", d, "script.py", stdin=script.encode())
+        _prun(m, "torchrun_stage.sh", d, "script.py", stdin=data)
         _prun(m, "torchrun_stage.sh", d, "hosts", stdin=("\n".join(names) + "\n").encode())
     parts = []
     try:
@@ -562,15 +570,31 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
     return DistributedJob(name, parts, nproc=plan.nproc, plan=plan)
 
 
-def find(session_or_machines: Callable[[str], MachineLike], machine: MachineLike, name: str) -> DistributedJob | None:
+def split_torchrun_args(text: str) -> list[str]:
+    """``--torchrun-args`` as torchrun's own words, split as a shell would
+    (``"--max-restarts 1 --rdzv-conf 'timeout=900'"``).
+
+    Raises
+    ------
+    JobError
+        For an unclosed quote (naming the option and the text).
+    """
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise JobError(f"--torchrun-args {text!r}: cannot split it ({e})",
+                       'close the quote, e.g. --torchrun-args "--max-restarts 1"') from None
+
+
+def find(machine_named: Callable[[str], MachineLike], machine: MachineLike, name: str) -> DistributedJob | None:
     """The torchrun job ``name`` that ``machine`` took part in (its ``hosts`` file names the
-    machines), or None when it is a plain job.  ``session_or_machines``: a callable name ->
-    Machine (``Session.get``)."""
+    machines), or None when it is a plain job.  ``machine_named``: a callable name ->
+    Machine (``Fleet.get``)."""
     r = machine.exec(f"cat \"$HOME\"/{TORCHRUN_DIR}/{shlex.quote(name)}/hosts 2>/dev/null")
     hosts = [h.strip() for h in r.stdout.splitlines() if h.strip()]
     if not hosts:
         return None
-    machines = [machine if h == machine.name else session_or_machines(h) for h in hosts]
+    machines = [machine if h == machine.name else machine_named(h) for h in hosts]
     return DistributedJob(name, [m.job(name) for m in machines])
 
 
@@ -589,7 +613,12 @@ def parse_each(items: Sequence[str]) -> list[dict[str, str]]:
     out = []
     for item in items:
         env = {}
-        for pair in shlex.split(item):
+        try:
+            pairs = shlex.split(item)
+        except ValueError as e:
+            raise JobError(f"--each {item!r}: cannot split it ({e})",
+                           'close the quote, e.g. --each "LR=1e-3" "LR=3e-4 BS=64"') from None
+        for pair in pairs:
             k, eq, v = pair.partition("=")
             if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 raise JobError(f"--each {item!r}: {pair!r} is not NAME=VALUE",

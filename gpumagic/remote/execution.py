@@ -76,7 +76,8 @@ from typing import Callable, Mapping, Sequence
 import paramiko
 
 from ..ssh._paramiko import send_eof, sendall_ordered
-from ..ssh.connection import Connection, wait_readable
+from ..ssh.connection import Connection
+from ..ssh.pump import ChannelPump
 from ..errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 from . import program as _program
 
@@ -91,6 +92,12 @@ MAX_INLINE = 120 * 1024
 KILL_GRACE = 1.0
 #: The wrapper's exit status when the working directory does not exist (stderr says which).
 CWD_MISSING = 97
+
+#: Seconds the error of a cell cut by a lost connection waits for its processes to be
+#: stopped over a new connection (the stop goes on in the background past it).
+STOP_WAIT = 5.0
+#: The stopper of a cut cell (``gpumagic/remote/programs/exec-stop-cell.sh``).
+STOP_PROGRAM = "exec-stop-cell.sh"
 
 #: The wrapper every cell runs in (``gpumagic/remote/programs/exec-cell.sh``).
 CELL_PROGRAM = "exec-cell.sh"
@@ -139,7 +146,8 @@ Sink = Callable[[str], None]
 
 def check_text(text: str, what: str = "the cell", *, by_line: bool = True) -> str:
     """Return ``text`` if it can be sent, else raise :class:`RemoteCommandError` naming the
-    line (``by_line``; 1-based) that holds a NUL byte.
+    line (``by_line``; 1-based) that holds a NUL byte, or a lone surrogate that is not
+    :func:`os.fsdecode`'s stand-in for a byte (``\\udc80``-``\\udcff``, sent as that byte).
 
     No program can receive a NUL: argv and environment strings end at one, and bash drops
     them from a script.  A NUL in a cell almost always comes from pasted binary data, so it is
@@ -152,7 +160,52 @@ def check_text(text: str, what: str = "the cell", *, by_line: bool = True) -> st
             f"{where} holds a NUL byte (\\0), which cannot be sent to the machine",
             exit_code=-1,
             hint="remove it (pasted binary data?); to write a NUL byte, use printf '\\0' in the cell")
+    try:
+        text.encode("utf-8", "surrogateescape")  # \udc80-\udcff: a byte that is not UTF-8 (os.fsdecode)
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        where = f"line {text.count(chr(10), 0, e.start) + 1} of {what}" if by_line else what
+        raise RemoteCommandError(
+            f"{where} holds a lone surrogate U+{ch:04X} (text from a broken decode), which no "
+            "encoding can send", exit_code=-1,
+            hint=f"retype that character, or write it as the escape '\\u{ch:04x}'") from None
     return text
+
+
+def cell_text(code: str) -> str:
+    """A cell's text as the machine runs it: its CRLF line endings as LF (a notebook or
+    ``.py`` edited on Windows), so that bash never sees ``\\r`` glued to a command's last word
+    (``$'\\r': command not found``) and a ``--python`` cell is its LF twin; checked with
+    :func:`check_text`.  A lone ``\\r`` is the cell's own character and stays.  Output is
+    never changed: it keeps the line endings the program wrote."""
+    return check_text(code.replace("\r\n", "\n"))
+
+
+def cell_bytes(code: str, *, python: bool = False, what: str = "the cell") -> bytes:
+    """A cell's text as the bytes the machine receives: :func:`cell_text`, in UTF-8.
+
+    A lone surrogate ``\\udc80``-``\\udcff`` is what :func:`os.fsdecode` makes of a byte that
+    is not UTF-8 (a file name from ``os.listdir`` pasted into a cell).  A shell cell sends it
+    as that byte (``surrogateescape``), so the cell names the same file as ``%gpu cd`` and
+    ``--cwd`` do with the same text.  Python source must be UTF-8, so a ``--python`` cell
+    holding one is refused, as is any other lone surrogate (:func:`check_text`): both name the
+    line.
+
+    Raises
+    ------
+    RemoteCommandError
+        For a NUL byte or such a surrogate, naming its line.
+    """
+    code = cell_text(code)
+    try:
+        return code.encode("utf-8", "strict" if python else "surrogateescape")
+    except UnicodeEncodeError as e:
+        ch = code[e.start]
+        line = code.count("\n", 0, e.start) + 1
+        raise RemoteCommandError(
+            f"line {line} of {what} holds a lone surrogate U+{ord(ch):04X} (text from a broken "
+            "decode), and Python source must be UTF-8", exit_code=-1,
+            hint=f"write the byte as b'\\x{ord(ch) - 0xDC00:02x}', or retype the character") from None
 
 
 def program(body: str, nonce: str) -> bytes:
@@ -227,17 +280,20 @@ def build_program(argv: Sequence[str], *, cwd: str | None = None,
 
 
 def cell_argv(code: str, *, python: bool = False, python_exe: str = "python3") -> list[str]:
-    """argv that runs a cell: ``bash -c CODE`` or ``python3 -u -c CODE``.
+    """argv that runs a cell: ``bash -c CODE`` or ``python3 -u -c CODE`` (CODE with LF line
+    endings: :func:`cell_text`).
 
     Raises
     ------
     RemoteCommandError
-        When the cell is over :data:`MAX_INLINE` bytes or holds a NUL byte (naming its line).
+        When the cell is over :data:`MAX_INLINE` bytes, or holds a NUL byte or a lone
+        surrogate it cannot send (naming its line: :func:`cell_bytes`).
     """
-    check_text(code)
-    if len(code.encode()) > MAX_INLINE:
+    size = len(cell_bytes(code, python=python))
+    code = cell_text(code)
+    if size > MAX_INLINE:
         raise RemoteCommandError(
-            f"the cell is {len(code.encode())} bytes; at most {MAX_INLINE} bytes can be sent inline",
+            f"the cell is {size} bytes; at most {MAX_INLINE} bytes can be sent inline",
             exit_code=-1,
             hint="put the code in a file, `%gpu sync` it, and run the file",
         )
@@ -355,13 +411,17 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         check_text(a, f"argument {i} of the command", by_line=False)
     out, err = _Stream(stdout, capture), _Stream(stderr, capture)
     request = runner_request(argv, cwd=cwd, env=env)  # refuses a NUL byte before anything runs
+    conn.ensure_alive()  # a path gone quiet must answer first, or a new one is taken
     runner = _take_runner(conn) if USE_RUNNER else None
     if runner is not None:
         start = time.monotonic()
         try:
-            code = runner.run(conn, request, out, err, timeout, start)
+            with conn.in_flight():
+                code = runner.run(conn, request, out, err, timeout, start)
         except _NotStarted:
             code = None  # the runner ended before it started the cell: run it the old way
+        except _Cut as e:
+            raise _cut(conn, e, runner.cell_pid or 0, runner.pid or 0) from None
         if code is not None:
             result = RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes,
                                err.nbytes)
@@ -377,8 +437,9 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     try:
         chan.exec_command(BOOTSTRAP)
         try:
-            _pump(conn, chan, lambda data: out.feed(marker.feed(data)), err.feed, timeout, start,
-                  script=script)
+            with conn.in_flight():
+                _pump(conn, chan, lambda data: out.feed(marker.feed(data)), err.feed, timeout,
+                      start, script=script)
         except _Timeout:
             _stop(chan)
             raise RemoteTimeout(
@@ -393,8 +454,10 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     except KeyboardInterrupt:
         _stop(chan)
         raise
+    except _Cut as e:
+        raise _cut(conn, e, marker.pid or 0, 0) from None
     except (paramiko.SSHException, EOFError, OSError) as e:
-        raise _lost(conn, e)
+        raise _cut(conn, _Cut(conn, e), marker.pid or 0, 0) from None
     finally:
         chan.close()
     result = RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes, err.nbytes)
@@ -429,72 +492,102 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
         ``timeout`` seconds passed since ``start``.
     """
     chan.setblocking(False)
-    pending: memoryview | None = memoryview(script)
-    then = stdin  # what follows the script: None (nothing, no EOF), or bytes and EOF
-    while True:
-        busy = False
-        if pending is not None and chan.send_ready():
-            # no more than the window allows, so this never blocks; never after a CLOSE
-            size = max(1, min(65536, chan.out_window_size))
-            sendall_ordered(chan, bytes(pending[:size]))
-            pending = pending[size:]
-            if not pending:
-                pending = None
-            busy = True
-        if pending is None and then is not None and (not then or ready()):
-            if then:
-                pending, then = memoryview(then), b""
-            else:
-                send_eof(chan)
-                then = None
-            busy = True
-        if chan.recv_ready():
-            data = chan.recv(65536)
-            if data:
-                on_out(data)
-                busy = True
-        if chan.recv_stderr_ready():
-            data = chan.recv_stderr(65536)
-            if data:
-                on_err(data)
-                busy = True
-        if busy:
-            continue
-        if chan.exit_status_ready() and (chan.eof_received or chan.closed):
-            return
+    pump = ChannelPump(chan, on_out, on_err)
+    pump.send(script)
+    if stdin is not None:  # None: nothing follows the script, and no EOF
+        if stdin:
+            pump.send(stdin, when=ready)
+        pump.send_eof(when=ready if stdin else lambda: True)
+
+    def watch() -> None:
         if not conn.is_connected:
             raise _lost(conn)
-        if timeout is not None and time.monotonic() - start > timeout:
-            raise _Timeout()
-        if chan.eof_received and pending is None:
-            # paramiko leaves the channel's event pipe readable for good after EOF: poll
-            # would return at once until the exit status came (a busy loop that took the
-            # CPU from sshd, measured at ~170 polls a cell); wait for the status instead.
-            chan.status_event.wait(0.2)
-        else:
-            wait_readable(chan, 0.01 if pending is not None else 0.2)
+
+    deadline = None if timeout is None else start + timeout
+    if not pump.run(lambda: pump.finished, deadline=deadline, watch=watch):
+        raise _Timeout()
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
-    why = conn.lost_reason or (exc and str(exc)) or "the connection closed"  # EOFError says ""
+    return _Cut(conn, exc)
+
+
+class _Cut(ConnectionLost):
+    """The connection under a running command was lost (``why`` says how); for a cell,
+    :func:`_cut` stops what it left on the machine and says so."""
+
+    def __init__(self, conn: Connection, exc: Exception | None = None):
+        #: True when gpumagic declared the path dead (no answer): the machine may not know.
+        self.silent = conn.lost_reason is not None
+        self.why = conn.lost_reason or (exc and str(exc)) or "the connection closed"  # EOFError says ""
+        super().__init__(
+            f"lost the connection to {conn.spec.address} while the command ran ({self.why})",
+            "run it again: gpumagic reconnects by itself")
+
+
+def _cut(conn: Connection, e: _Cut, pgid: int, runner: int) -> ConnectionLost:
+    """The error of a cell whose connection was lost: its process group ``pgid`` (0: it had
+    not said it started) and the runner ``runner`` (0: none) are stopped on the machine over
+    a new connection first (:func:`_stop_elsewhere`) when the path went silent, and the
+    message says what became of them.  A connection that closed (sshd ended it, or this
+    side closed it) told the machine, which stopped them itself (the runner's watchdog,
+    the wrapper's)."""
+    fate = (_stop_elsewhere(conn, pgid, runner) if e.silent
+            else "its processes were stopped")
     return ConnectionLost(
-        f"lost the connection to {conn.spec.address} while the command ran ({why}); "
-        "its processes were stopped",
-        "run the cell again: gpumagic reconnects by itself (use %%remote --job for runs that must survive)",
-    )
+        f"lost the connection to {conn.spec.address} while the cell ran ({e.why}); {fate}",
+        "run the cell again: gpumagic reconnects by itself (use %%remote --job for runs that "
+        "must survive a network change)")
+
+
+def _stop_elsewhere(conn: Connection, pgid: int, runner: int) -> str:
+    """Stop a cut cell's processes on the machine over a new connection, waiting up to
+    :data:`STOP_WAIT` seconds; what became of them, as words for the error message.
+
+    Needed because a path that went silent (a roam, a NAT that forgot the connection) tells
+    the machine nothing: its sshd keeps the old connection, and with it the cell, for as
+    long as TCP does (hours without output).  Where the connection really closed, the
+    machine already stopped the cell itself (the runner's watchdog, the wrapper's), and the
+    stopper finds it gone.
+    """
+    done = threading.Event()
+    said: list[str] = []
+
+    def stop() -> None:
+        try:
+            conn.ensure_open()
+            r = _program.run(conn, STOP_PROGRAM, KILL_GRACE, pgid, runner,
+                             timeout=KILL_GRACE + 10)
+            said.append(r.stdout.strip())
+        except Exception as e:  # noqa: BLE001 - told in the message
+            said.append(f"error: {getattr(e, 'message', None) or e}")
+        finally:
+            done.set()
+
+    threading.Thread(target=stop, daemon=True, name="gpumagic-stop-cut-cell").start()
+    if not done.wait(STOP_WAIT):
+        return (f"gpumagic is still trying to stop its processes on the machine over a new "
+                f"connection (none answered within {STOP_WAIT:g} s)")
+    word = said[0] if said else ""
+    if word == "stopped":
+        return "its processes were stopped on the machine over a new connection"
+    if word == "gone":
+        return "it had already ended on the machine (nothing of it is left running)"
+    if word == "left":
+        return ("its processes were sent SIGKILL over a new connection, and one still runs "
+                "there (uninterruptible I/O); check with `ps` in a cell")
+    why = word.removeprefix("error: ") or "no answer"
+    return (f"its processes could not be stopped over a new connection ({why}); the machine "
+            "stops them when its sshd drops the old connection")
 
 
 def _stop(chan: paramiko.Channel) -> None:
     """Close the cell's stdin: the remote wrapper then stops the whole process group."""
     try:
         send_eof(chan)
-        deadline = time.monotonic() + KILL_GRACE + 2
-        while not chan.exit_status_ready() and time.monotonic() < deadline and not chan.closed:
-            while chan.recv_ready():
-                chan.recv(65536)
-            while chan.recv_stderr_ready():
-                chan.recv_stderr(65536)
-            time.sleep(0.02)
+        # drained (and dropped) so that the wrapper can exit
+        ChannelPump(chan).run(lambda: chan.exit_status_ready() or chan.closed,
+                              deadline=time.monotonic() + KILL_GRACE + 2)
     except Exception:
         pass
 
@@ -552,6 +645,8 @@ def _take_runner(conn: Connection) -> "_Runner | None":
     transport = conn.transport
     if transport is None:
         return None
+    if _stop_abandoned_runner not in conn.after_abandon:
+        conn.after_abandon.append(_stop_abandoned_runner)
     with _runners_lock:
         runner = _runners.get(transport, ...)
         if runner is None:
@@ -575,6 +670,17 @@ def _take_runner(conn: Connection) -> "_Runner | None":
     with _runners_lock:
         _runners[transport] = None  # no Python 3, a refused login...: the old way from now on
     return None
+
+
+def _stop_abandoned_runner(conn: Connection, transport: paramiko.Transport) -> None:
+    """After :meth:`Connection.ensure_alive` left a dead path: end that path's runner on the
+    machine over the new connection (its sshd keeps the old connection, and the runner
+    with it, for hours); a cell it ran is stopped by its watchdog."""
+    with _runners_lock:
+        runner = _runners.pop(transport, None)
+    if runner is not None and runner.pid:
+        _program.run(conn, STOP_PROGRAM, KILL_GRACE, runner.cell_pid or 0, runner.pid,
+                     timeout=KILL_GRACE + 10)
 
 
 def prestart_runner(conn: Connection) -> None:
@@ -624,6 +730,10 @@ class _Runner:
         self.ready = False
         self.tag = b""
         self.buf = bytearray()
+        #: The runner's PID on the machine (from its start marker), and the running cell's
+        #: (its process group; from the "P" frame); None while not known.
+        self.pid: int | None = None
+        self.cell_pid: int | None = None
 
     @property
     def alive(self) -> bool:
@@ -640,7 +750,7 @@ class _Runner:
         if self.chan is None:
             self.begin(conn)
         assert self.chan is not None
-        _await_marker(self.chan, self.tag, RUNNER_START_TIMEOUT)
+        self.pid = _await_marker(self.chan, self.tag, RUNNER_START_TIMEOUT)
         self.ready = self._greeted(time.monotonic() + RUNNER_START_TIMEOUT)
         return self.ready
 
@@ -685,6 +795,7 @@ class _Runner:
         chan = self.chan
         assert chan is not None
         done = False
+        self.cell_pid = None
         try:
             try:
                 sendall_ordered(chan, _FRAME.pack(b"C", len(request)) + request)
@@ -714,26 +825,28 @@ class _Runner:
               start: float, *, started: bool = False) -> int:
         chan = self.chan
         assert chan is not None
-        while True:
-            if chan.recv_ready():
-                data = chan.recv(65536)
-                self.buf += data
-                for kind, payload in _frames(self.buf):
-                    if kind == b"O":
-                        out.feed(payload)
-                    elif kind == b"E":
-                        err.feed(payload)
-                    elif kind == b"P":
-                        started = True
-                    elif kind == b"X":
-                        out.feed(b"", final=True)
-                        err.feed(b"", final=True)
-                        return int(payload)
-                if data:
-                    continue
-            while chan.recv_stderr_ready():  # the runner's own complaints: not the cell's
-                chan.recv_stderr(65536)
-            if chan.closed or chan.eof_received:
+        code: int | None = None
+
+        def on_out(data: bytes) -> None:
+            nonlocal started, code
+            self.buf += data
+            for kind, payload in _frames(self.buf):
+                if kind == b"O":
+                    out.feed(payload)
+                elif kind == b"E":
+                    err.feed(payload)
+                elif kind == b"P":
+                    started = True
+                    self.cell_pid = int(payload)
+                elif kind == b"X":
+                    self.cell_pid = None  # ended: its group's number may be reused
+                    out.feed(b"", final=True)
+                    err.feed(b"", final=True)
+                    code = int(payload)
+                    return  # what follows stays in the buffer for the next cell
+
+        def watch() -> None:
+            if pump.at_eof:
                 if not conn.is_connected:
                     raise _lost(conn)
                 if not started:
@@ -744,9 +857,14 @@ class _Runner:
                     "run the cell again (a new runner starts by itself)")
             if not conn.is_connected:
                 raise _lost(conn)
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise _Timeout()
-            wait_readable(chan, 0.2)
+
+        # stderr is the runner's own complaints, not the cell's: read and dropped
+        pump = ChannelPump(chan, on_out)
+        deadline = None if timeout is None else start + timeout
+        if not pump.run(lambda: code is not None, deadline=deadline, watch=watch):
+            raise _Timeout()
+        assert code is not None
+        return code
 
     def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
         """Stop the cell's process group (SIGTERM, SIGKILL :data:`KILL_GRACE` s later) and
@@ -835,10 +953,13 @@ def _send_program(chan: paramiko.Channel, command: str) -> bytes:
     return f"\x1egpumagic-{nonce} ".encode()
 
 
-def _await_marker(chan: paramiko.Channel, tag: bytes, timeout: float | None) -> None:
-    """The second half of :func:`start_program`: read up to the end of the marker line."""
+def _await_marker(chan: paramiko.Channel, tag: bytes, timeout: float | None) -> int | None:
+    """The second half of :func:`start_program`: read up to the end of the marker line;
+    the PID it names (the ``/bin/sh`` that ``exec``s the program: the program's PID), or
+    None when the channel ended first."""
     deadline = None if timeout is None else time.monotonic() + timeout
     old = chan.gettimeout()
+    pid = b""
     try:
         seen = 0  # how much of ``tag`` the bytes read so far end with
         while True:
@@ -851,11 +972,12 @@ def _await_marker(chan: paramiko.Channel, tag: bytes, timeout: float | None) -> 
                 chan.settimeout(left)
             data = chan.recv(want)
             if not data:
-                return
+                return None
             for b in data:
                 if seen == len(tag):
                     if b == 0x0A:
-                        return
+                        return int(pid) if pid.isdigit() else None
+                    pid += bytes((b,))
                     continue
                 seen = _advance(tag, seen, b)
     finally:
@@ -882,8 +1004,18 @@ _ENV_SKIP = frozenset({"_", "SHLVL", "PWD", "OLDPWD", "PS1", "PS2", "PS4", "PROM
                        "HISTCONTROL", "BASH_EXECUTION_STRING", "SSH_TTY", "LS_COLORS"})
 
 
+_SETTINGS_MARK = "\x1egpumagic-settings\x1e"
+
+
 def login_env_delta(conn: Connection, timeout: float = 15) -> dict[str, str | None]:
-    """What an interactive login shell (``ssh host``) sets beyond a plain ``ssh host cmd``.
+    """What an interactive login shell (``ssh host``) sets beyond a plain ``ssh host cmd``:
+    the first half of :func:`read_environment`."""
+    return read_environment(conn, timeout)[0]
+
+
+def read_environment(conn: Connection, timeout: float = 15) -> tuple[dict[str, str | None], dict[str, str]]:
+    """(what an interactive login shell sets beyond a plain ``ssh host cmd``, gpumagic's own
+    settings for every cell, session and job on the machine).
 
     One round trip: the exec environment and ``$SHELL -lic env`` (``$SHELL -l`` reading the
     command from stdin for csh and tcsh) are read together, and
@@ -891,15 +1023,24 @@ def login_env_delta(conn: Connection, timeout: float = 15) -> dict[str, str | No
     return" line of ``~/.bashrc``) are returned, ``None`` meaning "unset".  PATH entries
     that only the exec environment has are kept in front of the login PATH.  Cells apply
     it so that they see what the user sees over ``ssh host``, while each later exec pays
-    only for a non-interactive shell.
+    only for a non-interactive shell.  The settings are ``~/.gpumagic/env``'s ``NAME=VALUE``
+    lines (``HF_ENDPOINT`` from ``%gpu mirrors hf``), read in the same round trip.
     """
     try:
-        r = _program.run(conn, LOGIN_ENV_PROGRAM, _ENV_MARK, timeout=timeout)
+        r = _program.run(conn, LOGIN_ENV_PROGRAM, _ENV_MARK, _SETTINGS_MARK, timeout=timeout)
     except RemoteTimeout:
-        return {}
-    parts = r.stdout.split(_ENV_MARK)
+        return {}, {}
+    settings: dict[str, str] = {}
+    stdout = r.stdout
+    if stdout.startswith(_SETTINGS_MARK):
+        block, _, stdout = stdout[len(_SETTINGS_MARK):].partition(_SETTINGS_MARK)
+        for line in block.splitlines():
+            k, sep, v = line.partition("=")
+            if sep and _SHELL_NAME.fullmatch(k.strip()):
+                settings[k.strip()] = v
+    parts = stdout.split(_ENV_MARK)
     if len(parts) < 3:
-        return {}
+        return {}, settings
 
     def parse(block: str) -> dict[str, str]:
         out = {}
@@ -918,4 +1059,4 @@ def login_env_delta(conn: Connection, timeout: float = 15) -> dict[str, str | No
     delta: dict[str, str | None] = {k: v for k, v in login.items()
                                     if k not in _ENV_SKIP and base.get(k) != v}
     delta.update({k: None for k in base if k not in login and k not in _ENV_SKIP})
-    return delta
+    return delta, settings

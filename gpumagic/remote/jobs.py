@@ -71,7 +71,7 @@ from typing import Callable, Iterable, Mapping, TYPE_CHECKING
 from .._format import duration
 from ..errors import ConnectionLost, JobError, RemoteTimeout
 from . import program
-from .execution import check_text, export_lines
+from .execution import cell_bytes, check_text, export_lines
 
 if TYPE_CHECKING:
     from .._types import MachineLike
@@ -675,10 +675,10 @@ def start(machine: MachineLike, name: str, command: str, *, python: bool = False
     tool_dirs = tuple(tool_dirs)
     searched = "its PATH" + (f" and {', '.join(tool_dirs)}" if tool_dirs else "")
     sd_cmd, grace = shutdown_arming(machine, then_shutdown)
-    check_text(command)
+    data = cell_bytes(command, python=python)  # CRLF -> LF, no NUL, no surrogate it cannot send
     work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
     # Names that are not shell variable names (exported bash functions) are left out.
-    lines, _ = export_lines({**machine.login_env(), **(env or {})})
+    lines, _ = export_lines({**machine.environment(), **(env or {})})
     # The launcher receives the job's programs, patterns and environment as shell variables
     # set before it (the program travels on stdin: no value is in an argv, none is exported).
     given = {"RUN": job_file("run.sh"), "KILL": job_file("kill.sh"), "WATCH": job_file("watch.sh"),
@@ -687,7 +687,7 @@ def start(machine: MachineLike, name: str, command: str, *, python: bool = False
     line = "".join(f"{k}={shlex.quote(v)}\n" for k, v in given.items()) + program.command(
         "job-launch.sh", name, work, "python3" if python else "bash", ",".join(kinds), sd_cmd, grace,
         1 if alerts else 0, KILL_GRACE, ":".join(tool_dirs))
-    r = machine.exec(line, stdin=command.encode(), timeout=90)
+    r = machine.exec(line, stdin=data, timeout=90)
     res = parse_launch(r.stdout)
     archived = next((ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("archived ")), "")
     if res["status"] == "running":

@@ -62,8 +62,8 @@ from typing import Any, Iterable, Mapping, TYPE_CHECKING
 import paramiko
 
 from ..ssh import _paramiko
-from ..errors import (ConnectionLost, Interrupted, KernelConnectionLost, KernelError,  # noqa: F401
-                      RemoteKernelError, RemoteTimeout)
+from ..errors import (ConnectionLost, GpumagicError, Interrupted, KernelConnectionLost,  # noqa: F401
+                      KernelError, RemoteKernelError, RemoteTimeout)
 
 if TYPE_CHECKING:
     from .._types import MachineLike
@@ -83,6 +83,9 @@ ACK_INTERVAL = 0.5
 #: Seconds after a cell ends before what it showed is acknowledged (unless a request
 #: carries the acknowledgement first).
 ACK_DELAY = 0.2
+#: Times a running cell's connection may be lost and made again while it is followed: the
+#: keeper keeps its output, which is shown once, in order, after each reconnect.
+RECONNECTS = 3
 #: Bytes of decoded frames held between the channel and the caller (the rest waits in
 #: the SSH window and on the machine).
 QUEUE_BYTES = 4 * 1024 * 1024
@@ -225,7 +228,7 @@ def default_output() -> Output:
     """Rich display when running inside IPython (a notebook), text otherwise."""
     ipython = sys.modules.get("IPython")
     if ipython is not None and ipython.get_ipython() is not None:
-        from ..notebook.kernel_magics import NotebookOutput
+        from ..notebook.magics.kernel import NotebookOutput
 
         return NotebookOutput()
     return TextOutput()
@@ -539,6 +542,8 @@ class _Waiter:
         self.reply_type = reply_type
         self.reply: Message | None = None
         self.idle = not need_idle
+        #: Any message of the request's came (the kernel took it).
+        self.seen = False
 
     @property
     def done(self) -> bool:
@@ -660,7 +665,7 @@ class RemoteKernel:
     def _launch(self, python: str, cwd: str | None, env: Mapping[str, str] | None) -> dict:
         digest, tar = _programs_tar()
         progs = f"$HOME/{KERNELS_DIR}/.programs/{digest}"
-        full_env = {**self.machine.login_env(), **(env or {})}
+        full_env = {**self.machine.environment(), **(env or {})}
         full_env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         unset = [a for k, v in full_env.items() if v is None for a in ("-u", k)]
         assigns = [f"{k}={v}" for k, v in full_env.items() if v is not None]
@@ -693,7 +698,10 @@ class RemoteKernel:
         return next((k for k in list_kernels(self.machine) if k.name == self.name), None)
 
     def _connect(self) -> _Link:
-        """The channel to the keeper, (re)opened as needed."""
+        """The channel to the keeper, (re)opened as needed: also when the connection's path
+        went dead without a word (a roam), which :meth:`Connection.ensure_alive` finds out
+        and replaces; the keeper then replays what this client has not seen."""
+        self.machine.connection.ensure_alive()
         link = self._link
         if link is not None and link.lost is None and not link.closed \
                 and self.machine.connection.is_connected and link.opened == self.machine.connection.opened_count:
@@ -848,8 +856,8 @@ class RemoteKernel:
             result = ExecuteResult()
             deadline = start + timeout if timeout is not None else None
             try:
-                self._pump(link, out, own=msg_id, waiter=waiter, result=result, capture=capture,
-                           deadline=deadline)
+                with self.machine.connection.in_flight():
+                    link = self._follow(link, out, waiter, result, capture, deadline)
             except _Deadline:
                 self._interrupt_and_wait(link, out, waiter, result, capture)
                 raise RemoteTimeout(f"the cell ran past its timeout of {timeout:g} s in session "
@@ -882,6 +890,45 @@ class RemoteKernel:
                     raise result.error
                 out.stream("stderr", "\n".join(result.error.traceback) + "\n")
             return result
+
+    def _follow(self, link: _Link, out: Output, waiter: _Waiter, result: ExecuteResult,
+                capture: bool, deadline: float | None) -> _Link:
+        """Show the cell's output until its reply and idle (:meth:`_pump`).  When the SSH
+        connection is lost meanwhile (a roam: noticed within seconds, the cell being in
+        flight), connect again, up to :data:`RECONNECTS` times, and go on: the keeper
+        replays what came meanwhile, shown once, in order.  Returns the link in use.
+
+        Raises
+        ------
+        KernelConnectionLost
+            No new connection could be made, or the request had not reached the session
+            (the kernel is idle and knows nothing of it: run it again).
+        """
+        for attempt in range(RECONNECTS + 1):
+            try:
+                self._pump(link, out, own=waiter.msg_id, waiter=waiter, result=result,
+                           capture=capture, deadline=deadline)
+                return link
+            except KernelConnectionLost as e:
+                if attempt == RECONNECTS:
+                    raise
+                lost = e
+            try:
+                link = self._connect()
+            except KernelError:
+                raise
+            except GpumagicError:  # no new connection either: the loss is the news
+                raise lost from None
+            sync = self._sync(link, out, own=waiter.msg_id, waiter=waiter, result=result,
+                              capture=capture)
+            if waiter.done:
+                return link
+            if not waiter.seen and sync.get("state") == "idle":
+                raise KernelConnectionLost(
+                    f"the connection to {self.machine.name} was lost as the cell was sent, and "
+                    f"session {self.where} never got it (it is idle and ran nothing of it)",
+                    "run the cell again (the connection is back)")
+        return link
 
     def _interrupt_and_wait(self, link, out, waiter, result, capture) -> bool:
         """Interrupt the kernel, then show output until the cell's reply (True) or until
@@ -950,6 +997,8 @@ class RemoteKernel:
             self._ack(link)
             return ev.get("event")
         pid, kind, said = msg.parent_id, msg.msg_type, None
+        if waiter is not None and pid == waiter.msg_id:
+            waiter.seen = True
         if msg.ch == "iopub":
             if kind == "status":
                 if own is not None and pid == own and msg.content.get("execution_state") == "idle":
@@ -1021,9 +1070,11 @@ class RemoteKernel:
                            f"lost{detail}", f"`%gpu kernel restart {self.name}` starts a fresh one")
 
     def _sync(self, link: _Link, out: Output, own: str | None = None,
-              death_is_news: bool = False) -> dict:
-        """Ask the keeper where its journal ends, show everything up to there, return its
-        status (``state``, ``busy_msg``, ``since``, ``last``...)."""
+              death_is_news: bool = False, waiter: _Waiter | None = None,
+              result: ExecuteResult | None = None, capture: bool = False) -> dict:
+        """Ask the keeper where its journal ends, show everything up to there (what
+        ``waiter``'s request got on the way, recorded there), return its status
+        (``state``, ``busy_msg``, ``since``, ``last``...)."""
         self._op(link, "sync")
         sync = None
         while sync is None or self._last_seq < sync.get("last", 0):
@@ -1033,8 +1084,9 @@ class RemoteKernel:
             if msg.seq is None and msg.op == "sync":
                 sync = msg.content
                 self._welcome["state"] = sync.get("state")
-            else:
-                self._dispatch(link, out, msg, own, death_is_news=death_is_news)
+            elif self._dispatch(link, out, msg, own, waiter, result, capture,
+                                death_is_news=death_is_news) == "idle" and waiter is not None:
+                waiter.idle = True
         return sync
 
     def _catch_up(self, link: _Link, out: Output, death_is_news: bool = False) -> dict:

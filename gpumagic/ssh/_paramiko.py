@@ -6,6 +6,11 @@ gpumagic uses a few of paramiko's private names where its public API cannot do t
   drops the whole connection for a message on a freed channel; see below);
 * never waiting for a key exchange on paramiko's own transport thread, the only thread that
   can finish one;
+* waiting, without polling, for a channel's exit status (``Channel.status_event``) or for
+  its send window to open (``Channel.out_buffer_cv``), and reading the window's size;
+* noticing a dead path: a hook on every packet read from the machine
+  (``Transport.packetizer.read_message``), so that any packet, not only a keepalive's
+  reply, proves the path alive (:func:`on_every_packet`);
 * tunnels: opening a ``direct-tcpip`` channel in two halves, handling its confirmation on the
   transport thread and taking the channel's DATA as it arrives (``Channel.in_buffer``), which
   brings a tunnel's time to first byte to ``ssh -L``'s (see :mod:`gpumagic.tunnel`).
@@ -39,10 +44,12 @@ PRIVATE_NAMES = {
                   "_next_channel", "_sanitize_window_size", "_sanitize_packet_size",
                   "clear_to_send", "clear_to_send_lock", "clear_to_send_timeout",
                   "channel_events", "channels_seen", "lock", "active", "saved_exception",
-                  "banner_timeout", "handshake_timeout", "host_key"),
+                  "banner_timeout", "handshake_timeout", "host_key", "packetizer"),
     "Channel": ("_send_eof", "_wait_for_send_window", "_check_add_window", "_set_transport",
                 "_set_window", "in_buffer", "lock", "eof_sent", "eof_received", "closed",
-                "out_window_size", "out_max_packet_size", "remote_chanid", "chanid"),
+                "out_window_size", "out_max_packet_size", "remote_chanid", "chanid",
+                "status_event", "out_buffer_cv"),
+    "Packetizer": ("read_message",),
 }
 
 #: Seconds to wait for a late channel confirmation that is being handled right now.
@@ -59,7 +66,8 @@ def probe() -> list[str]:
     a, b = socket.socketpair()
     try:
         t = paramiko.Transport(a)
-        objects = {"Transport": t, "Channel": paramiko.Channel(0)}
+        objects = {"Transport": t, "Channel": paramiko.Channel(0),
+                   "Packetizer": getattr(t, "packetizer", None)}
         missing = [f"{owner}.{name}" for owner, names in PRIVATE_NAMES.items()
                    for name in names if not hasattr(objects[owner], name)]
         table = getattr(t, "_handler_table", {})
@@ -233,6 +241,50 @@ def sendall_ordered(chan: paramiko.Channel, data: bytes | memoryview) -> None:
         view = view[size:]
 
 
+def send_some(chan: paramiko.Channel, data: bytes | memoryview) -> int:
+    """Send as much of ``data`` as the channel's send window takes now, never waiting for
+    more and never after the channel's CLOSE; the number of bytes sent (0: the window is
+    shut).  Without :data:`FAST` it is paramiko's public ``send`` once ``send_ready()``.
+
+    Raises
+    ------
+    OSError
+        The channel is closed, or our EOF was sent.
+    """
+    if not chan.send_ready():  # the window is shut (True once closed: then it raises)
+        return 0
+    if not FAST:
+        return chan.send(data)  # raises when closed; never waits: the window is open
+    view = memoryview(data)
+    sent = 0
+    ended = False
+    while sent < len(view):
+        piece = 0
+
+        def build():
+            nonlocal piece, ended
+            if chan.eof_sent:
+                ended = True
+                return None
+            n = min(len(view) - sent, chan.out_window_size, chan.out_max_packet_size - 64)
+            if n <= 0:
+                return None
+            chan.out_window_size -= n
+            m = paramiko.Message()
+            m.add_byte(_MSG_CHANNEL_DATA)
+            m.add_int(chan.remote_chanid)
+            m.add_string(bytes(view[sent:sent + n]))
+            piece = n
+            return m
+
+        if not _send_in_order(chan, build) or (ended and not sent):
+            raise OSError(errno.EPIPE, "the remote side closed the channel")
+        if not piece:
+            break
+        sent += piece
+    return sent
+
+
 def send_window_adjust(chan: paramiko.Channel, nbytes: int, wait: bool = True) -> bool:
     """Give ``nbytes`` of the channel's receive window back to the server
     (CHANNEL_WINDOW_ADJUST, RFC 4254 section 5.2), never after the channel's CLOSE.
@@ -263,6 +315,64 @@ def send_eof(chan: paramiko.Channel) -> None:
         _send_in_order(chan, chan._send_eof)
     elif not (chan.closed or chan.eof_received):
         chan.shutdown_write()
+
+
+# -- waiting on a channel without polling -----------------------------------------------
+
+#: Seconds between looks at the channel on the public path (no event to wait on there).
+_PUBLIC_POLL = 0.01
+
+
+def wait_for_exit_status(chan: paramiko.Channel, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the channel's exit status; True once it is there.
+
+    A reader needs this after the remote's EOF: paramiko leaves the channel's event pipe
+    readable for good then, so poll(2) on ``fileno()`` returns at once until the status
+    comes (a busy loop).  With :data:`FAST` it waits on the event paramiko sets when the
+    status arrives (``Channel.status_event``); without, it looks every 10 ms.
+    """
+    if FAST:
+        return chan.status_event.wait(timeout)
+    deadline = time.monotonic() + timeout
+    while not chan.exit_status_ready():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(_PUBLIC_POLL, left))
+    return True
+
+
+#: What :func:`wait_for_send_window` reports without :data:`FAST` once the channel can send:
+#: paramiko's public API does not say how much, and ``sendall`` waits for the rest.
+PUBLIC_WINDOW = 65536
+
+
+def wait_for_send_window(chan: paramiko.Channel, timeout: float) -> int | None:
+    """Bytes the server lets ``chan`` send now (its send window, RFC 4254 section 5.2),
+    waiting up to ``timeout`` seconds while that is 0: 0 when it stayed 0, None when the
+    channel can send no more (closed, or our EOF sent).
+
+    With :data:`FAST` the wait is on paramiko's own condition for a window adjust
+    (``Channel.out_buffer_cv``).  Without, it looks at ``send_ready()`` every 10 ms and
+    reports :data:`PUBLIC_WINDOW` once that is true (a send of more may then wait).
+    """
+    if FAST:
+        with chan.lock:
+            if chan.out_window_size == 0 and not (chan.closed or chan.eof_sent) and timeout > 0:
+                chan.out_buffer_cv.wait(timeout)
+            if chan.closed or chan.eof_sent:
+                return None
+            return chan.out_window_size
+    deadline = time.monotonic() + timeout
+    while True:
+        if chan.closed:
+            return None
+        if chan.send_ready():
+            return PUBLIC_WINDOW
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return 0
+        time.sleep(min(_PUBLIC_POLL, left))
 
 
 # -- tunnel channels: opened in two halves, confirmed on the transport thread ------------
@@ -546,3 +656,28 @@ def open_channel_public(transport: paramiko.Transport, dest: tuple[str, int],
             # paramiko keeps one refusal per transport: a parallel open may have taken ours.
             raise paramiko.ChannelException(2, CONNECTION_FAILED_CODE[2]) from e
         raise
+
+
+# -- hearing from the machine --------------------------------------------------------------
+
+def on_every_packet(transport: paramiko.Transport, heard) -> bool:
+    """Call ``heard()`` on paramiko's transport thread after every packet read from the
+    machine (wrapping this transport's ``packetizer.read_message``), as OpenSSH counts any
+    packet, not only a keepalive's reply, as a sign of life (``ServerAliveInterval``).
+    ``heard`` must be quick and must not raise.
+
+    Returns False, hooking nothing, without :data:`FAST`: the caller then hears only the
+    replies to its own probes.
+    """
+    if not FAST:
+        return False
+    packetizer = transport.packetizer
+    read_message = packetizer.read_message
+
+    def _read_message():
+        result = read_message()
+        heard()
+        return result
+
+    packetizer.read_message = _read_message
+    return True

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import localpath
 from ..errors import ConfigError
 
 WHITESPACE = " \t\r\n"
@@ -48,8 +49,10 @@ READCONF_MAX_DEPTH = 16
 SSH_MAX_IDENTITY_FILES = 100
 SSH_MAX_HOSTS_FILES = 32
 MAX_CANON_DOMAINS = 32
+#: The system-wide files on POSIX; on Windows they live in ``%PROGRAMDATA%\ssh``
+#: (:func:`gpumagic.localpath.ssh_system_dir`), which is what SshConfig reads there.
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
-SSH_SYSTEM_DIR = "/etc/ssh"
+SSH_SYSTEM_DIR = localpath.POSIX_SSH_DIR
 
 #: Seconds a ``Match exec`` command may run before gpumagic gives up on the config.
 EXEC_TIMEOUT = 15.0
@@ -340,39 +343,42 @@ def percent_expand(string: str, tokens: dict[str, str] | None, *, dollar: bool =
 
 
 def _home_of(user: str) -> str:
-    import pwd
-
+    """``getpwnam(user)->pw_dir``; KeyError for an unknown user.  Windows has no passwd
+    database: there ``~user`` is known for the current user alone (``%USERPROFILE%``), as
+    OpenSSH for Windows' own ``getpwnam`` resolves only accounts it can look up."""
+    try:
+        import pwd
+    except ImportError:
+        if user.lower() == local_user().lower():
+            return os.path.expanduser("~")
+        raise KeyError(user) from None
     return pwd.getpwnam(user).pw_dir
 
 
-def tilde_expand(filename: str, home: str) -> str:
+def tilde_expand(filename: str, home: str, *, windows: bool | None = None) -> str:
     """``tilde_expand_filename``: ``~``, ``~/path``, ``~user/path`` (``home`` for ``~``).
+
+    On Windows (``windows``, default this computer) ``~\\path`` is ``~/path`` and the result
+    is written with backslashes, as OpenSSH for Windows takes ``~`` for ``%USERPROFILE%``
+    (see :mod:`gpumagic.localpath`).
 
     Raises
     ------
     ExpandError
         For ``~user`` of an unknown user.
     """
-    if not filename.startswith("~"):
+    parts = localpath.split_tilde(filename, windows=windows)
+    if parts is None:
         return filename
-    copy = filename[1:]
-    user = None
-    if copy == "":
-        path = None
-    elif copy.startswith("/"):
-        path = copy.lstrip("/") or None
-    else:
-        user, slash, rest = copy.partition("/")
-        path = rest.lstrip("/") or None if slash else None
-    if user is not None:
+    user, path = parts
+    if user:
         try:
             base = _home_of(user)
-        except (KeyError, ImportError):
+        except KeyError:
             raise ExpandError(f"{filename!r}: no such user {user!r}") from None
     else:
         base = home
-    slash = "" if base.endswith("/") and base else "/"
-    return f"{base}{slash}{path or ''}"
+    return localpath.join_home(base, path, windows=windows)
 
 
 def hpdelim2(s: str | None) -> tuple[str | None, str | None, str]:
@@ -619,6 +625,7 @@ class Options:
     ignored_unknown: str | None = None
     address_family: int = -1
     batch_mode: int = -1
+    compression: int = -1
     #: set when the user name came from the command line (-l, user@, gpumagic's --user)
     user_on_commandline: bool = False
 
@@ -709,7 +716,7 @@ _kw("int", "connectionattempts numberofpasswordprompts requiredrsasize")
 _kw("int", "serveralivecountmax", "server_alive_count_max")
 _kw("int", "canonicalizemaxdots", "canonicalize_max_dots")
 _kw("strict", "stricthostkeychecking")
-_kw("compression", "compression")
+_kw("compression", "compression", "compression")
 _kw("logfacility", "syslogfacility")
 _kw("loglevel", "loglevel")
 _kw("logverbose", "logverbose")
@@ -865,11 +872,12 @@ class SshConfig:
         self.home = os.fspath(home) if home else os.path.expanduser("~")
         self.explicit = path is not None or text is not None
         self.text = text
+        user_file, system_file = localpath.ssh_config_files(self.home)
         if path is None and text is None:
-            path = os.path.join(self.home, ".ssh", "config")
+            path = user_file
         self.path = os.fspath(path) if path is not None else "<config>"
         if system is True:
-            system = None if self.explicit else SYSTEM_CONFIG
+            system = None if self.explicit else system_file
         self.system = os.fspath(system) if system else None
         if text is None:
             try:
@@ -945,8 +953,8 @@ class SshConfig:
                         self._scan(p, inner, names, depth + 1, user)
 
     def _include_paths(self, arg: str, user: bool) -> list[str]:
-        if not arg.startswith("/") and not arg.startswith("~"):
-            arg = ("~/.ssh/" if user else SSH_SYSTEM_DIR + "/") + arg
+        if not localpath.pathmod().isabs(arg) and not arg.startswith("~"):  # Windows: C:\x, \\srv\x
+            arg = ("~/.ssh/" + arg if user else localpath.pathmod().join(localpath.ssh_system_dir(), arg))
         if arg.startswith("~"):
             try:
                 arg = tilde_expand(arg, self.home)
@@ -1587,6 +1595,8 @@ class Resolved:
         The hops in connection order, each as ``[user@]host[:port]``.
     proxy_command : str or None
         An effective ``ProxyCommand`` (``none`` removed).
+    compression : bool or None
+        ``Compression``; None when not set (``ssh -G`` prints no).
     matched : bool
         Whether some ``Host``/``Match`` block applied.
     """
@@ -1606,6 +1616,7 @@ class Resolved:
     proxy_command: str | None
     matched: bool
     expand: Callable[[str], str] = field(repr=False, default=str)
+    compression: bool | None = None
 
 
 def _is_addr_fast(name: str) -> bool:
@@ -1769,6 +1780,7 @@ def resolve_options(host_arg: str, config: SshConfig | None, cmdline: Options | 
         connect_timeout=None if o.connection_timeout == -1 else o.connection_timeout,
         user_known_hosts_files=known, proxy_jump=proxy_jump, jump_hops=hops,
         proxy_command=proxy_command, matched=matched, expand=expand,
+        compression=None if o.compression == -1 else o.compression == 1,
     )
 
 

@@ -1,7 +1,8 @@
 """One SSH connection: open/close, host-key policy, keys, ProxyJump, keepalive, reconnect.
 
 A :class:`Connection` is lazy: it opens on first use and re-opens by itself after the link
-dropped (``ensure_open``).  Host keys follow OpenSSH's ``known_hosts`` rules and are never
+dropped (``ensure_open``), or when the path went dead without a word (``ensure_alive``: a
+roam, a NAT that forgot the connection; see :class:`_Path` for how that is noticed).  Host keys follow OpenSSH's ``known_hosts`` rules and are never
 accepted silently.  Private keys are read like OpenSSH reads them (refused when readable by
 group or others; a passphrase is asked with ``getpass`` and kept only in memory).
 """
@@ -9,14 +10,17 @@ group or others; a passphrase is asked with ``getpass`` and kept only in memory)
 from __future__ import annotations
 
 import getpass
+import io
 import logging
 import os
+import contextlib
 import select
 import socket
 import stat
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import paramiko
@@ -38,6 +42,25 @@ MAX_PACKET_SIZE = 32768
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
 PassphrasePrompt = Callable[[str], str]
+
+# -- noticing a dead path (see _Path) ------------------------------------------------------
+#: Seconds without a packet from the machine after which a path must answer a probe before
+#: something new is sent on it (:meth:`Connection.ensure_alive`).
+FRESH = 2.0
+#: Fewest seconds that probe may take before the path counts as dead: max(this, 10 RTT).
+ALIVE_WAIT = 3.0
+#: A spare connection starts when that probe got no answer for max(this, 4 RTT) seconds.
+SPARE_AFTER = 0.5
+#: While work is in flight (a running cell: :meth:`Connection.in_flight`), a probe goes out
+#: after this many seconds without a packet...
+BUSY_PROBE_AFTER = 1.0
+#: ...and the path is declared dead when nothing at all came for this many seconds after it.
+BUSY_DEAD_AFTER = 6.5
+#: Seconds between looks of the watch thread.
+_TICK = 0.25
+#: A look this much later than due means this process did not run meanwhile (SIGSTOP, the
+#: laptop slept): the machine's silence in that time proves nothing.
+_GAP = 2.0
 
 
 def _default_prompt(path: str) -> str:
@@ -78,7 +101,7 @@ def load_private_key(path: str, prompt: PassphrasePrompt = _default_prompt) -> p
     """
     check_key_permissions(path)
     try:
-        return paramiko.PKey.from_path(path)
+        return _key_from_path(path)
     except paramiko.PasswordRequiredException:
         pass
     except FileNotFoundError:
@@ -90,10 +113,36 @@ def load_private_key(path: str, prompt: PassphrasePrompt = _default_prompt) -> p
                                 "point IdentityFile (or -i) at an OpenSSH private key file")
     passphrase = prompt(path)
     try:
-        return paramiko.PKey.from_path(path, password=passphrase.encode())
+        return _key_from_path(path, passphrase.encode())
     except (paramiko.SSHException, ValueError, TypeError):
         raise WrongPassphrase(f"wrong passphrase for key {path}",
                               "connect again and type the passphrase of that key file")
+
+
+def _key_from_path(path: str, password: bytes | None = None) -> paramiko.PKey:
+    """``paramiko.PKey.from_path``, reading the key (and its ``-cert.pub``) as ASCII, the
+    armour every OpenSSH and PEM key file is written in; paramiko reads them in the locale's
+    encoding (GBK on Chinese Windows), which a text file must never depend on."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    data = Path(path).read_bytes()
+    try:
+        loaded = serialization.load_ssh_private_key(data, password)
+    except ValueError:
+        loaded = serialization.load_pem_private_key(data, password)
+    classes = ((rsa.RSAPrivateKey, paramiko.RSAKey), (ed25519.Ed25519PrivateKey, paramiko.Ed25519Key),
+               (ec.EllipticCurvePrivateKey, paramiko.ECDSAKey))
+    key_class = next((c for kind, c in classes if isinstance(loaded, kind)), None)
+    if key_class is None:
+        raise paramiko.UnknownKeyType(key_bytes=data, key_type=loaded.__class__)
+    key = key_class.from_private_key(io.StringIO(data.decode("ascii", "replace")), password=password)
+    try:
+        cert = Path(path + "-cert.pub").read_bytes()
+    except FileNotFoundError:
+        return key
+    key.load_certificate(cert.decode("ascii", "replace"))  # the text, not its file name
+    return key
 
 
 class Connection:
@@ -131,12 +180,31 @@ class Connection:
         self._keys: dict[str, paramiko.PKey] = {}  # decrypted keys, in memory only
         self._lock = threading.RLock()
         self._keepalive_stop = threading.Event()
+        self._path: _Path | None = None  # the current transport's health
+        self._busy = 0  # blocks of in_flight() running now
+        self._busy_lock = threading.Lock()
         self._lost_reason: str | None = None
         self.opened_count = 0
         #: Messages for the user from the last open (e.g. a host key that was trusted).
         self.notes: list[str] = []
         #: (message, hint) when this connection must not open again (a stopped sandbox).
         self.refuse_reopen: tuple[str, str] | None = None
+        #: The phase after each (re-)open: ``hook(connection)`` for every hook here, in
+        #: order, once the new transport is authenticated (reverse tunnels ask for their
+        #: listeners again).  A hook records its own faults; one that raises is logged.
+        self.after_open: list[Callable[["Connection"], None]] = []
+        #: Called as ``hook(connection, old_transport)`` from a short thread after
+        #: :meth:`ensure_alive` left a dead path for a new one: the machine may still run
+        #: what the old transport had started there (its sshd was told nothing), and a hook
+        #: stops that over the new connection (the cell runner's, in remote/execution.py).
+        self.after_abandon: list[Callable[["Connection", paramiko.Transport], None]] = []
+        # paramiko matches a global request's reply to the last request sent, so two
+        # threads waiting at once (a keepalive, a port forward) could take each other's
+        # reply: every global request that waits holds this lock.
+        self._global_lock = threading.Lock()
+        #: Remote (``ssh -R``) listeners of the current transport: bound port -> handler
+        #: ``handler(channel, (origin_host, origin_port))`` (see :meth:`forward_remote`).
+        self._remote_forwards: dict[int, Callable] = {}
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -166,6 +234,71 @@ class Connection:
                 self.open()
         return self
 
+    def ensure_alive(self) -> "Connection":
+        """Open the connection unless it is up, and make sure the path still carries packets
+        before the caller sends something that matters on it (a cell, a session request).
+
+        When nothing came from the machine for :data:`FRESH` seconds (on the monotonic or
+        the wall clock: a laptop that slept counts), a probe (``keepalive@openssh.com``) must
+        be answered within max(:data:`ALIVE_WAIT`, 10 RTT).  Meanwhile, once the probe is
+        :data:`SPARE_AFTER` late, a spare connection is opened side by side; when the
+        probe's time is up the old path is declared dead and the spare adopted (an open in
+        every respect: the reverse tunnels' ``after_open`` hooks run), with no error.  On a
+        fresh path this costs nothing; on a quiet one, one round trip.
+
+        Raises
+        ------
+        HostNotFound, ConnectionRefused, ConnectTimeout, ...
+            As :meth:`open`, when no new connection can be made either.
+        """
+        with self._lock:
+            path, t = self._path, self.transport
+            if not self.is_connected or path is None or t is None:
+                return self.ensure_open()
+            if path.quiet() < FRESH or threading.current_thread() is t:
+                return self
+            rtt = path.rtt or 0.0
+            bound = max(ALIVE_WAIT, 10 * rtt)
+            head = min(bound, max(SPARE_AFTER, 4 * rtt))
+            sent = time.monotonic()
+            path.probe(self)
+            if path.wait_answer(sent, head):
+                return self
+            spare = _Spare(self)
+            if path.wait_answer(sent, bound - (time.monotonic() - sent)):
+                spare.abandon()
+                return self
+            self._lost_reason = (f"{self.spec.address} did not answer a probe within {bound:g} s "
+                                 "(the network changed or dropped)")
+            log.info("gpumagic: %s; adopting a new connection", self._lost_reason)
+            self._adopt(*spare.result())
+            for hook in list(self.after_abandon):
+                threading.Thread(target=self._abandoned, args=(hook, t), daemon=True,
+                                 name="gpumagic-after-abandon").start()
+            return self
+
+    def _abandoned(self, hook: Callable, old: paramiko.Transport) -> None:
+        try:
+            hook(self, old)
+        except Exception:  # noqa: BLE001 - clean-up on the machine: best effort, logged
+            log.exception("gpumagic: after-abandon hook %r failed", hook)
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """While this block runs, work is in flight on the path (a cell runs): it is probed
+        after :data:`BUSY_PROBE_AFTER` quiet seconds and declared dead (the transport closed,
+        :attr:`lost_reason` set) when nothing came for :data:`BUSY_DEAD_AFTER` seconds after
+        that probe, instead of after ServerAliveInterval x ServerAliveCountMax.  It holds for the
+        connection, so also for a new transport opened inside the block (a session that
+        reconnects while its cell runs)."""
+        with self._busy_lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+
     def open(self) -> "Connection":
         """Connect, check the host key, authenticate, start keepalives.
 
@@ -180,37 +313,65 @@ class Connection:
                 return self
             if self.refuse_reopen is not None:
                 raise NotConnected(*self.refuse_reopen)
-            sock = self._open_socket()
-            t = _Transport(sock, default_window_size=WINDOW_SIZE,
-                           default_max_packet_size=MAX_PACKET_SIZE)
-            # paramiko logs its own tracebacks (e.g. "Error reading SSH protocol banner");
-            # gpumagic reports every failure itself, so they go under its silent logger.
-            t.set_log_channel("gpumagic.ssh")
-            _paramiko.never_wait_on_the_transport_thread(t)
+            self._adopt(*self._new_transport())
+            return self
+
+    def _new_transport(self) -> "tuple[_Transport, list[Connection]]":
+        """A new transport, host key checked and authenticated, and the ProxyJump hops it
+        goes through; nothing of this connection's state changes (a spare may be made while
+        the old transport is still in use)."""
+        hops: list[Connection] = []
+        try:
+            sock = self._open_socket(hops)
+        except BaseException:
+            for hop in reversed(hops):
+                hop.close()
+            raise
+        t = _Transport(sock, default_window_size=WINDOW_SIZE,
+                       default_max_packet_size=MAX_PACKET_SIZE)
+        # paramiko logs its own tracebacks (e.g. "Error reading SSH protocol banner");
+        # gpumagic reports every failure itself, so they go under its silent logger.
+        t.set_log_channel("gpumagic.ssh")
+        _paramiko.never_wait_on_the_transport_thread(t)
+        try:
+            self._prefer_fast_ciphers(t)
+            self._prefer_known_key_types(t)
+            t.banner_timeout = t.handshake_timeout = self.spec.connect_timeout
+            started = time.monotonic()
             try:
-                self._prefer_fast_ciphers(t)
-                self._prefer_known_key_types(t)
-                t.banner_timeout = t.handshake_timeout = self.spec.connect_timeout
-                started = time.monotonic()
-                try:
-                    # start_client returns silently when its own timeout passes first.
-                    t.start_client(timeout=self.spec.connect_timeout + 1)
-                    handshake_done = t.is_active() and getattr(t, "host_key", None) is not None
-                    error = None
-                except (paramiko.SSHException, EOFError, OSError) as e:
-                    handshake_done, error = False, e
-                if not handshake_done:
-                    raise self._handshake_error(error, time.monotonic() - started)
-                self._check_host_key(t)
-                self._authenticate(t)
-            except BaseException:
-                t.close()
-                raise
+                # start_client returns silently when its own timeout passes first.
+                t.start_client(timeout=self.spec.connect_timeout + 1)
+                handshake_done = t.is_active() and getattr(t, "host_key", None) is not None
+                error = None
+            except (paramiko.SSHException, EOFError, OSError) as e:
+                handshake_done, error = False, e
+            if not handshake_done:
+                raise self._handshake_error(error, time.monotonic() - started)
+            self._check_host_key(t)
+            self._authenticate(t)
+        except BaseException:
+            t.close()
+            for hop in reversed(hops):
+                hop.close()
+            raise
+        return t, hops
+
+    def _adopt(self, t: "_Transport", hops: "list[Connection]") -> None:
+        """Make ``t`` (from :meth:`_new_transport`) this connection's transport, closing the
+        one before (a dead path, or none), then run the ``after_open`` hooks."""
+        with self._lock:
+            self._teardown()
             self.transport = t
+            self._hops = hops
             self._lost_reason = None
             self.opened_count += 1
+            self._remote_forwards = {}  # the old transport's listeners went with it
             self._start_keepalive(t)
-            return self
+            for hook in list(self.after_open):
+                try:
+                    hook(self)
+                except Exception:  # noqa: BLE001 - a hook records its own faults
+                    log.exception("gpumagic: after-open hook %r failed", hook)
 
     def _handshake_error(self, error: Exception | None, seconds: float) -> GpumagicError:
         address, limit = self.spec.address, self.spec.connect_timeout
@@ -242,12 +403,12 @@ class Connection:
 
     # -- socket and hops --------------------------------------------------------------
 
-    def _open_socket(self):
+    def _open_socket(self, hops: "list[Connection]"):
         spec = self.spec
         if self.via is not None:
             return _direct(self.via, spec)
         if spec.proxy_jump:
-            return self._open_via_jumps()
+            return self._open_via_jumps(hops)
         try:
             sock = socket.create_connection((spec.hostname, spec.port), timeout=spec.connect_timeout)
         except (socket.gaierror, UnicodeError):  # UnicodeError: a name IDNA cannot encode (ü..x)
@@ -272,8 +433,9 @@ class Connection:
         sock.settimeout(None)
         return sock
 
-    def _open_via_jumps(self):
-        """Connect hop by hop in the order written; each hop is resolved like a target."""
+    def _open_via_jumps(self, hops: "list[Connection]"):
+        """Connect hop by hop in the order written; each hop is resolved like a target (and
+        appended to ``hops``)."""
         prev: Connection | None = None
         for hop_text in self.spec.proxy_jump:
             # Inside a chain a hop's own ProxyJump is not followed (as OpenSSH does for -J a,b).
@@ -282,8 +444,8 @@ class Connection:
                              passphrase_prompt=self.passphrase_prompt, home=self.home,
                              use_agent=self.use_agent, via=prev)
             hop._keys = self._keys
+            hops.append(hop)
             hop.open()
-            self._hops.append(hop)
             prev = hop
         assert prev is not None
         return _direct(prev, self.spec)
@@ -410,44 +572,130 @@ class Connection:
     # -- keepalive --------------------------------------------------------------------
 
     def _start_keepalive(self, t: paramiko.Transport) -> None:
-        interval = self.spec.server_alive_interval
+        """Start watching ``t``'s path (:class:`_Path`): keepalives while idle
+        (``ServerAliveInterval`` x ``ServerAliveCountMax``, as OpenSSH), quicker probes
+        while work is in flight, and a transport closed when its path is dead."""
         self._keepalive_stop = stop = threading.Event()
-        if interval <= 0:
-            return
+        self._path = path = _Path(t)
+        threading.Thread(target=self._watch, args=(t, path, stop), daemon=True,
+                         name="gpumagic-keepalive").start()
+
+    def _watch(self, t: paramiko.Transport, path: "_Path", stop: threading.Event) -> None:
+        interval = self.spec.server_alive_interval
         limit = interval * max(1, self.spec.server_alive_count_max)
-
-        def ping_loop():
-            while not stop.wait(interval):
-                if not t.is_active():
-                    return
-                answered = threading.Event()
-
-                def ping():
-                    try:
-                        t.global_request("keepalive@openssh.com", wait=True)
-                    finally:
-                        answered.set()
-
-                threading.Thread(target=ping, daemon=True, name="gpumagic-ping").start()
-                if not answered.wait(limit) and not stop.is_set():
-                    self._lost_reason = (f"{self.spec.address} did not answer keepalives for "
-                                         f"{limit:g} s (ServerAliveInterval x ServerAliveCountMax)")
+        last_m, last_w = time.monotonic(), time.time()
+        while not stop.wait(_TICK):
+            if not t.is_active():
+                return
+            now_m, now_w = time.monotonic(), time.time()
+            if now_m - last_m > _TICK + _GAP or now_w - last_w > _TICK + _GAP:
+                # This process did not run (SIGSTOP, a laptop asleep): ask again, and count
+                # the machine's silence from now.
+                path.restart(now_m)
+                path.probe(self)
+            last_m, last_w = now_m, now_w
+            if self._busy > 0:
+                after, dead = BUSY_PROBE_AFTER, BUSY_DEAD_AFTER
+                why = f"{self.spec.address} did not answer for {dead:g} s while a cell ran"
+            elif interval > 0:
+                after, dead = interval, limit
+                why = (f"{self.spec.address} did not answer keepalives for {limit:g} s "
+                       "(ServerAliveInterval x ServerAliveCountMax)")
+            else:
+                continue
+            asked = path.asked
+            if asked is not None:
+                if now_m - asked > dead and not stop.is_set():
+                    self._lost_reason = why
+                    log.info("gpumagic: %s; closing that connection", why)
                     t.close()
                     return
+            elif now_m - path.heard_at >= after:
+                path.probe(self)
 
-        threading.Thread(target=ping_loop, daemon=True, name="gpumagic-keepalive").start()
+    # -- global requests and remote forwards (ssh -R) ----------------------------------
+
+    def global_request(self, kind: str, data: tuple | None = None, *,
+                       transport: paramiko.Transport | None = None) -> paramiko.Message | None:
+        """Send a global request (RFC 4254 section 4) and wait for its reply: the reply's
+        message, or None when the server refused it or the connection ended first.
+
+        One at a time per connection: paramiko takes the next reply for the last request
+        sent, so a keepalive and a port forward waiting at once could swap replies.
+        """
+        t = transport or self.transport
+        if t is None:
+            return None
+        with self._global_lock:
+            return t.global_request(kind, data, wait=True)
+
+    def forward_remote(self, port: int, handler: Callable, address: str = "127.0.0.1") -> int:
+        """Ask the server to listen on ``address:port`` on the machine and to forward each
+        connection there back over this connection (``tcpip-forward``, RFC 4254 section 7.1:
+        what ``ssh -R`` asks for).  ``port`` 0 lets the server choose.  ``handler(channel,
+        (origin_host, origin_port))`` is called on paramiko's transport thread for each
+        connection: it must not block.
+
+        Returns
+        -------
+        int
+            The port the server listens on.
+
+        Raises
+        ------
+        paramiko.SSHException
+            The server refused (its sshd_config forbids it, or the port is taken: the
+            protocol does not say which).
+        ConnectionLost
+            The connection ended before the answer.
+        """
+        self.ensure_open()
+        t = self.transport
+        assert t is not None
+        with self._global_lock:
+            if port:  # a connection may come as soon as the server listens
+                self._remote_forwards[port] = handler
+            try:
+                bound = int(t.request_port_forward(address, port, handler=self._forwarded))
+            except paramiko.SSHException:
+                if port and self._remote_forwards.get(port) is handler:
+                    del self._remote_forwards[port]
+                if not t.is_active():
+                    raise ConnectionLost(f"the connection to {self.spec.address} ended while asking "
+                                         "for a remote port forward", "run `%gpu connect` again") from None
+                raise
+            self._remote_forwards[bound] = handler
+        return bound
+
+    def cancel_remote(self, port: int, address: str = "127.0.0.1") -> None:
+        """Stop the server's listener on ``address:port`` (``cancel-tcpip-forward``); nothing
+        when the connection is down (the listener went with it)."""
+        if self._remote_forwards.pop(port, None) is None:
+            return
+        t = self.transport
+        if t is not None and t.is_active():
+            self.global_request("cancel-tcpip-forward", (address, port), transport=t)
+
+    def _forwarded(self, chan: paramiko.Channel, origin: tuple, server: tuple) -> None:
+        """paramiko's transport thread: a connection to one of our remote listeners."""
+        handler = self._remote_forwards.get(int(server[1]))
+        if handler is None:  # cancelled meanwhile
+            chan.close()
+            return
+        handler(chan, origin)
 
     # -- channels ---------------------------------------------------------------------
 
     def open_session(self) -> paramiko.Channel:
-        """A new session channel (re-opening the connection first if it dropped).
+        """A new session channel (re-opening the connection first if it dropped, or if its
+        path went dead: :meth:`ensure_alive`).
 
         Raises
         ------
         ConnectionLost
             When no channel can be opened even on a fresh connection.
         """
-        self.ensure_open()
+        self.ensure_alive()
         assert self.transport is not None
         try:
             return self.transport.open_session(timeout=self.spec.connect_timeout)
@@ -464,6 +712,135 @@ class Connection:
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "closed"
         return f"<Connection {self.spec.user}@{self.spec.address} {state}>"
+
+
+class _Path:
+    """What is known of one transport's path to the machine: when a packet last came
+    (any packet, through :func:`gpumagic.ssh._paramiko.on_every_packet`; only the replies
+    to probes without the private door) and the round-trip time the probes measured.
+
+    A probe is a ``keepalive@openssh.com`` global request that wants a reply (RFC 4254
+    section 4), what OpenSSH's ``ServerAliveInterval`` sends: sshd answers it
+    (REQUEST_FAILURE, as for any request it does not know) without waking any process.
+    """
+
+    def __init__(self, transport: paramiko.Transport):
+        self.transport = transport
+        self.heard_at = time.monotonic()  # the last packet, on the monotonic clock
+        self.heard_wall = time.time()  # ... and on the wall clock (it runs on in a sleep)
+        #: Smoothed round-trip time of the probes (seconds), None before the first.
+        self.rtt: float | None = None
+        #: When the unanswered probe went out (monotonic), None when none waits.
+        self.asked: float | None = None
+        self._asking = False
+        self._news = threading.Event()
+        self.hooked = _paramiko.on_every_packet(transport, self.heard)
+
+    def heard(self) -> None:
+        """A packet came (paramiko's transport thread: quick)."""
+        self.heard_at, self.heard_wall = time.monotonic(), time.time()
+        self.asked = None
+        self._news.set()
+
+    def quiet(self) -> float:
+        """Seconds since the last packet, the larger of the two clocks."""
+        return max(time.monotonic() - self.heard_at, time.time() - self.heard_wall)
+
+    def restart(self, now: float) -> None:
+        """Count an unanswered probe's silence from ``now`` (this process did not run)."""
+        if self.asked is not None:
+            self.asked = now
+
+    def probe(self, conn: Connection) -> None:
+        """Send a probe unless one waits for its reply already (from a short thread:
+        paramiko waits for a global request's reply, and only one may wait at a time)."""
+        if self.asked is None:
+            self.asked = time.monotonic()
+        if self._asking:
+            return
+        self._asking = True
+        t = self.transport
+
+        def ask() -> None:
+            sent = time.monotonic()
+            try:
+                conn.global_request("keepalive@openssh.com", transport=t)
+            except Exception:  # noqa: BLE001 - a dead transport: no answer
+                return
+            finally:
+                self._asking = False
+            if not t.is_active():
+                return
+            sample = min(time.monotonic() - sent, 1.0)  # a reply after a blink is no RTT
+            self.rtt = sample if self.rtt is None else 0.75 * self.rtt + 0.25 * sample
+            if not self.hooked:
+                self.heard()
+
+        threading.Thread(target=ask, daemon=True, name="gpumagic-ping").start()
+
+    def wait_answer(self, since: float, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a packet that came after ``since``
+        (monotonic); False also when the transport ended."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            self._news.clear()
+            if self.heard_at >= since:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.transport.is_active():
+                return False
+            self._news.wait(min(left, 0.05))
+
+
+class _Spare:
+    """A second connection attempt run side by side with a probe
+    (:meth:`Connection.ensure_alive`): :meth:`result` waits for it, :meth:`abandon` closes
+    it when it is not needed after all."""
+
+    def __init__(self, conn: Connection):
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._result: tuple | None = None
+        self._error: BaseException | None = None
+
+        def connect() -> None:
+            try:
+                made = conn._new_transport()
+            except BaseException as e:  # noqa: BLE001 - handed to result()
+                self._error = e
+                self._done.set()
+                return
+            with self._lock:
+                if not self._abandoned:
+                    self._result = made
+                    self._done.set()
+                    return
+            _close_made(made)
+
+        threading.Thread(target=connect, daemon=True, name="gpumagic-spare-connect").start()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            made, self._result = self._result, None
+        if made is not None:
+            _close_made(made)
+
+    def result(self) -> tuple:
+        """(transport, hops) once the attempt authenticated; its error when it failed."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _close_made(made: tuple) -> None:
+    t, hops = made
+    t.close()
+    for hop in reversed(hops):
+        hop.close()
 
 
 def _direct(via: Connection, spec: HostSpec):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import localpath
 from ..errors import ConfigError
 from .config import (WHITESPACE, ExpandError, Local, Options, SshConfig, a2port, apply_cmdline_option, argv_split, parse_forward, parse_jump, parse_ssh_uri, resolve_options, ssh_valid_ruser, strdelim, strtonum, tilde_expand)
 
@@ -102,6 +102,9 @@ class HostSpec:
         ``UserKnownHostsFile none``.
     from_config : bool
         Whether some ``Host``/``Match`` block of the config applied.
+    compression : bool or None
+        ``Compression yes``/``no`` of the config; None when not set (``%gpu sync`` then
+        decides by itself, see :mod:`gpumagic.sync.engine`).
     """
 
     alias: str
@@ -116,6 +119,7 @@ class HostSpec:
     proxy_jump: tuple[str, ...] = ()
     known_hosts: str = ""
     from_config: bool = False
+    compression: bool | None = None
 
     @property
     def address(self) -> str:
@@ -249,6 +253,7 @@ def _spec(host: str, config: SshConfig | None, options: Options, local: Local) -
         proxy_jump=tuple(r.jump_hops),
         known_hosts=r.user_known_hosts_files[0] if r.user_known_hosts_files else os.devnull,
         from_config=r.matched,
+        compression=r.compression,
     )
 
 
@@ -377,7 +382,7 @@ def parse_ssh_command(text: str) -> SshCommand:
     if raw.startswith("$ "):
         raw = raw[2:].lstrip()
     try:
-        argv = shlex.split(raw)
+        argv = localpath.split_command_line(raw)  # Windows: -i C:\Users\me\.ssh\id stays whole
     except ValueError as e:
         raise ConfigError(f"cannot split the ssh command: {e}", "check the quotes in the pasted line")
     if not argv or argv[0] != "ssh":

@@ -35,15 +35,42 @@ SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/opt/homebrew/sbin
 FAKE_DIR = Path(__file__).resolve().parent.parent / "gpu" / "fake"
 INSTALL_HINT = ("install OpenSSH's server: `sudo apt-get install openssh-server` "
                 "(Debian/Ubuntu), `brew install openssh` (macOS)")
+#: macOS ships OpenSSH's server as /usr/sbin/sshd (what System Settings' Remote Login starts);
+#: the sandbox runs its own copy of it with its own config, as the user, on 127.0.0.1.
+MACOS_SSHD = "/usr/sbin/sshd"
+MACOS_HINT = (f"macOS has OpenSSH's server at {MACOS_SSHD} (Remote Login need not be on); if it is "
+              "gone, `brew install openssh` puts one at /opt/homebrew/sbin/sshd")
+#: The sandbox is an sshd on this computer, and the machine side is Linux's (sh, /proc,
+#: process groups): Windows has neither, and says so before anything is made.
+WINDOWS_MESSAGE = ("the sandbox needs a Linux machine (it runs OpenSSH's sshd and Linux programs on this "
+                   "computer): on Windows install WSL with `wsl --install`, then run Jupyter inside it, "
+                   "or open the tutorials on Binder")
+WINDOWS_HINT = ("in WSL's Ubuntu: `pip install gpumagic jupyterlab && jupyter lab`, then `%gpu connect "
+                "--sandbox` there; Binder: the badge in README.md; a rented machine works from Windows "
+                "as it is: `%gpu connect HOST`")
 
 
-def find_sshd() -> str:
+def check_platform(platform: str | None = None) -> None:
+    """Refuse, in one line, a computer the sandbox cannot run on (``platform``: default
+    ``sys.platform``): Windows, where there is no sshd to run as the user and no Linux
+    machine side; macOS and Linux pass.
+
+    Raises
+    ------
+    SandboxError
+        On Windows, saying what to use instead (WSL, Binder).
+    """
+    if (sys.platform if platform is None else platform) == "win32":
+        raise SandboxError(WINDOWS_MESSAGE, WINDOWS_HINT)
+
+
+def find_sshd(platform: str | None = None) -> str:
     """Path of the ``sshd`` binary.
 
     Raises
     ------
     SandboxError
-        With the install command when no sshd exists.
+        With the install command when no sshd exists (on macOS: naming /usr/sbin/sshd).
     """
     for c in SSHD_CANDIDATES:
         if os.access(c, os.X_OK):
@@ -51,6 +78,9 @@ def find_sshd() -> str:
     found = shutil.which("sshd")
     if found:
         return found
+    if (sys.platform if platform is None else platform) == "darwin":
+        raise SandboxError(f"no sshd found on this Mac ({MACOS_SSHD} is missing), so the sandbox machine "
+                           "cannot start", MACOS_HINT)
     raise SandboxError("no sshd found on this computer, so the sandbox machine cannot start",
                        INSTALL_HINT)
 
@@ -66,7 +96,7 @@ def make_keypair(path: Path, comment: str = "gpumagic") -> str:
     with os.fdopen(fd, "wb") as f:
         f.write(priv)
     line = f"{pub} {comment}"
-    Path(str(path) + ".pub").write_text(line + "\n")
+    Path(str(path) + ".pub").write_text(line + "\n", encoding="utf-8")
     return line
 
 
@@ -127,10 +157,10 @@ class SshServer:
         if not self.client_key.exists():
             self.client_pub = make_keypair(self.client_key, "gpumagic-sandbox-client")
         else:
-            self.client_pub = Path(str(self.client_key) + ".pub").read_text().strip()
+            self.client_pub = Path(str(self.client_key) + ".pub").read_text(encoding="utf-8").strip()
         self.authorized_keys = self.dir / "authorized_keys"
         if not self.authorized_keys.exists():
-            self.authorized_keys.write_text(self.client_pub + "\n")
+            self.authorized_keys.write_text(self.client_pub + "\n", encoding="utf-8")
             os.chmod(self.authorized_keys, 0o600)
         if fake_gpu:
             self.install_fake_gpu(fake_gpu)
@@ -146,10 +176,10 @@ class SshServer:
         fields = public_key.strip().split()
         if len(fields) < 2 or "\n" in public_key.strip():
             raise ValueError("expected one OpenSSH public key line (ssh-ed25519 AAAA... comment)")
-        text = self.authorized_keys.read_text()
+        text = self.authorized_keys.read_text(encoding="utf-8")
         if any(line.split()[1:2] == [fields[1]] for line in text.splitlines() if line.strip()):
             return
-        with open(self.authorized_keys, "a") as f:
+        with open(self.authorized_keys, "a", encoding="utf-8") as f:
             f.write(("" if not text or text.endswith("\n") else "\n") + public_key.strip() + "\n")
 
     @property
@@ -159,7 +189,7 @@ class SshServer:
 
         from .known_hosts import fingerprint
 
-        blob = Path(str(self.host_key) + ".pub").read_text().split()[1]
+        blob = Path(str(self.host_key) + ".pub").read_text(encoding="utf-8").split()[1]
         return fingerprint(base64.b64decode(blob))
 
     # -- programs on the server's PATH -------------------------------------------------
@@ -167,7 +197,7 @@ class SshServer:
     def install_bin(self, name: str, script: str) -> Path:
         """Put an executable ``script`` named ``name`` first on the sessions' PATH."""
         p = self.bin / name
-        p.write_text(script)
+        p.write_text(script, encoding="utf-8")
         p.chmod(0o755)
         return p
 
@@ -190,7 +220,7 @@ class SshServer:
 
     def set_gpu(self, recording: str) -> None:
         """Choose what the fake nvidia-smi replays: a recording name or dir, ``mismatch``, ``no-driver``."""
-        self.gpu_state.write_text(recording + "\n")
+        self.gpu_state.write_text(recording + "\n", encoding="utf-8")
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -234,14 +264,17 @@ class SshServer:
         """
         if self.proc and self.proc.poll() is None:
             return self
+        check_platform()
         sshd = find_sshd()
-        if os.geteuid() == 0:
+        if sys.platform.startswith("linux") and os.geteuid() == 0:
+            # Debian's sshd run as root wants its privilege-separation directory; macOS's
+            # uses /var/empty, which is there (and / is read-only there).
             os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         last = ""
         for _attempt in range(3):
             self.port = self.port or free_port()
             cfg = self.dir / "sshd_config"
-            cfg.write_text(self.config_text())
+            cfg.write_text(self.config_text(), encoding="utf-8")
             log = open(self.log, "ab")
             self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(cfg)], stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=log, start_new_session=True,
@@ -261,15 +294,15 @@ class SshServer:
                             return self
                 except OSError:
                     time.sleep(0.05)
-            last = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+            last = self.log.read_text(errors="replace", encoding="utf-8").strip().splitlines()[-3:]
             self.stop()
             self.port = 0  # maybe the port was taken in between: try another
         raise SandboxError(f"sshd did not start: {' | '.join(last)}",
                            f"see {self.log}; {INSTALL_HINT}")
 
     def _write_known_hosts(self) -> None:
-        pub = Path(str(self.host_key) + ".pub").read_text().split()
-        self.known_hosts.write_text(f"[{self.host}]:{self.port} {pub[0]} {pub[1]}\n")
+        pub = Path(str(self.host_key) + ".pub").read_text(encoding="utf-8").split()
+        self.known_hosts.write_text(f"[{self.host}]:{self.port} {pub[0]} {pub[1]}\n", encoding="utf-8")
 
     def stop(self) -> None:
         """Stop sshd (safe to call twice)."""
@@ -468,6 +501,7 @@ class Sandbox:
     def __init__(self, *, fake_gpu: str | None = None, directory: str | None = None,
                  home_name: str | None = None):
         self._tmp = None
+        check_platform()  # on Windows: one line naming WSL and Binder, before anything is made
         remove_stale_sandbox_dirs()
         if directory is None:
             pid = os.getpid()

@@ -18,9 +18,12 @@ over once its writer is gone (see "Part files" in :mod:`gpumagic.sync.agent`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import gc
 import io
 import json
+import logging
 import os
 import posixpath
 import queue
@@ -37,12 +40,13 @@ from typing import Callable, Iterable
 
 import paramiko
 
-from . import agent
-from ..errors import ConnectionLost, SyncDiskFull, SyncError, SyncPermissionDenied
+from . import agent, laptop
+from ..errors import ConnectionLost, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
 from ..remote.execution import start_program
-from ..ssh._paramiko import send_eof, sendall_ordered
-from ..ssh.connection import wait_readable
+from ..ssh._paramiko import send_eof
+from ..ssh.pump import ChannelPump
 from .ignore import IgnoreRules
+from .laptop import LocalFs
 from .plan import (Entry, Listing, Plan, SourceWalk, destination_root, filter_listing, list_local,
                    local_seps, make_plan, parse_listing, tree_order, walk_local, walk_source)
 from .plan import Transfer, parse_endpoint, transfer  # noqa: F401 -- read here by the sync and wrapup magics
@@ -58,6 +62,14 @@ PROGRESS_INTERVAL = 0.1
 #: Bytes buffered before one ``sendall`` on the tar channel.
 SEND_BUFFER = 256 * 1024
 AGENT_SOURCE = Path(agent.__file__).read_text(encoding="utf-8")
+#: zlib level of compressed streams: rsync -z's default (zlib's own default).
+LEVEL = 6
+#: A connection whose channel opens in fewer seconds (one round trip) is a link faster than
+#: zlib at :data:`LEVEL` (loopback, a LAN): ``auto`` sends it uncompressed.  Loopback
+#: measured 0.3-4.1 ms on a loaded 2-core machine; students' links are 20-60 ms.
+FAST_LINK_RTT = 0.010
+
+log = logging.getLogger(__name__)
 
 # -- summary and progress --------------------------------------------------------------
 
@@ -89,7 +101,24 @@ class SyncSummary:
     would_send : list of str
         With ``dry_run``: the files that would be sent.
     unreadable : dict of str to str
-        Source paths that could not be read (path -> reason); they were not synced.
+        Source paths that could not be read (path -> reason); they were not synced, and the
+        sync raised :class:`~gpumagic.errors.SyncIncomplete` once the rest was (rsync's 23).
+    vanished : dict of str to str
+        Source files gone between the listing and their read (path -> reason); the rest
+        was synced, with no error (rsync's "file has vanished", its exit status 24).
+    specials : dict of str to str
+        Devices, sockets and FIFOs of the source (path -> which), never synced (as rsync
+        ``-a`` skips them: "skipping non-regular file").
+    links_refused : dict of str to str
+        Symlinks a pull could not make on this computer, path -> target (named in one line).
+    renamed : dict of str to str
+        With ``rename_clashes``: machine path -> the local path it was written to.
+    wire_bytes : int or None
+        Bytes the file data took on the wire when it went compressed (frames included);
+        None when it went as it is (then ``bytes_sent``).
+    compression : str
+        How compression was decided (``--compress``, ``Compression no`` in the ssh config,
+        or ``auto`` and why), also logged on ``gpumagic.sync.engine``.
     seconds : float
         Wall time.
     dry_run : bool
@@ -108,6 +137,14 @@ class SyncSummary:
     deleted: list[str] = field(default_factory=list)
     would_send: list[str] = field(default_factory=list)
     unreadable: dict[str, str] = field(default_factory=dict)
+    vanished: dict[str, str] = field(default_factory=dict)
+    specials: dict[str, str] = field(default_factory=dict)
+    #: Symlinks a pull could not make here (Windows without Developer Mode, FAT): path -> target.
+    links_refused: dict[str, str] = field(default_factory=dict)
+    #: Paths a pull wrote under another name (``rename_clashes``): machine path -> local path.
+    renamed: dict[str, str] = field(default_factory=dict)
+    wire_bytes: int | None = None
+    compression: str = ""
     seconds: float = 0.0
     dry_run: bool = False
 
@@ -187,7 +224,12 @@ class _Channel:
         nonce = os.urandom(8).hex()
         self.marker = agent.MARKER_PREFIX + nonce.encode() + b"\n"
         conn = machine.connection
+        was_open = conn.is_connected
+        opening = time.monotonic()
         self.chan: paramiko.Channel = conn.open_session()
+        #: Seconds the channel took to open, one round trip of the connection (None when
+        #: the connection had to be made first).
+        self.rtt = time.monotonic() - opening if was_open else None
         self.buf = bytearray()
         self.err = bytearray()
         self.marked = False
@@ -195,7 +237,7 @@ class _Channel:
         #: :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
         self.early: Listing | None = None
-        self.started = self.active = time.monotonic()
+        self.started = time.monotonic()
         try:
             # whatever the login shell; a start-up file that never returns is named
             start_program(self.chan, agent_command(op, nonce, *args), timeout=START_TIMEOUT)
@@ -208,6 +250,9 @@ class _Channel:
         except BaseException:  # Ctrl-C while the login shell starts it: no agent left behind
             self.chan.close()
             raise
+        #: Moves the channel's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
+        self.pump = ChannelPump(self.chan, self.buf.extend, self._got_stderr, chunk=1 << 20)
+        self.pump.active = self.started
 
     def _never_started(self) -> SyncError:
         return SyncError(
@@ -228,11 +273,18 @@ class _Channel:
             time.sleep(0.02)
         return True
 
-    def _drain_stderr(self) -> None:
-        while self.chan.recv_stderr_ready():
-            self.err += self.chan.recv_stderr(65536)
+    def _got_stderr(self, data: bytes) -> None:
+        self.err += data
         if len(self.err) > STDERR_KEEP:
             del self.err[:-STDERR_KEEP]
+
+    def _drain_stderr(self) -> None:
+        self.pump.read_stderr()
+
+    def _idle(self) -> None:
+        """While the send window stays shut: keep stderr moving, watch the connection."""
+        self._drain_stderr()
+        self._watch()
 
     def _watch(self) -> None:
         """Raise when waiting longer makes no sense: the connection is down, the server
@@ -244,9 +296,9 @@ class _Channel:
         if not self.marked and now - self.started > START_TIMEOUT:
             self.close()
             raise self._never_started()
-        if now - self.active > PROBE_AFTER and getattr(conn.spec, "server_alive_interval", 0) <= 0:
+        if now - self.pump.active > PROBE_AFTER and getattr(conn.spec, "server_alive_interval", 0) <= 0:
             self._probe()
-            self.active = time.monotonic()
+            self.pump.active = time.monotonic()
 
     def _probe(self) -> None:
         """Ask the server for an answer (``keepalive@openssh.com``); ConnectionLost when none
@@ -270,34 +322,26 @@ class _Channel:
 
     # -- reading --------------------------------------------------------------------------
 
-    def _recv(self) -> bytes:
-        """The next bytes of stdout (``b""`` at its end), waiting with the connection watched."""
+    def _more(self) -> bool:
+        """Read more of stdout into the buffer, waiting with the connection watched; False
+        at its end."""
+        n = len(self.buf)
         try:
-            while True:
-                if self.chan.recv_ready():
-                    self.active = time.monotonic()
-                    return self.chan.recv(1 << 20)
-                if self.chan.eof_received or self.chan.closed:
-                    data = self.chan.recv(1 << 20)
-                    if data:
-                        return data
-                    self._drain_stderr()
-                    if not self.chan.eof_received and self._connection_gone():
-                        raise _lost(self.machine)
-                    return b""
-                wait_readable(self.chan, 0.5)
-                self._drain_stderr()
-                if not self.chan.recv_ready():
-                    self._watch()
+            self.pump.run(lambda: len(self.buf) > n or self.pump.at_eof, watch=self._watch,
+                          wait=0.5)
+            if len(self.buf) > n:
+                return True
+            self._drain_stderr()
+            if not self.pump.eof_received and self._connection_gone():
+                raise _lost(self.machine)
+            return False
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise _lost(self.machine, e) from None
 
     def _fill(self) -> bool:
         """Read more into the buffer; False at the end of stdout."""
-        data = self._recv()
-        if not data:
+        if not self._more():
             return False
-        self.buf += data
         if not self.marked:
             i = self.buf.find(self.marker)
             if i < 0:
@@ -341,31 +385,11 @@ class _Channel:
 
     # -- writing --------------------------------------------------------------------------
 
-    def _send_window(self) -> int:
-        """Bytes the server lets this channel send now (its window), waiting while that is 0
-        with the connection watched as for a read; 0 once the channel is closed."""
-        chan = self.chan
-        while True:
-            with chan.lock:
-                if chan.out_window_size == 0 and not (chan.closed or chan.eof_sent):
-                    chan.out_buffer_cv.wait(0.5)
-                if chan.closed or chan.eof_sent:
-                    return 0
-                if chan.out_window_size > 0:
-                    self.active = time.monotonic()
-                    return chan.out_window_size
-            self._drain_stderr()
-            self._watch()
-
     def send(self, data: bytes) -> None:
-        view = memoryview(data)
         try:
-            while view:
-                # Never more than the window allows, so that sendall_ordered never blocks
-                # unwatched; it never sends after the agent's CLOSE (sshd would drop us).
-                n = self._send_window() or len(view)
-                sendall_ordered(self.chan, view[:n])
-                view = view[n:]
+            # Never more than the window allows, waiting for it with the connection watched;
+            # never after the agent's CLOSE (sshd would drop us).
+            self.pump.send_all(data, self._idle)
         except (paramiko.SSHException, EOFError, OSError) as e:
             if self._connection_gone():
                 raise _lost(self.machine, e) from None
@@ -391,25 +415,29 @@ class _Channel:
             The agent ended without an exit status on a live connection (killed by a signal).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self.chan.exit_status_ready():
-                code = self.chan.recv_exit_status()
-                if code != -1:
-                    self._drain_stderr()
-                    return code
-                if self._connection_gone():
-                    raise _lost(self.machine)
-                return -1  # killed: sshd sends exit-signal, which paramiko does not keep
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            if self.chan.eof_received:  # the channel stays readable after EOF: no busy loop
-                self.chan.status_event.wait(0.2)
-            else:
-                wait_readable(self.chan, 0.2)
-            while self.chan.recv_ready():
-                self.buf += self.chan.recv(1 << 20)  # drained so the agent can exit
+        # stdout and stderr are drained meanwhile, so that the agent can exit
+        if not self.pump.run(self.chan.exit_status_ready, deadline=deadline, watch=self._watch):
+            return None
+        code = self.chan.recv_exit_status()
+        if code != -1:
             self._drain_stderr()
-            self._watch()
+            return code
+        if self._connection_gone():
+            raise _lost(self.machine)
+        return -1  # killed: sshd sends exit-signal, which paramiko does not keep
+
+    def record(self, text: bytes = b"") -> dict | None:
+        """The agent's last JSON error record (stdout ``text``, then its stderr), or None."""
+        for blob in (text, bytes(self.err)):
+            for line in reversed(blob.splitlines()):
+                if line.startswith(b"{"):
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and "error" in rec:
+                        return rec
+        return None
 
     def failure(self, text: bytes = b"") -> Exception:
         """The error the agent reported (stdout ``text`` or stderr), as a GpumagicError;
@@ -424,15 +452,9 @@ class _Channel:
         if code is None:
             self.close()
         err = bytes(self.err)
-        for blob in (text, err):
-            for line in reversed(blob.splitlines()):
-                if line.startswith(b"{"):
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue
-                    if "error" in rec:
-                        return agent_error(rec, self.machine.name, self.doing)
+        rec = self.record(text)
+        if rec is not None:
+            return agent_error(rec, self.machine.name, self.doing)
         if code == 127 or b"python3" in err and b"not found" in err:
             return SyncError(f"{self.machine.name} has no python3, which %gpu sync runs on the remote side",
                              "install it there (e.g. `apt-get install -y python3`)")
@@ -470,6 +492,11 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
         return SyncError(f"cannot create {path}{on}{at}: {rec.get('error')}",
                          "choose a destination that can be created, e.g. under ~ or your workspace "
                          "(running the sync again will not help)")
+    if code == "DAMAGED":
+        return SyncError(f"refused a damaged compressed stream{on} at {path}: {rec.get('error')}; "
+                         "that file was not written", "run the sync again; if it repeats, sync with --no-compress")
+    if code == "NOZLIB":
+        return SyncError(f"{rec.get('error')}{on}", "sync with --no-compress")
     if code == "ENOTDIR" and doing == "reading":
         return SyncError(f"{path}{on} is not a directory: part of that path is a file",
                          "drop a trailing / to copy a file itself, or check the path")
@@ -632,6 +659,93 @@ def remote_root(machine, root: str) -> str:
     return posixpath.normpath(posixpath.join(cwd, root)) if cwd else root
 
 
+def _is_local_root(path: str) -> bool:
+    a = os.path.abspath(os.path.expanduser(path))
+    return os.path.dirname(a) == a  # "/", or a Windows drive's "C:\\"
+
+
+def whole_file_system(direction: str, machine, src: str, dst: str) -> tuple[str, str] | None:
+    """``(role, where)`` when a ``direction`` (``"push"``/``"pull"``) sync of ``src`` to ``dst``
+    walks a whole file system to compare, ``("destination", "the machine's /")`` say: a
+    folder pushed from this computer's root or into the machine's ``/`` (its contents, with
+    a trailing ``/``), a pull of the machine's ``/`` or into this computer's root.  None
+    otherwise.  Such a walk can take minutes; a ``--delete`` into a root is refused."""
+    seps = local_seps()
+    if direction == "push":
+        if not os.path.isdir(src):
+            return None  # one file: the destination is looked up by its name
+        if _is_local_root(src):
+            return "source", f"this computer's {os.path.abspath(src)}"
+        if remote_root(machine, destination_root(src, dst, src_seps=seps)) in ("/", "//"):
+            return "destination", "the machine's /"
+        return None
+    if remote_root(machine, src) in ("/", "//"):
+        return "source", "the machine's /"
+    if _is_local_root(destination_root(src, dst, dst_join=os.path.join)):
+        return "destination", f"this computer's {os.path.abspath(dst)}"
+    return None
+
+
+# -- compression -----------------------------------------------------------------------
+
+
+def decide_compression(machine, compress: bool | None, rtt: float | None) -> tuple[int, str]:
+    """The zlib level of this sync's file streams (0: as they are) and why, logged.
+
+    ``compress`` (``--compress``/``--no-compress``) decides first, then ``Compression
+    yes``/``no`` of the host's ssh config (``machine.spec.compression``), then ``auto``: a
+    connection whose channel opened within :data:`FAST_LINK_RTT` s (``rtt``, one round
+    trip; measured with a keepalive request when None) is loopback or a LAN, faster than
+    zlib, and goes uncompressed; any other gets zlib :data:`LEVEL`.  Either way, data that
+    does not compress (a sample of each frame is tried, see ``ZWriter`` in
+    :mod:`gpumagic.sync.agent`) goes as it is."""
+    if compress is not None:
+        level, why = (LEVEL, "--compress") if compress else (0, "--no-compress")
+    elif getattr(machine.spec, "compression", None) is not None:
+        on = bool(machine.spec.compression)
+        level = LEVEL if on else 0
+        why = f"Compression {'yes' if on else 'no'} in the ssh config of {machine.spec.alias}"
+    else:
+        if rtt is None:
+            rtt = _round_trip(machine)
+        ms = f"{rtt * 1000:.1f} ms"
+        if rtt < FAST_LINK_RTT:
+            level, why = 0, f"auto: a round trip takes {ms}, a link faster than zlib (loopback or a LAN)"
+        else:
+            level, why = LEVEL, f"auto: a round trip takes {ms} (over {FAST_LINK_RTT * 1000:g} ms: a link slower than zlib)"
+    text = (f"zlib {level}" if level else "uncompressed") + f" ({why})"
+    log.info("sync with %s: %s", machine.name, text)
+    return level, text
+
+
+def _round_trip(machine) -> float:
+    """Seconds one ``keepalive@openssh.com`` request takes to be answered."""
+    t = machine.connection.transport
+    start = time.monotonic()
+    try:
+        t.global_request("keepalive@openssh.com", wait=True)
+    except Exception:  # noqa: BLE001 - a dead transport: the sync's own channel says so
+        pass
+    return time.monotonic() - start
+
+
+def _retuned(machine, what: str, z: agent.ZWriter) -> None:
+    """Log the level changes of a push's compressor (the link or the compressor was slower)."""
+    for at, level in z.changes:
+        log.info("sync with %s: %s: zlib %d from %s on (%s)", machine.name, what, level, _fmt_bytes(at),
+                 "the link waited for the compressor" if level < z.top else "the compressor waited for the link")
+
+
+class _Direct:
+    """A write-only file over a channel's ``send`` (what a ``ZWriter`` writes its frames to)."""
+
+    def __init__(self, ch: "_Channel"):
+        self.write = ch.send
+
+    def flush(self) -> None:
+        pass
+
+
 # -- the engine ------------------------------------------------------------------------
 
 
@@ -670,8 +784,10 @@ class _Run:
     """
 
     def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None,
-                 counting: bool = False):
+                 counting: bool = False, level: int = 0):
         self.plan = plan
+        #: zlib level of the file streams (0: as they are; see :func:`decide_compression`).
+        self.level = level
         self.summary = summary
         self.progress = progress
         self.state = SyncProgress(len(plan.send), plan.bytes_to_send, counting=counting)
@@ -699,6 +815,11 @@ class _Run:
                 self.summary.bytes_sent += n
         self.tick()
 
+    def add_wire(self, n: int) -> None:
+        """A compressed stream took ``n`` bytes on the wire."""
+        with self.lock:
+            self.summary.wire_bytes = (self.summary.wire_bytes or 0) + n
+
     def file_done(self, name: str, nbytes: int = 0) -> None:
         """A file is complete (``nbytes``: its bytes not yet counted by :meth:`add_bytes`)."""
         with self.lock:
@@ -707,6 +828,20 @@ class _Run:
             self.summary.bytes_sent += nbytes
             self.state.current = name
             self.summary.files_sent += 1
+        self.tick()
+
+    def skip(self, rel: str, size: int, reason: list) -> None:
+        """A file of the plan was not sent: reading it failed with ``reason`` (``[errno name,
+        text]``: :func:`gpumagic.sync.agent.skip_reason`).  ``ENOENT``: it vanished, a
+        warning (rsync's 24); anything else leaves it unreadable (rsync's 23)."""
+        code, text = reason
+        with self.lock:
+            if code == "ENOENT":
+                self.summary.vanished[rel] = text
+            else:
+                self.summary.unreadable[rel] = text
+            self.state.files_total -= 1
+            self.state.bytes_total -= size
         self.tick()
 
     def tick(self, force: bool = False) -> None:
@@ -762,23 +897,19 @@ def _local_paths(root: str) -> Callable[[str], str]:
     return lambda rel: _local_path(root, rel)
 
 
-_O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+def _read_source(path: str, size: int) -> tuple[bytes | None, list | None]:
+    """The first ``size`` bytes of the local source file ``path`` (a file of the tar stream:
+    below :data:`LARGE_FILE`) and None; or None and why it is left out (``[errno name,
+    text]``): it vanished, cannot be read, is a folder now, or holds fewer bytes now (see
+    :func:`gpumagic.sync.agent.read_source`)."""
+    data, st = agent.read_source(path, size)
+    return (data, None) if data is not None else (None, st)
 
 
-def _read_whole(path: str, size: int) -> bytes | None:
-    """The first ``size`` bytes of the file ``path`` (a file of the tar stream: below
-    :data:`LARGE_FILE`), or None when it holds fewer now (it shrank since it was listed)."""
-    fd = os.open(path, _O_READ)
-    try:
-        data = os.read(fd, size) if size else b""
-        while len(data) < size:
-            more = os.read(fd, size - len(data))
-            if not more:
-                return None
-            data += more
-        return data
-    finally:
-        os.close(fd)
+def _open_source(path: str):
+    """The local source file ``path`` opened for reading (a large file's channel): its file
+    object, or raises OSError."""
+    return open(path, "rb")
 
 
 def _resolve_single_file(src_entries: Listing, name: str) -> dict[str, Entry]:
@@ -788,7 +919,8 @@ def _resolve_single_file(src_entries: Listing, name: str) -> dict[str, Entry]:
 
 def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
          ignore_files: bool = True, dry_run: bool = False, checksum: bool = False,
-         update: bool = False, progress: ProgressCallback | None = None) -> SyncSummary:
+         update: bool = False, progress: ProgressCallback | None = None,
+         compress: bool | None = None) -> SyncSummary:
     """Copy a local tree (or file) to the machine, sending only what differs.
 
     Parameters
@@ -812,6 +944,10 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         Compare by sha256 instead of size+mtime; never replace a newer remote file.
     progress : callable, optional
         Called with a :class:`SyncProgress` (at most every 0.1 s, and at the end).
+    compress : bool, optional
+        Send the files' bytes zlib-compressed (True) or as they are (False); None (``auto``)
+        follows ``Compression`` in the ssh config, else the link's speed
+        (:func:`decide_compression`).  Data that does not compress goes as it is.
 
     Returns
     -------
@@ -827,7 +963,7 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         partial one.
     """
     return _sync("push", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
-                 dry_run=dry_run, checksum=checksum, update=update, progress=progress)
+                 dry_run=dry_run, checksum=checksum, update=update, progress=progress, compress=compress)
 
 
 @dataclass
@@ -844,15 +980,28 @@ class _Sides:
     #: Files and links of the source, when both trees had the same fingerprint (the
     #: remote listing was not sent; ``source`` and ``dest`` are empty).
     same: int | None = None
+    #: A pull's renamed clashes: local path -> the machine's path.
+    remote_of: dict[str, str] = field(default_factory=dict)
+    #: The source's listing: what vanished while it was walked, and its special files.
+    vanished: dict[str, str] = field(default_factory=dict)
+    specials: dict[str, str] = field(default_factory=dict)
+    #: The source root as a path of its side (a push: this computer's; a pull: the machine's).
+    source_root: str = ""
+    single_source: bool = False  # the source is one file (``source_root``)
 
 
 def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude: Iterable[str],
           ignore_files: bool, dry_run: bool, checksum: bool, update: bool,
-          progress: ProgressCallback | None) -> SyncSummary:
+          progress: ProgressCallback | None, rename_clashes: bool = False,
+          compress: bool | None = None) -> SyncSummary:
     """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
     sides (the remote one on the channel that then carries the small files), plan, copy."""
     start = time.monotonic()
     pushing = direction == "push"
+    root = whole_file_system(direction, machine, src, dst) if delete else None
+    if root is not None and root[0] == "destination":
+        raise SyncError(f"--delete into {root[1]} would delete everything there that {src} lacks, "
+                        "so nothing was changed", "name a folder below it as the destination (e.g. :/data/)")
     if pushing:
         seps = local_seps()
         if not os.path.lexists(src.rstrip(seps) or src):
@@ -861,7 +1010,13 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
         if src.endswith(tuple(seps)) and not os.path.isdir(src):  # rsync: change_dir ... Not a directory
             raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
                             f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
+        _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
     rules = IgnoreRules(exclude, use_files=ignore_files)
+    # What the laptop's folder keeps (modes, case, normalisation), asked before it is walked
+    if pushing:
+        fs = laptop.probe(src if os.path.isdir(src) else os.path.dirname(src) or ".")
+    else:
+        fs = laptop.probe(dst)
     if pushing:
         names = None
         if os.path.isdir(src):
@@ -886,23 +1041,27 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
                 walk = None
             if first.wait() and _is_empty(early_listing(ch)):
                 summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
-                run = _Run(Plan(), summary, progress, counting=walk is None)
+                level, summary.compression = decide_compression(machine, compress, ch.rtt)
+                run = _Run(Plan(), summary, progress, counting=walk is None, level=level)
                 with _no_cyclic_gc():
-                    plan = _push_fresh(machine, ch, src, dst_root, rules, run, walk)
-                return _finished(summary, plan, run, start)
+                    plan = _push_fresh(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
+                return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
         with _no_cyclic_gc():
             if pushing:
-                sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum, walk)
+                sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum, walk, fs)
             else:
-                sides = _pull_sides(machine, ch, src, dst, rules, checksum)
+                sides = _pull_sides(machine, ch, src, dst, rules, checksum, fs, rename_clashes)
             if sides.same is not None:  # both trees give the same rows: nothing differs
                 plan = Plan(unchanged=sides.same)
             else:
                 plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
-                                 update=update, rules=rules, unreadable=sides.unreadable)
+                                 update=update, rules=rules, unreadable=sides.unreadable,
+                                 fold=fs.key if fs.folds else None)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
                               skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
-                              deleted=list(plan.delete), unreadable=sides.unreadable)
+                              deleted=list(plan.delete), unreadable=dict(sides.unreadable),
+                              vanished=dict(sides.vanished), specials=dict(sides.specials),
+                              renamed={r: p for p, r in sides.remote_of.items()})
         if dry_run:
             if not sides.listed:
                 ch.close_stdin()
@@ -911,17 +1070,53 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
             summary.seconds = time.monotonic() - start
             return summary
         if pushing:
-            run = _push_files(machine, ch, src, sides, plan, summary, progress)
+            run = _push_files(machine, ch, src, sides, plan, summary, progress, compress)
         else:
-            run = _pull_files(machine, ch, src, sides, plan, summary, progress)
+            run = _pull_files(machine, ch, src, sides, plan, summary, progress, compress)
     finally:
         ch.close()
-    return _finished(summary, plan, run, start)
+    return _complete(_finished(summary, plan, run, start),
+                     "this computer" if pushing else machine.name, sides.source_root, sides.single_source)
+
+
+#: A mode of each kind of special file (named by :func:`gpumagic.sync.agent.special_kind`).
+_SPECIAL_MODES = {agent.special_kind(m): m for m in (stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK, stat.S_IFIFO)}
+
+
+def _refuse_special(path: str, mode: int, where: str) -> None:
+    """Refuse a sync root that is a device, socket or FIFO (``/dev/null``): rsync ``-a``
+    sends none ("skipping non-regular file"), and nothing would arrive."""
+    if stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return
+    raise SyncError(f"{path} on {where} is a {agent.special_kind(mode)}, not a file or folder: "
+                    "%gpu sync copies files, folders and symlinks (as rsync -a does)",
+                    "sync the folder of the files you mean, or copy what it gives into a file first")
+
+
+def _complete(summary: SyncSummary, where: str, root: str, single: bool = False) -> SyncSummary:
+    """``summary``, or :class:`SyncIncomplete` (rsync's exit status 23) once everything else
+    was synced, when source files or folders on ``where`` (under ``root``) could not be
+    read (``single``: ``root`` is that one file).  Vanished files only warn in the summary
+    (rsync's 24)."""
+    bad = summary.unreadable
+    if not bad:
+        return summary
+    sep = "/" if where != "this computer" else os.sep
+    base = root.rstrip("/" + os.sep) if root not in ("/", os.sep) else root
+    first, why = next(iter(bad.items()))
+    path = base if first == "." or single else (base + sep + first.replace("/", sep) if base else first)
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    what = "a source file or folder" if len(bad) == 1 else f"{len(bad)} source files or folders"
+    how = "fix its permissions there" if where != "this computer" else "make it readable (chmod u+r)"
+    raise SyncIncomplete(
+        f"{summary.direction} incomplete: could not read {what} on {where}, not synced: {path} ({why}){more}; "
+        "everything else was synced",
+        f"{how}, or leave it out with --exclude, then run the sync again", summary=summary)
 
 
 def _finished(summary: SyncSummary, plan: Plan, run: _Run | None, start: float) -> SyncSummary:
     if run is not None:
-        summary.links = len(plan.links)
+        summary.links = len(plan.links) - len(summary.links_refused)
         summary.dirs = len(plan.dirs)
         run.done()
     summary.seconds = time.monotonic() - start
@@ -945,7 +1140,8 @@ def _no_cyclic_gc():
 
 
 def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
-                rules: IgnoreRules, checksum: bool, walk: SourceWalk | None = None) -> _Sides:
+                rules: IgnoreRules, checksum: bool, walk: SourceWalk | None = None,
+                fs: LocalFs = LocalFs()) -> _Sides:
     # The local walk runs while the remote one does (``walk``: already made).
     dest_name = f"{machine.name}:{remote_root(machine, dst_root)}"
     if names is None:
@@ -953,7 +1149,10 @@ def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[st
             walk = walk_source(src, rules, digests=checksum)
         remote = read_listing(ch, walk)
         if remote is None:
-            return _Sides({}, Listing(), {}, src, dest_name, dst_root, same=walk.unchanged)
+            return _Sides({}, Listing(), {}, src, dest_name, dst_root, same=walk.unchanged,
+                          source_root=os.path.abspath(src),
+                          vanished={rel: text for kind, rel, text in walk.left_out if kind == "v"},
+                          specials={rel: text for kind, rel, text in walk.left_out if kind == "s"})
         local = walk.listing()
         src_entries = local.entries
     else:
@@ -964,11 +1163,16 @@ def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[st
     if remote.root is not None and remote.root.kind != "d":
         raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
                         "choose another destination, or remove that file first")
-    return _Sides(src_entries, remote, local.errors, src, dest_name, dst_root)
+    if fs.folds:  # A.txt here is the machine's a.txt: compared with it, never sent beside it
+        src_entries = laptop.respelled(src_entries, remote.entries, fs)
+    if not fs.modes:  # no modes here: the machine's are kept, new ones chosen by content
+        src_entries = laptop.machine_modes(src_entries, remote.entries)
+    return _Sides(src_entries, remote, local.errors, src, dest_name, dst_root, vanished=local.vanished,
+                  specials=local.specials, source_root=os.path.abspath(src), single_source=names is not None)
 
 
 def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
-                checksum: bool) -> _Sides:
+                checksum: bool, fs: LocalFs = LocalFs(), rename_clashes: bool = False) -> _Sides:
     # Listed while the remote side lists (assuming SRC is a directory, the usual case).
     dst_root = destination_root(src, dst, dst_join=os.path.join)
     try:
@@ -978,6 +1182,8 @@ def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
         local, refused = Listing(), exc
     remote = read_listing(ch)
     assert remote is not None
+    if "." in remote.specials:
+        _refuse_special(remote_root(machine, src), _SPECIAL_MODES.get(remote.specials["."], 0), machine.name)
     if remote.root is None:
         raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
                         f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
@@ -1001,12 +1207,42 @@ def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
     if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
         raise SyncError(f"{dst_root} exists and is not a directory",
                         "choose another destination, or remove that file first")
+    remote_of: dict[str, str] = {}
+    local_entries = local.entries
+    if fs.folds:
+        src_entries, remote_of = _clashes_here(machine, src_entries, dst_root, fs, rename_clashes)
+        local_entries = laptop.respelled(local.entries, src_entries, fs)
+    local = Listing(local_entries, local.partials, local.parts, local.ignore_texts, local.errors)
     return _Sides(src_entries, local, remote.errors, f"{machine.name}:{remote_root(machine, src)}",
-                  dst_root, dst_root, listed=single)
+                  dst_root, dst_root, listed=single, remote_of=remote_of, vanished=remote.vanished,
+                  specials=remote.specials, source_root=remote_root(machine, src), single_source=single)
+
+
+def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
+                  rename: bool) -> tuple[dict[str, Entry], dict[str, str]]:
+    """A pull's source entries where the local folder takes some of the machine's names for
+    one: refused, naming them, before anything is written; or, with ``rename``, the later
+    ones under new names (entries keyed by local path, and local path -> machine path)."""
+    groups = laptop.clashes(src, fs)
+    if not groups:
+        return src, {}
+    if not rename:
+        what = "case" if not fs.case else "Unicode normalisation"
+        if not fs.case and not fs.normalization:
+            what = "case and Unicode normalisation"
+        first = " and ".join(groups[0])
+        more = f" (and {len(groups) - 1} more such group(s))" if len(groups) > 1 else ""
+        raise SyncError(f"{first} on {machine.name} would be one file in {dst_root}, whose file system "
+                        f"ignores {what}{more}; nothing was written",
+                        "rename one of them on the machine, or pull with --rename-clashes "
+                        "(the later one is written as 'NAME (2).EXT')")
+    names = laptop.renamed(src, fs)
+    out = {names.get(p, p): (dataclasses.replace(e, path=names[p]) if p in names else e) for p, e in src.items()}
+    return out, {local: remote for remote, local in names.items()}
 
 
 def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None) -> _Run | None:
+                progress: ProgressCallback | None, compress: bool | None = None) -> _Run | None:
     """Send what the plan says; ``None`` when there was nothing to do."""
     remote, dst_root = sides.dest, sides.dst_root
     grown = _grown(plan, remote.entries)
@@ -1021,7 +1257,10 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         ch.close_stdin()
         ch.finish()
         return None
-    run = _Run(plan, summary, progress)
+    level = 0
+    if large or small:
+        level, summary.compression = decide_compression(machine, compress, ch.rtt)
+    run = _Run(plan, summary, progress, level=level)
     if large and small:
         _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)
     else:
@@ -1061,16 +1300,21 @@ def _grown(plan: Plan, dest: dict[str, Entry]) -> dict[str, int]:
 
 
 def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None) -> _Run:
+                progress: ProgressCallback | None, compress: bool | None = None) -> _Run:
     """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
     local, dst_root, single = sides.dest, sides.dst_root, sides.listed
     grown = _grown(plan, local.entries)
-    large = [e for e in plan.send if e.size >= LARGE_FILE or single or e.path in grown]
-    small = [e for e in plan.send if e.size < LARGE_FILE and not single and e.path not in grown]
+    renamed = sides.remote_of  # fetched one by one: the tar names each file as the machine does
+    large = [e for e in plan.send if e.size >= LARGE_FILE or single or e.path in grown or e.path in renamed]
+    small = [e for e in plan.send if e.size < LARGE_FILE and not single and e.path not in grown
+             and e.path not in renamed]
     if not small and not single:
         ch.close_stdin()
         ch.finish()
-    run = _Run(plan, summary, progress)
+    level = 0
+    if plan.send:
+        level, summary.compression = decide_compression(machine, compress, ch.rtt)
+    run = _Run(plan, summary, progress, level=level)
     resumed = {e.path for e in large}
     clean = [p for p, target in local.parts.items() if target not in resumed]
     _restamp_parents(plan, sides.source, clean)
@@ -1086,33 +1330,51 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
                 _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
                             posixpath.basename(src))
         elif small and large:
-            _pull_overlapped(machine, ch, run, src, dst_root, small, large)
+            _pull_overlapped(machine, ch, run, src, dst_root, small, large, renamed)
         else:
             if small:
                 _pull_tar(ch, run, dst_root, small)
             for e in large:
-                _pull_large(machine, run, src, dst_root, e, e.path)
+                _pull_large(machine, run, src, dst_root, e, renamed.get(e.path, e.path))
         for e in plan.links:
-            agent.make_link(_local_path(dst_root, e.path), e.target)
+            _make_link_here(summary, _local_path(dst_root, e.path), e)
         for rel, mode, mtime in plan.meta:
             agent.set_meta(_local_path(dst_root, rel), mode, mtime, ns=True)
         agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs], ns=True)
     except OSError as exc:
         raise agent_error(agent.error_record(exc), "this computer") from None
+    except agent.Damaged as exc:
+        raise SyncError(f"refused the file stream from {machine.name}: {exc}; that file was not written",
+                        "run the sync again; if it repeats, sync with --no-compress") from None
     except agent.AgentError as exc:
         raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
     return run
 
 
+def _make_link_here(summary: SyncSummary, path: str, e: Entry) -> None:
+    """Make a pulled symlink; where this computer cannot make one (Windows without Developer
+    Mode or admin rights: EPERM/ERROR_PRIVILEGE_NOT_HELD; FAT, exFAT: EOPNOTSUPP), record it
+    in ``summary.links_refused`` to be named, and go on."""
+    try:
+        agent.make_link(path, e.target)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS) \
+                and getattr(exc, "winerror", None) != 1314:
+            raise
+        summary.links_refused[e.path] = e.target
+
+
 def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
-                     small: list[Entry], large: list[Entry]) -> None:
+                     small: list[Entry], large: list[Entry], renamed: dict[str, str] | None = None) -> None:
     """Large files on a worker thread (each on its own channel) while the tar of small files
     streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
     def stream(wait_for_large: Callable[[], None]) -> None:
         _pull_tar(ch, run, dst_root, small)
         wait_for_large()
 
-    _beside_the_tar(run, large, lambda e, chs: _pull_large(machine, run, src, dst_root, e, e.path, chs),
+    renamed = renamed or {}
+    _beside_the_tar(run, large,
+                    lambda e, chs: _pull_large(machine, run, src, dst_root, e, renamed.get(e.path, e.path), chs),
                     stream)
 
 
@@ -1178,20 +1440,22 @@ class _TarSender:
     def __init__(self, ch: "_Channel", run: _Run, src: str, removals: Iterable[str] = (),
                  meta: Iterable[tuple[str, int, int]] = (), clean: Iterable[str] = ()):
         self.ch, self.run = ch, run
-        self.sink = _TarSink(ch)
+        self.sink: _TarSink | agent.ZWriter = _TarSink(ch)
+        if run.level:  # frames of their own size go straight to the channel
+            self.sink = agent.ZWriter(_Direct(ch), run.level)
         self.path_of = _local_paths(src)
         head = _json_bytes({"op": "recv", "delete": list(removals),
-                            "meta": [[p, m, t] for p, m, t in meta], "clean": list(clean)})
+                            "meta": [[p, m, t] for p, m, t in meta], "clean": list(clean),
+                            **({"z": run.level} if run.level else {})})
         ch.send(struct.pack(">I", len(head)) + head)
 
     def file(self, rel: str, size: int, mode: int, mtime_ns: int) -> None:
-        path = self.path_of(rel)
-        try:
-            data = _read_whole(path, size)
-        except OSError as exc:
-            raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
-        if data is None:
-            raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
+        data, why = _read_source(self.path_of(rel), size)
+        if data is None:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
+            self.run.skip(rel, size, why)
+            return
+        if mode == laptop.BY_CONTENT:
+            mode = laptop.mode_by_content(data)
         self.sink.write(agent.tar_member(rel, data, mode, mtime_ns // 1_000_000_000))
         self.run.file_done(rel, size)
 
@@ -1205,6 +1469,9 @@ class _TarSender:
             self.sink.write(_tar_header(e))
         agent.end_tar(self.sink)
         self.sink.flush()
+        if isinstance(self.sink, agent.ZWriter):
+            self.run.add_wire(self.sink.wire)
+            _retuned(self.ch.machine, "the small files' stream", self.sink)
         self.ch.close_stdin()
         reply = self.ch.read()
         if self.ch.finish() != 0:
@@ -1234,7 +1501,7 @@ class _Handed(SourceWalk):
 
 
 def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
-                run: _Run, walked: SourceWalk | None = None) -> Plan:
+                run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
     """A push into an empty destination: with nothing there to compare, each folder's files
     go as soon as the walk has listed them, so the machine writes while this side still
     walks (rsync's incremental recursion).  Large files go beside the tar on their own
@@ -1255,6 +1522,8 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
                 batch = []
                 files = nbytes = 0
                 for kind, rel, size, mtime_ns, mode, text, _ in walk.fields:
+                    if not modes:  # a folder without modes: new files by content, folders 0755
+                        mode = laptop.BY_CONTENT if kind == "f" else laptop.NEW_DIR_MODE
                     if kind == "f":
                         files += 1
                         nbytes += size
@@ -1268,6 +1537,10 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
                         plan.links.append(Entry(rel, "l", 0, mtime_ns, mode, text))
                     elif kind == "e":
                         run.summary.unreadable[rel] = text
+                    elif kind == "v":
+                        run.summary.vanished[rel] = text
+                    elif kind == "s":
+                        run.summary.specials[rel] = text
                 walk.fields.clear()  # the walk appends to this very list
                 run.grow(files, nbytes, counting)
                 for item in batch:
@@ -1304,13 +1577,23 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
     path = _local_path(src, e.path)
     offset = partial if 0 < partial <= e.size else 0
     try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise agent_error(agent.error_record(exc, path), "this computer", "reading") from None
+        f = _open_source(path)
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            run.skip(e.path, e.size, ["EISDIR", "became a folder after it was listed"])
+            return
+    except OSError as exc:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
+        run.skip(e.path, e.size, agent.skip_reason(exc))
+        return
     with f:
+        mode = e.mode
+        if mode == laptop.BY_CONTENT:
+            mode = laptop.mode_by_content(f.read(2))
+            f.seek(0)
         whole = agent.hash_file(f, offset) if offset else None
         ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
-                      str(e.mtime_ns), "%o" % e.mode, str(offset), whole.hexdigest() if whole else "-")
+                      str(e.mtime_ns), "%o" % mode, str(offset), whole.hexdigest() if whole else "-",
+                      str(run.level))
         if channels is not None:
             channels.append(ch)
         try:
@@ -1325,17 +1608,33 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
             whole = whole if kept else None
             f.seek(kept)
             left = e.size - kept
+            out: _Channel | agent.ZWriter = ch
+            if run.level:
+                out = agent.ZWriter(_Direct(ch), run.level)
+            send = out.send if isinstance(out, _Channel) else out.write
             while left > 0:
-                b = f.read(min(1 << 20, left))
+                try:
+                    b = f.read(min(1 << 20, left))
+                except OSError as exc:
+                    b, why = b"", agent.skip_reason(exc)
+                else:
+                    why = ["CHANGED", f"shrank from {e.size} to {e.size - left} bytes while it was read"]
                 if not b:
-                    raise SyncError(f"{path} shrank while it was being sent", "run the sync again")
+                    # closed before its end: the machine keeps the part, never the file's name
+                    ch.close()
+                    run.skip(e.path, left, why)  # the bytes sent stay counted as sent
+                    return
                 if whole is not None:
                     whole.update(b)
-                ch.send(b)
+                send(b)
                 left -= len(b)
                 run.add_bytes(len(b))
             if whole is not None:
-                ch.send(whole.hexdigest().encode())
+                send(whole.hexdigest().encode())
+            if isinstance(out, agent.ZWriter):
+                out.flush()
+                run.add_wire(out.wire)
+                _retuned(machine, e.path, out)
             ch.close_stdin()
             reply = ch.read()
             if ch.finish() != 0:
@@ -1347,12 +1646,18 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
 
 def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
          ignore_files: bool = True, dry_run: bool = False, checksum: bool = False,
-         update: bool = False, progress: ProgressCallback | None = None) -> SyncSummary:
+         update: bool = False, progress: ProgressCallback | None = None,
+         rename_clashes: bool = False, compress: bool | None = None) -> SyncSummary:
     """Copy a remote tree (or file) to a local path, fetching only what differs.
 
     Parameters are those of :func:`push`, with ``src`` remote (relative to the machine's
     ``cwd``) and ``dst`` local.  ``.gitignore``/``.gpuignore`` files of the remote tree
-    are honoured (their texts come with the listing).
+    are honoured (their texts come with the listing).  Where the local folder takes two
+    of the machine's names for one (``Model.pt`` and ``model.pt`` on NTFS or APFS; see
+    :mod:`gpumagic.sync.laptop`), the pull is refused before anything is written, naming
+    them, unless ``rename_clashes``: then the later ones are written as ``model (2).pt``
+    (listed in :attr:`SyncSummary.renamed`).  Symlinks this computer cannot make are named
+    in :attr:`SyncSummary.links_refused`; everything else is pulled.
 
     Returns
     -------
@@ -1364,7 +1669,8 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         As for :func:`push`.
     """
     return _sync("pull", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
-                 dry_run=dry_run, checksum=checksum, update=update, progress=progress)
+                 dry_run=dry_run, checksum=checksum, update=update, progress=progress,
+                 rename_clashes=rename_clashes, compress=compress)
 
 
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:
@@ -1380,13 +1686,16 @@ def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing
 
 def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
     """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
-    head = _json_bytes({"op": "send", "paths": [e.path for e in small]})
+    head = _json_bytes({"op": "send", "paths": [e.path for e in small],
+                        **({"z": run.level} if run.level else {})})
     ch.doing = "reading"
     ch.send(struct.pack(">I", len(head)) + head)
     ch.close_stdin()
+    stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
     try:
-        agent.extract(dst_root, ch, on_file=run.file_done, on_bytes=run.add_bytes,
+        agent.extract(dst_root, stream, on_file=run.file_done, on_bytes=run.add_bytes,
                       allowed={e.path for e in small})
+        rest = stream.read()  # the tar's last zero block, then the files left out, if any
     except agent.AgentError as exc:
         raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
                         "run the sync again; if it repeats, check the machine") from None
@@ -1395,8 +1704,27 @@ def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> N
             raise ch.failure() from None
         raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
                         "run the sync again: files already complete are kept") from None
+    if isinstance(stream, agent.ZReader):
+        run.add_wire(stream.wire)
     if ch.finish() != 0:
-        raise ch.failure()
+        raise ch.failure(rest)
+    sizes = {e.path: e.size for e in small}
+    for rel, why in _skipped(rest).items():
+        if rel in sizes:
+            run.skip(rel, sizes[rel], why)
+
+
+def _skipped(rest: bytes) -> dict:
+    """The files a ``send`` tar left out (see :func:`gpumagic.sync.agent.send_tar`): rel ->
+    ``[errno name, reason]``; ``{}`` when none."""
+    i = rest.find(agent.SKIPPED)
+    if i < 0:
+        return {}
+    try:
+        skipped = json.loads(rest[i + len(agent.SKIPPED):].split(b"\n", 1)[0])
+    except ValueError:
+        return {}
+    return skipped if isinstance(skipped, dict) else {}
 
 
 def _copy_grown(path: str, f, size: int) -> int:
@@ -1429,11 +1757,16 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
             have = _copy_grown(path, f, e.size)
         have = min(have, e.size)
         digest = agent.hash_file(f, have).hexdigest() if have else "-"
-        ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest)
+        ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest,
+                      str(run.level))
         if channels is not None:
             channels.append(ch)
         try:
             line = ch.readline()
+            if line.startswith(agent.SKIPPED):  # it vanished or cannot be read there: the rest goes on
+                ch.finish()
+                run.skip(e.path, e.size, json.loads(line[len(agent.SKIPPED):]))
+                return
             if not line.startswith(b"OFFSET "):
                 raise ch.failure(line)
             kept = int(line.split()[1])
@@ -1444,14 +1777,22 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
             f.seek(kept)
             run.add_bytes(kept, resumed=True)
             want = None
+            stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
             try:
-                agent.write_rest(f, ch, e.size - kept, path, on_bytes=run.add_bytes)
+                agent.write_rest(f, stream, e.size - kept, path, on_bytes=run.add_bytes)
                 if kept:
-                    want = ch.read_exact(64).decode("ascii", "replace")
+                    want = agent.read_exact(stream, 64).decode("ascii", "replace")
                     if len(want) < 64:
                         raise EOFError(f"the stream ended before the sha256 of {e.path}")
+                if isinstance(stream, agent.ZReader):
+                    run.add_wire(stream.wire)
             except EOFError:
-                raise ch.failure() from None
+                exc = ch.failure()
+                rec = ch.record()
+                if rec is not None and rec.get("errno") == "CHANGED":  # it shrank there: left out
+                    run.skip(e.path, 0, ["CHANGED", f"shrank below its listed {e.size} bytes while it was read"])
+                    return
+                raise exc from None
             if ch.finish() != 0:
                 raise ch.failure()
         finally:

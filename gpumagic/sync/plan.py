@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import agent
+from .. import localpath
 from ..errors import ConfigError, SyncError
 from .agent import IGNORE_FILES
 from .ignore import IgnoreRules
@@ -50,11 +51,14 @@ class Endpoint:
         return self.host is not None
 
 
-def parse_endpoint(text: str, *, windows: bool = os.name == "nt") -> Endpoint:
+def parse_endpoint(text: str, *, windows: bool | None = None) -> Endpoint:
     """Parse ``:path`` / ``NAME:path`` (remote) or a local path, as rsync does.
 
-    A colon makes the path remote unless a ``/`` comes before it (``./a:b`` is local); on
-    Windows a one-letter name followed by a slash is a drive (``C:\\data``).
+    A colon makes the path remote unless a ``/`` (or, on Windows, a ``\\``) comes before it
+    (``./a:b`` is local).  On Windows (``windows``, default this computer) a single letter
+    before the colon is a drive, never a machine: ``C:\\Users\\me\\proj\\``, ``C:/data``
+    and the drive-relative ``C:proj`` are local (name a one-letter machine with
+    ``--host X`` and ``:path``); ``\\\\server\\share\\x`` (UNC) has no colon and is local.
     ``NAME:`` alone means the machine's working directory.
     """
     if not text:
@@ -63,12 +67,14 @@ def parse_endpoint(text: str, *, windows: bool = os.name == "nt") -> Endpoint:
     if m is None or "/" in m.group(1):
         return Endpoint(text)
     name, path = m.groups()
-    if windows and len(name) == 1 and name.isalpha() and path[:1] in ("\\", "/", ""):
+    if localpath.on_windows(windows) and len(name) == 1 and name.isalpha():
         return Endpoint(text)
     return Endpoint(path or ".", name)
 
 
 def _last_component(path: str, seps: str) -> str:
+    if "\\" in seps:  # a Windows path: its drive or UNC share is no component (C:proj -> proj)
+        path = localpath.strip_drive(path, windows=True)
     name = path.rstrip(seps)
     for sep in seps:
         name = name.rsplit(sep, 1)[-1]
@@ -116,7 +122,7 @@ class Transfer:
         return self.src.remote
 
 
-def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
+def transfer(src: str, dst: str, *, host: str | None = None, windows: bool | None = None) -> Transfer:
     """Read SRC and DST as rsync does (:func:`parse_endpoint`): one side local, one remote.
 
     Parameters
@@ -125,6 +131,8 @@ def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
         ``:PATH`` or ``NAME:PATH`` on the machine, or a local path.
     host : str, optional
         The machine named otherwise (``%gpu sync --host``); must agree with a ``NAME:``.
+    windows : bool, optional
+        Read local paths as Windows writes them (default: this computer's rule).
 
     Raises
     ------
@@ -132,7 +140,7 @@ def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
         An empty path; both sides local or both remote; ``NAME:`` and ``host`` naming
         different machines.
     """
-    a, b = parse_endpoint(src), parse_endpoint(dst)
+    a, b = parse_endpoint(src, windows=windows), parse_endpoint(dst, windows=windows)
     if a.remote == b.remote:
         raise ConfigError("exactly one side must be remote: `%gpu sync ./project/ :/workspace/project/` "
                           "pushes, `%gpu sync :/workspace/runs/ ./runs/` pulls",
@@ -144,9 +152,10 @@ def transfer(src: str, dst: str, *, host: str | None = None) -> Transfer:
     return Transfer(a, b, remote.host or host)
 
 
-def local_seps() -> str:
-    """Separators of local paths: ``/``, plus ``\\`` on Windows."""
-    return "/" if os.sep == "/" else "/" + os.sep
+def local_seps(windows: bool | None = None) -> str:
+    """Separators of local paths: ``/``, plus ``\\`` on Windows (``windows``, default this
+    computer): a trailing ``\\`` means what rsync's trailing ``/`` means."""
+    return localpath.seps(windows)
 
 
 # -- listings --------------------------------------------------------------------------
@@ -204,6 +213,11 @@ class Listing:
         ``.gitignore``/``.gpuignore`` path -> text (``surrogateescape``).
     errors : dict of str to str
         Unreadable path -> reason.
+    vanished : dict of str to str
+        Path that was gone by the time it was looked at (listed by its folder, then no longer
+        there: rsync's "file has vanished") -> reason.
+    specials : dict of str to str
+        Device, socket or FIFO -> which (never synced: rsync ``-a`` skips them).
     """
 
     entries: dict[str, Entry] = field(default_factory=dict)
@@ -211,6 +225,8 @@ class Listing:
     parts: dict[str, str] = field(default_factory=dict)
     ignore_texts: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    vanished: dict[str, str] = field(default_factory=dict)
+    specials: dict[str, str] = field(default_factory=dict)
 
     @property
     def root(self) -> Entry | None:
@@ -258,6 +274,10 @@ def parse_listing(data: bytes) -> Listing:
             out.ignore_texts[path] = text
         elif kind == "e":
             out.errors[path] = text
+        elif kind == "v":
+            out.vanished[path] = text
+        elif kind == "s":
+            out.specials[path] = text
     return out
 
 
@@ -288,7 +308,7 @@ class SourceWalk(agent.Listed):
                 entries[f[1]] = Entry(f[1], kind, f[2], f[3], f[4], f[5], f[6])
             else:
                 out.add(*f)
-        return Listing(out.entries, out.partials, out.parts, out.ignore_texts, out.errors)
+        return out.listing()
 
 
 def walk_source(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
@@ -343,6 +363,15 @@ class _Collect(Listing):
             self.ignore_texts[rel] = text.decode("utf-8", "surrogateescape") if isinstance(text, bytes) else text
         elif kind == "e":
             self.errors[rel] = text
+        elif kind == "v":
+            self.vanished[rel] = text
+        elif kind == "s":
+            self.specials[rel] = text
+
+    def listing(self) -> Listing:
+        """These entries as a plain :class:`Listing`."""
+        return Listing(self.entries, self.partials, self.parts, self.ignore_texts, self.errors,
+                       self.vanished, self.specials)
 
 
 def list_local(root: str, digests: bool = False, names: list[str] | None = None,
@@ -352,7 +381,7 @@ def list_local(root: str, digests: bool = False, names: list[str] | None = None,
     included.  Raises what the walk raises (OSError)."""
     out = _Collect()
     agent.list_tree(root, digests, names, prune, out)
-    return Listing(out.entries, out.partials, out.parts, out.ignore_texts, out.errors)
+    return out.listing()
 
 
 def _ignored_names(rules: IgnoreRules, rel: str, items: list[os.DirEntry]) -> set[str]:
@@ -454,14 +483,17 @@ class Plan:
 
 def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = False,
               checksum: bool = False, update: bool = False,
-              rules: IgnoreRules | None = None, unreadable: Iterable[str] = ()) -> Plan:
+              rules: IgnoreRules | None = None, unreadable: Iterable[str] = (),
+              fold: Callable[[str], str] | None = None) -> Plan:
     """Compare two listings as rsync ``-a`` does.
 
     A file is unchanged when size and mtime (whole seconds) match, or with ``checksum``
     when the sha256 digests match; ``update`` never replaces a newer destination file.
     With ``delete``, destination paths absent from the source are deleted, except those the
-    rules ignore (rsync: excluded files are protected from deletion), and except what lies
-    under a source path that could not be read (``unreadable``).
+    rules ignore (rsync: excluded files are protected from deletion), except what lies
+    under a source path that could not be read (``unreadable``), and, with ``fold`` (how
+    the laptop's folder compares names: :meth:`gpumagic.sync.laptop.LocalFs.key`), except
+    a path that is one name there with a source path (``a.txt`` is not deleted for ``A.txt``).
     """
     spared = tuple(p + "/" for p in unreadable if p != ".")
     plan = Plan()
@@ -500,8 +532,11 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
         if changed and rel != ".":
             touched_dirs.add(posixpath.dirname(rel) or ".")
     if delete:
+        src_keys = {fold(p) for p in src} if fold is not None else None
         for rel in sorted(dst, key=tree_order):
             if rel == "." or rel in src:
+                continue
+            if src_keys is not None and fold(rel) in src_keys:
                 continue
             if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
                 continue

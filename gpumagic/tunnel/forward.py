@@ -123,6 +123,77 @@ class TunnelFault:
     error: BaseException = field(repr=False)
 
 
+class TunnelBase:
+    """What every tunnel (local or reverse) keeps: the faults of its background threads
+    (:attr:`faults`), each raised once -- by :meth:`check` (and so by ``stop`` and at the end
+    of a ``with`` block) or handed out by :meth:`unreported_faults` for the notebook to show
+    -- and its byte counts.  Subclasses set ``self._lock``, call :meth:`_init_counts`, name
+    themselves in :attr:`label` and list their live connections (objects with ``down`` and
+    ``up`` byte counts) in :meth:`_live`."""
+
+    faults: list[TunnelFault]
+    _lock: threading.Lock
+
+    def _init_counts(self) -> None:
+        self.faults = []
+        self._reported = 0  # faults already raised or shown
+        self.connections_total = 0
+        self._done_down = 0  # bytes of the connections that ended
+        self._done_up = 0
+
+    def _live(self):
+        raise NotImplementedError
+
+    @property
+    def active_connections(self) -> int:
+        with self._lock:
+            return len(self._live())
+
+    @property
+    def bytes_down(self) -> int:
+        """Bytes towards this computer so far (all connections): from the remote service of
+        a local tunnel, from the machine's clients of a reverse one."""
+        with self._lock:
+            return self._done_down + sum(c.down for c in self._live())
+
+    @property
+    def bytes_up(self) -> int:
+        """Bytes towards the machine so far (all connections)."""
+        with self._lock:
+            return self._done_up + sum(c.up for c in self._live())
+
+    @property
+    def label(self) -> str:
+        """What the tunnel is, for messages ("tunnel http://127.0.0.1:6006/ -> localhost:6006")."""
+        raise NotImplementedError
+
+    def _fault(self, number: int | None, message: str, error: BaseException) -> None:
+        log.warning("gpumagic %s: %s", self.label, message)
+        with self._lock:
+            self.faults.append(TunnelFault(time.time(), number, message, error))
+
+    def check(self) -> None:
+        """Raise :class:`TunnelError` for faults recorded since the last check.
+
+        Raises
+        ------
+        TunnelError
+            Naming how many faults and the first one; ``__cause__`` is its exception.
+        """
+        new = self.unreported_faults()
+        if new:
+            more = f" (and {len(new) - 1} more: see tunnel.faults)" if len(new) > 1 else ""
+            raise TunnelError(f"{self.label}: {new[0].message}{more}",
+                              _hint_for(new[0].error)) from new[0].error
+
+    def unreported_faults(self) -> list[TunnelFault]:
+        """Faults not yet raised or shown; marks them as shown."""
+        with self._lock:
+            new = self.faults[self._reported:]
+            self._reported = len(self.faults)
+        return new
+
+
 class _Workers:
     """Daemon threads reused across connections (a new thread costs ~0.1 ms per request).
 
@@ -442,7 +513,7 @@ class _Probe:
         self.chan = chan
 
 
-class Tunnel:
+class Tunnel(TunnelBase):
     """Forward ``127.0.0.1:local_port`` on this computer to ``remote_host:remote_port`` as the
     machine sees it.
 
@@ -496,14 +567,10 @@ class Tunnel:
         #: Why it moved, completing "local port N ..." (e.g. "is taken by another program
         #: (left alone)"); empty when it did not move.
         self.moved_reason = ""
-        self.faults: list[TunnelFault] = []
+        self._init_counts()
         #: The remote service (TensorBoard, Jupyter) this tunnel was opened for, if any.
         self.service: RemoteService | None = None
-        self._reported = 0  # faults already raised or shown
-        self.connections_total = 0
         self.reconnects = 0
-        self._done_down = 0
-        self._done_up = 0
         self._forwards: dict[int, _Forward] = {}
         self._workers = _Workers(f"gpumagic-tunnel-{self.wanted_port}")
         self._lock = threading.Lock()
@@ -613,29 +680,6 @@ class Tunnel:
         close_without_eof(chan)
         return None
 
-    def check(self) -> None:
-        """Raise :class:`TunnelError` for faults recorded since the last check.
-
-        Raises
-        ------
-        TunnelError
-            Naming how many faults and the first one; ``__cause__`` is its exception.
-        """
-        with self._lock:
-            new = self.faults[self._reported:]
-            self._reported = len(self.faults)
-        if new:
-            more = f" (and {len(new) - 1} more: see tunnel.faults)" if len(new) > 1 else ""
-            raise TunnelError(f"tunnel {self.url} -> {self.target}: {new[0].message}{more}",
-                              _hint_for(new[0].error)) from new[0].error
-
-    def unreported_faults(self) -> list[TunnelFault]:
-        """Faults not yet raised or shown; marks them as shown."""
-        with self._lock:
-            new = self.faults[self._reported:]
-            self._reported = len(self.faults)
-        return new
-
     # -- what to show -----------------------------------------------------------------
 
     @property
@@ -645,26 +689,21 @@ class Tunnel:
         return f"http://127.0.0.1:{self.local_port}{self.path}"
 
     @property
+    def label(self) -> str:
+        return f"tunnel {self.url} -> {self.target}"
+
+    @property
+    def id(self) -> str:
+        """What ``%gpu tunnel list`` shows and ``%gpu tunnel close`` takes: the local port."""
+        return str(self.local_port)
+
+    @property
     def target(self) -> str:
         """``host:port`` as seen from the machine."""
         return f"{self.remote_host}:{self.remote_port}"
 
-    @property
-    def active_connections(self) -> int:
-        with self._lock:
-            return len(self._forwards)
-
-    @property
-    def bytes_down(self) -> int:
-        """Bytes received from the remote service so far (all connections)."""
-        with self._lock:
-            return self._done_down + sum(f.down for f in self._forwards.values())
-
-    @property
-    def bytes_up(self) -> int:
-        """Bytes sent to the remote service so far (all connections)."""
-        with self._lock:
-            return self._done_up + sum(f.up for f in self._forwards.values())
+    def _live(self):
+        return self._forwards.values()
 
     @property
     def state(self) -> str:
@@ -687,11 +726,6 @@ class Tunnel:
         return f"<Tunnel {self.name}: {where} -> {self.target} {self.state}>"
 
     # -- threads ----------------------------------------------------------------------
-
-    def _fault(self, number: int | None, message: str, error: BaseException) -> None:
-        log.warning("gpumagic tunnel %s: %s", self.local_port, message)
-        with self._lock:
-            self.faults.append(TunnelFault(time.time(), number, message, error))
 
     def _listen_and_serve(self) -> None:
         """Wait for one local connection and serve it, handing listening on to an idle

@@ -6,11 +6,13 @@ import ipaddress
 
 from ..errors import GpumagicError, TunnelError
 from .forward import Tunnel
+from .reverse import ReverseTunnel
 from .services import stop_remote_service
 
 
 class TunnelManager:
-    """The tunnels of one machine, by local port (the ID shown by ``%gpu tunnel list``).
+    """The tunnels of one machine: local forwards by local port (the ID shown by ``%gpu
+    tunnel list``), reverse ones (:attr:`reverse`) by the machine's port (ID ``R`` and it).
 
     Parameters
     ----------
@@ -21,6 +23,8 @@ class TunnelManager:
     def __init__(self, connection):
         self.connection = connection
         self.tunnels: dict[int, Tunnel] = {}
+        #: Reverse tunnels (``ssh -R``) by ID (``R7890``).
+        self.reverse: dict[str, ReverseTunnel] = {}
 
     def open(self, remote_port: int, *, remote_host: str = "localhost",
              local_port: int | None = None, **options) -> Tunnel:
@@ -55,6 +59,57 @@ class TunnelManager:
         self.tunnels[t.local_port] = t
         return t
 
+    def open_reverse(self, local_port: int, *, remote_port: int | None = None,
+                     name: str = "") -> ReverseTunnel:
+        """Start a :class:`ReverseTunnel` (the machine's 127.0.0.1:``remote_port`` -> this
+        computer's 127.0.0.1:``local_port``) and keep it listed.
+
+        An open reverse tunnel to the same local port is returned instead of a new one, unless
+        another ``remote_port`` is asked for than the one it has.  A machine port held by
+        another of these tunnels is taken (refused when asked for, else the new one moves).
+
+        Raises
+        ------
+        TunnelError, ConnectionLost
+        """
+        for r in self.reverse_tunnels():
+            if r.local_port == int(local_port) and remote_port in (None, r.remote_port):
+                return r
+        taken = {r.remote_port: f"gpumagic's reverse tunnel {r.id} (-> this computer's {r.target}, {r.name})"
+                 for r in self.reverse_tunnels() if r.remote_port is not None}
+        r = ReverseTunnel(self.connection, local_port, remote_port=remote_port, name=name,
+                          taken=taken).start()
+        self.reverse[r.id] = r
+        return r
+
+    def reverse_tunnels(self) -> list[ReverseTunnel]:
+        """The open reverse tunnels (one stopped directly leaves the list); their IDs follow a
+        move after a reconnect."""
+        for key, r in list(self.reverse.items()):
+            if r.stopped:
+                self.reverse.pop(key, None)
+            elif key != r.id:
+                self.reverse[r.id] = self.reverse.pop(key)
+        return list(self.reverse.values())
+
+    def close_reverse(self, id: str) -> ReverseTunnel:
+        """Stop and forget one reverse tunnel (ID ``R7890``, or the machine's port alone).
+
+        Raises
+        ------
+        TunnelError
+            When no reverse tunnel has that ID.
+        """
+        self.reverse_tunnels()
+        key = id if id.upper().startswith("R") else f"R{id}"
+        r = self.reverse.pop(key.upper(), None)
+        if r is None:
+            known = ", ".join(sorted(self.reverse)) or "none"
+            raise TunnelError(f"no reverse tunnel {key} (open: {known})",
+                              "`%gpu tunnel list` shows the IDs")
+        r.stop(raise_errors=False)
+        return r
+
     def find(self, remote_host: str, remote_port: int) -> Tunnel | None:
         """An open tunnel to that target, if there is one."""
         for t in self.tunnels.values():
@@ -86,11 +141,13 @@ class TunnelManager:
                 t._fault(None, f"could not stop its server (pid {t.service.pid}): {e.message}", e)
         return t
 
-    def close_all(self, stop_service: bool = False) -> list[Tunnel]:
-        """Stop every tunnel (on disconnect and when the kernel exits)."""
-        closed = []
+    def close_all(self, stop_service: bool = False) -> list[Tunnel | ReverseTunnel]:
+        """Stop every tunnel, local and reverse (on disconnect and when the kernel exits)."""
+        closed: list[Tunnel | ReverseTunnel] = []
         for port in list(self.tunnels):
             closed.append(self.close(port, stop_service=stop_service))
+        for r in self.reverse_tunnels():
+            closed.append(self.close_reverse(r.id))
         return closed
 
     def __iter__(self):

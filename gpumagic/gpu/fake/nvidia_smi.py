@@ -51,7 +51,7 @@ NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVI
 def state():
     path = os.environ.get("GPUMAGIC_FAKE_GPU_STATE")
     if path and os.path.exists(path):
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return f.read().strip() or "h200-idle"
     return "h200-idle"
 

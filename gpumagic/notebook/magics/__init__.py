@@ -1,12 +1,40 @@
 """IPython layer: ``%gpu <sub-command>`` and ``%%remote``.
 
 Each sub-command is a small function ``fn(magics, line)`` with its own ``magic_arguments``
-parser, listed in :data:`SUBCOMMANDS`; it parses (:func:`._args.parse`), calls the
-plain-Python API, and displays.  The functions live one module per group: :mod:`.connect`,
-:mod:`.keys`, :mod:`.gpu`, :mod:`.sync`, :mod:`.jobs`, :mod:`.budget`, :mod:`.tunnel`,
-:mod:`.wrapup`; options several magics share are in :mod:`._args`.  Bad arguments raise
-exactly ``UsageError``; everything else is a ``GpumagicError`` whose ``_render_traceback_``
-shows a short message instead of a traceback.
+parser, a row of the table :data:`SUBCOMMANDS` (a :class:`._args.Subcommands`, as jupysql's
+``magic_cmd.py``); it parses (:func:`._args.parse`), calls the plain-Python API, and
+displays.  The functions live one module per group: :mod:`.connect`, :mod:`.keys`,
+:mod:`.gpu`, :mod:`.sync`, :mod:`.jobs`, :mod:`.torchrun`, :mod:`.kernel`, :mod:`.budget`,
+:mod:`.tunnel`, :mod:`.net`, :mod:`.wrapup`; options several magics share are in :mod:`._args`, the
+output cap in :mod:`._output`.  Bad arguments raise exactly ``UsageError``; everything else
+is a ``GpumagicError`` whose ``_render_traceback_`` shows a short message instead of a
+traceback.
+
+Adding a sub-command (``%gpu proxy``):
+
+1. In its group's module (or a new one, ``proxy.py``), write the function with its parser::
+
+       @magic_arguments()
+       @argument("port", type=PORT, help="...")
+       @host_arg()                       # the shared options: host_arg(), out_arg("the X")
+       def _proxy(magics: GpuMagics, line: str):
+           # (its docstring: what `%gpu proxy -h` says above the options)
+           args = parse(_proxy, line, "proxy")   # -h, bad input -> exactly UsageError
+           m = magics.fleet.get(args.host)
+           ...                                   # call the plain-Python API, display
+
+2. Add one row to :data:`SUBCOMMANDS`: ``"proxy": (_proxy, "one line for `%gpu help`")``.
+   ``%gpu help``, ``%gpu help proxy``, the unknown-name message (which lists it) follow from
+   the table; add it to ``tests/test_fuzz_magics.py``'s ``_specs`` (a test checks that every
+   row is fuzzed).
+
+A group with sub-commands of its own (``%gpu mirrors list|set``) is a table of its own in its
+module, ``MIRRORS = Subcommands("%gpu mirrors", {"list": (_mirrors_list, "..."), ...},
+intro="...")``, and that table is the row's function: ``"mirrors": (MIRRORS, "...")``, as
+``kernel``, ``budget`` and ``tunnel`` are.  A plain sub-command that grows sub-commands keeps
+its old form as the table's ``default`` (``%gpu budget [--host NAME]`` is the meter,
+``%gpu budget set ...`` a sub-command): so ``%gpu jobs`` can stay the list when ``%gpu jobs
+move NAME`` arrives.
 """
 
 from __future__ import annotations
@@ -14,40 +42,41 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from traitlets import Float, Int, Unicode
 
 from ...errors import Interrupted, RemoteCommandError
 from ...gpu.doctor import failure_hint
-from ...session import Session
-from ._args import (GB, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, env_pairs, host_arg, number,
-                    out_arg, parse, returns_after_help, split_args)
-from .budget import GUARD_ALERT_POLL, _budget, _budget_post_run_cell, budget_alert_hook
+from ...fleet import Fleet
+from ._args import (GB, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, env_pairs, host_arg,
+                    number, out_arg, parse, returns_after_help, split_args)
+from ._output import OutputCap
+from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
 from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
 from .gpu import _doctor, _fit, _status
 from .jobs import _attach, _jobs, _kill, _logs, _remote_job
 from .keys import _add_host, _install_key, _keygen, show_public_key
+from .net import PROXY, _mirrors
 from .sync import _sync
-from .tunnel import _tunnel, _tunnel_faults_post_run_cell
+from .tunnel import TUNNEL, _tunnel_faults_post_run_cell
 from .wrapup import _wrapup
 
 # Each parser's function, here as before the split (the tests reach them as ``magics._NAME``).
 from .budget import (_budget_estimate, _budget_guard, _budget_history, _budget_meter,  # noqa: F401
                      _budget_notify, _budget_set)
 from .tunnel import (_service_note, _tunnel_close, _tunnel_jupyter, _tunnel_list,  # noqa: F401
-                     _tunnel_port, _tunnel_tensorboard)
+                     _tunnel_port, _tunnel_reverse, _tunnel_tensorboard)
 
-#: ``%gpu NAME`` -> (function(magics, line), one-line help for ``%gpu help``).
 def _kernel(magics: GpuMagics, line: str):
-    """`%gpu kernel SUB ...`: see gpumagic/notebook/kernel_magics.py (`%gpu kernel` lists the SUBs)."""
-    from ..kernel_magics import dispatch
+    """`%gpu kernel SUB ...`: the table :data:`.kernel.KERNEL` (imported on first use)."""
+    from .kernel import KERNEL
 
-    return dispatch(magics, line)
+    return KERNEL(magics, line)
 
 
-SUBCOMMANDS: dict[str, tuple[Callable, str]] = {
+#: ``%gpu NAME``: name -> (function(magics, line), one line for ``%gpu help``).
+SUBCOMMANDS = Subcommands("%gpu", {
     "connect": (_connect, "connect to a machine: ~/.ssh/config alias, user@host[:port] or a pasted ssh line"),
     "disconnect": (_disconnect, "close a machine's connection (default: the current one)"),
     "hosts": (_hosts, "list ~/.ssh/config aliases and which machines are connected"),
@@ -58,17 +87,21 @@ SUBCOMMANDS: dict[str, tuple[Callable, str]] = {
     "install-key": (_install_key, "copy your public key to a machine that allows a password login (once)"),
     "status": (_status, "GPU memory, utilisation, temperature, power and processes (--watch N refreshes)"),
     "doctor": (_doctor, "preflight: GPU model and memory, PyTorch CUDA vs driver, disks, python, tools"),
-    "kernel": (_kernel, "a live Python session on the machine: start, list, attach, push, pull, stop, autorun"),
     "fit": (_fit, "will it fit? GPU memory for training or inference, vs the GPU or a card"),
     "sync": (_sync, "copy files to or from a machine, sending only what changed (like rsync -a)"),
     "jobs": (_jobs, "list the detached jobs on a machine: state, start, run time, last line"),
     "logs": (_logs, "show a job's output; --follow streams it until the job ends"),
     "attach": (_attach, "show a job's earlier output, then follow it until it ends"),
     "kill": (_kill, "end a job's whole process tree; --shutdown cancels its pending shutdown"),
-    "budget": (_budget, "what the rental costs: set prices, meter, estimate, history, guard"),
-    "tunnel": (_tunnel, "open a remote port in your browser: tensorboard, jupyter, PORT, list, close"),
+    "kernel": (_kernel, "a live Python session on the machine: start, list, attach, push, pull, stop, autorun"),
+    "budget": (BUDGET, "what the rental costs: set prices, meter, estimate, history, guard, notify"),
+    "tunnel": (TUNNEL, "open a remote port in your browser: tensorboard, jupyter, PORT, --reverse, list, close"),
+    "proxy": (PROXY, "lend this computer's proxy to the machine: on [--local 7890] [--persist], off"),
+    "mirrors": (_mirrors, "use a pip, Hugging Face or conda mirror on the machine: pip|hf|conda [NAME], off"),
     "wrapup": (_wrapup, "before releasing: pull results, list/--clean caches, image size, what runs"),
-}
+}, intro="gpumagic: run cells on a rented GPU machine over SSH.\n\n"
+         "  %%remote [--python] ...  run the cell on the machine (see %%remote?)",
+   outro="`%gpu NAME -h` (or `%gpu help NAME`) shows a sub-command's options.")
 
 
 @magics_class
@@ -94,7 +127,7 @@ class GpuMagics(Magics):
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
-        self.session = Session()
+        self.fleet = Fleet()
         #: machine name -> running ``%gpu status --watch`` (a gpu.Watcher)
         self.status_watchers: dict = {}
         #: True once :meth:`close` ran (the extension was unloaded)
@@ -121,7 +154,7 @@ class GpuMagics(Magics):
                 pass
         for name in list(self.status_watchers):
             self.status_watchers.pop(name).stop("stopped: gpumagic was unloaded")
-        self.session.close_all()
+        self.fleet.close_all()
 
     # -- %gpu ---------------------------------------------------------------------------
 
@@ -129,58 +162,55 @@ class GpuMagics(Magics):
     @returns_after_help
     def gpu(self, line: str = ""):
         """Drive rented GPU machines over SSH.  `%gpu help` lists the sub-commands."""
-        name, _, rest = line.strip().partition(" ")
-        if not name or name in ("help", "-h", "--help"):
-            print(self.help_text())
-            return None
-        if name not in SUBCOMMANDS:
-            raise UsageError(f"unknown sub-command {name!r}; valid: {', '.join(sorted(SUBCOMMANDS))} "
-                             "(see `%gpu help`)")
-        fn, _ = SUBCOMMANDS[name]
-        return fn(self, rest)
+        return SUBCOMMANDS(self, line)
 
     def help_text(self) -> str:
-        width = max(len(n) for n in SUBCOMMANDS)
-        rows = [f"  %gpu {n.ljust(width)}  {summary}" for n, (_, summary) in sorted(SUBCOMMANDS.items())]
-        return ("gpumagic: run cells on a rented GPU machine over SSH.\n\n"
-                "  %%remote [--python] ...  run the cell on the machine (see %%remote?)\n"
-                + "\n".join(rows)
-                + "\n\n`%gpu NAME -h` shows a sub-command's options.")
+        """What ``%gpu help`` prints: every sub-command with one line."""
+        return SUBCOMMANDS.help_text()
 
     # -- %%remote -------------------------------------------------------------------------
 
     @magic_arguments()
-    @argument("--python", action="store_true", help="run the cell with the remote python3 (default: bash)")
+    @argument_group("a cell (the default)", "It runs while you wait, its output streamed as it comes.")
+    @argument("--python", action="store_true",
+              help="run the cell with the remote python3 (default: bash); with --job too")
+    @argument("--timeout", metavar="S", type=TIMEOUT_S, help="stop the cell after S seconds (with --kernel too)")
+    @argument("--no-raise-error", action="store_true",
+              help="do not raise when the cell exits non-zero (Run All continues; with --kernel too)")
+    @argument_group("every mode")
     @host_arg("machine to run on (default: the last connected)")
     @argument("--cwd", metavar="DIR", help="working directory for this cell")
     @argument("--env", metavar="K=V", action="append", default=[], help="environment variable (repeatable)")
-    @argument("--timeout", metavar="S", type=TIMEOUT_S, help="stop the cell after S seconds")
-    @argument("--no-raise-error", action="store_true",
-              help="do not raise when the cell exits non-zero (Run All continues)")
     @out_arg("the RunResult (stdout, stderr, exit_code)", " (with --job: the Job handle)")
+    @argument_group("a detached job (--job NAME)",
+                    "It survives disconnects and a closed laptop; the cell returns at once.")
     @argument("--job", metavar="NAME",
-              help="start the cell as a detached job that survives disconnects, and return at once "
+              help="start the cell as a detached job, and return at once "
                    "(see `%%gpu jobs`, `%%gpu logs NAME --follow`, `%%gpu kill NAME`)")
     @argument("--stop-on", metavar="KINDS",
-              help="with --job: kill the job when its log shows one of nan,oom,traceback "
+              help="kill the job when its log shows one of nan,oom,traceback "
                    "(comma-separated; watched on the machine, so it works with the laptop closed)")
     @argument("--then-shutdown", metavar="MINUTES", type=MINUTES,
-              help="with --job: shut the machine down MINUTES after the job succeeds (exit 0)")
+              help="shut the machine down MINUTES after the job succeeds (exit 0)")
     @argument("--no-alerts", action="store_true",
-              help="with --job: do not show NaN/OOM/traceback alerts when following or listing")
+              help="do not show NaN/OOM/traceback alerts when following or listing")
+    @argument_group("torchrun and fan-out (with --job NAME)",
+                    "One training run over the GPUs of one or more machines, or one job per machine.")
     @argument("--torchrun", metavar="N|auto",
-              help="with --job: run the cell (a Python script, or `!command`) under PyTorch's torchrun "
+              help="run the cell (a Python script, or `!command`) under PyTorch's torchrun "
                    "with N processes per machine (auto: one per visible GPU)")
     @argument("--torchrun-args", metavar="ARGS", help='with --torchrun: more torchrun options, e.g. "--max-restarts 1"')
-    @argument("--hosts", metavar="A,B", help="with --job: connected machines to run on (one torchrun each, "
+    @argument("--hosts", metavar="A,B", help="connected machines to run on (one torchrun each, "
                                              "or with --each one job each)")
     @argument("--each", metavar="K=V", nargs="+",
               help='with --hosts: one environment setting per machine, e.g. --each "LR=1e-3" "LR=3e-4"')
     @argument("--same-dir", metavar="PATH", help="with --torchrun --hosts: a data folder that must match on every machine")
     @argument("--same-dir-hash", action="store_true", help="with --same-dir: compare contents (SHA-256), not just sizes")
+    @argument_group("a live Python session (--kernel [NAME])",
+                    "Python cells run in place on the machine; variables persist between cells.")
     @argument("--kernel", metavar="NAME", nargs="?", const="",
-              help="run the cell in a live Python session on the machine, whose variables persist "
-                   "(default: the one used last, or the only one; started on first use; see `%%gpu kernel`)")
+              help="run the cell in that session (default: the one used last, or the only one; "
+                   "started on first use; see `%%gpu kernel`)")
     @cell_magic
     @returns_after_help
     def remote(self, line: str, cell: str):
@@ -192,17 +222,17 @@ class GpuMagics(Magics):
         """
         args = parse(self.remote, line, cell=True)
         if args.kernel is not None:
-            from ..kernel_magics import remote_cell
+            from .kernel import remote_cell
 
             return remote_cell(self, args, cell)
         if args.torchrun is not None or args.hosts is not None or args.each:
-            from ..torchrun_magics import remote_cell as torchrun_cell
+            from .torchrun import remote_cell as torchrun_cell
 
             return torchrun_cell(self, args, cell)
         if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
             return _remote_job(self, args, cell)
-        machine = self.session.get(args.host)
-        echo = _CappedEcho(self.max_display_bytes)
+        machine = self.fleet.get(args.host)
+        echo = OutputCap(self.max_display_bytes)
         try:
             result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
                                  timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
@@ -222,41 +252,6 @@ class GpuMagics(Magics):
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
         return None
-
-
-class _CappedEcho:
-    """Echo a cell's output to this kernel's stdout/stderr, up to ``limit`` characters in all.
-
-    A browser tab slows to a crawl on tens of megabytes of output; past the limit the rest is
-    not displayed (``--out VAR`` still keeps all of it) and one line says so.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.shown = 0
-        self.dropped = 0
-
-    def _write(self, stream, text: str) -> None:
-        room = self.limit - self.shown
-        if room > 0:
-            part = text[:room]
-            stream.write(part)
-            stream.flush()
-            self.shown += len(part)
-            text = text[room:]
-        self.dropped += len(text)
-
-    def stdout(self, text: str) -> None:
-        self._write(sys.stdout, text)
-
-    def stderr(self, text: str) -> None:
-        self._write(sys.stderr, text)
-
-    def finish(self) -> None:
-        if self.dropped:
-            print(f"\n[gpumagic: {self.dropped:,} more characters were not displayed (limit "
-                  f"{self.limit:,}); --out VAR keeps all output; raise it with "
-                  f"%config GpuMagics.max_display_bytes = N]", file=sys.stderr)
 
 
 # -- %load_ext / %unload_ext / %reload_ext gpumagic -------------------------------------------

@@ -1,33 +1,39 @@
-"""What every magic's arguments share: reading the line, the numeric types, the option bundles.
+"""What every magic's arguments share: the sub-command tables, reading the line, the numeric
+types, the option bundles.
 
-A sub-command declares its parser with IPython's ``magic_arguments`` decorators and reads its
-line with :func:`parse`.  Options that several magics take are defined once here and applied
-as decorators (``@host_arg()``, ``@out_arg("the Job handle")``), as IPython's
-``core/magics/script.py`` does with ``script_args`` and ipyparallel's ``client/magics.py``
-with ``exec_args`` and ``output_args``.  Bad arguments raise exactly ``UsageError``.
+``%gpu`` and its groups (``%gpu budget``, ``%gpu kernel``, ``%gpu tunnel``) are each a
+:class:`Subcommands` table from a name to a small function.  A sub-command declares its
+parser with IPython's ``magic_arguments`` decorators and reads its line with :func:`parse`.
+Options that several magics take are defined once here and applied as decorators
+(``@host_arg()``, ``@out_arg("the Job handle")``), as IPython's ``core/magics/script.py``
+does with ``script_args`` and ipyparallel's ``client/magics.py`` with ``exec_args`` and
+``output_args``.  Bad arguments raise exactly ``UsageError``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import keyword
 import math
-import os
 import re
-import shlex
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
+from ... import localpath
 from ...budget.prices import MAX_AMOUNT, MAX_GB, MAX_RATE
 
 
-def split_args(line: str) -> list[str]:
+def split_args(line: str, *, windows: bool | None = None) -> list[str]:
     """Split a magic's argument line the way a shell would (``'./my dir/'``, ``X=a\\ b``).
 
-    IPython's own splitter keeps the quotes in the words.  On Windows, backslashes are path
-    separators, so only quotes are honoured there.
+    IPython's own splitter keeps the quotes in the words.  On Windows (``windows``, default
+    this computer), backslashes are path separators, so only quotes are honoured there
+    (:func:`gpumagic.localpath.split_command_line`).
 
     Raises
     ------
@@ -35,12 +41,141 @@ def split_args(line: str) -> list[str]:
         For an unclosed quote.
     """
     try:
-        if os.name == "nt":
-            return [w[1:-1] if len(w) > 1 and w[0] == w[-1] and w[0] in "'\"" else w
-                    for w in shlex.split(line, posix=False)]
-        return shlex.split(line)
+        return localpath.split_command_line(line, windows=windows)
     except ValueError as e:
         raise UsageError(f"cannot read the arguments ({e}): close the quote") from None
+
+
+# -- sub-command tables ---------------------------------------------------------------------
+
+#: The words that ask a table for its help instead of naming a sub-command.
+HELP_WORDS = ("help", "-h", "--help")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One row of a :class:`Subcommands` table.
+
+    Attributes
+    ----------
+    fn : callable
+        ``fn(magics, line)``: the rest of the line after the name (a function with its own
+        ``magic_arguments`` parser, or another :class:`Subcommands` table).
+    summary : str
+        One line for the table's help.
+    usage : str
+        What follows the name in the help's row (``"[NAME] [--python PATH]"``); "" for none.
+    """
+
+    fn: Callable[..., Any]
+    summary: str
+    usage: str = ""
+
+
+class Subcommands(Mapping[str, Subcommand]):
+    """A table from sub-command name to a small function with its own parser, as jupysql's
+    ``magic_cmd.py`` routes ``%sqlcmd tables|columns|...``.
+
+    Called as ``table(magics, line)``: the line's first word picks the row and the rest of the
+    line goes to its function.  ``help``, ``-h``, ``--help`` or nothing print
+    :meth:`help_text`; ``help NAME`` is ``NAME -h``.  An unknown word raises exactly
+    ``UsageError`` naming the valid ones (:meth:`unknown`).
+
+    Parameters
+    ----------
+    prog : str
+        The command as typed: ``"%gpu"``, ``"%gpu kernel"``.
+    commands : mapping
+        name -> ``(fn, summary)`` or ``(fn, summary, usage)`` (see :class:`Subcommand`), in the
+        order the help lists them.
+    intro, outro : str
+        The help's first and last paragraphs ("" for none).
+    default : tuple, optional
+        ``(fn, summary, usage)`` for a line with no sub-command (empty, or an option first),
+        given the whole line: ``%gpu budget [--host NAME]`` is the meter.  Then nothing (but
+        ``help``, ``-h``) runs it instead of printing the help.
+    default_is : str
+        What the default is, for the unknown-word message ("the meter").
+    other : tuple, optional
+        ``(label, accepts, (fn, summary, usage))``: a first word that names no row but
+        ``accepts(word)`` goes to ``fn`` with the whole line; ``%gpu tunnel 8000`` is
+        ``("PORT", str.isdigit, ...)``.
+    aliases : mapping
+        another name -> a row's name (``"-R"`` -> ``"--reverse"``, as ``ssh -R``); the help
+        shows it beside the row's.  A row's name may look like an option: it is matched before
+        ``default`` takes a line that starts with one.
+    """
+
+    def __init__(self, prog: str, commands: Mapping[str, tuple], *, intro: str = "", outro: str = "",
+                 default: tuple | None = None, default_is: str = "",
+                 other: tuple[str, Callable[[str], bool], tuple] | None = None,
+                 aliases: Mapping[str, str] | None = None):
+        self.prog = prog
+        self.rows = {name: Subcommand(*row) for name, row in commands.items()}
+        self.aliases = dict(aliases or {})
+        assert set(self.aliases.values()) <= set(self.rows), "an alias names a row"
+        self.intro, self.outro = intro, outro
+        self.default = Subcommand(*default) if default is not None else None
+        self.default_is = default_is
+        self.other = (other[0], other[1], Subcommand(*other[2])) if other is not None else None
+
+    def __getitem__(self, name: str) -> Subcommand:
+        return self.rows[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __call__(self, magics, line: str):
+        """Run the sub-command ``line`` names (see the class docstring); returns what it returns."""
+        word, rest = _first_word(line)
+        if word == "help" and rest:
+            return self(magics, f"{rest} -h")
+        if word in HELP_WORDS or not word and self.default is None:
+            print(self.help_text())
+            return None
+        row = self.rows.get(self.aliases.get(word, word))
+        if row is not None:
+            return row.fn(magics, rest)
+        if self.default is not None and (not word or word.startswith("-")):
+            return self.default.fn(magics, line)
+        if self.other is not None and self.other[1](word):
+            return self.other[2].fn(magics, line)
+        raise UsageError(self.unknown(word))
+
+    def unknown(self, word: str) -> str:
+        """The one-line message for a first word that names no sub-command."""
+        names = list(self.rows)
+        close = [] if word.startswith("-") else difflib.get_close_matches(word, names, n=1)
+        valid = ", ".join(names + ([self.other[0]] if self.other else [])
+                          + ([f"none ({self.default_is})"] if self.default is not None else []))
+        return (f"unknown sub-command {word!r} of {self.prog}" + (f" (did you mean {close[0]}?)" if close else "")
+                + f"; valid: {valid}; `{self.prog} help` says what each does")
+
+    def help_text(self) -> str:
+        """The table's help: ``intro``, one row per sub-command (usage and summary), ``outro``."""
+        rows = [(f"{self.prog} {self.default.usage}".rstrip(), self.default.summary)] if self.default else []
+        rows += [(f"{self.prog} {'|'.join([name, *(a for a, n in self.aliases.items() if n == name)])} {row.usage}"
+                  .rstrip(), row.summary) for name, row in self.rows.items()]
+        if self.other is not None:
+            label, _, row = self.other
+            rows.append((f"{self.prog} {label} {row.usage}".rstrip(), row.summary))
+        width = max((len(left) for left, _ in rows if len(left) <= _HELP_COLUMN), default=0)
+        lines = [f"  {left.ljust(width)}  {summary}" if len(left) <= _HELP_COLUMN
+                 else f"  {left}\n  {' ' * width}  {summary}" for left, summary in rows]
+        return "\n\n".join(part for part in (self.intro, "\n".join(lines), self.outro) if part)
+
+
+#: Widest usage column in a table's help; a longer usage puts its summary on the next line.
+_HELP_COLUMN = 40
+
+
+def _first_word(line: str) -> tuple[str, str]:
+    """``"kernel start x"`` -> ``("kernel", "start x")``; any whitespace separates."""
+    parts = line.strip().split(None, 1)
+    return (parts[0], parts[1]) if len(parts) == 2 else (parts[0] if parts else "", "")
 
 
 # -- numbers --------------------------------------------------------------------------------
@@ -108,7 +243,7 @@ HOST_HELP = "machine (default: the current one)"
 
 
 def host_arg(help: str = HOST_HELP):
-    """``--host NAME``: which connected machine (a name for ``Session.get``; None: the current one)."""
+    """``--host NAME``: which connected machine (a name for ``Fleet.get``; None: the current one)."""
     return argument("--host", metavar="NAME", help=help)
 
 

@@ -19,7 +19,7 @@ from ...budget import notify as notifymod
 from ...budget.guard import guard_log_path
 from ...budget.prices import MAX_AMOUNT
 from ..display import SANDBOX_SHUTDOWN_NOTE, AlertView, EstimateView, GuardView, HistoryView, MeterView
-from ._args import GB, LIMIT, MONEY, host_arg, number, parse
+from ._args import GB, LIMIT, MONEY, Subcommands, host_arg, number, parse
 
 if TYPE_CHECKING:
     from . import GpuMagics
@@ -40,6 +40,14 @@ def _budget_notes(ledger) -> None:
         _show(AlertView(ledger.notes.pop(0)))
 
 
+def _crossed(reading, name: str | None = None) -> list[str]:
+    """One message per alert threshold ``reading`` (a :class:`~gpumagic.budget.MeterReading`)
+    newly crossed: "NAME has spent X, past your alert at T"."""
+    money = reading.prices.money
+    return [f"{name or reading.machine} has spent {money(reading.spent)}, past your alert at {money(t)}"
+            for t in reading.crossed]
+
+
 def _usage(fn, *args, **kw):
     """Call a pure parser; its ValueError becomes exactly UsageError."""
     try:
@@ -54,12 +62,11 @@ def _budget_meter(magics: GpuMagics, line: str):
     """Show the meter: spent so far, rate, limit, next billing boundary, the guard."""
     args = parse(_budget_meter, line, "budget")
     ledger = _budget_ledger(magics)
-    reading = magics.session.get(args.host).budget_meter(ledger=ledger)
+    reading = magics.fleet.get(args.host).budget_meter(ledger=ledger)
     _budget_notes(ledger)
     _show(MeterView(reading))
-    for t in reading.crossed:
-        _show(AlertView(f"{reading.machine} has spent {reading.prices.money(reading.spent)}, "
-                        f"past your alert at {reading.prices.money(t)}"))
+    for msg in _crossed(reading):
+        _show(AlertView(msg))
 
 
 @magic_arguments()
@@ -77,20 +84,16 @@ def _budget_meter(magics: GpuMagics, line: str):
 @argument("--started-at", metavar="TIME", help="billing start: HH:MM, -2h, ISO time (default: the machine's start)")
 @argument("--alert", metavar="AMOUNTS", help="alert thresholds, e.g. 10,20")
 @argument("--limit", type=LIMIT, metavar="AMOUNT", help="spending limit (meter bar; --at-limit guard)")
-
-
 @host_arg()
 def _budget_set(magics: GpuMagics, line: str):
     """Store the machine's prices and thresholds (kept in the ledger across kernel restarts)."""
     # `--started-at -2h` reads naturally; argparse would take -2h for an option
     line = re.sub(r"(--started-at)\s+(-\S+)", r"\1=\2", line)
     args = parse(_budget_set, line, "budget set")
-    if args is None:
-        return
     from ...budget import notify
     from ...budget.prices import PRICE_OPTIONS
 
-    name = args.host or magics.session.get(None).name
+    name = args.host or magics.fleet.get(None).name
     ledger = _budget_ledger(magics)
     started = _usage(budget.parse_time, args.started_at, time.time(), future=False) if args.started_at else None
     alerts = _usage(budget.parse_amounts, args.alert) if args.alert else None
@@ -110,11 +113,10 @@ def _budget_set(magics: GpuMagics, line: str):
     if args.platform:
         preset = budget.platform(args.platform)
         print(f"{preset['name']}: data disk {preset['data_disk'] or '-'}; to stop: {preset['stop']}")
-    m = magics.session.machines.get(name)
-    if m is not None and m.is_connected:  # record the session now, so alerts can fire after any cell
-        reading = m.budget_meter(ledger=ledger)
-        for t in reading.crossed:
-            _show(AlertView(f"{name} has spent {prices.money(reading.spent)}, past your alert at {prices.money(t)}"))
+    m = magics.fleet.machines.get(name)
+    if m is not None and m.is_connected:  # record the rental now, so alerts can fire after any cell
+        for msg in _crossed(m.budget_meter(ledger=ledger), name):
+            _show(AlertView(msg))
         if notify.read_config(m) is not None:  # re-arm the machine's spending alerts
             notify.schedule_thresholds(m, ledger)
 
@@ -127,15 +129,13 @@ def _budget_set(magics: GpuMagics, line: str):
 @argument("--power-w", type=number(0, 1e6, what="watts"), metavar="WATTS", help="the card's power draw (W)")
 @argument("--kwh-price", type=MONEY, help="electricity price per kWh")
 @argument("--resale", type=number(0, MAX_AMOUNT, what="an amount"), default=0.0, help="what the card sells for afterwards")
-
-
 @argument("--currency", help="shown after amounts")
 @host_arg("take the rate and extra costs from this machine's prices")
 def _budget_estimate(magics: GpuMagics, line: str):
     """What a planned run costs: on-demand vs spot, and renting vs buying the card."""
     args = parse(_budget_estimate, line, "budget estimate")
     stored = None
-    name = args.host or magics.session.default
+    name = args.host or magics.fleet.default
     if name:
         ledger = _budget_ledger(magics)
         rec = ledger.machine(name)
@@ -174,7 +174,7 @@ def _budget_history(magics: GpuMagics, line: str):
 def _budget_guard(magics: GpuMagics, line: str):
     """Arm a watchdog ON the machine (works with the laptop closed) that shuts it down."""
     args = parse(_budget_guard, line, "budget guard")
-    m = magics.session.get(args.host)
+    m = magics.fleet.get(args.host)
     ledger = _budget_ledger(magics)
     if args.cancel:
         status = m.budget_guard_cancel(ledger=ledger)
@@ -232,7 +232,7 @@ def _budget_notify(magics: GpuMagics, line: str):
     current prices and thresholds: run it after `%gpu budget set`), the last log lines.
     """
     args = parse(_budget_notify, line, "budget notify")
-    m = magics.session.get(args.host)
+    m = magics.fleet.get(args.host)
     if args.off:
         if args.mail or args.webhook:
             raise UsageError("--off removes the settings: give it alone")
@@ -307,22 +307,24 @@ def _print_test(m) -> None:
         print("  check the address, server or URL, then `%gpu budget notify --test`")
 
 
-# -- the dispatcher, and the alerts after each cell ---------------------------------------
+# -- the table, and the alerts after each cell ---------------------------------------------
 
 
-_BUDGET_SUBS = {"set": _budget_set, "estimate": _budget_estimate, "history": _budget_history,
-                "guard": _budget_guard, "notify": _budget_notify}
-
-
-def _budget(magics: GpuMagics, line: str):
-    """`%gpu budget [set|estimate|history|guard] ...`; no sub-command shows the meter."""
-    word, _, rest = line.strip().partition(" ")
-    if word in _BUDGET_SUBS:
-        return _BUDGET_SUBS[word](magics, rest)
-    if word and not word.startswith("-"):
-        raise UsageError(f"unknown budget command {word!r}; valid: {', '.join(_BUDGET_SUBS)} "
-                         "(or none, for the meter)")
-    return _budget_meter(magics, line)
+#: ``%gpu budget [SUB]``: name -> (function, summary, usage); no sub-command is the meter.
+BUDGET = Subcommands("%gpu budget", {
+    "set": (_budget_set, "store the machine's prices, limit and alert thresholds", "--rate PER_HOUR [...]"),
+    "estimate": (_budget_estimate, "what a planned run costs: on-demand vs spot, renting vs buying",
+                 "--hours H [...]"),
+    "history": (_budget_history, "spending per machine and day, from the local ledger"),
+    "guard": (_budget_guard, "shut the machine down when idle, at the limit or at a deadline",
+              "[--idle D] [--at-limit] [--deadline T] [--cancel]"),
+    "notify": (_budget_notify, "alerts by mail or webhook, sent from the machine",
+               "[--mail ADDRESS --smtp HOST] [--webhook URL] [--test] [--off]"),
+}, intro="%gpu budget: what the rental costs, and alerts and a guard before it costs too much.",
+   outro="`%gpu budget SUB -h` shows each one's options.",
+   default=(_budget_meter, "the meter: spent so far, rate, limit, next billing boundary, the guard",
+            "[--host NAME]"),
+   default_is="the meter")
 
 
 def budget_alert_hook(magics: GpuMagics, *, now: float | None = None,
@@ -334,16 +336,15 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None,
     poll = getattr(magics, "guard_alert_poll", GUARD_ALERT_POLL)
     shown: list[str] = []
     ledger = budget.Ledger()
-    if not magics.session.machines or not ledger.path.exists():
+    if not magics.fleet.machines or not ledger.path.exists():
         return shown
     seen = getattr(magics, "_budget_seen", None)
     if seen is None:
         seen = magics._budget_seen = {}
-    for name, m in list(magics.session.machines.items()):
+    for name, m in list(magics.fleet.machines.items()):
         reading, crossed = budget.check_alerts(ledger, name, now=now)
-        for t in crossed:
-            shown.append(f"{name} has spent {reading.prices.money(reading.spent)}, "
-                         f"past your alert at {reading.prices.money(t)}")
+        if crossed:
+            shown += _crossed(reading, name)
         rec = ledger.machine(name)
         last = seen.get(name, (0.0, ""))
         if rec is not None and rec.guard is not None and m.is_connected and clock() - last[0] >= poll:

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ... import keys as setup
-from ...session import Session
+from ...fleet import Fleet
 from ...ssh import known_hosts
 from ...ssh.hosts import config_aliases, is_ssh_command, load_ssh_config, parse_target, ssh_dir
 from .. import display
@@ -56,13 +56,13 @@ def _connect(magics: GpuMagics, line: str):
                    name=args.name, cwd=args.cwd or magics.default_cwd,
                    trust_new_host=args.trust_new_host)
     if args.sandbox:
-        m = magics.session.connect(None, sandbox=True, fake_gpu=args.fake_gpu, name=args.name,
+        m = magics.fleet.connect(None, sandbox=True, fake_gpu=args.fake_gpu, name=args.name,
                                    cwd=options["cwd"])
         gpu = f"replaying recorded {args.fake_gpu} (not a real GPU)" if args.fake_gpu else "no GPU"
         print(f"sandbox machine up: a local sshd at {m.spec.address} ({gpu}); "
               f"it stops when the kernel exits")
     else:
-        m = magics.session.connect(args.target, **options)
+        m = magics.fleet.connect(args.target, **options)
     for note in m.connection.notes:
         print(note)
     print(f"connected to {m.name} ({m.spec.user}@{m.spec.address}) in "
@@ -75,27 +75,27 @@ def _connect(magics: GpuMagics, line: str):
 @argument("name", nargs="?", help="machine name (default: the current one)")
 def _disconnect(magics: GpuMagics, line: str):
     args = parse(_disconnect, line, "disconnect")
-    m = magics.session.disconnect(args.name)
+    m = magics.fleet.disconnect(args.name)
     print(f"disconnected from {m.name}")
 
 
 @magic_arguments()
 def _hosts(magics: GpuMagics, line: str):
     parse(_hosts, line, "hosts")
-    print(hosts_table(magics.session))
+    print(hosts_table(magics.fleet))
 
 
-def hosts_table(session: Session) -> str:
+def hosts_table(fleet: Fleet) -> str:
     """Text table: every config alias and connected machine, with its state."""
     config = load_ssh_config()
     rows = [("NAME", "TARGET", "STATE")]
-    names = list(dict.fromkeys(config_aliases(config) + list(session.machines)))
+    names = list(dict.fromkeys(config_aliases(config) + list(fleet.machines)))
     for name in names:
-        m = session.machines.get(name)
+        m = fleet.machines.get(name)
         if m is not None:
             target = f"{m.spec.user}@{m.spec.address}"
             state = "connected" if m.is_connected else "closed"
-            if session.default == name:
+            if fleet.default == name:
                 state += " (default)"
         else:
             found = config.lookup(name)
@@ -127,7 +127,7 @@ def _forget(magics: GpuMagics, line: str):
 @host_arg()
 def _cd(magics: GpuMagics, line: str):
     args = parse(_cd, line, "cd")
-    m = magics.session.get(args.host)
+    m = magics.fleet.get(args.host)
     print(f"{m.name}: cells now run in {m.cd(args.dir)}")
 
 

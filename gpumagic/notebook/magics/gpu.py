@@ -43,7 +43,7 @@ def _status(magics: GpuMagics, line: str):
         return
     if args.watch is not None and args.text:
         raise UsageError("--watch updates a widget in place: drop --text")
-    m = magics.session.get(args.host)
+    m = magics.fleet.get(args.host)
     status = m.gpu_status()
     if args.text:
         print(render_status(status).text)
@@ -76,6 +76,10 @@ def _status(magics: GpuMagics, line: str):
           help="also sample GPU and CPU utilisation for SECONDS (run it while training runs)")
 @host_arg()
 @argument("--hosts", metavar="A,B", help="run the torchrun preflight across these machines instead")
+@argument("--net", action="store_true",
+          help="instead: what the machine can reach (PyPI, the PyTorch wheels, Hugging Face, GitHub, "
+               "conda-forge, the mirrors), how fast, and what to do")
+@out_arg("with --net: the NetReport (.results, each .status, .rate, .hint)")
 def _doctor(magics: GpuMagics, line: str):
     """Preflight checks, each ok / WARN / FAIL with a one-line fix, gathered in one round trip.
 
@@ -85,10 +89,16 @@ def _doctor(magics: GpuMagics, line: str):
     """
     args = parse(_doctor, line, "doctor")
     if args.hosts is not None:
-        from ..torchrun_magics import doctor_hosts
+        from .torchrun import doctor_hosts
 
         return doctor_hosts(magics, args)
-    m = magics.session.get(args.host)
+    m = magics.fleet.get(args.host)
+    if args.net:
+        report = m.net_doctor()
+        print(report.text)
+        if args.out:
+            magics.shell.user_ns[args.out] = report
+        return
     ipy_display(render_doctor(m.doctor(expect_gpu=args.expect_gpu, expect_count=args.expect_count,
                                        sample=args.sample)))
 
@@ -138,8 +148,8 @@ def _fit(magics: GpuMagics, line: str):
     except ValueError as e:
         raise UsageError(str(e)) from None
     note = ""
-    if target is None and (args.host or magics.session.default):
-        m = magics.session.get(args.host)
+    if target is None and (args.host or magics.fleet.default):
+        m = magics.fleet.get(args.host)
         status = m.gpu_status()
         target = fitmod.target_from_status(status)
         if target is None:

@@ -36,7 +36,7 @@ def _remote_job(magics: GpuMagics, args, cell: str):
         stop_on = parse_stop_on(args.stop_on)
     except Exception as e:
         raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
-    machine = magics.session.get(args.host)
+    machine = magics.fleet.get(args.host)
     job = machine.start_job(args.job, cell, python=args.python, cwd=args.cwd,
                             env=env_pairs(args.env), stop_on=stop_on,
                             then_shutdown=args.then_shutdown, alerts=not args.no_alerts)
@@ -64,10 +64,10 @@ def _show_alerts(info, alerts=None) -> None:
 def _jobs(magics: GpuMagics, line: str):
     args = parse(_jobs, line, "jobs")
     if args.all:
-        from ..torchrun_magics import jobs_all
+        from .torchrun import jobs_all
 
         return jobs_all(magics)
-    machine = magics.session.get(args.host)
+    machine = magics.fleet.get(args.host)
     infos = machine.jobs()
     ipy_display(jobs_table(infos, machine.name))
     for info in infos:
@@ -75,7 +75,7 @@ def _jobs(magics: GpuMagics, line: str):
 
 
 def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:
-    machine = magics.session.get(host)
+    machine = magics.fleet.get(host)
     job = machine.job(_job_name(name))
     before = job.info()
     seen: set[str] = set()
@@ -104,13 +104,13 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
 def _logs(magics: GpuMagics, line: str):
     args = parse(_logs, line, "logs")
     if args.rank is not None or args.all:
-        from ..torchrun_magics import logs as torchrun_logs
+        from .torchrun import logs as torchrun_logs
 
         return torchrun_logs(magics, args)
     lines = args.lines or None
     if args.follow:
         return _follow(magics, args.name, args.host, lines)
-    machine = magics.session.get(args.host)
+    machine = magics.fleet.get(args.host)
     job = machine.job(_job_name(args.name))
     text = job.logs(lines)
     print(text, end="" if text.endswith("\n") or not text else "\n")
@@ -135,9 +135,9 @@ def _attach(magics: GpuMagics, line: str):
 @host_arg()
 def _kill(magics: GpuMagics, line: str):
     args = parse(_kill, line, "kill")
-    machine = magics.session.get(args.host)
+    machine = magics.fleet.get(args.host)
     job = machine.job(_job_name(args.name))
-    from ..torchrun_magics import kill as torchrun_kill
+    from .torchrun import kill as torchrun_kill
 
     if torchrun_kill(magics, machine, args.name, shutdown=args.shutdown):
         return

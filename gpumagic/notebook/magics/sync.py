@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ...errors import ConfigError
+from ...errors import ConfigError, SyncIncomplete
 from ...sync import engine as sync
 from .. import widgets
 from ._args import host_arg, parse
@@ -26,12 +27,20 @@ if TYPE_CHECKING:
 @argument("--dry-run", action="store_true", help="change nothing; list what would be sent and deleted")
 @argument("--checksum", action="store_true", help="compare files by content hash, not size and mtime")
 @argument("--update", action="store_true", help="never replace a destination file that is newer")
+@argument("--rename-clashes", action="store_true",
+          help="pull: where this folder takes two of the machine's names for one (Model.pt, model.pt on "
+               "Windows or macOS), write the later as 'model (2).pt' instead of refusing")
+@argument("--compress", dest="compress", action="store_const", const=True, default=None,
+          help="send the files' bytes zlib-compressed, whatever the link (data that does not compress "
+               "still goes as it is); default: auto, from Compression in ~/.ssh/config, else the link's speed")
+@argument("--no-compress", dest="compress", action="store_const", const=False,
+          help="send the files' bytes as they are")
 @host_arg("machine for :PATH (default: the current one)")
 @argument("--from-all", action="store_true", help="pull :PATH from every connected machine into DST/<machine>/")
 def _sync(magics: GpuMagics, line: str):
     args = parse(_sync, line, "sync")
     if args.from_all:
-        from ..torchrun_magics import sync_from_all
+        from .torchrun import sync_from_all
 
         return sync_from_all(magics, args)
     try:
@@ -42,15 +51,27 @@ def _sync(magics: GpuMagics, line: str):
         sync.IgnoreRules(args.exclude)  # a malformed --exclude, named before anything starts
     except ConfigError as e:
         raise UsageError(f"{e.message}; {e.hint}") from None
-    m = magics.session.get(t.host)
+    m = magics.fleet.get(t.host)
     options = dict(delete=args.delete, exclude=args.exclude, ignore_files=not args.no_ignore_files,
-                   dry_run=args.dry_run, checksum=args.checksum, update=args.update)
+                   dry_run=args.dry_run, checksum=args.checksum, update=args.update, compress=args.compress)
+    if args.rename_clashes:
+        if not t.pull:
+            raise UsageError("--rename-clashes is for a pull (the machine's names written here)")
+        options["rename_clashes"] = True
+    root = sync.whole_file_system("pull" if t.pull else "push", m, t.src.path, t.dst.path)
+    if root is not None and not (args.delete and root[0] == "destination"):  # that: the engine's error
+        print(f"warning: the {root[0]} is {root[1]}: the whole file system is walked to compare, "
+              "which can take minutes; Ctrl-C stops it at once, here and on the machine", file=sys.stderr)
     progress = options["progress"] = None if args.dry_run else widgets.sync_progress()
-    summary = None
+    summary = incomplete = None
     try:
         sync_once = m.pull if t.pull else m.push
         summary = sync_once(t.src.path, t.dst.path, **options)
+    except SyncIncomplete as e:  # the rest was synced: its summary, then the error (Run All stops)
+        summary, incomplete = e.summary, e
     finally:  # the bar's line ends before an error is shown
         if progress is not None:
-            progress.close(failed=summary is None)
+            progress.close(failed=summary is None or incomplete is not None)
     print(summary)
+    if incomplete is not None:
+        raise incomplete

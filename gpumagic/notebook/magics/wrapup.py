@@ -46,7 +46,7 @@ def _wrapup(magics: GpuMagics, line: str):
     """Before releasing a machine: pull the results not pulled yet, show (and --clean) the
     caches an image would carry, the image's size and price, and what still runs."""
     args = parse(_wrapup, line, "wrapup")
-    m = magics.session.get(args.host)
+    m = magics.fleet.get(args.host)
     pulls = []
     for src, dst in args.pull or []:
         try:

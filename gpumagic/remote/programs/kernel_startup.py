@@ -7,7 +7,7 @@ only gets what the user defines.
 2. The module ``_gpumagic_kernel`` holds what ``%gpu kernel push`` / ``pull`` run:
    ``load(path)`` and ``dump(path, names)``.  A payload is pickled (protocol 5) with
    numpy-style buffers kept out of band, so arrays travel as raw bytes, in this layout
-   (the same code is in ``gpumagic/kernel.py``)::
+   (the same code is in ``gpumagic/remote/kernel.py``)::
 
        !I count, then per variable: !I name length, name (UTF-8), !Q pickle length,
        pickle, !I buffer count, then per buffer: !Q length, bytes

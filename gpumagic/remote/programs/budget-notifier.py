@@ -15,9 +15,14 @@ Usage (what the budget guard and the job runner call, in the background)::
 
 It never raises into its caller and always exits 0 (the result is one JSON line on stdout):
 each channel is tried with exponential backoff (``retries`` times, ``backoff`` x 2^k seconds
-apart); a message that still cannot be sent is kept in ``outbox/`` and sent with the next
-message or ``flush``, and the failure is recorded in ``log`` (and in ``--log FILE``: the
-job's or the guard's log).  ``--once KEY`` sends a message at most once per KEY.
+apart).  A server that answers 429 (Too Many Requests) or 503 (Service Unavailable) with a
+``Retry-After`` header (delta-seconds or an HTTP-date, RFC 9110 section 10.2.3) is not asked
+again before that time; a wait longer than what is left of the retry budget (the backoff
+schedule's own sum) is not slept through.  A message that still cannot be sent is kept in
+``outbox/`` with why it waits (and, after a Retry-After, ``not_before``: the time the server
+named) and sent with the next message or ``flush`` once that time has passed; the failure is
+recorded in ``log`` (and in ``--log FILE``: the job's or the guard's log).  ``--once KEY``
+sends a message at most once per KEY.
 
 Payloads (``format`` of a webhook), as each service documents its incoming-webhook API:
 
@@ -59,7 +64,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from email.message import EmailMessage
-from email.utils import formatdate, make_msgid
+from email.utils import formatdate, make_msgid, parsedate_to_datetime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMATS = ("json", "slack", "discord", "feishu", "lark", "dingtalk", "wecom", "telegram")
@@ -69,7 +74,17 @@ LAST_LINES = 20
 
 
 class Failed(Exception):
-    """A send that did not go through (the message is safe to record: no secrets)."""
+    """A send that did not go through (the message is safe to record: no secrets).
+
+    ``retry_after``: seconds the server asked to wait before the next try (its
+    ``Retry-After``), or None.  ``not_before``: for :func:`deliver`'s result, the time
+    (``time.time()``) before which the message is not sent again, or None.
+    """
+
+    def __init__(self, text, retry_after=None, not_before=None):
+        Exception.__init__(self, text)
+        self.retry_after = retry_after
+        self.not_before = not_before
 
 
 # -- files ---------------------------------------------------------------------------------
@@ -195,7 +210,7 @@ def rank_of(line, ranks, machine):
 
 
 def job_message(event, machine):
-    """Title, text and details of a job's end, read from its directory (gpumagic/jobs.py)."""
+    """Title, text and details of a job's end, read from its directory (gpumagic/remote/jobs.py)."""
     name = event.get("job") or "?"
     d = os.path.expanduser(event.get("job_dir") or os.path.join("~", ".gpumagic", "jobs", name))
     code = event.get("exit_code")
@@ -353,6 +368,32 @@ def _check_reply(fmt, status, data):
         raise Failed("Telegram answered: %s" % reply.get("description"))
 
 
+#: HTTP statuses whose Retry-After says when to ask again (RFC 9110 section 10.2.3, RFC 6585 section 4).
+RETRY_AFTER_STATUSES = (429, 503)
+
+
+def retry_after_seconds(value, now=None):
+    """Seconds to wait from a ``Retry-After`` value: delta-seconds (``"120"``) or an
+    HTTP-date (``"Wed, 21 Oct 2026 07:28:00 GMT"``, from ``now``); None when absent or
+    unreadable.  Never negative."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    now = time.time() if now is None else now
+    try:
+        return max(0.0, when.timestamp() - now)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def send_webhook(channel, msg, timeout):
     url, body = webhook_request(channel, msg)
     req = urllib.request.Request(url, data=body, method="POST",
@@ -362,7 +403,8 @@ def send_webhook(channel, msg, timeout):
         with urllib.request.urlopen(req, timeout=timeout, context=ssl.create_default_context()) as r:
             _check_reply(channel.get("format", "json"), r.status, r.read(65536))
     except urllib.error.HTTPError as e:
-        raise Failed("HTTP %s %s" % (e.code, e.reason))
+        wait = retry_after_seconds(e.headers.get("Retry-After")) if e.code in RETRY_AFTER_STATUSES else None
+        raise Failed("HTTP %s %s" % (e.code, e.reason), retry_after=wait)
     except urllib.error.URLError as e:
         raise Failed("cannot reach the server (%s)" % (e.reason,))
     except (socket.timeout, TimeoutError):
@@ -436,15 +478,41 @@ def scrub(text, channel):
     return text
 
 
-def deliver(channel, msg, retries, backoff, timeout, sleep=time.sleep):
+def retry_budget(retries, backoff):
+    """Seconds that ``retries`` tries after the first may wait in all: the backoff schedule's
+    own sum, ``backoff`` x (2^retries - 1), with its 10 % jitter."""
+    return backoff * (2 ** retries - 1) * 1.1
+
+
+def deliver(channel, msg, retries, backoff, timeout, sleep=time.sleep, clock=time.time):
     """Send ``msg`` on ``channel``, retrying with exponential backoff.
 
-    Returns None when sent, else the last error text (secrets scrubbed).
+    A failure that carries the server's ``Retry-After`` waits at least that long before the
+    next try; when that is more than what is left of :func:`retry_budget`, no more tries are
+    made (the server said they would be refused) and the result's ``not_before`` is the time
+    it named.
+
+    Returns None when sent, else a :class:`Failed` whose text is the last error (secrets
+    scrubbed) and the number of attempts.
     """
     last = ""
+    budget = retry_budget(retries, backoff)
+    waited = 0.0
+    attempts = 0
+    not_before = None
     for attempt in range(retries + 1):
         if attempt:
-            sleep(backoff * (2 ** (attempt - 1)) * (1 + random.random() / 10))
+            delay = backoff * (2 ** (attempt - 1)) * (1 + random.random() / 10)
+            if not_before is not None:
+                asked = not_before - clock()
+                if waited + asked > budget:
+                    last += "; the server asked to wait %d s (Retry-After), more than the retry budget" % round(asked)
+                    break
+                delay = max(delay, asked)
+            sleep(delay)
+            waited += delay
+        attempts += 1
+        not_before = None
         try:
             if channel.get("kind") == "mail":
                 send_mail(channel, msg, timeout)
@@ -453,9 +521,12 @@ def deliver(channel, msg, retries, backoff, timeout, sleep=time.sleep):
             return None
         except Failed as e:
             last = str(e)
+            if e.retry_after is not None:
+                not_before = clock() + e.retry_after
         except Exception as e:  # a bug here must not stop the caller either
             last = "%s: %s" % (type(e).__name__, e)
-    return scrub(last, channel) + " (%d attempt%s)" % (retries + 1, "" if retries == 0 else "s")
+    return Failed(scrub(last, channel) + " (%d attempt%s)" % (attempts, "" if attempts == 1 else "s"),
+                  not_before=not_before)
 
 
 # -- the outbox and once-keys -----------------------------------------------------------------
@@ -477,12 +548,32 @@ def claim_once(base, key):
     return True
 
 
-def queue(base, channel_id, msg):
+def _waits(err):
+    """The outbox's fields for why a message waits (``deliver``'s result)."""
+    item = {"why": str(err)}
+    if getattr(err, "not_before", None) is not None:
+        item["not_before"] = err.not_before
+    return item
+
+
+def queue(base, channel_id, msg, err=None):
+    """Keep ``msg`` in the outbox, with why it waits (``err``: :func:`deliver`'s result)."""
     out = os.path.join(base, "outbox")
     os.makedirs(out, mode=0o700, exist_ok=True)
     name = "%d-%d-%06d.json" % (time.time() * 1000, os.getpid(), random.randrange(10 ** 6))
-    write_private(os.path.join(out, name), json.dumps({"channel": channel_id, "message": msg}).encode())
+    item = {"channel": channel_id, "message": msg}
+    if err is not None:
+        item.update(_waits(err))
+    write_private(os.path.join(out, name), json.dumps(item).encode())
     return name
+
+
+def waits_until(err):
+    """`` until HH:MM:SSZ (the server's Retry-After)`` for a result with ``not_before``, else ``""``."""
+    when = getattr(err, "not_before", None)
+    if when is None:
+        return ""
+    return " after %s (the server's Retry-After)" % time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
 
 
 def channel_id(channel):
@@ -492,8 +583,9 @@ def channel_id(channel):
     return hashlib.sha256(raw.encode("utf-8")).hexdigest()[:16]
 
 
-def flush(base, config, log_paths, timeout, sleep=time.sleep):
-    """Try once more everything in the outbox; returns (sent, still waiting)."""
+def flush(base, config, log_paths, timeout, sleep=time.sleep, clock=time.time):
+    """Try once more everything in the outbox whose ``not_before`` has passed; returns (sent,
+    still waiting)."""
     out = os.path.join(base, "outbox")
     try:
         names = sorted(n for n in os.listdir(out) if n.endswith(".json"))
@@ -509,6 +601,7 @@ def flush(base, config, log_paths, timeout, sleep=time.sleep):
             os.rename(path, mine)  # claimed: no other process sends it too
         except OSError:
             continue
+        item = {}
         try:
             with open(mine, encoding="utf-8") as f:
                 item = json.load(f)
@@ -518,10 +611,15 @@ def flush(base, config, log_paths, timeout, sleep=time.sleep):
                 continue
             if item["channel"] in down:
                 err = "skipped"
+            elif (item.get("not_before") or 0) > clock():
+                err = "not before"  # the server's Retry-After has not passed: it would refuse it
             else:
-                err = deliver(channel, item["message"], 0, 0, timeout, sleep)
+                err = deliver(channel, item["message"], 0, 0, timeout, sleep, clock)
                 if err is not None:
                     down.add(item["channel"])
+                    item.pop("not_before", None)
+                    item.update(_waits(err))
+                    write_private(mine, json.dumps(item).encode())
         except Exception as e:
             err = "unreadable outbox item (%s)" % type(e).__name__
             channel = {}
@@ -661,7 +759,8 @@ def watch(base, sid, send):
 # -- main ------------------------------------------------------------------------------------
 
 
-def send_event(event, base=HERE, config_path=None, log_paths=(), retries=None, keep=True, sleep=time.sleep):
+def send_event(event, base=HERE, config_path=None, log_paths=(), retries=None, keep=True, sleep=time.sleep,
+               clock=time.time):
     """Send one event on every configured channel; returns a result dict.  Never raises."""
     result = {"sent": [], "failed": [], "queued": 0, "skipped": "", "flushed": 0}
     logs = [os.path.join(base, "log")] + [os.path.expanduser(p) for p in log_paths if p]
@@ -683,7 +782,7 @@ def send_event(event, base=HERE, config_path=None, log_paths=(), retries=None, k
         if event.get("once") and not claim_once(base, event["once"]):
             result["skipped"] = "already sent (%s)" % event["once"]
             return result
-        result["flushed"] = flush(base, config, logs, timeout, sleep)[0]
+        result["flushed"] = flush(base, config, logs, timeout, sleep, clock)[0]
         machine = event.get("machine") or config.get("machine") or socket.gethostname()
         title, text, details = compose(event, machine)
         msg = {"event": event.get("event") or "message", "machine": machine, "title": title, "text": text,
@@ -691,7 +790,7 @@ def send_event(event, base=HERE, config_path=None, log_paths=(), retries=None, k
         retries = int(config.get("retries", 5) if retries is None else retries)
         backoff = float(config.get("backoff", 2.0))
         for channel in config.get("channels", []):
-            err = deliver(channel, msg, retries, backoff, timeout, sleep)
+            err = deliver(channel, msg, retries, backoff, timeout, sleep, clock)
             if err is None:
                 result["sent"].append(where(channel))
                 for p in logs:
@@ -699,9 +798,10 @@ def send_event(event, base=HERE, config_path=None, log_paths=(), retries=None, k
                 continue
             line = "notify: %s by %s FAILED: %s" % (msg["event"], where(channel), err)
             if keep:
-                queue(base, channel_id(channel), msg)
+                queue(base, channel_id(channel), msg, err)
                 result["queued"] += 1
-                line += "; kept in %s, sent with the next message" % os.path.join(base, "outbox")
+                line += "; kept in %s, sent with the next message%s" % (os.path.join(base, "outbox"),
+                                                                         waits_until(err))
             result["failed"].append("%s: %s" % (where(channel), err))
             for p in logs:
                 append_line(p, line)

@@ -1,8 +1,8 @@
-"""IPython layer of live sessions (gpumagic/kernel.py): ``%gpu kernel ...``,
-``%%remote --kernel [NAME]`` and the autorun mode.
+"""Live Python sessions (the API: :mod:`gpumagic.remote.kernel`): ``%gpu kernel SUB ...``
+(the table :data:`KERNEL`), ``%%remote --kernel [NAME]`` and the autorun mode.
 
-Each handler takes the :class:`gpumagic.magics.GpuMagics` instance and its argument line (or
-parsed arguments), calls the plain-Python API once, and displays.
+Each handler takes the :class:`gpumagic.notebook.magics.GpuMagics` instance and its argument
+line (or parsed arguments), calls the plain-Python API once, and displays.
 """
 
 from __future__ import annotations
@@ -14,49 +14,34 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import display
-from ..remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, check_name, kernels_of, list_kernels)
+from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, check_name, kernels_of, list_kernels)
+from .. import display
+from ._args import Subcommands, env_pairs, host_arg, parse
+from ._output import OutputCap
 
 
 class NotebookOutput(Output):
-    """A kernel's output shown in this notebook: streams to stdout/stderr (``\\r`` kept),
+    """A live session's output shown in this notebook: streams to stdout/stderr (``\\r`` kept),
     MIME bundles through IPython's display machinery with their display ids, so
     ``update_display_data`` and ``clear_output`` act on the right output.
 
     At most ``limit`` characters of text and MIME data are shown per cell (the ``%%remote``
-    cap, ``GpuMagics.max_display_bytes``); past it, one line says how much was not shown.
+    cap, :class:`OutputCap`); an update of a display already shown is never counted again.
     """
 
     def __init__(self, limit: int | None = None):
-        self.limit = limit
-        self.shown = 0
-        self.dropped = 0
-
-    def _room(self, n: int) -> int:
-        if self.limit is None:
-            return n
-        room = max(0, min(n, self.limit - self.shown))
-        self.shown += room
-        self.dropped += n - room
-        return room
+        self.cap = OutputCap(limit, kept="the text")
 
     def stream(self, name: str, text: str) -> None:
-        room = self._room(len(text))
-        if room:
-            f = sys.stderr if name == "stderr" else sys.stdout
-            f.write(text[:room])
-            f.flush()
+        self.cap.write(sys.stderr if name == "stderr" else sys.stdout, text)
 
     def display(self, data, metadata, display_id=None, update=False) -> None:
         from IPython.display import display as ipy_display
         from IPython.display import update_display
 
         size = sum(len(v) if isinstance(v, str) else 0 for v in data.values())
-        if not update and self.limit is not None and self.shown + size > self.limit:
-            self.dropped += size
+        if not update and not self.cap.admit(size):
             return
-        if not update:
-            self.shown += size
         if update and display_id:
             update_display(data, raw=True, metadata=metadata, display_id=display_id)
         elif display_id:
@@ -73,22 +58,8 @@ class NotebookOutput(Output):
         print(text, file=sys.stderr, flush=True)
 
     def finish(self) -> None:
-        if self.dropped:
-            self.note(f"[gpumagic: {self.dropped:,} more characters were not displayed (limit "
-                      f"{self.limit:,}); --out VAR keeps the text; raise it with "
-                      "%config GpuMagics.max_display_bytes = N]")
-
-
-def _parse(fn, line: str, name: str):
-    from .magics import parse
-
-    return parse(fn, line, name)
-
-
-def _env(items):
-    from .magics._args import env_pairs as _env_pairs
-
-    return _env_pairs(items)
+        if self.cap.dropped:
+            self.note(self.cap.note())
 
 
 def _output(magics) -> NotebookOutput:
@@ -99,7 +70,7 @@ def _get(magics, host: str | None, name: str | None, *, start: bool = False,
          **options) -> RemoteKernel:
     """The session ``name`` on machine ``host``; with ``start``, started when it is not
     running yet (saying so)."""
-    m = magics.session.get(host)
+    m = magics.fleet.get(host)
     ks = kernels_of(m)
     k = ks.handle(ks.resolve(name))
     if start:
@@ -127,12 +98,7 @@ def remote_cell(magics, args, cell: str):
     if bad:
         raise UsageError(f"--kernel does not combine with {', '.join(bad)}: a session runs "
                          "Python cells in place (use --job for a detached script)")
-    if args.out and not args.out.isidentifier():
-        raise UsageError(f"--out {args.out!r} is not a Python variable name; e.g. --out result")
-    name = args.kernel or None
-    if name:
-        _name(name)
-    k = _get(magics, args.host, name, start=True, cwd=args.cwd, env=_env(args.env))
+    k = _get(magics, args.host, _name(args.kernel), start=True, cwd=args.cwd, env=env_pairs(args.env))
     out = _output(magics)
     try:
         result = k.execute(cell, output=out, timeout=args.timeout, capture=bool(args.out),
@@ -144,7 +110,10 @@ def remote_cell(magics, args, cell: str):
     return None
 
 
-def _name(name: str) -> str:
+def _name(name: str | None) -> str | None:
+    """A session name as given (checked: a bad one is exactly ``UsageError``); None or "" -> None."""
+    if not name:
+        return None
     try:
         return check_name(name)
     except KernelError as e:
@@ -154,24 +123,6 @@ def _name(name: str) -> str:
 # -- %gpu kernel SUB ---------------------------------------------------------------------------
 
 
-_HELP = """\
-%gpu kernel: a live Python session on the machine (ipykernel), kept running when this
-notebook closes; variables persist between cells.
-
-  %gpu kernel start [NAME] [--python PATH] [--cwd DIR] [--env K=V] [--install]
-  %gpu kernel list                      name, python, state (idle / busy since), GPU memory
-  %gpu kernel attach [NAME]             show what it printed while you were away, then follow
-  %gpu kernel push VAR... [-k NAME]     copy variables from here to the session
-  %gpu kernel pull VAR... [-k NAME]     copy variables from the session to here
-  %gpu kernel interrupt [NAME]          interrupt the running cell (variables are kept)
-  %gpu kernel restart NAME              a fresh kernel (variables are lost)
-  %gpu kernel stop NAME                 stop it and its processes
-  %gpu kernel autorun on [NAME] | off   send every following code cell to the session
-
-%%remote --kernel [NAME] runs one cell there (default: the session used last, or the
-machine's only one, or `main`, started on first use).  `%gpu kernel SUB -h` shows options."""
-
-
 @magic_arguments()
 @argument("name", nargs="?", help=f"session name (default: {DEFAULT_NAME}, or the machine's only one)")
 @argument("--python", metavar="PATH", help="the machine's python for the kernel (default: python3)")
@@ -179,17 +130,15 @@ machine's only one, or `main`, started on first use).  `%gpu kernel SUB -h` show
 @argument("--env", metavar="K=V", action="append", default=[], help="environment variable (repeatable)")
 @argument("--install", action="store_true",
           help="run `PYTHON -m pip install ipykernel` on the machine first if it is missing")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@host_arg()
 def _start(magics, line: str):
-    args = _parse(_start, line, "kernel start")
-    if args is None:
-        return
-    m = magics.session.get(args.host)
+    args = parse(_start, line, "kernel start")
+    name, env = _name(args.name), env_pairs(args.env)  # every argument checked before anything starts
+    m = magics.fleet.get(args.host)
     ks = kernels_of(m)
-    name = _name(args.name) if args.name else ks.resolve(None)
+    name = name or ks.resolve(None)
     k = ks.handle(name)
-    answer = k.start(python=args.python, cwd=args.cwd, env=_env(args.env), install=args.install,
-                     output=_output(magics))
+    answer = k.start(python=args.python, cwd=args.cwd, env=env, install=args.install, output=_output(magics))
     ks.last = k.name
     if answer.get("status") == "running":
         state = answer.get("state") or {}
@@ -207,12 +156,10 @@ def _start(magics, line: str):
 
 
 @magic_arguments()
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@host_arg()
 def _list(magics, line: str):
-    args = _parse(_list, line, "kernel list")
-    if args is None:
-        return
-    m = magics.session.get(args.host)
+    args = parse(_list, line, "kernel list")
+    m = magics.fleet.get(args.host)
     kernels = list_kernels(m)
     from IPython.display import display as ipy_display
 
@@ -248,14 +195,13 @@ def kernels_table(kernels, machine_name: str, current: str | None = None) -> dis
 
 @magic_arguments()
 @argument("name", help="session name")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@host_arg()
 def _stop(magics, line: str):
-    args = _parse(_stop, line, "kernel stop")
-    if args is None:
-        return
-    m = magics.session.get(args.host)
+    args = parse(_stop, line, "kernel stop")
+    name = _name(args.name)
+    m = magics.fleet.get(args.host)
     ks = kernels_of(m)
-    k = ks.handle(_name(args.name))
+    k = ks.handle(name)
     if k.info() is None:
         raise KernelError(f"no session {args.name!r} on {m.name}", "`%gpu kernel list` shows them")
     k.stop()
@@ -264,38 +210,40 @@ def _stop(magics, line: str):
     print(f"stopped session {k.name} on {m.name} (its kernel and the processes it started)")
 
 
+def session_args(required: bool = False):
+    """``NAME`` (a session; optional: the one used last, or the only one) and ``--host``: the
+    options of a sub-command that acts on one running session."""
+    name = (argument("name", help="session name") if required else
+            argument("name", nargs="?", help="session name (default: the one used last, or the only one)"))
+    return lambda fn: name(host_arg()(fn))  # NAME first in the help, then --host
+
+
+def _session(magics, fn, line: str) -> RemoteKernel:
+    """Parse ``line`` with ``fn``'s parser (:func:`session_args`); the session it names."""
+    args = parse(fn, line, f"kernel {fn.__name__.lstrip('_')}")
+    return _get(magics, args.host, _name(args.name))
+
+
 @magic_arguments()
-@argument("name", help="session name")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@session_args(required=True)
 def _restart(magics, line: str):
-    args = _parse(_restart, line, "kernel restart")
-    if args is None:
-        return
-    k = _get(magics, args.host, _name(args.name))
+    k = _session(magics, _restart, line)
     k.restart(output=_output(magics))
     print(f"restarted session {k.name} on {k.machine.name}: a fresh kernel, no variables")
 
 
 @magic_arguments()
-@argument("name", nargs="?", help="session name (default: the one used last, or the only one)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@session_args()
 def _interrupt(magics, line: str):
-    args = _parse(_interrupt, line, "kernel interrupt")
-    if args is None:
-        return
-    k = _get(magics, args.host, _name(args.name) if args.name else None)
+    k = _session(magics, _interrupt, line)
     k.interrupt()
     print(f"sent an interrupt to session {k.name} on {k.machine.name} (its variables are kept)")
 
 
 @magic_arguments()
-@argument("name", nargs="?", help="session name (default: the one used last, or the only one)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@session_args()
 def _attach(magics, line: str):
-    args = _parse(_attach, line, "kernel attach")
-    if args is None:
-        return
-    k = _get(magics, args.host, _name(args.name) if args.name else None)
+    k = _session(magics, _attach, line)
     out = _output(magics)
     try:
         status = k.attach(output=out)
@@ -305,36 +253,35 @@ def _attach(magics, line: str):
           file=sys.stderr)
 
 
+def variables_args(whose: str):
+    """``VAR...``, ``-k NAME`` (the session) and ``--host``: what push and pull take."""
+    names = argument("names", nargs="+", metavar="VAR", help=f"variables of {whose}")
+    kernel = argument("-k", "--kernel", metavar="NAME", help="session (default: the one used last, or the only one)")
+    return lambda fn: names(kernel(host_arg()(fn)))
+
+
 @magic_arguments()
-@argument("names", nargs="+", metavar="VAR", help="variables of this notebook")
-@argument("-k", "--kernel", metavar="NAME", help="session (default: the one used last, or the only one)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@variables_args("this notebook")
 def _push(magics, line: str):
-    args = _parse(_push, line, "kernel push")
-    if args is None:
-        return
+    args = parse(_push, line, "kernel push")
     ns = magics.shell.user_ns
     missing = [n for n in args.names if n not in ns]
     if missing:
         raise UsageError(f"no variable {missing[0]!r} in this notebook (push copies variables by name)")
-    k = _get(magics, args.host, _name(args.kernel) if args.kernel else None, start=True)
+    k = _get(magics, args.host, _name(args.kernel), start=True)
     start = time.monotonic()
     sizes = k.push({n: ns[n] for n in args.names})
     print(f"pushed {_sizes(sizes, ns)} to {k.where} in {time.monotonic() - start:.2f} s")
 
 
 @magic_arguments()
-@argument("names", nargs="+", metavar="VAR", help="variables of the session")
-@argument("-k", "--kernel", metavar="NAME", help="session (default: the one used last, or the only one)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@variables_args("the session")
 def _pull(magics, line: str):
-    args = _parse(_pull, line, "kernel pull")
-    if args is None:
-        return
+    args = parse(_pull, line, "kernel pull")
     bad = [n for n in args.names if not n.isidentifier()]
     if bad:
         raise UsageError(f"{bad[0]!r} is not a Python variable name")
-    k = _get(magics, args.host, _name(args.kernel) if args.kernel else None)
+    k = _get(magics, args.host, _name(args.kernel))
     start = time.monotonic()
     values = k.pull(list(args.names))
     magics.shell.user_ns.update(values)
@@ -381,11 +328,9 @@ def _autorun_off_for(magics, machine: str, kernel: str) -> None:
 @magic_arguments()
 @argument("mode", choices=["on", "off"], help="on: send every following code cell to the session")
 @argument("name", nargs="?", help="session name (default: the one used last, or the only one)")
-@argument("--host", metavar="NAME", help="machine (default: the current one)")
+@host_arg()
 def _autorun(magics, line: str):
-    args = _parse(_autorun, line, "kernel autorun")
-    if args is None:
-        return
+    args = parse(_autorun, line, "kernel autorun")
     shell = magics.shell
     old = _autorun_current(magics)
     if old is not None:
@@ -393,25 +338,24 @@ def _autorun(magics, line: str):
     if args.mode == "off":
         print("autorun is off: cells run here again" if old else "autorun was not on")
         return
-    k = _get(magics, args.host, _name(args.name) if args.name else None, start=True)
+    k = _get(magics, args.host, _name(args.name), start=True)
     shell.input_transformers_cleanup.append(Autorun(k.machine.name, k.name))
     print(f"autorun is on: every following code cell runs in session {k.name} on {k.machine.name}; "
           "cells starting with % or ! run here; `%gpu kernel autorun off` ends it")
 
 
-SUBCOMMANDS = {"start": _start, "list": _list, "stop": _stop, "restart": _restart,
-               "interrupt": _interrupt, "attach": _attach, "push": _push, "pull": _pull,
-               "autorun": _autorun}
-
-
-def dispatch(magics, line: str):
-    """``%gpu kernel SUB ...``."""
-    word, _, rest = line.strip().partition(" ")
-    if word in ("", "-h", "--help", "help"):
-        print(_HELP)
-        return None
-    fn = SUBCOMMANDS.get(word)
-    if fn is None:
-        raise UsageError(f"unknown kernel command {word!r}; valid: {', '.join(SUBCOMMANDS)} "
-                         "(see `%gpu kernel`)")
-    return fn(magics, rest)
+#: ``%gpu kernel SUB``: name -> (function, summary, usage).
+KERNEL = Subcommands("%gpu kernel", {
+    "start": (_start, "start one (or say it runs)", "[NAME] [--python PATH] [--cwd DIR] [--env K=V] [--install]"),
+    "list": (_list, "name, python, state (idle / busy since), GPU memory"),
+    "attach": (_attach, "show what it printed while you were away, then follow", "[NAME]"),
+    "push": (_push, "copy variables from here to the session", "VAR... [-k NAME]"),
+    "pull": (_pull, "copy variables from the session to here", "VAR... [-k NAME]"),
+    "interrupt": (_interrupt, "interrupt the running cell (variables are kept)", "[NAME]"),
+    "restart": (_restart, "a fresh kernel (variables are lost)", "NAME"),
+    "stop": (_stop, "stop it and its processes", "NAME"),
+    "autorun": (_autorun, "send every following code cell to the session", "on [NAME] | off"),
+}, intro="%gpu kernel: a live Python session on the machine (ipykernel), kept running when this\n"
+         "notebook closes; variables persist between cells.",
+   outro="%%remote --kernel [NAME] runs one cell there (default: the session used last, or the\n"
+         "machine's only one, or `main`, started on first use).  `%gpu kernel SUB -h` shows options.")

@@ -1,7 +1,8 @@
 """A set of named machines with a default: what one notebook kernel is connected to.
 
-No module-level state: the IPython extension owns one :class:`Session`; scripts may make
-their own.
+No module-level state: the IPython extension owns one :class:`Fleet`; scripts may make
+their own.  (A fleet, not a "session": in gpumagic a session is a live Python session on a
+machine, ``%gpu kernel``; a ledger's stretch of billing is a :class:`~gpumagic.budget.ledger.Rental`.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from .errors import NotConnected
 from .machine import Machine, connect
 
 
-class Session:
+class Fleet:
     """Named machines, the last connected being the default.
 
     ``close_all`` runs when the interpreter exits (stopping a sandbox sshd too).

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from ..remote import distributed
-from ..remote.jobs import NAME_RE
+from ...remote import distributed
+from ...remote.jobs import NAME_RE
+from ._args import env_pairs
 
 
 def _hosts(magics, text: str | None, default_host: str | None = None) -> list:
@@ -29,7 +30,7 @@ def _hosts(magics, text: str | None, default_host: str | None = None) -> list:
         raise UsageError("--hosts takes connected machine names separated by commas, e.g. --hosts a,b")
     if len(set(names)) != len(names):
         raise UsageError(f"--hosts {text}: a machine is named twice")
-    return [magics.session.get(n) for n in names] if names else [magics.session.get(default_host)]
+    return [magics.fleet.get(n) for n in names] if names else [magics.fleet.get(default_host)]
 
 
 def remote_cell(magics, args, cell: str):
@@ -42,10 +43,16 @@ def remote_cell(magics, args, cell: str):
                          "it runs until it ends; `%gpu kill NAME` stops it")
     if args.host and args.hosts:
         raise UsageError("--host and --hosts both name machines; use --hosts a,b alone")
-    from .magics._args import env_pairs as _env_pairs
-
+    try:  # a quoted list: refused before any machine is asked
+        torchrun_args = distributed.split_torchrun_args(args.torchrun_args or "")
+    except distributed.JobError as e:
+        raise UsageError(f"{e.message}; {e.hint}") from None
+    try:
+        each = distributed.parse_each(args.each) if args.each else []
+    except distributed.JobError as e:
+        raise UsageError(f"{e.message}; {e.hint}") from None
     machines = _hosts(magics, args.hosts, args.host)
-    env = _env_pairs(args.env)
+    env = env_pairs(args.env)
     try:
         stop_on = distributed.jobs.parse_stop_on(args.stop_on)
     except Exception as e:
@@ -53,10 +60,6 @@ def remote_cell(magics, args, cell: str):
     if args.each:
         if args.torchrun is not None:
             raise UsageError("--each runs one plain job per machine; it does not combine with --torchrun")
-        try:
-            each = distributed.parse_each(args.each)
-        except distributed.JobError as e:
-            raise UsageError(f"{e.message}; {e.hint}") from None
         started = distributed.fan_out(machines, args.job, cell, each, python=args.python, cwd=args.cwd,
                                       env=env, stop_on=stop_on, alerts=not args.no_alerts,
                                       then_shutdown=args.then_shutdown)
@@ -80,7 +83,7 @@ def remote_cell(magics, args, cell: str):
         raise UsageError(f"{e.message}; {e.hint}") from None
     if args.same_dir_hash and not args.same_dir:
         raise UsageError("--same-dir-hash needs --same-dir PATH (the data folder to compare)")
-    job = distributed.start(machines, args.job, cell, nproc=nproc, torchrun_args=args.torchrun_args or "",
+    job = distributed.start(machines, args.job, cell, nproc=nproc, torchrun_args=torchrun_args,
                             cwd=args.cwd, env=env, same_dir=args.same_dir, same_dir_hash=args.same_dir_hash,
                             stop_on=stop_on, alerts=not args.no_alerts, then_shutdown=args.then_shutdown)
     world = job.nproc * len(job.parts)
@@ -97,8 +100,8 @@ def remote_cell(magics, args, cell: str):
 
 def logs(magics, args) -> None:
     """``%gpu logs NAME --rank R`` / ``--all``."""
-    machine = magics.session.get(args.host)
-    job = distributed.find(magics.session.get, machine, args.name)
+    machine = magics.fleet.get(args.host)
+    job = distributed.find(magics.fleet.get, machine, args.name)
     if job is None:
         raise UsageError(f"job {args.name} on {machine.name} is not a torchrun job; "
                          f"`%gpu logs {args.name}` shows its log")
@@ -111,7 +114,7 @@ def kill(magics, machine, name: str, shutdown: bool = False) -> bool:
     """``%gpu kill NAME`` of a torchrun job: end every rank on every machine (``--shutdown``:
     cancel the shutdown armed on every machine instead); False when ``name`` is a plain job (the
     caller handles it as before)."""
-    job = distributed.find(magics.session.get, machine, name)
+    job = distributed.find(magics.fleet.get, machine, name)
     if job is None:
         return False
     if shutdown:
@@ -128,10 +131,10 @@ def jobs_all(magics) -> None:
     """``%gpu jobs --all``: one table over every connected machine (a MACHINE column first)."""
     from IPython.display import display as ipy_display
 
-    from .display import Rendered, job_rows, text_table
+    from ..display import Rendered, job_rows, text_table
 
     rows = [["MACHINE", *job_rows([])[0]]]
-    for name, m in magics.session.machines.items():
+    for name, m in magics.fleet.machines.items():
         rows += [[name, *r] for r in job_rows(m.jobs())[1:]]
     if len(rows) == 1:
         text = "no jobs on any connected machine"
@@ -145,8 +148,8 @@ def jobs_all(magics) -> None:
 def sync_from_all(magics, args) -> None:
     """``%gpu sync --from-all :PATH/ DEST/``: pull PATH from every connected machine into
     ``DEST/<machine>/``."""
-    from ..errors import ConfigError
-    from ..sync import engine as sync
+    from ...errors import ConfigError
+    from ...sync import engine as sync
 
     try:
         src, dst = sync.parse_endpoint(args.src), sync.parse_endpoint(args.dst)
@@ -155,15 +158,15 @@ def sync_from_all(magics, args) -> None:
     if not src.remote or dst.remote or src.host:
         raise UsageError("--from-all pulls :REMOTE_PATH from every machine into a local folder: "
                          "`%gpu sync --from-all :runs/ results/`")
-    if not magics.session.machines:
+    if not magics.fleet.machines:
         raise UsageError("no machine is connected; `%gpu connect NAME` first")
     import os
 
-    for name, m in magics.session.machines.items():
+    for name, m in magics.fleet.machines.items():
         dest = os.path.join(dst.path, name) + "/"
         summary = m.pull(src.path, dest, delete=args.delete, exclude=args.exclude,
                          ignore_files=not args.no_ignore_files, dry_run=args.dry_run,
-                         checksum=args.checksum, update=args.update)
+                         checksum=args.checksum, update=args.update, compress=args.compress)
         print(f"{name}: {summary}")
 
 

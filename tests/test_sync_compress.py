@@ -1,0 +1,414 @@
+"""Compression of %gpu sync's file streams (issue 29): bytes counted on the emulated link
+(tests/linkemu.py, 40 ms RTT, 20/50 Mbit/s), never time.
+
+The link counts every byte of the connection, SSH's framing included; each channel also
+carries the agent's source up once (``engine.AGENT_SOURCE``), which the bounds name."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import zlib
+from types import SimpleNamespace
+
+import pytest
+
+import linkemu
+from gpumagic.errors import SyncError
+from gpumagic.ssh.hosts import HostSpec, resolve
+from gpumagic.sync import agent
+from gpumagic.sync import engine as sync
+
+MB = 1_000_000
+#: What each channel of a sync costs up besides its data: the agent's source (sent on the
+#: command line of every exec) and the exec request around it.
+PER_CHANNEL = len(sync.AGENT_SOURCE.encode()) + 4096
+
+
+def csv_text(rng: random.Random, size: int) -> bytes:
+    """A training log as a trainer prints it (the one benchmarks/link_vs_tools.py syncs)."""
+    return linkemu.csv_text(rng, size).encode()
+
+
+def _sent(linked, fn):
+    """(what ``fn()`` returned, the link's counters for it)."""
+    before = linked.settle()
+    out = fn()
+    return out, linked.settle() - before
+
+
+# -- the codec ----------------------------------------------------------------------------
+
+
+def _frames(data: bytes, level: int = 6, chunk: int = 70_000) -> bytes:
+    out = io.BytesIO()
+    w = agent.ZWriter(out, level)
+    for i in range(0, len(data), chunk):
+        w.write(data[i:i + chunk])
+    w.flush()
+    return out.getvalue()
+
+
+def _unframe(stream: bytes, step: int = 12345) -> bytes:
+    r = agent.ZReader(io.BytesIO(stream))
+    parts = []
+    while True:
+        b = r.read(step)
+        if not b:
+            return b"".join(parts)
+        parts.append(b)
+
+
+@pytest.mark.parametrize("kind", ["empty", "tiny", "csv", "random", "mixed"])
+def test_frames_give_back_the_bytes_and_incompressible_ones_go_raw(kind):
+    rng = random.Random(kind)
+    data = {"empty": b"", "tiny": b"abc", "csv": csv_text(rng, 700_000),
+            "random": rng.randbytes(700_000),
+            "mixed": rng.randbytes(300_000) + csv_text(rng, 600_000)}[kind]
+    framed = _frames(data)
+    assert _unframe(framed) == data
+    head = agent._FRAME_HEAD.size
+    if kind == "random":  # every frame raw: 9 bytes a frame more than the data
+        assert len(framed) == len(data) + head * -(-len(data) // agent.FRAME)
+    if kind == "csv":
+        assert len(framed) <= 0.4 * len(data)
+    if kind == "mixed":  # the random part raw, the CSV compressed
+        assert 300_000 < len(framed) < 300_000 + 0.4 * 600_000
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.mark.parametrize("slower", ["link", "compressor"])
+def test_the_level_follows_the_slower_side(slower):
+    """Simulated seconds (a clock the fake link and compressor advance): behind a link that
+    takes 1 s a MB the level stays at 6; before a link that takes nothing it steps down to
+    1 once GRACE bytes are out, 16 frames at a time; the stream reads back either way."""
+    clock = _Clock()
+
+    class Link(io.BytesIO):
+        def write(self, b):
+            if slower == "link":
+                clock.t += len(b) / 1e6
+            return super().write(b)
+
+    class Timed(agent.ZWriter):
+        def _pack(self, data):
+            clock.t += len(data) / 20e6  # zlib-6 at 20 MB/s
+            return super()._pack(data)
+
+    out = Link()
+    w = Timed(out, 6, threads=1, clock=clock)
+    data = csv_text(random.Random(14), 24 * MB)
+    for i in range(0, len(data), 1 << 20):
+        w.write(data[i:i + (1 << 20)])
+    w.flush()
+    if slower == "link":
+        assert w.changes == [] and w.level == 6
+    else:
+        assert [lv for _, lv in w.changes] == [3, 1]
+        assert w.changes[0][0] >= agent.GRACE and w.changes[1][0] - w.changes[0][0] == agent.WINDOW * agent.FRAME
+    assert _unframe(out.getvalue()) == data
+
+
+def test_every_flipped_byte_of_a_compressed_stream_is_refused():
+    """Header, checksum or payload, of a compressed or a raw frame: one flipped bit anywhere
+    is refused before a byte of that frame is handed on."""
+    rng = random.Random(3)
+    framed = _frames(rng.randbytes(1000) + csv_text(rng, 40_000), chunk=agent.FRAME)
+    assert framed[0:1] == b"z"
+    for i in list(range(0, 40)) + list(range(40, len(framed), 97)):
+        for bit in (1, 0x80):
+            bad = bytearray(framed)
+            bad[i] ^= bit
+            with pytest.raises((agent.Damaged, EOFError)):
+                _unframe(bytes(bad))
+
+
+def test_a_damaged_pull_stream_writes_no_file_under_its_name(tmp_path):
+    """The agent's own send/extract (what a pull runs on each side): a flipped byte in the
+    second frame; the files of the first frame are written whole, none after it, no part
+    files are left."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(5)
+    names = [f"f{i:02d}.csv" for i in range(12)]
+    for n in names:
+        (src / n).write_bytes(csv_text(rng, 100_000))
+    out = io.BytesIO()
+    agent.send_tar(str(src), names, agent.ZWriter(out, 6))
+    stream = bytearray(out.getvalue())
+    first_len = int.from_bytes(stream[1:5], "big")
+    stream[9 + first_len + 9 + 50] ^= 0x10  # inside the second frame's payload
+    dst = tmp_path / "dst"
+    with pytest.raises(agent.Damaged, match="damaged compressed stream"):
+        agent.extract(str(dst), agent.ZReader(io.BytesIO(bytes(stream))))
+    written = sorted(p.name for p in dst.iterdir())
+    assert written and len(written) < len(names)
+    for n in written:
+        assert (dst / n).read_bytes() == (src / n).read_bytes(), n
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+def _fake_machine(compression=None):
+    return SimpleNamespace(name="gpu", spec=HostSpec("gpu", "203.0.113.9", compression=compression))
+
+
+def test_flag_then_ssh_config_then_the_link_decide(caplog):
+    caplog.set_level(logging.INFO, logger="gpumagic.sync.engine")
+    m = _fake_machine()
+    assert sync.decide_compression(m, True, 0.0001)[0] == sync.LEVEL
+    assert sync.decide_compression(m, False, 0.2) == (0, "uncompressed (--no-compress)")
+    level, why = sync.decide_compression(m, None, 0.0004)
+    assert level == 0 and why.startswith("uncompressed (auto: a round trip takes 0.4 ms")
+    level, why = sync.decide_compression(m, None, 0.040)
+    assert level == sync.LEVEL and why.startswith(f"zlib {sync.LEVEL} (auto: a round trip takes 40.0 ms")
+    assert sync.decide_compression(_fake_machine(False), None, 0.040) == (
+        0, "uncompressed (Compression no in the ssh config of gpu)")
+    assert sync.decide_compression(_fake_machine(True), None, 0.0001)[0] == sync.LEVEL
+    assert sync.decide_compression(_fake_machine(False), True, 0.040)[0] == sync.LEVEL  # the flag wins
+    assert [r.getMessage() for r in caplog.records][:2] == [
+        f"sync with gpu: zlib {sync.LEVEL} (--compress)", "sync with gpu: uncompressed (--no-compress)"]
+
+
+def test_compression_of_the_ssh_config_reaches_the_host_spec(tmp_path):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    cfg = home / ".ssh" / "config"
+    cfg.write_text("Host slow\n  Compression yes\nHost fast\n  Compression no\nHost *\n  User u\n",
+                   encoding="utf-8")
+    cfg.chmod(0o600)
+    assert resolve("slow", home=home).compression is True
+    assert resolve("fast", home=home).compression is False
+    assert resolve("other", home=home).compression is None
+
+
+def test_over_loopback_auto_sends_uncompressed_and_says_why(machine, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="gpumagic.sync.engine")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "log.csv").write_bytes(csv_text(random.Random(1), 2 * MB))
+    s = machine.push(f"{src}/", str(tmp_path / "remote"))
+    assert s.wire_bytes is None and s.compression.startswith("uncompressed (auto: a round trip takes")
+    assert any(r.getMessage() == f"sync with {machine.name}: {s.compression}" for r in caplog.records)
+    assert (tmp_path / "remote" / "log.csv").read_bytes() == (src / "log.csv").read_bytes()
+    from gpumagic.notebook.display import format_bytes
+
+    assert str(s).split(": ", 1)[1].startswith(f"1 file, {format_bytes(s.bytes_sent)} sent, 0 unchanged")
+
+
+# -- over the emulated link ---------------------------------------------------------------
+
+
+def test_push_of_a_csv_sends_at_most_40_percent(link, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = csv_text(random.Random(2), 10 * MB)
+    (src / "train.csv").write_bytes(data)  # over LARGE_FILE: its own channel, beside the listing's
+    s, c = _sent(link, lambda: link.machine.push(f"{src}/", str(tmp_path / "remote")))
+    assert (tmp_path / "remote" / "train.csv").read_bytes() == data
+    assert s.compression.startswith(f"zlib {sync.LEVEL} (auto: a round trip takes")
+    assert s.wire_bytes <= 0.4 * len(data)
+    assert c.up_bytes <= 0.4 * len(data) + 2 * PER_CHANNEL, (c.up_bytes, s.wire_bytes)
+    from gpumagic.notebook.display import format_bytes
+
+    assert f"1 file, {format_bytes(len(data))}, {format_bytes(s.wire_bytes)} sent" in str(s)
+
+
+def test_push_of_small_text_files_in_the_tar_sends_at_most_40_percent(link, tmp_path):
+    src = tmp_path / "src"
+    rng = random.Random(4)
+    for i in range(40):
+        d = src / f"d{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"log{i}.csv").write_bytes(csv_text(rng, 50_000))
+    total = sum(p.stat().st_size for p in src.rglob("*.csv"))
+    s, c = _sent(link, lambda: link.machine.push(f"{src}/", str(tmp_path / "remote")))
+    assert s.files_sent == 40 and s.wire_bytes <= 0.4 * total
+    assert c.up_bytes <= 0.4 * total + PER_CHANNEL
+    for p in src.rglob("*.csv"):
+        assert (tmp_path / "remote" / p.relative_to(src)).read_bytes() == p.read_bytes()
+
+
+def test_push_of_random_bytes_sends_at_most_101_percent(link, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(6)
+    (src / "model.pt").write_bytes(rng.randbytes(10 * MB))  # its own channel
+    (src / "a.npz").write_bytes(rng.randbytes(3 * MB))  # in the tar
+    total = 13 * MB
+    s, c = _sent(link, lambda: link.machine.push(f"{src}/", str(tmp_path / "remote")))
+    assert s.wire_bytes <= 1.001 * total
+    assert c.up_bytes <= 1.01 * total + 2 * PER_CHANNEL, c.up_bytes
+    assert (tmp_path / "remote" / "model.pt").read_bytes() == (src / "model.pt").read_bytes()
+
+
+def test_no_compress_sends_the_bytes_as_they_are(link, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = csv_text(random.Random(7), 2 * MB)
+    (src / "log.csv").write_bytes(data)
+    s, c = _sent(link, lambda: link.machine.push(f"{src}/", str(tmp_path / "remote"), compress=False))
+    assert s.wire_bytes is None and s.compression == "uncompressed (--no-compress)"
+    assert c.up_bytes >= len(data)
+    assert (tmp_path / "remote" / "log.csv").read_bytes() == data
+
+
+def test_pull_of_a_log_sends_at_most_40_percent(link, tmp_path):
+    remote = tmp_path / "runs"
+    remote.mkdir()
+    small = csv_text(random.Random(8), 3 * MB)  # in the tar
+    big = csv_text(random.Random(9), 10 * MB)  # its own channel
+    (remote / "eval.csv").write_bytes(small)
+    (remote / "train.csv").write_bytes(big)
+    s, c = _sent(link, lambda: link.machine.pull(f"{remote}/", str(tmp_path / "here")))
+    assert (tmp_path / "here" / "train.csv").read_bytes() == big
+    assert (tmp_path / "here" / "eval.csv").read_bytes() == small
+    assert s.wire_bytes <= 0.4 * (len(big) + len(small))
+    assert c.down_bytes <= 0.4 * (len(big) + len(small)) + 64 * 1024, c.down_bytes
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_resync_of_an_appended_log_sends_the_appended_bytes_compressed(link, tmp_path, direction):
+    rng = random.Random(10)
+    head = csv_text(rng, 2 * MB)
+    tail = csv_text(rng, 1 * MB)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "train.csv").write_bytes(head)
+    m = link.machine
+    sync_once = (lambda: m.push(f"{a}/", str(b))) if direction == "push" else (lambda: m.pull(f"{a}/", str(b)))
+    sync_once()
+    with open(a / "train.csv", "ab") as f:
+        f.write(tail)
+    s, c = _sent(link, sync_once)
+    assert (b / "train.csv").read_bytes() == head + tail
+    packed = len(zlib.compress(tail, sync.LEVEL))
+    assert s.bytes_resumed == len(head) and s.bytes_sent == len(tail)
+    assert s.wire_bytes <= packed + 1024, (s.wire_bytes, packed)
+    data_way = c.up_bytes if direction == "push" else c.down_bytes
+    assert data_way <= packed + 2 * PER_CHANNEL + 16 * 1024, (data_way, packed)
+
+
+class _Flipping(agent.ZWriter):
+    """A ZWriter that flips one byte of the second frame it sends (the test's fault; the
+    machine's agent runs its own, undamaged code)."""
+
+    frames = 0
+
+    def _put(self, size, frame):
+        if _Flipping.frames == 1:
+            bad = bytearray(frame)
+            bad[len(bad) // 2] ^= 0x04
+            frame = bytes(bad)
+        _Flipping.frames += 1
+        super()._put(size, frame)
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["tar", "large-file"])
+def test_a_damaged_push_stream_is_refused_and_leaves_no_file_under_its_name(link, tmp_path, monkeypatch, big):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = csv_text(random.Random(11), 9 * MB if big else 2 * MB)
+    (src / "train.csv").write_bytes(data)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "train.csv").write_bytes(b"the old one\n")
+    os.utime(remote / "train.csv", (1_600_000_000, 1_600_000_000))
+    _Flipping.frames = 0
+    monkeypatch.setattr(agent, "ZWriter", _Flipping)
+    with pytest.raises(SyncError, match="damaged compressed stream") as e:
+        link.machine.push(f"{src}/", str(remote))
+    assert "that file was not written" in e.value.message
+    assert (remote / "train.csv").read_bytes() == b"the old one\n"
+    monkeypatch.undo()
+    s = link.machine.push(f"{src}/", str(remote))  # the next run puts it right
+    assert (remote / "train.csv").read_bytes() == data and s.wire_bytes is not None
+
+
+def test_a_damaged_pull_stream_is_refused_and_leaves_no_file_under_its_name(link, tmp_path, monkeypatch):
+    remote = tmp_path / "runs"
+    remote.mkdir()
+    data = csv_text(random.Random(12), 2 * MB)
+    (remote / "log.csv").write_bytes(data)
+    here = tmp_path / "here"
+    real_init = agent.ZReader.__init__
+
+    def damaging(self, src):
+        seen = [0]
+
+        class Flip:
+            def read(inner, n=-1):
+                b = src.read(n)
+                if seen[0] <= 300_000 < seen[0] + len(b):
+                    b = bytearray(b)
+                    b[300_000 - seen[0]] ^= 0x20
+                    b = bytes(b)
+                seen[0] += len(b)
+                return b
+
+        real_init(self, Flip())
+
+    monkeypatch.setattr(agent.ZReader, "__init__", damaging)
+    with pytest.raises(SyncError, match="damaged compressed stream"):
+        link.machine.pull(f"{remote}/", str(here))
+    assert not (here / "log.csv").exists()
+    assert not [p for p in here.iterdir() if p.name.endswith(agent.PART_SUFFIX)]
+    monkeypatch.undo()
+    link.machine.pull(f"{remote}/", str(here))
+    assert (here / "log.csv").read_bytes() == data
+
+
+def test_a_cut_compressed_push_resumes_and_the_file_comes_whole(machine, tmp_path, monkeypatch):
+    """A compressed large-file push cut half-way (the socket closed): nothing under the
+    file's name; the rerun keeps the machine's part (its bytes are the file's, as they were
+    decompressed there) and sends the rest, compressed."""
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    data = csv_text(random.Random(13), 30 * MB)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.csv").write_bytes(data)
+    remote = tmp_path / "remote"
+
+    def cut(p):
+        if p.bytes_done >= len(data) // 2 and machine.connection.transport is not None:
+            machine.connection.transport.sock.close()
+
+    from gpumagic.errors import ConnectionLost
+
+    with pytest.raises(ConnectionLost):
+        machine.push(f"{src}/", str(remote), progress=cut, compress=True)
+    assert not (remote / "train.csv").exists()
+    again = machine.push(f"{src}/", str(remote), compress=True)
+    assert again.bytes_resumed > len(data) // 5 and again.bytes_sent + again.bytes_resumed == len(data)
+    assert again.wire_bytes <= 0.4 * again.bytes_sent + 1024
+    assert (remote / "train.csv").read_bytes() == data
+    assert list(remote.glob("*" + agent.PART_SUFFIX)) == []
+
+
+def test_the_magic_takes_compress_and_no_compress():
+    from gpumagic.notebook.magics import sync as magic
+    from gpumagic.notebook.magics._args import parse
+
+    assert parse(magic._sync, "a :b", "sync").compress is None
+    assert parse(magic._sync, "a :b --compress", "sync").compress is True
+    assert parse(magic._sync, "a :b --no-compress", "sync").compress is False
+
+
+def test_summary_without_compression_reads_as_before(tmp_path):
+    s = sync.SyncSummary("push", "a", "m:b", files_sent=2, bytes_sent=2_000_000)
+    from gpumagic.notebook.display import format_bytes
+
+    assert str(s).startswith(f"push a -> m:b: 2 files, {format_bytes(2_000_000)} sent, 0 unchanged")
+    s.wire_bytes = 700_000
+    assert str(s).startswith(f"push a -> m:b: 2 files, {format_bytes(2_000_000)}, {format_bytes(700_000)} sent, "
+                             "0 unchanged")
+
