@@ -141,7 +141,7 @@ class RoutedConnection(Connection):
         super().__init__(spec, use_agent=False, **kwargs)
         self.real_port = real_port
 
-    def _open_socket(self):
+    def _open_socket(self, hops):
         sock = socket.create_connection(("127.0.0.1", self.real_port), timeout=10)
         sock.settimeout(None)
         return sock
