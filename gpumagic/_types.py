@@ -83,7 +83,7 @@ class MachineLike(Protocol):
     def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
                   env: Mapping[str, str] | None = None, stop_on=None,
                   then_shutdown: float | None = None, alerts: bool = True, torchrun=None,
-                  torchrun_args=()) -> Job:
+                  torchrun_args=(), keep=None) -> Job:
         """Start a detached job (:meth:`gpumagic.machine.Machine.start_job`)."""
         ...
 

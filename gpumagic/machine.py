@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .remote import execution, jobs
+from .remote.keep import Keepers
 from . import gpu
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
@@ -25,6 +26,7 @@ from .tunnel import ReverseTunnel, Tunnel, TunnelManager
 if TYPE_CHECKING:
     from .net.proxy import Proxy
     from .remote.jobs import Job, JobInfo
+    from .remote.keep import KeepOptions
     from .remote.kernel import RemoteKernel
     from .budget.shutdown import ShutdownPlan
     from .sync.engine import SyncSummary
@@ -66,6 +68,8 @@ class Machine:
         self.notes_shown: set[str] = set()
         #: Local port forwards over this machine's connection (closed with it).
         self.tunnels = TunnelManager(self.connection)
+        #: Jobs whose checkpoints are kept on this computer (``keep=``), stopped with it.
+        self.keepers = Keepers()
 
     def login_env(self) -> dict[str, str | None]:
         """Environment differences of an interactive ``ssh host`` login, read once per connection.
@@ -125,6 +129,7 @@ class Machine:
 
         A closed machine re-opens on its next use, except the sandbox, whose server is gone.
         """
+        self.keepers.close()
         self.tunnels.close_all(stop_service=self.sandbox is not None)
         self.proxy = None
         kernels = self.__dict__.get("_kernels")  # gpumagic/remote/kernel.py: sessions keep running
@@ -303,7 +308,7 @@ class Machine:
     def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
                   env: Mapping[str, str] | None = None, stop_on=None,
                   then_shutdown: float | None = None, alerts: bool = True, torchrun=None,
-                  torchrun_args=()) -> Job:
+                  torchrun_args=(), keep: KeepOptions | None = None) -> Job:
         """Start ``command`` as a detached job that survives disconnects; returns at once.
 
         With ``torchrun=N`` (or ``"auto"``) the command is a Python training script (or a
@@ -320,18 +325,33 @@ class Machine:
         every rank has ended, see :func:`gpumagic.remote.distributed.start`).  See
         :func:`gpumagic.remote.jobs.start`.
 
+        With ``keep`` (a :class:`gpumagic.remote.keep.KeepOptions`), new or changed files of
+        that folder (relative to the job's ``cwd``) are pulled to this computer while the
+        job runs, by a thread of this process (:attr:`keepers`; see :mod:`gpumagic.remote.keep`).
+
         Raises
         ------
         JobError
         """
+        if torchrun is not None and keep is not None:
+            from .errors import JobError
+
+            raise JobError("--keep works with a job on one machine, not yet with --torchrun",
+                           "start it without --keep and pull the checkpoints with `%gpu sync`")
         if torchrun is not None:
             from .remote import distributed
 
             return distributed.start([self], name, command, nproc=torchrun, torchrun_args=torchrun_args,
                                      cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
                                      then_shutdown=then_shutdown)  # type: ignore[return-value]
-        return jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
-                          then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
+        if keep is not None:
+            jobs.check_name(name)
+            keep.make_local_folder(name)  # refused here, before anything starts there
+        job = jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
+                         then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
+        if keep is not None:
+            job.keeper = self.keepers.start(self, name, cwd if cwd is not None else (self.cwd or ""), keep)
+        return job
 
     def jobs(self) -> list[JobInfo]:
         """Every job on this machine, read from ``~/.gpumagic/jobs`` (one round trip)."""

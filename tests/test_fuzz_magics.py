@@ -82,7 +82,11 @@ VALUES = {
     "--pull": [":rsrc/ pulled/", f"{ALIAS}:rsrc pulled2"], "--mail": ["me@example.com"], "--smtp": ["127.0.0.1:1"],
     "--from": ["me@example.com"], "--webhook": ["http://127.0.0.1:1/hook", "ask"], "--chat-id": ["42"],
     "--retries": ["0", "1"], "--backoff": ["0", "0.1"], "--local": ["1", "18765"], "--remote-port": ["18766", "18767"],
+    "--keep": ["ckpt/", "rsrc"], "--keep-every": ["5m", "0.5", "30s"], "--keep-to": ["kept", "kept2/"],
+    "--keep-last": ["3", "1"], "--keep-settle": ["0", "10s"],
 }
+#: ``%%remote``'s options of ``--keep``, fuzzed as their own entry (``%%remote --keep``).
+KEEP_OPTIONS = {"--keep", "--keep-every", "--keep-to", "--keep-last", "--keep-settle"}
 #: Options whose value must never be hostile (the value reaches DNS or waits that long).
 SAFE_VALUES_ONLY = {"--remote-host", "--sample", "--smtp", "--webhook"}
 
@@ -137,7 +141,11 @@ def _specs():
         # that does not exist) go through the same dispatcher and option checks.
         "kernel list": dict(cmd="kernel list", fn=kernel_magics._list),
         "kernel stop": dict(cmd="kernel stop", fn=kernel_magics._stop, positional=[["nosuch", "a"]]),
-        "%%remote": dict(cmd="%%remote", fn=m.GpuMagics.remote),
+        "%%remote": dict(cmd="%%remote", fn=m.GpuMagics.remote, exclude=KEEP_OPTIONS),
+        # a job whose checkpoints are kept (a keeper thread per drawn job, stopped at the end)
+        "%%remote --keep": dict(cmd="%%remote", fn=m.GpuMagics.remote, always=["--job", "--keep"],
+                                exclude={"--torchrun", "--torchrun-args", "--hosts", "--each", "--same-dir",
+                                         "--same-dir-hash", "--kernel"}, banned=PATH_UNSAFE),
     }
 
 
@@ -259,7 +267,7 @@ def _run_one(ip, server, remote_dir: Path, name: str, line: str) -> None:
     outcome = "success"
     try:
         with capture_output():
-            if name == "%%remote":
+            if SPECS[name]["cmd"] == "%%remote":
                 ip.run_cell_magic("remote", line, "x=1")
             else:
                 ip.run_line_magic("gpu", f"{SPECS[name]['cmd']} {line}")
@@ -312,6 +320,7 @@ def test_every_subcommand_is_fuzzed():
     assert set(magics.SUBCOMMANDS) <= {n.split()[0] for n in names}
     assert {"budget set", "budget estimate", "budget history", "budget guard", "budget notify", "tunnel jupyter",
             "tunnel tensorboard", "tunnel list", "tunnel close", "%%remote"} <= names
+    assert KEEP_OPTIONS <= {o for a in magics.GpuMagics.remote.parser._actions for o in a.option_strings}
 
 
 def test_the_snapshot_puts_ssh_back(tmp_path):

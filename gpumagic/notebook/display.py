@@ -419,6 +419,37 @@ def job_started(job, machine_name: str) -> str:
             f"`%gpu logs {job.name} --follow` to watch, `%gpu jobs` to list")
 
 
+def keep_started(keeper) -> str:
+    """One line: what ``--keep`` keeps, where, how often."""
+    o = keeper.options
+    last = f", the newest {o.last}" if o.last else ""
+    return (f"keeping {o.path} of job {keeper.job} in {keeper.to}{last}: a look every {duration(o.every)}, "
+            f"while this notebook runs (`%gpu jobs` says what was kept)")
+
+
+def keep_line(rec: dict, live: bool) -> str:
+    """One line of ``%gpu jobs`` for a job's keep record (:mod:`gpumagic.remote.keep`):
+    the last checkpoint kept and when (laptop time), how many, where; whether it is kept now."""
+    job, path = rec.get("job", "?"), rec.get("path", "")
+    last = rec.get("last_kept") or None
+    where = rec.get("local", "")
+    held = sum(1 for f in (rec.get("files") or {}).values() if not f.get("pruned"))
+    if last:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("at") or 0))
+        what = (f"job {job}: last checkpoint {path.rstrip('/')}/{last.get('path')} kept at {at} "
+                f"({held} file{'s' if held != 1 else ''} in {where})")
+    else:
+        what = f"job {job}: nothing of {path} kept yet (into {where})"
+    if live:
+        state = f"keeping, a look every {duration(rec.get('every') or 0)}"
+    elif rec.get("state") == "keeping":
+        state = "not kept now: the notebook that kept it stopped"
+    else:
+        state = f"not kept now: {rec.get('state')}"
+    err = f"; last look failed: {rec['error']}" if rec.get("error") and live else ""
+    return f"{what}; {state}{err}"
+
+
 def job_ended(info) -> str:
     """One line for the end of a followed job: state and run time."""
     line = f"job {info.name} {info.state_text} after {duration(info.run_seconds)}"

@@ -443,6 +443,8 @@ class Job:
     note: str = ""
     archived: str = ""
     pid: int | None = None
+    #: The :class:`gpumagic.remote.keep.Keeper` of a job started with ``keep=`` (else None).
+    keeper: object = None
 
     @property
     def dir(self) -> str:

@@ -49,13 +49,13 @@ from traitlets import Float, Int, Unicode
 from ...errors import Interrupted, RemoteCommandError
 from ...gpu.doctor import failure_hint
 from ...fleet import Fleet
-from ._args import (GB, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, env_pairs, host_arg,
+from ._args import (EVERY_S, GB, KEEP_LAST, SETTLE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, env_pairs, host_arg,
                     number, out_arg, parse, returns_after_help, split_args)
 from ._output import OutputCap
 from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
 from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
 from .gpu import _doctor, _fit, _status
-from .jobs import _attach, _jobs, _kill, _logs, _remote_job
+from .jobs import _attach, _jobs, _kill, _logs, _remote_job, keep_given
 from .keys import _add_host, _install_key, _keygen, show_public_key
 from .net import PROXY, _mirrors
 from .sync import _sync
@@ -194,6 +194,18 @@ class GpuMagics(Magics):
               help="shut the machine down MINUTES after the job succeeds (exit 0)")
     @argument("--no-alerts", action="store_true",
               help="do not show NaN/OOM/traceback alerts when following or listing")
+    @argument("--keep", metavar="DIR",
+              help="pull new or changed files of DIR (relative to the job's working directory) to "
+                   "this computer while the job runs and the notebook is open; a file is taken "
+                   "whole: at its rename, or once it held still for --keep-settle")
+    @argument("--keep-every", metavar="S", type=EVERY_S,
+              help="with --keep: look every S (90, 30s, 5m; default 60s)")
+    @argument("--keep-to", metavar="LOCAL_DIR", help="with --keep: where the copies go (default ./NAME/DIR/)")
+    @argument("--keep-last", metavar="K", type=KEEP_LAST,
+              help="with --keep: keep only the newest K checkpoints here (a file or folder of DIR each)")
+    @argument("--keep-settle", metavar="S", type=SETTLE_S,
+              help="with --keep: seconds a file written in place must hold still (size and mtime) "
+                   "before it is taken (default 10s)")
     @argument_group("torchrun and fan-out (with --job NAME)",
                     "One training run over the GPUs of one or more machines, or one job per machine.")
     @argument("--torchrun", metavar="N|auto",
@@ -229,7 +241,8 @@ class GpuMagics(Magics):
             from .torchrun import remote_cell as torchrun_cell
 
             return torchrun_cell(self, args, cell)
-        if args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts:
+        if (args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts
+                or keep_given(args)):
             return _remote_job(self, args, cell)
         machine = self.fleet.get(args.host)
         echo = OutputCap(self.max_display_bytes)

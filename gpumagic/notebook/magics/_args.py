@@ -236,6 +236,35 @@ MINUTES = number(0, 30 * 24 * 60, what="minutes")
 LINES = number(0, 10**9, integer=True, what="a number of lines")
 
 
+def duration_s(lo: float, hi: float, *, above: bool = False):
+    """An argparse ``type`` for a duration: ``90`` (seconds), ``90s``, ``5m``, ``1h30m``, ``1d``
+    (:func:`gpumagic.budget.prices.parse_duration`), from ``lo`` to ``hi`` seconds (``lo``
+    exclusive when ``above``); returns seconds."""
+    from ...budget.prices import parse_duration
+
+    span = f"above {_fmt_bound(lo)} s" if above else f"from {_fmt_bound(lo)} s"
+    rule = f"{span} up to {_fmt_bound(hi)} s, written like 30s, 5m or 1h"
+
+    def convert(text: str) -> float:
+        s = text.strip()
+        try:
+            value = float(s) if _DECIMAL.fullmatch(s) else parse_duration(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a duration; give {rule}") from None
+        if not math.isfinite(value) or value < lo or value > hi or (above and value == lo):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; give {rule}")
+        return value
+
+    convert.__name__ = "duration"
+    return convert
+
+
+#: ``--keep-every`` (above 0) and ``--keep-settle`` (0 or more): seconds, at most 30 days.
+EVERY_S = duration_s(0, 30 * 86400, above=True)
+SETTLE_S = duration_s(0, 30 * 86400)
+KEEP_LAST = number(1, 10**6, integer=True, what="a number of checkpoints")
+
+
 # -- options shared by several magics ------------------------------------------------------
 
 #: ``--host``'s help where the option picks the machine to act on.

@@ -8,10 +8,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
 
-from ...errors import Interrupted
+from ...errors import Interrupted, JobError
+from ...remote.keep import KeepOptions, records as keep_records
 from ...remote.jobs import NAME_RE, parse_stop_on, scan_alerts
 from .. import display
-from ..display import SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table
+from ..display import (SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table, keep_line,
+                       keep_started)
 from ._args import LINES, env_pairs, host_arg, number, parse
 
 if TYPE_CHECKING:
@@ -24,10 +26,38 @@ def _job_name(name: str) -> str:
     return name
 
 
+#: The ``--keep`` options (``%%remote --job NAME --keep DIR ...``): option -> attribute.
+_KEEP_OPTIONS = {"--keep-every": "keep_every", "--keep-to": "keep_to", "--keep-last": "keep_last",
+                 "--keep-settle": "keep_settle"}
+
+
+def keep_given(args) -> bool:
+    """Whether the line gave ``--keep`` or one of its options."""
+    return getattr(args, "keep", None) is not None or any(
+        getattr(args, a, None) is not None for a in _KEEP_OPTIONS.values())
+
+
+def keep_options(args) -> KeepOptions | None:
+    """The :class:`KeepOptions` of the ``--keep`` options (None without ``--keep``); raises
+    exactly ``UsageError`` for an option of ``--keep`` without it, or a bad value."""
+    if args.keep is None:
+        given = [o for o, a in _KEEP_OPTIONS.items() if getattr(args, a) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} need --keep DIR (e.g. --keep ckpt/)")
+        return None
+    options = {k: v for k, v in (("every", args.keep_every), ("to", args.keep_to), ("last", args.keep_last),
+                                 ("settle", args.keep_settle)) if v is not None}
+    try:
+        return KeepOptions(args.keep, **options)
+    except JobError as e:
+        raise UsageError(f"{e.message}; {e.hint}") from None
+
+
 def _remote_job(magics: GpuMagics, args, cell: str):
     """``%%remote --job NAME ...``: start the cell detached and return at once."""
     if args.job is None:
-        raise UsageError("--stop-on, --then-shutdown and --no-alerts need --job NAME")
+        raise UsageError("--stop-on, --then-shutdown, --no-alerts and --keep need --job NAME "
+                         "(e.g. --job train --keep ckpt/)")
     if not NAME_RE.fullmatch(args.job):
         raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
     if args.timeout is not None:
@@ -36,14 +66,17 @@ def _remote_job(magics: GpuMagics, args, cell: str):
         stop_on = parse_stop_on(args.stop_on)
     except Exception as e:
         raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    keep = keep_options(args)
     machine = magics.fleet.get(args.host)
     job = machine.start_job(args.job, cell, python=args.python, cwd=args.cwd,
                             env=env_pairs(args.env), stop_on=stop_on,
-                            then_shutdown=args.then_shutdown, alerts=not args.no_alerts)
+                            then_shutdown=args.then_shutdown, alerts=not args.no_alerts, keep=keep)
     if job.note and job.runner not in machine.notes_shown:
         machine.notes_shown.add(job.runner)
         print(job.note)
     print(job_started(job, machine.name))
+    if job.keeper is not None:
+        print(keep_started(job.keeper))
     if args.then_shutdown is not None and machine.is_this_computer:
         print(SANDBOX_SHUTDOWN_NOTE)
     if args.out:
@@ -72,6 +105,9 @@ def _jobs(magics: GpuMagics, line: str):
     ipy_display(jobs_table(infos, machine.name))
     for info in infos:
         _show_alerts(info)
+    for rec in keep_records(machine.name):
+        k = machine.keepers.get(rec.get("job", ""))
+        print(keep_line(rec, live=k is not None and k.running))
 
 
 def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:

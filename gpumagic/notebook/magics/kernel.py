@@ -94,7 +94,8 @@ def remote_cell(magics, args, cell: str):
     """
     bad = [opt for opt, on in (("--job", args.job is not None), ("--stop-on", bool(args.stop_on)),
                                ("--then-shutdown", args.then_shutdown is not None),
-                               ("--no-alerts", args.no_alerts), ("--python", args.python)) if on]
+                               ("--no-alerts", args.no_alerts), ("--python", args.python),
+                               ("--keep", args.keep is not None)) if on]
     if bad:
         raise UsageError(f"--kernel does not combine with {', '.join(bad)}: a session runs "
                          "Python cells in place (use --job for a detached script)")

@@ -43,6 +43,11 @@ def remote_cell(magics, args, cell: str):
                          "it runs until it ends; `%gpu kill NAME` stops it")
     if args.host and args.hosts:
         raise UsageError("--host and --hosts both name machines; use --hosts a,b alone")
+    from .jobs import keep_given
+
+    if keep_given(args):
+        raise UsageError("--keep works with a job on one machine, not yet with --torchrun, --hosts or "
+                         "--each: pull the checkpoints with `%gpu sync` instead")
     try:  # a quoted list: refused before any machine is asked
         torchrun_args = distributed.split_torchrun_args(args.torchrun_args or "")
     except distributed.JobError as e:

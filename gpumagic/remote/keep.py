@@ -1,0 +1,509 @@
+"""Checkpoints kept off the machine while a job runs: ``%%remote --job NAME --keep ckpt/``.
+
+A :class:`Keeper` is a background thread of the notebook's process, one per kept job, owned
+by the :class:`~gpumagic.machine.Machine` (:attr:`~gpumagic.machine.Machine.keepers`) and
+stopped with its connection; it is no daemon of the laptop.  Every ``every`` seconds it lists
+the job's checkpoint folder on the machine (``keep-list.py``: one round trip) and pulls each
+new or changed file with the sync engine (:func:`gpumagic.sync.engine.pull`, so its
+compression and appended-tail rules apply) into a staging folder beside the kept ones
+(``.gpumagic-keep/``), then puts it at its kept name by a temporary name and a rename.
+
+A checkpoint being written is never taken half:
+
+* a file that appears by a rename (``torch.save(tmp); os.replace(tmp, final)``) is whole from
+  that moment: the machine-side watcher (``keep-watch.py``, inotify) reports each rename into
+  the folder with the file's size, mtime and inode, and a file that the listing shows with
+  exactly those is taken at once;
+* any other file (written in place, as ``torch.save(path)`` does) is taken only once its size
+  and mtime have held still for ``settle`` seconds: the same in two listings at least
+  ``settle`` apart, and its mtime that old, both on the machine's clock;
+* after the pull the folder is listed again, and the copy is kept only if the file is still
+  what was judged whole (no write began while it was read); otherwise it is left staged and
+  judged again;
+* once the job has ended (its ``exit_code`` is written), every file is whole: one last look
+  takes them, and the keeper stops.
+
+Names of temporary files (a leading ``.``, ``tmp-``, ``tmp_``, ``tmp.``; ``.tmp``, ``.part``,
+``.partial``, ``.incomplete``, ``~`` endings), and what is in folders so named, are never
+kept (Hugging Face writes ``tmp-checkpoint-500/`` and renames it ``checkpoint-500/``).  With ``last=K`` only the newest K
+checkpoints stay on the laptop: a checkpoint is one entry of the folder (a file, or a folder
+such as Hugging Face's ``checkpoint-500/``), dated by its newest file's mtime.
+
+What was kept and when is recorded in the laptop's gpumagic data directory
+(``keep/MACHINE/JOB.json`` under :func:`gpumagic.budget.ledger.data_dir`), so that
+``%gpu jobs`` says it after the notebook restarts (:func:`records`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .._fs import atomic_write, private_dir
+from ..errors import GpumagicError, JobError, SyncError
+from . import program
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
+
+#: Default seconds between looks at the checkpoint folder.
+EVERY = 60.0
+#: Default seconds a file written in place must hold still (size and mtime) to be taken.
+SETTLE = 10.0
+#: The staging folder inside the local folder (the sync engine's destination).
+STAGE = ".gpumagic-keep"
+RECORD_FORMAT = "gpumagic-keep"
+
+
+@dataclass(frozen=True)
+class KeepOptions:
+    """What ``--keep`` asks for (``%%remote --job NAME --keep DIR ...``).
+
+    Attributes
+    ----------
+    path : str
+        The folder on the machine, relative to the job's working directory (``~/...`` and
+        absolute paths too).
+    every : float
+        Seconds between looks (``--keep-every``).
+    to : str or None
+        The local folder (``--keep-to``); None: ``./NAME/<last part of path>/`` under the
+        notebook's directory when the job starts.
+    last : int or None
+        Keep only the newest ``last`` checkpoints on the laptop (``--keep-last``).
+    settle : float
+        Seconds a file written in place must hold still before it is taken (``--keep-settle``).
+
+    Raises
+    ------
+    JobError
+        For an empty path, ``every`` not above 0, ``settle`` below 0, ``last`` below 1.
+    """
+
+    path: str
+    every: float = EVERY
+    to: str | None = None
+    last: int | None = None
+    settle: float = SETTLE
+
+    def __post_init__(self):
+        if not self.path or not self.path.strip("/"):
+            raise JobError(f"--keep {self.path!r} names no folder", "e.g. --keep ckpt/")
+        if not self.every > 0:
+            raise JobError(f"--keep-every must be above 0 s, not {self.every!r}", "e.g. --keep-every 5m")
+        if not self.settle >= 0:
+            raise JobError(f"--keep-settle must be 0 s or more, not {self.settle!r}", "e.g. --keep-settle 10s")
+        if self.last is not None and not (isinstance(self.last, int) and self.last >= 1):
+            raise JobError(f"--keep-last must be a whole number from 1, not {self.last!r}", "e.g. --keep-last 3")
+
+    def local_folder(self, job: str) -> str:
+        """The absolute local folder for job ``job``."""
+        if self.to:
+            return os.path.abspath(os.path.expanduser(self.to))
+        return os.path.abspath(os.path.join(job, os.path.basename(self.path.rstrip("/")) or "ckpt"))
+
+    def make_local_folder(self, job: str) -> str:
+        """Make the local folder (and its staging folder) before the job starts; returns it.
+
+        Raises
+        ------
+        JobError
+            It cannot be made here (a file of that name, no permission, a full disk).
+        """
+        folder = self.local_folder(job)
+        try:
+            os.makedirs(os.path.join(folder, STAGE), exist_ok=True)
+        except OSError as e:
+            raise JobError(f"--keep-to {folder}: cannot make that folder here ({e.strerror or e}); "
+                           "the job was not started", "name another folder with --keep-to LOCAL_DIR") from None
+        return folder
+
+
+# -- the record on the laptop -----------------------------------------------------------------
+
+
+def record_dir(machine_name: str) -> Path:
+    """``keep/MACHINE`` under gpumagic's data directory (the name %-quoted)."""
+    from ..budget.ledger import data_dir
+
+    return data_dir() / "keep" / urllib.parse.quote(machine_name, safe="")
+
+
+def records(machine_name: str) -> list[dict]:
+    """The keep records of jobs of ``machine_name``, oldest start first (unreadable ones left out)."""
+    folder = record_dir(machine_name)
+    out = []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        try:
+            rec = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT:
+            out.append(rec)
+    return sorted(out, key=lambda r: (r.get("started") or 0, r.get("job", "")))
+
+
+# -- judging what is whole ----------------------------------------------------------------------
+
+
+@dataclass
+class _Seen:
+    sig: tuple[int, int, int]  # size, mtime_ns, inode
+    since: int  # the machine's clock (ns) when first listed with that sig
+
+
+@dataclass
+class Listing:
+    """One look at the folder (the output of ``keep-list.py``)."""
+
+    now: int
+    root: str
+    ended: bool
+    files: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+def parse_listing(text: str) -> Listing:
+    """Read ``keep-list.py``'s JSON line."""
+    d = json.loads(text.strip().splitlines()[-1])
+    return Listing(int(d["now"]), d["root"], bool(d["ended"]),
+                   {f[0]: (int(f[1]), int(f[2]), int(f[3])) for f in d["files"]})
+
+
+def unit(rel: str) -> str:
+    """The checkpoint a kept file belongs to: the first part of its path in the folder."""
+    return rel.split("/", 1)[0]
+
+
+class Keeper:
+    """Keeps one job's checkpoint folder on the laptop while the notebook runs (see the module).
+
+    Parameters
+    ----------
+    machine : Machine
+    job : str
+        The job's name.
+    cwd : str
+        The job's working directory as given to :func:`gpumagic.remote.jobs.start` ("" for
+        the login directory).
+    options : KeepOptions
+
+    Attributes
+    ----------
+    looks : int
+        Listings done (each a round trip), for tests and ``%gpu jobs``.
+    kept : list of (str, float)
+        ``(path in the folder, laptop epoch seconds)`` of each copy kept, in order.
+    error : str
+        The last look's failure ("" after a look that worked); the keeper tries again.
+    """
+
+    def __init__(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions):
+        self.machine, self.job, self.cwd, self.options = machine, job, cwd, options
+        self.to = options.local_folder(job)
+        self.stage = os.path.join(self.to, STAGE)
+        self.settle = options.settle
+        self.looks = 0
+        self.kept: list[tuple[str, float]] = []
+        self.error = ""
+        self.renames = 0
+        self.watching = False
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._seen: dict[str, _Seen] = {}
+        self._renamed: dict[str, tuple[int, int, int]] = {}
+        self._watch_chan = None
+        self._root: str | None = None
+        self._record_path = record_dir(machine.name) / f"{job}.json"
+        self.record = self._load()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"gpumagic-keep-{job}")
+
+    # -- record ---------------------------------------------------------------------------
+
+    def _load(self) -> dict:
+        """A new record; the files of an earlier record of the same job and folder carry over
+        (they are on the laptop already)."""
+        files: dict = {}
+        try:
+            old = json.loads(self._record_path.read_text(encoding="utf-8"))
+            if isinstance(old, dict) and old.get("local") == self.to and isinstance(old.get("files"), dict):
+                files = old["files"]
+        except (OSError, ValueError):
+            pass
+        return {"format": RECORD_FORMAT, "version": 1, "machine": self.machine.name, "job": self.job,
+                "path": self.options.path, "local": self.to, "every": self.options.every,
+                "last": self.options.last, "started": time.time(), "state": "keeping",
+                "last_kept": None, "kept_count": 0, "last_look": None, "error": "", "files": files}
+
+    def _save(self) -> None:
+        private_dir(self._record_path.parent)
+        atomic_write(self._record_path, json.dumps(self.record, indent=1, sort_keys=True))
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    def start(self) -> "Keeper":
+        os.makedirs(self.stage, exist_ok=True)
+        self._save()
+        self._thread.start()
+        return self
+
+    def stop(self, why: str = "stopped", timeout: float = 10) -> None:
+        """Stop looking (safe twice); the record says ``why``."""
+        self._stop.set()
+        self._close_watch()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        with self._lock:
+            if self.record["state"] == "keeping":
+                self.record["state"] = why
+                with contextlib.suppress(OSError):
+                    self._save()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                ended = False
+                try:
+                    self._ensure_watch()
+                    ended = self.look()
+                    if not ended:
+                        self._ensure_watch()  # after the first look, which names the folder
+                    self.error = ""
+                except Exception as e:  # the connection went, a disk filled: said, then tried again
+                    self.error = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
+                with self._lock:
+                    if self.record["error"] != self.error:
+                        self.record["error"] = self.error
+                        with contextlib.suppress(OSError):
+                            self._save()
+                if ended:
+                    with self._lock:
+                        self.record["state"] = "the job ended"
+                        self._save()
+                    return
+                self._stop.wait(self._next_wait())
+        finally:
+            self._close_watch()
+            self.done.set()
+
+    def _next_wait(self) -> float:
+        """``every``, or sooner when a file written in place will have settled before that."""
+        wait = self.options.every
+        if self._seen:
+            wait = min(wait, max(self.settle / 2, 0.05))
+        return wait
+
+    # -- the watcher of renames -------------------------------------------------------------
+
+    def _ensure_watch(self) -> None:
+        if self._watch_chan is not None and not self._watch_chan.closed:
+            return
+        if self._root is None:
+            return  # after the first listing, which names the folder
+        from .execution import start_program
+
+        chan = self.machine.connection.open_session()
+        start_program(chan, program.command("keep-watch.py", self._root), timeout=60)
+        self._watch_chan = chan
+        threading.Thread(target=self._read_watch, args=(chan,), daemon=True,
+                         name=f"gpumagic-keep-watch-{self.job}").start()
+
+    def _read_watch(self, chan) -> None:
+        buf = b""
+        try:
+            while True:
+                data = chan.recv(65536)
+                if not data:
+                    return
+                buf += data
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    self._watch_event(line)
+        except Exception:  # the channel went with the connection: the next look starts another
+            return
+        finally:
+            self.watching = False
+            chan.close()
+
+    def _watch_event(self, line: bytes) -> None:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            return
+        if ev.get("k") == "watching":
+            self.watching = True
+        elif ev.get("k") == "moved":
+            with self._lock:
+                self._renamed[ev["rel"]] = (int(ev["size"]), int(ev["mtime_ns"]), int(ev["ino"]))
+                self.renames += 1
+
+    def _close_watch(self) -> None:
+        chan, self._watch_chan = self._watch_chan, None
+        if chan is not None:
+            with contextlib.suppress(Exception):
+                chan.close()
+
+    # -- one look ---------------------------------------------------------------------------
+
+    def _list(self) -> Listing:
+        r = self.machine.exec(program.command("keep-list.py", self.cwd, self.options.path, self.job), timeout=120)
+        if r.exit_code != 0:
+            raise GpumagicError(f"could not list {self.options.path} on {self.machine.name}: "
+                                f"{r.stderr.strip() or r.stdout.strip()}", "it is tried again at the next look")
+        listing = parse_listing(r.stdout)
+        self._root = listing.root
+        with self._lock:
+            self.looks += 1
+            self.record["last_look"] = time.time()
+        return listing
+
+    def _whole(self, listing: Listing, ended: bool) -> list[str]:
+        """The files of ``listing`` to take now: new or changed, and whole (see the module)."""
+        take = []
+        settle_ns = int(self.settle * 1e9)
+        with self._lock:
+            for rel in list(self._seen):
+                if rel not in listing.files:
+                    del self._seen[rel]
+            for rel, sig in listing.files.items():
+                done = self.record["files"].get(rel)
+                if done is not None and tuple(done["sig"]) == sig:
+                    self._seen.pop(rel, None)
+                    continue
+                seen = self._seen.get(rel)
+                if seen is None or seen.sig != sig:
+                    seen = self._seen[rel] = _Seen(sig, listing.now)
+                renamed = self._renamed.get(rel) == sig
+                settled = listing.now - seen.since >= settle_ns and listing.now - sig[1] >= settle_ns
+                if ended or renamed or settled:
+                    take.append(rel)
+        return take
+
+    def look(self) -> bool:
+        """List the folder, pull what is whole, keep what is still whole after the pull, drop
+        the oldest beyond ``last``.  Returns True once the job has ended and its last files
+        are kept."""
+        from ..sync import engine as sync
+
+        listing = self._list()
+        ended = listing.ended
+        take = self._whole(listing, ended)
+        if not take:
+            return ended
+        failed: list[tuple[str, str]] = []
+        for rel in take:
+            staged = os.path.join(self.stage, *rel.split("/"))
+            os.makedirs(os.path.dirname(staged), exist_ok=True)
+            try:
+                sync.pull(self.machine, f"{listing.root}/{rel}", os.path.dirname(staged) + os.sep)
+            except SyncError as e:  # gone since the listing (a script that keeps its last 3): the rest goes on
+                failed.append((rel, e.message))
+        after = self._list()  # what was read is whole only if nothing wrote it meanwhile
+        for rel in take:
+            sig = listing.files[rel]
+            staged = os.path.join(self.stage, *rel.split("/"))
+            try:
+                size = os.stat(staged).st_size
+            except OSError:
+                size = -1
+            if after.files.get(rel) != sig or size != sig[0]:
+                with self._lock:
+                    self._seen.pop(rel, None)  # judged again from the next look
+                continue
+            self._promote(rel, staged, sig)
+        self._prune()
+        still = [f"{rel}: {why}" for rel, why in failed if rel in after.files]  # not just gone
+        if still:
+            raise GpumagicError(f"could not pull {'; '.join(still)}", "it is tried again at the next look")
+        return ended and after.files == listing.files
+
+    def _promote(self, rel: str, staged: str, sig: tuple[int, int, int]) -> None:
+        """Put the staged copy at its kept name: a temporary name, then a rename (a hard link
+        to the staged file, so the next pull can still send only an appended tail)."""
+        final = os.path.join(self.to, *rel.split("/"))
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{secrets.token_hex(4)}.keep-tmp")
+        if not (os.path.exists(final) and os.path.samefile(staged, final)):  # else kept already
+            try:
+                os.link(staged, tmp)
+            except OSError:  # a file system without hard links: the staged copy moves instead
+                shutil.move(staged, tmp)
+            os.replace(tmp, final)
+        now = time.time()
+        with self._lock:
+            self.record["files"][rel] = {"sig": list(sig), "kept_at": now, "pruned": False}
+            self.record["last_kept"] = {"path": rel, "at": now}
+            self.record["kept_count"] += 1
+            self.kept.append((rel, now))
+            self._seen.pop(rel, None)
+            self._save()
+
+    def _prune(self) -> None:
+        """Remove the oldest kept checkpoints beyond ``last`` (theirs and their staged copies)."""
+        last = self.options.last
+        if last is None:
+            return
+        with self._lock:
+            files = self.record["files"]
+            newest: dict[str, int] = {}
+            for rel, f in files.items():
+                if not f.get("pruned"):
+                    newest[unit(rel)] = max(newest.get(unit(rel), 0), f["sig"][1])
+            drop = sorted(newest, key=lambda u: (newest[u], u), reverse=True)[last:]
+            if not drop:
+                return
+            for rel, f in files.items():
+                if unit(rel) in drop and not f.get("pruned"):
+                    for base in (self.to, self.stage):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(os.path.join(base, *rel.split("/")))
+                    f["pruned"] = True
+            for u in drop:
+                for base in (self.to, self.stage):
+                    path = os.path.join(base, u)
+                    if os.path.isdir(path):
+                        _remove_empty_dirs(path)
+            self._save()
+
+
+def _remove_empty_dirs(top: str) -> None:
+    for folder, _dirs, _files in os.walk(top, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only an empty one goes
+
+
+class Keepers:
+    """The keepers of one machine (:attr:`gpumagic.machine.Machine.keepers`): job name -> Keeper."""
+
+    def __init__(self):
+        self.by_job: dict[str, Keeper] = {}
+
+    def start(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions) -> Keeper:
+        """Start keeping ``job`` (a keeper of an earlier job of that name stops first)."""
+        old = self.by_job.pop(job, None)
+        if old is not None:
+            old.stop("a new job of that name started")
+        k = self.by_job[job] = Keeper(machine, job, cwd, options).start()
+        return k
+
+    def get(self, job: str) -> Keeper | None:
+        return self.by_job.get(job)
+
+    def close(self) -> None:
+        """Stop every keeper (the connection closes); safe twice."""
+        while self.by_job:
+            _, k = self.by_job.popitem()
+            k.stop("stopped when the notebook closed the connection")
