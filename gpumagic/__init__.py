@@ -18,13 +18,14 @@ import logging as _logging
 
 from .errors import GpumagicError
 from .machine import Machine, connect
+from .remote.keep import KeepOptions
 
 __version__ = "0.1.0"
 
 # A library never prints through logging's last-resort handler (paramiko's transport logs
 # go under "gpumagic.ssh"); an application that configures logging sees everything.
 _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
-__all__ = ["connect", "Machine", "GpumagicError", "start_distributed", "load_ipython_extension", "__version__"]
+__all__ = ["connect", "Machine", "GpumagicError", "KeepOptions", "start_distributed", "load_ipython_extension", "__version__"]
 
 
 def start_distributed(machines, name, script, **options):

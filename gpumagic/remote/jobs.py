@@ -75,6 +75,7 @@ from .execution import cell_bytes, check_text, export_lines
 
 if TYPE_CHECKING:
     from .._types import MachineLike
+    from .keep import Keeper
 
 #: Where job directories live, relative to the remote HOME.
 JOBS_DIR = ".gpumagic/jobs"
@@ -444,7 +445,7 @@ class Job:
     archived: str = ""
     pid: int | None = None
     #: The :class:`gpumagic.remote.keep.Keeper` of a job started with ``keep=`` (else None).
-    keeper: object = None
+    keeper: Keeper | None = None
 
     @property
     def dir(self) -> str:
