@@ -188,7 +188,8 @@ def _fmt_bound(v: float) -> str:
     return f"{v:,.0f}" if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
 
 
-def number(lo: float, hi: float, *, integer: bool = False, above: bool = False, what: str = "a number"):
+def number(lo: float, hi: float, *, integer: bool = False, above: bool = False, what: str = "a number",
+           durations: bool = False):
     """An argparse ``type`` for one numeric option: a finite number from ``lo`` to ``hi``.
 
     Used by every numeric option of every magic, so NaN, ``inf``, ``1e400``, ``-5`` where only
@@ -204,15 +205,27 @@ def number(lo: float, hi: float, *, integer: bool = False, above: bool = False, 
         Accept whole numbers only (``int``); otherwise ``float``.
     what : str
         What the number is, for the message ("seconds", "a port").
+    durations : bool
+        Seconds, also written with units: ``30s``, ``5m``, ``1h30m``, ``1d``
+        (:func:`gpumagic.budget.prices.parse_duration`).
     """
     kind = "a whole number" if integer else "a finite number"
     span = (f"above {_fmt_bound(lo)}, at most {_fmt_bound(hi)}" if above
             else f"from {_fmt_bound(lo)} to {_fmt_bound(hi)}")
-    rule = f"{what}, {span}"
+    rule = f"{what}, {span}" + (", written like 90, 30s, 5m or 1h" if durations else "")
+    if durations:
+        kind = "a duration"
 
     def convert(text: str):
         s = text.strip()
         pattern = _INTEGER if integer else _DECIMAL
+        if durations and not pattern.fullmatch(s):
+            from ...budget.prices import parse_duration
+
+            try:
+                s = repr(parse_duration(s))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; give {rule}") from None
         if not pattern.fullmatch(s):
             raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; give {rule}")
         value = int(s) if integer else float(s)
@@ -236,32 +249,9 @@ MINUTES = number(0, 30 * 24 * 60, what="minutes")
 LINES = number(0, 10**9, integer=True, what="a number of lines")
 
 
-def duration_s(lo: float, hi: float, *, above: bool = False):
-    """An argparse ``type`` for a duration: ``90`` (seconds), ``90s``, ``5m``, ``1h30m``, ``1d``
-    (:func:`gpumagic.budget.prices.parse_duration`), from ``lo`` to ``hi`` seconds (``lo``
-    exclusive when ``above``); returns seconds."""
-    from ...budget.prices import parse_duration
-
-    span = f"above {_fmt_bound(lo)} s" if above else f"from {_fmt_bound(lo)} s"
-    rule = f"{span} up to {_fmt_bound(hi)} s, written like 30s, 5m or 1h"
-
-    def convert(text: str) -> float:
-        s = text.strip()
-        try:
-            value = float(s) if _DECIMAL.fullmatch(s) else parse_duration(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a duration; give {rule}") from None
-        if not math.isfinite(value) or value < lo or value > hi or (above and value == lo):
-            raise argparse.ArgumentTypeError(f"{text!r} is out of range; give {rule}")
-        return value
-
-    convert.__name__ = "duration"
-    return convert
-
-
 #: ``--keep-every`` (above 0) and ``--keep-settle`` (0 or more): seconds, at most 30 days.
-EVERY_S = duration_s(0, 30 * 86400, above=True)
-SETTLE_S = duration_s(0, 30 * 86400)
+EVERY_S = number(0, 30 * 86400, above=True, what="seconds", durations=True)
+SETTLE_S = number(0, 30 * 86400, what="seconds", durations=True)
 KEEP_LAST = number(1, 10**6, integer=True, what="a number of checkpoints")
 
 
