@@ -21,19 +21,18 @@ def wire(monkeypatch):
     """Bytes the sync channels carry: {"sent": n, "received": n} (payload of every agent
     channel, tar headers and listings included)."""
     count = {"sent": 0, "received": 0}
-    send, recv = sync._Channel.send, sync._Channel._recv
+    send, got = sync._Channel.send, sync._Channel._got_stdout
 
     def counted_send(self, data):
         count["sent"] += len(data)
         return send(self, data)
 
-    def counted_recv(self):
-        data = recv(self)
+    def counted_got(self, data):
         count["received"] += len(data)
-        return data
+        return got(self, data)
 
     monkeypatch.setattr(sync._Channel, "send", counted_send)
-    monkeypatch.setattr(sync._Channel, "_recv", counted_recv)
+    monkeypatch.setattr(sync._Channel, "_got_stdout", counted_got)
     return count
 
 

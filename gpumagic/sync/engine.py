@@ -251,7 +251,7 @@ class _Channel:
             self.chan.close()
             raise
         #: Moves the channel's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
-        self.pump = ChannelPump(self.chan, self.buf.extend, self._got_stderr, chunk=1 << 20)
+        self.pump = ChannelPump(self.chan, self._got_stdout, self._got_stderr, chunk=1 << 20)
         self.pump.active = self.started
 
     def _never_started(self) -> SyncError:
@@ -272,6 +272,10 @@ class _Channel:
                 return False
             time.sleep(0.02)
         return True
+
+    def _got_stdout(self, data: bytes) -> None:
+        """Every byte of the agent's stdout as it arrives (the start marker included)."""
+        self.buf += data
 
     def _got_stderr(self, data: bytes) -> None:
         self.err += data
