@@ -7,8 +7,10 @@ matplotlib, pandas), chosen explicitly with ``python=sys.executable`` / ``--pyth
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -627,12 +629,59 @@ def test_the_listing_script_passes_shellcheck():
     assert r.returncode == 0, r.stdout
 
 
-@pytest.mark.parametrize("program", ["kernel_keeper.py", "kernel_startup.py"])
+@pytest.mark.parametrize("program", ["kernel_keeper.py", "kernel_startup.py", "kernel_wire.py"])
 def test_the_programs_run_on_the_machine_are_python_3_8(program):
     """Rented machines often have an older python than the laptop (pickle protocol 5: 3.8)."""
     import ast
+    import tarfile
 
-    ast.parse(gk.program_text(program).decode(), feature_version=(3, 8))
+    _, tar = gk._programs_tar()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        text = t.extractfile(program).read()
+    ast.parse(text.decode(), feature_version=(3, 8))
+
+
+def test_the_machine_side_gets_the_laptops_own_wire_module_and_copies_none_of_it():
+    """Issue 25: one wire format.  The tar carries the very file the laptop imports, and
+    neither program defines a frame or pickle codec of its own."""
+    import ast
+    import tarfile
+
+    from gpumagic.remote import kernel_wire
+
+    _, tar = gk._programs_tar()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        assert sorted(t.getnames()) == ["kernel_keeper.py", "kernel_startup.py", "kernel_wire.py"]
+        assert t.extractfile("kernel_wire.py").read() == Path(kernel_wire.__file__).read_bytes()
+    wire_names = {n.name for n in ast.parse(Path(kernel_wire.__file__).read_text(encoding="utf-8")).body
+                  if isinstance(n, ast.FunctionDef)}
+    for program in ("kernel_keeper.py", "kernel_startup.py"):
+        tree = ast.parse(gk.program_text(program).decode())
+        defined = {n.name.lstrip("_") for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert not defined & (wire_names | {"encode", "decode", "pickle", "unframe"}), program
+
+
+def test_take_frames_takes_whole_frames_and_leaves_a_partial_one():
+    from gpumagic.remote import kernel_wire as wire
+
+    a, b = wire.frame([b"{}", b"x" * 5]), wire.frame([wire.dumps({"seq": 2}), b""])
+    buf = bytearray(a + b + b[:7])
+    assert wire.take_frames(buf) == [([b"{}", b"xxxxx"], len(a) - 4), ([b'{"seq":2}', b""], len(b) - 4)]
+    assert bytes(buf) == b[:7]
+    assert wire.take_frames(buf) == [] and bytes(buf) == b[:7]
+    buf += b[7:]
+    assert wire.take_frames(buf) == [([b'{"seq":2}', b""], len(b) - 4)] and buf == bytearray()
+
+
+def test_pickled_values_keep_their_buffers_out_of_band():
+    from gpumagic.remote import kernel_wire as wire
+
+    big = bytearray(range(256)) * 4
+    main, buffers = wire.pickle_value(pickle.PickleBuffer(big))
+    assert len(buffers) == 1 and buffers[0].nbytes == 1024 and len(main) < 100
+    data = bytearray(b"".join(bytes(p) for p in wire.encode_values([("v", main, buffers), ("n", *wire.pickle_value(7))])))
+    got = wire.decode_values(data)
+    assert bytes(got["v"]) == bytes(big) and got["n"] == 7
 
 
 def test_bad_names_and_arguments_are_usage_errors(ip):

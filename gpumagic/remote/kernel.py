@@ -44,10 +44,8 @@ import collections
 import getpass
 import io
 import json
-import pickle
 import re
 import shlex
-import struct
 import sys
 import tarfile
 import threading
@@ -62,6 +60,7 @@ from typing import Any, Iterable, Mapping, TYPE_CHECKING
 import paramiko
 
 from ..ssh import _paramiko
+from . import kernel_wire as wire
 from ..errors import (ConnectionLost, GpumagicError, Interrupted, KernelConnectionLost,  # noqa: F401
                       KernelError, RemoteKernelError, RemoteTimeout)
 
@@ -107,32 +106,6 @@ def check_name(name: str) -> str:
         raise KernelError(f"{name!r} cannot name a session",
                           "use letters, digits, - and _ (up to 64), starting with a letter or digit")
     return name
-
-
-# -- frames (the keeper's wire and journal format; see kernel_keeper.py) ------------------
-
-
-def encode_frame(parts: Iterable[bytes]) -> bytes:
-    parts = list(parts)
-    out = [struct.pack("!I", len(parts))]
-    for p in parts:
-        out += [struct.pack("!I", len(p)), p]
-    body = b"".join(out)
-    return struct.pack("!I", len(body)) + body
-
-
-def decode_frame(body: bytes | memoryview) -> list[bytes]:
-    (n,), off, parts = struct.unpack_from("!I", body, 0), 4, []
-    for _ in range(n):
-        (size,) = struct.unpack_from("!I", body, off)
-        off += 4
-        parts.append(bytes(body[off:off + size]))
-        off += size
-    return parts
-
-
-def _dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), default=str).encode()
 
 
 @dataclass
@@ -407,10 +380,13 @@ def program_text(name: str) -> bytes:
 
 
 def _programs_tar() -> tuple[str, bytes]:
-    """(content hash, tar of the keeper and its startup code) to unpack on the machine."""
+    """(content hash, tar of the keeper, its startup code and the wire format they load) to
+    unpack on the machine."""
     import hashlib
 
     files = {n: program_text(n) for n in ("kernel_keeper.py", "kernel_startup.py")}
+    # the wire format both sides load: the same file as this side's kernel_wire module
+    files["kernel_wire.py"] = resources.files("gpumagic.remote").joinpath("kernel_wire.py").read_bytes()
     digest = hashlib.sha256(b"".join(files[n] for n in sorted(files))).hexdigest()[:16]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -461,7 +437,7 @@ class _Link:
         self.thread.start()
 
     def send(self, meta: dict, parts: Iterable[bytes] = ()) -> None:
-        data = encode_frame([_dumps(meta), *parts])
+        data = wire.frame([wire.dumps(meta), *parts])
         try:
             with self._send_lock:
                 _paramiko.sendall_ordered(self.chan, data)
@@ -487,16 +463,8 @@ class _Link:
                 if not data:
                     break
                 buf += data
-                start = 0
-                while len(buf) - start >= 4:
-                    (size,) = struct.unpack_from("!I", buf, start)
-                    if len(buf) - start - 4 < size:
-                        break
-                    parts = decode_frame(memoryview(buf)[start + 4:start + 4 + size])
-                    start += 4 + size
+                for parts, size in wire.take_frames(buf):
                     self._put(Message.parse(parts), size)
-                if start:
-                    del buf[:start]
         except Exception as e:  # the channel or the connection ended
             self.lost = str(e) or type(e).__name__
         self.lost = self.lost or self.machine.connection.lost_reason or "the channel closed"
@@ -763,7 +731,7 @@ class RemoteKernel:
         header = {"msg_id": msg_id, "msg_type": msg_type, "username": "gpumagic",
                   "session": self.session_id, "date": datetime.now(timezone.utc).isoformat(),
                   "version": PROTOCOL_VERSION}
-        return msg_id, [_dumps(header), b"{}", b"{}", _dumps(content)]
+        return msg_id, [wire.dumps(header), b"{}", b"{}", wire.dumps(content)]
 
     def _send(self, link: _Link, ch: str, msg_type: str, content: dict) -> str:
         msg_id, parts = self._message(msg_type, content)
@@ -1246,7 +1214,7 @@ class RemoteKernel:
             if not str(name).isidentifier():
                 raise KernelError(f"{name!r} is not a Python variable name", "push variables by name")
             try:
-                main, buffers = _pickle(value)
+                main, buffers = wire.pickle_value(value)
             except Exception as e:
                 raise KernelError(
                     f"cannot push {name} ({type(value).__name__}): it cannot be pickled ({type(e).__name__}: {e})",
@@ -1257,7 +1225,7 @@ class RemoteKernel:
         with self._lock:
             link = self._connect()
             path = f"{KERNELS_DIR}/{self.name}/xfer-{uuid.uuid4().hex}"
-            self._write_remote(path, _encode(items))
+            self._write_remote(path, wire.encode_values(items))
             home = self._home()
             res = self._helper_result(f"__import__('_gpumagic_kernel').load({home + '/' + path!r})")
             self._ack(link, force=True)
@@ -1298,7 +1266,7 @@ class RemoteKernel:
             data = self._read_remote(path)
         self.last_pull_sizes = res.get("sizes", {})
         try:
-            values = _decode(data)
+            values = wire.decode_values(data)
         except Exception as e:
             raise KernelError(f"cannot load what was pulled from {self.where} here: {type(e).__name__}: {e}",
                               "install the same package here, or convert the value on the machine "
@@ -1358,58 +1326,6 @@ class _Deadline(Exception):
 
 _OUTPUT_TYPES = ("stream", "display_data", "execute_result", "update_display_data", "error",
                  "clear_output")
-
-
-# -- pickles with out-of-band buffers (the same layout as kernel_startup.py) ------------------
-
-
-def _pickle(value) -> tuple[bytes, list]:
-    buffers: list = []
-
-    def keep(buf):
-        try:
-            buffers.append(buf.raw())
-        except BufferError:  # not contiguous: in band
-            return True
-        return False
-
-    return pickle.dumps(value, protocol=5, buffer_callback=keep), buffers
-
-
-def _encode(items) -> list:
-    out: list = [struct.pack("!I", len(items))]
-    for name, main, buffers in items:
-        raw = name.encode()
-        out += [struct.pack("!I", len(raw)), raw, struct.pack("!Q", len(main)), main,
-                struct.pack("!I", len(buffers))]
-        for b in buffers:
-            out += [struct.pack("!Q", b.nbytes), b]
-    return out
-
-
-def _decode(data: bytearray) -> dict:
-    view = memoryview(data)
-    (count,), off = struct.unpack_from("!I", view, 0), 4
-    values = {}
-    for _ in range(count):
-        (n,) = struct.unpack_from("!I", view, off)
-        off += 4
-        name = bytes(view[off:off + n]).decode()
-        off += n
-        (n,) = struct.unpack_from("!Q", view, off)
-        off += 8
-        main = view[off:off + n]
-        off += n
-        (nbuf,) = struct.unpack_from("!I", view, off)
-        off += 4
-        buffers = []
-        for _ in range(nbuf):
-            (n,) = struct.unpack_from("!Q", view, off)
-            off += 8
-            buffers.append(view[off:off + n])
-            off += n
-        values[name] = pickle.loads(main, buffers=buffers)
-    return values
 
 
 # -- every session of a machine ---------------------------------------------------------------

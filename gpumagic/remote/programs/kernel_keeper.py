@@ -27,7 +27,8 @@ What it keeps, in ``~/.gpumagic/kernels/NAME/`` (mode 0700; files 0600)
 
 Wire (the keeper's port, 127.0.0.1 only; also the journal's record format)
 --------------------------------------------------------------------------
-A frame is ``!I`` length, then ``!I`` part count, then each part as ``!I`` length + bytes.
+A frame is ``!I`` length, then ``!I`` part count, then each part as ``!I`` length + bytes
+(``kernel_wire.py`` beside this file, which the laptop imports too).
 Part 0 is a small JSON object; for a kernel message it is ``{"seq": N, "ch": "iopub" |
 "shell" | "stdin" | "control"}`` and parts 1-4 are the message's own header, parent header,
 metadata and content (the JSON frames of the Jupyter wire protocol), the rest its buffers.
@@ -57,6 +58,8 @@ import subprocess
 import sys
 import time
 
+from kernel_wire import dumps, frame, take_frames  # beside this file, in the programs tar
+
 ROOT = os.path.join(os.path.expanduser("~"), ".gpumagic", "kernels")
 #: Seconds a kernel gets to answer its first kernel_info_request.
 READY_TIMEOUT = 90.0
@@ -69,32 +72,6 @@ STATE_DELAY = 0.05
 #: The journal is started afresh once it is this large and everything in it was delivered.
 JOURNAL_RESET = 64 << 20
 DELIM = b"<IDS|MSG>"
-
-
-# -- frames ---------------------------------------------------------------------------------
-
-
-def frame(parts):
-    body = [struct.pack("!I", len(parts))]
-    for p in parts:
-        body.append(struct.pack("!I", len(p)))
-        body.append(p)
-    data = b"".join(body)
-    return struct.pack("!I", len(data)) + data
-
-
-def unframe(body):
-    (n,), off, parts = struct.unpack_from("!I", body, 0), 4, []
-    for _ in range(n):
-        (size,) = struct.unpack_from("!I", body, off)
-        off += 4
-        parts.append(bytes(body[off:off + size]))
-        off += size
-    return parts
-
-
-def dumps(obj):
-    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def write_private(path, data):
@@ -494,16 +471,9 @@ class Keeper:
             self.drop(c)
             return
         c.inbuf += data
-        start = 0
-        while len(c.inbuf) - start >= 4:
-            (size,) = struct.unpack_from("!I", c.inbuf, start)
-            if len(c.inbuf) - start - 4 < size:
-                break
-            parts = unframe(memoryview(c.inbuf)[start + 4:start + 4 + size])
-            start += 4 + size
+        for parts, _ in take_frames(c.inbuf):
             if not self.handle(c, parts) or c not in self.clients:
                 return
-        del c.inbuf[:start]
 
     def handle(self, c, parts):
         try:
@@ -702,8 +672,8 @@ def start(argv):
     startup = ""
     if args.startup:
         with open(args.startup) as f:
-            startup = "exec(compile(%r, %r, 'exec'), {'__name__': '_gpumagic_startup'})" % (
-                f.read(), args.startup)
+            startup = ("exec(compile(%r, %r, 'exec'), {'__name__': '_gpumagic_startup', '__file__': %r})"
+                       % (f.read(), args.startup, args.startup))
     for stale in ("journal", "busy", "token", "state.json", "connection.json"):
         try:
             os.unlink(os.path.join(directory, stale))

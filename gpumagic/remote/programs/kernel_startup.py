@@ -6,19 +6,15 @@ only gets what the user defines.
    the laptop (widgets are not relayed), while a text bar updates in place there (``\\r``).
 2. The module ``_gpumagic_kernel`` holds what ``%gpu kernel push`` / ``pull`` run:
    ``load(path)`` and ``dump(path, names)``.  A payload is pickled (protocol 5) with
-   numpy-style buffers kept out of band, so arrays travel as raw bytes, in this layout
-   (the same code is in ``gpumagic/remote/kernel.py``)::
-
-       !I count, then per variable: !I name length, name (UTF-8), !Q pickle length,
-       pickle, !I buffer count, then per buffer: !Q length, bytes
+   numpy-style buffers kept out of band, so arrays travel as raw bytes, in the layout of
+   ``kernel_wire.py`` (beside this file in the programs tar; the laptop imports the same
+   file as ``gpumagic.remote.kernel_wire``).
 """
 
 import importlib.abc
 import importlib.util
 import json
 import os
-import pickle
-import struct
 import sys
 import types
 
@@ -44,56 +40,17 @@ if not any(isinstance(f, _TextTqdm) for f in sys.meta_path):
     sys.meta_path.insert(0, _TextTqdm())
 
 
-def _encode(items):
-    """[(name, pickle bytes, [buffers])] -> list of byte strings to write in order."""
-    out = [struct.pack("!I", len(items))]
-    for name, main, buffers in items:
-        raw = name.encode()
-        out += [struct.pack("!I", len(raw)), raw, struct.pack("!Q", len(main)), main,
-                struct.pack("!I", len(buffers))]
-        for b in buffers:
-            out += [struct.pack("!Q", b.nbytes), b]
-    return out
+def _load_wire():
+    """``kernel_wire.py`` from this file's folder, as a module of its own: nothing is put on
+    the user's ``sys.path``, and a module of theirs named ``kernel_wire`` is not touched."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_wire.py")
+    spec = importlib.util.spec_from_file_location("_gpumagic_kernel_wire", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _decode(data):
-    """The inverse of _encode over one bytearray: {name: value} (buffers stay views of
-    ``data``, so arrays are writable and not copied)."""
-    view = memoryview(data)
-    (count,), off = struct.unpack_from("!I", view, 0), 4
-    values = {}
-    for _ in range(count):
-        (n,) = struct.unpack_from("!I", view, off)
-        off += 4
-        name = bytes(view[off:off + n]).decode()
-        off += n
-        (n,) = struct.unpack_from("!Q", view, off)
-        off += 8
-        main = view[off:off + n]
-        off += n
-        (nbuf,) = struct.unpack_from("!I", view, off)
-        off += 4
-        buffers = []
-        for _ in range(nbuf):
-            (n,) = struct.unpack_from("!Q", view, off)
-            off += 8
-            buffers.append(view[off:off + n])
-            off += n
-        values[name] = pickle.loads(main, buffers=buffers)
-    return values
-
-
-def _pickle(value):
-    buffers = []
-
-    def keep(buf):
-        try:
-            buffers.append(buf.raw())
-        except BufferError:  # not contiguous: in band
-            return True
-        return False
-
-    return pickle.dumps(value, protocol=5, buffer_callback=keep), buffers
+wire = _load_wire()
 
 
 def _user_ns():
@@ -116,7 +73,7 @@ def load(path):
         except OSError:
             pass
     try:
-        values = _decode(data)
+        values = wire.decode_values(data)
     except Exception as e:
         mod.result = json.dumps({"error": "load", "message": "%s: %s" % (type(e).__name__, e)})
         return
@@ -133,7 +90,7 @@ def dump(path, names):
             mod.result = json.dumps({"error": "missing", "name": name})
             return
         try:
-            main, buffers = _pickle(ns[name])
+            main, buffers = wire.pickle_value(ns[name])
         except Exception as e:
             mod.result = json.dumps({"error": "pickle", "name": name, "type": type(ns[name]).__name__,
                                      "message": "%s: %s" % (type(e).__name__, e)})
@@ -142,7 +99,7 @@ def dump(path, names):
         sizes[name] = len(main) + sum(b.nbytes for b in buffers)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        for part in _encode(items):
+        for part in wire.encode_values(items):
             f.write(part)
     mod.result = json.dumps({"ok": names, "sizes": sizes})
 
