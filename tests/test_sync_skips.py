@@ -485,3 +485,76 @@ def test_a_dry_run_into_the_machines_root_warns_and_ctrl_c_stops_both_sides(ip, 
         pytest.skip("the machine listed / in under 1.5 s: nothing was left to stop")
     assert took < 3
     assert wait_until(lambda: _serving("/") == [], 5), _serving("/")  # its walk stopped too
+
+
+# -- progress while the machine walks a large tree (issue 31, item 9) -------------------------
+
+
+def _folders(root: Path, folders: int) -> None:
+    for i in range(folders):
+        (root / f"d{i:04d}").mkdir(parents=True)
+        (root / f"d{i:04d}" / "f.txt").write_bytes(b"x")
+
+
+def test_the_agents_walk_reports_its_count_each_interval_and_a_short_walk_reports_none(tmp_path, monkeypatch):
+    import io
+
+    _folders(tmp_path / "t", 200)  # 201 folders with the root: asked at the 64th, 128th and 192nd
+    err = io.BytesIO()
+    sink: list = []
+    agent.list_tree(str(tmp_path / "t"), out=sink, gone=agent.WalkWatch(lambda: len(sink), err))
+    assert err.getvalue() == b""  # it took under LISTED_EVERY: nothing said
+    monkeypatch.setattr(agent, "LISTED_EVERY", 0.0)
+    err, sink = io.BytesIO(), []
+    agent.list_tree(str(tmp_path / "t"), out=sink, gone=agent.WalkWatch(lambda: len(sink), err))
+    counts = [int(line[len(agent.LISTED_TAG):]) for line in err.getvalue().splitlines()]
+    assert err.getvalue().count(agent.LISTED_TAG) == 3 and counts == sorted(counts) and counts[0] > 0
+    assert counts[-1] < len(sink) == 401
+
+
+def test_a_dry_run_over_a_large_tree_on_the_machine_shows_the_walk_and_then_its_whole_count(
+        machine, tmp_path, monkeypatch):
+    src, dst = tmp_path / "proj", tmp_path / "big"
+    src.mkdir()
+    (src / "a.txt").write_text("a", encoding="utf-8")
+    _folders(dst, 300)
+    # a record every 64 folders instead of every second: the walk of 301 folders says 4
+    chatty = sync.AGENT_SOURCE.replace("LISTED_EVERY = 1.0", "LISTED_EVERY = 0.0")
+    assert chatty != sync.AGENT_SOURCE
+    monkeypatch.setattr(sync, "AGENT_SOURCE", chatty)
+    seen: list[tuple[str, int, bool]] = []
+    s = machine.push(f"{src}/", str(dst), dry_run=True,
+                     progress=lambda p: seen.append((p.listing, p.listed, p.finished)))
+    assert s.would_send == ["a.txt"]
+    where = f"testgpu:{dst}"
+    walking = [n for w, n, done in seen if not done]
+    assert seen and all(w == where for w, _, _ in seen)
+    assert walking and walking == sorted(set(walking)) and walking[-1] <= 601
+    assert seen[-1] == (where, 601, True)  # 300 folders, 300 files and the root
+    assert sum(done for _, _, done in seen) == 1
+
+
+def test_a_short_dry_run_reports_no_listing_and_its_magic_draws_no_bar(ip, machine, tmp_path, capsys):
+    src, dst = tmp_path / "proj", tmp_path / "small"
+    src.mkdir()
+    (src / "a.txt").write_text("a", encoding="utf-8")
+    _folders(dst, 3)
+    seen: list = []
+    machine.push(f"{src}/", str(dst), dry_run=True, progress=seen.append)
+    assert seen == []
+    ip.run_line_magic("gpu", "connect testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", f"sync {src}/ :{dst} --dry-run")
+    out = capsys.readouterr()
+    assert "sync:" not in out.err and "listing" not in out.err and "would send 1 file" in out.out
+
+
+def test_the_listing_reads_as_one_line_while_it_goes_and_when_it_is_whole():
+    from gpumagic.notebook import display
+
+    p = sync.SyncProgress(0, 0, counting=True, listing="testgpu:/", listed=48213)
+    p.started -= 12
+    assert display.sync_bar_text(p) == "sync: listing testgpu:/: 48,213 entries so far (12 s)"
+    p.finished, p.counting = True, False
+    assert display.sync_bar_text(p) == "sync: listed 48,213 entries of testgpu:/ in 12 s"
+    assert display.sync_bar_html(p) == "<div>sync: listed 48,213 entries of testgpu:/ in 12 s</div>"

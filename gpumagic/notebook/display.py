@@ -226,6 +226,8 @@ def sync_progress_text(p) -> str:
     While the totals still grow (``counting``: the walk goes on), they end in ``+`` and no
     ETA is shown.
     """
+    if getattr(p, "listing", ""):  # the machine's walk of a large tree, before any totals
+        return listing_text(p)
     elapsed = max(p.elapsed, 1e-6)
     rate = p.bytes_done / elapsed
     more = "+" if getattr(p, "counting", False) and not p.finished else ""  # totals still grow
@@ -241,12 +243,20 @@ def sync_progress_text(p) -> str:
     return text
 
 
+def listing_text(p) -> str:
+    """A long listing as one line: ``listing testgpu:/: 48,213 entries so far (12 s)``, and
+    once it is whole, ``listed 48,213 entries of testgpu:/ in 21 s``."""
+    if p.finished:
+        return f"listed {p.listed:,} entries of {p.listing} in {duration(p.elapsed)}"
+    return f"listing {p.listing}: {p.listed:,} entries so far ({duration(p.elapsed)})"
+
+
 def sync_bar_text(p, failed: bool = False) -> str:
     """The sync bar as one line of text: ``sync: 4/4 files ...``; a sync with nothing to
     transfer says so instead of showing an empty bar."""
     if p is None:
         return "sync: failed before anything was sent" if failed else "sync: starting"
-    if p.finished and not p.files_total and not p.bytes_total:
+    if p.finished and not p.files_total and not p.bytes_total and not getattr(p, "listing", ""):
         return "sync: nothing to transfer (everything is up to date)"
     return f"sync{' FAILED' if failed else ''}: {sync_progress_text(p)}"
 
@@ -255,7 +265,7 @@ def sync_bar_html(p, failed: bool = False) -> str:
     """The sync bar as static HTML (a bar coloured by outcome and its line), for a saved
     notebook: no widget model is needed to show it."""
     text = sync_bar_text(p, failed)
-    if p is None or (p.finished and not p.files_total and not p.bytes_total):
+    if p is None or getattr(p, "listing", "") or (p.finished and not p.files_total and not p.bytes_total):
         return f"<div>{escape(text)}</div>"
     frac = (p.bytes_done / p.bytes_total) if p.bytes_total else (1.0 if p.finished else 0.0)
     colour = "#c62828" if failed else "#2e7d32" if p.finished else "#4a90d9"

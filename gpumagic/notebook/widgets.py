@@ -13,7 +13,7 @@ import html
 import sys
 
 from . import display
-from .display import RATE_AFTER_S, sync_progress_text
+from .display import RATE_AFTER_S, listing_text, sync_progress_text
 from ..gpu.smi import Gpu, GpuStatus, known
 
 
@@ -205,7 +205,7 @@ class SyncProgressBar:
         self.bar.max = max(p.bytes_total, 1)
         self.bar.value = min(p.bytes_done, self.bar.max) if p.bytes_total else (1 if p.finished else 0)
         self.text = sync_progress_text(p)
-        self.label.value = self.text if p.files_total or p.bytes_total or not p.finished \
+        self.label.value = self.text if p.files_total or p.bytes_total or p.listing or not p.finished \
             else "nothing to transfer (everything is up to date)"
         if p.finished:
             self.bar.bar_style = "success"
@@ -245,7 +245,7 @@ class SyncProgressText:
         from tqdm import tqdm
 
         more = "+" if getattr(p, "counting", False) and not p.finished else ""
-        files = f"{p.files_done}/{p.files_total}{more} files"
+        files = listing_text(p) if p.listing else f"{p.files_done}/{p.files_total}{more} files"
         if self.bar is None:
             # miniters=1: each call draws (the sync calls at most 10 times a second); tqdm's
             # own dynamic miniters stopped drawing after one large step in bytes
@@ -272,6 +272,24 @@ class SyncProgressText:
         if failed:
             bar.leave = True
         bar.close()
+
+
+class LazySyncProgress:
+    """A progress view made at its first report: a dry run shows one only when the
+    machine's walk takes long enough to report (see ``SyncProgress.listing``)."""
+
+    def __init__(self, make=None):
+        self.make = make or sync_progress
+        self.view = None
+
+    def __call__(self, p) -> None:
+        if self.view is None:
+            self.view = self.make()
+        self.view(p)
+
+    def close(self, failed: bool = False) -> None:
+        if self.view is not None:
+            self.view.close(failed)
 
 
 def sync_progress(display: bool = True):

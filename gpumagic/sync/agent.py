@@ -26,7 +26,9 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     directory (:func:`is_empty`: a push there has nothing to compare and starts sending at
     once), else ``1``; then, walked, the tree's :func:`fingerprint` (32 bytes), and reads
     one byte: ``L`` asks for the listing (length and records, as above), ``=`` says the
-    caller's own tree has the same fingerprint (nothing to do: no records are made).
+    caller's own tree has the same fingerprint (nothing to do: no records are made).  A
+    walk that takes longer than :data:`LISTED_EVERY` s says on stderr, each such interval,
+    how many entries it has listed (:data:`LISTED_TAG`, the number, a newline).
 ``recv`` (a ``serve`` command)
     ``{"op": "recv", "delete": [paths], "meta": [[path, mode, mtime_ns]], "clean":
     [part paths]}`` (removals first; mode/mtime of files equal in content; abandoned part
@@ -77,6 +79,7 @@ import os
 import stat
 import struct
 import sys
+import time
 
 # json, hashlib, shutil and tarfile are imported where they are used: together they cost
 # ~35 ms of interpreter start-up, which a no-change sync (list only) never needs.
@@ -510,6 +513,34 @@ def caller_gone():
 
 #: A walk asks its ``gone`` callback once per this many folders.
 GONE_EVERY = 64
+#: Seconds of a ``serve`` walk before its first progress record on stderr, and between two.
+LISTED_EVERY = 1.0
+#: A progress record of a ``serve`` walk on stderr: this tag, the entries listed so far (a
+#: decimal number) and a newline.  The caller takes these lines out of what stderr says.
+LISTED_TAG = b"\x1egpumagic-listed "
+
+
+class WalkWatch(object):
+    """The ``gone`` callback of a ``serve`` walk: whether the caller went away
+    (:func:`caller_gone`), and, every :data:`LISTED_EVERY` seconds, a progress record on
+    ``err`` with ``count()`` entries, so that a walk of a large tree (``/``) shows it moves.
+    A short walk writes none."""
+
+    def __init__(self, count, err):
+        self.count = count
+        self.err = err
+        self.next = time.monotonic() + LISTED_EVERY
+
+    def __call__(self):
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + LISTED_EVERY
+            try:
+                self.err.write(LISTED_TAG + b"%d\n" % self.count())
+                self.err.flush()
+            except OSError:  # the caller is gone: said below
+                pass
+        return caller_gone()
 
 
 def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None):
@@ -1810,9 +1841,10 @@ def _main(op, root, argv, inp, out):
         if compare:
             out.write(b"0" if is_empty(root) else b"1")
             out.flush()
+        sink = Listed() if compare else []
+        watch = WalkWatch(lambda: len(sink.fields if compare else sink), sys.stderr.buffer)
         try:
-            listed = list_tree(root, argv[4] == "1", names, out=Listed() if compare else None,
-                               gone=caller_gone)
+            listed = list_tree(root, argv[4] == "1", names, out=sink, gone=watch)
         except CallerGone:
             os._exit(0)  # nobody reads the listing (the caller gave up on it)
         except OSError as e:

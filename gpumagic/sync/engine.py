@@ -27,6 +27,7 @@ import logging
 import os
 import posixpath
 import queue
+import re
 import shlex
 import socket
 import stat
@@ -160,7 +161,8 @@ class SyncProgress:
 
     ``counting`` is true while the totals still grow: a push into an empty destination
     sends each folder's files as soon as the local walk has listed them (rsync's
-    incremental recursion, its ``ir-chk``), before the whole tree is counted.
+    incremental recursion, its ``ir-chk``), before the whole tree is counted.  Before that,
+    a long walk of the machine's side is reported with ``listing`` and ``listed`` set.
     """
 
     files_total: int
@@ -171,6 +173,11 @@ class SyncProgress:
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
     counting: bool = False
+    #: While a side is still being listed (``"testgpu:/data"``): what is walked, and the
+    #: entries listed there so far (the machine's walk reports each second once it takes
+    #: longer).  Empty once the transfer has its totals.
+    listing: str = ""
+    listed: int = 0
 
     @property
     def elapsed(self) -> float:
@@ -206,6 +213,11 @@ EXIT_TIMEOUT = 10.0
 STDERR_KEEP = 64 * 1024
 
 
+#: A progress record of the agent's walk on its stderr (see ``agent.LISTED_TAG``).
+_LISTED = re.compile(re.escape(agent.LISTED_TAG) + rb"(\d+)\n")
+_LISTED_START = agent.LISTED_TAG[:8]
+
+
 class _Channel:
     """An agent exec channel: reads after the start marker, with the connection watched.
 
@@ -233,6 +245,13 @@ class _Channel:
         self.buf = bytearray()
         self.err = bytearray()
         self.marked = False
+        #: Entries the agent's walk has listed so far (its progress records on stderr), and
+        #: what is told of them: called with that number on the thread that opened the
+        #: channel, while it waits for the listing.
+        self.listed = 0
+        self.on_listed: Callable[[int], None] | None = None
+        self._listed_told = 0
+        self._owner = threading.get_ident()
         #: A ``serve`` channel's first byte (its root is empty) and its listing, when
         #: :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
@@ -279,6 +298,11 @@ class _Channel:
 
     def _got_stderr(self, data: bytes) -> None:
         self.err += data
+        if _LISTED_START in self.err:  # the walk's progress records: counted, not kept
+            found = _LISTED.findall(self.err)
+            if found:
+                self.listed = int(found[-1])
+                self.err = bytearray(_LISTED.sub(b"", self.err))
         if len(self.err) > STDERR_KEEP:
             del self.err[:-STDERR_KEEP]
 
@@ -296,6 +320,10 @@ class _Channel:
         conn = self.machine.connection
         if not conn.is_connected:
             raise _lost(self.machine)
+        if self.listed != self._listed_told and self.on_listed is not None \
+                and threading.get_ident() == self._owner:
+            self._listed_told = self.listed
+            self.on_listed(self.listed)
         now = time.monotonic()
         if not self.marked and now - self.started > START_TIMEOUT:
             self.close()
@@ -780,6 +808,29 @@ class _TarSink(io.RawIOBase):
             self.ch.send(data)
 
 
+class _ListingProgress:
+    """Progress while the machine walks its side, from the agent's progress records (a walk
+    of a large tree, ``/``, takes minutes): a :class:`SyncProgress` with ``listing`` set.
+    Nothing is reported for a walk that took under ``agent.LISTED_EVERY`` s."""
+
+    def __init__(self, progress: ProgressCallback, where: str):
+        self.progress = progress
+        self.state = SyncProgress(0, 0, counting=True, listing=where)
+        self.shown = False
+
+    def __call__(self, listed: int) -> None:
+        self.shown = True
+        self.state.listed = listed
+        self.progress(self.state)
+
+    def done(self, listed: int) -> None:
+        """The listing is whole (``listed`` entries) and nothing more follows (a dry run)."""
+        if self.shown:
+            self.state.listed = max(listed, self.state.listed)
+            self.state.counting, self.state.finished = False, True
+            self.progress(self.state)
+
+
 class _Run:
     """Shared state of one push or pull: the plan, counters, progress throttling.
 
@@ -1032,6 +1083,10 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
     else:
         ch = open_listing(machine, src, digests=checksum)
         ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
+    listing = None
+    if progress is not None:
+        where = remote_root(machine, dst_root if pushing else src)
+        listing = ch.on_listed = _ListingProgress(progress, f"{machine.name}:{where}")
     try:
         walk = None
         if pushing and names is None and not dry_run:
@@ -1070,6 +1125,8 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
             if not sides.listed:
                 ch.close_stdin()
                 ch.finish()
+            if listing is not None:
+                listing.done(len(sides.dest.entries if pushing else sides.source))
             summary.would_send = [e.path for e in plan.send]
             summary.seconds = time.monotonic() - start
             return summary

@@ -62,7 +62,8 @@ def _sync(magics: GpuMagics, line: str):
     if root is not None and not (args.delete and root[0] == "destination"):  # that: the engine's error
         print(f"warning: the {root[0]} is {root[1]}: the whole file system is walked to compare, "
               "which can take minutes; Ctrl-C stops it at once, here and on the machine", file=sys.stderr)
-    progress = options["progress"] = None if args.dry_run else widgets.sync_progress()
+    # a dry run shows progress only while a long walk of the machine's side goes on
+    progress = options["progress"] = widgets.LazySyncProgress() if args.dry_run else widgets.sync_progress()
     summary = incomplete = None
     try:
         sync_once = m.pull if t.pull else m.push
