@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .remote import execution, jobs
 from .remote.keep import Keepers
+from .remote.kernel import Kernels
 from . import gpu
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
@@ -70,6 +71,9 @@ class Machine:
         self.tunnels = TunnelManager(self.connection)
         #: Jobs whose checkpoints are kept on this computer (``keep=``), stopped with it.
         self.keepers = Keepers()
+        #: The live Python sessions this process has used here (they keep running on the
+        #: machine when it is closed).
+        self.kernels = Kernels(self)
 
     def login_env(self) -> dict[str, str | None]:
         """Environment differences of an interactive ``ssh host`` login, read once per connection.
@@ -132,9 +136,7 @@ class Machine:
         self.keepers.close()
         self.tunnels.close_all(stop_service=self.sandbox is not None)
         self.proxy = None
-        kernels = self.__dict__.get("_kernels")  # gpumagic/remote/kernel.py: sessions keep running
-        if kernels is not None:
-            kernels.close()
+        self.kernels.close()
         self.connection.close()
         if self.sandbox is not None:
             self.sandbox.stop()
@@ -377,10 +379,7 @@ class Machine:
         ------
         KernelError
         """
-        from .remote.kernel import kernels_of
-
-        return kernels_of(self).get(name, start=start, python=python, cwd=cwd, env=env,
-                                    install=install)
+        return self.kernels.get(name, start=start, python=python, cwd=cwd, env=env, install=install)
 
     # -- budget (see gpumagic/budget/) -------------------------------------------------
 

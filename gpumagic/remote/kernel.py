@@ -1338,13 +1338,16 @@ def list_kernels(machine: MachineLike) -> list[KernelInfo]:
 
 
 class Kernels:
-    """The sessions of one machine that this process has used (``machine.kernel(NAME)``)."""
+    """The sessions of one machine that this process has used (``machine.kernel(NAME)``);
+    each :class:`gpumagic.Machine` has one, as ``machine.kernels``."""
 
     def __init__(self, machine: MachineLike):
         self.machine = machine
         self.handles: dict[str, RemoteKernel] = {}
         #: The session used last: what ``%%remote --kernel`` without a name means.
         self.last: str | None = None
+        ref = weakref.ref(self)  # acknowledge what was shown when this process exits
+        atexit.register(lambda: (k := ref()) is not None and k.close())
 
     def handle(self, name: str) -> RemoteKernel:
         k = self.handles.get(name)
@@ -1392,15 +1395,5 @@ class Kernels:
     def close(self) -> None:
         for k in self.handles.values():
             k.close()
-
-
-def kernels_of(machine: MachineLike) -> Kernels:
-    """The :class:`Kernels` of ``machine`` (made on first use, kept on the machine object)."""
-    ks = machine.__dict__.get("_kernels")
-    if ks is None:
-        ks = machine.__dict__["_kernels"] = Kernels(machine)
-        ref = weakref.ref(ks)  # acknowledge what was shown when this process exits
-        atexit.register(lambda: (k := ref()) is not None and k.close())
-    return ks
 
 

@@ -14,7 +14,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, check_name, kernels_of, list_kernels)
+from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, check_name, list_kernels)
 from .. import display
 from ._args import Subcommands, env_pairs, host_arg, parse
 from ._output import OutputCap
@@ -71,7 +71,7 @@ def _get(magics, host: str | None, name: str | None, *, start: bool = False,
     """The session ``name`` on machine ``host``; with ``start``, started when it is not
     running yet (saying so)."""
     m = magics.fleet.get(host)
-    ks = kernels_of(m)
+    ks = m.kernels
     k = ks.handle(ks.resolve(name))
     if start:
         answer = k.ensure(**options)
@@ -136,7 +136,7 @@ def _start(magics, line: str):
     args = parse(_start, line, "kernel start")
     name, env = _name(args.name), env_pairs(args.env)  # every argument checked before anything starts
     m = magics.fleet.get(args.host)
-    ks = kernels_of(m)
+    ks = m.kernels
     name = name or ks.resolve(None)
     k = ks.handle(name)
     answer = k.start(python=args.python, cwd=args.cwd, env=env, install=args.install, output=_output(magics))
@@ -165,7 +165,7 @@ def _list(magics, line: str):
     from IPython.display import display as ipy_display
 
     running = [k.name for k in kernels if k.running]
-    current = kernels_of(m).last or (running[0] if len(running) == 1 else None)
+    current = m.kernels.last or (running[0] if len(running) == 1 else None)
     ipy_display(kernels_table(kernels, m.name, current))
 
 
@@ -201,7 +201,7 @@ def _stop(magics, line: str):
     args = parse(_stop, line, "kernel stop")
     name = _name(args.name)
     m = magics.fleet.get(args.host)
-    ks = kernels_of(m)
+    ks = m.kernels
     k = ks.handle(name)
     if k.info() is None:
         raise KernelError(f"no session {args.name!r} on {m.name}", "`%gpu kernel list` shows them")
