@@ -32,17 +32,21 @@ def start_distributed(machines, name, script, **options):
     """Start ``script`` under PyTorch's torchrun on every machine of ``machines`` (connected
     :class:`Machine` objects; the first holds the c10d rendezvous endpoint); returns a
     :class:`gpumagic.remote.distributed.DistributedJob` over all ranks (``state``,
-    ``logs(rank=)``, ``wait()``, ``kill()``).  ``options``: see
-    :func:`gpumagic.remote.distributed.start` (``nproc``, ``torchrun_args``, ``same_dir``...).
+    ``logs(rank=)``, ``wait()``, ``kill()``).  ``options``: the fields of
+    :class:`gpumagic.remote.distributed.TorchrunOptions` (``nproc``, ``torchrun_args``,
+    ``same_dir``...) and of :class:`gpumagic.remote.jobs.JobOptions` (``cwd``, ``env``,
+    ``stop_on``, ``then_shutdown``...), as keywords.
 
     Raises
     ------
     JobError
         The preflight refused (a table of what differs per host), or a bad name or nproc.
+    TypeError
+        A keyword that names no option.
     """
     from .remote import distributed
 
-    return distributed.start(machines, name, script, **options)
+    return distributed.start(machines, name, script, *distributed.split_options(options))
 
 
 _SUBMODULES = ("budget", "gpu", "keys", "notebook", "remote", "ssh", "sync", "tunnel")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .budget.shutdown import ShutdownPlan
     from .machine import Machine
     from .remote.execution import RunResult
-    from .remote.jobs import Job, JobInfo
+    from .remote.jobs import Job, JobInfo, JobOptions
     from .ssh.connection import Connection
     from .tunnel import TunnelManager
 
@@ -80,10 +80,8 @@ class MachineLike(Protocol):
         """A folder that goes when the machine is closed (the sandbox's), else None."""
         ...
 
-    def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
-                  env: Mapping[str, str] | None = None, stop_on=None,
-                  then_shutdown: float | None = None, alerts: bool = True, torchrun=None,
-                  torchrun_args=(), keep=None) -> Job:
+    def start_job(self, name: str, command: str, options: JobOptions | None = None, *,
+                  torchrun=None, keep=None, **shortcuts) -> Job:
         """Start a detached job (:meth:`gpumagic.machine.Machine.start_job`)."""
         ...
 

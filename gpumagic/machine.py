@@ -10,11 +10,14 @@ The IPython magics are a thin layer over this module.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .remote import execution, jobs
+from .remote.distributed import TorchrunOptions
+from .remote.jobs import JobOptions
 from .remote.keep import Keepers
 from .remote.kernel import Kernels
 from . import gpu
@@ -307,14 +310,19 @@ class Machine:
 
     # -- detached jobs (gpumagic/remote/jobs.py) -------------------------------------------
 
-    def start_job(self, name: str, command: str, *, python: bool = False, cwd: str | None = None,
-                  env: Mapping[str, str] | None = None, stop_on=None,
-                  then_shutdown: float | None = None, alerts: bool = True, torchrun=None,
-                  torchrun_args=(), keep: KeepOptions | None = None) -> Job:
+    def start_job(self, name: str, command: str, options: JobOptions | None = None, *,
+                  torchrun: int | str | TorchrunOptions | None = None, keep: KeepOptions | None = None,
+                  **shortcuts) -> Job:
         """Start ``command`` as a detached job that survives disconnects; returns at once.
 
-        With ``torchrun=N`` (or ``"auto"``) the command is a Python training script (or a
-        ``!command line``) run by ``N`` ranks under PyTorch's torchrun, and the handle is a
+        ``options`` (a :class:`gpumagic.remote.jobs.JobOptions`) says how it runs; each of its
+        fields may also be given as a keyword (``python``, ``cwd``, ``env``, ``stop_on``,
+        ``then_shutdown``, ``alerts``), which wins over ``options``.
+
+        With ``torchrun=N`` (or ``"auto"``, or a
+        :class:`gpumagic.remote.distributed.TorchrunOptions`; ``torchrun_args=`` as a
+        keyword) the command is a Python training script (or a ``!command line``) run by
+        ``N`` ranks under PyTorch's torchrun, and the handle is a
         :class:`gpumagic.remote.distributed.DistributedJob` (``state``, ``logs(rank=)``,
         ``wait()``, ``kill()``); see :func:`gpumagic.remote.distributed.start`.
 
@@ -334,7 +342,11 @@ class Machine:
         Raises
         ------
         JobError
+        TypeError
+            A keyword that names no option.
         """
+        torchrun_args = shortcuts.pop("torchrun_args", None)
+        options = (options or JobOptions()).with_(**shortcuts)
         if torchrun is not None and keep is not None:
             from .errors import JobError
 
@@ -343,16 +355,19 @@ class Machine:
         if torchrun is not None:
             from .remote import distributed
 
-            return distributed.start([self], name, command, nproc=torchrun, torchrun_args=torchrun_args,
-                                     cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
-                                     then_shutdown=then_shutdown)  # type: ignore[return-value]
+            run = torchrun if isinstance(torchrun, TorchrunOptions) else TorchrunOptions(nproc=torchrun)
+            if torchrun_args is not None:
+                run = dataclasses.replace(run, torchrun_args=torchrun_args)
+            return distributed.start([self], name, command, options, run)  # type: ignore[return-value]
+        if torchrun_args is not None:
+            raise TypeError("torchrun_args is for a torchrun job: give torchrun=N too")
         if keep is not None:
             jobs.check_name(name)
             keep.make_local_folder(name)  # refused here, before anything starts there
-        job = jobs.start(self, name, command, python=python, cwd=cwd, env=env, stop_on=stop_on,
-                         then_shutdown=then_shutdown, alerts=alerts, tool_dirs=self.tool_dirs)
+        job = jobs.start(self, name, command, options, tool_dirs=self.tool_dirs)
         if keep is not None:
-            job.keeper = self.keepers.start(self, name, cwd if cwd is not None else (self.cwd or ""), keep)
+            cwd = options.cwd if options.cwd is not None else (self.cwd or "")
+            job.keeper = self.keepers.start(self, name, cwd, keep)
         return job
 
     def jobs(self) -> list[JobInfo]:

@@ -525,4 +525,4 @@ def test_a_torchrun_cell_command_line_with_an_unclosed_quote_is_one_error():
         name = "m"
 
     with pytest.raises(JobError, match=r"cannot split the cell's command line after '!' \("):
-        distributed.start([NoMachine()], "t31", "!python train.py --tag 'x", nproc=1)  # asks no machine
+        distributed.start([NoMachine()], "t31", "!python train.py --tag 'x")  # asks no machine

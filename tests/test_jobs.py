@@ -884,3 +884,49 @@ def test_an_alert_is_shown_once_with_its_job_not_under_every_later_listing(ip):
     assert "exited 0; alert: NaN/inf loss" in table["text/html"]
     later_row = next(line for line in table["text/plain"].splitlines() if line.startswith(later))
     assert "alert" not in later_row
+
+
+# -- one options object from the magics to the API (issue 25, item 3) -----------------------
+
+
+def test_job_options_take_keyword_shortcuts_and_name_a_misspelt_one():
+    from gpumagic.remote.jobs import JobOptions
+
+    base = JobOptions(cwd="proj", alerts=False)
+    assert base.with_(then_shutdown=10) == JobOptions(cwd="proj", alerts=False, then_shutdown=10)
+    assert base.with_() is base
+    with pytest.raises(TypeError, match=r"^unknown job option stop_one \(valid: alerts, cwd, env, python, "
+                                        r"stop_on, then_shutdown\)$"):
+        base.with_(stop_one="nan")
+
+
+def test_start_distributed_splits_its_keywords_into_the_two_option_objects():
+    from gpumagic.remote import distributed
+    from gpumagic.remote.jobs import JobOptions
+
+    job, run = distributed.split_options({"nproc": 2, "same_dir": "data", "cwd": "~", "env": {"A": "1"},
+                                          "stop_on": "nan"})
+    assert job == JobOptions(cwd="~", env={"A": "1"}, stop_on="nan")
+    assert run == distributed.TorchrunOptions(nproc=2, same_dir="data")
+    with pytest.raises(TypeError, match="unknown job option nprocs"):
+        distributed.split_options({"nprocs": 2})
+
+
+def test_the_job_magic_hands_its_options_as_one_object(ip, monkeypatch):
+    """``%%remote --job`` builds one JobOptions from its flags; Machine.start_job gets it whole."""
+    from gpumagic.machine import Machine
+    from gpumagic.remote.jobs import JobOptions
+
+    got = {}
+
+    def fake_start_job(self, name, command, options=None, **kw):
+        got.update(name=name, options=options, kw=kw)
+        raise JobError("stop here", "nothing started")
+
+    monkeypatch.setattr(Machine, "start_job", fake_start_job)
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(JobError):
+        ip.run_cell_magic("remote", "--job opt1 --cwd proj --env A=1 --stop-on nan --no-alerts --python",
+                          "print(1)")
+    assert got["options"] == JobOptions(python=True, cwd="proj", env={"A": "1"}, stop_on=("nan",), alerts=False)
+    assert got["kw"] == {"keep": None}

@@ -376,8 +376,9 @@ def test_failure_notification_names_the_rank_and_machine(a, b, pair, monkeypatch
 
 def test_each_then_shutdown_shuts_each_machine_down_after_its_own_job(a, b, recorders):
     from gpumagic.remote.distributed import fan_out
+    from gpumagic.remote.jobs import JobOptions
 
-    started = fan_out([a, b], "fansd", 'echo "LR=$LR"', ["LR=1", "LR=2"], then_shutdown=0)
+    started = fan_out([a, b], "fansd", 'echo "LR=$LR"', ["LR=1", "LR=2"], JobOptions(then_shutdown=0))
     for j in started:
         assert j.wait(timeout=60).exit_code == 0
     assert wait_until(lambda: all(c.exists() for c in recorders), 60)

@@ -29,7 +29,7 @@ import re
 import secrets
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import JobError
@@ -177,23 +177,58 @@ class Plan:
     took: float = 0.0
 
 
-def preflight(machines: Sequence[MachineLike], *, nproc: int | str = 1, cwd: str | None = None,
-              same_dir: str | None = None, same_dir_hash: bool = False, python: str = "",
-              endpoint_host: str | None = None, endpoint_port: int = 0,
-              deadline: float = REACH_DEADLINE) -> Plan:
-    """Check that ``machines`` can run one torchrun job together; returns the :class:`Plan`.
+@dataclass(frozen=True)
+class TorchrunOptions:
+    """How one torchrun run spans its machines (``--torchrun``, ``--torchrun-args``,
+    ``--same-dir``): what :func:`preflight` checks and :func:`start` launches.  The job's own
+    options (cwd, env, alerts, shutdown) are a :class:`gpumagic.remote.jobs.JobOptions`.
 
-    Parameters
+    Attributes
     ----------
     nproc : int or "auto"
         Processes per machine; ``auto`` is the GPUs visible to the job (``CUDA_VISIBLE_DEVICES``,
         else ``nvidia-smi -L``), which must be the same non-zero count everywhere.
+    torchrun_args : str or sequence of str
+        More torchrun options (``"--max-restarts 1"``), split like a shell line.
+    same_dir, same_dir_hash
+        A data folder (relative to the job's ``cwd``) that must hold the same file names and
+        sizes (with ``same_dir_hash``: the same SHA-256) on every machine.
+    python : str
+        The python whose torch runs the ranks (default: the one ``python3`` finds).
     endpoint_host, endpoint_port
         Where the rendezvous listens on the first machine (default: 127.0.0.1 when every machine
         is reached over loopback, else the first machine's first ``hostname -I`` address; port 0:
         one the first machine picks).
     deadline : float
         Seconds each machine gets for its TCP connect to the endpoint.
+    """
+
+    nproc: int | str = 1
+    torchrun_args: str | Sequence[str] = ()
+    same_dir: str | None = None
+    same_dir_hash: bool = False
+    python: str = ""
+    endpoint_host: str | None = None
+    endpoint_port: int = 0
+    deadline: float = REACH_DEADLINE
+
+
+#: The fields of :class:`TorchrunOptions`: what the plain-Python API takes as keywords.
+TORCHRUN_OPTION_NAMES = frozenset(f.name for f in fields(TorchrunOptions))
+
+
+def split_options(options: Mapping[str, object]) -> tuple[jobs.JobOptions, TorchrunOptions]:
+    """Keywords of the plain-Python API (``gpumagic.start_distributed(..., nproc=2,
+    cwd="proj")``) as the two option objects; ``TypeError`` names a keyword that is neither."""
+    run = {k: v for k, v in options.items() if k in TORCHRUN_OPTION_NAMES}
+    job = jobs.JobOptions().with_(**{k: v for k, v in options.items() if k not in TORCHRUN_OPTION_NAMES})
+    return job, TorchrunOptions(**run)  # type: ignore[arg-type]
+
+
+def preflight(machines: Sequence[MachineLike], options: TorchrunOptions = TorchrunOptions(),
+              cwd: str | None = None) -> Plan:
+    """Check that ``machines`` can run one torchrun job together, with the job's working
+    directory ``cwd``; returns the :class:`Plan` (``options``: see :class:`TorchrunOptions`).
 
     Raises
     ------
@@ -202,7 +237,10 @@ def preflight(machines: Sequence[MachineLike], *, nproc: int | str = 1, cwd: str
         visible GPU; a mismatch (a table per host); an endpoint a machine cannot reach.
     """
     t0 = time.monotonic()
-    probes = [probe(m, cwd=cwd, same_dir=same_dir, same_dir_hash=same_dir_hash, python=python) for m in machines]
+    nproc, same_dir, deadline = options.nproc, options.same_dir, options.deadline
+    endpoint_host, endpoint_port = options.endpoint_host, options.endpoint_port
+    probes = [probe(m, cwd=cwd, same_dir=same_dir, same_dir_hash=options.same_dir_hash, python=options.python)
+              for m in machines]
     for p in probes:
         if p.torch == "none":
             py = p.python if p.python != "none" else "python3"
@@ -476,12 +514,8 @@ def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = 
     return "\n".join(lines) + "\n"
 
 
-def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int | str = 1,
-          torchrun_args: str | Sequence[str] = (), cwd: str | None = None,
-          env: Mapping[str, str] | None = None, same_dir: str | None = None, same_dir_hash: bool = False,
-          python: str = "", endpoint_host: str | None = None, endpoint_port: int = 0,
-          deadline: float = REACH_DEADLINE, stop_on=None, alerts: bool = True,
-          then_shutdown: float | None = None) -> DistributedJob:
+def start(machines: Sequence[MachineLike], name: str, script: str,
+          job: jobs.JobOptions = jobs.JobOptions(), torchrun: TorchrunOptions = TorchrunOptions()) -> DistributedJob:
     """Start ``script`` under torchrun on every machine of ``machines``; returns at once.
 
     Parameters
@@ -493,14 +527,14 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
     script : str
         Python source of the training script, or a command line starting with ``!``
         (``!python train.py --lr 1e-3``), run by each rank.
-    nproc : int or "auto"
-        Processes per machine (``auto``: the visible GPUs, see :func:`preflight`).
-    torchrun_args : str or sequence of str
-        More torchrun options (``"--max-restarts 1"``), split like a shell line.
-    same_dir, same_dir_hash
-        A data folder (relative to ``cwd``) that must hold the same file names and sizes (with
-        ``same_dir_hash``: the same SHA-256) on every machine.
-    then_shutdown : float, optional
+    job : JobOptions
+        The job on each machine (``cwd``, ``env``, ``stop_on``, ``alerts``, ``then_shutdown``;
+        ``python`` is not used: the script is Python, or the ``!`` command line).
+    torchrun : TorchrunOptions
+        Processes per machine (``auto``: the visible GPUs, see :func:`preflight`), torchrun's
+        own options, the data folder that must be the same everywhere, the rendezvous.
+
+    ``job.then_shutdown``
         Minutes after which *every* machine of the run shuts down once the run has succeeded:
         each machine's job arms its own shutdown (as a plain job's ``then_shutdown``), which
         starts when that machine's torchrun exits 0.  torchrun exits only after every rank of
@@ -516,7 +550,8 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
         :func:`preflight`).
     """
     jobs.check_name(name)
-    nproc = parse_nproc(nproc)
+    torchrun = replace(torchrun, nproc=parse_nproc(torchrun.nproc))
+    torchrun_args = torchrun.torchrun_args
     machines = list(machines)
     if not machines:
         raise JobError("no machine to run on", "connect one first: `%gpu connect NAME`")
@@ -542,9 +577,8 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
             raise JobError(f"a job named {name!r} is already running on {m.name}",
                            f"pick another name, or `%gpu kill {name}` first")
     for m in machines:  # before anything starts: one machine that cannot shut down refuses all
-        jobs.shutdown_arming(m, then_shutdown)
-    plan = preflight(machines, nproc=nproc, cwd=cwd, same_dir=same_dir, same_dir_hash=same_dir_hash,
-                     python=python, endpoint_host=endpoint_host, endpoint_port=endpoint_port, deadline=deadline)
+        jobs.shutdown_arming(m, job.then_shutdown)
+    plan = preflight(machines, torchrun, cwd=job.cwd)
     rdzv_id = f"{name}-{secrets.token_hex(4)}"
     d = folder(name)
     for m, p in zip(machines, plan.probes):
@@ -558,8 +592,7 @@ def start(machines: Sequence[MachineLike], name: str, script: str, *, nproc: int
                           endpoint=plan.endpoint, rdzv_id=rdzv_id, torchrun_args=extra, exec_argv=exec_argv,
                           socket_ifname=plan.devs.get(m.name, "") if len(machines) > 1 else "",
                           is_host=m is machines[0])
-            parts.append(m.start_job(name, cmd, cwd=cwd, env=env, stop_on=stop_on, alerts=alerts,
-                                     then_shutdown=then_shutdown))
+            parts.append(m.start_job(name, cmd, replace(job, python=False)))
     except BaseException:
         for j in parts:  # nothing half-started: one machine's torchrun would wait for the others
             try:
@@ -628,12 +661,11 @@ def parse_each(items: Sequence[str]) -> list[dict[str, str]]:
     return out
 
 
-def fan_out(machines: Sequence[MachineLike], name: str, command: str, each: Sequence[Mapping[str, str] | str], *,
-            python: bool = False, cwd: str | None = None, env: Mapping[str, str] | None = None,
-            **options) -> list:
+def fan_out(machines: Sequence[MachineLike], name: str, command: str, each: Sequence[Mapping[str, str] | str],
+            job: jobs.JobOptions = jobs.JobOptions()) -> list:
     """Start the same ``command`` as job ``name`` on every machine, machine ``i`` with the
-    environment values ``each[i]`` on top of ``env``; returns the :class:`gpumagic.remote.jobs.Job`
-    handles in machine order.
+    environment values ``each[i]`` on top of ``job.env``; returns the
+    :class:`gpumagic.remote.jobs.Job` handles in machine order.
 
     Raises
     ------
@@ -652,11 +684,11 @@ def fan_out(machines: Sequence[MachineLike], name: str, command: str, each: Sequ
             raise JobError(f"a job named {name!r} is already running on {m.name}",
                            f"pick another name, or `%gpu kill {name}` first")
     for m in machines:  # each machine shuts down after its own job: all must be able to
-        jobs.shutdown_arming(m, options.get("then_shutdown"))
+        jobs.shutdown_arming(m, job.then_shutdown)
     started: list = []
     try:
         for m, e in zip(machines, envs):
-            started.append(m.start_job(name, command, python=python, cwd=cwd, env={**(env or {}), **e}, **options))
+            started.append(m.start_job(name, command, replace(job, env={**(job.env or {}), **e})))
     except BaseException:
         for j in started:
             try:

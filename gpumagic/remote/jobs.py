@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterable, Mapping, TYPE_CHECKING
 
 from .._format import duration
@@ -633,9 +633,55 @@ def shutdown_arming(machine: MachineLike, then_shutdown: float | None) -> tuple[
     return plan.command, int(round(then_shutdown * 60))
 
 
-def start(machine: MachineLike, name: str, command: str, *, python: bool = False, cwd: str | None = None,
-          env: Mapping[str, str] | None = None, stop_on: Iterable[str] | str | None = None,
-          then_shutdown: float | None = None, alerts: bool = True,
+@dataclass(frozen=True)
+class JobOptions:
+    """How a detached job runs, whatever starts it (``%%remote --job``, ``--torchrun``,
+    ``--each``): one object from the magics to :func:`start`, as asyncssh's
+    ``SSHClientConnectionOptions`` travels.  The plain-Python API also takes each field as
+    a keyword (``m.start_job("train", cmd, cwd="proj", then_shutdown=10)``), merged by
+    :meth:`with_`.
+
+    Attributes
+    ----------
+    python : bool
+        The command is Python source (run with ``python3 -u``), not a bash script.
+    cwd : str, optional
+        Working directory (default: the machine's ``cwd``, else the login directory);
+        ``~/...`` and relative paths start at the remote ``$HOME``.
+    env : mapping, optional
+        Extra environment variables on top of the user's login environment.
+    stop_on : iterable of str or "nan,oom,traceback"
+        Kill the job at the first log line of these alert kinds (watched on the remote).
+    then_shutdown : float, optional
+        Minutes after a successful end (exit 0) after which the machine shuts down.
+        Checked when the job starts with :meth:`Machine.shutdown_plan
+        <gpumagic.machine.Machine.shutdown_plan>` (on the sandbox: its stand-in).
+    alerts : bool
+        Show alerts when following or listing (``--no-alerts`` turns them off).
+    """
+
+    python: bool = False
+    cwd: str | None = None
+    env: Mapping[str, str] | None = None
+    stop_on: Iterable[str] | str | None = None
+    then_shutdown: float | None = None
+    alerts: bool = True
+
+    def with_(self, **changes) -> "JobOptions":
+        """These options with ``changes`` (field names as keywords; a misspelt one raises
+        ``TypeError`` naming the valid ones)."""
+        unknown = sorted(set(changes) - JOB_OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"unknown job option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                            f"(valid: {', '.join(sorted(JOB_OPTION_NAMES))})")
+        return replace(self, **changes) if changes else self
+
+
+#: The fields of :class:`JobOptions`: what the plain-Python API takes as keywords.
+JOB_OPTION_NAMES = frozenset(f.name for f in fields(JobOptions))
+
+
+def start(machine: MachineLike, name: str, command: str, options: JobOptions = JobOptions(), *,
           tool_dirs: Iterable[str] = TOOL_DIRS) -> Job:
     """Start ``command`` on ``machine`` as a detached job; returns at once.
 
@@ -646,20 +692,9 @@ def start(machine: MachineLike, name: str, command: str, *, python: bool = False
         Job name (see :data:`NAME_RE`).  A finished job of that name is kept as
         ``NAME-STARTEPOCH``; a running one makes this fail.
     command : str
-        A bash script, or Python source with ``python=True`` (run with ``python3 -u``).
-    cwd : str, optional
-        Working directory (default: the machine's ``cwd``, else the login directory);
-        ``~/...`` and relative paths start at the remote ``$HOME``.
-    env : mapping, optional
-        Extra environment variables on top of the user's login environment.
-    stop_on : iterable of str or "nan,oom,traceback"
-        Kill the job at the first log line of these alert kinds (watched on the remote).
-    then_shutdown : float, optional
-        Minutes after a successful end (exit 0) after which the machine shuts down.
-        Checked now with :meth:`Machine.shutdown_plan <gpumagic.machine.Machine.shutdown_plan>`
-        (on the sandbox: its stand-in).
-    alerts : bool
-        Show alerts when following or listing (``--no-alerts`` turns them off).
+        A bash script, or Python source with ``options.python`` (run with ``python3 -u``).
+    options : JobOptions
+        Working directory, environment, alerts, stop-on kinds, shutdown after the end.
     tool_dirs : iterable of str
         Directories searched for tmux (then setsid/nohup) after the exec channel's PATH.
 
@@ -674,22 +709,23 @@ def start(machine: MachineLike, name: str, command: str, *, python: bool = False
         down (for ``then_shutdown``); neither tmux nor setsid+nohup exists.
     """
     check_name(name)
-    kinds = parse_stop_on(stop_on)
+    kinds = parse_stop_on(options.stop_on)
     tool_dirs = tuple(tool_dirs)
     searched = "its PATH" + (f" and {', '.join(tool_dirs)}" if tool_dirs else "")
-    sd_cmd, grace = shutdown_arming(machine, then_shutdown)
-    data = cell_bytes(command, python=python)  # CRLF -> LF, no NUL, no surrogate it cannot send
+    sd_cmd, grace = shutdown_arming(machine, options.then_shutdown)
+    data = cell_bytes(command, python=options.python)  # CRLF -> LF, no NUL, no surrogate it cannot send
+    cwd = options.cwd
     work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
     # Names that are not shell variable names (exported bash functions) are left out.
-    lines, _ = export_lines({**machine.environment(), **(env or {})})
+    lines, _ = export_lines({**machine.environment(), **(options.env or {})})
     # The launcher receives the job's programs, patterns and environment as shell variables
     # set before it (the program travels on stdin: no value is in an argv, none is exported).
     given = {"RUN": job_file("run.sh"), "KILL": job_file("kill.sh"), "WATCH": job_file("watch.sh"),
              "STOP_RE": _alert_re(kinds) if kinds else "", "JOBENV": "\n".join(lines)}
     given.update({f"RE_{k}": ALERTS[k][0] for k in ALERTS})
     line = "".join(f"{k}={shlex.quote(v)}\n" for k, v in given.items()) + program.command(
-        "job-launch.sh", name, work, "python3" if python else "bash", ",".join(kinds), sd_cmd, grace,
-        1 if alerts else 0, KILL_GRACE, ":".join(tool_dirs))
+        "job-launch.sh", name, work, "python3" if options.python else "bash", ",".join(kinds), sd_cmd, grace,
+        1 if options.alerts else 0, KILL_GRACE, ":".join(tool_dirs))
     r = machine.exec(line, stdin=data, timeout=90)
     res = parse_launch(r.stdout)
     archived = next((ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("archived ")), "")

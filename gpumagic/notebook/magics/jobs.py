@@ -10,7 +10,7 @@ from IPython.display import display as ipy_display
 
 from ...errors import Interrupted, JobError
 from ...remote.keep import KeepOptions, records as keep_records
-from ...remote.jobs import NAME_RE, parse_stop_on, scan_alerts
+from ...remote.jobs import NAME_RE, JobOptions, parse_stop_on, scan_alerts
 from .. import display
 from ..display import (SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table, keep_line,
                        keep_started)
@@ -53,6 +53,17 @@ def keep_options(args) -> KeepOptions | None:
         raise UsageError(f"{e.message}; {e.hint}") from None
 
 
+def job_options(args, **changes) -> JobOptions:
+    """The :class:`JobOptions` of ``%%remote --job``'s options (``changes`` on top); raises
+    exactly ``UsageError`` for a bad ``--stop-on`` or ``--env``."""
+    try:
+        stop_on = parse_stop_on(args.stop_on)
+    except Exception as e:
+        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    return JobOptions(python=args.python, cwd=args.cwd, env=env_pairs(args.env), stop_on=stop_on,
+                      then_shutdown=args.then_shutdown, alerts=not args.no_alerts).with_(**changes)
+
+
 def _remote_job(magics: GpuMagics, args, cell: str):
     """``%%remote --job NAME ...``: start the cell detached and return at once."""
     if args.job is None:
@@ -62,15 +73,10 @@ def _remote_job(magics: GpuMagics, args, cell: str):
         raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
     if args.timeout is not None:
         raise UsageError("--timeout does not apply to --job (a job runs until it ends or `%gpu kill NAME`)")
-    try:
-        stop_on = parse_stop_on(args.stop_on)
-    except Exception as e:
-        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    options = job_options(args)
     keep = keep_options(args)
     machine = magics.fleet.get(args.host)
-    job = machine.start_job(args.job, cell, python=args.python, cwd=args.cwd,
-                            env=env_pairs(args.env), stop_on=stop_on,
-                            then_shutdown=args.then_shutdown, alerts=not args.no_alerts, keep=keep)
+    job = machine.start_job(args.job, cell, options, keep=keep)
     if job.note and job.runner not in machine.notes_shown:
         machine.notes_shown.add(job.runner)
         print(job.note)

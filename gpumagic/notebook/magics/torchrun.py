@@ -21,7 +21,6 @@ from IPython.core.error import UsageError
 
 from ...remote import distributed
 from ...remote.jobs import NAME_RE
-from ._args import env_pairs
 
 
 def _hosts(magics, text: str | None, default_host: str | None = None) -> list:
@@ -43,7 +42,7 @@ def remote_cell(magics, args, cell: str):
                          "it runs until it ends; `%gpu kill NAME` stops it")
     if args.host and args.hosts:
         raise UsageError("--host and --hosts both name machines; use --hosts a,b alone")
-    from .jobs import keep_given
+    from .jobs import job_options, keep_given
 
     if keep_given(args):
         raise UsageError("--keep works with a job on one machine, not yet with --torchrun, --hosts or "
@@ -57,17 +56,11 @@ def remote_cell(magics, args, cell: str):
     except distributed.JobError as e:
         raise UsageError(f"{e.message}; {e.hint}") from None
     machines = _hosts(magics, args.hosts, args.host)
-    env = env_pairs(args.env)
-    try:
-        stop_on = distributed.jobs.parse_stop_on(args.stop_on)
-    except Exception as e:
-        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    options = job_options(args)
     if args.each:
         if args.torchrun is not None:
             raise UsageError("--each runs one plain job per machine; it does not combine with --torchrun")
-        started = distributed.fan_out(machines, args.job, cell, each, python=args.python, cwd=args.cwd,
-                                      env=env, stop_on=stop_on, alerts=not args.no_alerts,
-                                      then_shutdown=args.then_shutdown)
+        started = distributed.fan_out(machines, args.job, cell, each, options)
         for j, e in zip(started, each):
             print(f"started job {args.job} on {j.machine.name} with "
                   + " ".join(f"{k}={v}" for k, v in e.items()))
@@ -88,9 +81,9 @@ def remote_cell(magics, args, cell: str):
         raise UsageError(f"{e.message}; {e.hint}") from None
     if args.same_dir_hash and not args.same_dir:
         raise UsageError("--same-dir-hash needs --same-dir PATH (the data folder to compare)")
-    job = distributed.start(machines, args.job, cell, nproc=nproc, torchrun_args=torchrun_args,
-                            cwd=args.cwd, env=env, same_dir=args.same_dir, same_dir_hash=args.same_dir_hash,
-                            stop_on=stop_on, alerts=not args.no_alerts, then_shutdown=args.then_shutdown)
+    run = distributed.TorchrunOptions(nproc=nproc, torchrun_args=torchrun_args, same_dir=args.same_dir,
+                                      same_dir_hash=args.same_dir_hash)
+    job = distributed.start(machines, args.job, cell, options.with_(python=False), run)
     world = job.nproc * len(job.parts)
     where = ", ".join(job.hosts)
     ep = f", rendezvous at {job.plan.endpoint}" if job.plan and job.plan.endpoint else ""
@@ -178,7 +171,7 @@ def sync_from_all(magics, args) -> None:
 def doctor_hosts(magics, args) -> None:
     """``%gpu doctor --hosts a,b``: the torchrun preflight alone (nothing is started)."""
     machines = _hosts(magics, args.hosts)
-    plan = distributed.preflight(machines, nproc=1)
+    plan = distributed.preflight(machines)
     p = plan.probes
     rows = [("host", "python", "torch", "cuda", "nccl", "gpus")]
     rows += [(x.host, x.python, x.torch, x.cuda, x.nccl, str(x.visible_gpus)) for x in p]
