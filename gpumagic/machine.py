@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .remote.keep import KeepOptions
     from .remote.kernel import RemoteKernel
     from .budget.shutdown import ShutdownPlan
-    from .sync.engine import SyncSummary
+    from .sync.engine import SyncOptions, SyncSummary
 
 
 class Machine:
@@ -266,13 +266,15 @@ class Machine:
         return gpu.run_doctor(self, expect_gpu=expect_gpu, expect_count=expect_count, sample=sample)
     # -- files ----------------------------------------------------------------------------
 
-    def push(self, src: str, dst: str, **options) -> "SyncSummary":
+    def push(self, src: str, dst: str, options: "SyncOptions | None" = None, **shortcuts) -> "SyncSummary":
         """Copy a local tree or file to this machine, sending only what differs.
 
         ``dir/`` copies the contents of ``dir``, ``dir`` the directory itself (rsync's
         rule).  ``dst`` is a path on this machine, written plainly or as in ``%gpu sync``
-        (``:path``, ``NAME:path``).  Options: ``delete``, ``exclude``, ``ignore_files``,
-        ``dry_run``, ``checksum``, ``update``, ``progress``; see :func:`gpumagic.sync.push`.
+        (``:path``, ``NAME:path``).  ``options``: a :class:`gpumagic.sync.SyncOptions`;
+        its fields (``delete``, ``exclude``, ``ignore_files``, ``dry_run``, ``checksum``,
+        ``update``, ``compress``) and ``progress`` may be given as keywords; see
+        :func:`gpumagic.sync.push`.
 
         Returns
         -------
@@ -286,14 +288,15 @@ class Machine:
         """
         from .sync import engine as sync
 
-        return sync.push(self, src, self._remote_path(dst), **options)
+        return sync.push(self, src, self._remote_path(dst), options, **shortcuts)
 
-    def pull(self, src: str, dst: str, **options) -> "SyncSummary":
+    def pull(self, src: str, dst: str, options: "SyncOptions | None" = None, **shortcuts) -> "SyncSummary":
         """Copy a tree or file from this machine (``src``: ``path``, ``:path`` or
-        ``NAME:path``) to a local path; see :func:`gpumagic.sync.pull`."""
+        ``NAME:path``) to a local path; options as for :meth:`push` (and ``rename_clashes``);
+        see :func:`gpumagic.sync.pull`."""
         from .sync import engine as sync
 
-        return sync.pull(self, self._remote_path(src), dst, **options)
+        return sync.pull(self, self._remote_path(src), dst, options, **shortcuts)
 
     def _remote_path(self, text: str) -> str:
         """A path on this machine from ``path``, ``:path`` or ``NAME:path`` (``%gpu sync``'s forms)."""

@@ -836,3 +836,34 @@ def test_a_no_op_sync_says_nothing_to_transfer_instead_of_an_empty_bar(ip, monke
     data = shown[-1][0]
     assert data["text/plain"] == "sync: nothing to transfer (everything is up to date)"
     assert data["text/html"] == "<div>sync: nothing to transfer (everything is up to date)</div>"
+
+
+# -- one options object from the magic to the engine (issue 25, item 3) ---------------------
+
+
+def test_sync_options_take_keyword_shortcuts_and_name_a_misspelt_one(machine, tmp_path):
+    from gpumagic.sync import SyncOptions
+
+    assert SyncOptions(delete=True).with_(checksum=True) == SyncOptions(delete=True, checksum=True)
+    with pytest.raises(TypeError, match=r"^unknown sync option delet \(valid: checksum, compress, delete, "):
+        machine.push(str(tmp_path), "x", delet=True)
+    with pytest.raises(TypeError, match="rename_clashes is for a pull"):
+        machine.push(str(tmp_path), "x", rename_clashes=True)
+
+
+def test_the_sync_magic_hands_its_flags_as_one_object(ip, monkeypatch, tmp_path):
+    from gpumagic.machine import Machine
+    from gpumagic.sync import SyncOptions
+
+    got = {}
+
+    def fake_push(self, src, dst, options=None, **kw):
+        got.update(options=options, kw=kw)
+        raise SyncError("stop here", "nothing sent")
+
+    monkeypatch.setattr(Machine, "push", fake_push)
+    ip.run_line_magic("gpu", "connect testgpu")
+    with pytest.raises(SyncError):
+        ip.run_line_magic("gpu", f"sync {tmp_path}/ :x --delete --exclude '*.pt' --checksum --no-compress")
+    assert got["options"] == SyncOptions(delete=True, exclude=("*.pt",), checksum=True, compress=False)
+    assert set(got["kw"]) == {"progress"}

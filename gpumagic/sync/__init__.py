@@ -5,6 +5,6 @@
 runs on the machine).
 """
 
-from .engine import push, pull, SyncProgress, SyncSummary
+from .engine import push, pull, SyncOptions, SyncProgress, SyncSummary
 
-__all__ = ['push', 'pull', 'SyncProgress', 'SyncSummary']
+__all__ = ['push', 'pull', 'SyncOptions', 'SyncProgress', 'SyncSummary']

@@ -972,10 +972,59 @@ def _resolve_single_file(src_entries: Listing, name: str) -> dict[str, Entry]:
     return {name: Entry(name, e.kind, e.size, e.mtime_ns, e.mode, e.target, e.digest)}
 
 
-def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
-         ignore_files: bool = True, dry_run: bool = False, checksum: bool = False,
-         update: bool = False, progress: ProgressCallback | None = None,
-         compress: bool | None = None) -> SyncSummary:
+@dataclass(frozen=True)
+class SyncOptions:
+    """How a push or pull compares and copies (``%gpu sync``'s flags, rsync's names): one
+    object from the magics to :func:`push`/:func:`pull`; the plain-Python API also takes
+    each field as a keyword (``m.push("proj/", "proj", delete=True)``), merged by
+    :meth:`with_`.
+
+    Attributes
+    ----------
+    delete : bool
+        Delete destination paths that the source lacks (ignored paths are kept).
+    exclude : iterable of str
+        gitignore-syntax patterns to leave out.
+    ignore_files : bool
+        Honour ``.gitignore`` and ``.gpuignore`` files in the source tree.
+    dry_run : bool
+        Change nothing; the summary lists what would be sent and deleted.
+    checksum, update : bool
+        Compare by sha256 instead of size+mtime; never replace a newer destination file.
+    compress : bool, optional
+        Send the files' bytes zlib-compressed (True) or as they are (False); None (``auto``)
+        follows ``Compression`` in the ssh config, else the link's speed
+        (:func:`decide_compression`).  Data that does not compress goes as it is.
+    rename_clashes : bool
+        A pull only: write the machine's names that this computer's folder takes for one
+        (``Model.pt`` and ``model.pt`` on NTFS/APFS) under new names instead of refusing.
+    """
+
+    delete: bool = False
+    exclude: Iterable[str] = ()
+    ignore_files: bool = True
+    dry_run: bool = False
+    checksum: bool = False
+    update: bool = False
+    compress: bool | None = None
+    rename_clashes: bool = False
+
+    def with_(self, **changes) -> "SyncOptions":
+        """These options with ``changes`` (field names as keywords; a misspelt one raises
+        ``TypeError`` naming the valid ones)."""
+        unknown = sorted(set(changes) - SYNC_OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"unknown sync option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                            f"(valid: {', '.join(sorted(SYNC_OPTION_NAMES))})")
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+#: The fields of :class:`SyncOptions`: what :func:`push` and :func:`pull` take as keywords.
+SYNC_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SyncOptions))
+
+
+def push(machine, src: str, dst: str, options: SyncOptions | None = None, *,
+         progress: ProgressCallback | None = None, **shortcuts) -> SyncSummary:
     """Copy a local tree (or file) to the machine, sending only what differs.
 
     Parameters
@@ -987,22 +1036,11 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         (rsync's trailing-slash rule).
     dst : str
         Remote path (without the ``NAME:`` prefix).
-    delete : bool
-        Delete remote paths that the source lacks (ignored paths are kept).
-    exclude : iterable of str
-        gitignore-syntax patterns to leave out.
-    ignore_files : bool
-        Honour ``.gitignore`` and ``.gpuignore`` files in the source tree.
-    dry_run : bool
-        Change nothing; the summary lists what would be sent and deleted.
-    checksum, update : bool
-        Compare by sha256 instead of size+mtime; never replace a newer remote file.
+    options : SyncOptions, optional
+        What to delete, leave out and compare, and how to send; each field may also be
+        given as a keyword (``delete=True``), which wins over ``options``.
     progress : callable, optional
         Called with a :class:`SyncProgress` (at most every 0.1 s, and at the end).
-    compress : bool, optional
-        Send the files' bytes zlib-compressed (True) or as they are (False); None (``auto``)
-        follows ``Compression`` in the ssh config, else the link's speed
-        (:func:`decide_compression`).  Data that does not compress goes as it is.
 
     Returns
     -------
@@ -1017,8 +1055,10 @@ def push(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
         place only whole, so a second sync of the same tree at once never exposes a
         partial one.
     """
-    return _sync("push", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
-                 dry_run=dry_run, checksum=checksum, update=update, progress=progress, compress=compress)
+    options = (options or SyncOptions()).with_(**shortcuts)
+    if options.rename_clashes:
+        raise TypeError("rename_clashes is for a pull (the machine's names written here)")
+    return _sync("push", machine, src, dst, options, progress)
 
 
 @dataclass
@@ -1045,12 +1085,11 @@ class _Sides:
     single_source: bool = False  # the source is one file (``source_root``)
 
 
-def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude: Iterable[str],
-          ignore_files: bool, dry_run: bool, checksum: bool, update: bool,
-          progress: ProgressCallback | None, rename_clashes: bool = False,
-          compress: bool | None = None) -> SyncSummary:
+def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
+          progress: ProgressCallback | None) -> SyncSummary:
     """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
     sides (the remote one on the channel that then carries the small files), plan, copy."""
+    delete, checksum, dry_run, compress = options.delete, options.checksum, options.dry_run, options.compress
     start = time.monotonic()
     pushing = direction == "push"
     root = whole_file_system(direction, machine, src, dst) if delete else None
@@ -1066,7 +1105,7 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
             raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
                             f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
         _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
-    rules = IgnoreRules(exclude, use_files=ignore_files)
+    rules = IgnoreRules(options.exclude, use_files=options.ignore_files)
     # What the laptop's folder keeps (modes, case, normalisation), asked before it is walked
     if pushing:
         fs = laptop.probe(src if os.path.isdir(src) else os.path.dirname(src) or ".")
@@ -1109,12 +1148,12 @@ def _sync(direction: str, machine, src: str, dst: str, *, delete: bool, exclude:
             if pushing:
                 sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum, walk, fs)
             else:
-                sides = _pull_sides(machine, ch, src, dst, rules, checksum, fs, rename_clashes)
+                sides = _pull_sides(machine, ch, src, dst, rules, checksum, fs, options.rename_clashes)
             if sides.same is not None:  # both trees give the same rows: nothing differs
                 plan = Plan(unchanged=sides.same)
             else:
                 plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
-                                 update=update, rules=rules, unreadable=sides.unreadable,
+                                 update=options.update, rules=rules, unreadable=sides.unreadable,
                                  fold=fs.key if fs.folds else None)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
                               skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
@@ -1705,10 +1744,8 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
             ch.close()
 
 
-def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable[str] = (),
-         ignore_files: bool = True, dry_run: bool = False, checksum: bool = False,
-         update: bool = False, progress: ProgressCallback | None = None,
-         rename_clashes: bool = False, compress: bool | None = None) -> SyncSummary:
+def pull(machine, src: str, dst: str, options: SyncOptions | None = None, *,
+         progress: ProgressCallback | None = None, **shortcuts) -> SyncSummary:
     """Copy a remote tree (or file) to a local path, fetching only what differs.
 
     Parameters are those of :func:`push`, with ``src`` remote (relative to the machine's
@@ -1729,9 +1766,7 @@ def pull(machine, src: str, dst: str, *, delete: bool = False, exclude: Iterable
     ConfigError, SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
         As for :func:`push`.
     """
-    return _sync("pull", machine, src, dst, delete=delete, exclude=exclude, ignore_files=ignore_files,
-                 dry_run=dry_run, checksum=checksum, update=update, progress=progress,
-                 rename_clashes=rename_clashes, compress=compress)
+    return _sync("pull", machine, src, dst, (options or SyncOptions()).with_(**shortcuts), progress)
 
 
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:

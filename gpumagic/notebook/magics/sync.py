@@ -52,22 +52,19 @@ def _sync(magics: GpuMagics, line: str):
     except ConfigError as e:
         raise UsageError(f"{e.message}; {e.hint}") from None
     m = magics.fleet.get(t.host)
-    options = dict(delete=args.delete, exclude=args.exclude, ignore_files=not args.no_ignore_files,
-                   dry_run=args.dry_run, checksum=args.checksum, update=args.update, compress=args.compress)
-    if args.rename_clashes:
-        if not t.pull:
-            raise UsageError("--rename-clashes is for a pull (the machine's names written here)")
-        options["rename_clashes"] = True
+    if args.rename_clashes and not t.pull:
+        raise UsageError("--rename-clashes is for a pull (the machine's names written here)")
+    options = sync_options(args)
     root = sync.whole_file_system("pull" if t.pull else "push", m, t.src.path, t.dst.path)
     if root is not None and not (args.delete and root[0] == "destination"):  # that: the engine's error
         print(f"warning: the {root[0]} is {root[1]}: the whole file system is walked to compare, "
               "which can take minutes; Ctrl-C stops it at once, here and on the machine", file=sys.stderr)
     # a dry run shows progress only while a long walk of the machine's side goes on
-    progress = options["progress"] = widgets.LazySyncProgress() if args.dry_run else widgets.sync_progress()
+    progress = widgets.LazySyncProgress() if args.dry_run else widgets.sync_progress()
     summary = incomplete = None
     try:
         sync_once = m.pull if t.pull else m.push
-        summary = sync_once(t.src.path, t.dst.path, **options)
+        summary = sync_once(t.src.path, t.dst.path, options, progress=progress)
     except SyncIncomplete as e:  # the rest was synced: its summary, then the error (Run All stops)
         summary, incomplete = e.summary, e
     finally:  # the bar's line ends before an error is shown
@@ -76,3 +73,10 @@ def _sync(magics: GpuMagics, line: str):
     print(summary)
     if incomplete is not None:
         raise incomplete
+
+
+def sync_options(args) -> sync.SyncOptions:
+    """The :class:`gpumagic.sync.engine.SyncOptions` of ``%gpu sync``'s flags."""
+    return sync.SyncOptions(delete=args.delete, exclude=tuple(args.exclude), ignore_files=not args.no_ignore_files,
+                            dry_run=args.dry_run, checksum=args.checksum, update=args.update,
+                            compress=args.compress, rename_clashes=bool(getattr(args, "rename_clashes", False)))

@@ -160,11 +160,12 @@ def sync_from_all(magics, args) -> None:
         raise UsageError("no machine is connected; `%gpu connect NAME` first")
     import os
 
+    from .sync import sync_options
+
+    options = sync_options(args)
     for name, m in magics.fleet.machines.items():
         dest = os.path.join(dst.path, name) + "/"
-        summary = m.pull(src.path, dest, delete=args.delete, exclude=args.exclude,
-                         ignore_files=not args.no_ignore_files, dry_run=args.dry_run,
-                         checksum=args.checksum, update=args.update, compress=args.compress)
+        summary = m.pull(src.path, dest, options)
         print(f"{name}: {summary}")
 
 
