@@ -87,3 +87,29 @@ def test_the_readme_layout_names_every_module_and_folder():
                and "__pycache__" not in p.parts and p.name != "__init__.py" and p.suffix != ".pyc"
                and (p.name + "/" if p.is_dir() else p.stem if p.suffix == ".py" else p.name) not in words]
     assert missing == []
+
+
+def test_the_ssh_config_reader_has_a_handler_for_every_keyword_kind():
+    # readconf.c's switch is a table from keyword kind to a handler (issue 25): a kind added to
+    # KEYWORDS without its handler would otherwise fail only when a config uses that keyword.
+    from gpumagic.ssh.config import KEYWORDS, _Reader
+
+    assert {kind for kind, _attr in KEYWORDS.values()} <= set(_Reader.HANDLERS)
+
+
+def test_no_function_is_over_150_lines_or_13_parameters():
+    # issue 25: a long signature is an option object waiting (JobOptions, SyncOptions), and a
+    # function past 150 lines is several named steps in one
+    import ast
+    from pathlib import Path
+
+    over = []
+    for path in Path(gpumagic.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 150 or params > 13:
+                    over.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines, {params} parameters)")
+    assert over == []

@@ -38,7 +38,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 from .. import localpath
 from ..errors import ConfigError
@@ -1034,6 +1034,48 @@ class _Args:
         self.i = len(self.words)
 
 
+@dataclass
+class _Line:
+    """One config line as a keyword handler of :class:`_Reader` reads it.
+
+    The locals of readconf.c's ``process_config_line_depth`` that its cases share: the
+    keyword as ``written`` (for messages), the ``rest`` of the line after it and its words
+    ``av``; ``kind`` and ``attr`` from :data:`KEYWORDS`; ``active``, the one-element list that
+    ``Host`` / ``Match`` / ``Include`` switch, and ``on``, its value when the line was read;
+    ``cmdline`` for an ``ssh -o`` argument; the file's ``flags``, ``want_final`` and Include
+    ``depth``; where the line is (``filename``, ``linenum``).
+    """
+
+    written: str
+    rest: str
+    av: _Args
+    kind: str
+    attr: str | None
+    active: list[bool]
+    cmdline: bool
+    flags: int
+    want_final: list[bool] | None
+    depth: int
+    filename: str
+    linenum: int
+    on: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.on = self.active[0]
+
+    def need(self, arg: str | None) -> str:
+        """``arg``, which a keyword must have.
+
+        Raises
+        ------
+        _Bad
+            When it is missing or empty.
+        """
+        if not arg:
+            raise _Bad(f"{self.written} is missing its value")
+        return arg
+
+
 class _Reader:
     """One pass of ``process_config_files`` (or the ``-o`` lines of a command line)."""
 
@@ -1086,10 +1128,36 @@ class _Reader:
 
     def line(self, line: str, filename: str, linenum: int, active: list[bool] | None, flags: int,
              want_final: list[bool] | None, depth: int) -> None:
-        """``process_config_line_depth``; raises _Bad for a line ssh counts as bad."""
+        """Check and apply one config line (``process_config_line_depth``).
+
+        The keyword's kind (:data:`KEYWORDS`) picks its handler in :attr:`HANDLERS`; the
+        handler reads the words it takes, and words left over make the line bad.
+
+        Parameters
+        ----------
+        line : str
+            The line as written, without its newline.
+        filename, linenum : str, int
+            Where it was read (for messages and ``Match exec``'s tokens).
+        active : list of bool or None
+            One element, whether the current ``Host`` / ``Match`` block applies; ``Host``,
+            ``Match`` and ``Include`` set it.  None for an ``ssh -o`` argument.
+        flags : int
+            ``CHECKPERM``, ``USERCONF``, ``FINAL``, ``NEVERMATCH`` as readconf.c's.
+        want_final : list of bool or None
+            Set to True by ``Match final`` (ssh then reads the files again).
+        depth : int
+            How many ``Include`` levels deep the line is.
+
+        Raises
+        ------
+        _Bad
+            For a line ssh counts as bad (reported with its file and line when the file ends).
+        _Fatal
+            Where ssh stops at once (an ``Include`` loop, a bad ``PermitRemoteOpen``...).
+        """
         cmdline = active is None
-        if cmdline:
-            active = [True]
+        active = [True] if active is None else active
         if not line:
             return
         line = line[:1] + line[1:].rstrip(WHITESPACE + "\f")
@@ -1101,301 +1169,434 @@ class _Reader:
         if keyword is None or keyword == "" or keyword[0] in "\n#":
             return
         written = keyword
-        keyword = lowercase(keyword)
         if s is not None:
             s = s.lstrip(WHITESPACE)
         if not s:
             raise _Bad(f"{written} has no value")
-        kind, attr = KEYWORDS.get(keyword, (None, None))
-        if kind is None:
-            if self.o.ignored_unknown is not None and match_pattern_list(keyword, self.o.ignored_unknown, True) == 1:
-                kind = "ignore"
-            elif not flags & USERCONF and not cmdline:
-                kind = "ignore"  # a vendor keyword in /etc/ssh/ssh_config
-            else:
-                raise _Bad(f"Bad configuration option: {written} (OpenSSH 9.x has no such keyword; if "
-                           f"your ssh is newer, put `IgnoreUnknown {written}` above this line)")
+        kind, attr = self._kind(lowercase(keyword), written, flags, cmdline)
         words = argv_split(s)
         if words is None:
             raise _Bad(f"invalid quotes in {written} {s} (close the quote, or write \\' for a quote)")
-        av = _Args(words)
-        on = active[0]
-        o = self.o
+        ln = _Line(written, s, _Args(words), kind, attr, active, cmdline, flags, want_final, depth,
+                   filename, linenum)
+        self.HANDLERS[kind](self, ln)
+        if ln.av.left > 0:
+            raise _Bad(f"{written} has extra words at the end of the line: "
+                       f"{' '.join(ln.av.words[ln.av.i:])!r} (quote a value with spaces)")
 
-        def unset(name: str) -> bool:
-            value = getattr(o, name)
-            return value is None or value == -1 or value == []
+    def _kind(self, keyword: str, written: str, flags: int, cmdline: bool) -> tuple[str, str | None]:
+        """A keyword's (kind, Options field) from :data:`KEYWORDS`, as readconf.c's ``parse_token``.
 
-        def store(value) -> None:
-            if attr and on and unset(attr):
-                setattr(o, attr, value)
+        An unknown keyword is ignored when ``IgnoreUnknown`` names it or when it is in the
+        system-wide file; otherwise the line is bad.
 
-        def need(arg: str | None) -> str:
-            if not arg:
-                raise _Bad(f"{written} is missing its value")
-            return arg
+        Raises
+        ------
+        _Bad
+            ``Bad configuration option``.
+        """
+        kind, attr = KEYWORDS.get(keyword, (None, None))
+        if kind is not None:
+            return kind, attr
+        if self.o.ignored_unknown is not None and match_pattern_list(keyword, self.o.ignored_unknown, True) == 1:
+            return "ignore", None
+        if not flags & USERCONF and not cmdline:
+            return "ignore", None  # a vendor keyword in /etc/ssh/ssh_config
+        raise _Bad(f"Bad configuration option: {written} (OpenSSH 9.x has no such keyword; if "
+                   f"your ssh is newer, put `IgnoreUnknown {written}` above this line)")
 
-        if kind in ("ignore", "deprecated", "unsupported", "later"):
-            av.consume()
-        elif kind == "time":
-            arg = av.next()
-            if not arg:
-                raise _Bad(f"{written} is missing its time value")
-            if arg == "none":
-                value = -1
+    def _unset(self, name: str) -> bool:
+        """Whether the Options field ``name`` still holds its unset value (-1, None, [])."""
+        value = getattr(self.o, name)
+        return value is None or value == -1 or value == []
+
+    def _store(self, ln: _Line, value: object) -> None:
+        """Set the line's Options field in an active block, unless set before (first value wins)."""
+        if ln.attr and ln.on and self._unset(ln.attr):
+            setattr(self.o, ln.attr, value)
+
+    # -- the keyword kinds: readconf.c's cases, one handler each (see HANDLERS) --
+
+    def _read_skipped(self, ln: _Line) -> None:
+        """``oIgnore``, ``oDeprecated``, ``oUnsupported`` and later releases' keywords: the
+        rest of the line is read and not used."""
+        ln.av.consume()
+
+    def _read_time(self, ln: _Line) -> None:
+        """``ConnectTimeout``, ``ServerAliveInterval``, ``ForwardX11Timeout``: a ``convtime``
+        time (seconds, or ``1m30s``) or ``none``."""
+        av, written = ln.av, ln.written
+        arg = av.next()
+        if not arg:
+            raise _Bad(f"{written} is missing its time value")
+        if arg == "none":
+            value = -1
+        else:
+            value = convtime(arg)
+            if value == -1:
+                raise _Bad(f"{written} {arg} {_time_problem(arg)}")
+        self._store(ln, value)
+
+    def _read_multistate(self, ln: _Line) -> None:
+        """Yes/no and the other multistate keywords (``parse_multistate``): one word of the
+        kind's table in ``_MULTI`` (``BatchMode``, ``StrictHostKeyChecking``, ``AddressFamily``...)."""
+        arg = ln.av.next()
+        table = _MULTI[ln.kind]
+        value = table.get((arg or "").lower())
+        if value is None:
+            raise _Bad(f"{ln.written} {arg or ''} is not one of {', '.join(table)}".replace("  ", " "))
+        self._store(ln, value)
+
+    def _read_int(self, ln: _Line) -> None:
+        """``ServerAliveCountMax``, ``ConnectionAttempts``, ``CanonicalizeMaxDots``...
+        (``parse_int``): a whole number 0 to ``INT_MAX``."""
+        arg = ln.av.next()
+        if not arg:
+            raise _Bad(f"{ln.written} is missing its number")
+        value, err = strtonum(arg, 0, INT_MAX)
+        if err:
+            raise _Bad(f"{ln.written} {arg} is {'not a whole number' if err == 'invalid' else 'out of range (0 to 2147483647)'}")
+        self._store(ln, value)
+
+    def _read_string(self, ln: _Line) -> None:
+        """``User``, ``HostName``, ``HostKeyAlias``, the algorithm lists... (``parse_string``):
+        one word, kept as written."""
+        self._store(ln, ln.need(ln.av.next()))
+
+    def _read_identityfile(self, ln: _Line) -> None:
+        """``IdentityFile``: each line adds a file (``add_identity_file``), at most
+        ``SSH_MAX_IDENTITY_FILES``."""
+        arg = ln.need(ln.av.next())
+        if ln.on:
+            if len(self.o.identity_files) >= SSH_MAX_IDENTITY_FILES:
+                raise _Bad(f"too many IdentityFile lines (OpenSSH's limit is {SSH_MAX_IDENTITY_FILES})")
+            self.o.add_identity_file(arg, bool(ln.flags & USERCONF) or ln.cmdline)
+
+    def _read_certificatefile(self, ln: _Line) -> None:
+        """``CertificateFile``: one path, not used here."""
+        ln.need(ln.av.next())
+
+    def _read_strarray(self, ln: _Line) -> None:
+        """``UserKnownHostsFile``, ``GlobalKnownHostsFile``: the first line's list wins whole,
+        at most ``SSH_MAX_HOSTS_FILES`` entries."""
+        o, attr, written = self.o, ln.attr, ln.written
+        was_empty = self._unset(attr) if attr else True
+        for arg in _array_values(ln.av, written):
+            if attr and ln.on and was_empty:
+                if len(getattr(o, attr)) >= SSH_MAX_HOSTS_FILES:
+                    raise _Bad(f"too many {written} entries")
+                getattr(o, attr).append(arg)
+
+    def _read_command(self, ln: _Line) -> None:
+        """``ProxyCommand``, ``LocalCommand``, ``RemoteCommand``, ``KnownHostsCommand``: the
+        rest of the line, raw (a leading ``=`` dropped)."""
+        s, attr = ln.rest, ln.attr
+        value = s[len(s) - len(s.lstrip(WHITESPACE + "=")):]
+        if attr and ln.on and getattr(self.o, attr) is None:
+            setattr(self.o, attr, value)
+        ln.av.consume()
+
+    def _read_proxyjump(self, ln: _Line) -> None:
+        """``ProxyJump``: the rest of the line as ``[user@]host[:port]`` hops (``parse_jump``)."""
+        s = ln.rest
+        value = s[len(s) - len(s.lstrip(WHITESPACE + "=")):]
+        if not parse_jump(value, self.o, strict=ln.cmdline, active=ln.on):
+            raise _Bad(f'{ln.written} "{value}" is not a list of [user@]host[:port] hops')
+        ln.av.consume()
+
+    def _read_port(self, ln: _Line) -> None:
+        """``Port``: a number 1-65535 or a service name (``a2port``)."""
+        arg = ln.need(ln.av.next())
+        value = a2port(arg)
+        if value <= 0:
+            raise _Bad(f"Port {arg} {_port_problem(arg)}")
+        if ln.on and self.o.port == -1:
+            self.o.port = value
+
+    def _read_logverbose(self, ln: _Line) -> None:
+        """``LogVerbose``: an array of patterns, checked and not used."""
+        for _ in _array_values(ln.av, ln.written):
+            pass
+
+    def _read_loglevel(self, ln: _Line) -> None:
+        """``LogLevel`` (``log_level_number``): QUIET, FATAL, ERROR, INFO, VERBOSE, DEBUG1-3."""
+        arg = ln.av.next()
+        if (arg or "").lower() not in _LOG_LEVELS:
+            raise _Bad(f"{ln.written} {arg} is not a log level (QUIET, FATAL, ERROR, INFO, VERBOSE, DEBUG1-3)")
+
+    def _read_logfacility(self, ln: _Line) -> None:
+        """``SyslogFacility`` (``log_facility_number``): DAEMON, USER, AUTH, LOCAL0-7..."""
+        arg = ln.av.next()
+        if (arg or "").lower() not in _LOG_FACILITIES:
+            raise _Bad(f"{ln.written} {arg} is not a syslog facility")
+
+    def _read_forward(self, ln: _Line) -> None:
+        """``LocalForward``, ``RemoteForward``, ``DynamicForward`` (``parse_forward``): a listen
+        spec and, except for dynamic ones, a target; ``RemoteForward`` without one is dynamic."""
+        av, written = ln.av, ln.written
+        arg = ln.need(av.next())
+        remote, dynamic = ln.kind == "forward_remote", ln.kind == "forward_dynamic"
+        if not dynamic:
+            arg2 = av.next()
+            if not arg2:
+                if remote:
+                    dynamic = True
+                else:
+                    raise _Bad(f"{written} needs a target (LocalForward PORT HOST:PORT)")
             else:
-                value = convtime(arg)
-                if value == -1:
-                    raise _Bad(f"{written} {arg} {_time_problem(arg)}")
-            store(value)
-        elif kind in _MULTI:
-            arg = av.next()
-            table = _MULTI[kind]
-            value = table.get((arg or "").lower())
-            if value is None:
-                raise _Bad(f"{written} {arg or ''} is not one of {', '.join(table)}".replace("  ", " "))
-            store(value)
-        elif kind == "int":
-            arg = av.next()
-            if not arg:
-                raise _Bad(f"{written} is missing its number")
-            value, err = strtonum(arg, 0, INT_MAX)
-            if err:
-                raise _Bad(f"{written} {arg} is {'not a whole number' if err == 'invalid' else 'out of range (0 to 2147483647)'}")
-            store(value)
-        elif kind in ("string", "algos"):
-            arg = need(av.next())
-            store(arg)
-        elif kind == "identityfile":
-            arg = need(av.next())
-            if on:
-                if len(o.identity_files) >= SSH_MAX_IDENTITY_FILES:
-                    raise _Bad(f"too many IdentityFile lines (OpenSSH's limit is {SSH_MAX_IDENTITY_FILES})")
-                o.add_identity_file(arg, bool(flags & USERCONF) or cmdline)
-        elif kind == "certificatefile":
-            need(av.next())
-        elif kind == "strarray":
-            was_empty = unset(attr) if attr else True
-            for arg in _array_values(av, written):
-                if attr and on and was_empty:
-                    if len(getattr(o, attr)) >= SSH_MAX_HOSTS_FILES:
-                        raise _Bad(f"too many {written} entries")
-                    getattr(o, attr).append(arg)
-        elif kind == "command":
-            value = s[len(s) - len(s.lstrip(WHITESPACE + "=")):]
-            if attr and on and getattr(o, attr) is None:
-                setattr(o, attr, value)
-            av.consume()
-        elif kind == "proxyjump":
-            value = s[len(s) - len(s.lstrip(WHITESPACE + "=")):]
-            if not parse_jump(value, o, strict=cmdline, active=on):
-                raise _Bad(f'{written} "{value}" is not a list of [user@]host[:port] hops')
-            av.consume()
-        elif kind == "port":
-            arg = need(av.next())
-            value = a2port(arg)
-            if value <= 0:
-                raise _Bad(f"Port {arg} {_port_problem(arg)}")
-            if on and o.port == -1:
-                o.port = value
-        elif kind == "logverbose":
-            for _ in _array_values(av, written):
-                pass
-        elif kind == "loglevel":
-            arg = av.next()
-            if (arg or "").lower() not in _LOG_LEVELS:
-                raise _Bad(f"{written} {arg} is not a log level (QUIET, FATAL, ERROR, INFO, VERBOSE, DEBUG1-3)")
-        elif kind == "logfacility":
-            arg = av.next()
-            if (arg or "").lower() not in _LOG_FACILITIES:
-                raise _Bad(f"{written} {arg} is not a syslog facility")
-        elif kind in ("forward_local", "forward_remote", "forward_dynamic"):
-            arg = need(av.next())
-            remote, dynamic = kind == "forward_remote", kind == "forward_dynamic"
-            if not dynamic:
-                arg2 = av.next()
-                if not arg2:
-                    if remote:
-                        dynamic = True
-                    else:
-                        raise _Bad(f"{written} needs a target (LocalForward PORT HOST:PORT)")
-                else:
-                    arg = f"{arg}:{arg2}"[:255]
-            if not parse_forward(arg, dynamic, remote):
-                raise _Bad(f"{written} {arg} is not a forwarding specification")
-        elif kind == "permitremoteopen":
-            i = 0
-            while (arg := av.next()) is not None:
-                if arg.lower() in ("none", "any"):
-                    if i > 0 or av.left > 0:
-                        raise _Bad(f'{written} "{arg}" must appear alone')
-                else:
-                    host, rest, delim = hpdelim2(arg)
-                    if host is None or delim == "/":
-                        raise _Fatal(f"{_shown(filename, self.home)} line {linenum}: missing host in "
-                                     f"{written} {arg}", _CONFIG_HINT)
-                    if rest is None or (rest != "*" and a2port(rest) <= 0):
-                        raise _Fatal(f"{_shown(filename, self.home)} line {linenum}: bad port number in "
-                                     f"{written} {arg}", _CONFIG_HINT)
-                i += 1
-            if i == 0:
-                raise _Fatal(f"{_shown(filename, self.home)} line {linenum}: missing {written} "
-                             "specification", _CONFIG_HINT)
-        elif kind == "host":
-            if cmdline:
-                raise _Bad("Host cannot be given as a command-line option")
-            active[0] = False
-            while (arg := av.next()) is not None:
-                if arg == "":
-                    raise _Bad("Host has an empty pattern")
-                if flags & NEVERMATCH:
+                arg = f"{arg}:{arg2}"[:255]
+        if not parse_forward(arg, dynamic, remote):
+            raise _Bad(f"{written} {arg} is not a forwarding specification")
+
+    def _read_permitremoteopen(self, ln: _Line) -> None:
+        """``PermitRemoteOpen``: ``host:port`` pairs (``*`` for any port), or ``none`` / ``any``
+        alone; a missing host or bad port is fatal, as in ssh."""
+        av, written = ln.av, ln.written
+        where = f"{_shown(ln.filename, self.home)} line {ln.linenum}"
+        i = 0
+        while (arg := av.next()) is not None:
+            if arg.lower() in ("none", "any"):
+                if i > 0 or av.left > 0:
+                    raise _Bad(f'{written} "{arg}" must appear alone')
+            else:
+                host, rest, delim = hpdelim2(arg)
+                if host is None or delim == "/":
+                    raise _Fatal(f"{where}: missing host in {written} {arg}", _CONFIG_HINT)
+                if rest is None or (rest != "*" and a2port(rest) <= 0):
+                    raise _Fatal(f"{where}: bad port number in {written} {arg}", _CONFIG_HINT)
+            i += 1
+        if i == 0:
+            raise _Fatal(f"{where}: missing {written} specification", _CONFIG_HINT)
+
+    def _read_host(self, ln: _Line) -> None:
+        """``Host``: the block applies when a pattern matches and no ``!pattern`` does (one
+        pattern per word; ``match_pattern``)."""
+        av, active = ln.av, ln.active
+        if ln.cmdline:
+            raise _Bad("Host cannot be given as a command-line option")
+        active[0] = False
+        while (arg := av.next()) is not None:
+            if arg == "":
+                raise _Bad("Host has an empty pattern")
+            if ln.flags & NEVERMATCH:
+                av.consume()
+                break
+            negated = arg.startswith("!")
+            if match_pattern(self.host, arg[1:] if negated else arg):
+                if negated:
+                    active[0] = False
                     av.consume()
                     break
-                negated = arg.startswith("!")
-                if match_pattern(self.host, arg[1:] if negated else arg):
-                    if negated:
-                        active[0] = False
-                        av.consume()
-                        break
-                    active[0] = True
-            if active[0]:
-                self.matched = True
-        elif kind == "match":
-            if cmdline:
-                raise _Bad("Match cannot be given as a command-line option")
-            value, rest = self.match(s, flags & FINAL, want_final, filename, linenum)
-            active[0] = False if flags & NEVERMATCH else value
-            if active[0]:
-                self.matched = True
-            if not rest:
-                av.consume()
-        elif kind == "escapechar":
-            arg = need(av.next())
-            b = arg.encode("utf-8", "surrogateescape")
-            if not (arg == "none" or len(b) == 1 or (len(b) == 2 and b[:1] == b"^" and 64 <= b[1] < 128)):
-                raise _Bad(f"{written} {arg} is not an escape character")
-        elif kind == "sendenv":
-            while (arg := av.next()) is not None:
-                if arg == "" or "=" in arg:
-                    raise _Bad(f"{written} {arg} is not an environment variable name")
-        elif kind == "setenv":
-            while (arg := av.next()) is not None:
-                if "=" not in arg:
-                    raise _Bad(f"{written} {arg} is not NAME=VALUE")
-        elif kind == "controlpersist":
-            arg = need(av.next())
-            if arg not in ("no", "false", "yes", "true") and convtime(arg) < 0:
-                raise _Bad(f"{written} {arg} is not yes, no or a time")
-        elif kind == "tunneldevice":
-            arg = need(av.next())
-            if not all(_tun_ok(x) for x in arg.split(":", 1)):
-                raise _Bad(f"{written} {arg} is not a tun device")
-        elif kind == "include":
-            if cmdline:
-                raise _Bad("Include cannot be given as a command-line option")
-            while (arg := av.next()) is not None:
-                if arg == "":
-                    raise _Bad("Include has an empty path")
-                if arg.startswith("~") and not flags & USERCONF:
-                    raise _Bad(f"bad include path {arg} (a system config cannot use ~)")
-                oactive = active[0]
-                for path in self.config._include_paths(arg, bool(flags & USERCONF)):
-                    try:
-                        self.read_file(path, flags | CHECKPERM | (0 if oactive else NEVERMATCH),
-                                       active, want_final, depth + 1)
-                    except _Bad as e:  # cannot open it
-                        raise _Bad(str(e)) from None
-                    active[0] = oactive  # a Match in an included file does not leak out
-        elif kind == "ipqos":
-            for k, arg in enumerate((av.next(), av.next())):
-                if arg is None and k == 1:
-                    break
-                if not _ipqos_ok(arg):
-                    raise _Bad(f"{written} {arg} is not an IPQoS value")
-        elif kind == "canonicaldomains":
-            was_empty = not o.canonical_domains
-            for arg in _array_values(av, written):
-                name, err = valid_domain(arg)
-                if err:
-                    raise _Bad(err)
-                if on and was_empty:
-                    if len(o.canonical_domains) >= MAX_CANON_DOMAINS:
-                        raise _Bad("too many hostname suffixes")
-                    o.canonical_domains.append(name)
-        elif kind == "permittedcnames":
-            was_empty = not o.permitted_cnames
-            i = 0
-            while (arg := av.next()) is not None:
-                if arg.lower() == "none":
-                    if i > 0 or av.left > 0:
-                        raise _Bad(f'{written} "none" must appear alone')
-                    pair = (arg, "")
-                elif arg == "*":
-                    pair = ("*", "*")
-                else:
-                    src, colon, dst = lowercase(arg).partition(":")
-                    if not colon or not dst:
-                        raise _Bad(f'{written} "{arg}" is not SOURCE:TARGET')
-                    pair = (src, dst)
-                i += 1
-                if on and was_empty:
-                    if len(o.permitted_cnames) >= MAX_CANON_DOMAINS:
-                        raise _Bad("too many permitted CNAMEs")
-                    o.permitted_cnames.append(pair)
-        elif kind == "streamlocalbindmask":
-            arg = need(av.next())
-            value, _ = _strtol_prefix(arg, 8)
-            if value is None or not 0 <= value <= 0o777:
-                raise _Bad(f"{written} {arg} is not an octal mask")
-        elif kind == "fingerprinthash":
-            arg = need(av.next())
-            if arg.lower() not in _DIGESTS:
-                raise _Bad(f"{written} {arg} is not a hash algorithm (sha256, md5...)")
-        elif kind == "addkeystoagent":
-            arg, arg2 = av.next(), av.next()
-            value = _MULTI["yesnoaskconfirm"].get((arg or "").lower(), -1) if arg else -1
-            ok = True
-            if value == 3 and arg2 is not None:
-                ok = 0 <= convtime(arg2)
-            elif value == -1 and arg2 is None:
-                ok = arg is not None and 0 <= convtime(arg)
-            elif value == -1 or arg2 is not None:
-                ok = False
-            if not ok:
-                raise _Bad(f"{written} {arg} {arg2 or ''} is not yes, no, ask, confirm or a time".rstrip())
-        elif kind in ("identityagent", "forwardagent"):
-            arg = need(av.next())
-            if kind == "forwardagent" and arg.lower() in _MULTI["flag"]:
-                pass
-            else:
-                try:
-                    percent_expand(arg, None, dollar=True)
-                    bad = False
-                except ExpandError:
-                    bad = True
-                if bad or (arg.startswith("$") and not arg.startswith("${") and not re.fullmatch(r"\w+", arg[1:], re.ASCII)):
-                    raise _Bad(f"{written} {arg}: invalid environment expansion")
-        elif kind == "rekeylimit":
-            arg = need(av.next())
-            if arg != "default":
-                m = re.fullmatch(r"\s*[+-]?(\d*)(\.\d*)?([bBkKmMgGtTpPeE]?)", arg)
-                if not m or not (m.group(1) or m.group(2)):
-                    raise _Bad(f"{written} {arg} is not a size")
-                if arg.strip().startswith("-") or (not m.group(3) and not m.group(2) and 0 < int(m.group(1)) < 16):
-                    raise _Bad(f"{written} {arg} is too small")
-            if av.left:
-                if av.words[av.i] == "none":
-                    av.next()
-                else:
-                    arg = av.next()
-                    if convtime(arg) == -1 and arg != "none":
-                        raise _Bad(f"{written} interval {arg} {_time_problem(arg)}")
-        else:  # pragma: no cover - every KEYWORDS kind is handled above
-            raise _Bad(f"{written}: unimplemented keyword kind {kind}")
+                active[0] = True
+        if active[0]:
+            self.matched = True
 
-        if av.left > 0:
-            raise _Bad(f"{written} has extra words at the end of the line: "
-                       f"{' '.join(av.words[av.i:])!r} (quote a value with spaces)")
+    def _read_match(self, ln: _Line) -> None:
+        """``Match``: the block applies when every criterion holds (``match_cfg_line``, see
+        :meth:`match`)."""
+        if ln.cmdline:
+            raise _Bad("Match cannot be given as a command-line option")
+        value, rest = self.match(ln.rest, ln.flags & FINAL, ln.want_final, ln.filename, ln.linenum)
+        ln.active[0] = False if ln.flags & NEVERMATCH else value
+        if ln.active[0]:
+            self.matched = True
+        if not rest:
+            ln.av.consume()
+
+    def _read_escapechar(self, ln: _Line) -> None:
+        """``EscapeChar``: ``none``, one character, or ``^`` and a control letter."""
+        arg = ln.need(ln.av.next())
+        b = arg.encode("utf-8", "surrogateescape")
+        if not (arg == "none" or len(b) == 1 or (len(b) == 2 and b[:1] == b"^" and 64 <= b[1] < 128)):
+            raise _Bad(f"{ln.written} {arg} is not an escape character")
+
+    def _read_sendenv(self, ln: _Line) -> None:
+        """``SendEnv``: variable names or patterns, none empty or with ``=``."""
+        while (arg := ln.av.next()) is not None:
+            if arg == "" or "=" in arg:
+                raise _Bad(f"{ln.written} {arg} is not an environment variable name")
+
+    def _read_setenv(self, ln: _Line) -> None:
+        """``SetEnv``: ``NAME=VALUE`` words."""
+        while (arg := ln.av.next()) is not None:
+            if "=" not in arg:
+                raise _Bad(f"{ln.written} {arg} is not NAME=VALUE")
+
+    def _read_controlpersist(self, ln: _Line) -> None:
+        """``ControlPersist``: yes, no or a ``convtime`` time."""
+        arg = ln.need(ln.av.next())
+        if arg not in ("no", "false", "yes", "true") and convtime(arg) < 0:
+            raise _Bad(f"{ln.written} {arg} is not yes, no or a time")
+
+    def _read_tunneldevice(self, ln: _Line) -> None:
+        """``TunnelDevice``: ``local[:remote]``, each ``any`` or a tun number (``a2tun``)."""
+        arg = ln.need(ln.av.next())
+        if not all(_tun_ok(x) for x in arg.split(":", 1)):
+            raise _Bad(f"{ln.written} {arg} is not a tun device")
+
+    def _read_include(self, ln: _Line) -> None:
+        """``Include``: read each file a glob names, in order, inside the current block (a
+        relative path is under ``~/.ssh`` or ``/etc/ssh``; a ``Match`` in it does not leak out)."""
+        av, active, flags = ln.av, ln.active, ln.flags
+        if ln.cmdline:
+            raise _Bad("Include cannot be given as a command-line option")
+        while (arg := av.next()) is not None:
+            if arg == "":
+                raise _Bad("Include has an empty path")
+            if arg.startswith("~") and not flags & USERCONF:
+                raise _Bad(f"bad include path {arg} (a system config cannot use ~)")
+            oactive = active[0]
+            for path in self.config._include_paths(arg, bool(flags & USERCONF)):
+                try:
+                    self.read_file(path, flags | CHECKPERM | (0 if oactive else NEVERMATCH),
+                                   active, ln.want_final, ln.depth + 1)
+                except _Bad as e:  # cannot open it
+                    raise _Bad(str(e)) from None
+                active[0] = oactive  # a Match in an included file does not leak out
+
+    def _read_ipqos(self, ln: _Line) -> None:
+        """``IPQoS``: one or two DSCP names (``af21``, ``cs1``, ``lowdelay``...) or numbers 0-255."""
+        av = ln.av
+        for k, arg in enumerate((av.next(), av.next())):
+            if arg is None and k == 1:
+                break
+            if not _ipqos_ok(arg):
+                raise _Bad(f"{ln.written} {arg} is not an IPQoS value")
+
+    def _read_canonicaldomains(self, ln: _Line) -> None:
+        """``CanonicalDomains``: valid domain names, the first line's list wins whole, at most
+        ``MAX_CANON_DOMAINS``."""
+        o = self.o
+        was_empty = not o.canonical_domains
+        for arg in _array_values(ln.av, ln.written):
+            name, err = valid_domain(arg)
+            if err:
+                raise _Bad(err)
+            if ln.on and was_empty:
+                if len(o.canonical_domains) >= MAX_CANON_DOMAINS:
+                    raise _Bad("too many hostname suffixes")
+                o.canonical_domains.append(name)
+
+    def _read_permittedcnames(self, ln: _Line) -> None:
+        """``CanonicalizePermittedCNAMEs``: ``SOURCE:TARGET`` pattern pairs, ``*`` or ``none``
+        alone; the first line's list wins whole."""
+        av, written, o = ln.av, ln.written, self.o
+        was_empty = not o.permitted_cnames
+        i = 0
+        while (arg := av.next()) is not None:
+            if arg.lower() == "none":
+                if i > 0 or av.left > 0:
+                    raise _Bad(f'{written} "none" must appear alone')
+                pair = (arg, "")
+            elif arg == "*":
+                pair = ("*", "*")
+            else:
+                src, colon, dst = lowercase(arg).partition(":")
+                if not colon or not dst:
+                    raise _Bad(f'{written} "{arg}" is not SOURCE:TARGET')
+                pair = (src, dst)
+            i += 1
+            if ln.on and was_empty:
+                if len(o.permitted_cnames) >= MAX_CANON_DOMAINS:
+                    raise _Bad("too many permitted CNAMEs")
+                o.permitted_cnames.append(pair)
+
+    def _read_streamlocalbindmask(self, ln: _Line) -> None:
+        """``StreamLocalBindMask``: an octal mask 0-0777."""
+        arg = ln.need(ln.av.next())
+        value, _ = _strtol_prefix(arg, 8)
+        if value is None or not 0 <= value <= 0o777:
+            raise _Bad(f"{ln.written} {arg} is not an octal mask")
+
+    def _read_fingerprinthash(self, ln: _Line) -> None:
+        """``FingerprintHash``: a digest name (``ssh_digest_alg_by_name``: md5, sha256...)."""
+        arg = ln.need(ln.av.next())
+        if arg.lower() not in _DIGESTS:
+            raise _Bad(f"{ln.written} {arg} is not a hash algorithm (sha256, md5...)")
+
+    def _read_addkeystoagent(self, ln: _Line) -> None:
+        """``AddKeysToAgent``: yes, no, ask, confirm (optionally followed by a time), or a time."""
+        arg, arg2 = ln.av.next(), ln.av.next()
+        value = _MULTI["yesnoaskconfirm"].get((arg or "").lower(), -1) if arg else -1
+        ok = True
+        if value == 3 and arg2 is not None:
+            ok = 0 <= convtime(arg2)
+        elif value == -1 and arg2 is None:
+            ok = arg is not None and 0 <= convtime(arg)
+        elif value == -1 or arg2 is not None:
+            ok = False
+        if not ok:
+            raise _Bad(f"{ln.written} {arg} {arg2 or ''} is not yes, no, ask, confirm or a time".rstrip())
+
+    def _read_agent(self, ln: _Line) -> None:
+        """``IdentityAgent``, ``ForwardAgent``: a socket path whose ``${VAR}`` / ``$VAR`` must
+        expand (``ForwardAgent`` also takes yes / no)."""
+        arg = ln.need(ln.av.next())
+        if ln.kind == "forwardagent" and arg.lower() in _MULTI["flag"]:
+            return
+        try:
+            percent_expand(arg, None, dollar=True)
+            bad = False
+        except ExpandError:
+            bad = True
+        if bad or (arg.startswith("$") and not arg.startswith("${") and not re.fullmatch(r"\w+", arg[1:], re.ASCII)):
+            raise _Bad(f"{ln.written} {arg}: invalid environment expansion")
+
+    def _read_rekeylimit(self, ln: _Line) -> None:
+        """``RekeyLimit``: ``default`` or a size of at least 16 bytes (``scan_scaled``), then
+        optionally a time or ``none``."""
+        av, written = ln.av, ln.written
+        arg = ln.need(av.next())
+        if arg != "default":
+            m = re.fullmatch(r"\s*[+-]?(\d*)(\.\d*)?([bBkKmMgGtTpPeE]?)", arg)
+            if not m or not (m.group(1) or m.group(2)):
+                raise _Bad(f"{written} {arg} is not a size")
+            if arg.strip().startswith("-") or (not m.group(3) and not m.group(2) and 0 < int(m.group(1)) < 16):
+                raise _Bad(f"{written} {arg} is too small")
+        if av.left:
+            if av.words[av.i] == "none":
+                av.next()
+            else:
+                arg = av.next()
+                if convtime(arg) == -1 and arg != "none":
+                    raise _Bad(f"{written} interval {arg} {_time_problem(arg)}")
+
+    #: keyword kind (the first field of :data:`KEYWORDS`) -> the handler that reads its words
+    HANDLERS: ClassVar[dict[str, Callable[[_Reader, _Line], None]]] = {
+        **dict.fromkeys(("ignore", "deprecated", "unsupported", "later"), _read_skipped),
+        **dict.fromkeys(_MULTI, _read_multistate),
+        "time": _read_time,
+        "int": _read_int,
+        "string": _read_string,
+        "algos": _read_string,
+        "identityfile": _read_identityfile,
+        "certificatefile": _read_certificatefile,
+        "strarray": _read_strarray,
+        "command": _read_command,
+        "proxyjump": _read_proxyjump,
+        "port": _read_port,
+        "logverbose": _read_logverbose,
+        "loglevel": _read_loglevel,
+        "logfacility": _read_logfacility,
+        **dict.fromkeys(("forward_local", "forward_remote", "forward_dynamic"), _read_forward),
+        "permitremoteopen": _read_permitremoteopen,
+        "host": _read_host,
+        "match": _read_match,
+        "escapechar": _read_escapechar,
+        "sendenv": _read_sendenv,
+        "setenv": _read_setenv,
+        "controlpersist": _read_controlpersist,
+        "tunneldevice": _read_tunneldevice,
+        "include": _read_include,
+        "ipqos": _read_ipqos,
+        "canonicaldomains": _read_canonicaldomains,
+        "permittedcnames": _read_permittedcnames,
+        "streamlocalbindmask": _read_streamlocalbindmask,
+        "fingerprinthash": _read_fingerprinthash,
+        "addkeystoagent": _read_addkeystoagent,
+        **dict.fromkeys(("identityagent", "forwardagent"), _read_agent),
+        "rekeylimit": _read_rekeylimit,
+    }
 
     # -- Match --
 

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable, ClassVar
 
 from .. import localpath
 from ..errors import ConfigError
@@ -378,6 +379,29 @@ def parse_ssh_command(text: str) -> SshCommand:
         Not an ssh command, no destination, a remote command after the destination, a
         missing option value, a bad port, an ``-o`` that ssh refuses -- each with a hint.
     """
+    line = _CommandLine(_ssh_argv(text))
+    line.read()
+    cmd = line.command()
+    home = os.path.expanduser("~")
+    local = Local.current(home)
+    o = Options()
+    _replay(cmd, o, home=home, local=local)  # everything ssh checks before reading a config
+    port_text = line.first.get("Port")
+    cmd = replace(cmd, port=_ssh_port(port_text, "port") if port_text else None)
+    if o.user is not None and o.user_on_commandline and not ssh_valid_ruser(o.user):
+        raise ConfigError(f"user name {o.user!r} contains characters ssh refuses",
+                          "give the user name without quotes, ;, &, |, <, > or a leading -")
+    return cmd
+
+
+def _ssh_argv(text: str) -> list[str]:
+    """The words of a pasted ``ssh ...`` line (``localpath.split_command_line``; ``$ `` dropped).
+
+    Raises
+    ------
+    ConfigError
+        Unbalanced quotes, or a line that does not start with ``ssh``.
+    """
     raw = (text or "").strip()
     if raw.startswith("$ "):
         raw = raw[2:].lstrip()
@@ -388,38 +412,168 @@ def parse_ssh_command(text: str) -> SshCommand:
     if not argv or argv[0] != "ssh":
         raise ConfigError(f"{text!r} is not an ssh command line",
                           "paste the whole line the platform shows, e.g. ssh -p 41022 root@203.0.113.10")
-    first: dict[str, str] = {}
-    keys: list[str] = []
-    ignored: list[str] = []
-    actions: list[tuple[str, object]] = []
-    config: str | None = None
-    host: str | None = None
+    return argv
 
-    def setting(keyword: str, value: str) -> None:
+
+#: ssh(1) options that set a login setting -> the ssh_config keyword they set.
+_SETTING_OPTIONS = {"p": "Port", "i": "IdentityFile", "l": "User"}
+
+
+class _CommandLine:
+    """An ssh(1) argument list read as ``ssh.c``'s ``main`` reads it, one step per method.
+
+    ``first`` holds the first value given for each setting (``IdentityFile`` goes to
+    ``keys``, every one), ``actions`` the options that set something in the order ssh
+    applies them, ``ignored`` what gpumagic sets aside with the reason; ``i`` is the next word.
+    """
+
+    def __init__(self, argv: list[str]):
+        self.argv, self.i, self.terminated = argv, 1, False
+        self.first: dict[str, str | tuple[str, ...]] = {}
+        self.keys: list[str] = []
+        self.ignored: list[str] = []
+        self.actions: list[tuple[str, object]] = []
+        self.config: str | None = None
+        self.host: str | None = None
+
+    def read(self) -> None:
+        """Options, the destination, then options after it (``ssh.c`` runs getopt again),
+        until ``--`` or the first word of a remote command."""
+        n = len(self.argv)
+        while True:
+            self.read_options()
+            if self.host is None and self.i < n:
+                self.host = self.destination(self.argv[self.i])
+                self.i += 1
+                if self.i < n and not self.terminated:
+                    continue  # ssh.c: options may follow the destination
+            break
+
+    def read_options(self) -> None:
+        """One getopt(3) run: option words up to ``--`` (taken) or the first other word."""
+        argv = self.argv
+        while self.i < len(argv):
+            arg = argv[self.i]
+            if arg == "--":
+                self.i, self.terminated = self.i + 1, True
+                return
+            if not arg.startswith("-") or arg == "-":
+                return
+            self.i += 1
+            self.option_word(arg)
+
+    def option_word(self, arg: str) -> None:
+        """One ``-xyz`` word: grouped flags (``-tt``), then at most one option that takes a
+        value, glued (``-p41022``) or in the next word; :attr:`OPTIONS` handles it.
+
+        Raises
+        ------
+        ConfigError
+            ``-1``, a letter ssh has no option for, or a value missing at the end.
+        """
+        j = 1
+        while j < len(arg):
+            letter = arg[j]
+            j += 1
+            if letter in _SSH_FLAGS:
+                self.flag(letter)
+                continue
+            if letter == "1":
+                raise ConfigError("ssh -1 (SSH protocol 1) is no longer supported", "remove -1")
+            handler = self.OPTIONS.get(letter)
+            if handler is None:
+                raise ConfigError(f"ssh has no option -{letter}",
+                                  "paste the ssh command exactly as the platform shows it")
+            handler(self, letter, arg[j:] or self.next_value(letter))
+            return
+
+    def next_value(self, letter: str) -> str:
+        """The word after ``-LETTER``, its value (getopt's ``optarg``)."""
+        if self.i >= len(self.argv):
+            raise ConfigError(f"ssh option -{letter} needs a value",
+                              f"complete it (-{letter} VALUE) or paste the whole line")
+        self.i += 1
+        return self.argv[self.i - 1]
+
+    def setting(self, keyword: str, value: str) -> None:
+        """Keep ``value`` for the ssh_config ``keyword`` unless one came first (every
+        ``IdentityFile`` is kept)."""
         if keyword == "IdentityFile":
-            keys.append(value)
+            self.keys.append(value)
         else:
-            first.setdefault(keyword, value)  # OpenSSH: the first obtained value wins
+            self.first.setdefault(keyword, value)  # OpenSSH: the first obtained value wins
 
-    def dash_o(arg: str) -> None:
+    # -- one handler per option (see OPTIONS) --
+
+    def flag(self, letter: str) -> None:
+        """An option without a value: ``-4`` / ``-6`` (``AddressFamily``) are replayed, ``-N``
+        is set aside, the rest do not change where ssh connects."""
+        if letter == "N":
+            self.ignored.append(f"-N ({_IGNORED_WHY['-N']})")
+        elif letter in "46":
+            self.actions.append((letter, ""))
+
+    def option_setting(self, letter: str, value: str) -> None:
+        """``-p PORT``, ``-i FILE``, ``-l USER``: ``Port``, ``IdentityFile``, ``User``."""
+        self.actions.append((letter, value))
+        self.setting(_SETTING_OPTIONS[letter], value)
+
+    def option_jump(self, letter: str, value: str) -> None:
+        """``-J HOPS`` (``ProxyJump``), allowed once, as in ssh.c."""
+        if any(a == "J" for a, _ in self.actions):
+            raise ConfigError("only one -J is allowed (as in OpenSSH)",
+                              "list the hops in one -J, comma-separated: -J a,b")
+        self.actions.append(("J", value))
+        self.setting("ProxyJump", value)
+
+    def option_o(self, letter: str, arg: str) -> None:
+        """``-o Keyword=Value`` / ``-o "Keyword Value"``: replayed through readconf; a
+        :data:`HONOURED_KEYWORDS` one is kept as written, others are listed as ignored unless
+        they take part in finding the host."""
         key, rest, words = _split_o(arg)
         if not key or not rest:
             raise ConfigError(f"-o {arg!r} has no value",
                               f"write it as -o {key or 'Keyword'}=VALUE (e.g. -o Port=41022)")
-        actions.append(("o", arg))
+        self.actions.append(("o", arg))
         canon = HONOURED_KEYWORDS.get(key.lower())
         shown = " ".join(words) if words else rest
         if canon == "ProxyJump":
-            setting(canon, rest.lstrip(WHITESPACE + "="))
+            self.setting(canon, rest.lstrip(WHITESPACE + "="))
         elif canon == "UserKnownHostsFile" and len(words) > 1:
-            setting(canon, tuple(words))  # several files; add-host writes each as one word
+            self.first.setdefault(canon, tuple(words))  # several files; add-host writes each as one word
         elif canon is not None:
-            setting(canon, words[0] if words else rest)
+            self.setting(canon, words[0] if words else rest)
         elif key.lower() not in _RESOLUTION_KEYWORDS:
             why = _IGNORED_WHY.get(key.lower(), "gpumagic does not use this option")
-            ignored.append(f"-o {key}={shown} ({why})")
+            self.ignored.append(f"-o {key}={shown} ({why})")
 
-    def destination(arg: str) -> str:
+    def option_config(self, letter: str, value: str) -> None:
+        """``-F FILE``: the config to read instead of ``~/.ssh/config`` (the last one wins)."""
+        self.config = value
+
+    def option_set_aside(self, letter: str, value: str) -> None:
+        """Any other option with a value: listed as ignored with the reason; ``-L`` / ``-R`` /
+        ``-D`` must still be forwarding specifications ssh accepts (``parse_forward``)."""
+        if letter in "LRD" and not parse_forward(value, letter == "D", letter == "R"):
+            raise ConfigError(f"-{letter} {value} is not a forwarding specification ssh accepts",
+                              f"write it as -{letter} 8888:localhost:8888, or leave it out")
+        why = _IGNORED_WHY.get(f"-{letter}", "gpumagic does not use this option")
+        self.ignored.append(f"-{letter} {value} ({why})")
+
+    #: ssh(1) option letter that takes a value -> its handler
+    OPTIONS: ClassVar[dict[str, Callable[[_CommandLine, str, str], None]]] = {
+        **dict.fromkeys(_SSH_OPTS_WITH_ARG, option_set_aside),
+        **dict.fromkeys(_SETTING_OPTIONS, option_setting),
+        "J": option_jump,
+        "o": option_o,
+        "F": option_config,
+    }
+
+    # -- the destination, and the result --
+
+    def destination(self, arg: str) -> str:
+        """``[user@]host`` (split at the last ``@``) or ``ssh://[user@]host[:port]``: its user
+        and port apply unless ``-l`` / ``-p`` / ``-o`` came first.  Returns the host."""
         # gpumagic also reads ssh://user@[2001:db8::1]:22, which OpenSSH 9.2 refuses
         r, user, h, port = parse_ssh_uri(arg, allow_v6=True)
         if r == -1:
@@ -431,98 +585,35 @@ def parse_ssh_command(text: str) -> SshCommand:
             user, port = (user if at else None), -1
         if not h:
             raise ConfigError(f"cannot read {arg!r} as a machine", "write it as user@host")
-        actions.append(("dest", (user, port)))
+        self.actions.append(("dest", (user, port)))
         if user:
-            setting("User", user)  # ssh.c: user@ applies unless -l / -o User came first
+            self.setting("User", user)  # ssh.c: user@ applies unless -l / -o User came first
         if port > 0:
-            setting("Port", str(port))
+            self.setting("Port", str(port))
         return h
 
-    i, n, terminated = 1, len(argv), False
-    while True:
-        while i < n:  # one getopt(3) run: options up to the first other word
-            arg = argv[i]
-            if arg == "--":
-                i, terminated = i + 1, True
-                break
-            if not arg.startswith("-") or arg == "-":
-                break
-            i += 1
-            j = 1
-            while j < len(arg):
-                letter = arg[j]
-                j += 1
-                if letter in _SSH_FLAGS:
-                    if letter == "N":
-                        ignored.append(f"-N ({_IGNORED_WHY['-N']})")
-                    elif letter in "46":
-                        actions.append((letter, ""))
-                    continue
-                if letter == "1":
-                    raise ConfigError("ssh -1 (SSH protocol 1) is no longer supported", "remove -1")
-                if letter not in _SSH_OPTS_WITH_ARG:
-                    raise ConfigError(f"ssh has no option -{letter}",
-                                      "paste the ssh command exactly as the platform shows it")
-                value = arg[j:]
-                if not value:
-                    if i >= n:
-                        raise ConfigError(f"ssh option -{letter} needs a value",
-                                          f"complete it (-{letter} VALUE) or paste the whole line")
-                    value = argv[i]
-                    i += 1
-                if letter == "p":
-                    actions.append(("p", value))
-                    setting("Port", value)
-                elif letter == "i":
-                    actions.append(("i", value))
-                    setting("IdentityFile", value)
-                elif letter == "l":
-                    actions.append(("l", value))
-                    setting("User", value)
-                elif letter == "J":
-                    if any(a == "J" for a, _ in actions):
-                        raise ConfigError("only one -J is allowed (as in OpenSSH)",
-                                          "list the hops in one -J, comma-separated: -J a,b")
-                    actions.append(("J", value))
-                    setting("ProxyJump", value)
-                elif letter == "o":
-                    dash_o(value)
-                elif letter == "F":
-                    config = value
-                else:
-                    if letter in "LRD" and not parse_forward(value, letter == "D", letter == "R"):
-                        raise ConfigError(f"-{letter} {value} is not a forwarding specification ssh accepts",
-                                          f"write it as -{letter} 8888:localhost:8888, or leave it out")
-                    why = _IGNORED_WHY.get(f"-{letter}", "gpumagic does not use this option")
-                    ignored.append(f"-{letter} {value} ({why})")
-                break
-        if host is None and i < n:
-            host = destination(argv[i])
-            i += 1
-            if i < n and not terminated:
-                continue  # ssh.c: options may follow the destination
-        break
-    if host is None:
-        raise ConfigError("the ssh command names no machine",
-                          "paste the whole line, e.g. ssh -p 41022 root@203.0.113.10")
-    if i < n:
-        raise ConfigError(f"the ssh command runs a remote command ({' '.join(argv[i:])!r}) "
-                          "after the destination",
-                          "paste only the login part: ssh [options] user@host")
-    options = {k: v for k, v in first.items() if k not in ("Port", "User", "ProxyJump")}
-    cmd = SshCommand(host=host, user=first.get("User"),
-                     key=keys[0] if keys else None, keys=tuple(keys), jump=first.get("ProxyJump"),
-                     options=options, ignored=tuple(ignored), config=config, actions=tuple(actions))
-    home = os.path.expanduser("~")
-    local = Local.current(home)
-    o = Options()
-    _replay(cmd, o, home=home, local=local)  # everything ssh checks before reading a config
-    port_text = first.get("Port")
-    cmd = replace(cmd, port=_ssh_port(port_text, "port") if port_text else None)
-    if o.user is not None and o.user_on_commandline and not ssh_valid_ruser(o.user):
-        raise ConfigError(f"user name {o.user!r} contains characters ssh refuses",
-                          "give the user name without quotes, ;, &, |, <, > or a leading -")
-    return cmd
+    def command(self) -> SshCommand:
+        """The :class:`SshCommand` read.
+
+        Raises
+        ------
+        ConfigError
+            No destination, or words after it (a remote command).
+        """
+        argv, i = self.argv, self.i
+        if self.host is None:
+            raise ConfigError("the ssh command names no machine",
+                              "paste the whole line, e.g. ssh -p 41022 root@203.0.113.10")
+        if i < len(argv):
+            raise ConfigError(f"the ssh command runs a remote command ({' '.join(argv[i:])!r}) "
+                              "after the destination",
+                              "paste only the login part: ssh [options] user@host")
+        first, keys = self.first, self.keys
+        options = {k: v for k, v in first.items() if k not in ("Port", "User", "ProxyJump")}
+        return SshCommand(host=self.host, user=first.get("User"),
+                          key=keys[0] if keys else None, keys=tuple(keys), jump=first.get("ProxyJump"),
+                          options=options, ignored=tuple(self.ignored), config=self.config,
+                          actions=tuple(self.actions))
 
 
 def _replay(cmd: SshCommand, o: Options, *, home: str, local: Local, skip_keys: bool = False,
