@@ -2,7 +2,7 @@
 (tests/linkemu.py, 40 ms RTT, 20/50 Mbit/s), never time.
 
 The link counts every byte of the connection, SSH's framing included; each channel also
-carries the agent's source up once (``engine.AGENT_SOURCE``), which the bounds name."""
+carries the agent's source up at most once (``engine.AGENT_SOURCE``), which the bounds name."""
 
 from __future__ import annotations
 

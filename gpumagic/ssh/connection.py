@@ -185,6 +185,9 @@ class Connection:
         self._busy_lock = threading.Lock()
         self._lost_reason: str | None = None
         self.opened_count = 0
+        #: Content hashes of programs that this connection has kept on the machine (the sync
+        #: agent): sent whole once, then run from there.  Emptied at each (re-)open.
+        self.kept_programs: set[str] = set()
         #: Messages for the user from the last open (e.g. a host key that was trusted).
         self.notes: list[str] = []
         #: (message, hint) when this connection must not open again (a stopped sandbox).
@@ -365,6 +368,7 @@ class Connection:
             self._hops = hops
             self._lost_reason = None
             self.opened_count += 1
+            self.kept_programs = set()
             self._remote_forwards = {}  # the old transport's listeners went with it
             self._start_keepalive(t)
             for hook in list(self.after_open):

@@ -1,8 +1,10 @@
-"""The remote half of ``%gpu sync``: a stdlib-only script run as ``python3 -c SOURCE OP NONCE ...``.
+"""The remote half of ``%gpu sync``: a stdlib-only script run as ``python3 -I -S FILE OP NONCE ...``.
 
-gpumagic sends this file's text in each exec request (nothing is installed on the machine),
-and also imports it locally, so a pull writes files with the very same code a push uses on
-the remote side.  It must run on any Python 3.6+ and import nothing outside the standard
+gpumagic sends this file's text once per connection and keeps it on the machine as
+``~/.gpumagic/sync-agent-HASH.py`` for that connection's later syncs (or runs it as
+``python3 -c SOURCE`` where nothing can be kept; see ``engine.agent_command``).  It also
+imports it locally, so a pull writes files with the very same code a push uses on the
+remote side.  It must run on any Python 3.6+ and import nothing outside the standard
 library.
 
 Operations (argv after the source; NONCE is a fresh token of the caller's, see below)
@@ -809,41 +811,58 @@ def open_resumable(path, offset, digest):
         The file is open for writing at ``kept_bytes``, ``flock``-ed; call :func:`release`
         with ``token`` when done with it.
     """
+    if offset <= 0:
+        return _claim_part(path, lambda tmp: None)
+    return _claim_part(path, lambda tmp: _resumed_part(path, tmp, offset, digest))
+
+
+def _claim_part(path, reuse):
+    """A part file of this writer's own for ``path``: what ``reuse(tmp)`` makes of the new
+    part name ``tmp`` (``(file, kept_bytes)``, or None: nothing to reuse), else a new empty
+    part.  Returns ``(file, kept_bytes, part_path, token)``, the file locked; the token is
+    released when anything goes wrong."""
     _make_parent(path)
     tmp, token = new_part_name(path)
     try:
-        if offset > 0:
-            import time
-            deadline = time.time() + RESUME_WAIT
-            while True:
-                busy = False
-                for size, cand, state in parts_of(path):
-                    if size < offset or cand == tmp:
-                        continue
-                    if state == "busy":
-                        busy = True
-                        continue
-                    f = _adopt(cand, tmp)
-                    if f is None:
-                        continue
-                    if os.fstat(f.fileno()).st_size >= offset and hash_file(f, offset).hexdigest() == digest:
-                        f.truncate(offset)
-                        f.seek(offset)
-                        return f, offset, tmp, token
-                    f.close()
-                    os.unlink(tmp)  # another source's bytes: of no use
-                if not busy or time.time() >= deadline:
-                    break
-                time.sleep(0.05)  # its writer may be ending (a cut connection's)
-            f = _grown_from(path, tmp, offset, digest)
-            if f is not None:
-                return f, offset, tmp, token
+        got = reuse(tmp)
+        if got is not None:
+            return got[0], got[1], tmp, token
         f = _create(tmp)
         _try_lock(f)
         return f, 0, tmp, token
     except BaseException:
         release(token)
         raise
+
+
+def _resumed_part(path, tmp, offset, digest):
+    """For :func:`open_resumable`: ``(file, offset)`` of an abandoned part of ``path`` taken
+    over as ``tmp`` (waiting up to :data:`RESUME_WAIT` for busy ones), or of a copy of the
+    grown target's first ``offset`` bytes; None when neither has them."""
+    import time
+    deadline = time.time() + RESUME_WAIT
+    while True:
+        busy = False
+        for size, cand, state in parts_of(path):
+            if size < offset or cand == tmp:
+                continue
+            if state == "busy":
+                busy = True
+                continue
+            f = _adopt(cand, tmp)
+            if f is None:
+                continue
+            if os.fstat(f.fileno()).st_size >= offset and hash_file(f, offset).hexdigest() == digest:
+                f.truncate(offset)
+                f.seek(offset)
+                return f, offset
+            f.close()
+            os.unlink(tmp)  # another source's bytes: of no use
+        if not busy or time.time() >= deadline:
+            break
+        time.sleep(0.05)  # its writer may be ending (a cut connection's)
+    f = _grown_from(path, tmp, offset, digest)
+    return None if f is None else (f, offset)
 
 
 def copy_prefix(src, f, size):
@@ -910,19 +929,17 @@ def take_part(path):
         As :func:`open_resumable`, ``size`` being the bytes it holds (unverified: the caller
         asks the source whether they match).
     """
-    _make_parent(path)
-    tmp, token = new_part_name(path)
-    try:
-        for cand in abandoned_parts(path):
-            f = _adopt(cand, tmp)
-            if f is not None:
-                return f, os.fstat(f.fileno()).st_size, tmp, token
-        f = _create(tmp)
-        _try_lock(f)
-        return f, 0, tmp, token
-    except BaseException:
-        release(token)
-        raise
+    return _claim_part(path, lambda tmp: _taken_part(path, tmp))
+
+
+def _taken_part(path, tmp):
+    """For :func:`take_part`: ``(file, size)`` of the largest abandoned part of ``path``
+    that could be taken over as ``tmp``, or None."""
+    for cand in abandoned_parts(path):
+        f = _adopt(cand, tmp)
+        if f is not None:
+            return f, os.fstat(f.fileno()).st_size
+    return None
 
 
 def leave_part(f, tmp):

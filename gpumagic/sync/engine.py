@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import hashlib
 import io
 import json
 import logging
@@ -42,6 +43,7 @@ from typing import Callable, Iterable
 import paramiko
 
 from . import agent, laptop
+from .._options import Options
 from ..errors import ConnectionLost, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
 from ..remote.execution import start_program
 from ..ssh._paramiko import send_eof
@@ -190,12 +192,48 @@ ProgressCallback = Callable[[SyncProgress], None]
 # -- remote channel helpers --------------------------------------------------------------
 
 
-def agent_command(op: str, nonce: str, *args: str) -> str:
-    """The ``/bin/sh`` command line that runs the agent operation ``op`` with the remote
+#: Printed by a short agent command (see :func:`agent_command`) that found no kept agent.
+AGENT_MISSING = b"\x1egpumagic-sync-agent-missing\n"
+#: Printed by a whole agent command that could not keep the agent (a read-only HOME).
+AGENT_UNKEPT = b"\x1egpumagic-sync-agent-unkept\n"
+#: Exit status of a short agent command that found no kept agent.
+AGENT_MISSING_EXIT = 97
+
+
+def agent_digest() -> str:
+    """The agent's content hash (16 hex digits), which names its kept copy on the machine."""
+    return hashlib.sha256(AGENT_SOURCE.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def agent_command(op: str, nonce: str, *args: str, kept: bool = False) -> str:
+    """The ``/bin/sh`` program that runs the agent operation ``op`` with the remote
     ``python3`` (started with :func:`gpumagic.remote.execution.start_program`); ``nonce``
-    goes into the start marker it prints (see :mod:`gpumagic.sync.agent`)."""
-    argv = ["python3", "-I", "-S", "-c", AGENT_SOURCE, op, nonce, *args]
-    return " ".join(shlex.quote(a) for a in argv)
+    goes into the start marker it prints (see :mod:`gpumagic.sync.agent`).
+
+    The agent's source (about 70 KB) travels once per connection: the whole program keeps
+    it as ``~/.gpumagic/sync-agent-HASH.py`` (0600, written whole then renamed) and runs
+    that file; with ``kept`` (this connection kept it already) the program only runs the
+    file, and prints :data:`AGENT_MISSING` and exits :data:`AGENT_MISSING_EXIT` when it is
+    gone.  Where it cannot be kept (a read-only HOME), the whole program says
+    :data:`AGENT_UNKEPT` and runs the source from its command line, as before.
+    """
+    digest = agent_digest()
+    path = f'"$HOME/.gpumagic/sync-agent-{digest}.py"'
+    rest = " ".join(shlex.quote(a) for a in (op, nonce, *args))
+    if kept:
+        return (f"a={path}\n"
+                f"[ -r \"$a\" ] || {{ printf '\\036{AGENT_MISSING[1:-1].decode()}\\n'; exit {AGENT_MISSING_EXIT}; }}\n"
+                f'exec python3 -I -S "$a" {rest}')
+    end = f"GPUMAGIC_SYNC_AGENT_{digest}"
+    if end in AGENT_SOURCE:
+        raise AssertionError("the agent's source holds its here-document's end")
+    return (f"a={path}\n"
+            f"s=$(cat <<'{end}'\n{AGENT_SOURCE}\n{end}\n)\n"
+            '(umask 077 && mkdir -p "$HOME/.gpumagic" && printf \'%s\\n\' "$s" > "$a.$$" && '
+            'mv -f "$a.$$" "$a") 2>/dev/null && exec python3 -I -S "$a" ' + rest + "\n"
+            'rm -f "$a.$$" 2>/dev/null\n'
+            f"printf '\\036{AGENT_UNKEPT[1:-1].decode()}\\n'\n"
+            'exec python3 -I -S -c "$s" ' + rest)
 
 
 #: Seconds the login shell may take to start the agent: its start-up files (``~/.bashrc``)
@@ -239,6 +277,11 @@ class _Channel:
         was_open = conn.is_connected
         opening = time.monotonic()
         self.chan: paramiko.Channel = conn.open_session()
+        #: The agent's hash, and whether this channel ran the copy kept on the machine.
+        self.digest = agent_digest()
+        self.kept = self.digest in conn.kept_programs
+        #: What came before the agent's marker (its tail): the kept agent's notes.
+        self.before = bytearray()
         #: Seconds the channel took to open, one round trip of the connection (None when
         #: the connection had to be made first).
         self.rtt = time.monotonic() - opening if was_open else None
@@ -259,7 +302,8 @@ class _Channel:
         self.started = time.monotonic()
         try:
             # whatever the login shell; a start-up file that never returns is named
-            start_program(self.chan, agent_command(op, nonce, *args), timeout=START_TIMEOUT)
+            start_program(self.chan, agent_command(op, nonce, *args, kept=self.kept), timeout=START_TIMEOUT)
+            conn.kept_programs.add(self.digest)  # kept now (AGENT_UNKEPT says when it was not)
         except socket.timeout:
             self.chan.close()
             raise self._never_started() from None
@@ -376,12 +420,21 @@ class _Channel:
             return False
         if not self.marked:
             i = self.buf.find(self.marker)
+            cut = i if i >= 0 else max(0, len(self.buf) - (len(self.marker) - 1))  # a marker may be split
+            self._before(self.buf[:cut])
             if i < 0:
-                del self.buf[:-(len(self.marker) - 1)]  # a marker may be split across packets
+                del self.buf[:cut]
                 return True
             del self.buf[:i + len(self.marker)]
             self.marked = True
         return True
+
+    def _before(self, data: bytes | bytearray) -> None:
+        """Output before the agent's marker (a login shell's, the agent command's notes)."""
+        self.before += data
+        del self.before[:-4096]
+        if AGENT_UNKEPT in self.before:  # not kept there: the next sync sends it whole again
+            self.machine.connection.kept_programs.discard(self.digest)
 
     def _take(self, n: int) -> bytes:
         out = bytes(self.buf[:n])
@@ -487,6 +540,11 @@ class _Channel:
         rec = self.record(text)
         if rec is not None:
             return agent_error(rec, self.machine.name, self.doing)
+        if self.kept and code == AGENT_MISSING_EXIT and AGENT_MISSING in bytes(self.before + self.buf):
+            self.machine.connection.kept_programs.discard(self.digest)
+            return SyncError(f"the sync helper gpumagic keeps on {self.machine.name} "
+                             f"(~/.gpumagic/sync-agent-{self.digest}.py) was removed meanwhile",
+                             "run the sync again: it is sent anew")
         if code == 127 or b"python3" in err and b"not found" in err:
             return SyncError(f"{self.machine.name} has no python3, which %gpu sync runs on the remote side",
                              "install it there (e.g. `apt-get install -y python3`)")
@@ -973,7 +1031,7 @@ def _resolve_single_file(src_entries: Listing, name: str) -> dict[str, Entry]:
 
 
 @dataclass(frozen=True)
-class SyncOptions:
+class SyncOptions(Options):
     """How a push or pull compares and copies (``%gpu sync``'s flags, rsync's names): one
     object from the magics to :func:`push`/:func:`pull`; the plain-Python API also takes
     each field as a keyword (``m.push("proj/", "proj", delete=True)``), merged by
@@ -1009,18 +1067,11 @@ class SyncOptions:
     compress: bool | None = None
     rename_clashes: bool = False
 
-    def with_(self, **changes) -> "SyncOptions":
-        """These options with ``changes`` (field names as keywords; a misspelt one raises
-        ``TypeError`` naming the valid ones)."""
-        unknown = sorted(set(changes) - SYNC_OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"unknown sync option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
-                            f"(valid: {', '.join(sorted(SYNC_OPTION_NAMES))})")
-        return dataclasses.replace(self, **changes) if changes else self
+    kind = "sync"
 
 
 #: The fields of :class:`SyncOptions`: what :func:`push` and :func:`pull` take as keywords.
-SYNC_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SyncOptions))
+SYNC_OPTION_NAMES = SyncOptions.names()
 
 
 def push(machine, src: str, dst: str, options: SyncOptions | None = None, *,
