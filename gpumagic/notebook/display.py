@@ -754,16 +754,10 @@ def reverse_tunnel_opened(t, machine: str, note: str = "") -> Rendered:
     note : str
         One more line (e.g. "port 7890 on the machine is taken ...; using 41234 instead").
     """
-    text = (f"{t.name} on {machine}: the machine's {t.listen} -> this computer's {t.target}\n"
-            f"  (ID {t.id}; `%gpu tunnel close {t.id}` closes it)")
-    if note:
-        text = note + "\n" + text
-    parts = [f"<div>{prose(note)}</div>"] if note else []
-    parts.append(f"<div>{html.escape(t.name)} on {html.escape(machine)}: the machine's "
-                 f"<code>{html.escape(t.listen)}</code> -&gt; this computer's "
-                 f"<code>{html.escape(t.target)}</code> <small>(ID {html.escape(t.id)}; "
-                 f"<code>%gpu tunnel close {html.escape(t.id)}</code> closes it)</small></div>")
-    return Rendered(text, "".join(parts))
+    return _opened(t.id, note, f"{t.name} on {machine}: the machine's {t.listen} -> this computer's {t.target}",
+                   f"{html.escape(t.name)} on {html.escape(machine)}: the machine's "
+                   f"<code>{html.escape(t.listen)}</code> -&gt; this computer's "
+                   f"<code>{html.escape(t.target)}</code>")
 
 
 def tunnel_opened(t, machine: str, note: str = "", inline: bool = False,
@@ -785,17 +779,20 @@ def tunnel_opened(t, machine: str, note: str = "", inline: bool = False,
     what = f"{t.name} on {machine} ({t.target})"
     link = browser_url(t.url)
     via = "" if link == t.url else f" (through the notebook server's proxy; {t.url} on the server)"
-    text = f"{what} -> {link}{via}\n  (ID {t.local_port}; `%gpu tunnel close {t.local_port}` closes it)"
-    if note:
-        text = note + "\n" + text
     url = html.escape(link, quote=True)
-    parts = []
-    if note:
-        parts.append(f"<div>{prose(note)}</div>")
-    parts.append(f"<div>{html.escape(what)}: <a href='{url}' target='_blank'>{url}</a> "
-                 f"<small>(ID {t.local_port}; <code>%gpu tunnel close {t.local_port}</code> "
+    frame = (f"<iframe src='{url}' width='100%' height='{int(height)}' "
+             "style='border:1px solid #ccc'></iframe>") if inline else ""
+    return _opened(t.local_port, note, f"{what} -> {link}{via}",
+                   f"{html.escape(what)}: <a href='{url}' target='_blank'>{url}</a>", frame)
+
+
+def _opened(tunnel_id: object, note: str, text: str, html_text: str, more_html: str = "") -> Rendered:
+    """The message after a tunnel opened: ``note`` (if any) above ``text``, then the tunnel's
+    ID and the command that closes it; as HTML, ``html_text`` (escaped already) in their
+    place, then ``more_html``."""
+    tid = html.escape(str(tunnel_id))
+    text += f"\n  (ID {tunnel_id}; `%gpu tunnel close {tunnel_id}` closes it)"
+    parts = [f"<div>{prose(note)}</div>"] if note else []
+    parts.append(f"<div>{html_text} <small>(ID {tid}; <code>%gpu tunnel close {tid}</code> "
                  "closes it)</small></div>")
-    if inline:
-        parts.append(f"<iframe src='{url}' width='100%' height='{int(height)}' "
-                     "style='border:1px solid #ccc'></iframe>")
-    return Rendered(text, "".join(parts))
+    return Rendered(f"{note}\n{text}" if note else text, "".join(parts) + more_html)

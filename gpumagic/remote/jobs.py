@@ -65,10 +65,11 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, TYPE_CHECKING
 
 from .._format import duration
+from .._options import Options
 from ..errors import ConnectionLost, JobError, RemoteTimeout
 from . import program
 from .execution import cell_bytes, check_text, export_lines
@@ -634,7 +635,7 @@ def shutdown_arming(machine: MachineLike, then_shutdown: float | None) -> tuple[
 
 
 @dataclass(frozen=True)
-class JobOptions:
+class JobOptions(Options):
     """How a detached job runs, whatever starts it (``%%remote --job``, ``--torchrun``,
     ``--each``): one object from the magics to :func:`start`, as asyncssh's
     ``SSHClientConnectionOptions`` travels.  The plain-Python API also takes each field as
@@ -667,18 +668,11 @@ class JobOptions:
     then_shutdown: float | None = None
     alerts: bool = True
 
-    def with_(self, **changes) -> "JobOptions":
-        """These options with ``changes`` (field names as keywords; a misspelt one raises
-        ``TypeError`` naming the valid ones)."""
-        unknown = sorted(set(changes) - JOB_OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"unknown job option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
-                            f"(valid: {', '.join(sorted(JOB_OPTION_NAMES))})")
-        return replace(self, **changes) if changes else self
+    kind = "job"
 
 
 #: The fields of :class:`JobOptions`: what the plain-Python API takes as keywords.
-JOB_OPTION_NAMES = frozenset(f.name for f in fields(JobOptions))
+JOB_OPTION_NAMES = JobOptions.names()
 
 
 def start(machine: MachineLike, name: str, command: str, options: JobOptions = JobOptions(), *,

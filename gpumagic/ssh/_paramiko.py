@@ -498,12 +498,8 @@ def await_channel(transport: paramiko.Transport, fwd: Opener,
 
     Raises
     ------
-    paramiko.ChannelException
-        The server refused (OPEN_FAILURE: nothing listens at the target, or it is forbidden).
-    paramiko.SSHException
-        The SSH connection ended.
-    TimeoutError
-        No answer came in time (the machine's connect to the target hangs).
+    paramiko.ChannelException, paramiko.SSHException, TimeoutError
+        As :func:`open_direct_tcpip` (the one caller) says.
     """
     deadline = time.monotonic() + timeout
     while not event.wait(0.1):
@@ -611,7 +607,7 @@ def open_direct_tcpip(transport: paramiko.Transport, opener: Opener, dest: tuple
     paramiko.SSHException
         The SSH connection ended.
     TimeoutError
-        No answer came within ``timeout`` seconds.
+        No answer came within ``timeout`` seconds (the machine's connect to the target hangs).
     """
     if FAST:
         chan, answered = request_channel(transport, opener, dest, origin, window_size,

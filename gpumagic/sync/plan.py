@@ -259,26 +259,15 @@ def parse_listing(data: bytes) -> Listing:
         fields.pop()
     if len(fields) % agent.FIELDS:
         raise SyncError("the remote listing was cut short", "run the sync again")
-    out = Listing()
+    out = _Collect()
     entries = out.entries
     it = iter(fields)
     for kind, path, size, mtime, mode, text, digest in zip(it, it, it, it, it, it, it):
-        if kind == "f" or kind == "d" or kind == "l":
+        if kind == "f" or kind == "d" or kind == "l":  # _Collect.add's first case, inline
             entries[path] = Entry(path, kind, int(size), int(mtime), int(mode, 8), text, digest)
-        elif kind == "p":  # mode 1: its writer may still be running
-            out.partials[path] = max(out.partials.get(path, 0), int(size))
-            if text and int(mode, 8) == 0:
-                d = posixpath.dirname(path)
-                out.parts[f"{d}/{text}" if d else text] = path
-        elif kind == "i":
-            out.ignore_texts[path] = text
-        elif kind == "e":
-            out.errors[path] = text
-        elif kind == "v":
-            out.vanished[path] = text
-        elif kind == "s":
-            out.specials[path] = text
-    return out
+        else:
+            out.add(kind, path, int(size), int(mtime), int(mode, 8), text, digest)
+    return out.listing()
 
 
 
@@ -348,13 +337,15 @@ def walk_local(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
 
 
 class _Collect(Listing):
-    """A :class:`Listing` filled by :func:`gpumagic.sync.agent.list_tree` field by field,
-    as :func:`parse_listing` would fill it from the records (no encoding and parsing)."""
+    """A :class:`Listing` filled record by record through :meth:`add`: by
+    :func:`parse_listing` from the agent's records, and by :func:`gpumagic.sync.agent.list_tree`
+    field by field (a local walk: no encoding and parsing)."""
 
     def add(self, kind: str, rel: str, size: int, mtime_ns: int, mode: int, text, digest: str) -> None:
+        """One record's fields (see :func:`parse_listing`), typed: what each kind adds."""
         if kind in ("f", "d", "l"):
             self.entries[rel] = Entry(rel, kind, size, mtime_ns, mode, text, digest)
-        elif kind == "p":
+        elif kind == "p":  # mode 1: its writer may still be running
             self.partials[rel] = max(self.partials.get(rel, 0), size)
             if text and not mode:
                 d = posixpath.dirname(rel)

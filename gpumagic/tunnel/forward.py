@@ -63,7 +63,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import paramiko
 
@@ -73,9 +73,12 @@ from ..errors import ConnectionLost, GpumagicError, TunnelError
 from .ports import bind_local
 
 if TYPE_CHECKING:
+    from ..ssh.connection import Connection
     from .services import RemoteService
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T", bound="TunnelBase")
 
 #: Channel flow-control window asked of the server (bytes).
 WINDOW_SIZE = 16 * 1024 * 1024
@@ -127,12 +130,83 @@ class TunnelBase:
     """What every tunnel (local or reverse) keeps: the faults of its background threads
     (:attr:`faults`), each raised once -- by :meth:`check` (and so by ``stop`` and at the end
     of a ``with`` block) or handed out by :meth:`unreported_faults` for the notebook to show
-    -- and its byte counts.  Subclasses set ``self._lock``, call :meth:`_init_counts`, name
-    themselves in :attr:`label` and list their live connections (objects with ``down`` and
-    ``up`` byte counts) in :meth:`_live`."""
+    -- its byte counts, its state (:attr:`state`) and how it stops (:meth:`stop`).
+    Subclasses set ``self._lock``, ``self.connection``, ``self.reconnects``,
+    ``self._workers`` and ``self._state`` (``new`` -> ``open`` -> ``closed`` or
+    ``failed: ...``), call :meth:`_init_counts`, say in :attr:`_lost_state` what happens
+    while the SSH connection is down, name themselves in :attr:`label`, list their live
+    connections (objects with ``down`` and ``up`` byte counts and ``abort()``) in
+    :meth:`_live`, define :meth:`start`, and may add phases to :meth:`stop`
+    (:meth:`_stop_listening`, :meth:`_release`)."""
 
     faults: list[TunnelFault]
     _lock: threading.Lock
+    _workers: _Workers
+    connection: Connection
+    reconnects: int
+    _state: str
+    #: :attr:`state` while the SSH connection is down.
+    _lost_state: ClassVar[str] = "SSH connection lost"
+    #: True once :meth:`stop` ran (a failed tunnel stays listed until then).
+    stopped: bool = False
+
+    def start(self: _T) -> _T:
+        """Start listening and forwarding; the listener is up on return."""
+        raise NotImplementedError
+
+    def stop(self, raise_errors: bool = True) -> None:
+        """Stop listening and close every forwarded connection; safe to call twice.
+
+        The phases: mark the tunnel closed (a failed one stays failed), stop listening
+        (:meth:`_stop_listening`), abort each live connection, end the worker threads, and
+        release what is left (:meth:`_release`).
+
+        Parameters
+        ----------
+        raise_errors : bool
+            Raise :class:`TunnelError` for faults not yet reported (default).  With False
+            they stay in :attr:`faults` for the caller to show.
+        """
+        with self._lock:
+            was_open = self._state == "open"
+            if self._state in ("new", "open"):
+                self._state = "closed"
+            self.stopped = True
+            live = list(self._live())
+        self._stop_listening(was_open)
+        for c in live:
+            c.abort()
+        self._workers.shutdown(JOIN_TIMEOUT)
+        self._release()
+        if raise_errors:
+            self.check()
+
+    def _stop_listening(self, was_open: bool) -> None:
+        """:meth:`stop`'s phase that ends the listener (``was_open``: the tunnel was open)."""
+
+    def _release(self) -> None:
+        """:meth:`stop`'s last phase, after the worker threads ended."""
+
+    def __enter__(self: _T) -> _T:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Faults from the threads are raised here unless another exception is on its way.
+        self.stop(raise_errors=exc_type is None)
+
+    @property
+    def state(self) -> str:
+        """``open``, ``open, reconnected Nx``, :attr:`_lost_state` (the SSH connection is
+        down), ``closed`` or ``failed: ...``."""
+        if self._state != "open":
+            return self._state
+        if not self.connection.is_connected:
+            return self._lost_state
+        return f"open, reconnected {self.reconnects}x" if self.reconnects else "open"
+
+    @property
+    def is_open(self) -> bool:
+        return self._state == "open"
 
     def _init_counts(self) -> None:
         self.faults = []
@@ -542,6 +616,8 @@ class Tunnel(TunnelBase):
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
 
+    _lost_state = "SSH connection lost: reconnects on the next request"
+
     def __init__(self, connection, remote_port: int, *, remote_host: str = "localhost",
                  local_port: int | None = None, name: str = "", path: str = "/",
                  avoid_ports: dict[int, str] | None = None,
@@ -617,42 +693,21 @@ class Tunnel(TunnelBase):
         self._workers.submit(self._listen_and_serve)
         return self
 
-    def stop(self, raise_errors: bool = True) -> None:
-        """Close the listener and every forwarded connection; safe to call twice.
-
-        Parameters
-        ----------
-        raise_errors : bool
-            Raise :class:`TunnelError` for faults not yet reported (default).  With False
-            they stay in :attr:`faults` for the caller to show.
-        """
-        with self._lock:
-            was_open = self._state == "open"
-            if self._state in ("new", "open"):
-                self._state = "closed"
-            forwards = list(self._forwards.values())
+    def _stop_listening(self, was_open: bool) -> None:
+        """Wake the thread that listens, so that it returns (:meth:`stop`)."""
         if was_open and self._wake_w is not None:
             try:
                 self._wake_w.send(b"x")
             except OSError:
                 pass
-        for f in forwards:
-            f.abort()
-        self._workers.shutdown(JOIN_TIMEOUT)
+
+    def _release(self) -> None:
+        """Close the listener and the wake-up sockets (:meth:`stop`)."""
         if self._selector is not None:
             self._selector.close()
         for s in (self._listener, self._wake_r, self._wake_w):
             if s is not None:
                 s.close()
-        if raise_errors:
-            self.check()
-
-    def __enter__(self) -> "Tunnel":
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        # Faults from the threads are raised here unless another exception is on its way.
-        self.stop(raise_errors=exc_type is None)
 
     def target_refusal(self, timeout: float = 10.0) -> str | None:
         """Whether the target accepts connections now: None when it does, else the
@@ -704,22 +759,6 @@ class Tunnel(TunnelBase):
 
     def _live(self):
         return self._forwards.values()
-
-    @property
-    def state(self) -> str:
-        """``open``, ``open, reconnected Nx``, ``SSH connection lost: reconnects on the next
-        request``, ``closed`` or ``failed: ...``."""
-        if self._state != "open":
-            return self._state
-        if not self.connection.is_connected:
-            return "SSH connection lost: reconnects on the next request"
-        if self.reconnects:
-            return f"open, reconnected {self.reconnects}x"
-        return "open"
-
-    @property
-    def is_open(self) -> bool:
-        return self._state == "open"
 
     def __repr__(self) -> str:
         where = self.url if self.local_port else "(not started)"

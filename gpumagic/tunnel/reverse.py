@@ -52,7 +52,7 @@ import paramiko
 from ..errors import ConnectionLost, GpumagicError, TunnelError
 from ..remote import program
 from ..ssh._paramiko import close_without_eof, send_eof, sendall_ordered, transport_dropped
-from .forward import CHUNK, JOIN_TIMEOUT, TunnelBase, _Workers
+from .forward import CHUNK, TunnelBase, _Workers
 
 #: The only address a reverse tunnel listens on, on the machine.
 LISTEN_HOST = "127.0.0.1"
@@ -126,6 +126,8 @@ class ReverseTunnel(TunnelBase):
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
 
+    _lost_state = "SSH connection lost: listens again after the reconnect"
+
     def __init__(self, connection, local_port: int, *, remote_port: int | None = None,
                  local_host: str = "127.0.0.1", name: str = "", taken: dict[int, str] | None = None):
         for what, p in (("local", local_port), ("remote", remote_port)):
@@ -150,8 +152,6 @@ class ReverseTunnel(TunnelBase):
         self._init_counts()
         self._workers = _Workers(f"gpumagic-reverse-{self.local_port}")
         self._state = "new"  # new -> open -> closed | failed: ...
-        #: True once :meth:`stop` ran (a failed tunnel stays listed until then).
-        self.stopped = False
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -279,20 +279,8 @@ class ReverseTunnel(TunnelBase):
                 self._state = "failed: not listening after the reconnect"
             self._fault(None, f"could not listen on the machine again after the reconnect: {e}", e)
 
-    def stop(self, raise_errors: bool = True) -> None:
-        """Stop listening on the machine and close every forwarded connection; safe twice.
-
-        Parameters
-        ----------
-        raise_errors : bool
-            Raise :class:`TunnelError` for faults not yet reported (default).
-        """
-        with self._lock:
-            was_open = self._state == "open"
-            if self._state in ("new", "open"):
-                self._state = "closed"
-            self.stopped = True
-            pairs = list(self._pairs.values())
+    def _stop_listening(self, was_open: bool) -> None:
+        """Stop listening on the machine, and after a reconnect too (:meth:`stop`)."""
         if self._reopened in self.connection.after_open:
             self.connection.after_open.remove(self._reopened)
         if was_open and self.remote_port is not None:
@@ -300,17 +288,6 @@ class ReverseTunnel(TunnelBase):
                 self.connection.cancel_remote(self.remote_port, LISTEN_HOST)
             except (paramiko.SSHException, EOFError, OSError) as e:
                 self._fault(None, f"could not stop listening on the machine: {e}", e)
-        for p in pairs:
-            p.abort()
-        self._workers.shutdown(JOIN_TIMEOUT)
-        if raise_errors:
-            self.check()
-
-    def __enter__(self) -> "ReverseTunnel":
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.stop(raise_errors=exc_type is None)
 
     # -- what to show -----------------------------------------------------------------
 
@@ -336,20 +313,6 @@ class ReverseTunnel(TunnelBase):
 
     def _live(self):
         return self._pairs.values()
-
-    @property
-    def state(self) -> str:
-        """``open``, ``open, reconnected Nx``, ``SSH connection lost: listens again after the
-        reconnect``, ``closed`` or ``failed: ...``."""
-        if self._state != "open":
-            return self._state
-        if not self.connection.is_connected:
-            return "SSH connection lost: listens again after the reconnect"
-        return f"open, reconnected {self.reconnects}x" if self.reconnects else "open"
-
-    @property
-    def is_open(self) -> bool:
-        return self._state == "open"
 
     def __repr__(self) -> str:
         return f"<ReverseTunnel {self.name}: machine {self.listen} -> {self.target} {self.state}>"
