@@ -232,7 +232,11 @@ class RemoteKernelError(GpumagicError):
     """A cell raised on the machine.
 
     ``_render_traceback_`` gives the machine's IPython traceback (not gpumagic's frames), as
-    ipyparallel's ``RemoteError`` does.
+    ipyparallel's ``RemoteError`` does.  :meth:`named` makes one whose class carries the remote
+    exception's name (a subclass named ``ZeroDivisionError``, say) and whose ``str()`` is its
+    message: IPython records an error as ``type(e).__name__`` and ``str(e)``
+    (``InteractiveShell.showtraceback``, ipykernel's ``_showtraceback`` and execute_reply), so
+    a notebook saves the machine's ``ename`` and ``evalue``, as with a local kernel.
 
     Attributes
     ----------
@@ -240,11 +244,38 @@ class RemoteKernelError(GpumagicError):
         The remote exception's type name and message.
     traceback : list of str
         The remote traceback lines as IPython formatted them (with ANSI colours).
+    where : str
+        ``machine:session`` it was raised in (also in ``hint``).
     """
 
     def __init__(self, ename: str, evalue: str, traceback: list[str], where: str = ""):
-        super().__init__(f"{ename}: {evalue}" + (f" (on {where})" if where else ""))
+        super().__init__(f"{ename}: {evalue}" + (f" (on {where})" if where else ""),
+                         f"raised in session {where}" if where else None)
         self.ename, self.evalue, self.traceback = ename, evalue, list(traceback)
+        self.where = where
+        if where and hasattr(self, "add_note"):  # Python 3.11+: a plain traceback says where
+            self.add_note(f"(raised in session {where})")
+
+    @classmethod
+    def named(cls, ename: str, evalue: str, traceback: list[str], where: str = "") -> "RemoteKernelError":
+        """A RemoteKernelError whose class is named ``ename`` (when that is an identifier):
+        caught as RemoteKernelError, recorded by IPython as ``ename``."""
+        kind = cls
+        if ename.isidentifier() and ename != cls.__name__:
+            kind = type(ename, (cls,), {"__module__": cls.__module__, "__qualname__": ename,
+                                        "__doc__": f"{ename} raised on the machine."})
+        return kind(ename, evalue, traceback, where)
+
+    def __str__(self) -> str:
+        return self.evalue
+
+    def __reduce__(self):
+        return _remote_kernel_error, (self.ename, self.evalue, self.traceback, self.where)
 
     def _render_traceback_(self) -> list[str]:
         return list(self.traceback) or [f"{self.ename}: {self.evalue}"]
+
+
+def _remote_kernel_error(ename: str, evalue: str, traceback: list[str], where: str) -> RemoteKernelError:
+    """Unpickle a :class:`RemoteKernelError` (its class may be made by ``named``)."""
+    return RemoteKernelError.named(ename, evalue, traceback, where)

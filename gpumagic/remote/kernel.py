@@ -46,6 +46,7 @@ import io
 import json
 import re
 import shlex
+import signal
 import sys
 import tarfile
 import threading
@@ -164,6 +165,12 @@ class Output:
     def clear(self, wait: bool = False) -> None:
         """``clear_output``."""
 
+    def page(self, data: dict) -> None:
+        """A pager payload of the cell's execute_reply (``len?``, ``%pinfo``, ``%page``): a
+        MIME bundle (``text/plain``, maybe ``text/html``) that IPython shows in its pager.
+        By default it is displayed like any bundle."""
+        self.display(data, {})
+
     def note(self, text: str) -> None:
         """One of gpumagic's own lines (not the cell's output)."""
 
@@ -243,10 +250,24 @@ class ExecuteResult:
     result: dict | None = None
     user_expressions: dict = field(default_factory=dict)
     seconds: float = 0.0
+    #: Text captured so far, by stream name, as chunks: joined once into ``stdout`` and
+    #: ``stderr`` when the cell ends (appending to a growing string copies it each time).
+    _chunks: dict = field(default_factory=lambda: {"stdout": [], "stderr": []}, repr=False,
+                          compare=False)
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def _collect(self, name: str, text: str) -> None:
+        self._chunks["stderr" if name == "stderr" else "stdout"].append(text)
+
+    def _join(self) -> None:
+        """Set ``stdout`` and ``stderr`` from the chunks collected (once, at the end)."""
+        for name, chunks in self._chunks.items():
+            if chunks:
+                setattr(self, name, getattr(self, name) + "".join(chunks))
+                chunks.clear()
 
     def __repr__(self) -> str:
         return (f"ExecuteResult(status={self.status!r}, execution_count={self.execution_count}, "
@@ -536,6 +557,8 @@ class RemoteKernel:
         self.name = check_name(name)
         self.session_id = uuid.uuid4().hex
         self.python: str | None = None
+        #: The kernel's working directory on the machine (from its state, once connected).
+        self.cwd: str | None = None
         self._link: _Link | None = None
         self._last_seq = 0          # the last message shown by this process
         self._acked = 0
@@ -638,12 +661,14 @@ class RemoteKernel:
         unset = [a for k, v in full_env.items() if v is None for a in ("-u", k)]
         assigns = [f"{k}={v}" for k, v in full_env.items() if v is not None]
         workdir = cwd if cwd is not None else (self.machine.cwd or "")
-        # `~` is expanded by the keeper (os.path.expanduser), relative paths start at HOME
+        # `~` is expanded by the keeper (os.path.expanduser), relative paths start at HOME.
+        # The keeper's files are private (umask 077); the kernel gets the login umask (`um`),
+        # so what a cell creates has the modes a local kernel or a --python cell gives.
         command = (
-            f'umask 077 && mkdir -p "$HOME/{KERNELS_DIR}" && chmod 700 "$HOME/{KERNELS_DIR}" && '
+            f'um=$(umask) && umask 077 && mkdir -p "$HOME/{KERNELS_DIR}" && chmod 700 "$HOME/{KERNELS_DIR}" && '
             f'mkdir -p "{progs}" && tar -xf - -C "{progs}" && cd && '
             f"exec env {_q(*unset, *assigns)} {_q(python)} "
-            f'"{progs}/kernel_keeper.py" start {_q(self.name)} --cwd {_q(workdir)} '
+            f'"{progs}/kernel_keeper.py" start {_q(self.name)} --cwd {_q(workdir)} --umask "$um" '
             f'--startup "{progs}/kernel_startup.py"')
         r = self.machine.exec(command, stdin=tar, timeout=START_TIMEOUT)
         line = r.stdout.strip().splitlines()[-1:] if r.stdout.strip() else []
@@ -684,7 +709,7 @@ class RemoteKernel:
             raise KernelError(f"no session {self.name!r} on {self.machine.name}",
                               f"start it: `%gpu kernel start {self.name}` (machine.kernel({self.name!r}))")
         state = json.loads(state_text)
-        self.python = state.get("python")
+        self.python, self.cwd = state.get("python"), state.get("cwd")
         try:
             link = _Link(self.machine, int(state["port"]), token.strip(), self._last_seq)
         except _Lost:
@@ -842,8 +867,10 @@ class RemoteKernel:
                     "(its variables are lost)") from None
             finally:
                 self._ack_soon(link)
+                result._join()
             result.seconds = time.monotonic() - start
             reply = waiter.reply.content
+            self._show_payloads(out, reply, result if capture else None)
             result.status = reply.get("status", "error")
             result.execution_count = reply.get("execution_count")
             result.user_expressions = reply.get("user_expressions") or {}
@@ -852,8 +879,8 @@ class RemoteKernel:
                                   "cell failed and Jupyter skips the cells queued after it",
                                   "run it again")
             if result.status == "error":
-                result.error = RemoteKernelError(reply.get("ename", "Error"), reply.get("evalue", ""),
-                                                 reply.get("traceback", []), self.where)
+                result.error = RemoteKernelError.named(reply.get("ename", "Error"), reply.get("evalue", ""),
+                                                       reply.get("traceback", []), self.where)
                 if raise_error:
                     raise result.error
                 out.stream("stderr", "\n".join(result.error.traceback) + "\n")
@@ -993,10 +1020,7 @@ class RemoteKernel:
             text = c.get("text", "")
             out.stream(c.get("name", "stdout"), text)
             if result is not None and capture:
-                if c.get("name") == "stderr":
-                    result.stderr += text
-                else:
-                    result.stdout += text
+                result._collect(c.get("name", "stdout"), text)
         elif t in ("display_data", "execute_result", "update_display_data"):
             data, md = c.get("data", {}), c.get("metadata", {})
             display_id = (c.get("transient") or {}).get("display_id")
@@ -1011,6 +1035,22 @@ class RemoteKernel:
         elif t == "error" and show_error:
             lines = c.get("traceback") or [f"{c.get('ename')}: {c.get('evalue')}"]
             out.stream("stderr", "\n".join(lines) + "\n")
+
+    @staticmethod
+    def _show_payloads(out: Output, reply: dict, result: ExecuteResult | None) -> None:
+        """Show the execute_reply's pager payloads (``source: page``: what ``len?``,
+        ``%pinfo`` and ``%page`` show) as a local kernel's frontend does: in the pager
+        (:meth:`Output.page`); kept in ``result.outputs`` when captured.  Other payloads
+        (``set_next_input``, ``ask_exit``, ``edit_magic``) act on a frontend and are dropped."""
+        for payload in reply.get("payload") or []:
+            if not isinstance(payload, dict) or payload.get("source") != "page":
+                continue
+            data = payload.get("data")
+            if not isinstance(data, dict) or not data:
+                continue
+            out.page(data)
+            if result is not None:
+                result.outputs.append({"data": data, "metadata": {}})
 
     def _answer_input(self, link: _Link, out: Output, msg: Message) -> None:
         c = msg.content
@@ -1029,11 +1069,14 @@ class RemoteKernel:
         code = ev.get("exit_code")
         how = "exited"
         if isinstance(code, int) and code < 0:
-            how = f"killed by signal {-code}" + (" (SIGKILL: often out of host memory)" if code == -9 else "")
+            how = f"killed by signal {-code}{_signal_words(-code, ev.get('signal'), ev.get('signal_text'))}"
         elif code is not None:
             how = f"exit code {code}"
-        tail = (ev.get("log") or ev.get("why") or "").strip().splitlines()[-1:]
-        detail = f"; its log ends: {tail[0]}" if tail else ""
+        # the keeper sends only what the kernel logged after it was ready (not its start-up
+        # warnings); a fatal error's own line says most
+        lines = [ln.strip() for ln in (ev.get("log") or ev.get("why") or "").strip().splitlines() if ln.strip()]
+        tail = next((ln for ln in lines if ln.startswith("Fatal Python error")), lines[-1] if lines else "")
+        detail = f"; its log ends: {tail}" if tail else ""
         return KernelError(f"the kernel of session {self.where} died ({how}); its variables are "
                            f"lost{detail}", f"`%gpu kernel restart {self.name}` starts a fresh one")
 
@@ -1318,6 +1361,20 @@ class RemoteKernel:
         if code != 0:
             raise KernelError(f"cannot read the pulled data on {self.machine.name}", "pull again")
         return data
+
+
+def _signal_words(number: int, name: str | None = None, text: str | None = None) -> str:
+    """``, SIGSEGV: segmentation fault`` for a signal number, named by the machine (the
+    keeper's ``signal.Signals(n).name`` and ``signal.strsignal(n)``) or, when it did not say,
+    here; SIGKILL gets its usual cause instead."""
+    if not name:
+        try:
+            name, text = signal.Signals(number).name, signal.strsignal(number)
+        except ValueError:
+            return ""
+    if name == "SIGKILL":
+        return ", SIGKILL: often out of host memory"
+    return f", {name}: {text[:1].lower() + text[1:]}" if text else f", {name}"
 
 
 class _Deadline(Exception):

@@ -272,8 +272,11 @@ class GpuMagics(Magics):
 
 def load(shell) -> GpuMagics:
     """Register ``%gpu`` and ``%%remote`` with ``shell`` (``%load_ext gpumagic``)."""
+    from .kernel import skip_blank_kernel_cells_in
+
     magics = GpuMagics(shell=shell)
     shell.register_magics(magics)
+    skip_blank_kernel_cells_in(shell)  # an empty %%remote --kernel cell does nothing, as locally
     shell._gpumagic = magics  # reached by unload and by tests
     return magics
 
@@ -281,9 +284,13 @@ def load(shell) -> GpuMagics:
 def unload(shell) -> None:
     """Undo :func:`load` (``%unload_ext gpumagic``, and the first half of ``%reload_ext``):
     the post-cell hooks are unregistered and every connection is closed."""
+    from .kernel import skip_blank_kernel_cells
+
     magics = getattr(shell, "_gpumagic", None)
     if magics is not None:
         magics.close()
+    if skip_blank_kernel_cells in getattr(shell, "input_transformers_cleanup", []):
+        shell.input_transformers_cleanup.remove(skip_blank_kernel_cells)
 
 
 __all__ = ["GpuMagics", "SUBCOMMANDS", "load", "unload", "budget_alert_hook", "hosts_table",

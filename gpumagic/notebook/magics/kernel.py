@@ -54,6 +54,13 @@ class NotebookOutput(Output):
 
         clear_output(wait=wait)
 
+    def page(self, data: dict) -> None:
+        # as for a local `len?`: IPython's pager (a "page" payload of this notebook's own
+        # execute_reply under ipykernel; the terminal's pager in IPython)
+        from IPython.core import page
+
+        page.page(data)
+
     def note(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
@@ -69,13 +76,19 @@ def _output(magics) -> NotebookOutput:
 def _get(magics, host: str | None, name: str | None, *, start: bool = False,
          **options) -> RemoteKernel:
     """The session ``name`` on machine ``host``; with ``start``, started when it is not
-    running yet (saying so)."""
+    running yet (saying so), and when it was running, saying which of ``options`` (``cwd``,
+    ``env``) it did not take."""
     m = magics.fleet.get(host)
     ks = m.kernels
     k = ks.handle(ks.resolve(name))
     if start:
         answer = k.ensure(**options)
-        if answer is not None and answer.get("status") == "started":
+        if answer is None or answer.get("status") == "running":
+            state = (answer or {}).get("state") or {"cwd": k.cwd}
+            note = not_applied(k.name, state, cwd=options.get("cwd"), env=options.get("env"))
+            if note:
+                print(f"session {k.name} already runs; {note}", file=sys.stderr)
+        elif answer.get("status") == "started":
             print(f"started session {k.name} on {m.name} ({answer.get('python')}, Python "
                   f"{answer.get('python_version', '?')}); it keeps running when this notebook "
                   f"closes: `%gpu kernel stop {k.name}` ends it", file=sys.stderr)
@@ -83,7 +96,56 @@ def _get(magics, host: str | None, name: str | None, *, start: bool = False,
     return k
 
 
+def not_applied(name: str, state: dict, *, python: str | None = None, cwd: str | None = None,
+                env: dict | None = None) -> str:
+    """What a running session did not take of the options given to start it (``python``,
+    ``cwd`` and ``env`` are fixed when its kernel starts), with the way out; "" when it
+    took them all.  ``state`` is its ``state.json`` (``python``, ``cwd``)."""
+    left = []
+    if python and state.get("python") and python != state.get("python"):
+        left.append(f"--python {python}")
+    if cwd and not _same_dir(cwd, state.get("cwd") or ""):
+        left.append(f"--cwd {cwd} (it runs in {state.get('cwd') or '?'}; os.chdir() in a cell moves it)")
+    if env:
+        left.append("--env " + " ".join(f"{k}={v}" for k, v in env.items()))
+    if not left:
+        return ""
+    return (f"{', '.join(left)} {'was' if len(left) == 1 else 'were'} not applied "
+            f"(`%gpu kernel stop {name}` first to change {'it' if len(left) == 1 else 'them'})")
+
+
+def _same_dir(given: str, actual: str) -> bool:
+    """Whether ``--cwd given`` names the session's absolute ``actual`` directory (``~`` and
+    relative paths start at the machine's HOME, which is not known here: their tail decides)."""
+    g, actual = given.rstrip("/") or "/", actual.rstrip("/") or "/"
+    if g.startswith("~"):
+        g = g[1:].lstrip("/")
+    if g.startswith("/"):
+        return g == actual
+    return not g or g == "." or actual.endswith("/" + g)
+
+
 # -- %%remote --kernel ------------------------------------------------------------------------
+
+
+def skip_blank_kernel_cells(lines: list[str]) -> list[str]:
+    """An IPython input transformer (``shell.input_transformers_cleanup``): a ``%%remote
+    --kernel`` cell with nothing under its first line becomes an empty cell, which does
+    nothing, as an empty local cell does (IPython refuses a cell magic whose body is empty,
+    ``run_cell_magic``, before the magic is called)."""
+    first = lines[0] if lines else ""
+    if not (first.startswith("%%remote ") or first.rstrip() == "%%remote") or any(ln.strip() for ln in lines[1:]):
+        return lines
+    words = first.split()[1:]
+    if any(w in ("-h", "--help") for w in words) or not any(w == "--kernel" or w.startswith("--kernel=") for w in words):
+        return lines
+    return []
+
+
+def skip_blank_kernel_cells_in(shell) -> None:
+    """Register :func:`skip_blank_kernel_cells` with ``shell`` (once)."""
+    if shell is not None and skip_blank_kernel_cells not in shell.input_transformers_cleanup:
+        shell.input_transformers_cleanup.append(skip_blank_kernel_cells)
 
 
 def remote_cell(magics, args, cell: str):
@@ -99,6 +161,8 @@ def remote_cell(magics, args, cell: str):
     if bad:
         raise UsageError(f"--kernel does not combine with {', '.join(bad)}: a session runs "
                          "Python cells in place (use --job for a detached script)")
+    if not cell.strip():  # as a local empty cell: nothing runs, nothing is sent
+        return None
     k = _get(magics, args.host, _name(args.kernel), start=True, cwd=args.cwd, env=env_pairs(args.env))
     out = _output(magics)
     try:
@@ -143,10 +207,8 @@ def _start(magics, line: str):
     ks.last = k.name
     if answer.get("status") == "running":
         state = answer.get("state") or {}
-        note = ""
-        if args.python and state.get("python") and args.python != state.get("python"):
-            note = (f"; --python {args.python} was not applied (`%gpu kernel stop {name}` first "
-                    "to change it)")
+        note = not_applied(name, state, python=args.python, cwd=args.cwd, env=env)
+        note = f"; {note}" if note else ""
         print(f"session {name} already runs on {m.name} ({state.get('python')}, "
               f"{state.get('state', '?')}){note}")
         return

@@ -4,7 +4,7 @@ This program runs ON the rented machine, with the Python the kernel is to use.  
 (``gpumagic/remote/kernel.py``, ``%gpu kernel start``) copies it to ``~/.gpumagic/kernels/.programs/``
 and runs::
 
-    python kernel_keeper.py start NAME [--cwd DIR] [--startup FILE]
+    python kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE]
 
 which prints one JSON line (``{"status": "started" | "running" | "no-ipykernel" | ...}``) and
 returns, leaving the keeper detached (its own session: a closed laptop, a dropped connection
@@ -103,11 +103,13 @@ class Client:
 
 
 class Keeper:
-    def __init__(self, name, directory, cwd, startup):
+    def __init__(self, name, directory, cwd, startup, umask=None):
         self.name = name
         self.dir = directory
         self.cwd = cwd
         self.startup = startup
+        #: The user's login umask, for the kernel (the keeper's own files stay private).
+        self.umask = umask
         self.cf = os.path.join(directory, "connection.json")
         self.proc = None
         self.state = "starting"
@@ -123,6 +125,9 @@ class Keeper:
         self.acked = 0
         self.stopping = False
         self.dirty = False
+        #: Where ``kernel.log`` stood when the kernel last started or became ready: what its
+        #: death is explained with comes after it (not its start-up warnings).
+        self.log_mark = 0
 
     # -- files --
 
@@ -220,25 +225,39 @@ class Keeper:
         env["JPY_PARENT_PID"] = str(os.getpid())  # the kernel exits if the keeper dies
         env.pop("JPY_SESSION_NAME", None)
         logf = open(self.path("kernel.log"), "ab")
+        self.log_mark = logf.seek(0, 2)
+        # the kernel is started with the user's umask (the child inherits it); the keeper goes
+        # back to its own at once (Popen's umask= needs Python 3.9)
+        own = os.umask(self.umask) if self.umask is not None else None
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ipykernel_launcher", "-f", self.cf],
                 cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         finally:
+            if own is not None:
+                os.umask(own)
             logf.close()
         self.exit_code = None
         self.started = time.time()
         self.wait_ready()
         if self.startup:
             self.run_silently(self.startup)
+        self.log_mark = self.log_size()
         self.set_state("idle")
 
-    def kernel_log_tail(self, lines=5):
+    def log_size(self):
+        try:
+            return os.path.getsize(self.path("kernel.log"))
+        except OSError:
+            return 0
+
+    def kernel_log_tail(self, lines=5, since=0):
+        """The last ``lines`` lines of ``kernel.log`` written after byte ``since``."""
         try:
             with open(self.path("kernel.log"), "rb") as f:
                 f.seek(0, 2)
-                f.seek(max(0, f.tell() - 4000))
+                f.seek(max(since, f.tell() - 4000))
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             return ""
@@ -275,10 +294,10 @@ class Keeper:
         while not (replied and heard):
             if self.proc.poll() is not None:
                 raise RuntimeError("the kernel exited with code %s while starting: %s"
-                                   % (self.proc.returncode, self.kernel_log_tail()))
+                                   % (self.proc.returncode, self.kernel_log_tail(since=self.log_mark)))
             if time.monotonic() > deadline:
                 raise RuntimeError("the kernel did not answer within %d s: %s"
-                                   % (READY_TIMEOUT, self.kernel_log_tail()))
+                                   % (READY_TIMEOUT, self.kernel_log_tail(since=self.log_mark)))
             if time.monotonic() - asked > 0.5:
                 self.send_kernel("shell", "kernel_info_request", {})
                 asked = time.monotonic()
@@ -354,8 +373,15 @@ class Keeper:
     def kernel_died(self, why=""):
         self.exit_code = self.proc.returncode if self.proc else None
         self.set_state("dead")
-        self.event({"event": "died", "exit_code": self.exit_code, "why": why,
-                    "log": self.kernel_log_tail()})
+        event = {"event": "died", "exit_code": self.exit_code, "why": why,
+                 "log": self.kernel_log_tail(since=self.log_mark)}
+        if isinstance(self.exit_code, int) and self.exit_code < 0:  # named here: numbers differ by OS
+            try:
+                event["signal"] = signal.Signals(-self.exit_code).name
+                event["signal_text"] = signal.strsignal(-self.exit_code) or ""
+            except ValueError:
+                pass
+        self.event(event)
 
     def interrupt(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -641,6 +667,7 @@ def start(argv):
     p.add_argument("name")
     p.add_argument("--cwd", default="")
     p.add_argument("--startup", default="")
+    p.add_argument("--umask", default="", help="the kernel's umask, octal (default: the keeper's)")
     args = p.parse_args(argv)
     name = check_name(args.name)
     os.makedirs(ROOT, mode=0o700, exist_ok=True)
@@ -713,7 +740,8 @@ def start(argv):
         os.close(logfd)
         sys.stdout = os.fdopen(1, "w")
         sys.stderr = os.fdopen(2, "w")
-        keeper = Keeper(name, directory, cwd, startup)
+        umask = int(args.umask, 8) if args.umask.isdigit() else None
+        keeper = Keeper(name, directory, cwd, startup, umask)
 
         def on_term(*_):
             keeper.stopping = True
@@ -749,7 +777,7 @@ def start(argv):
 def main(argv):
     if len(argv) >= 2 and argv[1] == "start":
         return start(argv[2:])
-    sys.stderr.write("usage: kernel_keeper.py start NAME [--cwd DIR] [--startup FILE]\n")
+    sys.stderr.write("usage: kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE]\n")
     return 2
 
 

@@ -1,0 +1,259 @@
+"""A live session indistinguishable from a local kernel (issue 32): file modes, error names,
+help text, options a running session cannot take, empty cells, captured output, a crash.
+
+Against the real test sshd; the machine is this computer, the kernels run this venv's python.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import stat
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import gpumagic
+from gpumagic.errors import RemoteKernelError
+from gpumagic.notebook.magics.kernel import skip_blank_kernel_cells
+from gpumagic.remote import kernel as gk
+from gpumagic.remote.kernel import KernelError
+
+from test_kernel import PY, ROOT, Recorder, kernel_dir, start, stop_every_kernel, stop_quietly  # noqa: F401
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture
+def m(sshd):
+    machine = gpumagic.connect("testgpu")
+    yield machine
+    machine.close()
+
+
+def plain(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+# -- 5: files made in a session get the user's umask -------------------------------------------
+
+
+def test_files_made_in_a_session_get_the_login_umask_and_the_keepers_files_stay_private(m, sshd, tmp_path):
+    login = int(m.exec("umask", timeout=30).stdout.strip(), 8)
+    assert login != 0o077  # else the test cannot tell the two apart
+    k = start(m, "um")
+    try:
+        made_file, made_dir = tmp_path / "made.txt", tmp_path / "made" / "deeper"
+        k.execute(f"import os\nopen({str(made_file)!r}, 'w').close()\nos.makedirs({str(made_dir)!r})",
+                  output=Recorder())
+        assert stat.S_IMODE(made_file.stat().st_mode) == 0o666 & ~login  # 0644 under umask 022
+        assert stat.S_IMODE(made_dir.stat().st_mode) == 0o777 & ~login  # 0755
+        d = kernel_dir(sshd, "um")
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        for name in ("state.json", "token", "journal", "connection.json", "kernel.log", "keeper.log"):
+            assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
+        # a restarted kernel gets it too
+        k.restart(output=Recorder())
+        again = tmp_path / "again.txt"
+        k.execute(f"open({str(again)!r}, 'w').close()", output=Recorder())
+        assert stat.S_IMODE(again.stat().st_mode) == 0o666 & ~login
+    finally:
+        stop_quietly(k)
+
+
+# -- 2: a remote error keeps its name ----------------------------------------------------------
+
+
+def test_a_remote_error_is_raised_under_the_machines_exception_name(m):
+    k = start(m, "en")
+    try:
+        with pytest.raises(RemoteKernelError) as e:
+            k.execute("1 / 0", output=Recorder())
+        err = e.value
+        assert type(err).__name__ == "ZeroDivisionError"
+        assert (err.ename, err.evalue, str(err)) == ("ZeroDivisionError", "division by zero", "division by zero")
+        assert err.where == "testgpu:en" and "testgpu:en" in err.hint
+        assert "ZeroDivisionError: division by zero" in plain("\n".join(err._render_traceback_()))
+        copy = pickle.loads(pickle.dumps(err))
+        assert type(copy).__name__ == "ZeroDivisionError" and isinstance(copy, RemoteKernelError)
+        assert copy.traceback == err.traceback
+        with pytest.raises(RemoteKernelError) as e:
+            k.execute("def f(:\n    pass", output=Recorder())
+        assert type(e.value).__name__ == "SyntaxError" and e.value.ename == "SyntaxError"
+    finally:
+        stop_quietly(k)
+
+
+def test_a_remote_zerodivisionerror_is_saved_in_the_notebook_as_zerodivisionerror(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start nbe --python {PY}"),
+        nbformat.v4.new_code_cell("%%remote --kernel nbe\ndef f():\n    return 1 / 0\nf()"),
+        nbformat.v4.new_code_cell("%gpu kernel stop nbe"),
+    ]
+    NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for o in nb.cells[1].outputs if o.output_type == "error"]
+    assert len(errors) == 1, nb.cells[1].outputs
+    assert (errors[0].ename, errors[0].evalue) == ("ZeroDivisionError", "division by zero")
+    lines = [plain(ln) for ln in errors[0].traceback]
+    assert any("return 1 / 0" in ln for ln in lines) and not any("gpumagic/" in ln for ln in lines)
+    assert not [o for o in nb.cells[2].outputs if o.output_type == "error"]
+
+
+# -- 4: help output --------------------------------------------------------------------------
+
+
+def test_help_with_a_question_mark_shows_the_signature_and_docstring(m):
+    k = start(m, "hp")
+    try:
+        for code in ("len?", "len??", "%pinfo len"):
+            out = Recorder()
+            r = k.execute(code, output=out)
+            shown = [plain(e[1].get("text/plain", "")) for e in out.events if e[0] == "display"]
+            assert len(shown) == 1, (code, out.events)
+            assert "Signature: len(obj, /)" in shown[0], shown
+            assert "Return the number of items in a container." in shown[0]
+            assert [plain(o["data"]["text/plain"]) for o in r.outputs] == shown  # kept with --out
+    finally:
+        stop_quietly(k)
+
+
+def test_help_in_a_kernel_cell_goes_to_ipythons_pager(ip, monkeypatch):
+    paged = []
+    monkeypatch.setattr("IPython.core.page.page", lambda data, *a, **kw: paged.append(data))
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start hpm --python {PY}")
+    try:
+        ip.run_cell_magic("remote", "--kernel hpm", "len?")
+        assert len(paged) == 1
+        assert "Return the number of items in a container." in plain(paged[0]["text/plain"])
+    finally:
+        ip.run_line_magic("gpu", "kernel stop hpm")
+
+
+# -- 6: --cwd / --env on a running session -----------------------------------------------------
+
+
+def test_cwd_and_env_given_to_a_running_session_at_start_say_they_were_not_applied(ip, capsys, tmp_path):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start ce --python {PY}")
+    try:
+        capsys.readouterr()
+        ip.run_line_magic("gpu", f"kernel start ce --cwd {tmp_path} --env ALPHA=1")
+        said = capsys.readouterr().out
+        assert said.startswith("session ce already runs on testgpu")
+        assert f"--cwd {tmp_path} (it runs in " in said
+        assert "--env ALPHA=1 were not applied (`%gpu kernel stop ce` first to change them)" in said
+        ip.run_line_magic("gpu", "kernel start ce --cwd ~")  # where it runs: nothing to say
+        assert "not applied" not in capsys.readouterr().out
+    finally:
+        ip.run_line_magic("gpu", "kernel stop ce")
+
+
+def test_cwd_and_env_on_a_kernel_cell_of_a_running_session_say_they_were_not_applied(ip, capsys, tmp_path):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start cc --python {PY}")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", f"--kernel cc --cwd {tmp_path}", "import os\nprint(os.getcwd())")
+        shown = capsys.readouterr()
+        assert shown.out != f"{tmp_path}\n"
+        assert f"session cc already runs; --cwd {tmp_path} (it runs in {shown.out.strip()}; " in shown.err
+        assert "was not applied (`%gpu kernel stop cc` first to change it)" in shown.err
+        ip.run_cell_magic("remote", "--kernel cc --env BETA=2", "import os\nprint(os.environ.get('BETA'))")
+        shown = capsys.readouterr()
+        assert shown.out == "None\n"
+        assert "--env BETA=2 was not applied" in shown.err
+        ip.run_cell_magic("remote", "--kernel cc", "print('plain')")
+        shown = capsys.readouterr()
+        assert (shown.out, shown.err) == ("plain\n", "")
+    finally:
+        ip.run_line_magic("gpu", "kernel stop cc")
+
+
+# -- 8: an empty cell ------------------------------------------------------------------------
+
+
+def test_an_empty_kernel_cell_does_nothing(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start ec --python {PY}")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel ec", "print(get_ipython().execution_count)")
+        before = int(capsys.readouterr().out)
+        for cell in ("%%remote --kernel ec", "%%remote --kernel ec\n", "%%remote --kernel ec\n\n   \n"):
+            result = ip.run_cell(cell)
+            assert result.success, result.error_before_exec or result.error_in_exec
+        ip.run_cell_magic("remote", "--kernel ec", "    \n")  # the magic itself: nothing sent either
+        ip.run_cell_magic("remote", "--kernel ec", "print(get_ipython().execution_count)")
+        assert int(capsys.readouterr().out) == before + 1  # no cell ran there in between
+    finally:
+        ip.run_line_magic("gpu", "kernel stop ec")
+
+
+def test_only_blank_kernel_cells_are_skipped():
+    assert skip_blank_kernel_cells(["%%remote --kernel\n"]) == []
+    assert skip_blank_kernel_cells(["%%remote --host a --kernel k\n", "  \n"]) == []
+    for cell in (["%%remote\n"], ["%%remote --python\n"], ["%%remote --kernel -h\n"],
+                 ["%%remote --kernel\n", "x = 1\n"], ["%%remotely --kernel\n"]):
+        assert skip_blank_kernel_cells(cell) == cell
+
+
+# -- 10: captured output is collected in linear time ---------------------------------------------
+
+
+class _CountingResult(gk.ExecuteResult):
+    """Counts assignments to ``stdout``: one per message is the quadratic pattern."""
+
+    def __setattr__(self, name, value):
+        if name == "stdout":
+            self.__dict__["stdout_sets"] = self.__dict__.get("stdout_sets", 0) + 1
+        super().__setattr__(name, value)
+
+
+def test_captured_output_is_joined_once_not_copied_per_message(m):
+    k = gk.RemoteKernel(m, "unit")
+    result = _CountingResult()
+    result.stdout_sets = 0
+    for i in range(5000):
+        msg = gk.Message(i + 1, "iopub", header={"msg_type": "stream"},
+                         content={"name": "stdout", "text": f"{i}\n"})
+        k._render(gk.Output(), msg, result, capture=True, show_error=False)
+    getattr(result, "_join", lambda: None)()  # what execute does when the cell ends
+    assert result.stdout == "".join(f"{i}\n" for i in range(5000))
+    assert result.stdout_sets == 1
+
+
+def test_a_cell_printing_many_small_lines_is_captured_whole(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start many --python {PY}")
+    try:
+        ip.run_cell_magic("remote", "--kernel many --out r",
+                          "import sys\nfor i in range(20000):\n    print(i, flush=True)\n"
+                          "print('err', file=sys.stderr)")
+        r = ip.user_ns["r"]
+        assert r.stdout == "".join(f"{i}\n" for i in range(20000))
+        assert r.stderr == "err\n"
+        capsys.readouterr()
+    finally:
+        ip.run_line_magic("gpu", "kernel stop many")
+
+
+# -- 9: a crashed kernel ---------------------------------------------------------------------
+
+
+def test_a_segfault_is_named_and_the_tcp_warning_is_not_the_reason(m):
+    k = start(m, "sg")
+    try:
+        with pytest.raises(KernelError) as e:
+            k.execute("import ctypes\nctypes.string_at(0)", output=Recorder())
+        said = str(e.value)
+        assert "died (killed by signal 11, SIGSEGV: segmentation fault)" in said, said
+        assert "TCP" not in said and "encryption" not in said, said
+        assert "%gpu kernel restart sg" in said
+    finally:
+        stop_quietly(k)
