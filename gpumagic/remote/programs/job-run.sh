@@ -40,15 +40,17 @@ if [ "$rc" = 0 ] && [ -s shutdown_command ] && [ ! -e killed ]; then
   # A cancel that came while the job ran (see job-cancel-shutdown.sh): renames are the arbiter.
   [ -e shutdown_cancelled ] && mv shutdown shutdown_cancelled.late 2>/dev/null
   if [ -e shutdown ]; then
-    (
-      trap '' HUP
-      sleep "$grace"
-      if mv shutdown shutdown_started 2>/dev/null; then
-        date +%s >> shutdown_started
-        /bin/sh -c "$(cat shutdown_command)"
-      fi
-    ) </dev/null >>shutdown.log 2>&1 &
-    echo $! > shutdown_pid
+    # HUP ignored before the fork (as gm_detach does): the pane's HUP as we exit may come
+    # before a trap inside the background subshell would run
+    ( trap '' HUP
+      (
+        sleep "$grace"
+        if mv shutdown shutdown_started 2>/dev/null; then
+          date +%s >> shutdown_started
+          /bin/sh -c "$(cat shutdown_command)"
+        fi
+      ) </dev/null >>shutdown.log 2>&1 &
+      echo $! > shutdown_pid )
   fi
 fi
 echo "$rc" > exit_code.tmp && mv exit_code.tmp exit_code

@@ -54,11 +54,15 @@ exec python3 "$HOME/.gpumagic/notify/notify.py" --event job-end --job "$2" --job
     gm-notify "$1" "$2" "$3"
 }
 gm_detach() {
-  ( (
-    trap '' HUP  # at once: a tmux pane closing as the caller exits sends it before setsid runs
-    if command -v setsid >/dev/null 2>&1; then exec setsid nohup "$@"; fi
-    exec nohup "$@"
-  ) </dev/null >/dev/null 2>&1 & )
+  # HUP is ignored before the fork, in the subshell the caller waits for, so the detached
+  # process is born ignoring it: a tmux pane closing as the caller exits sends HUP at once,
+  # and a trap set inside the background process could come too late (a job-end message was
+  # lost that way on a loaded machine).
+  ( trap '' HUP
+    (
+      if command -v setsid >/dev/null 2>&1; then exec setsid nohup "$@"; fi
+      exec nohup "$@"
+    ) </dev/null >/dev/null 2>&1 & )
 }
 
 # gm_procs: one line per process, "PID PPID SID PGID STATE", from ps or, where ps is missing
