@@ -6,6 +6,7 @@ Against the real test sshd; the machine is this computer, the kernels run this v
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -35,6 +36,17 @@ def m(sshd):
 
 def plain(text: str) -> str:
     return ANSI.sub("", text)
+
+
+@contextlib.contextmanager
+def magic_session(ip, name: str):
+    """``%gpu connect testgpu`` and ``%gpu kernel start NAME``; ``%gpu kernel stop NAME`` after."""
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start {name} --python {PY}")
+    try:
+        yield
+    finally:
+        ip.run_line_magic("gpu", f"kernel stop {name}")
 
 
 # -- 5: files made in a session get the user's umask -------------------------------------------
@@ -125,23 +137,17 @@ def test_help_with_a_question_mark_shows_the_signature_and_docstring(m):
 def test_help_in_a_kernel_cell_goes_to_ipythons_pager(ip, monkeypatch):
     paged = []
     monkeypatch.setattr("IPython.core.page.page", lambda data, *a, **kw: paged.append(data))
-    ip.run_line_magic("gpu", "connect testgpu")
-    ip.run_line_magic("gpu", f"kernel start hpm --python {PY}")
-    try:
+    with magic_session(ip, "hpm"):
         ip.run_cell_magic("remote", "--kernel hpm", "len?")
         assert len(paged) == 1
         assert "Return the number of items in a container." in plain(paged[0]["text/plain"])
-    finally:
-        ip.run_line_magic("gpu", "kernel stop hpm")
 
 
 # -- 6: --cwd / --env on a running session -----------------------------------------------------
 
 
 def test_cwd_and_env_given_to_a_running_session_at_start_say_they_were_not_applied(ip, capsys, tmp_path):
-    ip.run_line_magic("gpu", "connect testgpu")
-    ip.run_line_magic("gpu", f"kernel start ce --python {PY}")
-    try:
+    with magic_session(ip, "ce"):
         capsys.readouterr()
         ip.run_line_magic("gpu", f"kernel start ce --cwd {tmp_path} --env ALPHA=1")
         said = capsys.readouterr().out
@@ -150,14 +156,10 @@ def test_cwd_and_env_given_to_a_running_session_at_start_say_they_were_not_appli
         assert "--env ALPHA=1 were not applied (`%gpu kernel stop ce` first to change them)" in said
         ip.run_line_magic("gpu", "kernel start ce --cwd ~")  # where it runs: nothing to say
         assert "not applied" not in capsys.readouterr().out
-    finally:
-        ip.run_line_magic("gpu", "kernel stop ce")
 
 
 def test_cwd_and_env_on_a_kernel_cell_of_a_running_session_say_they_were_not_applied(ip, capsys, tmp_path):
-    ip.run_line_magic("gpu", "connect testgpu")
-    ip.run_line_magic("gpu", f"kernel start cc --python {PY}")
-    try:
+    with magic_session(ip, "cc"):
         capsys.readouterr()
         ip.run_cell_magic("remote", f"--kernel cc --cwd {tmp_path}", "import os\nprint(os.getcwd())")
         shown = capsys.readouterr()
@@ -171,17 +173,13 @@ def test_cwd_and_env_on_a_kernel_cell_of_a_running_session_say_they_were_not_app
         ip.run_cell_magic("remote", "--kernel cc", "print('plain')")
         shown = capsys.readouterr()
         assert (shown.out, shown.err) == ("plain\n", "")
-    finally:
-        ip.run_line_magic("gpu", "kernel stop cc")
 
 
 # -- 8: an empty cell ------------------------------------------------------------------------
 
 
 def test_an_empty_kernel_cell_does_nothing(ip, capsys):
-    ip.run_line_magic("gpu", "connect testgpu")
-    ip.run_line_magic("gpu", f"kernel start ec --python {PY}")
-    try:
+    with magic_session(ip, "ec"):
         capsys.readouterr()
         ip.run_cell_magic("remote", "--kernel ec", "print(get_ipython().execution_count)")
         before = int(capsys.readouterr().out)
@@ -191,8 +189,6 @@ def test_an_empty_kernel_cell_does_nothing(ip, capsys):
         ip.run_cell_magic("remote", "--kernel ec", "    \n")  # the magic itself: nothing sent either
         ip.run_cell_magic("remote", "--kernel ec", "print(get_ipython().execution_count)")
         assert int(capsys.readouterr().out) == before + 1  # no cell ran there in between
-    finally:
-        ip.run_line_magic("gpu", "kernel stop ec")
 
 
 def test_only_blank_kernel_cells_are_skipped():
@@ -229,9 +225,7 @@ def test_captured_output_is_joined_once_not_copied_per_message(m):
 
 
 def test_a_cell_printing_many_small_lines_is_captured_whole(ip, capsys):
-    ip.run_line_magic("gpu", "connect testgpu")
-    ip.run_line_magic("gpu", f"kernel start many --python {PY}")
-    try:
+    with magic_session(ip, "many"):
         ip.run_cell_magic("remote", "--kernel many --out r",
                           "import sys\nfor i in range(20000):\n    print(i, flush=True)\n"
                           "print('err', file=sys.stderr)")
@@ -239,8 +233,6 @@ def test_a_cell_printing_many_small_lines_is_captured_whole(ip, capsys):
         assert r.stdout == "".join(f"{i}\n" for i in range(20000))
         assert r.stderr == "err\n"
         capsys.readouterr()
-    finally:
-        ip.run_line_magic("gpu", "kernel stop many")
 
 
 # -- 9: a crashed kernel ---------------------------------------------------------------------
