@@ -381,7 +381,7 @@ class Machine:
         """A handle on an existing job (started from this or any earlier kernel)."""
         return jobs.Job(self, jobs.check_name(name))
 
-    # -- live Python sessions (gpumagic/remote/kernel.py) ----------------------------------
+    # -- live Python sessions (gpumagic/remote/kernel/) ------------------------------------
 
     def kernel(self, name: str | None = None, *, start: bool = True, python: str | None = None,
                cwd: str | None = None, env: Mapping[str, str] | None = None,

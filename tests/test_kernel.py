@@ -188,7 +188,7 @@ def test_a_plot_comes_back_as_png_and_a_dataframe_as_html_in_the_executed_notebo
 def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m, monkeypatch):
     # A running cell reconnects by itself now (tests/test_resilience.py); without that,
     # the cell's error and then `attach` must still show every line once, in order.
-    monkeypatch.setattr(gk, "RECONNECTS", 0)
+    monkeypatch.setattr(gk.client, "RECONNECTS", 0)
     k = start(m, "c3")
     try:
         sshd_pid = session_sshd_pid(m)
@@ -282,7 +282,7 @@ def test_an_interrupt_during_sleep_raises_keyboardinterrupt_here_and_keeps_the_v
 
 
 def test_a_cell_that_ignores_sigint_says_so_and_restart_is_the_way_out(m, monkeypatch):
-    monkeypatch.setattr(gk, "INTERRUPT_WAIT", 2.0)
+    monkeypatch.setattr(gk.client, "INTERRUPT_WAIT", 2.0)
     k = start(m, "c4i")
     try:
         def interrupt_soon(text):
@@ -635,7 +635,7 @@ def test_the_programs_run_on_the_machine_are_python_3_8(program):
     import ast
     import tarfile
 
-    _, tar = gk._programs_tar()
+    _, tar = gk.link._programs_tar()
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         text = t.extractfile(program).read()
     ast.parse(text.decode(), feature_version=(3, 8))
@@ -647,9 +647,9 @@ def test_the_machine_side_gets_the_laptops_own_wire_module_and_copies_none_of_it
     import ast
     import tarfile
 
-    from gpumagic.remote import kernel_wire
+    from gpumagic.remote.kernel import wire as kernel_wire
 
-    _, tar = gk._programs_tar()
+    _, tar = gk.link._programs_tar()
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         assert sorted(t.getnames()) == ["kernel_keeper.py", "kernel_startup.py", "kernel_wire.py"]
         assert t.extractfile("kernel_wire.py").read() == Path(kernel_wire.__file__).read_bytes()
@@ -662,7 +662,7 @@ def test_the_machine_side_gets_the_laptops_own_wire_module_and_copies_none_of_it
 
 
 def test_take_frames_takes_whole_frames_and_leaves_a_partial_one():
-    from gpumagic.remote import kernel_wire as wire
+    from gpumagic.remote.kernel import wire
 
     a, b = wire.frame([b"{}", b"x" * 5]), wire.frame([wire.dumps({"seq": 2}), b""])
     buf = bytearray(a + b + b[:7])
@@ -674,7 +674,7 @@ def test_take_frames_takes_whole_frames_and_leaves_a_partial_one():
 
 
 def test_pickled_values_keep_their_buffers_out_of_band():
-    from gpumagic.remote import kernel_wire as wire
+    from gpumagic.remote.kernel import wire
 
     big = bytearray(range(256)) * 4
     main, buffers = wire.pickle_value(pickle.PickleBuffer(big))

@@ -743,17 +743,10 @@ def tunnel_table_html(tunnels: Iterable[tuple[str, object]]) -> str:
 
 
 def reverse_tunnel_opened(t, machine: str, note: str = "") -> Rendered:
-    """The message after a reverse tunnel opened: where the machine listens, where that
-    reaches here, and how to close it.
-
-    Parameters
-    ----------
-    t : gpumagic.tunnel.ReverseTunnel
-    machine : str
-        The machine's name.
-    note : str
-        One more line (e.g. "port 7890 on the machine is taken ...; using 41234 instead").
-    """
+    """The message after a reverse tunnel ``t`` (a :class:`gpumagic.tunnel.ReverseTunnel`)
+    opened on ``machine``: where the machine listens, where that reaches here, and how to
+    close it; ``note`` is one more line above (e.g. "port 7890 on the machine is taken ...;
+    using 41234 instead")."""
     return _opened(t.id, note, f"{t.name} on {machine}: the machine's {t.listen} -> this computer's {t.target}",
                    f"{html.escape(t.name)} on {html.escape(machine)}: the machine's "
                    f"<code>{html.escape(t.listen)}</code> -&gt; this computer's "

@@ -1,7 +1,7 @@
 """gpumagic's kernel keeper: one Jupyter kernel on this machine that outlives the laptop.
 
 This program runs ON the rented machine, with the Python the kernel is to use.  gpumagic
-(``gpumagic/remote/kernel.py``, ``%gpu kernel start``) copies it to ``~/.gpumagic/kernels/.programs/``
+(``gpumagic/remote/kernel/``, ``%gpu kernel start``) copies it to ``~/.gpumagic/kernels/.programs/``
 and runs::
 
     python kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE]

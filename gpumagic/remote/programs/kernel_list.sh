@@ -1,5 +1,5 @@
 # gpumagic: list the kernels kept in ~/.gpumagic/kernels (see kernel_keeper.py), in one round
-# trip, for gpumagic/remote/kernel.py's parse_listing.  For each kernel directory: a line
+# trip, for gpumagic/remote/kernel/info.py's parse_listing.  For each kernel directory: a line
 # "\036kernel NAME", its state.json, then "alive" when its keeper still runs (its pid is a
 # process whose command line names the keeper) or "gone".  Then the GPU processes
 # ("\036gpu-status" with nvidia-smi's exit status, "\036gpu" with

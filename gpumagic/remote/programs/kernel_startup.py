@@ -8,7 +8,7 @@ only gets what the user defines.
    ``load(path)`` and ``dump(path, names)``.  A payload is pickled (protocol 5) with
    numpy-style buffers kept out of band, so arrays travel as raw bytes, in the layout of
    ``kernel_wire.py`` (beside this file in the programs tar; the laptop imports the same
-   file as ``gpumagic.remote.kernel_wire``).
+   file as ``gpumagic.remote.kernel.wire``).
 """
 
 import importlib.abc

@@ -1,7 +1,7 @@
 """The wire format of gpumagic's live sessions, loaded by both sides.
 
-The laptop imports it as :mod:`gpumagic.remote.kernel_wire`; the machine gets this same file
-in the programs tar beside ``kernel_keeper.py`` (which imports it) and ``kernel_startup.py``
+The laptop imports it as :mod:`gpumagic.remote.kernel.wire`; the machine gets this same file
+(as ``kernel_wire.py``) in the programs tar beside ``kernel_keeper.py`` (which imports it) and ``kernel_startup.py``
 (which loads it from its own folder), so no line of it is copied between the two sides.
 Standard library only, and Python 3.8, like every program run on the machine.
 

@@ -1,0 +1,138 @@
+"""Where a session's output goes (:class:`Output`: printed, or displayed by the magics)
+and what one cell did (:class:`ExecuteResult`)."""
+
+from __future__ import annotations
+
+import builtins
+import getpass
+import sys
+from dataclasses import dataclass, field
+
+from ...errors import KernelError, RemoteKernelError
+
+
+class Output:
+    """Receives a kernel's output; :class:`TextOutput` prints, the magics display.
+
+    Methods are called on the caller's thread, in the order the kernel sent the messages.
+    """
+
+    def stream(self, name: str, text: str) -> None:
+        """``name`` is ``stdout`` or ``stderr``; ``text`` may hold ``\\r`` (progress bars)."""
+
+    def display(self, data: dict, metadata: dict, display_id: str | None = None,
+                update: bool = False) -> None:
+        """A MIME bundle (``display_data``, ``execute_result`` or, with ``update``,
+        ``update_display_data``)."""
+
+    def clear(self, wait: bool = False) -> None:
+        """``clear_output``."""
+
+    def page(self, data: dict) -> None:
+        """A pager payload of the cell's execute_reply (``len?``, ``%pinfo``, ``%page``): a
+        MIME bundle (``text/plain``, maybe ``text/html``) that IPython shows in its pager.
+        By default it is displayed like any bundle."""
+        self.display(data, {})
+
+    def note(self, text: str) -> None:
+        """One of gpumagic's own lines (not the cell's output)."""
+
+    def ask(self, prompt: str, password: bool = False) -> str:
+        """Answer the machine's ``input()`` / ``getpass()``."""
+        return getpass.getpass(prompt) if password else builtins.input(prompt)
+
+
+class TextOutput(Output):
+    """Print to this process's stdout/stderr; rich output as its ``text/plain``."""
+
+    def __init__(self, stdout=None, stderr=None):
+        self._out, self._err = stdout, stderr
+
+    def stream(self, name: str, text: str) -> None:
+        f = (self._err or sys.stderr) if name == "stderr" else (self._out or sys.stdout)
+        f.write(text)
+        f.flush()
+
+    def display(self, data, metadata, display_id=None, update=False) -> None:
+        text = data.get("text/plain")
+        kinds = ", ".join(k for k in data if k != "text/plain")
+        self.stream("stdout", (text if text is not None else f"<{kinds}>") + "\n")
+
+    def note(self, text: str) -> None:
+        self.stream("stderr", text + "\n")
+
+
+class _Quiet(Output):
+    def ask(self, prompt, password=False):
+        raise KernelError("gpumagic's own request asked for input", "")
+
+
+def default_output() -> Output:
+    """Rich display when running inside IPython (a notebook), text otherwise."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and ipython.get_ipython() is not None:
+        from ..notebook.magics.kernel import NotebookOutput
+
+        return NotebookOutput()
+    return TextOutput()
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecuteResult:
+    """What one cell did on the machine.
+
+    Attributes
+    ----------
+    status : str
+        ``ok``, ``error`` or ``aborted`` (Jupyter's execute_reply status).
+    execution_count : int or None
+        The kernel's ``In [N]``.
+    error : RemoteKernelError or None
+        The remote exception (ename, evalue, traceback).
+    stdout, stderr : str
+        The cell's printed text (empty unless captured).
+    outputs : list of dict
+        The MIME bundles displayed (``{"data": ..., "metadata": ...}``), when captured.
+    result : dict or None
+        The ``execute_result`` bundle (the last expression's value), when there is one.
+    user_expressions : dict
+        As in the execute_reply.
+    seconds : float
+        Wall time until the reply and all output arrived.
+    """
+
+    status: str = "ok"
+    execution_count: int | None = None
+    error: RemoteKernelError | None = None
+    stdout: str = ""
+    stderr: str = ""
+    outputs: list = field(default_factory=list)
+    result: dict | None = None
+    user_expressions: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    #: Text captured so far, by stream name, as chunks: joined once into ``stdout`` and
+    #: ``stderr`` when the cell ends (appending to a growing string copies it each time).
+    _chunks: dict = field(default_factory=lambda: {"stdout": [], "stderr": []}, repr=False,
+                          compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def _collect(self, name: str, text: str) -> None:
+        self._chunks["stderr" if name == "stderr" else "stdout"].append(text)
+
+    def _join(self) -> None:
+        """Set ``stdout`` and ``stderr`` from the chunks collected (once, at the end)."""
+        for name, chunks in self._chunks.items():
+            if chunks:
+                setattr(self, name, getattr(self, name) + "".join(chunks))
+                chunks.clear()
+
+    def __repr__(self) -> str:
+        return (f"ExecuteResult(status={self.status!r}, execution_count={self.execution_count}, "
+                f"stdout={len(self.stdout)} chars, outputs={len(self.outputs)}, "
+                f"seconds={self.seconds:.3f})")
