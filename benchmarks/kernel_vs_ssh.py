@@ -16,11 +16,12 @@ and to ssh -L.
 
 Then 50 MB of printed text through gpumagic: seconds, MB/s, the largest gap between two
 pieces of output arriving (a responsive notebook sees output keep coming), and how much
-this process's resident memory grew (flat: output is not kept).
+this process's resident memory grew (flat: output is not kept).  Last, cells printing 1, 4,
+12 and 16 MB with and without capture (``--out``): capturing stays linear in the size.
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/kernel_vs_ssh.py [--runs 200] [--mb 50]
+    PYTHONPATH=. python benchmarks/kernel_vs_ssh.py [--runs 200] [--mb 50] [--capture-mb 1,4,12,16]
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=200, help="timed rounds per cell")
     p.add_argument("--mb", type=int, default=50, help="megabytes printed in the streaming test")
+    p.add_argument("--capture-mb", default="1,4,12,16",
+                   help="sizes (MB) of the cells timed with and without --out (capture)")
     args = p.parse_args(argv)
     from jupyter_client.manager import start_new_kernel
 
@@ -209,6 +212,19 @@ def main(argv=None) -> int:
                   f"({out.bytes / 1e6 / secs:.1f} MB/s; direct: {floor:.2f} s); largest gap between "
                   f"outputs {out.max_gap * 1e3:.0f} ms; this process's memory grew by at most "
                   f"{(peak - before) / 1e6:.1f} MB")
+
+            # capturing output (%%remote --kernel --out VAR) costs time linear in its size
+            print("\ncell printing N MB: seconds without capture, with capture (--out), ratio "
+                  "(target <= 1.2 at 12 MB)")
+            for mb in [int(x) for x in args.capture_mb.split(",") if x]:
+                code = f"line = 'x' * 99\nfor i in range({mb * 1024 * 1024 // 100}):\n    print(line)"
+                secs = {}
+                for capture in (False, True, False, True):  # interleaved; the faster of two
+                    start = time.perf_counter()
+                    k.execute(code, output=Discard(), capture=capture)
+                    took = time.perf_counter() - start
+                    secs[capture] = min(secs.get(capture, took), took)
+                print(f"{mb:4d} MB  {secs[False]:7.2f} s  {secs[True]:7.2f} s  {secs[True] / secs[False]:5.2f}x")
             tunnelled.stop_channels()
         finally:
             if k is not None:

@@ -253,6 +253,81 @@ def test_the_display_cap_of_remote_applies_to_kernel_cells(ip, capsys):
         ip.run_line_magic("gpu", "kernel stop cap")
 
 
+# -- issue 32 (7): text counts as text, images as images -----------------------------------
+
+
+@pytest.fixture
+def shown_bundles(ip, monkeypatch):
+    """The MIME bundles this notebook's shell displays, in order."""
+    out: list[dict] = []
+    monkeypatch.setattr(ip.display_pub, "publish",
+                        lambda data, metadata=None, source=None, **kw: out.append(data))
+    return out
+
+
+#: A cell that shows three 3600x3600-pixel figures' worth of PNG (about 2.5 MB of base64
+#: each, as a dense 36x36-inch figure at 100 dpi gives).
+THREE_FIGURES = ("from IPython.display import display\n"
+                 "for i in range(3):\n"
+                 "    display({'image/png': 'iVBORw0KGgo' + str(i) * 2_500_000,\n"
+                 "             'text/plain': '<Figure size 3600x3600 with 1 Axes>'}, raw=True)")
+
+
+def test_three_large_figures_all_show_under_the_default_limits(ip, capsys, shown_bundles):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start figs --python {PY}")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel figs", THREE_FIGURES)
+        pngs = [b["image/png"] for b in shown_bundles if "image/png" in b]
+        assert [p[11] for p in pngs] == ["0", "1", "2"]
+        assert all(len(p) == 2_500_011 for p in pngs)
+        assert "not displayed" not in capsys.readouterr().err
+    finally:
+        ip.run_line_magic("gpu", "kernel stop figs")
+
+
+def test_images_past_the_image_limit_are_held_back_and_the_note_says_how_to_get_them(ip, capsys,
+                                                                                     shown_bundles):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start imgcap --python {PY}")
+    ip.run_line_magic("config", "GpuMagics.max_image_bytes = 3000000")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel imgcap --out r", THREE_FIGURES + "\nprint('text')")
+        assert [b["image/png"][11] for b in shown_bundles if "image/png" in b] == ["0"]
+        seen = capsys.readouterr()
+        assert seen.out == "text\n"  # text has its own limit
+        assert ("[gpumagic: 2 images (5 MB) were not displayed (image limit 3 MB); --out VAR keeps "
+                "them in VAR.outputs; raise the limit with %config GpuMagics.max_image_bytes = N]") in seen.err
+        assert "characters were not displayed" not in seen.err
+        assert [o["data"]["image/png"][11] for o in ip.user_ns["r"].outputs] == ["0", "1", "2"]
+    finally:
+        ip.run_line_magic("config", "GpuMagics.max_image_bytes = 50000000")
+        ip.run_line_magic("gpu", "kernel stop imgcap")
+
+
+def test_text_past_the_text_limit_is_cut_and_images_are_not_counted_as_text(ip, capsys, shown_bundles):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start txtcap --python {PY}")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel txtcap", (
+            "from IPython.display import HTML, display\n"
+            "display({'image/png': 'A' * 5000}, raw=True)\n"
+            "display(HTML('<b>' + 'h' * 5000 + '</b>'))\n"
+            "print('x' * 2000)"))
+        assert [sorted(b) for b in shown_bundles] == [["image/png"]]  # the HTML is held back
+        seen = capsys.readouterr()
+        assert seen.out == "x" * 1000
+        assert "6,042 more characters were not displayed (limit 1,000)" in seen.err
+        assert "image" not in seen.err
+    finally:
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+        ip.run_line_magic("gpu", "kernel stop txtcap")
+
+
 # -- case 4 -------------------------------------------------------------------------------
 
 
@@ -525,6 +600,63 @@ def test_autorun_sends_code_cells_to_the_session_and_keeps_magics_local(ip, caps
     finally:
         ip.run_cell("%gpu kernel autorun off")
         ip.run_line_magic("gpu", "kernel stop ar")
+
+
+def test_autorun_sends_a_cell_that_begins_with_matplotlib_inline_to_the_session(ip, capsys, shown_bundles):
+    # issue 32 (12): `%matplotlib inline` at the top used to keep the whole cell here, imports
+    # included, and the next cell failed there with NameError: name 'plt' is not defined
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start arm --python {PY}")
+    ip.user_ns.pop("plt", None)
+    try:
+        ip.run_line_magic("gpu", "kernel autorun on arm")
+        first = ip.run_cell("%config InlineBackend.figure_formats = ['svg']\n%matplotlib inline\n"
+                            "import matplotlib.pyplot as plt")
+        assert first.success, first.error_in_exec
+        assert "plt" not in ip.user_ns  # imported there, not here
+        capsys.readouterr()
+        second = ip.run_cell("print(plt.get_backend())\nplt.plot([1, 2, 3])\nplt.show()")
+        assert second.success, second.error_in_exec
+        assert "inline" in capsys.readouterr().out
+        # the session's inline backend, as %config set it there, drew the figure
+        assert [sorted(b) for b in shown_bundles] == [["image/svg+xml", "text/plain"]]
+    finally:
+        ip.run_cell("%gpu kernel autorun off")
+        ip.run_line_magic("gpu", "kernel stop arm")
+
+
+@pytest.mark.parametrize("cell, there", [
+    ("%matplotlib inline\nimport matplotlib.pyplot as plt", True),
+    ("%matplotlib inline", True),
+    ("\n  %matplotlib widget\n# the backend\n\nx = 1", True),
+    ("%config InlineBackend.figure_format = 'retina'\nx = 1", True),
+    ("%load_ext autoreload\n%autoreload 2\nimport mymodule", True),
+    ("%aimport mymodule\nmymodule.f()", True),
+    ("%pylab inline", True),
+    ("x = 1\n%gpu status", True),                  # not at the top: as before
+    ("%gpu status", False),
+    ("%gpu kernel autorun off", False),
+    ("%config GpuMagics.max_display_bytes = 10", False),
+    ("%config Completer.use_jedi = False", False),
+    ("%load_ext gpumagic", False),
+    ("%matplotlib inline\n%gpu status", False),    # a magic of this notebook's among them
+    ("%matplotlib inline\n!nvidia-smi", False),
+    ("%%time\nx = 1", False),
+    ("%%remote\nls", False),
+    ("!ls", False),
+    ("%timeit f()", False),
+    ("%\nx = 1", False),
+])
+def test_autorun_runs_session_configuring_magics_there_and_other_magics_here(cell, there):
+    from gpumagic.notebook.magics.kernel import Autorun
+
+    lines = [ln + "\n" for ln in cell.split("\n")]
+    out = Autorun("testgpu", "main")(lines)
+    if there:
+        assert out == [f"get_ipython().run_cell_magic('remote', '--kernel main --host testgpu', "
+                       f"{''.join(lines)!r})\n"]
+    else:
+        assert out == lines
 
 
 def test_tqdm_auto_gives_a_text_bar_that_updates_in_place(m):

@@ -249,3 +249,161 @@ def test_a_segfault_is_named_and_the_tcp_warning_is_not_the_reason(m):
         assert "%gpu kernel restart sg" in said
     finally:
         stop_quietly(k)
+
+
+# -- 1: a cell's value is its execute_result, as a local kernel's --------------------------------
+
+
+def _run_notebook(tmp_path, monkeypatch, cells: list[str]):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return nb
+
+
+def _shape(cell) -> list[tuple]:
+    """What a grader or nbval compares: each output's type, execution count and mime types."""
+    return [(o.output_type, o.get("execution_count"), sorted(o.get("data", {}))) for o in cell.outputs]
+
+
+def test_a_kernel_cells_value_is_saved_as_execute_result_with_the_cells_count_and_sets_out(tmp_path, monkeypatch):
+    frame = "import pandas as pd\npd.DataFrame({'a': [1, 2]}, index=pd.Index(['x', 'y'], name='k'))"
+    nb = _run_notebook(tmp_path, monkeypatch, [
+        f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start nbr --python {PY}",
+        "%%remote --kernel nbr\nx = 41\nx + 1",                               # 2
+        "print(repr(_), repr(Out[2]))",                                        # 3
+        f"%%remote --kernel nbr\n{frame}",                                     # 4
+        frame,                                                                 # 5: the same, locally
+        "%%remote --kernel nbr\nx;",                                           # 6: ';' shows nothing
+        "%gpu kernel autorun on nbr",                                          # 7
+        "x + 2",                                                               # 8
+        "x\nprint('after')",                                                   # 9: not the last line
+        "%gpu kernel autorun off",                                             # 10
+        "%gpu kernel stop nbr",
+    ])
+    cells = nb.cells
+    assert not [o for c in cells for o in c.outputs if o.output_type == "error"], [c.outputs for c in cells]
+    assert _shape(cells[1]) == [("execute_result", 2, ["text/plain"])]
+    assert cells[1].outputs[0].data["text/plain"] == "42"
+    assert [o.text for o in cells[2].outputs] == ["42 42\n"]
+    assert _shape(cells[3]) == [("execute_result", 4, ["text/html", "text/plain"])]
+    assert _shape(cells[4]) == [("execute_result", 5, ["text/html", "text/plain"])]
+    assert cells[3].outputs[0].data == cells[4].outputs[0].data  # the same bundle as locally
+    assert cells[5].outputs == []
+    assert _shape(cells[7]) == [("execute_result", 8, ["text/plain"])]
+    assert cells[7].outputs[0].data["text/plain"] == "43"
+    assert [(o.output_type, o.get("text")) for o in cells[8].outputs] == [("stream", "after\n")]
+
+
+def test_the_api_keeps_the_value_in_the_result_and_text_output_prints_it(m, capsys):
+    k = start(m, "val")
+    try:
+        r = k.execute("6 * 7", output=gk.TextOutput())
+        assert r.result == {"data": {"text/plain": "42"}, "metadata": {}}
+        assert capsys.readouterr().out == "42\n"
+    finally:
+        stop_quietly(k)
+
+
+# -- 3: widgets made on the machine work here (the comm bridge) ---------------------------------
+
+
+class _Kernel:
+    """A local ipykernel driven as a front end drives it: execute, and send comm messages."""
+
+    def __init__(self, tmp_path):
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+
+    def _until_idle(self, msg_id: str, timeout: float = 180) -> list[dict]:
+        msgs = []
+        while True:
+            m = self.kc.get_iopub_msg(timeout=timeout)
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            msgs.append(m)
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                return msgs
+
+    def run(self, code: str) -> list[dict]:
+        msgs = self._until_idle(self.kc.execute(code))
+        errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+        assert not errors, errors
+        return msgs
+
+    def comm_msg(self, comm_id: str, data: dict) -> tuple[str, list[dict]]:
+        msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        self.kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"], self._until_idle(msg["header"]["msg_id"])
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def _stdout(msgs: list[dict]) -> str:
+    return "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+
+
+@pytest.fixture
+def front_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    k = _Kernel(tmp_path)
+    k.run(f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start wid --python {PY}")
+    yield k
+    try:
+        k.run("%gpu kernel stop wid")
+    finally:
+        k.close()
+
+
+def test_a_slider_made_on_the_machine_is_a_model_here_and_moving_it_here_moves_it_there(front_end):
+    msgs = front_end.run("%%remote --kernel wid\nimport ipywidgets\ns = ipywidgets.IntSlider(3)\ns")
+    opens = {m["content"]["comm_id"]: m["content"] for m in msgs if m["msg_type"] == "comm_open"}
+    slider = [cid for cid, c in opens.items() if c["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert len(slider) == 1 and opens[slider[0]]["data"]["state"]["value"] == 3
+    assert opens[slider[0]]["target_name"] == "jupyter.widget"
+    shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "execute_result"]
+    assert [d["application/vnd.jupyter.widget-view+json"]["model_id"] for d in shown] == slider
+    # the front end drags it to 7: the machine's slider holds 7
+    front_end.comm_msg(slider[0], {"method": "update", "state": {"value": 7}, "buffer_paths": []})
+    assert _stdout(front_end.run("%%remote --kernel wid\nprint(s.value)")) == "7\n"
+    # the machine sets it to 9: the front end's model gets 9
+    msgs = front_end.run("%%remote --kernel wid\ns.value = 9")
+    updates = [m["content"] for m in msgs if m["msg_type"] == "comm_msg"]
+    assert {"comm_id": slider[0], "data": {"method": "update", "state": {"value": 9}, "buffer_paths": []}} in updates
+
+
+def test_interact_calls_the_function_on_the_machine_and_its_output_goes_to_the_widget(front_end):
+    msgs = front_end.run("%%remote --kernel wid\nimport os\nfrom ipywidgets import interact\n"
+                         "@interact(x=3)\ndef f(x):\n    print('f', x, os.getpid())")
+    first = _stdout(msgs)
+    assert first.startswith("f 3 ") and int(first.split()[2]) != os.getpid()  # ran on the machine
+    slider = next(m["content"]["comm_id"] for m in msgs if m["msg_type"] == "comm_open"
+                  and m["content"]["data"]["state"].get("_model_name") == "IntSliderModel")
+    msg_id, answer = front_end.comm_msg(slider, {"method": "update", "state": {"value": 7}, "buffer_paths": []})
+    # printed on the machine, under the front end's own message: its Output widget shows it
+    streams = [m for m in answer if m["msg_type"] == "stream"]
+    assert [m["content"]["text"].split()[:2] for m in streams] == [["f", "7"]]
+    outputs_state = [m["content"]["data"]["state"] for m in answer if m["msg_type"] == "comm_msg"
+                     and "msg_id" in m["content"]["data"].get("state", {})]
+    assert {"msg_id": msg_id} in outputs_state  # the Output widget captures under that id
+
+
+def test_a_tqdm_notebook_bar_on_the_machine_reaches_100_percent_in_the_saved_notebook(tmp_path, monkeypatch):
+    nb = _run_notebook(tmp_path, monkeypatch, [
+        f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start tq --python {PY}",
+        "%%remote --kernel tq\nfrom tqdm.notebook import tqdm\nfor i in tqdm(range(5)):\n    pass",
+        "%gpu kernel stop tq",
+    ])
+    assert not [o for c in nb.cells for o in c.outputs if o.output_type == "error"], [c.outputs for c in nb.cells]
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    bars = [m["state"] for m in state.values() if m["model_name"] == "FloatProgressModel"]
+    assert [(b["value"], b["max"]) for b in bars] == [(5, 5)]
+    texts = [m["state"]["value"] for m in state.values() if m["model_name"] == "HTMLModel"]
+    assert any(t.startswith("100%") for t in texts), texts
+    views = [o for o in nb.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(views) == 1 and views[0].data["application/vnd.jupyter.widget-view+json"]["model_id"] in state

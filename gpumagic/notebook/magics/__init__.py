@@ -114,6 +114,13 @@ class GpuMagics(Magics):
              "kept by --out); a browser tab slows down on tens of megabytes.",
     )
 
+    max_image_bytes = Int(
+        50_000_000, config=True,
+        help="Most bytes of images (image/png, image/jpeg, image/svg+xml, ..., as the notebook "
+             "holds them: base64) one cell shows, counted apart from its text; the rest is still "
+             "kept by --out (VAR.outputs).",
+    )
+
     guard_alert_poll = Float(
         GUARD_ALERT_POLL, config=True,
         help="Seconds between checks, after cells run, for a warning from a machine's budget guard "

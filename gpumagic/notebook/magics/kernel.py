@@ -14,7 +14,8 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, check_name, list_kernels)
+from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, RemoteValue, check_name,
+                              list_kernels)
 from .. import display
 from ._args import Subcommands, env_pairs, host_arg, parse
 from ._output import OutputCap
@@ -25,12 +26,17 @@ class NotebookOutput(Output):
     MIME bundles through IPython's display machinery with their display ids, so
     ``update_display_data`` and ``clear_output`` act on the right output.
 
-    At most ``limit`` characters of text and MIME data are shown per cell (the ``%%remote``
-    cap, :class:`OutputCap`); an update of a display already shown is never counted again.
+    At most ``limit`` characters of text and ``image_limit`` bytes of images are shown per
+    cell (the ``%%remote`` cap, :class:`OutputCap`: a MIME bundle with an image counts as an
+    image, any other as text); an update of a display already shown is never counted again.
     """
 
-    def __init__(self, limit: int | None = None):
-        self.cap = OutputCap(limit, kept="the text")
+    def __init__(self, limit: int | None = None, cell_result: bool = False,
+                 image_limit: int | None = None):
+        self.cap = OutputCap(limit, kept="the text", image_limit=image_limit)
+        #: Show the cell's value (its execute_result) as this notebook cell's own result
+        #: (``%%remote --kernel``), rather than as a display.
+        self.cell_result = cell_result
 
     def stream(self, name: str, text: str) -> None:
         self.cap.write(sys.stderr if name == "stderr" else sys.stdout, text)
@@ -39,8 +45,7 @@ class NotebookOutput(Output):
         from IPython.display import display as ipy_display
         from IPython.display import update_display
 
-        size = sum(len(v) if isinstance(v, str) else 0 for v in data.values())
-        if not update and not self.cap.admit(size):
+        if not update and not self.cap.admit_bundle(data):
             return
         if update and display_id:
             update_display(data, raw=True, metadata=metadata, display_id=display_id)
@@ -64,13 +69,40 @@ class NotebookOutput(Output):
     def note(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    def result(self, data, metadata) -> None:
+        # a %%remote --kernel cell's value goes through IPython's display hook when it comes
+        # (so in the order the machine sent it, before the figures its inline backend shows
+        # after it): an execute_result with this notebook's count, `_` and Out[n] set here
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if not self.cell_result or shell is None:
+            self.display(data, metadata)
+            return
+        if self.cap.admit_bundle(data):
+            shell.displayhook(RemoteValue(data, metadata))
+
+    def comm(self, kernel, kind, content, metadata, buffers) -> None:
+        from .. import comms
+
+        comms.bridge(kernel).from_session(kind, content, metadata, buffers)
+
+    def request_id(self) -> str | None:
+        # the message of this notebook's that runs the cell: what a widget's Output there
+        # names as the parent of its output, and what the front end then looks for here
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+        parent = kernel.get_parent() if kernel is not None and hasattr(kernel, "get_parent") else {}
+        return (parent or {}).get("header", {}).get("msg_id") or None
+
     def finish(self) -> None:
-        if self.cap.dropped:
+        if self.cap.held_back:
             self.note(self.cap.note())
 
 
-def _output(magics) -> NotebookOutput:
-    return NotebookOutput(magics.max_display_bytes)
+def _output(magics, cell_result: bool = False) -> NotebookOutput:
+    return NotebookOutput(magics.max_display_bytes, cell_result, image_limit=magics.max_image_bytes)
 
 
 def _get(magics, host: str | None, name: str | None, *, start: bool = False,
@@ -164,7 +196,7 @@ def remote_cell(magics, args, cell: str):
     if not cell.strip():  # as a local empty cell: nothing runs, nothing is sent
         return None
     k = _get(magics, args.host, _name(args.kernel), start=True, cwd=args.cwd, env=env_pairs(args.env))
-    out = _output(magics)
+    out = _output(magics, cell_result=True)
     try:
         result = k.execute(cell, output=out, timeout=args.timeout, capture=bool(args.out),
                            raise_error=not args.no_raise_error)
@@ -360,18 +392,57 @@ def _sizes(sizes: dict, values: dict) -> str:
 # -- autorun ----------------------------------------------------------------------------------
 
 
+#: Line magics that configure the session a cell's code runs in, its display or its module
+#: reloading: at the top of an autorun cell they go there with the rest of the cell.
+SESSION_MAGICS = frozenset({"matplotlib", "pylab", "autoreload", "aimport"})
+
+
+def configures_session(line: str) -> bool:
+    """Whether ``line`` (stripped) is a line magic of :data:`SESSION_MAGICS`, ``%config
+    InlineBackend...`` or ``%load_ext autoreload``: one that belongs in the session an
+    autorun cell runs in, not in this notebook's kernel."""
+    if not line.startswith("%") or line.startswith("%%") or not line[1:].strip():
+        return False
+    name, *rest = line[1:].split(None, 1)
+    arg = rest[0].strip() if rest else ""
+    if name == "config":
+        return arg.startswith("InlineBackend")
+    if name == "load_ext":
+        return arg == "autoreload"
+    return name in SESSION_MAGICS
+
+
+def runs_here(lines: list[str]) -> bool:
+    """Whether autorun leaves a cell to this notebook's kernel: an empty cell, or one whose
+    first line is a magic or shell escape (``%``, ``!``), unless every magic line at its top
+    (comments and blank lines between them allowed) configures the session
+    (:func:`configures_session`: ``%matplotlib inline``, ``%config InlineBackend...``,
+    ``%load_ext autoreload``, ``%autoreload 2``, ...)."""
+    top = False  # a magic that configures the session seen at the top
+    for ln in (ln.strip() for ln in lines):
+        if not ln or (top and ln.startswith("#")):
+            continue
+        if not ln.startswith(("%", "!")):
+            return False  # code (or a comment first): the cell runs there
+        if not configures_session(ln):
+            return True
+        top = True
+    return not top  # an empty cell stays here; one of only such magics goes there
+
+
 class Autorun:
     """An IPython input transformer (``shell.input_transformers_cleanup``) that turns each
     code cell into ``%%remote --kernel NAME``, except cells whose first line is a magic or
     shell escape (``%``, ``!``), which run here: so line magics, and ``%gpu kernel autorun
-    off``, still run locally (as with ipyparallel's ``%autopx``)."""
+    off``, still run locally (as with ipyparallel's ``%autopx``).  Magics that configure the
+    session at the top of a cell (``%matplotlib inline``, ``%config InlineBackend...``,
+    autoreload's: :func:`runs_here`) go there with the cell, so its imports do too."""
 
     def __init__(self, machine: str, kernel: str):
         self.machine, self.kernel = machine, kernel
 
     def __call__(self, lines: list[str]) -> list[str]:
-        first = next((ln.strip() for ln in lines if ln.strip()), "")
-        if not first or first.startswith(("%", "!")):
+        if runs_here(lines):
             return lines
         args = f"--kernel {self.kernel} --host {self.machine}"
         return [f"get_ipython().run_cell_magic('remote', {args!r}, {''.join(lines)!r})\n"]
@@ -404,7 +475,8 @@ def _autorun(magics, line: str):
     k = _get(magics, args.host, _name(args.name), start=True)
     shell.input_transformers_cleanup.append(Autorun(k.machine.name, k.name))
     print(f"autorun is on: every following code cell runs in session {k.name} on {k.machine.name}; "
-          "cells starting with % or ! run here; `%gpu kernel autorun off` ends it")
+          "cells starting with % or ! run here (but %matplotlib, %config InlineBackend and "
+          "autoreload's magics go there with their cell); `%gpu kernel autorun off` ends it")
 
 
 #: ``%gpu kernel SUB``: name -> (function, summary, usage).

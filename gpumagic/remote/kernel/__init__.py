@@ -48,9 +48,9 @@ from ...errors import KernelConnectionLost, KernelError, RemoteKernelError
 from .client import RemoteKernel
 from .info import DEFAULT_NAME, KERNELS_DIR, KernelInfo, check_name, list_kernels, parse_listing
 from .link import Message, program_text
-from .outputs import ExecuteResult, Output, TextOutput, default_output
+from .outputs import ExecuteResult, Output, RemoteValue, TextOutput, default_output
 from .registry import Kernels
 
 __all__ = ["DEFAULT_NAME", "KERNELS_DIR", "ExecuteResult", "KernelConnectionLost", "KernelError", "KernelInfo",
-           "Kernels", "Message", "Output", "RemoteKernel", "RemoteKernelError", "TextOutput", "check_name",
+           "Kernels", "Message", "Output", "RemoteKernel", "RemoteKernelError", "RemoteValue", "TextOutput", "check_name",
            "default_output", "list_kernels", "parse_listing", "program_text"]

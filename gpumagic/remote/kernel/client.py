@@ -35,6 +35,8 @@ ACK_DELAY = 0.2
 #: Times a running cell's connection may be lost and made again while it is followed: the
 #: keeper keeps its output, which is shown once, in order, after each reconnect.
 RECONNECTS = 3
+#: Seconds a widget's message (a slider moved) is followed for what the session shows in answer.
+COMM_WAIT = 30.0
 #: Jupyter messaging protocol version spoken.
 PROTOCOL_VERSION = "5.3"
 
@@ -83,6 +85,8 @@ class RemoteKernel:
         self._away_parents: set[str] = set()
         self._restarting = False
         self._lock = threading.RLock()
+        #: The ids of the requests sent lately (insertion-ordered), so that no id is used twice.
+        self._sent_ids: dict[str, None] = {}
         #: Bytes per variable of the last :meth:`pull`.
         self.last_pull_sizes: dict[str, int] = {}
 
@@ -267,17 +271,23 @@ class RemoteKernel:
 
     # -- requests -------------------------------------------------------------------------
 
-    def _message(self, msg_type: str, content: dict) -> tuple[str, list[bytes]]:
-        msg_id = uuid.uuid4().hex
+    def _message(self, msg_type: str, content: dict, msg_id: str | None = None) -> tuple[str, list[bytes]]:
+        msg_id = msg_id or uuid.uuid4().hex
         header = {"msg_id": msg_id, "msg_type": msg_type, "username": "gpumagic",
                   "session": self.session_id, "date": datetime.now(timezone.utc).isoformat(),
                   "version": PROTOCOL_VERSION}
         return msg_id, [wire.dumps(header), b"{}", b"{}", wire.dumps(content)]
 
-    def _send(self, link: _Link, ch: str, msg_type: str, content: dict) -> str:
-        msg_id, parts = self._message(msg_type, content)
+    def _send(self, link: _Link, ch: str, msg_type: str, content: dict, *, msg_id: str | None = None,
+              buffers: Iterable[bytes] = ()) -> str:
+        if msg_id in self._sent_ids:  # a request's id names one request
+            msg_id = None
+        msg_id, parts = self._message(msg_type, content, msg_id)
+        self._sent_ids[msg_id] = None
+        while len(self._sent_ids) > 1000:
+            del self._sent_ids[next(iter(self._sent_ids))]
         try:
-            link.send({"op": "send", "ch": ch, "ack": self._last_seq}, parts)
+            link.send({"op": "send", "ch": ch, "ack": self._last_seq}, [*parts, *buffers])
         except _Lost:
             self._lost()
         self._acked = max(self._acked, self._last_seq)
@@ -360,7 +370,10 @@ class RemoteKernel:
                        "user_expressions": dict(user_expressions or {}), "allow_stdin": allow_stdin,
                        "stop_on_error": True}
             start = time.monotonic()
-            msg_id = self._send(link, "shell", "execute_request", content)
+            # the notebook's own request id where there is one: output the session sends in
+            # answer then names it as its parent, as a widget made there (an Output widget,
+            # interact) expects of the front end that shows it
+            msg_id = self._send(link, "shell", "execute_request", content, msg_id=out.request_id())
             waiter = _Waiter(msg_id, "execute_reply")
             result = ExecuteResult()
             deadline = start + timeout if timeout is not None else None
@@ -401,6 +414,29 @@ class RemoteKernel:
                     raise result.error
                 out.stream("stderr", "\n".join(result.error.traceback) + "\n")
             return result
+
+    def comm_send(self, comm_id: str, data: dict, *, buffers: Iterable[bytes] = (),
+                  msg_type: str = "comm_msg", msg_id: str | None = None,
+                  output: Output | None = None, timeout: float = COMM_WAIT) -> None:
+        """Pass a front end's message for a comm (a widget) to the session: a ``comm_msg``
+        (a slider moved) or ``comm_close``; then show what the session did in answer (an
+        ``interact`` function's output, widget updates) until it is idle again, or for at
+        most ``timeout`` seconds (the rest is shown with the next cell).
+
+        ``msg_id`` is the front end's own message id: the session names it as the parent of
+        what it sends in answer, so an Output widget there captures that output here.
+        """
+        with self._lock:
+            out = output or default_output()
+            link = self._connect()
+            rid = self._send(link, "shell", msg_type, {"comm_id": comm_id, "data": data},
+                             msg_id=msg_id, buffers=buffers)
+            try:
+                self._pump(link, out, own=rid, until_idle=True, deadline=time.monotonic() + timeout)
+            except _Deadline:
+                pass
+            finally:
+                self._ack_soon(link)
 
     def _follow(self, link: _Link, out: Output, waiter: _Waiter, result: ExecuteResult,
                 capture: bool, deadline: float | None) -> _Link:
@@ -511,7 +547,9 @@ class RemoteKernel:
         if waiter is not None and pid == waiter.msg_id:
             waiter.seen = True
         if msg.ch == "iopub":
-            if kind == "status":
+            if kind in _COMM_TYPES:
+                out.comm(self, kind, msg.content, msg.metadata, msg.buffers)
+            elif kind == "status":
                 if own is not None and pid == own and msg.content.get("execution_state") == "idle":
                     said = "idle"
             elif kind in _OUTPUT_TYPES:
@@ -540,7 +578,10 @@ class RemoteKernel:
         elif t in ("display_data", "execute_result", "update_display_data"):
             data, md = c.get("data", {}), c.get("metadata", {})
             display_id = (c.get("transient") or {}).get("display_id")
-            out.display(data, md, display_id, update=t == "update_display_data")
+            if t == "execute_result":
+                out.result(data, md)
+            else:
+                out.display(data, md, display_id, update=t == "update_display_data")
             if result is not None:
                 if t == "execute_result":
                     result.result = {"data": data, "metadata": md}
@@ -785,5 +826,7 @@ class _Deadline(Exception):
     pass
 
 
+#: A widget's traffic (ipywidgets, tqdm.notebook): passed to the front end (:meth:`Output.comm`).
+_COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
 _OUTPUT_TYPES = ("stream", "display_data", "execute_result", "update_display_data", "error",
                  "clear_output")

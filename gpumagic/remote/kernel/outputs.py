@@ -22,8 +22,14 @@ class Output:
 
     def display(self, data: dict, metadata: dict, display_id: str | None = None,
                 update: bool = False) -> None:
-        """A MIME bundle (``display_data``, ``execute_result`` or, with ``update``,
-        ``update_display_data``)."""
+        """A MIME bundle (``display_data`` or, with ``update``, ``update_display_data``)."""
+
+    def result(self, data: dict, metadata: dict) -> None:
+        """The cell's value (``execute_result``: its last expression, what a local kernel
+        shows as ``Out[n]``).  By default it is displayed like any bundle; the notebook's
+        output returns it from the magic instead, so that IPython shows it as this cell's
+        own result (see :class:`RemoteValue`)."""
+        self.display(data, metadata)
 
     def clear(self, wait: bool = False) -> None:
         """``clear_output``."""
@@ -36,6 +42,16 @@ class Output:
 
     def note(self, text: str) -> None:
         """One of gpumagic's own lines (not the cell's output)."""
+
+    def comm(self, kernel, kind: str, content: dict, metadata: dict, buffers: list) -> None:
+        """A comm message of the session (``comm_open``, ``comm_msg``, ``comm_close``): a
+        widget made, changed or closed on the machine.  Dropped by default; the notebook's
+        output passes it to the front end (:mod:`gpumagic.notebook.comms`)."""
+
+    def request_id(self) -> str | None:
+        """The id to give the session's request, when the caller has one of its own (the
+        notebook's message that runs this cell); None: a new one."""
+        return None
 
     def ask(self, prompt: str, password: bool = False) -> str:
         """Answer the machine's ``input()`` / ``getpass()``."""
@@ -71,13 +87,35 @@ def default_output() -> Output:
     """Rich display when running inside IPython (a notebook), text otherwise."""
     ipython = sys.modules.get("IPython")
     if ipython is not None and ipython.get_ipython() is not None:
-        from ..notebook.magics.kernel import NotebookOutput
+        from ...notebook.magics.kernel import NotebookOutput
 
         return NotebookOutput()
     return TextOutput()
 
 
 # -- results --------------------------------------------------------------------------------
+
+
+class RemoteValue:
+    """A cell's value on the machine, as this notebook shows it: the ``execute_result``
+    bundle the session sent, given back through ``_repr_mimebundle_``.
+
+    ``%%remote --kernel`` returns one, so IPython's display hook shows it as the cell's own
+    result: an ``execute_result`` with this notebook's execution count (``Out[n]``), the
+    same MIME bundle the machine made, and ``_``/``Out[n]`` set here to this object (the value
+    itself stays on the machine: ``%gpu kernel pull`` copies it).
+    """
+
+    def __init__(self, data: dict, metadata: dict | None = None):
+        self.data = dict(data)
+        self.metadata = dict(metadata or {})
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.data, self.metadata
+
+    def __repr__(self) -> str:
+        text = self.data.get("text/plain")
+        return text if text is not None else f"<{', '.join(self.data)}>"
 
 
 @dataclass
