@@ -40,6 +40,10 @@ class MachineLike(Protocol):
     is_this_computer : bool
         True for the sandbox, whose files and processes are this computer's own (so, for
         example, ``%gpu wrapup`` does not report system-wide caches there).
+    session_idle_stop : float or None
+        Seconds after which a session (``%gpu kernel``) started here stops by itself once no
+        notebook is attached and no cell runs: the sandbox's, which nothing else ends (it is
+        this computer); None on a rented machine, where sessions run until stopped.
     """
 
     name: str
@@ -47,6 +51,7 @@ class MachineLike(Protocol):
     connection: Connection
     tool_dirs: tuple[str, ...]
     tunnels: TunnelManager
+    session_idle_stop: float | None
 
     @property
     def is_this_computer(self) -> bool: ...

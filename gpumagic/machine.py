@@ -11,6 +11,8 @@ The IPython magics are a thin layer over this module.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import shlex
 import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
@@ -53,6 +55,9 @@ class Machine:
 
     #: False: a rented machine, not this computer (see :class:`SandboxMachine`).
     is_this_computer: bool = False
+    #: None: sessions here run until stopped (the machine's release ends them); see
+    #: :attr:`SandboxMachine.session_idle_stop`.
+    session_idle_stop: float | None = None
 
     def __init__(self, spec: HostSpec, *, name: str | None = None, cwd: str | None = None,
                  trust_new_host: bool = False, home: str | None = None,
@@ -142,11 +147,16 @@ class Machine:
         self.kernels.close()
         self.connection.close()
         if self.sandbox is not None:
+            left = self.sandbox.running_sessions()
             self.sandbox.stop()
             self.sandbox = None
             self.connection.refuse_reopen = ("the sandbox machine was stopped when it was closed",
                                              "start a new one: `%gpu connect --sandbox` "
                                              "(gpumagic.connect(sandbox=True))")
+            if left:
+                from .remote.kernel.outputs import default_output
+
+                default_output().note(sessions_left_note(left, self.name))
 
     def __enter__(self) -> "Machine":
         return self.connect()
@@ -665,6 +675,12 @@ class SandboxMachine(Machine):
 
     def __init__(self, spec: HostSpec, **options):
         super().__init__(spec, **options)
+        #: Seconds after which a session started here stops by itself once no notebook is
+        #: attached and no cell runs (:func:`sandbox_session_idle_stop`: 30 min unless
+        #: ``GPUMAGIC_SANDBOX_IDLE_STOP`` says otherwise).  The sandbox's sessions outlive it,
+        #: for a later sandbox (a later notebook) to find, as on a rented machine; but no
+        #: release ends them on this computer, so they end themselves.
+        self.session_idle_stop = sandbox_session_idle_stop()
         #: The stand-in sites of :meth:`net_targets` (started on first use, stopped by close).
         self._internet: dict = {}
 
@@ -705,6 +721,49 @@ class SandboxMachine(Machine):
             s.stop()
         self._internet = {}
         super().close()
+
+
+#: Seconds a sandbox's session is kept with no notebook attached and no cell running.
+SANDBOX_SESSION_IDLE_STOP = 30 * 60.0
+#: The environment variable that sets it (seconds; ``0`` or ``off``: never stop).
+IDLE_STOP_ENV = "GPUMAGIC_SANDBOX_IDLE_STOP"
+
+
+def sandbox_session_idle_stop() -> float | None:
+    """:data:`SANDBOX_SESSION_IDLE_STOP`, or ``$GPUMAGIC_SANDBOX_IDLE_STOP`` (seconds; ``0``
+    or ``off``: None, never); a value that is not a number is ignored."""
+    text = os.environ.get(IDLE_STOP_ENV, "").strip().lower()
+    if not text:
+        return SANDBOX_SESSION_IDLE_STOP
+    if text in ("off", "never", "none"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        return SANDBOX_SESSION_IDLE_STOP
+    return seconds if seconds > 0 and math.isfinite(seconds) else None
+
+
+def _span(seconds: float) -> str:
+    """``30 min``, ``2 h``, ``45 s``."""
+    if seconds >= 7200 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:g} s"
+
+
+def sessions_left_note(left: Sequence[tuple[str, float | None]], machine: str = "sandbox") -> str:
+    """The line a closing sandbox gives about the sessions (``(name, idle_stop)``) it leaves
+    running: they outlive it (a later sandbox finds them) and stop after their idle time."""
+    where = "the sandbox" if machine == "sandbox" else f"the sandbox {machine}"
+    lines = []
+    for name, idle in left:
+        when = (f"it stops after {_span(idle)} with no notebook attached and no cell running"
+                if idle else "it runs until stopped")
+        lines.append(f"session {name} keeps running on {where}; {when} "
+                     f"(`%gpu kernel stop {name}` on a sandbox ends it now)")
+    return "\n".join(lines)
 
 
 def _echo(stream):

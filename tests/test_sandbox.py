@@ -1,5 +1,6 @@
 """The sandbox machine: a throwaway sshd that gpumagic starts, trusts, and stops."""
 
+import json
 import os
 import signal
 import subprocess
@@ -204,3 +205,136 @@ def test_process_running_tells_a_reused_pid_and_a_zombie_from_the_owner():
     assert not sandbox.process_running(zombie.pid, 0)
     zombie.wait()
     assert not sandbox.process_running(zombie.pid, 0)
+
+
+# -- sessions left on a closed sandbox (issue 32, finding 11) -------------------------------
+
+
+def _gone_within(pids, seconds):
+    """The pids among ``pids`` still alive after waiting up to ``seconds`` for them to end."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def _group_members(pgid):
+    """The live (not zombie) processes of process group ``pgid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                found.append(int(entry))
+    return found
+
+
+def _stop_if_left(name, pids):
+    if any(alive(p) for p in pids):
+        with gpumagic.connect(sandbox=True) as m:
+            m.kernel(name, start=False).stop()
+
+
+def test_a_session_left_on_a_closed_sandbox_is_named_and_stops_after_its_idle_time(monkeypatch, capsys):
+    from gpumagic.remote.kernel import Output
+    from gpumagic.remote.kernel.info import list_kernels
+
+    monkeypatch.setenv("GPUMAGIC_SANDBOX_IDLE_STOP", "3")
+    m = gpumagic.connect(sandbox=True)
+    pids = []
+    try:
+        assert m.session_idle_stop == 3
+        k = m.kernel("leak", python=sys.executable)
+        # a program the cell starts is in the kernel's process group: it must end too
+        r = k.execute("import subprocess\np = subprocess.Popen(['sleep', '300'])\nprint(p.pid)",
+                      output=Output())
+        info = k.info()
+        assert info is not None and info.state == "idle" and info.idle_stop == 3
+        keeper, kernel, child = info.keeper_pid, info.kernel_pid, int(r.stdout)
+        pids = [keeper, kernel, child]
+        assert all(alive(p) for p in pids)
+        capsys.readouterr()
+        m.close()
+        err = capsys.readouterr().err
+        assert ("session leak keeps running on the sandbox; it stops after 3 s with no notebook "
+                "attached and no cell running (`%gpu kernel stop leak` on a sandbox ends it now)") in err
+        assert all(alive(p) for p in pids)  # the session outlives the sandbox ...
+        assert _gone_within(pids, 45) == []  # ... until its idle time has passed
+        assert _group_members(kernel) == []  # nothing of the kernel's group is left
+        assert not (sandbox.sandbox_home() / ".gpumagic" / "kernels" / "leak").exists()
+        with gpumagic.connect(sandbox=True) as m2:  # a later sandbox finds it gone (not "lost")
+            assert "leak" not in [i.name for i in list_kernels(m2)]
+            assert "leak" not in [name for name, _ in m2.sandbox.running_sessions()]
+        assert "leak" not in capsys.readouterr().err  # and says nothing of it as it closes
+    finally:
+        m.close()
+        _stop_if_left("leak", pids)
+
+
+def test_a_sandbox_session_running_a_cell_is_not_stopped_while_the_cell_runs(monkeypatch):
+    import threading
+
+    from gpumagic.remote.kernel import Output
+
+    monkeypatch.setenv("GPUMAGIC_SANDBOX_IDLE_STOP", "2")
+    m = gpumagic.connect(sandbox=True)
+    pids = []
+    try:
+        k = m.kernel("busyleft", python=sys.executable)
+        info = k.info()
+        pids = [info.keeper_pid, info.kernel_pid]
+
+        def run():
+            try:
+                k.execute("import time\ntime.sleep(9)\n", output=Output())
+            except Exception:  # noqa: BLE001 - the sandbox closes under it: the cell runs on
+                pass
+
+        threading.Thread(target=run, daemon=True).start()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and k.info().state != "busy":
+            time.sleep(0.1)
+        assert k.info().state == "busy"
+        started = time.monotonic()
+        m.close()  # no client from here on; the cell runs for about 9 s more
+        time.sleep(max(0.0, started + 6 - time.monotonic()))  # 3 idle times: it is busy
+        assert all(alive(p) for p in pids)
+        state = sandbox.sandbox_home() / ".gpumagic" / "kernels" / "busyleft" / "state.json"
+        assert '"busy"' in state.read_text(encoding="utf-8")
+        assert _gone_within(pids, 45) == []  # the cell ended: then it stops after 2 s idle
+    finally:
+        m.close()
+        _stop_if_left("busyleft", pids)
+
+
+def test_a_rented_machines_session_gets_no_idle_time(machine, monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_SANDBOX_IDLE_STOP", "1")  # the sandbox's only
+    assert machine.session_idle_stop is None
+    k = machine.kernel("rentedidle", python=sys.executable)
+    try:
+        info = k.info()
+        state = json.loads(machine.exec('cat "$HOME/.gpumagic/kernels/rentedidle/state.json"').stdout)
+        assert info.idle_stop is None and "idle_stop" in state and state["idle_stop"] is None
+        machine.close()  # no client connected
+        time.sleep(4)
+        assert alive(info.keeper_pid) and alive(info.kernel_pid)
+        assert k.info().state == "idle"
+    finally:
+        k.stop()
+
+
+def test_the_sandboxs_idle_time_comes_from_the_environment(monkeypatch):
+    from gpumagic import machine
+
+    for value, expected in [("", 1800.0), ("90", 90.0), ("0", None), ("off", None),
+                            ("soon", 1800.0), ("inf", None)]:
+        monkeypatch.setenv("GPUMAGIC_SANDBOX_IDLE_STOP", value)
+        assert machine.sandbox_session_idle_stop() == expected, value
+    assert machine.sessions_left_note([("a", 1800.0), ("b", None)]).splitlines() == [
+        "session a keeps running on the sandbox; it stops after 30 min with no notebook attached "
+        "and no cell running (`%gpu kernel stop a` on a sandbox ends it now)",
+        "session b keeps running on the sandbox; it runs until stopped "
+        "(`%gpu kernel stop b` on a sandbox ends it now)"]

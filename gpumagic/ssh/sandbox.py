@@ -528,6 +528,37 @@ class Sandbox:
     def spec(self) -> HostSpec:
         return self.server.spec("sandbox")
 
+    def running_sessions(self) -> list[tuple[str, float | None]]:
+        """The sessions (``%gpu kernel``) whose keeper runs in this sandbox's home, as
+        ``(name, idle_stop)`` sorted by name: they outlive the sandbox (their keepers are
+        detached), until their idle time passes (``idle_stop`` seconds; None: never).  Read
+        from the files here, the sandbox being this computer: no round trip."""
+        import json
+
+        root = self.home / ".gpumagic" / "kernels"  # remote.kernel.info.KERNELS_DIR
+        found = []
+        try:
+            entries = sorted(os.listdir(root))
+        except OSError:
+            return []
+        for name in entries:
+            try:
+                state = json.loads((root / name / "state.json").read_text(encoding="utf-8"))
+                pid = int(state["keeper_pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if not process_running(pid, 0):
+                continue
+            try:  # a pid given to another process since (kernel_list.sh checks the same)
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"kernel_keeper" not in f.read():
+                        continue
+            except OSError:
+                pass
+            idle = state.get("idle_stop")
+            found.append((name, float(idle) if isinstance(idle, (int, float)) else None))
+        return found
+
     def shutdown_stand_in(self) -> Path:
         """The ``shutdown`` first on the sandbox's PATH, in its ``bin/``, which powers nothing
         off (the sandbox is this computer): one put there before (tutorial 04 puts its own),

@@ -181,6 +181,10 @@ class RemoteKernel:
         unset = [a for k, v in full_env.items() if v is None for a in ("-u", k)]
         assigns = [f"{k}={v}" for k, v in full_env.items() if v is not None]
         workdir = cwd if cwd is not None else (self.machine.cwd or "")
+        # the sandbox's sessions stop by themselves once left idle (the sandbox is this
+        # computer: no release ends them); a rented machine's run until stopped
+        idle = self.machine.session_idle_stop
+        idle_arg = f" --idle-stop {idle:g}" if idle else ""
         # `~` is expanded by the keeper (os.path.expanduser), relative paths start at HOME.
         # The keeper's files are private (umask 077); the kernel gets the login umask (`um`),
         # so what a cell creates has the modes a local kernel or a --python cell gives.
@@ -189,7 +193,7 @@ class RemoteKernel:
             f'mkdir -p "{progs}" && tar -xf - -C "{progs}" && cd && '
             f"exec env {_q(*unset, *assigns)} {_q(python)} "
             f'"{progs}/kernel_keeper.py" start {_q(self.name)} --cwd {_q(workdir)} --umask "$um" '
-            f'--startup "{progs}/kernel_startup.py"')
+            f'--startup "{progs}/kernel_startup.py"{idle_arg}')
         r = self.machine.exec(command, stdin=tar, timeout=START_TIMEOUT)
         line = r.stdout.strip().splitlines()[-1:] if r.stdout.strip() else []
         if line:

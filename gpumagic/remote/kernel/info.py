@@ -58,6 +58,10 @@ class KernelInfo:
     cwd : str
     exit_code : int or None
         The kernel's exit status once ``dead``.
+    idle_stop : float or None
+        Seconds after which the session stops by itself once no notebook is attached and
+        no cell runs (the sandbox's sessions: ``SandboxMachine.session_idle_stop``); None:
+        it runs until stopped.
     """
 
     name: str
@@ -72,6 +76,7 @@ class KernelInfo:
     cwd: str = ""
     exit_code: int | None = None
     python_version: str = ""
+    idle_stop: float | None = None
 
     @property
     def running(self) -> bool:
@@ -144,7 +149,8 @@ def parse_listing(text: str) -> list[KernelInfo]:
                           kernel_pid=state.get("kernel_pid"), keeper_pid=state.get("keeper_pid"),
                           port=state.get("port"), cwd=state.get("cwd", ""),
                           exit_code=state.get("exit_code"),
-                          python_version=state.get("python_version", ""))
+                          python_version=state.get("python_version", ""),
+                          idle_stop=state.get("idle_stop"))
         if not alive:
             info.state = "lost"
         elif gpu_ok and info.kernel_pid and info.state != "dead":

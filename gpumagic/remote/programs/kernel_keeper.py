@@ -4,11 +4,14 @@ This program runs ON the rented machine, with the Python the kernel is to use.  
 (``gpumagic/remote/kernel/``, ``%gpu kernel start``) copies it to ``~/.gpumagic/kernels/.programs/``
 and runs::
 
-    python kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE]
+    python kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE] [--idle-stop SECONDS]
 
 which prints one JSON line (``{"status": "started" | "running" | "no-ipykernel" | ...}``) and
 returns, leaving the keeper detached (its own session: a closed laptop, a dropped connection
-or a killed ``sshd`` do not reach it).  Standard library, plus ``jupyter_client`` and ``zmq``,
+or a killed ``sshd`` do not reach it).  With ``--idle-stop SECONDS`` (gpumagic gives it on the
+sandbox only, which is the laptop itself: nothing else ends a session there) the keeper stops
+its kernel and exits, as ``stop`` does, once no client has been connected and no cell has run
+for that long.  Standard library, plus ``jupyter_client`` and ``zmq``,
 which come with ``ipykernel``.
 
 What it keeps, in ``~/.gpumagic/kernels/NAME/`` (mode 0700; files 0600)
@@ -19,7 +22,8 @@ What it keeps, in ``~/.gpumagic/kernels/NAME/`` (mode 0700; files 0600)
                      and never leaves this machine: the keeper signs what it relays.
 ``token``            what a client presents to the keeper (the laptop reads it over SSH).
 ``state.json``       name, python, pids, the keeper's port, ``state`` (``starting``, ``idle``,
-                     ``busy``, ``dead``) and ``since`` (epoch seconds).
+                     ``busy``, ``dead``), ``since`` (epoch seconds) and ``idle_stop`` (the
+                     ``--idle-stop`` seconds, or null).
 ``busy``             exists while a cell executes (the budget guard counts the machine busy).
 ``journal``          every message the kernel sent (iopub, shell replies, stdin requests) and
                      the keeper's own events, numbered, in arrival order, as framed below.
@@ -103,13 +107,18 @@ class Client:
 
 
 class Keeper:
-    def __init__(self, name, directory, cwd, startup, umask=None):
+    def __init__(self, name, directory, cwd, startup, umask=None, idle_stop=None):
         self.name = name
         self.dir = directory
         self.cwd = cwd
         self.startup = startup
         #: The user's login umask, for the kernel (the keeper's own files stay private).
         self.umask = umask
+        #: Seconds with no client connected and no cell running after which the keeper stops
+        #: (``--idle-stop``); None: never.
+        self.idle_stop = idle_stop
+        #: Since when (monotonic) no client has been connected and no cell has run.
+        self.quiet_since = time.monotonic()
         self.cf = os.path.join(directory, "connection.json")
         self.proc = None
         self.state = "starting"
@@ -139,7 +148,7 @@ class Keeper:
                 "kernel_pid": self.proc.pid if self.proc else None, "port": self.port,
                 "state": self.state, "since": self.since, "started": self.started,
                 "cwd": self.cwd, "exit_code": self.exit_code, "busy_msg": self.busy_msg,
-                "last_seq": self.next_seq - 1, "acked": self.acked,
+                "last_seq": self.next_seq - 1, "acked": self.acked, "idle_stop": self.idle_stop,
                 "python_version": "%d.%d.%d" % sys.version_info[:3]}
         write_private(self.path("state.json"), dumps(info))
         return info
@@ -548,6 +557,7 @@ class Keeper:
     def serve(self):
         zmq = self.zmq
         poller, watched, kernel_socks = None, None, None
+        self.quiet_since = time.monotonic()  # the client that started it connects next
         while not self.stopping:
             # the poller is rebuilt only when what it watches changes
             wanted = tuple((c.sock.fileno(), zmq.POLLIN | (zmq.POLLOUT if c.out or (
@@ -591,7 +601,21 @@ class Keeper:
             if self.proc is not None and self.state != "dead" and self.proc.poll() is not None:
                 self.drain_kernel()  # what it sent before dying comes before the news
                 self.kernel_died()
+            self.check_idle()
         self.shutdown()
+
+    def check_idle(self):
+        """With ``idle_stop``: stop (as ``stop`` does) once no client has been connected and
+        the kernel has not been busy (nor starting) for that many seconds."""
+        if self.idle_stop is None or self.stopping:
+            return
+        now = time.monotonic()
+        attached = any(c.pos is not None for c in self.clients)  # said hello with the token
+        if attached or self.state in ("busy", "starting"):
+            self.quiet_since = now
+        elif now - self.quiet_since >= self.idle_stop:
+            log("stopping: no client and no cell for %g s (--idle-stop)" % self.idle_stop)
+            self.stopping = True
 
     def drain_kernel(self, seconds=0.2):
         deadline = time.monotonic() + seconds
@@ -622,7 +646,7 @@ class Keeper:
         self.append(ch, parts, buffers)
 
     def shutdown(self):
-        self.event({"event": "stopped"})
+        self.event({"event": "stopped"})  # (no client to hear it when stopped for --idle-stop)
         deadline = time.monotonic() + 2
         while any(c.out for c in self.clients) and time.monotonic() < deadline:
             for c in list(self.clients):
@@ -668,6 +692,8 @@ def start(argv):
     p.add_argument("--cwd", default="")
     p.add_argument("--startup", default="")
     p.add_argument("--umask", default="", help="the kernel's umask, octal (default: the keeper's)")
+    p.add_argument("--idle-stop", type=float, default=None, metavar="SECONDS",
+                   help="stop once no client has been connected and no cell has run for this long")
     args = p.parse_args(argv)
     name = check_name(args.name)
     os.makedirs(ROOT, mode=0o700, exist_ok=True)
@@ -741,7 +767,8 @@ def start(argv):
         sys.stdout = os.fdopen(1, "w")
         sys.stderr = os.fdopen(2, "w")
         umask = int(args.umask, 8) if args.umask.isdigit() else None
-        keeper = Keeper(name, directory, cwd, startup, umask)
+        idle_stop = args.idle_stop if args.idle_stop is not None and args.idle_stop > 0 else None
+        keeper = Keeper(name, directory, cwd, startup, umask, idle_stop)
 
         def on_term(*_):
             keeper.stopping = True
@@ -777,7 +804,8 @@ def start(argv):
 def main(argv):
     if len(argv) >= 2 and argv[1] == "start":
         return start(argv[2:])
-    sys.stderr.write("usage: kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE]\n")
+    sys.stderr.write("usage: kernel_keeper.py start NAME [--cwd DIR] [--umask OCTAL] [--startup FILE]"
+                     " [--idle-stop SECONDS]\n")
     return 2
 
 
