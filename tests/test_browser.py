@@ -6,6 +6,10 @@ except in cells tagged ``raises-exception``; a screenshot lands in ``build/brows
 saved, executed notebooks are reopened in a JupyterLab that has no kernel ("No Kernel"), as a
 classmate without the environment would, and every saved output must render from the file.
 
+Widgets made on the machine (issue 32, the comm bridge): a remote ``IntSlider`` renders in the
+page, dragging it with the mouse to 7 makes the machine's value 7, a ``tqdm.notebook`` bar there
+reaches 100 %, and the notebook saved with its widget state reopens showing both.
+
 Slow (minutes), so it runs only with ``GPUMAGIC_TEST_BROWSER=1`` (``.ci/run`` sets it; as root
 ``scripts/_setup.sh`` then installs Debian's chromium). Playwright's own browser download is not
 used: Debian's ``/usr/bin/chromium`` is.
@@ -72,10 +76,10 @@ def _free_port() -> int:
 class Lab:
     """A JupyterLab server on 127.0.0.1 with token auth, serving ``root``."""
 
-    def __init__(self, root: Path, state: Path, *extra: str):
+    def __init__(self, root: Path, state: Path, *extra: str, settings_more: dict | None = None):
         self.root, self.port, self.token = root, _free_port(), secrets.token_hex(16)
         settings = state / "lab-settings"
-        for name, value in LAB_SETTINGS.items():
+        for name, value in {**LAB_SETTINGS, **(settings_more or {})}.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
             (settings / name).write_text(json.dumps(value), encoding="utf-8")
         env = dict(os.environ,  # HOME is the suite's temp HOME (conftest): the sandbox lives there
@@ -362,3 +366,173 @@ def test_live_widgets_were_seen_and_checked():
     if not _ran:
         pytest.skip("no tutorial was run in the browser in this session")
     assert sum(_widgets.values()) > 0, _widgets
+
+
+# -- widgets made on the machine (issue 32: the comm bridge) --------------------------------
+
+#: The session's name on the machine, and the notebook that makes its widgets.
+SESSION = "brw"
+WIDGETS_NB = "remote-widgets.ipynb"
+#: ipywidgets' own setting: the widget state goes into the notebook's metadata on save.
+SAVE_WIDGET_STATE = {"@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": True}}
+
+
+@pytest.fixture(scope="module")
+def widget_root(tmp_path_factory):
+    """A root of its own: the tutorials' lab does not save widget state, this one does."""
+    root = tmp_path_factory.mktemp("lab-widgets")
+    nb = nbformat.v4.new_notebook(metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in [
+        f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start {SESSION} --python {sys.executable}",
+        f"%%remote --kernel {SESSION}\nimport ipywidgets\ns = ipywidgets.IntSlider(3)\ns",
+        f"%%remote --kernel {SESSION}\nfrom tqdm.notebook import tqdm\nfor i in tqdm(range(5)):\n    pass",
+        f"%%remote --kernel {SESSION}\nprint(s.value)",
+        f"%gpu kernel stop {SESSION}",
+    ]]
+    nbformat.write(nb, root / WIDGETS_NB)
+    return root
+
+
+@pytest.fixture(scope="module")
+def widget_lab(widget_root, sshd, tmp_path_factory):
+    server = Lab(widget_root, tmp_path_factory.mktemp("lab-widgets-state"), settings_more=SAVE_WIDGET_STATE)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _cell(page, i: int):
+    return page.locator(f"{PANEL} .jp-CodeCell").nth(i)
+
+
+def _run_cell(page, i: int, timeout: float = 120) -> None:
+    """Click into code cell ``i`` and press Shift+Enter; returns once its prompt is ``[n]:``."""
+    cell = _cell(page, i)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        "([p, i]) => /^\\[\\d+\\]:$/.test(document.querySelectorAll(`${p} .jp-CodeCell`)[i]"
+        ".querySelector('.jp-InputPrompt').textContent.trim())", arg=[PANEL, i], timeout=timeout * 1000)
+
+
+def _drag_slider_to(page, slider, value: int) -> list[str]:
+    """Drag the slider's handle with the mouse to where ``value`` lies on its 0..100 track, then
+    (a pixel may round to the next step) press the arrow keys on the focused handle until its
+    readout says ``value``. Returns the readouts seen, for the failure message."""
+    handle, readout = slider.locator(".noUi-handle"), slider.locator(".widget-readout")
+    base = slider.locator(".noUi-base").bounding_box()
+    box = handle.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    target = base["x"] + base["width"] * value / 100
+    page.mouse.move(target, box["y"] + box["height"] / 2, steps=10)
+    page.mouse.up()
+    seen = [readout.inner_text().strip()]
+    for _ in range(10):
+        now = int(seen[-1])
+        if now == value:
+            break
+        handle.press("ArrowRight" if now < value else "ArrowLeft")
+        seen.append(readout.inner_text().strip())
+    return seen
+
+
+def _stop_session(sshd) -> None:
+    """The keeper of SESSION on the machine, stopped as the tests' clean-up does, if it lives."""
+    from test_kernel import kernel_dir
+
+    state = kernel_dir(sshd, SESSION) / "state.json"
+    try:
+        os.kill(json.loads(state.read_text(encoding="utf-8"))["keeper_pid"], 15)
+    except (OSError, ValueError, KeyError):
+        return
+    deadline = time.monotonic() + 20
+    while state.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(600)
+def test_a_slider_made_on_the_machine_is_dragged_in_the_browser_and_saved_with_the_notebook(
+        widget_lab, browser, sshd):
+    # issue 32: a remote IntSlider renders, dragging it to 7 changes the machine's value to 7,
+    # a tqdm.notebook bar reaches 100 %, and the saved notebook reopens with the widget state.
+    path = widget_lab.root / WIDGETS_NB
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    stopped = False
+    try:
+        _open(page, widget_lab, WIDGETS_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        for i in range(3):  # the session, the slider, the bar
+            _run_cell(page, i)
+        slider = _cell(page, 1).locator(".jp-OutputArea-output .widget-slider")
+        slider.locator(".noUi-handle").wait_for(timeout=60_000)
+        assert slider.locator(".widget-readout").inner_text().strip() == "3"
+        bar = _cell(page, 2).locator(".jp-OutputArea-output .widget-hprogress")
+        page.wait_for_function("e => e.innerText.includes('100%') && e.innerText.includes('5/5')",
+                               arg=_cell(page, 2).element_handle(), timeout=60_000)
+        assert bar.count() == 1
+        bar_text = _cell(page, 2).locator(".jp-OutputArea-output").inner_text()
+        readouts = _drag_slider_to(page, slider, 7)
+        assert readouts[-1] == "7", readouts
+        _run_cell(page, 3)  # print(s.value) on the machine
+        printed = _cell(page, 3).locator(".jp-OutputArea-output").inner_text().strip()
+        body = page.evaluate("() => document.body.innerText")
+        _screenshot(page, WIDGETS_NB)
+        page.keyboard.press("Control+s")  # the session still holds its widgets: saved with them
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                saved = nbformat.read(path, as_version=4)
+                if "widgets" in saved.metadata:
+                    break
+            except Exception:  # caught mid-write
+                pass
+            assert time.monotonic() < deadline, f"{WIDGETS_NB} was not saved with its widget state"
+            time.sleep(0.5)
+        _run_cell(page, 4)  # %gpu kernel stop
+        stopped = "Traceback" not in _cell(page, 4).inner_text()
+    finally:
+        page.close()
+        widget_lab.shut_down_kernels()
+        if not stopped:
+            _stop_session(sshd)
+    assert "Error displaying widget" not in body
+    assert printed == "7", (printed, readouts)
+    assert "100%" in bar_text and "5/5" in bar_text, bar_text
+    state = saved.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    sliders = [m["state"] for m in state.values() if m["model_name"] == "IntSliderModel"]
+    bars = [m["state"] for m in state.values() if m["model_name"] == "FloatProgressModel"]
+    assert [s["value"] for s in sliders] == [7], sliders
+    assert [(b["value"], b["max"]) for b in bars] == [(5, 5)], bars
+    views = [o.data[WIDGET]["model_id"] for o in saved.cells[1].outputs if WIDGET in o.get("data", {})]
+    assert len(views) == 1 and views[0] in state and state[views[0]]["model_name"] == "IntSliderModel"
+
+    # reopened (a fresh page and a fresh local kernel; no session, nothing run): the slider
+    # shows 7 and the bar 100 % from the file's widget state, disconnected from any kernel.
+    # Not in the kernel-less lab the tutorials are reopened in: jupyterlab_widgets 3.0 makes
+    # no widget manager for a notebook with "No Kernel" (it reads the session's kernel id), so
+    # every widget output there stays "Loading widget..." whatever the file holds.
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        _open(page, widget_lab, WIDGETS_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        slider = _cell(page, 1).locator(".jp-OutputArea-output .widget-slider")
+        slider.locator(".noUi-handle").wait_for(timeout=60_000)
+        reopened = slider.locator(".widget-readout").inner_text().strip()
+        reopened_classes = slider.get_attribute("class")
+        _cell(page, 2).locator(".jp-OutputArea-output .widget-hprogress").wait_for(timeout=60_000)
+        reopened_bar = _cell(page, 2).locator(".jp-OutputArea-output").inner_text()
+        reopened_prompts = [_cell(page, i).locator(".jp-InputPrompt").inner_text().strip() for i in range(5)]
+        reopened_body = page.evaluate("() => document.body.innerText")
+        _screenshot(page, "reopened-" + WIDGETS_NB)
+    finally:
+        page.close()
+        widget_lab.shut_down_kernels()
+    assert "Error displaying widget" not in reopened_body
+    assert reopened_prompts == ["[1]:", "[2]:", "[3]:", "[4]:", "[ ]:"]  # as saved: nothing ran
+    assert reopened == "7"
+    assert "jupyter-widgets-disconnected" in reopened_classes  # the file's state, not a live comm
+    assert "100%" in reopened_bar and "5/5" in reopened_bar, reopened_bar
+    print(f"slider readouts as it was dragged (then arrow keys): {readouts}; session stopped: {stopped}")
