@@ -201,19 +201,19 @@ class WireCount:
 
     def __init__(self):
         self.sent = self.received = 0
-        send, recv = engine._Channel.send, engine._Channel._recv
+        # every byte the agent sends passes the channel pump's stdout sink (_got_stdout)
+        send, got = engine._Channel.send, engine._Channel._got_stdout
         me = self
 
         def counted_send(ch, data):
             me.sent += len(data)
             return send(ch, data)
 
-        def counted_recv(ch):
-            data = recv(ch)
+        def counted_got(ch, data):
             me.received += len(data)
-            return data
+            return got(ch, data)
 
-        engine._Channel.send, engine._Channel._recv = counted_send, counted_recv
+        engine._Channel.send, engine._Channel._got_stdout = counted_send, counted_got
 
 
 class TimedProgress:
