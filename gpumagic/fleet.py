@@ -23,6 +23,8 @@ class Fleet:
     def __init__(self):
         self.machines: dict[str, Machine] = {}
         self.default: str | None = None
+        #: How to connect again to a machine that was disconnected (a sandbox is not a target).
+        self._again: dict[str, str] = {}
         ref = weakref.ref(self)
         atexit.register(lambda: (s := ref()) is not None and s.close_all())
 
@@ -64,11 +66,14 @@ class Fleet:
         except KeyError:
             known = ", ".join(sorted(self.machines)) or "none"
             raise NotConnected(f"no machine named {name!r} is connected (connected: {known})",
-                               f"run `%gpu connect {name}` first")
+                               f"run `{self._again.get(name, f'%gpu connect {name}')}` first")
 
     def disconnect(self, name: str | None = None) -> Machine:
         """Close and forget one machine (default: the default one)."""
         m = self.get(name)
+        if m.sandbox is not None:  # (closing forgets it)
+            self._again[m.name] = ("%gpu connect --sandbox" if m.name == "sandbox"
+                                   else f"%gpu connect --sandbox --name {m.name}")
         m.close()
         del self.machines[m.name]
         if self.default == m.name:

@@ -407,3 +407,76 @@ def test_a_tqdm_notebook_bar_on_the_machine_reaches_100_percent_in_the_saved_not
     assert any(t.startswith("100%") for t in texts), texts
     views = [o for o in nb.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(views) == 1 and views[0].data["application/vnd.jupyter.widget-view+json"]["model_id"] in state
+
+
+# -- what a new user found (a fresh clone's trial) -----------------------------------------------
+
+
+def test_attach_and_restart_work_first_on_a_new_connection(sshd):
+    """A session whose output an earlier connection acknowledged: a new connection's attach and
+    restart wait for nothing that will not come again (they hung 30 s: 'did not answer')."""
+    m = gpumagic.connect("testgpu")
+    k = start(m, "fresh")
+    try:
+        k.execute("x = 1", output=Recorder())
+        m.close()
+        m = gpumagic.connect("testgpu")
+        assert m.kernel("fresh").attach(output=Recorder())["state"] == "idle"
+        m.close()
+        m = gpumagic.connect("testgpu")
+        k = m.kernel("fresh")
+        k.restart(output=Recorder())
+        assert k.execute("'x' in dir()", output=Recorder()).result["data"]["text/plain"] == "False"
+    finally:
+        stop_quietly(k)
+        m.close()
+
+
+def test_a_cells_value_is_shown_after_the_text_cap_was_reached(tmp_path, monkeypatch):
+    nb = _run_notebook(tmp_path, monkeypatch, [
+        f"%load_ext gpumagic\n%gpu connect testgpu\n%gpu kernel start capv --python {PY}\n"
+        "%config GpuMagics.max_display_bytes = 100",
+        "%%remote --kernel capv\nprint('a' * 200)\n42",
+        "print(repr(_))",
+        "%gpu kernel stop capv",
+    ])
+    kinds = [(o.output_type, o.get("name")) for o in nb.cells[1].outputs]
+    assert ("execute_result", None) in kinds, nb.cells[1].outputs
+    assert [o.data["text/plain"] for o in nb.cells[1].outputs if o.output_type == "execute_result"] == ["42"]
+    assert "200 more characters" not in "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert [o.text for o in nb.cells[2].outputs] == ["42\n"]
+
+
+def test_an_earlier_cells_value_replayed_is_shown_but_is_not_this_cells_value(m):
+    """Output kept while no notebook followed (a value among it) comes before the next cell's:
+    shown as a display, while only the followed cell's value is that cell's result."""
+
+    class Values(Recorder):
+        def result(self, data, metadata):
+            self.events.append(("result", data))
+
+    k = gk.RemoteKernel(m, "unit")
+    value = gk.Message(1, "iopub", header={"msg_type": "execute_result"},
+                       content={"data": {"text/plain": "'done'"}, "metadata": {}})
+    out = Values()
+    k._render(out, value, None, capture=False, show_error=True)  # an earlier cell's
+    k._render(out, value, gk.ExecuteResult(), capture=False, show_error=False)  # the followed one's
+    assert [e[0] for e in out.events] == ["display", "result"]
+
+
+def test_a_misspelt_session_name_that_failed_is_not_what_the_next_command_means(ip, capsys):
+    with magic_session(ip, "realname"):
+        with pytest.raises(KernelError, match="no session 'realnam'"):
+            ip.run_line_magic("gpu", "kernel interrupt realnam")
+        ip.run_line_magic("gpu", "kernel interrupt")
+        assert "sent an interrupt to session realname" in capsys.readouterr().out
+
+
+def test_a_disconnected_sandbox_is_named_with_the_command_that_connects_it_again(ip):
+    from gpumagic.errors import NotConnected
+
+    ip.run_line_magic("gpu", "connect --sandbox")
+    ip.run_line_magic("gpu", "disconnect")
+    with pytest.raises(NotConnected) as e:
+        ip._gpumagic.fleet.get("sandbox")
+    assert e.value.hint == "run `%gpu connect --sandbox` first"

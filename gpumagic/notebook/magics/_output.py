@@ -96,6 +96,20 @@ class OutputCap:
         self.images_shown += n
         return True
 
+    def admit_value(self, data: dict) -> bool:
+        """Whether a cell's value (its ``execute_result`` bundle) is shown: whenever it fits
+        its limit by itself, however much output came before it (a local kernel always
+        shows it, and it is one item, not a stream); counted as shown either way."""
+        media = any(is_media(mime) for mime in data)
+        n, limit = bundle_size(data), self.image_limit if media else self.limit
+        if limit is not None and n > limit:
+            return self.admit_bundle(data)  # held back, and said so
+        if media:
+            self.images_shown += n
+        else:
+            self.shown += n
+        return True
+
     def write(self, stream, text: str) -> None:
         """Write what fits of ``text`` to ``stream`` and flush it."""
         room = self.room(len(text))

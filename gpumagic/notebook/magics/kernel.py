@@ -79,7 +79,7 @@ class NotebookOutput(Output):
         if not self.cell_result or shell is None:
             self.display(data, metadata)
             return
-        if self.cap.admit_bundle(data):
+        if self.cap.admit_value(data):
             shell.displayhook(RemoteValue(data, metadata))
 
     def comm(self, kernel, kind, content, metadata, buffers) -> None:
@@ -124,8 +124,14 @@ def _get(magics, host: str | None, name: str | None, *, start: bool = False,
             print(f"started session {k.name} on {m.name} ({answer.get('python')}, Python "
                   f"{answer.get('python_version', '?')}); it keeps running when this notebook "
                   f"closes: `%gpu kernel stop {k.name}` ends it", file=sys.stderr)
-    ks.last = k.name
+        _used(k)
     return k
+
+
+def _used(k: RemoteKernel) -> None:
+    """``k`` becomes what a later command without a name means: once a command on it worked,
+    so that a misspelt name that failed is not taken up by the next one."""
+    k.machine.kernels.last = k.name
 
 
 def not_applied(name: str, state: dict, *, python: str | None = None, cwd: str | None = None,
@@ -190,6 +196,9 @@ def remote_cell(magics, args, cell: str):
                                ("--then-shutdown", args.then_shutdown is not None),
                                ("--no-alerts", args.no_alerts), ("--python", args.python),
                                ("--keep", args.keep is not None)) if on]
+    if bad == ["--python"]:
+        raise UsageError("--kernel does not combine with --python: a session keeps the python it "
+                         "started with (`%gpu kernel start NAME --python PATH` picks it)")
     if bad:
         raise UsageError(f"--kernel does not combine with {', '.join(bad)}: a session runs "
                          "Python cells in place (use --job for a detached script)")
@@ -324,6 +333,7 @@ def _session(magics, fn, line: str) -> RemoteKernel:
 def _restart(magics, line: str):
     k = _session(magics, _restart, line)
     k.restart(output=_output(magics))
+    _used(k)
     print(f"restarted session {k.name} on {k.machine.name}: a fresh kernel, no variables")
 
 
@@ -332,6 +342,7 @@ def _restart(magics, line: str):
 def _interrupt(magics, line: str):
     k = _session(magics, _interrupt, line)
     k.interrupt()
+    _used(k)
     print(f"sent an interrupt to session {k.name} on {k.machine.name} (its variables are kept)")
 
 
@@ -344,6 +355,7 @@ def _attach(magics, line: str):
         status = k.attach(output=out)
     finally:
         out.finish()
+    _used(k)
     print(f"session {k.name} on {k.machine.name}: {status.get('state')}; nothing more to show",
           file=sys.stderr)
 
@@ -379,6 +391,7 @@ def _pull(magics, line: str):
     k = _get(magics, args.host, _name(args.kernel))
     start = time.monotonic()
     values = k.pull(list(args.names))
+    _used(k)
     magics.shell.user_ns.update(values)
     print(f"pulled {_sizes(k.last_pull_sizes, values)} from {k.where} in "
           f"{time.monotonic() - start:.2f} s")

@@ -249,6 +249,9 @@ class RemoteKernel:
             raise KernelError(f"the keeper of {self.where} did not answer", "try again; "
                               f"`%gpu kernel stop {self.name}` then start, if it repeats")
         self._welcome = msg.content
+        # the keeper streams from after what was acknowledged (by any client): what came
+        # before is shown already, so a sync waits for nothing of it
+        self._last_seq = max(self._last_seq, int(msg.content.get("acked") or 0))
         return link
 
     def _next(self, link: _Link, timeout: float) -> Message | None:
@@ -582,9 +585,9 @@ class RemoteKernel:
         elif t in ("display_data", "execute_result", "update_display_data"):
             data, md = c.get("data", {}), c.get("metadata", {})
             display_id = (c.get("transient") or {}).get("display_id")
-            if t == "execute_result":
+            if t == "execute_result" and not show_error:  # the value of the cell followed
                 out.result(data, md)
-            else:
+            else:  # a display, or an earlier cell's value replayed: shown, not this cell's value
                 out.display(data, md, display_id, update=t == "update_display_data")
             if result is not None:
                 if t == "execute_result":

@@ -2,8 +2,9 @@
 keeper (``kernel_keeper.py --startup``), in a namespace of its own: the user's namespace
 only gets what the user defines.
 
-1. ``tqdm.auto`` gives tqdm's text bar: a widget made on the machine cannot be shown on
-   the laptop (widgets are not relayed), while a text bar updates in place there (``\\r``).
+1. ``tqdm.auto`` gives tqdm's text bar, which updates in place (``\\r``) and reads the same
+   in a notebook saved to GitHub; ``tqdm.notebook`` still gives its widget (the laptop's comm
+   bridge shows widgets made here).
 2. The module ``_gpumagic_kernel`` holds what ``%gpu kernel push`` / ``pull`` run:
    ``load(path)`` and ``dump(path, names)``.  A payload is pickled (protocol 5) with
    numpy-style buffers kept out of band, so arrays travel as raw bytes, in the layout of
