@@ -70,9 +70,9 @@ def test_a_home_where_nothing_can_be_kept_runs_the_agent_whole_every_time(machin
     home = Path(sshd.env["HOME"])
     saved = home / ".gpumagic-saved-by-test"
     sent: list[int] = []
-    real = sync.start_program
-    monkeypatch.setattr(sync, "start_program",
-                        lambda chan, command, **kw: (sent.append(len(command)), real(chan, command, **kw))[1])
+    real = sync.agent_command
+    monkeypatch.setattr(sync, "agent_command",
+                        lambda *a, **kw: (sent.append(len(command := real(*a, **kw))), command)[1])
     os.rename(home / ".gpumagic", saved)
     try:
         (home / ".gpumagic").write_text("not a folder\n", encoding="utf-8")  # mkdir -p fails there

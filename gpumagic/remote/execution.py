@@ -637,10 +637,11 @@ def runner_request(argv: Sequence[str], *, cwd: str | None = None,
     return "\0".join([cwd or "", str(len(argv)), *argv, *entries]).encode("utf-8", "surrogateescape")
 
 
-def _take_runner(conn: Connection) -> "_Runner | None":
+def _take_runner(conn: Connection, *, new: bool = True) -> "_Runner | None":
     """This connection's runner, marked busy, started on first use; None when it cannot
     start on this connection or another cell uses it now (the cell then runs the way every
-    exec does, through the login shell)."""
+    exec does, through the login shell).  With ``new`` False, None also where no runner was
+    started or sent its start yet (:func:`prestart_runner`): nothing waits for one."""
     conn.ensure_open()
     transport = conn.transport
     if transport is None:
@@ -654,6 +655,8 @@ def _take_runner(conn: Connection) -> "_Runner | None":
         if runner is not ... and not runner.dead and runner.busy:
             return None
         if runner is ... or runner.dead or (runner.ready and not runner.alive):
+            if not new:
+                return None
             runner = _runners[transport] = _Runner()
         runner.busy = True
     try:
@@ -877,6 +880,141 @@ class _Runner:
             return True
         except BaseException:
             return False
+
+
+class RunnerPipe:
+    """A program the connection's runner started with its stdin a pipe (an ``A`` request:
+    see ``exec-runner.py``), spoken to on the runner's channel: no new channel, no exec
+    request, no login shell, so it starts after one message.  The sync agent runs this way
+    (:class:`gpumagic.sync.engine._Channel`) where the runner is up and free.
+
+    It offers the part of :class:`~gpumagic.ssh.pump.ChannelPump` and of the channel that
+    the sync uses: :meth:`run`, :meth:`send_all`, :meth:`send_eof`, :meth:`read_stderr`,
+    ``at_eof``/``eof_received``, ``active``, :meth:`exit_status_ready` and
+    :meth:`recv_exit_status`.  :meth:`close` gives the runner back when the program ended
+    (its exit status came), and otherwise closes the runner's channel, whose watchdog then
+    stops the program's process group (kill on drop, as for a cell); the next cell starts
+    a new runner.
+    """
+
+    #: The most bytes of stdin sent in one ``I`` frame.
+    FRAME = 256 * 1024
+
+    def __init__(self, conn: Connection, runner: "_Runner", on_out: Callable[[bytes], None],
+                 on_err: Callable[[bytes], None], *, chunk: int = 65536):
+        assert runner.chan is not None
+        self.conn, self.runner, self.chan = conn, runner, runner.chan
+        self.on_out, self.on_err = on_out, on_err
+        self.code: int | None = None
+        self.given_back = False
+        # the runner's own stderr (its complaints) is read and dropped
+        self.pump = ChannelPump(self.chan, self._got, chunk=chunk)
+
+    def _got(self, data: bytes) -> None:
+        if self.code is not None:
+            return  # nothing of this program follows its exit status
+        runner = self.runner
+        runner.buf += data
+        for kind, payload in _frames(runner.buf):
+            if kind == b"O":
+                self.on_out(payload)
+            elif kind == b"E":
+                self.on_err(payload)
+            elif kind == b"P":
+                runner.cell_pid = int(payload)
+            elif kind == b"X":
+                runner.cell_pid = None
+                self.code = int(payload)
+                return
+
+    def start(self, request: bytes) -> None:
+        """Send the ``A`` request (:func:`runner_request`)."""
+        self.runner.cell_pid = None
+        sendall_ordered(self.chan, _FRAME.pack(b"A", len(request)) + request)
+
+    @property
+    def active(self) -> float:
+        return self.pump.active
+
+    @active.setter
+    def active(self, value: float) -> None:
+        self.pump.active = value
+
+    @property
+    def at_eof(self) -> bool:
+        """The program ended (its output is all here), or the runner's channel did."""
+        return self.code is not None or self.pump.at_eof
+
+    @property
+    def eof_received(self) -> bool:
+        """The program ended with all of its output read (not a dropped channel)."""
+        return self.code is not None
+
+    def exit_status_ready(self) -> bool:
+        return self.code is not None or self.pump.at_eof
+
+    def recv_exit_status(self) -> int:
+        """The program's exit status (128+N for signal N); -1 when the runner's channel
+        ended first."""
+        return -1 if self.code is None else self.code
+
+    def run(self, done: Callable[[], bool], *, deadline: float | None = None,
+            watch: Callable[[], None] = lambda: None, wait: float = 0.2) -> bool:
+        return self.pump.run(done, deadline=deadline, watch=watch, wait=wait)
+
+    def read_stderr(self) -> None:
+        """Read what has arrived (stdout and stderr share the runner's stream)."""
+        self.pump.read_stdout()
+        self.pump.read_stderr()
+
+    def send_all(self, data: bytes | memoryview, idle: Callable[[], None] = lambda: None,
+                 wait: float = 0.5) -> None:
+        """Send ``data`` to the program's stdin (as ``I`` frames), as the window opens."""
+        view = memoryview(data)
+        while view:
+            piece = view[:self.FRAME]
+            self.pump.send_all(_FRAME.pack(b"I", len(piece)) + piece, idle, wait)
+            view = view[len(piece):]
+
+    def send_eof(self) -> None:
+        """Close the program's stdin (a ``Z`` frame)."""
+        if self.code is None:
+            sendall_ordered(self.chan, _FRAME.pack(b"Z", 0))
+
+    def close(self) -> None:
+        if self.given_back:
+            return
+        self.given_back = True
+        if self.code is not None and not self.pump.at_eof:
+            self.runner.busy = False  # ended: the runner takes the next cell
+        else:
+            self.runner.discard()  # its watchdog stops the program
+
+
+def start_in_runner(conn: Connection, argv: Sequence[str], on_out: Callable[[bytes], None],
+                    on_err: Callable[[bytes], None], *, chunk: int = 65536) -> "RunnerPipe | None":
+    """Start ``argv`` (no environment entries, in ``$HOME``) in this connection's runner with
+    its stdin a pipe, when the runner is already started (or its start was sent) and no cell
+    uses it; None otherwise, and then the caller starts it the usual way.  Its environment
+    is the runner's: the exec environment the login shell gave.
+
+    Raises
+    ------
+    paramiko.SSHException, EOFError, OSError
+        Sending the request failed (the runner is discarded).
+    """
+    if not USE_RUNNER or sum(len(a) for a in argv) > MAX_INLINE:
+        return None
+    runner = _take_runner(conn, new=False)
+    if runner is None:
+        return None
+    pipe = RunnerPipe(conn, runner, on_out, on_err, chunk=chunk)
+    try:
+        pipe.start(runner_request(argv))
+    except BaseException:
+        runner.discard()
+        raise
+    return pipe
 
 
 def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,

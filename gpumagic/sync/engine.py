@@ -45,7 +45,8 @@ import paramiko
 from . import agent, laptop
 from .._options import Options
 from ..errors import ConnectionLost, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
-from ..remote.execution import start_program
+from ..remote import execution
+from ..remote.execution import RunnerPipe, start_program
 from ..ssh._paramiko import send_eof
 from ..ssh.pump import ChannelPump
 from .ignore import IgnoreRules
@@ -244,6 +245,8 @@ START_TIMEOUT = 60.0
 PROBE_AFTER = 15.0
 #: Seconds the server has to answer that probe before the connection counts as lost.
 PROBE_TIMEOUT = 30.0
+#: Seconds the end of a sync waits for the cell runner's start it sent beside its channel.
+PRESTART_WAIT = 10.0
 #: Seconds a failed agent has to exit once its stdin is closed, before it is left.
 EXIT_TIMEOUT = 10.0
 #: Bytes of the agent's stderr kept for error messages (the rest is read and dropped, so
@@ -258,6 +261,15 @@ _LISTED_START = agent.LISTED_TAG[:8]
 
 class _Channel:
     """An agent exec channel: reads after the start marker, with the connection watched.
+
+    A ``serve`` agent (the listing, the plan and the small files) runs in the connection's
+    cell runner where that is up and free (:func:`gpumagic.remote.execution.start_in_runner`):
+    one message starts it, with no channel to open, no exec request to answer and no login
+    shell to start (a conda or pyenv ``~/.bashrc`` costs 0.1-0.2 s each time), so a no-change
+    resync on an open connection is two round trips.  Otherwise, and for the ``put``/``get``
+    agents of large files (which run beside it), it runs on a channel of its own, started
+    through the login shell; a ``serve`` channel then has the runner's start sent beside
+    it, for the next sync.
 
     Whatever the login shell prints before the agent's marker (``MARKER_PREFIX`` + a
     nonce of this channel's) is skipped, however it is split into packets.  Every wait for
@@ -274,17 +286,18 @@ class _Channel:
         nonce = os.urandom(8).hex()
         self.marker = agent.MARKER_PREFIX + nonce.encode() + b"\n"
         conn = machine.connection
-        was_open = conn.is_connected
-        opening = time.monotonic()
-        self.chan: paramiko.Channel = conn.open_session()
-        #: The agent's hash, and whether this channel ran the copy kept on the machine.
+        #: The agent's hash, and whether this channel ran the copy kept on the machine
+        #: (known once the connection it starts on is: see :meth:`_command`).
         self.digest = agent_digest()
-        self.kept = self.digest in conn.kept_programs
+        self.kept = False
         #: What came before the agent's marker (its tail): the kept agent's notes.
         self.before = bytearray()
         #: Seconds the channel took to open, one round trip of the connection (None when
-        #: the connection had to be made first).
-        self.rtt = time.monotonic() - opening if was_open else None
+        #: the connection had to be made first, or not measured).
+        self.rtt: float | None = None
+        #: The thread that sends the cell runner's start beside this channel (joined at
+        #: :meth:`close`), or None.
+        self.prestart: threading.Thread | None = None
         self.buf = bytearray()
         self.err = bytearray()
         self.marked = False
@@ -300,22 +313,59 @@ class _Channel:
         self.empty: bool | None = None
         self.early: Listing | None = None
         self.started = time.monotonic()
+        #: Moves the agent's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
+        self.pump: ChannelPump | RunnerPipe
+        #: The agent's channel, or its pipe in the runner.
+        self.chan: paramiko.Channel | RunnerPipe
+        command: str | None = None
+        if op == "serve":
+            try:
+                conn.ensure_alive()  # before what is kept there is looked up: it may reconnect
+                command = self._command(conn, op, nonce, args)
+                pipe = execution.start_in_runner(conn, ["/bin/sh", "-c", command], self._got_stdout,
+                                                 self._got_stderr, chunk=1 << 20)
+            except (paramiko.SSHException, EOFError, OSError):
+                pipe = None  # the runner's channel failed: a channel of its own, as before
+            if pipe is not None:
+                self.chan = self.pump = pipe
+                # self.rtt stays None: the runner's channel may have opened beside other
+                # traffic, so a sync that sends files measures one round trip itself
+                conn.kept_programs.add(self.digest)
+                self.pump.active = self.started
+                return
+        was_open = conn.is_connected
+        opening = time.monotonic()
+        chan = self.chan = conn.open_session()
+        if was_open:
+            self.rtt = time.monotonic() - opening
+        if command is None or self.kept != (self.digest in conn.kept_programs):
+            command = self._command(conn, op, nonce, args)
+        if op == "serve" and execution.USE_RUNNER:
+            # the runner starts beside this channel, for the next sync (and the cells)
+            self.prestart = threading.Thread(target=_prestart_runner, args=(conn,), daemon=True,
+                                             name="gpumagic-sync-runner")
+            self.prestart.start()
         try:
             # whatever the login shell; a start-up file that never returns is named
-            start_program(self.chan, agent_command(op, nonce, *args, kept=self.kept), timeout=START_TIMEOUT)
+            start_program(chan, command, timeout=START_TIMEOUT)
             conn.kept_programs.add(self.digest)  # kept now (AGENT_UNKEPT says when it was not)
         except socket.timeout:
-            self.chan.close()
+            chan.close()
             raise self._never_started() from None
         except (paramiko.SSHException, EOFError, OSError) as e:
-            self.chan.close()
+            chan.close()
             raise _lost(machine, e) from None
         except BaseException:  # Ctrl-C while the login shell starts it: no agent left behind
-            self.chan.close()
+            chan.close()
             raise
-        #: Moves the channel's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
-        self.pump = ChannelPump(self.chan, self._got_stdout, self._got_stderr, chunk=1 << 20)
+        self.pump = ChannelPump(chan, self._got_stdout, self._got_stderr, chunk=1 << 20)
         self.pump.active = self.started
+
+    def _command(self, conn, op: str, nonce: str, args: tuple[str, ...]) -> str:
+        """The agent's command for the connection as it is now (its source whole unless
+        this connection kept it already)."""
+        self.kept = self.digest in conn.kept_programs
+        return agent_command(op, nonce, *args, kept=self.kept)
 
     def _never_started(self) -> SyncError:
         return SyncError(
@@ -482,7 +532,10 @@ class _Channel:
 
     def close_stdin(self) -> None:
         try:
-            send_eof(self.chan)
+            if isinstance(self.chan, RunnerPipe):
+                self.chan.send_eof()
+            else:
+                send_eof(self.chan)
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise _lost(self.machine, e) from None
 
@@ -558,6 +611,18 @@ class _Channel:
             self.chan.close()
         except (paramiko.SSHException, EOFError, OSError):
             pass  # the transport is already gone
+        prestart, self.prestart = self.prestart, None
+        if prestart is not None and self.chan.exit_status_ready() and self.machine.connection.is_connected:
+            # after a sync that went well: done long before, as a rule (two round trips,
+            # beside the sync's own), so the next sync finds the runner
+            prestart.join(PRESTART_WAIT)
+
+
+def _prestart_runner(conn) -> None:
+    try:
+        execution.prestart_runner(conn)
+    except Exception:  # noqa: BLE001 - the next sync starts its agent the usual way then
+        log.debug("gpumagic: the cell runner's start failed", exc_info=True)
 
 
 def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:

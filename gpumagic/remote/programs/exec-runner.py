@@ -7,7 +7,13 @@
 # length and the payload:
 #   client -> runner: "C" cwd NUL argc NUL argv... NUL entries... (NAME=VALUE, or NAME to
 #                     unset it; NUL-separated, no field holds a NUL): start a cell;
+#                     "A" (as "C"): start a program whose stdin is a pipe fed by the
+#                     client's "I" frames (bytes) and closed by its "Z" (empty): the sync
+#                     agent, which then starts with no login shell and no new channel;
 #                     "S" (empty): stop it: SIGTERM to its process group, SIGKILL GRACE s later.
+#                     "I"/"Z" for a program that has ended are dropped.  While more than
+#                     PENDING bytes wait for the program's stdin, the channel is not read
+#                     (its window closes: the client waits, nothing piles up here).
 #   runner -> client: "H" version (once, at start); "P" PID (the cell started; its process
 #                     group and session); "O"/"E" stdout/stderr bytes; "X" exit status
 #                     (decimal; 128+N when ended by signal N).
@@ -35,6 +41,8 @@ import time
 GRACE = float(sys.argv[1])
 MISSING = int(sys.argv[2])
 HEAD = struct.Struct(">cI")
+#: Bytes of "I" frames held for a program's stdin before the channel is read again.
+PENDING = 1 << 20
 
 
 def watchdog(rfd, functions):
@@ -160,8 +168,13 @@ def parse(payload):
 
 
 class Cell:
-    def __init__(self, payload, wd, functions):
+    def __init__(self, payload, wd, functions, piped=False):
         self.wd = wd
+        #: The program's stdin (the write end of its pipe; None: /dev/null or closed), what
+        #: waits to be written there, and whether the client's "Z" came.
+        self.stdin = None
+        self.pending = bytearray()
+        self.eof = False
         cwd, argv, entries = parse(payload)
         env = dict(os.environb)
         for entry in entries:
@@ -196,7 +209,8 @@ class Cell:
             self.code = 0
             return
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, cwd=d or None, env=env,
                                          start_new_session=True)
         except OSError as e:
@@ -207,6 +221,45 @@ class Cell:
         os.write(wd, b"+%d\n" % self.pid)
         send(b"P", b"%d" % self.pid)
         self.fds = {self.proc.stdout.fileno(): b"O", self.proc.stderr.fileno(): b"E"}
+        if piped:
+            self.stdin = self.proc.stdin
+            os.set_blocking(self.stdin.fileno(), False)
+
+    def feed(self, data):
+        """Bytes for the program's stdin (an "I" frame), written as the pipe takes them."""
+        if self.stdin is not None:
+            self.pending += data
+
+    def end_input(self):
+        """The client's "Z": stdin is closed once what waits was written."""
+        self.eof = True
+        if not self.pending:
+            self.close_input()
+
+    def write(self):
+        """Write what the pipe takes now (never blocks)."""
+        if self.stdin is None:
+            return
+        try:
+            n = os.write(self.stdin.fileno(), self.pending[:65536])
+        except BlockingIOError:
+            return
+        except OSError:  # the program closed its stdin or ended: what waits is dropped
+            self.pending = bytearray()
+            self.close_input()
+            return
+        del self.pending[:n]
+        if not self.pending and self.eof:
+            self.close_input()
+
+    def close_input(self):
+        if self.stdin is not None:
+            try:
+                self.stdin.close()
+            except OSError:
+                pass
+            self.stdin = None
+        self.pending = bytearray()
 
     def read(self, fd):
         try:
@@ -236,6 +289,7 @@ class Cell:
             os.write(self.wd, b"-%d\n" % self.pid)
         self.proc.stdout.close()
         self.proc.stderr.close()
+        self.close_input()
         if rc < 0 and -rc not in (signal.SIGINT, signal.SIGPIPE) and self.kill_at is None:
             # what the old path's wrapper sh said on stderr ("Killed": the OOM killer's mark)
             send(b"E", b"%s\n" % signal_name(-rc).encode())
@@ -278,10 +332,13 @@ def main():
             timeout = max(0.0, cell.kill_at - time.monotonic())
         elif cell is not None and not cell.fds:
             timeout = 0.05  # output closed, the process not ended yet: look again soon
+        if cell is not None and len(cell.pending) >= PENDING:
+            fds.remove(0)  # the program's stdin is full: the client waits on the window
+        out = [cell.stdin] if cell is not None and cell.stdin is not None and cell.pending else []
         try:
-            ready, _, _ = select.select(fds, [], [], timeout)
+            ready, writable, _ = select.select(fds, out, [], timeout)
         except InterruptedError:
-            ready = []
+            ready, writable = [], []
         if wake_r in ready:
             try:
                 os.read(wake_r, 4096)
@@ -297,11 +354,17 @@ def main():
                 if len(buf) < HEAD.size + n:
                     break
                 payload, buf = buf[HEAD.size:HEAD.size + n], buf[HEAD.size + n:]
-                if kind == b"C" and cell is None:
-                    cell = Cell(payload, wd, functions)
+                if kind in (b"C", b"A") and cell is None:
+                    cell = Cell(payload, wd, functions, piped=kind == b"A")
                 elif kind == b"S" and cell is not None:
                     cell.stop()
+                elif kind == b"I" and cell is not None:
+                    cell.feed(payload)
+                elif kind == b"Z" and cell is not None:
+                    cell.end_input()
         if cell is not None:
+            if writable or (cell.stdin is not None and cell.pending):
+                cell.write()
             for fd in ready:
                 if fd in cell.fds:
                     cell.read(fd)
