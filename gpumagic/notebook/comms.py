@@ -60,9 +60,8 @@ class CommBridge:
             return
         if kind == "comm_msg":
             twin.send(data=data, metadata=metadata, buffers=buffers)
-        elif kind == "comm_close":
+        elif kind == "comm_close":  # (closing here calls no on_close: that is the front end's)
             del self.comms[comm_id]
-            twin._closed_by_session = True
             twin.close(data=data, metadata=metadata, buffers=buffers)
 
     def _open(self, comm_id: str, content: dict, metadata: dict, buffers: list) -> None:
@@ -70,14 +69,12 @@ class CommBridge:
 
         old = self.comms.pop(comm_id, None)
         if old is not None:  # the session opened the same id again (a replay): the new one wins
-            old._closed_by_session = True
             old.close()
         twin = comm.create_comm(comm_id=comm_id, target_name=content.get("target_name", "comm"),
                                 target_module=content.get("target_module"),
                                 data=content.get("data") or {}, metadata=metadata, buffers=buffers)
-        twin._closed_by_session = False
         twin.on_msg(lambda msg: self._from_front_end("comm_msg", comm_id, msg))
-        twin.on_close(lambda msg: self._closed_here(twin, comm_id, msg))
+        twin.on_close(lambda msg: self._closed_here(comm_id, msg))
         self.comms[comm_id] = twin
 
     def _from_front_end(self, kind: str, comm_id: str, msg: dict) -> None:
@@ -94,8 +91,8 @@ class CommBridge:
         finally:
             out.finish()
 
-    def _closed_here(self, twin, comm_id: str, msg: dict) -> None:
-        if getattr(twin, "_closed_by_session", False):
-            return
+    def _closed_here(self, comm_id: str, msg: dict) -> None:
+        """The front end closed a twin (comm's on_close runs for the front end's comm_close
+        only, never for our own close()): close the session's comm too."""
         self.comms.pop(comm_id, None)
         self._from_front_end("comm_close", comm_id, msg)

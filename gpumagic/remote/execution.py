@@ -832,21 +832,13 @@ class _Runner:
 
         def on_out(data: bytes) -> None:
             nonlocal started, code
-            self.buf += data
-            for kind, payload in _frames(self.buf):
-                if kind == b"O":
-                    out.feed(payload)
-                elif kind == b"E":
-                    err.feed(payload)
-                elif kind == b"P":
-                    started = True
-                    self.cell_pid = int(payload)
-                elif kind == b"X":
-                    self.cell_pid = None  # ended: its group's number may be reused
-                    out.feed(b"", final=True)
-                    err.feed(b"", final=True)
-                    code = int(payload)
-                    return  # what follows stays in the buffer for the next cell
+            ended = self.take(data, out.feed, err.feed)
+            started = started or self.cell_pid is not None
+            if ended is not None:
+                started = True
+                out.feed(b"", final=True)
+                err.feed(b"", final=True)
+                code = ended
 
         def watch() -> None:
             if pump.at_eof:
@@ -868,6 +860,24 @@ class _Runner:
             raise _Timeout()
         assert code is not None
         return code
+
+    def take(self, data: bytes, on_out: Callable[[bytes], None],
+             on_err: Callable[[bytes], None]) -> int | None:
+        """Read a piece of the runner's channel: the program's output (``O``/``E`` frames)
+        to ``on_out``/``on_err``, its pid (``P``) into :attr:`cell_pid`; its exit status
+        when its ``X`` came (what follows stays in the buffer, for the next program)."""
+        self.buf += data
+        for kind, payload in _frames(self.buf):
+            if kind == b"O":
+                on_out(payload)
+            elif kind == b"E":
+                on_err(payload)
+            elif kind == b"P":
+                self.cell_pid = int(payload)
+            elif kind == b"X":
+                self.cell_pid = None  # ended: its group's number may be reused
+                return int(payload)
+        return None
 
     def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
         """Stop the cell's process group (SIGTERM, SIGKILL :data:`KILL_GRACE` s later) and
@@ -911,21 +921,8 @@ class RunnerPipe:
         self.pump = ChannelPump(self.chan, self._got, chunk=chunk)
 
     def _got(self, data: bytes) -> None:
-        if self.code is not None:
-            return  # nothing of this program follows its exit status
-        runner = self.runner
-        runner.buf += data
-        for kind, payload in _frames(runner.buf):
-            if kind == b"O":
-                self.on_out(payload)
-            elif kind == b"E":
-                self.on_err(payload)
-            elif kind == b"P":
-                runner.cell_pid = int(payload)
-            elif kind == b"X":
-                runner.cell_pid = None
-                self.code = int(payload)
-                return
+        if self.code is None:  # nothing of this program follows its exit status
+            self.code = self.runner.take(data, self.on_out, self.on_err)
 
     def start(self, request: bytes) -> None:
         """Send the ``A`` request (:func:`runner_request`)."""
