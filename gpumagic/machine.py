@@ -297,8 +297,11 @@ class Machine:
             When ``dst`` names another machine (``OTHER:path``).
         """
         from .sync import engine as sync
+        from .remote.move import note_push
 
-        return sync.push(self, src, self._remote_path(dst), options, **shortcuts)
+        summary = sync.push(self, src, self._remote_path(dst), options, **shortcuts)
+        note_push(self.name, src, summary)  # a job started in that folder can be moved with it
+        return summary
 
     def pull(self, src: str, dst: str, options: "SyncOptions | None" = None, **shortcuts) -> "SyncSummary":
         """Copy a tree or file from this machine (``src``: ``path``, ``:path`` or

@@ -95,6 +95,7 @@ SAFE_VALUES_ONLY = {"--remote-host", "--sample", "--smtp", "--webhook"}
 #: of each positional argument, exclude: options never drawn, banned: hostile words never drawn,
 #: hostile_positional: whether positional arguments may be hostile)
 def _specs():
+    from gpumagic.notebook.magics import jobs as jobs_magics
     from gpumagic.notebook.magics import kernel as kernel_magics
     from gpumagic.notebook.magics import net as net_magics
 
@@ -119,6 +120,10 @@ def _specs():
         "logs": dict(cmd="logs", fn=m._logs, positional=[["j1", "j2"]]),
         "attach": dict(cmd="attach", fn=m._attach, positional=[["j1"]]),
         "kill": dict(cmd="kill", fn=m._kill, positional=[["j1", "j2"]]),
+        # names no job of the fuzz has: a record-less move or resume is refused behind the parser
+        "job move": dict(cmd="job move", fn=jobs_magics._job_move, positional=[["nosuch", "gone-1"]],
+                         always=["--to"]),
+        "job resume": dict(cmd="job resume", fn=jobs_magics._job_resume, positional=[["nosuch", "gone-1"]]),
         "budget": dict(cmd="budget", fn=m._budget_meter),
         "budget set": dict(cmd="budget set", fn=m._budget_set, always=["--rate"]),
         "budget estimate": dict(cmd="budget estimate", fn=m._budget_estimate, always=["--hours"]),

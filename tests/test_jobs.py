@@ -896,7 +896,7 @@ def test_job_options_take_keyword_shortcuts_and_name_a_misspelt_one():
     assert base.with_(then_shutdown=10) == JobOptions(cwd="proj", alerts=False, then_shutdown=10)
     assert base.with_() is base
     with pytest.raises(TypeError, match=r"^unknown job option stop_one \(valid: alerts, cwd, env, python, "
-                                        r"stop_on, then_shutdown\)$"):
+                                        r"resume_arg, stop_on, then_shutdown\)$"):
         base.with_(stop_one="nan")
 
 

@@ -659,6 +659,10 @@ class JobOptions(Options):
         <gpumagic.machine.Machine.shutdown_plan>` (on the sandbox: its stand-in).
     alerts : bool
         Show alerts when following or listing (``--no-alerts`` turns them off).
+    resume_arg : str, optional
+        What a move or resume (:mod:`gpumagic.remote.move`) adds to the command to continue
+        from a checkpoint, ``{checkpoint}`` standing for its path there (``--resume-arg
+        "--resume {checkpoint}"``); recorded here at start, unused by the start itself.
     """
 
     python: bool = False
@@ -667,6 +671,7 @@ class JobOptions(Options):
     stop_on: Iterable[str] | str | None = None
     then_shutdown: float | None = None
     alerts: bool = True
+    resume_arg: str | None = None
 
     kind = "job"
 
@@ -704,6 +709,9 @@ def start(machine: MachineLike, name: str, command: str, options: JobOptions = J
     """
     check_name(name)
     kinds = parse_stop_on(options.stop_on)
+    if options.resume_arg is not None and (not isinstance(options.resume_arg, str) or not options.resume_arg.strip()):
+        raise JobError(f"--resume-arg must be the words to add to the command, not {options.resume_arg!r}",
+                       'e.g. --resume-arg "--resume {checkpoint}"')
     tool_dirs = tuple(tool_dirs)
     searched = "its PATH" + (f" and {', '.join(tool_dirs)}" if tool_dirs else "")
     sd_cmd, grace = shutdown_arming(machine, options.then_shutdown)
@@ -734,6 +742,9 @@ def start(machine: MachineLike, name: str, command: str, options: JobOptions = J
     if res["status"] != "ok":
         raise JobError(f"could not start job {name!r} on {machine.name}: {res['detail'] or r.stderr.strip()}",
                        "check the remote HOME is writable (`df -h ~`)")
+    from .move import record_start
+
+    record_start(machine, name, command, options)  # what a later move or resume starts again
     note = ""
     if res["runner"] == "nohup":
         why = f" (tmux failed: {res['tmux_error']})" if res["tmux_error"] else f" (searched {searched})"

@@ -218,6 +218,9 @@ class Keeper:
         self.watching = False
         self.done = threading.Event()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and when the watcher's channel drops
+        #: True while looks fail to reach the machine (then looked at every PROBE_EVERY s)
+        self.unreachable = False
         self._lock = threading.Lock()
         self._seen: dict[str, _Seen] = {}
         self._renamed: dict[str, tuple[int, int, int]] = {}
@@ -251,14 +254,18 @@ class Keeper:
     # -- life cycle -----------------------------------------------------------------------
 
     def start(self) -> "Keeper":
+        from .move import record_keep
+
         os.makedirs(self.stage, exist_ok=True)
         self._save()
+        record_keep(self.machine.name, self.job, self.options, self.to)  # what a move keeps again
         self._thread.start()
         return self
 
     def stop(self, why: str = "stopped", timeout: float = 10) -> None:
         """Stop looking (safe twice); the record says ``why``."""
         self._stop.set()
+        self._wake.set()
         self._close_watch()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
@@ -273,17 +280,24 @@ class Keeper:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def _loop(self) -> None:
+        from . import move
+
         try:
             while not self._stop.is_set():
                 ended = False
+                begun = time.time()
                 try:
                     self._ensure_watch()
                     ended = self.look()
                     if not ended:
                         self._ensure_watch()  # after the first look, which names the folder
                     self.error = ""
+                    self.unreachable = False
                 except Exception as e:  # the connection went, a disk filled: said, then tried again
                     self.error = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
+                    if isinstance(e, move.UNREACHABLE):  # %gpu jobs counts the machine lost from these
+                        self.unreachable = True
+                        move.note_failed(self.machine.name, move.why(e), begun)
                 with self._lock:
                     if self.record["error"] != self.error:
                         self.record["error"] = self.error
@@ -294,14 +308,20 @@ class Keeper:
                         self.record["state"] = "the job ended"
                         self._save()
                     return
-                self._stop.wait(self._next_wait())
+                self._wake.wait(self._next_wait())
+                self._wake.clear()
         finally:
             self._close_watch()
             self.done.set()
 
     def _next_wait(self) -> float:
-        """``every``, or sooner when a file written in place will have settled before that."""
+        """``every``, or sooner when a file written in place will have settled before that,
+        or while the machine does not answer (so that its loss is noticed in time)."""
+        from .move import PROBE_EVERY
+
         wait = self.options.every
+        if self.unreachable:
+            wait = min(wait, PROBE_EVERY)
         if self._seen:
             wait = min(wait, max(self.settle / 2, 0.05))
         return wait
@@ -335,8 +355,10 @@ class Keeper:
         except Exception:  # the channel went with the connection: the next look starts another
             return
         finally:
-            self.watching = False
+            was, self.watching = self.watching, False
             chan.close()
+            if was and self._watch_chan is chan:  # it dropped (the machine went?): look now, not in `every`
+                self._wake.set()
 
     def _watch_event(self, line: bytes) -> None:
         try:
@@ -365,6 +387,9 @@ class Keeper:
                                 f"{r.stderr.strip() or r.stdout.strip()}", "it is tried again at the next look")
         listing = parse_listing(r.stdout)
         self._root = listing.root
+        from .move import note_seen
+
+        note_seen(self.machine.name)
         with self._lock:
             self.looks += 1
             self.record["last_look"] = time.time()

@@ -55,7 +55,7 @@ from ._output import OutputCap
 from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
 from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
 from .gpu import _doctor, _fit, _status
-from .jobs import _attach, _jobs, _kill, _logs, _remote_job, keep_given
+from .jobs import JOB, _attach, _jobs, _kill, _logs, _remote_job, keep_given
 from .keys import _add_host, _install_key, _keygen, show_public_key
 from .net import PROXY, _mirrors
 from .sync import _sync
@@ -93,6 +93,7 @@ SUBCOMMANDS = Subcommands("%gpu", {
     "logs": (_logs, "show a job's output; --follow streams it until the job ends"),
     "attach": (_attach, "show a job's earlier output, then follow it until it ends"),
     "kill": (_kill, "end a job's whole process tree; --shutdown cancels its pending shutdown"),
+    "job": (JOB, "move a job to another machine, or resume it after a restart, from its newest kept checkpoint"),
     "kernel": (_kernel, "a live Python session on the machine: start, list, attach, push, pull, stop, autorun"),
     "budget": (BUDGET, "what the rental costs: set prices, meter, estimate, history, guard, notify"),
     "tunnel": (TUNNEL, "open a remote port in your browser: tensorboard, jupyter, PORT, --reverse, list, close"),
@@ -213,6 +214,9 @@ class GpuMagics(Magics):
     @argument("--keep-settle", metavar="S", type=SETTLE_S,
               help="with --keep: seconds a file written in place must hold still (size and mtime) "
                    "before it is taken (default 10s)")
+    @argument("--resume-arg", metavar="ARGS",
+              help='with --job: what `%%gpu job move|resume` adds to the command to continue from a '
+                   'checkpoint, {checkpoint} standing for its path, e.g. "--resume {checkpoint}"')
     @argument_group("torchrun and fan-out (with --job NAME)",
                     "One training run over the GPUs of one or more machines, or one job per machine.")
     @argument("--torchrun", metavar="N|auto",
@@ -249,7 +253,7 @@ class GpuMagics(Magics):
 
             return torchrun_cell(self, args, cell)
         if (args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts
-                or keep_given(args)):
+                or keep_given(args) or args.resume_arg is not None):
             return _remote_job(self, args, cell)
         machine = self.fleet.get(args.host)
         echo = OutputCap(self.max_display_bytes)

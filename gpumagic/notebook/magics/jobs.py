@@ -1,20 +1,23 @@
-"""Detached jobs: ``%gpu jobs``, ``logs``, ``attach``, ``kill``, and ``%%remote --job``."""
+"""Detached jobs: ``%gpu jobs``, ``logs``, ``attach``, ``kill``, ``job move|resume``, and
+``%%remote --job``."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
 
-from ...errors import Interrupted, JobError
+from ...errors import Interrupted, JobError, NotConnected
+from ...remote import move
 from ...remote.keep import KeepOptions, records as keep_records
 from ...remote.jobs import NAME_RE, JobOptions, parse_stop_on, scan_alerts
 from .. import display
 from ..display import (SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table, keep_line,
                        keep_started)
-from ._args import LINES, env_pairs, host_arg, number, parse
+from ._args import LINES, Subcommands, env_pairs, host_arg, number, parse
 
 if TYPE_CHECKING:
     from . import GpuMagics
@@ -60,14 +63,19 @@ def job_options(args, **changes) -> JobOptions:
         stop_on = parse_stop_on(args.stop_on)
     except Exception as e:
         raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    resume_arg = getattr(args, "resume_arg", None)
+    if resume_arg is not None and not resume_arg.strip():
+        raise UsageError('--resume-arg is empty: give the words that continue from a checkpoint, '
+                         'e.g. --resume-arg "--resume {checkpoint}"')
     return JobOptions(python=args.python, cwd=args.cwd, env=env_pairs(args.env), stop_on=stop_on,
-                      then_shutdown=args.then_shutdown, alerts=not args.no_alerts).with_(**changes)
+                      then_shutdown=args.then_shutdown, alerts=not args.no_alerts,
+                      resume_arg=resume_arg).with_(**changes)
 
 
 def _remote_job(magics: GpuMagics, args, cell: str):
     """``%%remote --job NAME ...``: start the cell detached and return at once."""
     if args.job is None:
-        raise UsageError("--stop-on, --then-shutdown, --no-alerts and --keep need --job NAME "
+        raise UsageError("--stop-on, --then-shutdown, --no-alerts, --keep and --resume-arg need --job NAME "
                          "(e.g. --job train --keep ckpt/)")
     if not NAME_RE.fullmatch(args.job):
         raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
@@ -107,10 +115,19 @@ def _jobs(magics: GpuMagics, line: str):
 
         return jobs_all(magics)
     machine = magics.fleet.get(args.host)
-    infos = machine.jobs()
-    ipy_display(jobs_table(infos, machine.name))
-    for info in infos:
-        _show_alerts(info)
+    if move.start_records(machine.name):  # jobs recorded here: a machine that is gone is said so
+        found = move.list_or_lost(machine)
+    else:
+        found = machine.jobs()
+    if isinstance(found, move.Unreachable):
+        print(f"{machine.name} has not answered since {time.strftime('%H:%M:%S', time.localtime(found.since))} "
+              f"({found.why}); its jobs as recorded on this computer:")
+    else:
+        ipy_display(jobs_table(found, machine.name))
+        for info in found:
+            _show_alerts(info)
+    for text in move.lost_lines(machine.name, found):
+        print(text)
     for rec in keep_records(machine.name):
         k = machine.keepers.get(rec.get("job", ""))
         print(keep_line(rec, live=k is not None and k.running))
@@ -198,3 +215,77 @@ def _kill(magics: GpuMagics, line: str):
     info = job.kill()
     print(f"killed job {args.name} on {machine.name}: {info.state_text}; "
           "its whole process tree was stopped")
+
+
+# -- %gpu job move|resume: a run continued from its newest kept checkpoint ---------------------
+
+
+def _connected(magics: GpuMagics, name: str):
+    """The connected machine called ``name``, or None (it is not connected here)."""
+    try:
+        return magics.fleet.get(name)
+    except NotConnected:
+        return None
+
+
+def _torchrun(value: str | None):
+    if value is None or value == "auto":
+        return value
+    if not value.isdigit() or not 1 <= int(value) <= 1024:
+        raise UsageError(f"--torchrun {value!r}: give a number of processes from 1 to 1024, or auto")
+    return int(value)
+
+
+@magic_arguments()
+@argument("name", help="the job (see `%%gpu jobs`)")
+@argument("--to", metavar="MACHINE", required=True, help="the connected machine to continue it on")
+@argument("--yes", action="store_true",
+          help="the job still runs where it is: stop it there (after a last checkpoint pull), then move it")
+@argument("--src", metavar="DIR",
+          help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
+@argument("--torchrun", metavar="N|auto", help="start it under torchrun with N processes there (then without --keep)")
+@host_arg("the machine it was started on (default: the one this computer's records name)")
+def _job_move(magics: GpuMagics, line: str):
+    """Continue a job on another machine from its newest checkpoint kept here: its project
+    folder and that checkpoint are pushed there, and the same command starts with its
+    --resume-arg, environment, working directory, stop-on rules and alerts, under the same name."""
+    args = parse(_job_move, line, "job move")
+    name = _job_name(args.name)
+    torchrun = _torchrun(args.torchrun)
+    rec = move.find_start(name, args.host)
+    target = magics.fleet.get(args.to)
+    source = _connected(magics, rec["machine"])
+    if source is target:
+        raise UsageError(f"job {name} was started on {target.name} already: `%gpu job resume {name}` "
+                         "starts it again there")
+    job = move.move(source, target, name, rec=rec, yes=args.yes, src=args.src, torchrun=torchrun)
+    print(f"job {name} moved from {rec['machine']} to {target.name} and started there; "
+          f"`%gpu logs {name} --host {target.name}` shows the seam, `%gpu jobs --host {target.name}` lists it")
+    if getattr(job, "keeper", None) is not None:
+        print(keep_started(job.keeper))
+
+
+@magic_arguments()
+@argument("name", help="the job (see `%%gpu jobs`)")
+@argument("--src", metavar="DIR",
+          help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
+@host_arg("the machine it was started on (default: the one this computer's records name)")
+def _job_resume(magics: GpuMagics, line: str):
+    """Start a lost job again on its own machine (after a restart) from its newest checkpoint
+    kept here, as `%gpu job move` does."""
+    args = parse(_job_resume, line, "job resume")
+    name = _job_name(args.name)
+    rec = move.find_start(name, args.host)
+    machine = magics.fleet.get(rec["machine"])
+    job = move.move(machine, machine, name, rec=rec, src=args.src)
+    print(f"job {name} resumed on {machine.name}; `%gpu logs {name} --host {machine.name}` shows the seam")
+    if getattr(job, "keeper", None) is not None:
+        print(keep_started(job.keeper))
+
+
+#: ``%gpu job SUB``: a job continued elsewhere or again.
+JOB = Subcommands("%gpu job", {
+    "move": (_job_move, "continue a job on another machine from its newest kept checkpoint"),
+    "resume": (_job_resume, "start a lost job again on its own machine from its newest kept checkpoint"),
+}, intro="A job started with `%%remote --job NAME --keep DIR --resume-arg \"--resume {checkpoint}\"` "
+         "continues from the newest checkpoint kept on this computer.")

@@ -1,0 +1,572 @@
+"""Training that outlives its machine (issue 27, items 2 and 3): noticing that a job's machine
+is gone, and moving the run to another machine (or resuming it on the same one after a
+restart) from the newest checkpoint kept on the laptop (:mod:`gpumagic.remote.keep`).
+
+Everything here is read from and written to the laptop's gpumagic data directory, beside the
+keep records (``keep/MACHINE/`` under :func:`gpumagic.budget.ledger.data_dir`), so that it
+works after the notebook restarts and while the machine does not answer:
+
+``JOB.job.json`` (the *start record*)
+    What the job was started with: the command, its :class:`~gpumagic.remote.jobs.JobOptions`
+    (``resume_arg`` included), the ``--keep`` options, the working directory, the project
+    folder here that was pushed to it (``src``), and later ``moved_to`` / ``moved_from``.
+    Written by :func:`gpumagic.remote.jobs.start` (a job name has no ``.``, so no keep record
+    ``JOB.json`` can clash with it).
+``@reach.json``
+    When the machine last answered (``last_seen``), and since when every attempt to reach it
+    has failed (``failing_since``), as the keeper's looks and ``%gpu jobs`` saw it.
+``@pushes.json``
+    Which folder here was pushed to which folder there (:meth:`gpumagic.machine.Machine.push`
+    calls :func:`note_push`), so a move pushes the job's project folder without being told.
+
+A machine is *lost* when every attempt to reach it (connection refused, timed out, dropped)
+has failed for :data:`LOST_AFTER` seconds, or when it answers but the job's folder or process
+is gone without an exit code (it rebooted, or was rebuilt).  ``%gpu jobs`` on an unreachable
+machine tries again every :data:`PROBE_EVERY` seconds until it can say which (so with the
+defaults, "lost" is shown at most ``LOST_AFTER`` plus one connect timeout after the loss), and
+a keeper that fails a look looks again every ``PROBE_EVERY`` seconds, and at once when its
+watcher's channel drops, so the streak is often already long enough.
+
+A move (:func:`move`): a job still running on a machine that answers is refused unless
+``yes``; with it, its keeper looks a last time, then the job is killed there.  The project
+folder goes to the same working directory on the other machine, then the newest kept
+checkpoint into the same checkpoint folder; the command starts there under the same name with
+the same options, its resume argument filled in (``--resume {checkpoint}`` -> the path
+there), ``GPUMAGIC_RESUME`` set to that path, and a first log line that marks the seam.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from .._fs import atomic_write, private_dir
+from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, JobError
+from .keep import KeepOptions, record_dir, records as keep_records
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
+    from .jobs import Job, JobInfo, JobOptions
+
+#: Seconds every attempt to reach a machine must have failed before its jobs count as lost.
+LOST_AFTER = 30.0
+#: Seconds between attempts while a machine does not answer.
+PROBE_EVERY = 5.0
+#: What an attempt to reach a machine that is gone (or cut off) raises.
+UNREACHABLE = (ConnectionRefused, ConnectTimeout, ConnectionLost)
+
+START_FORMAT = "gpumagic-job-start"
+REACH_FORMAT = "gpumagic-reach"
+PUSHES_FORMAT = "gpumagic-pushes"
+#: At most this many pushes are remembered per machine (the newest).
+PUSHES_KEPT = 50
+
+_lock = threading.Lock()  # the keeper threads and the magics write the same small files
+
+
+def _read(path: Path, fmt: str) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == fmt else None
+
+
+def _write(path: Path, data: dict) -> None:
+    private_dir(path.parent)
+    atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
+
+
+# -- the start record ---------------------------------------------------------------------------
+
+
+def start_path(machine_name: str, job: str) -> Path:
+    return record_dir(machine_name) / f"{job}.job.json"
+
+
+def start_record(machine_name: str, job: str) -> dict | None:
+    """The start record of ``job`` on ``machine_name`` (None when there is none)."""
+    return _read(start_path(machine_name, job), START_FORMAT)
+
+
+def start_records(machine_name: str) -> list[dict]:
+    """Every start record of ``machine_name``, oldest start first."""
+    folder = record_dir(machine_name)
+    found = [_read(p, START_FORMAT) for p in sorted(folder.glob("*.job.json"))] if folder.is_dir() else []
+    return sorted((r for r in found if r), key=lambda r: (r.get("started") or 0, r.get("job", "")))
+
+
+def update_start(machine_name: str, job: str, **changes) -> dict | None:
+    """Change fields of a start record (None when there is none); never raises for the disk."""
+    with _lock:
+        rec = start_record(machine_name, job)
+        if rec is None:
+            return None
+        rec.update(changes)
+        with contextlib.suppress(OSError):
+            _write(start_path(machine_name, job), rec)
+        return rec
+
+
+def abs_dirs(machine: MachineLike, work: str, sub: str = "") -> list[str]:
+    """The absolute paths on ``machine`` of the job working directory ``work`` (as the job's
+    ``run.sh`` reads it: ``~``, ``~/...`` and relative paths from ``$HOME``) and, with ``sub``,
+    of ``sub`` inside it; both made when missing.  One round trip."""
+    script = ('wd=$1; case $wd in "~") wd=$HOME ;; "~/"*) wd=$HOME/${wd#"~/"} ;; /*) ;; ?*) wd=$HOME/$wd ;; '
+              '"") wd=$HOME ;; esac\nmkdir -p -- "$wd" && cd -- "$wd" && pwd || exit 3\n'
+              'if [ -n "$2" ]; then s=$2; case $s in "~/"*) s=$HOME/${s#"~/"} ;; esac\n'
+              'mkdir -p -- "$s" && cd -- "$s" && pwd || exit 3; fi\n')
+    r = machine.exec(f"set -- {shlex.quote(work)} {shlex.quote(sub)}\n{script}", timeout=60)
+    lines = r.stdout.splitlines()
+    if r.exit_code != 0 or len(lines) < (2 if sub else 1):
+        raise JobError(f"could not make the folder {work or '~'}{'/' + sub if sub else ''} on {machine.name}: "
+                       f"{r.stderr.strip() or 'no answer'}", "check the disk there (`df -h`)")
+    return lines[:2] if sub else lines[:1]
+
+
+def _project_folder(machine: MachineLike, work: str) -> str | None:
+    """The folder here whose push to ``machine`` holds the job's working directory (the
+    newest such push), or None; one round trip, and only when pushes are recorded."""
+    pushes = (_read(record_dir(machine.name) / "@pushes.json", PUSHES_FORMAT) or {}).get("pushes") or []
+    if not pushes:
+        return None
+    cwd = abs_dirs(machine, work)[0].rstrip("/")
+    for p in reversed(pushes):
+        remote = str(p.get("remote", "")).rstrip("/")
+        if remote and (cwd == remote or cwd.startswith(remote + "/")):
+            local = os.path.join(p["local"], *[x for x in cwd[len(remote):].split("/") if x])
+            if os.path.isdir(local):
+                return local
+    return None
+
+
+def record_start(machine: MachineLike, name: str, command: str, options: JobOptions) -> dict:
+    """Write the start record of a job that just started (see the module); returns it.
+
+    A failure to write here never fails the start: the record is what a later move needs,
+    and the job runs without it.
+    """
+    from .jobs import parse_stop_on
+
+    cwd = options.cwd if options.cwd is not None else (machine.cwd or "")
+    src = None
+    with contextlib.suppress(Exception):  # a project folder is a convenience: --src names one
+        src = _project_folder(machine, cwd)
+    rec = {"format": START_FORMAT, "version": 1, "machine": machine.name, "job": name,
+           "started": time.time(), "command": command, "cwd": cwd, "src": src,
+           "options": {"python": bool(options.python), "env": dict(options.env or {}),
+                       "stop_on": list(parse_stop_on(options.stop_on)), "then_shutdown": options.then_shutdown,
+                       "alerts": bool(options.alerts), "resume_arg": options.resume_arg},
+           "keep": None, "seen_running": None, "moved_to": None, "moved_from": None, "checkpoint": None}
+    with _lock, contextlib.suppress(OSError):
+        _write(start_path(machine.name, name), rec)
+    return rec
+
+
+def record_keep(machine_name: str, job: str, options: KeepOptions, local: str) -> None:
+    """Add the ``--keep`` options (with the local folder as resolved at start) to the record."""
+    update_start(machine_name, job, keep={"path": options.path, "every": options.every, "to": local,
+                                          "last": options.last, "settle": options.settle})
+
+
+def job_options(rec: dict, **changes) -> JobOptions:
+    """The :class:`~gpumagic.remote.jobs.JobOptions` a start record holds (``changes`` on top)."""
+    from .jobs import JobOptions
+
+    o = rec.get("options") or {}
+    return JobOptions(python=bool(o.get("python")), cwd=rec.get("cwd"), env=dict(o.get("env") or {}),
+                      stop_on=tuple(o.get("stop_on") or ()), then_shutdown=o.get("then_shutdown"),
+                      alerts=bool(o.get("alerts", True)), resume_arg=o.get("resume_arg")).with_(**changes)
+
+
+# -- pushes -------------------------------------------------------------------------------------
+
+
+def note_push(machine_name: str, src: str, summary) -> None:
+    """Remember that the folder ``src`` here was pushed (``summary``: the push's
+    :class:`~gpumagic.sync.engine.SyncSummary`); a single file or a dry run is not a project."""
+    if getattr(summary, "dry_run", False) or not os.path.isdir(src):
+        return
+    remote = str(getattr(summary, "destination", "")).partition(":")[2]
+    if not remote.startswith("/"):
+        return
+    path = record_dir(machine_name) / "@pushes.json"
+    with _lock, contextlib.suppress(OSError):
+        rec = _read(path, PUSHES_FORMAT) or {"format": PUSHES_FORMAT, "pushes": []}
+        local = os.path.abspath(src)
+        pushes = [p for p in rec["pushes"] if (p.get("local"), p.get("remote")) != (local, remote)]
+        rec["pushes"] = (pushes + [{"local": local, "remote": remote, "at": time.time()}])[-PUSHES_KEPT:]
+        _write(path, rec)
+
+
+# -- reaching the machine -----------------------------------------------------------------------
+
+
+def reach(machine_name: str) -> dict:
+    """``{"last_seen", "failing_since", "why"}`` of ``machine_name`` (Nones when not known)."""
+    rec = _read(record_dir(machine_name) / "@reach.json", REACH_FORMAT) or {}
+    return {"last_seen": rec.get("last_seen"), "failing_since": rec.get("failing_since"), "why": rec.get("why", "")}
+
+
+def _note_reach(machine_name: str, ok: bool, at: float, why: str = "") -> None:
+    path = record_dir(machine_name) / "@reach.json"
+    with _lock, contextlib.suppress(OSError):
+        rec = _read(path, REACH_FORMAT) or {"format": REACH_FORMAT}
+        if ok:
+            rec.update(last_seen=max(at, rec.get("last_seen") or 0), failing_since=None, why="")
+        elif not rec.get("failing_since") or (rec.get("last_seen") or 0) > rec["failing_since"]:
+            rec.update(failing_since=at, why=why)
+        else:
+            rec["why"] = why
+        _write(path, rec)
+
+
+def note_seen(machine_name: str, at: float | None = None) -> None:
+    """The machine answered (at ``at``, default now): any failure streak ends."""
+    _note_reach(machine_name, True, time.time() if at is None else at)
+
+
+def note_failed(machine_name: str, why: str, at: float | None = None) -> None:
+    """An attempt to reach the machine, begun at ``at``, failed with ``why``."""
+    _note_reach(machine_name, False, time.time() if at is None else at, why)
+
+
+def why(e: Exception) -> str:
+    """A short reason for an :data:`UNREACHABLE` error (``connection refused``...)."""
+    if isinstance(e, ConnectionRefused):
+        return "connection refused"
+    if isinstance(e, ConnectTimeout):
+        return "connection timed out"
+    return "connection dropped"
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """The verdict on a machine that did not answer for :data:`LOST_AFTER` seconds."""
+
+    since: float  # the first failed attempt of the streak (laptop clock)
+    last_seen: float | None  # the last time it answered, when known
+    why: str
+
+
+def list_or_lost(machine: MachineLike, say: Callable[[str], None] = print) -> list[JobInfo] | Unreachable:
+    """The jobs of ``machine`` (one round trip when it answers), or, when it does not, the
+    verdict once every attempt for :data:`LOST_AFTER` seconds failed (tried again every
+    :data:`PROBE_EVERY` seconds; ``say`` is told once that it waits)."""
+    from .jobs import list_jobs
+
+    told = False
+    while True:
+        begun = time.time()
+        try:
+            infos = list_jobs(machine)
+        except UNREACHABLE as e:
+            note_failed(machine.name, why(e), begun)
+            r = reach(machine.name)
+            streak = time.time() - (r["failing_since"] or begun)
+            if streak >= LOST_AFTER:
+                return Unreachable(r["failing_since"] or begun, r["last_seen"], r["why"])
+            if not told:
+                say(f"{machine.name} does not answer ({why(e)}); trying again every {PROBE_EVERY:g} s until it "
+                    f"has not answered for {LOST_AFTER:g} s")
+                told = True
+            time.sleep(max(0.0, min(PROBE_EVERY, LOST_AFTER - streak)))
+            continue
+        note_seen(machine.name, begun)
+        return infos
+
+
+# -- what %gpu jobs says --------------------------------------------------------------------------
+
+
+def _clock(epoch: float) -> str:
+    """``14:07`` today, ``2025-03-01 14:07`` another day (laptop time)."""
+    t = time.localtime(epoch)
+    return time.strftime("%H:%M" if t[:3] == time.localtime()[:3] else "%Y-%m-%d %H:%M", t)
+
+
+def _span(seconds: float) -> str:
+    """``40 s``, ``3 min``, ``2.5 h``: how long, as the lost line says it."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def newest_kept(keep_rec: dict | None) -> tuple[str, float] | None:
+    """``(checkpoint, kept at)`` of the newest checkpoint a keep record holds (a file or a
+    folder of the kept folder, dated by its newest file's mtime), or None."""
+    if not keep_rec:
+        return None
+    units: dict[str, tuple[int, float]] = {}
+    for rel, f in (keep_rec.get("files") or {}).items():
+        if f.get("pruned"):
+            continue
+        u = rel.split("/", 1)[0]
+        mtime, at = units.get(u, (0, 0.0))
+        units[u] = (max(mtime, int(f["sig"][1])), max(at, float(f.get("kept_at") or 0)))
+    if not units:
+        return None
+    u = max(units, key=lambda k: (units[k][0], k))
+    return u, units[u][1]
+
+
+def _cost(machine_name: str, seconds: float) -> str:
+    """`` (0.37 CNY at 5.60 CNY/h)`` where the machine has a price set, else ``""``."""
+    try:
+        from ..budget.ledger import Ledger
+
+        rec = Ledger().machine(machine_name)
+    except Exception:  # a damaged ledger says so in %gpu budget; here the cost is left out
+        return ""
+    if rec is None or rec.prices is None or not rec.prices.hourly:
+        return ""
+    p = rec.prices
+    cur = f" {p.currency}" if p.currency else ""
+    return f" ({p.hourly * seconds / 3600:.2f}{cur} at {p.hourly:.2f}{cur}/h)"
+
+
+def lost_line(start: dict, lost_at: float, how: str) -> str:
+    """The ``%gpu jobs`` line of a job lost with its machine: when, how (``unreachable 3
+    min``), the last checkpoint kept and the training since then, and what that cost."""
+    name, machine = start.get("job", "?"), start.get("machine", "?")
+    keep_rec = next((r for r in keep_records(machine) if r.get("job") == name), None)
+    kept = newest_kept(keep_rec)
+    line = f"job {name}: lost with the machine at {_clock(lost_at)} ({how})"
+    if kept:
+        path = (keep_rec or {}).get("path", "").rstrip("/")
+        lost_s = max(0.0, lost_at - kept[1])
+        line += f"; last checkpoint {path}/{kept[0]} kept at {_clock(kept[1])}"
+    else:
+        lost_s = max(0.0, lost_at - (start.get("started") or lost_at))
+        line += "; no checkpoint kept" + ("" if start.get("keep") else " (it was started without --keep)")
+    line += f"; about {_span(lost_s)} of training lost{_cost(machine, lost_s)}"
+    verb = "move" if kept else "move (from the start)"
+    return line + f"; `%gpu job {verb} {name} --to OTHER` or `%gpu job resume {name}` continue it"
+
+
+def _last_alive(start: dict) -> float | None:
+    """The last time the job was seen running: by a listing, or by its keeper's looks."""
+    keep_rec = next((r for r in keep_records(start.get("machine", "")) if r.get("job") == start.get("job")), None)
+    times = [t for t in (start.get("seen_running"), (keep_rec or {}).get("last_look")) if t]
+    return max(times) if times else None
+
+
+def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float | None = None) -> list[str]:
+    """The lines ``%gpu jobs`` adds for the recorded jobs of ``machine_name``: lost ones
+    (``found`` is the listing, or the :class:`Unreachable` verdict) and moved ones.  A
+    listing also brings the records up to date (seen running, ended)."""
+    now = time.time() if now is None else now
+    lines = []
+    for rec in start_records(machine_name):
+        name = rec["job"]
+        if rec.get("moved_to"):
+            lines.append(f"job {name}: moved to {rec['moved_to']} at {_clock(rec.get('moved_at') or now)}")
+            continue
+        if rec.get("ended"):
+            continue
+        if isinstance(found, Unreachable):
+            alive = [t for t in (found.last_seen, _last_alive(rec), rec.get("started")) if t]
+            lost_at = min(max(alive), found.since) if alive else found.since  # never after the first failure
+            lines.append(lost_line(rec, lost_at, f"unreachable {_span(now - lost_at)}: {found.why}"))
+            continue
+        info = next((i for i in found if i.name == name), None)
+        if info is not None and info.running:
+            update_start(machine_name, name, seen_running=now)
+        elif info is not None and info.state != "lost":
+            update_start(machine_name, name, ended=info.state_text)
+        else:
+            lost_at = _last_alive(rec) or rec.get("started") or now
+            gone = ("its job folder is gone: it was rebuilt, or the folder removed" if info is None else
+                    "its process is gone without an exit code: it rebooted, or the job was killed outright")
+            lines.append(lost_line(rec, lost_at, f"the machine answers, but {gone}"))
+    return lines
+
+
+# -- moving a job ---------------------------------------------------------------------------------
+
+
+def find_start(job: str, machine_name: str | None = None) -> dict:
+    """The start record of ``job`` (on ``machine_name``, else the newest of any machine's that
+    was not moved away).
+
+    Raises
+    ------
+    JobError
+        When no record of that job is here.
+    """
+    if machine_name is not None:
+        rec = start_record(machine_name, job)
+        if rec is None:
+            raise JobError(f"no record here of a job {job!r} started on {machine_name}",
+                           "move or resume a job started with `%%remote --job NAME` from this computer")
+        return rec
+    from ..budget.ledger import data_dir
+
+    base = data_dir() / "keep"
+    found = [r for p in (sorted(base.glob(f"*/{job}.job.json")) if base.is_dir() else ())
+             if (r := _read(p, START_FORMAT)) and not r.get("moved_to")]
+    if not found:
+        raise JobError(f"no record here of a job named {job!r}",
+                       "move or resume a job started with `%%remote --job NAME` from this computer (`%gpu jobs` lists them)")
+    return max(found, key=lambda r: r.get("started") or 0)
+
+
+def resumed_command(rec: dict, checkpoint: str | None, seam: str) -> str:
+    """The job's command as it starts again: a first line that prints ``seam`` (the log's
+    mark), and the resume argument with ``{checkpoint}`` filled in: added to the last command
+    line of a bash cell; for Python source, ``sys.argv`` set on that first line."""
+    command = rec["command"]
+    arg = (rec.get("options") or {}).get("resume_arg") or ""
+    python = bool((rec.get("options") or {}).get("python"))
+    fill = checkpoint or ""
+    if python:
+        argv = [w.replace("{checkpoint}", fill) for w in shlex.split(arg)] if arg and checkpoint else []
+        first = f"import sys; print({seam!r}, flush=True)" + (f"; sys.argv[1:] = {argv!r}" if argv else "")
+        return first + "\n" + command
+    lines = command.split("\n")
+    if arg and checkpoint:
+        idx = next((i for i in range(len(lines) - 1, -1, -1)
+                    if lines[i].strip() and not lines[i].lstrip().startswith("#")), None)
+        if idx is not None:
+            lines[idx] = lines[idx].rstrip() + " " + arg.replace("{checkpoint}", shlex.quote(fill))
+    return f"printf '%s\\n' {shlex.quote(seam)}\n" + "\n".join(lines)
+
+
+def _final_pull_and_stop(source: MachineLike, name: str, say: Callable[[str], None]) -> None:
+    """A last look of the job's keeper (the newest checkpoint written whole is kept), then
+    the job is killed on ``source``."""
+    from .jobs import Job
+
+    k = source.keepers.get(name)
+    if k is not None:
+        k.stop("the job was moved")
+        try:
+            k.look()
+        except Exception as e:  # the move goes on from what was kept before
+            say(f"the last look at job {name}'s checkpoints on {source.name} failed ({e}); "
+                "moving from the newest kept before")
+    Job(source, name).kill("moved")
+
+
+def _check_source(source: MachineLike | None, name: str, yes: bool, same: bool,
+                  say: Callable[[str], None]) -> None:
+    """Whether the job may move from ``source`` (None: not connected here): refused while it
+    runs there without ``yes`` (or always, for a resume); with ``yes`` stopped there first."""
+    from .jobs import list_jobs
+
+    if source is None:
+        return
+    try:
+        found = list_jobs(source, only=name)
+    except UNREACHABLE as e:
+        note_failed(source.name, why(e))
+        if not same:
+            say(f"{source.name} does not answer ({why(e)}): job {name} could not be stopped there; "
+                f"if {source.name} comes back, `%gpu kill {name} --host {source.name}`")
+        return
+    note_seen(source.name)
+    info = found[0] if found else None
+    if info is None or not info.running:
+        if info is not None and info.state == "exited" and info.exit_code == 0:
+            raise JobError(f"job {name} ended on {source.name} (exited 0); there is nothing to "
+                           "continue", "start a new job with `%%remote --job NAME`")
+        return
+    if same:
+        raise JobError(f"job {name} is still running on {source.name}; there is nothing to resume",
+                       f"`%gpu logs {name} --follow` watches it")
+    if not yes:
+        raise JobError(f"job {name} is still running on {source.name}: pass --yes to stop it there "
+                       f"(after a last checkpoint pull) and move it")  # one line: it says what to do
+    _final_pull_and_stop(source, name, say)
+    say(f"stopped job {name} on {source.name} after a last look at its checkpoints")
+
+
+def _push_state(target: MachineLike, rec: dict, src: str | None,
+                say: Callable[[str], None]) -> tuple[str | None, str | None]:
+    """Push the project folder and the newest kept checkpoint to ``target``; returns
+    ``(checkpoint path there, checkpoint as the job names it)`` (Nones without one)."""
+    keep = rec.get("keep") or None
+    keep_rec = next((r for r in keep_records(rec["machine"]) if r.get("job") == rec["job"]), None)
+    kept = newest_kept(keep_rec)
+    dirs = abs_dirs(target, rec.get("cwd") or "", keep["path"].rstrip("/") if keep else "")
+    if src:
+        if not os.path.isdir(src):
+            raise JobError(f"--src {src}: no such folder here", "name the job's project folder on this computer")
+        summary = target.push(src.rstrip("/\\") + os.sep, dirs[0])
+        say(f"pushed the project folder {src} to {target.name}:{dirs[0]} ({summary.files_sent} files sent)")
+    else:
+        say(f"no project folder is recorded for job {rec['job']} (no push to its folder); only its "
+            "checkpoint goes (pass --src DIR to push one)")
+    if not kept or keep_rec is None or not keep:
+        say(f"no checkpoint of job {rec['job']} is kept here: it starts from the beginning on {target.name}")
+        return None, None
+    local = os.path.join(keep_rec["local"], kept[0])
+    if not os.path.exists(local):
+        raise JobError(f"the newest kept checkpoint {local} is gone from this computer",
+                       "put it back, or pass --src with a folder that holds the checkpoint")
+    target.push(local, dirs[1] + "/")
+    say(f"pushed checkpoint {kept[0]} to {target.name}:{dirs[1]}/")
+    return f"{dirs[1]}/{kept[0]}", f"{keep['path'].rstrip('/')}/{kept[0]}"
+
+
+def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dict, yes: bool = False,
+         src: str | None = None, torchrun: int | str | None = None,
+         say: Callable[[str], None] = print) -> Job:
+    """Move job ``name`` from ``source`` (None: not connected here; ``target`` itself for a
+    resume) to ``target``, from the newest checkpoint kept here (see the module).
+
+    Parameters
+    ----------
+    rec : dict
+        The job's start record (:func:`find_start`).
+    yes : bool
+        Stop the job on ``source`` first when it still runs there (after a last look of its keeper).
+    src : str, optional
+        The project folder here (default: the one recorded as pushed to the job's folder).
+    torchrun : int or "auto", optional
+        Start it under torchrun with that many processes instead (then without ``--keep``).
+
+    Raises
+    ------
+    JobError
+        Still running without ``yes``; a resume of a job that runs; a folder that is missing.
+    """
+    same = source is target
+    _check_source(source, name, yes, same, say)
+    keep = rec.get("keep") or None
+    if source is not None and not same:
+        k = source.keepers.get(name)
+        if k is not None:
+            k.stop(f"the job was moved to {target.name}")
+    checkpoint, named = _push_state(target, rec, src or rec.get("src"), say)
+    at = time.strftime("%Y-%m-%d %H:%M:%S")
+    whence = f"resumed on {target.name}" if same else f"moved from {rec['machine']} to {target.name}"
+    seam = (f"--- gpumagic: job {name} {whence} at {at}, "
+            f"{'from checkpoint ' + named if named else 'from the beginning (no checkpoint kept)'} ---")
+    options = job_options(rec, env={**job_options(rec).env, **({"GPUMAGIC_RESUME": checkpoint} if checkpoint else {})})
+    keep_options = None
+    if keep and torchrun is None:
+        keep_options = KeepOptions(keep["path"], every=keep["every"], to=keep["to"], last=keep["last"],
+                                   settle=keep["settle"])
+    elif keep:
+        say(f"--torchrun: the checkpoints of job {name} are not kept on {target.name} (--keep is not yet "
+            "for torchrun jobs)")
+    job = target.start_job(name, resumed_command(rec, checkpoint, seam), options, keep=keep_options,
+                           **({"torchrun": torchrun} if torchrun is not None else {}))
+    now = time.time()
+    if not same:
+        update_start(rec["machine"], name, moved_to=target.name, moved_at=now)
+    update_start(target.name, name, command=rec["command"], src=src or rec.get("src"),
+                 moved_from=None if same else rec["machine"], checkpoint=named, resumed_at=now,
+                 options={**rec.get("options", {}), "env": dict(rec.get("options", {}).get("env") or {})})
+    return job
