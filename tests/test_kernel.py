@@ -594,6 +594,12 @@ def test_autorun_sends_code_cells_to_the_session_and_keeps_magics_local(ip, caps
         assert capsys.readouterr().out.startswith("pulled where (int, ")
         ip.run_cell("print('remote', os.getpid() == where)")
         assert capsys.readouterr().out == "remote True\n"
+        # a cell that begins with %time runs there whole, timed there
+        ip.run_cell("%time a = os.getpid()\nb = os.getpid()")
+        assert "Wall time" in capsys.readouterr().out
+        assert "a" not in ip.user_ns and "b" not in ip.user_ns
+        ip.run_cell("%gpu kernel pull a b -k ar")
+        assert ip.user_ns["a"] == ip.user_ns["b"] == remote_pid
         ip.run_cell("%gpu kernel autorun off")
         ip.run_cell("local_only = 1")
         assert ip.user_ns["local_only"] == 1
@@ -641,10 +647,15 @@ def test_autorun_sends_a_cell_that_begins_with_matplotlib_inline_to_the_session(
     ("%load_ext gpumagic", False),
     ("%matplotlib inline\n%gpu status", False),    # a magic of this notebook's among them
     ("%matplotlib inline\n!nvidia-smi", False),
-    ("%%time\nx = 1", False),
+    # timing magics take the cell there (they used to stay here, and IPython's %time sent its
+    # own statement there through autorun but ran the cell's other lines here)
+    ("%%time\nx = 1", True),
+    ("%time a = f()\nb = 2", True),
+    ("%%timeit -n 3\nf()", True),
+    ("%timeit f()", True),
+    ("%%capture out\nx = 1", False),
     ("%%remote\nls", False),
     ("!ls", False),
-    ("%timeit f()", False),
     ("%\nx = 1", False),
 ])
 def test_autorun_runs_session_configuring_magics_there_and_other_magics_here(cell, there):

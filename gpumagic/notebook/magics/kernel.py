@@ -408,15 +408,25 @@ def _sizes(sizes: dict, values: dict) -> str:
 #: Line magics that configure the session a cell's code runs in, its display or its module
 #: reloading: at the top of an autorun cell they go there with the rest of the cell.
 SESSION_MAGICS = frozenset({"matplotlib", "pylab", "autoreload", "aimport"})
+#: Magics that time or profile the code after them: at the top of an autorun cell they take
+#: the whole cell to the session, which measures the code where it runs.  Here, IPython's
+#: ``%time a = f()`` would send ``a = f()`` there (through this transformer) and run the
+#: cell's other lines here; ``%timeit`` would time thousands of round trips.
+MEASURING_MAGICS = frozenset({"time", "timeit", "prun"})
 
 
 def configures_session(line: str) -> bool:
     """Whether ``line`` (stripped) is a line magic of :data:`SESSION_MAGICS`, ``%config
-    InlineBackend...`` or ``%load_ext autoreload``: one that belongs in the session an
-    autorun cell runs in, not in this notebook's kernel."""
-    if not line.startswith("%") or line.startswith("%%") or not line[1:].strip():
+    InlineBackend...``, ``%load_ext autoreload``, or a line or cell magic of
+    :data:`MEASURING_MAGICS`: one that belongs in the session an autorun cell runs in, not in
+    this notebook's kernel."""
+    if not line.startswith("%") or not line.lstrip("%").strip():
         return False
-    name, *rest = line[1:].split(None, 1)
+    name, *rest = line.lstrip("%").split(None, 1)
+    if line.startswith("%%"):
+        return name in MEASURING_MAGICS
+    if name in MEASURING_MAGICS:
+        return True
     arg = rest[0].strip() if rest else ""
     if name == "config":
         return arg.startswith("InlineBackend")
@@ -449,7 +459,8 @@ class Autorun:
     shell escape (``%``, ``!``), which run here: so line magics, and ``%gpu kernel autorun
     off``, still run locally (as with ipyparallel's ``%autopx``).  Magics that configure the
     session at the top of a cell (``%matplotlib inline``, ``%config InlineBackend...``,
-    autoreload's: :func:`runs_here`) go there with the cell, so its imports do too."""
+    autoreload's; ``%time``, ``%%timeit``...: :func:`runs_here`) go there with the cell, so
+    its imports do too, and the code is timed where it runs."""
 
     def __init__(self, machine: str, kernel: str):
         self.machine, self.kernel = machine, kernel
