@@ -36,7 +36,7 @@ import os
 import re
 import socket
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -1076,19 +1076,25 @@ class _Line:
         return arg
 
 
+@dataclass
 class _Reader:
-    """One pass of ``process_config_files`` (or the ``-o`` lines of a command line)."""
+    """One pass of ``process_config_files`` (or the ``-o`` lines of a command line): the files
+    (None for ``-o`` lines alone), the options being filled, this computer, and the host as
+    matched now and as given."""
 
-    def __init__(self, config: SshConfig | None, options: Options, local: Local, *,
-                 host: str, original_host: str, run_exec: bool = True):
-        self.config = config
-        self.o = options
-        self.local = local
-        self.host = host
-        self.original_host = original_host
-        self.run_exec = run_exec
-        self.home = config.home if config is not None else local.home
-        self.matched = False
+    config: SshConfig | None
+    o: Options
+    local: Local
+    _: KW_ONLY
+    host: str
+    original_host: str
+    run_exec: bool = True
+    #: Whether any ``Host`` or ``Match`` line has matched (what the pass returns).
+    matched: bool = field(default=False, init=False)
+
+    @property
+    def home(self) -> str:
+        return self.config.home if self.config is not None else self.local.home
 
     # -- files --
 

@@ -108,15 +108,12 @@ class Client:
 
 class Keeper:
     def __init__(self, name, directory, cwd, startup, umask=None, idle_stop=None):
-        self.name = name
-        self.dir = directory
-        self.cwd = cwd
-        self.startup = startup
-        #: The user's login umask, for the kernel (the keeper's own files stay private).
-        self.umask = umask
-        #: Seconds with no client connected and no cell running after which the keeper stops
-        #: (``--idle-stop``); None: never.
-        self.idle_stop = idle_stop
+        # What the keeper was started with: the session's name and folder, the kernel's cwd
+        # and start-up code, the user's login umask for the kernel (None: the keeper's own,
+        # which keeps its files private), and the seconds with no client connected and no cell
+        # running after which the keeper stops (``--idle-stop``; None: never).
+        self.name, self.dir, self.cwd, self.startup = name, directory, cwd, startup
+        self.umask, self.idle_stop = umask, idle_stop
         #: Since when (monotonic) no client has been connected and no cell has run.
         self.quiet_since = time.monotonic()
         self.cf = os.path.join(directory, "connection.json")
