@@ -286,3 +286,188 @@ def test_a_session_cell_lives_through_a_roam_with_every_line_once(make_link):
         except Exception:
             pass
         _stop_keepers(linked.server, name)
+
+
+# -- a sync cut by a roam resumes by itself (issue 28) ----------------------------------------
+
+#: From the roam to the new connection during a sync: a probe after 1 s without a packet,
+#: max(3 s, 10 RTT) for its answer, one connect (generous for a loaded CI).
+SYNC_NOTICE_BOUND = 1.0 + 3.0 + 3.0
+
+
+def _sync_tree(root: Path, *, small: int = 40, large_size: int = 24 << 20) -> Path:
+    """Small files in folders and one large file (its own channel, resumable)."""
+    for i in range(small):
+        d = root / f"d{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:03d}.bin").write_bytes(os.urandom(20_000 + i))
+    (root / "big.bin").write_bytes(os.urandom(large_size))
+    return root
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _roam_at(linked, nbytes: int, reopened: list[float]):
+    """A progress callback that roams the link once ``nbytes`` were transferred; ``roamed``
+    holds when.  ``reopened`` gets the time of each new connection (an ``after_open`` hook)."""
+    roamed: list[float] = []
+    linked.machine.connection.after_open.append(lambda conn: reopened.append(time.monotonic()))
+
+    def progress(p) -> None:
+        if not roamed and p.bytes_done >= nbytes and not p.finished:
+            assert linked.roam() >= 1
+            roamed.append(time.monotonic())
+
+    return progress, roamed
+
+
+def test_a_push_cut_by_a_roam_in_its_transfer_reconnects_and_resumes_by_itself(make_link, tmp_path, monkeypatch):
+    from gpumagic.sync import engine as sync
+
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    linked = make_link(rtt_ms=40, up_mbit=100, down_mbit=100)
+    m = linked.machine
+    src = _sync_tree(tmp_path / "src")
+    remote = tmp_path / "remote"
+    (remote / "d1").mkdir(parents=True)
+    (remote / "stale.txt").write_text("only on the machine\n", encoding="utf-8")  # --delete removes it
+    (remote / "d1" / "f001.bin").write_bytes(b"older")
+    reopened: list[float] = []
+    progress, roamed = _roam_at(linked, 6 << 20, reopened)
+    s = m.push(str(src) + "/", str(remote), delete=True, compress=False, progress=progress)
+    assert roamed, "the roam did not come during the transfer"
+    assert s.reconnects == 1 and "resumed after 1 reconnect" in str(s), str(s)
+    assert _files(remote) == _files(src)  # byte-identical, the stale file deleted
+    assert list(remote.rglob("*.gpumagic-part")) == []
+    assert s.files_sent == 41 and s.deleted == ["stale.txt"]
+    assert s.bytes_resumed == 0  # the big file's part was this sync's own: counted as sent
+    total = sum(len(b) for b in _files(src).values())
+    print(f"push: {s.bytes_sent - total} bytes sent twice")
+    assert s.bytes_sent < total + (4 << 20)  # resumed: not sent again from its start
+    assert m.connection.opened_count == 2
+    noticed = reopened[0] - roamed[0]
+    print(f"push: roam -> new connection {noticed:.2f} s")
+    assert noticed < SYNC_NOTICE_BOUND, noticed
+    # what the old connection's sshd still held on the machine was stopped: nothing runs on
+    assert wait_until(lambda: running_here(f"{remote}[ ]") == [], 10)
+
+
+def test_a_pull_cut_by_a_roam_in_its_transfer_reconnects_and_resumes_by_itself(make_link, tmp_path, monkeypatch):
+    from gpumagic.sync import engine as sync
+
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    linked = make_link(rtt_ms=40, up_mbit=100, down_mbit=100)
+    m = linked.machine
+    remote = _sync_tree(tmp_path / "remote")
+    local = tmp_path / "local"
+    reopened: list[float] = []
+    progress, roamed = _roam_at(linked, 6 << 20, reopened)
+    s = m.pull(str(remote) + "/", str(local), compress=False, progress=progress)
+    assert roamed, "the roam did not come during the transfer"
+    assert s.reconnects == 1 and "resumed after 1 reconnect" in str(s), str(s)
+    assert _files(local) == _files(remote)
+    assert list(local.rglob("*.gpumagic-part")) == []
+    assert s.files_sent == 41 and s.bytes_resumed == 0
+    total = sum(len(b) for b in _files(remote).values())
+    print(f"pull: {s.bytes_sent - total} bytes sent twice")
+    assert s.bytes_sent < total + (4 << 20)  # resumed: not sent again from its start
+    noticed = reopened[0] - roamed[0]
+    print(f"pull: roam -> new connection {noticed:.2f} s")
+    assert noticed < SYNC_NOTICE_BOUND, noticed
+    assert wait_until(lambda: running_here(f"{remote}[ ]") == [], 10)
+
+
+def test_a_sync_whose_machine_refuses_new_connections_ends_lost_after_the_grace(make_link, tmp_path, monkeypatch):
+    from gpumagic.sync import engine as sync
+
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    linked = make_link(rtt_ms=40, up_mbit=100, down_mbit=100)
+    src = _sync_tree(tmp_path / "src", small=10)
+    remote = tmp_path / "remote"
+    gone: list[float] = []
+
+    def machine_gone(p) -> None:
+        if not gone and p.bytes_done >= 6 << 20:
+            linked.link.close()  # every connection closed, and new ones refused
+            gone.append(time.monotonic())
+
+    with pytest.raises(ConnectionLost) as e:
+        linked.machine.push(str(src) + "/", str(remote), compress=False, grace=3, progress=machine_gone)
+    assert gone
+    assert "lost the connection" in e.value.message and "no new connection within 3 s" in e.value.message
+    assert "run it again: it resumes" in e.value.hint
+    for rel, data in _files(remote).items():  # what arrived is whole; no part under a final name
+        if not rel.endswith(".gpumagic-part"):
+            assert data == (src / rel).read_bytes(), rel
+
+
+def test_ctrl_c_stops_a_sync_that_waits_to_reconnect_at_once(make_link, tmp_path, monkeypatch):
+    from gpumagic.sync import engine as sync
+
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    linked = make_link(rtt_ms=40, up_mbit=100, down_mbit=100)
+    src = _sync_tree(tmp_path / "src", small=10)
+    gone: list[float] = []
+    ctrl_c = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+
+    def machine_gone(p) -> None:
+        if not gone and p.bytes_done >= 6 << 20:
+            linked.link.close()  # new connections refused: it keeps trying, for the grace
+            gone.append(time.monotonic())
+            ctrl_c.start()
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            linked.machine.push(str(src) + "/", str(tmp_path / "remote"), compress=False, progress=machine_gone)
+    finally:
+        ctrl_c.cancel()
+    assert time.monotonic() - gone[0] < 4.0
+
+
+# -- a tunnel after a roam --------------------------------------------------------------------
+
+_HTTP = r"""
+import http.server, socket, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("answer to " + self.path + " ").encode() * 5000
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+print("ready", flush=True)
+s.serve_forever()
+"""
+
+
+def test_the_first_request_through_a_tunnel_after_a_roam_gets_its_whole_answer(make_link):
+    import urllib.request
+
+    from gpumagic.ssh.sandbox import free_port
+
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _HTTP, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout.readline().strip() == b"ready"
+        with m.tunnel(port, local_port=0) as t:
+            def get(path: str) -> bytes:
+                with urllib.request.urlopen(t.url.rstrip("/") + path, timeout=60) as r:
+                    return r.read()
+
+            assert get("/before") == b"answer to /before " * 5000
+            time.sleep(2.5)  # the tunnel idle, as between two clicks
+            assert linked.roam() >= 1
+            start = time.monotonic()
+            assert get("/after") == b"answer to /after " * 5000  # whole, on a new connection
+            took = time.monotonic() - start
+            assert m.connection.opened_count == 2 and t.reconnects == 1
+            assert took < IDLE_BOUND, took
+            assert get("/again") == b"answer to /again " * 5000
+    finally:
+        server.kill()
+        server.wait()

@@ -1,8 +1,10 @@
 """%gpu sync when the connection drops, and when the login shell is chatty.
 
 The serving sshd process is SIGKILLed (the connection drops, as when a laptop's Wi-Fi goes)
-in each phase of a push and a pull; the error must say the connection was lost and that
-running it again resumes, and running it again must complete.  A machine whose start-up
+in each phase of a push and a pull.  By default the sync then reconnects and resumes by
+itself (issue 28; tests/test_resilience.py does it after roams); with that turned off
+(``grace=0``, as when no new connection can be made) the error must say the connection was
+lost and that running it again resumes, and running it again must complete.  A machine whose start-up
 files print banners (stdout and stderr, split across writes, with a partial copy of the
 agent's start marker) must not stall a sync.
 """
@@ -84,7 +86,7 @@ def test_push_cut_in_each_phase_says_lost_and_rerun_completes(machine, tmp_path,
     remote = tmp_path / "remote"
     killer = _Killer(machine, when)
     with pytest.raises(ConnectionLost) as e:
-        machine.push(str(src) + "/", str(remote), progress=killer)
+        machine.push(str(src) + "/", str(remote), progress=killer, grace=0)
     assert killer.done
     _assert_lost(e)
     for rel, data in _files(remote).items():  # what arrived is whole
@@ -104,7 +106,7 @@ def test_pull_cut_in_each_phase_says_lost_and_rerun_completes(machine, tmp_path,
     local = tmp_path / "local"
     killer = _Killer(machine, when)
     with pytest.raises(ConnectionLost) as e:
-        machine.pull(str(remote) + "/", str(local), progress=killer)
+        machine.pull(str(remote) + "/", str(local), progress=killer, grace=0)
     assert killer.done
     _assert_lost(e)
     for rel, data in _files(local).items():
@@ -114,6 +116,24 @@ def test_pull_cut_in_each_phase_says_lost_and_rerun_completes(machine, tmp_path,
     assert _parts(local) == []
     if shape.get("large"):
         assert again.bytes_resumed > 0
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_cut_with_new_connections_possible_resumes_by_itself(machine, tmp_path, monkeypatch, direction):
+    """The default: a drop in the transfer (small files and a large one) reconnects and
+    resumes, and the summary says so."""
+    monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
+    shape, when = PHASES["both"]
+    tree = _tree(tmp_path / "tree", **shape)
+    other = tmp_path / "other"
+    killer = _Killer(machine, when)
+    go = machine.push if direction == "push" else machine.pull
+    s = go(str(tree) + "/", str(other), progress=killer)
+    assert killer.done
+    assert s.reconnects == 1 and "resumed after 1 reconnect" in str(s), str(s)
+    assert _files(other) == _files(tree)
+    assert _parts(other) == []
+    assert s.files_sent == len(_files(tree))
 
 
 @pytest.mark.parametrize("direction", ["push", "pull"])
@@ -132,7 +152,7 @@ def test_cut_while_listing_says_lost_and_rerun_completes(machine, tmp_path, monk
     monkeypatch.setattr(sync._Channel, "read_exact", cut_then_read)
     go = machine.push if direction == "push" else machine.pull
     with pytest.raises(ConnectionLost) as e:
-        go(str(tree) + "/", str(other))
+        go(str(tree) + "/", str(other), grace=0)
     _assert_lost(e)
     monkeypatch.setattr(sync._Channel, "read_exact", real)
     go(str(tree) + "/", str(other))
@@ -156,7 +176,7 @@ def test_cut_while_waiting_for_the_push_result_says_lost(machine, tmp_path, monk
 
     monkeypatch.setattr(sync._Channel, "close_stdin", close_then_cut)
     with pytest.raises(ConnectionLost) as e:
-        machine.push(str(src) + "/", str(tmp_path / "remote"))
+        machine.push(str(src) + "/", str(tmp_path / "remote"), grace=0)
     _assert_lost(e)
     monkeypatch.setattr(sync._Channel, "close_stdin", real_close)
     monkeypatch.undo()
@@ -238,9 +258,10 @@ def test_start_up_files_that_never_finish_are_a_clear_error(tmp_path, monkeypatc
 @pytest.mark.parametrize("keepalive", [0, 1])
 def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_path, monkeypatch, keepalive,
                                                                    direction):
-    """SIGSTOP the serving sshd: with keepalives (ServerAliveInterval 1, CountMax 2) they
-    end the wait (for data, or for the window to send into); without (ServerAliveInterval
-    0) the sync's own probe does."""
+    """SIGSTOP the serving sshd: with keepalives (ServerAliveInterval 1, CountMax 2) or
+    without (ServerAliveInterval 0), the connection's probing while the sync waits (for
+    data, or for the window to send into) ends the wait; with no resume (``grace=0``) the
+    sync then says the connection was lost."""
     import dataclasses
 
     monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
@@ -260,9 +281,9 @@ def test_a_peer_that_stops_answering_mid_sync_is_a_lost_connection(sshd, tmp_pat
         try:
             with pytest.raises(ConnectionLost) as e:
                 if direction == "pull":
-                    m.pull(str(remote) + "/", str(tmp_path / "local"), progress=freeze)
+                    m.pull(str(remote) + "/", str(tmp_path / "local"), progress=freeze, grace=0)
                 else:
-                    m.push(str(remote) + "/", str(tmp_path / "pushed"), progress=freeze)
+                    m.push(str(remote) + "/", str(tmp_path / "pushed"), progress=freeze, grace=0)
             waited = time.monotonic() - stopped[0]
         finally:
             os.kill(pid, signal.SIGCONT)

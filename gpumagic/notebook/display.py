@@ -304,6 +304,7 @@ def sync_summary_text(s) -> str:
             + f", {s.skipped} unchanged"
             + (f", {len(s.deleted)} deleted" if s.deleted else "")
             + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
+            + (f", resumed after {count(s.reconnects, 'reconnect')}" if getattr(s, "reconnects", 0) else "")
             + f" in {duration(s.seconds)}")
     return "\n".join([head] + _paths("deleted", s.deleted) + _unreadable(s) + _laptop_notes(s))
 

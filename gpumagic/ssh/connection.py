@@ -182,6 +182,7 @@ class Connection:
         self._keepalive_stop = threading.Event()
         self._path: _Path | None = None  # the current transport's health
         self._busy = 0  # blocks of in_flight() running now
+        self._quick = 0  # ... of which with quick=True
         self._busy_lock = threading.Lock()
         self._lost_reason: str | None = None
         self.opened_count = 0
@@ -275,10 +276,23 @@ class Connection:
                                  "(the network changed or dropped)")
             log.info("gpumagic: %s; adopting a new connection", self._lost_reason)
             self._adopt(*spare.result())
-            for hook in list(self.after_abandon):
-                threading.Thread(target=self._abandoned, args=(hook, t), daemon=True,
-                                 name="gpumagic-after-abandon").start()
+            self.abandoned(t)
             return self
+
+    @property
+    def fresh(self) -> bool:
+        """True when the connection is up and a packet came from the machine within
+        :data:`FRESH` seconds: :meth:`ensure_alive` returns at once, sending nothing."""
+        path = self._path
+        return self.is_connected and path is not None and path.quiet() < FRESH
+
+    def abandoned(self, old: paramiko.Transport) -> None:
+        """Run the :attr:`after_abandon` hooks for ``old``, a transport whose path was
+        declared dead (by :meth:`ensure_alive`, or by the watch of :meth:`in_flight`, for
+        a caller that reconnects itself: a sync), each on a short thread."""
+        for hook in list(self.after_abandon):
+            threading.Thread(target=self._abandoned, args=(hook, old), daemon=True,
+                             name="gpumagic-after-abandon").start()
 
     def _abandoned(self, hook: Callable, old: paramiko.Transport) -> None:
         try:
@@ -287,20 +301,26 @@ class Connection:
             log.exception("gpumagic: after-abandon hook %r failed", hook)
 
     @contextlib.contextmanager
-    def in_flight(self):
+    def in_flight(self, *, quick: bool = False):
         """While this block runs, work is in flight on the path (a cell runs): it is probed
         after :data:`BUSY_PROBE_AFTER` quiet seconds and declared dead (the transport closed,
         :attr:`lost_reason` set) when nothing came for :data:`BUSY_DEAD_AFTER` seconds after
         that probe, instead of after ServerAliveInterval x ServerAliveCountMax.  It holds for the
         connection, so also for a new transport opened inside the block (a session that
-        reconnects while its cell runs)."""
+        reconnects while its cell runs).
+
+        ``quick``: the work resumes by itself on a new connection (a sync), so a blink costs
+        it nothing but a reconnect: the probe must be answered within max(:data:`ALIVE_WAIT`,
+        10 RTT), the bound of :meth:`ensure_alive`, instead of :data:`BUSY_DEAD_AFTER`."""
         with self._busy_lock:
             self._busy += 1
+            self._quick += quick
         try:
             yield
         finally:
             with self._busy_lock:
                 self._busy -= 1
+                self._quick -= quick
 
     def open(self) -> "Connection":
         """Connect, check the host key, authenticate, start keepalives.
@@ -598,7 +618,10 @@ class Connection:
                 path.restart(now_m)
                 path.probe(self)
             last_m, last_w = now_m, now_w
-            if self._busy > 0:
+            if self._quick > 0:
+                after, dead = BUSY_PROBE_AFTER, max(ALIVE_WAIT, 10 * (path.rtt or 0.0))
+                why = f"{self.spec.address} did not answer a probe within {dead:.3g} s during a transfer"
+            elif self._busy > 0:
                 after, dead = BUSY_PROBE_AFTER, BUSY_DEAD_AFTER
                 why = f"{self.spec.address} did not answer for {dead:g} s while a cell ran"
             elif interval > 0:

@@ -24,9 +24,10 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     unreadable directory, ``s`` a special file (device, socket, FIFO: text says which; never
     synced, as rsync ``-a`` skips them), ``v`` a path that vanished while it was listed.  ``HASH`` is ``1`` to add sha256 digests of files; ``NAMES`` is
     ``-`` or a JSON list that limits the listing to those entries of ROOT.  With COMPARE
-    ``1`` it first writes one byte before it walks, ``0`` when ROOT is absent or an empty
-    directory (:func:`is_empty`: a push there has nothing to compare and starts sending at
-    once), else ``1``; then, walked, the tree's :func:`fingerprint` (32 bytes), and reads
+    ``1`` it first writes one digit before it walks: bit 0 clear when ROOT is absent or an
+    empty directory (:func:`is_empty`: a push there has nothing to compare and starts sending
+    at once), set else; bit 1 set when this Python reads xz frames (see "compressed
+    streams"); then, walked, the tree's :func:`fingerprint` (32 bytes), and reads
     one byte: ``L`` asks for the listing (length and records, as above), ``=`` says the
     caller's own tree has the same fingerprint (nothing to do: no records are made).  A
     walk that takes longer than :data:`LISTED_EVERY` s says on stderr, each such interval,
@@ -54,6 +55,10 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     SIZE bytes.  A file that cannot be opened any more (vanished, unreadable) gives one line
     instead, ``SKIPPED [errno name, reason]``, and exit status 0.
 ``send`` and ``get`` leave out what cannot be read, as rsync does (see :func:`send_tar`).
+``stop NONCE ROOT CWD NONCE...``
+    Stops this user's agents started with one of the NONCEs (those of a cut connection,
+    which the machine's sshd may keep for hours after a roam, holding their part files;
+    see :func:`stop_agents`); prints ``STOPPED n``.
 
 Every operation first writes ``MARKER_PREFIX NONCE \\n`` on stdout: whatever a shell
 start-up file printed before it (in any number of packets, even a copy of the prefix) is
@@ -1141,6 +1146,10 @@ try:
     _adler32 = _zlib.adler32
 except ImportError:  # a Python built without zlib (compressed streams are refused)
     _zlib = _adler32 = None
+try:
+    import lzma as _lzma
+except ImportError:  # a Python built without liblzma (pyenv's, often): zlib frames only
+    _lzma = None
 
 
 def read_members(stream):
@@ -1381,7 +1390,8 @@ def end_tar(out):
 # -- compressed streams ------------------------------------------------------------------
 #
 # A compressed stream is a run of frames, each ``KIND LENGTH CRC PAYLOAD``: KIND one byte
-# (``z`` a zlib stream of its own, ``r`` the bytes as they are), LENGTH the payload's bytes
+# (``z`` a zlib stream of its own, ``x`` a raw LZMA2 stream of its own (xz's codec, levels
+# :data:`XZ_FAST` and :data:`XZ`), ``r`` the bytes as they are), LENGTH the payload's bytes
 # and CRC the crc32 of KIND, LENGTH and the payload (both 4 bytes, big-endian); a ``z``
 # payload carries zlib's own Adler-32 of its content too.  Each frame is checked whole
 # before any of its bytes is handed on, so a damaged stream is refused before a damaged
@@ -1394,6 +1404,13 @@ def end_tar(out):
 
 #: Content bytes per frame.
 FRAME = 256 * 1024
+#: Levels above zlib's 1-9 are LZMA2's, where both ends have Python's ``lzma``: XZ_FAST is
+#: xz -0 (as fast as zlib -6, measured on a project's CSV and sources, and 11 % smaller),
+#: XZ xz -0's dictionary with xz's normal mode (optimal parsing: 25 % smaller than zlib -6,
+#: 43 % on a CSV training log, at ~5 MB/s a core): for links slower than that.
+XZ_FAST, XZ = 10, 11
+#: LZMA2's dictionary at both levels: a frame is the most an encoder can refer back to.
+_XZ_DICT = FRAME
 #: Bytes of a frame tried at zlib level 1 to decide whether it is compressed, in 4 slices.
 SAMPLE = 64 * 1024
 #: The least fraction a sample must shrink by for its frame to be compressed.
@@ -1418,9 +1435,9 @@ def _cpus():
 MAX_THREADS = 4
 #: Frames between a ZWriter's looks at which side is slower, the compressor or the link.
 WINDOW = 16
-#: The zlib levels a ZWriter steps through: down while the link waits for the compressor,
-#: up (to the level it was given) while the compressor waits for the link.
-LEVELS = (1, 3, 6, 9)
+#: The levels a ZWriter steps through: down while the link waits for the compressor, up (to
+#: the level it was given) while the compressor waits for the link.
+LEVELS = (1, 3, 6, XZ_FAST, XZ)
 #: Bytes a ZWriter sends before it may step down: the channel's window and the pipes take
 #: the first ones at once, however slow the link behind them (SSH windows are 2 MiB).
 GRACE = 4 << 20
@@ -1444,7 +1461,11 @@ class ZWriter(object):
     seconds (``time.perf_counter``)."""
 
     def __init__(self, out, level=6, threads=None, clock=None):
+        if level > 9 and _lzma is None:
+            level = 6  # a Python without lzma sends zlib frames, which every reader takes
         self.out, self.level, self.top = out, level, level
+        #: The levels it may take: :data:`LEVELS` below the one it was given, and that one.
+        self.ladder = sorted(set(lv for lv in LEVELS if lv < level) | set([level]))
         self.parts, self.n = [], 0
         self.raw = self.wire = 0
         self.threads = min(MAX_THREADS, _cpus()) if threads is None else threads
@@ -1485,9 +1506,13 @@ class ZWriter(object):
         """``data`` as one frame (bytes)."""
         body, kind = data, b"r"
         if self._pays(data):
-            z = _zlib.compress(data, self.level)
+            level = self.level
+            if level > 9:
+                z, k = _xz(data, level), b"x"
+            else:
+                z, k = _zlib.compress(data, level), b"z"
             if len(z) < len(data):
-                body, kind = z, b"z"
+                body, kind = z, k
         n = struct.pack(">cI", kind, len(body))
         return n + struct.pack(">I", _zlib.crc32(body, _zlib.crc32(n))) + body
 
@@ -1503,8 +1528,8 @@ class ZWriter(object):
 
     def _retune(self):
         """Step the level towards the slower side (see the class's docstring)."""
-        lower = [lv for lv in LEVELS if lv < self.level]
-        higher = [lv for lv in LEVELS if self.level < lv <= self.top]
+        lower = [lv for lv in self.ladder if lv < self.level]
+        higher = [lv for lv in self.ladder if self.level < lv]
         new = self.level
         if self.waited > 2 * self.took and lower and self.wire >= GRACE:
             new = lower[-1]
@@ -1551,6 +1576,42 @@ class ZWriter(object):
         self.out.flush()
 
 
+def _xz(data, level):
+    """``data`` as one raw LZMA2 stream at ``level`` (:data:`XZ_FAST` or :data:`XZ`)."""
+    f = {"id": _lzma.FILTER_LZMA2, "preset": 0, "dict_size": _XZ_DICT}
+    if level == XZ:
+        f.update(mode=_lzma.MODE_NORMAL, mf=_lzma.MF_HC4)
+    return _lzma.compress(data, format=_lzma.FORMAT_RAW, filters=[f])
+
+
+def _unpack(kind, body):
+    """The content of a frame's payload (``z`` or ``x``); :class:`Damaged` when it is not one
+    whole stream of its kind."""
+    if kind == b"z":
+        d, error = _zlib.decompressobj(), _zlib.error
+    elif _lzma is None:
+        raise Damaged("this Python has no lzma module, so it cannot read an xz frame; "
+                      "sync with --no-compress")
+    else:
+        d = _lzma.LZMADecompressor(format=_lzma.FORMAT_RAW,
+                                   filters=[{"id": _lzma.FILTER_LZMA2, "dict_size": _XZ_DICT}])
+        error = _lzma.LZMAError
+    try:
+        out = d.decompress(body, MAX_FRAME)
+    except error as e:
+        raise Damaged("damaged compressed stream: %s" % e)
+    if not d.eof or d.unused_data:  # cut short, longer than a frame, or more after its end
+        raise Damaged("damaged compressed stream: a frame does not end where it should")
+    return out
+
+
+def codec_name(level):
+    """How ``level`` reads in a summary: ``zlib 6``, ``xz -0``, ``xz -0 (normal mode)``."""
+    if level == XZ:
+        return "xz -0 (normal mode)"
+    return "xz -0" if level == XZ_FAST else "zlib %d" % level
+
+
 class ZReader(object):
     """A read-only file of the content of the frames read from ``src`` (anything with a
     ``read(n)`` that may return fewer bytes).  ``read`` returns ``b""`` where the frames
@@ -1580,20 +1641,12 @@ class ZReader(object):
         if not head:
             return False
         kind, n, crc = _FRAME_HEAD.unpack(head)
-        if kind not in (b"z", b"r") or n > MAX_FRAME + 1024:
+        if kind not in (b"z", b"x", b"r") or n > MAX_FRAME + 1024:
             raise Damaged("damaged compressed stream: a frame header is wrong")
         body = self._exact(n, "a frame")
         if _zlib.crc32(body, _zlib.crc32(head[:5])) != crc:
             raise Damaged("damaged compressed stream: a frame's checksum does not match")
-        if kind == b"z":
-            d = _zlib.decompressobj()
-            try:
-                body = d.decompress(body, MAX_FRAME)
-            except _zlib.error as e:
-                raise Damaged("damaged compressed stream: %s" % e)
-            if not d.eof or d.unconsumed_tail:
-                raise Damaged("damaged compressed stream: a frame does not end where it should")
-        self.buf, self.pos = body, 0
+        self.buf, self.pos = (body if kind == b"r" else _unpack(kind, body)), 0
         return True
 
     def read(self, n=-1):
@@ -1799,6 +1852,49 @@ def _get(root, argv, out):
         _fail(error_record(e, path), sys.stderr.buffer)
 
 
+#: Seconds :func:`stop_agents` waits for SIGTERM before it sends SIGKILL.
+STOP_WAIT = 5.0
+
+
+def stop_agents(nonces, wait=STOP_WAIT):
+    """Stop this user's agents whose argv holds ``OP NONCE`` for one of ``nonces`` (Linux's
+    ``/proc``; elsewhere nothing is found): SIGTERM, then SIGKILL after ``wait`` seconds.
+    A killed ``put`` leaves its part file, abandoned once it is gone, for the resume to take
+    over.  Returns how many were found."""
+    import signal
+    import time
+    wanted = set(n.encode("ascii") for n in nonces)
+    found = []
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return 0
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            if os.stat("/proc/%d" % pid).st_uid != os.getuid():
+                continue
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a in (b"serve", b"put", b"get") and b in wanted for a, b in zip(args, args[1:])):
+            found.append(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in found:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.time() + wait
+        while any(_pid_alive(p) for p in found) and time.time() < deadline:
+            time.sleep(0.02)
+        if not any(_pid_alive(p) for p in found):
+            break
+    return len(found)
+
+
 def _widen_pipes():
     """Pipes to and from sshd of CHUNK bytes rather than 64 KiB (Linux; as far as
     /proc/sys/fs/pipe-max-size allows), so that sshd and this process hand a stream of small
@@ -1856,7 +1952,7 @@ def _main(op, root, argv, inp, out):
         names = None if argv[5] == "-" else _json(argv[5])
         compare = len(argv) > 6 and argv[6] == "1"
         if compare:
-            out.write(b"0" if is_empty(root) else b"1")
+            out.write(b"%d" % ((0 if is_empty(root) else 1) | (2 if _lzma is not None else 0)))
             out.flush()
         sink = Listed() if compare else []
         watch = WalkWatch(lambda: len(sink.fields if compare else sink), sys.stderr.buffer)
@@ -1889,6 +1985,9 @@ def _main(op, root, argv, inp, out):
             apply_push(root, head, inp, out)
         elif head["op"] == "send":
             send_tar(root, head["paths"], ZWriter(out, head["z"]) if head.get("z") else out)
+        return
+    if op == "stop":
+        out.write(b"STOPPED %d\n" % stop_agents(argv[4:]))
         return
     if op in ("put", "get") and _zlib is None:
         z = argv[10 if op == "put" else 8:][:1]  # the optional zlib level

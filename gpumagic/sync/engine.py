@@ -35,6 +35,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ import paramiko
 
 from . import agent, laptop
 from .._options import Options
-from ..errors import ConnectionLost, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
+from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
 from ..remote import execution
 from ..remote.execution import RunnerPipe, start_program
 from ..ssh._paramiko import send_eof
@@ -66,10 +67,14 @@ PROGRESS_INTERVAL = 0.1
 #: Bytes buffered before one ``sendall`` on the tar channel.
 SEND_BUFFER = 256 * 1024
 AGENT_SOURCE = Path(agent.__file__).read_text(encoding="utf-8")
-#: zlib level of compressed streams: rsync -z's default (zlib's own default).
-LEVEL = 6
+#: The level a compressed stream starts at where both ends have Python's ``lzma``: xz's
+#: codec in its normal mode (``agent.XZ``; its writer steps down to xz -0 and zlib's levels
+#: while the link waits for it).
+LEVEL = agent.XZ
+#: Where one end lacks ``lzma``: rsync -z's default (zlib's own default).
+ZLIB_LEVEL = 6
 #: A connection whose channel opens in fewer seconds (one round trip) is a link faster than
-#: zlib at :data:`LEVEL` (loopback, a LAN): ``auto`` sends it uncompressed.  Loopback
+#: zlib at :data:`ZLIB_LEVEL` (loopback, a LAN): ``auto`` sends it uncompressed.  Loopback
 #: measured 0.3-4.1 ms on a loaded 2-core machine; students' links are 20-60 ms.
 FAST_LINK_RTT = 0.010
 
@@ -126,6 +131,10 @@ class SyncSummary:
     seconds : float
         Wall time.
     dry_run : bool
+    reconnects : int
+        Times the connection was lost during the sync and it reconnected and resumed by
+        itself (the summary says ``resumed after 1 reconnect``); the counts are those of
+        the whole sync.
     """
 
     direction: str
@@ -151,6 +160,7 @@ class SyncSummary:
     compression: str = ""
     seconds: float = 0.0
     dry_run: bool = False
+    reconnects: int = 0
 
     def __str__(self) -> str:
         from ..notebook.display import sync_summary_text
@@ -283,8 +293,10 @@ class _Channel:
         self.op = op
         #: What the agent does to its files, for error messages ("reading": it sends them).
         self.doing = "reading" if op == "get" else "writing"
-        nonce = os.urandom(8).hex()
+        nonce = self.nonce = os.urandom(8).hex()
         self.marker = agent.MARKER_PREFIX + nonce.encode() + b"\n"
+        #: The transport the agent was started on (see :func:`_started`), once it was.
+        self._running: paramiko.Transport | None = None
         conn = machine.connection
         #: The agent's hash, and whether this channel ran the copy kept on the machine
         #: (known once the connection it starts on is: see :meth:`_command`).
@@ -308,9 +320,10 @@ class _Channel:
         self.on_listed: Callable[[int], None] | None = None
         self._listed_told = 0
         self._owner = threading.get_ident()
-        #: A ``serve`` channel's first byte (its root is empty) and its listing, when
-        #: :func:`early_listing` read them before the local walk.
+        #: A ``serve`` channel's first byte (its root is empty; its agent reads xz frames)
+        #: and its listing, when :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
+        self.reads_xz = False
         self.early: Listing | None = None
         self.started = time.monotonic()
         #: Moves the agent's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
@@ -332,6 +345,7 @@ class _Channel:
                 # traffic, so a sync that sends files measures one round trip itself
                 conn.kept_programs.add(self.digest)
                 self.pump.active = self.started
+                self._running = _started(conn, self.nonce)
                 return
         was_open = conn.is_connected
         opening = time.monotonic()
@@ -349,6 +363,7 @@ class _Channel:
             # whatever the login shell; a start-up file that never returns is named
             start_program(chan, command, timeout=START_TIMEOUT)
             conn.kept_programs.add(self.digest)  # kept now (AGENT_UNKEPT says when it was not)
+            self._running = _started(conn, nonce)
         except socket.timeout:
             chan.close()
             raise self._never_started() from None
@@ -611,11 +626,90 @@ class _Channel:
             self.chan.close()
         except (paramiko.SSHException, EOFError, OSError):
             pass  # the transport is already gone
+        if self._running is not None:
+            # (a channel of a closed transport is "ready", with no status: -1)
+            exited = self.chan.exit_status_ready() and self.chan.recv_exit_status() != -1
+            _ended(self.machine.connection, self._running, self.nonce, exited)
+            self._running = None
         prestart, self.prestart = self.prestart, None
         if prestart is not None and self.chan.exit_status_ready() and self.machine.connection.is_connected:
             # after a sync that went well: done long before, as a rule (two round trips,
             # beside the sync's own), so the next sync finds the runner
             prestart.join(PRESTART_WAIT)
+
+
+# -- agents a cut connection left on the machine -------------------------------------------
+
+#: The agents started and not known to have ended, by connection and transport: their
+#: nonces (see :func:`stop_cut_agents`).
+_agents: "weakref.WeakKeyDictionary[object, dict[paramiko.Transport, set[str]]]" = weakref.WeakKeyDictionary()
+_agents_lock = threading.Lock()
+
+
+def _started(conn, nonce: str) -> paramiko.Transport | None:
+    """Note that an agent started with ``nonce`` runs on ``conn``'s transport; that transport."""
+    t = conn.transport
+    if t is not None:
+        with _agents_lock:
+            _agents.setdefault(conn, {}).setdefault(t, set()).add(nonce)
+    return t
+
+
+def _ended(conn, t: paramiko.Transport, nonce: str, exited: bool) -> None:
+    """The channel of the agent ``nonce`` on ``t`` was closed: it is forgotten when it
+    exited, or when ``t`` still runs (its sshd then ends it).  On a dead transport it is
+    kept: after a roam the machine's sshd knows nothing, and the agent (a ``put`` holding
+    its part file) would run on for hours."""
+    if not (exited or t.is_active()):
+        return
+    with _agents_lock:
+        nonces = _agents.get(conn, {}).get(t)
+        if nonces is not None:
+            nonces.discard(nonce)
+            if not nonces:
+                del _agents[conn][t]
+
+
+def stop_cut_agents(machine) -> int:
+    """Stop, over the connection as it is now, the agents that transports of it which died
+    meanwhile left on the machine (the agent's ``stop``), and run the connection's
+    ``after_abandon`` hooks for those transports (the cell runner's stop); how many agents
+    were found.  Nothing is sent when no transport died with agents on it.  Done before a
+    sync lists the destination again, so that the parts those agents held are abandoned,
+    and taken over by the resume.
+
+    Raises
+    ------
+    ConnectionLost
+        The connection was lost again (the agents stay noted).
+    """
+    conn = machine.connection
+    with _agents_lock:
+        mine = _agents.get(conn, {})
+        dead = {t: mine.pop(t) for t in list(mine) if t is not conn.transport and not t.is_active()}
+    if not dead:
+        return 0
+    stopped = 0
+    try:
+        ch = _Channel(machine, "stop", ".", "", *sorted(set().union(*dead.values())))
+        try:
+            line = ch.readline()
+            if ch.finish() != 0 or not line.startswith(b"STOPPED "):
+                raise ch.failure(line)
+            stopped = int(line.split()[1])
+        finally:
+            ch.close()
+    except (ConnectionLost, KeyboardInterrupt):
+        with _agents_lock:  # tried again at the next reconnect, or by the next sync
+            for t, nonces in dead.items():
+                _agents.setdefault(conn, {}).setdefault(t, set()).update(nonces)
+        raise
+    except (GpumagicError, ValueError) as e:  # the resume works without it, only slower
+        log.warning("sync with %s: could not stop the agents of a cut connection: %s", machine.name, e)
+    for t in dead:
+        conn.abandoned(t)
+    log.info("sync with %s: stopped %d agent(s) of a cut connection", machine.name, stopped)
+    return stopped
 
 
 def _prestart_runner(conn) -> None:
@@ -722,13 +816,14 @@ class _FirstByte:
 
 
 def _destination_empty(ch: "_Channel") -> bool:
-    """The byte a ``serve`` channel opened with ``compare`` sends before its walk: whether
-    the root is absent or an empty folder (read once)."""
+    """The digit a ``serve`` channel opened with ``compare`` sends before its walk: whether
+    the root is absent or an empty folder (read once; whether the agent reads xz frames is
+    kept in ``ch.reads_xz``)."""
     if ch.empty is None:
         b = ch.read_exact(1)
-        if len(b) < 1:
+        if len(b) < 1 or not b.isdigit():
             raise ch.failure()
-        ch.empty = b == b"0"
+        ch.empty, ch.reads_xz = not int(b) & 1, bool(int(b) & 2)
     return ch.empty
 
 
@@ -844,21 +939,26 @@ def whole_file_system(direction: str, machine, src: str, dst: str) -> tuple[str,
 # -- compression -----------------------------------------------------------------------
 
 
-def decide_compression(machine, compress: bool | None, rtt: float | None) -> tuple[int, str]:
-    """The zlib level of this sync's file streams (0: as they are) and why, logged.
+def decide_compression(machine, compress: bool | None, rtt: float | None,
+                       reads_xz: bool = True) -> tuple[int, str]:
+    """The top level of this sync's file streams (0: as they are; 1-9 zlib's, above that
+    xz's, see ``ZWriter`` in :mod:`gpumagic.sync.agent`) and why, logged.
 
     ``compress`` (``--compress``/``--no-compress``) decides first, then ``Compression
     yes``/``no`` of the host's ssh config (``machine.spec.compression``), then ``auto``: a
     connection whose channel opened within :data:`FAST_LINK_RTT` s (``rtt``, one round
     trip; measured with a keepalive request when None) is loopback or a LAN, faster than
-    zlib, and goes uncompressed; any other gets zlib :data:`LEVEL`.  Either way, data that
-    does not compress (a sample of each frame is tried, see ``ZWriter`` in
-    :mod:`gpumagic.sync.agent`) goes as it is."""
+    zlib, and goes uncompressed; any other is compressed.  A compressed stream starts at
+    :data:`LEVEL` (xz) when both ends have Python's ``lzma`` (``reads_xz``: the reader on
+    the machine, for a push), else at zlib :data:`ZLIB_LEVEL`, and its writer steps the
+    level down while the link waits for it.  Either way, data that does not compress (a
+    sample of each frame is tried) goes as it is."""
+    top = LEVEL if reads_xz and agent._lzma is not None else ZLIB_LEVEL
     if compress is not None:
-        level, why = (LEVEL, "--compress") if compress else (0, "--no-compress")
+        level, why = (top, "--compress") if compress else (0, "--no-compress")
     elif getattr(machine.spec, "compression", None) is not None:
         on = bool(machine.spec.compression)
-        level = LEVEL if on else 0
+        level = top if on else 0
         why = f"Compression {'yes' if on else 'no'} in the ssh config of {machine.spec.alias}"
     else:
         if rtt is None:
@@ -867,8 +967,8 @@ def decide_compression(machine, compress: bool | None, rtt: float | None) -> tup
         if rtt < FAST_LINK_RTT:
             level, why = 0, f"auto: a round trip takes {ms}, a link faster than zlib (loopback or a LAN)"
         else:
-            level, why = LEVEL, f"auto: a round trip takes {ms} (over {FAST_LINK_RTT * 1000:g} ms: a link slower than zlib)"
-    text = (f"zlib {level}" if level else "uncompressed") + f" ({why})"
+            level, why = top, f"auto: a round trip takes {ms} (over {FAST_LINK_RTT * 1000:g} ms: a link slower than zlib)"
+    text = (agent.codec_name(level) if level else "uncompressed") + f" ({why})"
     log.info("sync with %s: %s", machine.name, text)
     return level, text
 
@@ -887,7 +987,7 @@ def _round_trip(machine) -> float:
 def _retuned(machine, what: str, z: agent.ZWriter) -> None:
     """Log the level changes of a push's compressor (the link or the compressor was slower)."""
     for at, level in z.changes:
-        log.info("sync with %s: %s: zlib %d from %s on (%s)", machine.name, what, level, _fmt_bytes(at),
+        log.info("sync with %s: %s: %s from %s on (%s)", machine.name, what, agent.codec_name(level), _fmt_bytes(at),
                  "the link waited for the compressor" if level < z.top else "the compressor waited for the link")
 
 
@@ -964,7 +1064,8 @@ class _Run:
     def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None,
                  counting: bool = False, level: int = 0):
         self.plan = plan
-        #: zlib level of the file streams (0: as they are; see :func:`decide_compression`).
+        #: Top level of the file streams: 0 as they are, zlib's 1-9, xz's above (see
+        #: :func:`decide_compression`).
         self.level = level
         self.summary = summary
         self.progress = progress
@@ -973,6 +1074,15 @@ class _Run:
         self.owner = threading.get_ident()
         self.lock = threading.Lock()
         self.due = threading.Event()  # a worker's counters changed and a call is due
+        #: Bytes of large files sent or resumed and not yet complete: path -> bytes (what
+        #: their part files hold when the connection is cut, and a resume may keep).
+        self.open: dict[str, int] = {}
+        #: The files counted sent (a file of the tar once it is in the stream: when the
+        #: connection is cut, the last ones may not have arrived, and are sent again).
+        self.names: set[str] = set()
+        runs = getattr(_attempt, "runs", None)
+        if runs is not None:  # a resume after a reconnect adds up what each attempt did
+            runs.append(self)
         self.tick(force=True)
 
     def grow(self, files: int, nbytes: int, counting: bool = True) -> None:
@@ -984,13 +1094,17 @@ class _Run:
             self.state.counting = counting
         self.tick(force=not counting)  # the whole count is shown at once
 
-    def add_bytes(self, n: int, resumed: bool = False) -> None:
+    def add_bytes(self, n: int, resumed: bool = False, path: str | None = None) -> None:
+        """``n`` content bytes of the file ``path`` (a large one; None: the tar's) arrived, or
+        were kept from a part file (``resumed``)."""
         with self.lock:
             self.state.bytes_done += n
             if resumed:
                 self.summary.bytes_resumed += n
             else:
                 self.summary.bytes_sent += n
+            if path is not None:
+                self.open[path] = self.open.get(path, 0) + n
         self.tick()
 
     def add_wire(self, n: int) -> None:
@@ -1006,6 +1120,8 @@ class _Run:
             self.summary.bytes_sent += nbytes
             self.state.current = name
             self.summary.files_sent += 1
+            self.open.pop(name, None)
+            self.names.add(name)
         self.tick()
 
     def skip(self, rel: str, size: int, reason: list) -> None:
@@ -1014,6 +1130,7 @@ class _Run:
         warning (rsync's 24); anything else leaves it unreadable (rsync's 23)."""
         code, text = reason
         with self.lock:
+            self.open.pop(rel, None)
             if code == "ENOENT":
                 self.summary.vanished[rel] = text
             else:
@@ -1115,12 +1232,16 @@ class SyncOptions(Options):
     checksum, update : bool
         Compare by sha256 instead of size+mtime; never replace a newer destination file.
     compress : bool, optional
-        Send the files' bytes zlib-compressed (True) or as they are (False); None (``auto``)
-        follows ``Compression`` in the ssh config, else the link's speed
+        Send the files' bytes compressed (True: xz, or zlib where an end lacks ``lzma``) or
+        as they are (False); None (``auto``) follows ``Compression`` in the ssh config, else the link's speed
         (:func:`decide_compression`).  Data that does not compress goes as it is.
     rename_clashes : bool
         A pull only: write the machine's names that this computer's folder takes for one
         (``Model.pt`` and ``model.pt`` on NTFS/APFS) under new names instead of refusing.
+    grace : float, optional
+        Seconds a sync whose connection was lost keeps trying to connect again, then
+        resumes by itself (at most :data:`MAX_RECONNECTS` times); None: :data:`RESUME_GRACE`;
+        0: never, the sync raises :class:`~gpumagic.errors.ConnectionLost` at once.
     """
 
     delete: bool = False
@@ -1131,6 +1252,7 @@ class SyncOptions(Options):
     update: bool = False
     compress: bool | None = None
     rename_clashes: bool = False
+    grace: float | None = None
 
     kind = "sync"
 
@@ -1201,8 +1323,137 @@ class _Sides:
     single_source: bool = False  # the source is one file (``source_root``)
 
 
+#: Seconds a sync cut by a lost connection keeps trying to connect again before it gives up
+#: (issue 28's grace; ``SyncOptions.grace`` for one sync, 0: never).
+RESUME_GRACE = 600.0
+#: Reconnects one sync makes at most (each followed by a resume).
+MAX_RECONNECTS = 5
+#: Seconds between two failed connection attempts at first (doubled each time, to 5 s).
+RECONNECT_PAUSE = 0.5
+#: The :class:`_Run` objects of the sync attempt running on this thread (see :func:`_sync`).
+_attempt = threading.local()
+
+
 def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
           progress: ProgressCallback | None) -> SyncSummary:
+    """:func:`_sync_once`, again after each lost connection: a new one is made (for up to
+    ``options.grace`` seconds, :data:`MAX_RECONNECTS` times), the agents the cut one left
+    are stopped (:func:`stop_cut_agents`), and the sync runs again, which resumes: complete
+    files are unchanged now, a large file's part is taken over.  The dead path is noticed
+    by the connection's probing (``in_flight(quick=True)``: within max(3 s, 10 RTT) once it
+    is quiet), not by ServerAliveInterval.  The summary counts the whole sync."""
+    conn = machine.connection
+    grace = RESUME_GRACE if options.grace is None else options.grace
+    start = time.monotonic()
+    shown = _Resumed(progress, start) if progress is not None else None
+    cut: list[_Run] = []
+    reconnects = 0
+    while True:
+        _attempt.runs = runs = []
+        try:
+            with conn.in_flight(quick=True):
+                stop_cut_agents(machine)  # after a reconnect: their parts become the resume's
+                summary = _sync_once(direction, machine, src, dst, options, shown)
+        except ConnectionLost as e:
+            if grace <= 0:
+                raise
+            if reconnects >= MAX_RECONNECTS:
+                raise ConnectionLost(f"{e.message} (after {reconnects} reconnects)", RESUME_HINT) from None
+            cut += runs
+            if shown is not None:
+                shown.cut(runs)
+            reconnects += 1
+            log.info("sync with %s: %s; reconnecting (%d)", machine.name, e.message, reconnects)
+            _reconnect(machine, e, grace)
+            continue
+        except SyncIncomplete as e:
+            if e.summary is not None:
+                _add_up(e.summary, cut, runs, reconnects, start)
+            raise
+        finally:
+            _attempt.runs = None
+        return _add_up(summary, cut, runs, reconnects, start)
+
+
+def _reconnect(machine, cause: ConnectionLost, grace: float) -> None:
+    """A new connection for a sync that ``cause`` cut, trying for up to ``grace`` seconds
+    (Ctrl-C stops it at once).
+
+    Raises
+    ------
+    ConnectionLost
+        None could be made (the machine refuses, or cannot be reached): ``cause``, with why.
+    """
+    conn = machine.connection
+    deadline = time.monotonic() + grace
+    pause = RECONNECT_PAUSE
+    while True:
+        try:
+            conn.ensure_alive()
+            return
+        except (ConnectionLost, ConnectionRefused, ConnectTimeout, HostNotFound) as e:
+            last = e
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectionLost(f"{cause.message}; no new connection within {grace:g} s: {last.message}",
+                                 RESUME_HINT) from None
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 5.0)
+
+
+def _add_up(summary: SyncSummary, cut: list[_Run], last: list[_Run], reconnects: int,
+            start: float) -> SyncSummary:
+    """``summary`` of the last attempt of a sync (``last``: its runs), with what the ``cut``
+    attempts did added: the files they sent that the last one did not send again (those are
+    no longer counted unchanged), every byte they sent, their deletions; a part file they
+    left and the last attempt kept counts as sent (by them), not resumed."""
+    again = set().union(*(run.names for run in last))
+    before = set().union(*(run.names for run in cut)) - again
+    summary.files_sent += len(before)
+    summary.skipped = max(0, summary.skipped - len(before))
+    for run in cut:
+        s = run.summary
+        summary.bytes_sent += s.bytes_sent
+        summary.bytes_resumed += s.bytes_resumed - sum(run.open.values())
+        if s.wire_bytes is not None:
+            summary.wire_bytes = (summary.wire_bytes or 0) + s.wire_bytes
+        summary.deleted = list(dict.fromkeys(s.deleted + summary.deleted))
+    summary.bytes_resumed = max(0, summary.bytes_resumed)
+    summary.reconnects = reconnects
+    summary.seconds = time.monotonic() - start
+    return summary
+
+
+class _Resumed:
+    """The progress callback of a sync that may resume: what its cut attempts completed is
+    added to the next attempt's counts (whose plan leaves it out), so that the bar goes on
+    from where it was, and while it reconnects ``current`` says ``reconnecting...``."""
+
+    def __init__(self, progress: ProgressCallback, started: float):
+        self.progress = progress
+        self.started = started
+        self.files = self.bytes = 0
+        self.last: SyncProgress | None = None
+
+    def __call__(self, p: SyncProgress) -> None:
+        if self.files or self.bytes:
+            p = dataclasses.replace(p, files_total=p.files_total + self.files, files_done=p.files_done + self.files,
+                                    bytes_total=p.bytes_total + self.bytes, bytes_done=p.bytes_done + self.bytes,
+                                    started=self.started)
+        self.last = p
+        self.progress(p)
+
+    def cut(self, runs: list[_Run]) -> None:
+        """The attempt of ``runs`` was cut: count what it completed, say so."""
+        for run in runs:
+            self.files += run.state.files_done
+            self.bytes += max(0, run.state.bytes_done - sum(run.open.values()))
+        if self.last is not None:
+            self.progress(dataclasses.replace(self.last, current="reconnecting...", finished=False))
+
+
+def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions,
+               progress: ProgressCallback | None) -> SyncSummary:
     """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
     sides (the remote one on the channel that then carries the small files), plan, copy."""
     delete, checksum, dry_run, compress = options.delete, options.checksum, options.dry_run, options.compress
@@ -1255,7 +1506,7 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
                 walk = None
             if first.wait() and _is_empty(early_listing(ch)):
                 summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
-                level, summary.compression = decide_compression(machine, compress, ch.rtt)
+                level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads_xz)
                 run = _Run(Plan(), summary, progress, counting=walk is None, level=level)
                 with _no_cyclic_gc():
                     plan = _push_fresh(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
@@ -1475,7 +1726,7 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         return None
     level = 0
     if large or small:
-        level, summary.compression = decide_compression(machine, compress, ch.rtt)
+        level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads_xz)
     run = _Run(plan, summary, progress, level=level)
     if large and small:
         _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)
@@ -1594,6 +1845,21 @@ def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
                     stream)
 
 
+class _Channels(list):
+    """The large files' channels of :func:`_beside_the_tar`: one added after ``stop`` was set
+    (the worker was opening it when the stream failed) is closed at once, so that the worker
+    does not send a whole file on a connection that the sync is about to leave."""
+
+    def __init__(self, stop: threading.Event):
+        super().__init__()
+        self.stop = stop
+
+    def append(self, ch) -> None:
+        super().append(ch)
+        if self.stop.is_set():
+            ch.close()
+
+
 def _beside_the_tar(run: _Run, large: Iterable[Entry], one: Callable[[Entry, list], None],
                     stream: Callable[[Callable[[], None]], None]) -> None:
     """``one(entry, channels)`` for each large file on a worker thread while
@@ -1601,7 +1867,7 @@ def _beside_the_tar(run: _Run, large: Iterable[Entry], one: Callable[[Entry, lis
     the worker is done (re-raising its error).  An error or interrupt of the stream stops the
     worker and closes its channels."""
     stop = threading.Event()
-    channels: list[_Channel] = []
+    channels = _Channels(stop)
 
     def worker() -> None:
         for e in large:
@@ -1820,7 +2086,7 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
             if kept not in (0, offset):
                 raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
                                 "run the sync again; if it repeats, report it with this message")
-            run.add_bytes(kept, resumed=True)
+            run.add_bytes(kept, resumed=True, path=e.path)
             whole = whole if kept else None
             f.seek(kept)
             left = e.size - kept
@@ -1844,7 +2110,7 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
                     whole.update(b)
                 send(b)
                 left -= len(b)
-                run.add_bytes(len(b))
+                run.add_bytes(len(b), path=e.path)
             if whole is not None:
                 send(whole.hexdigest().encode())
             if isinstance(out, agent.ZWriter):
@@ -1987,11 +2253,12 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
                                 "run the sync again; if it repeats, report it with this message")
             f.truncate(kept)
             f.seek(kept)
-            run.add_bytes(kept, resumed=True)
+            run.add_bytes(kept, resumed=True, path=e.path)
             want = None
             stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
             try:
-                agent.write_rest(f, stream, e.size - kept, path, on_bytes=run.add_bytes)
+                agent.write_rest(f, stream, e.size - kept, path,
+                                 on_bytes=lambda n: run.add_bytes(n, path=e.path))
                 if kept:
                     want = agent.read_exact(stream, 64).decode("ascii", "replace")
                     if len(want) < 64:

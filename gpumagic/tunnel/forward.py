@@ -43,8 +43,10 @@ Failures
 * When the machine is this computer (the sandbox), a tunnel never listens on a port that its
   own remote side (or another tunnel's) would connect to: that would forward in a loop until
   the file descriptors run out (see :meth:`gpumagic.tunnel.manager.TunnelManager.open`).
-* When the SSH connection dropped, the next local connection re-opens it
-  (``Connection.ensure_open``), so the same URL keeps working.
+* When the SSH connection dropped, the next local connection re-opens it; when its path
+  went dead without a word (a roam, a NAT that forgot it), the next local connection
+  notices (``Connection.ensure_alive``: a path quiet for 2 s answers a probe within
+  max(3 s, 10 RTT), or a new connection is taken), so the same URL keeps working.
 * Anything that goes wrong on a background thread is recorded as a :class:`TunnelFault`
   (``tunnel.faults``), shown by ``%gpu tunnel list``, and raised as :class:`TunnelError` by
   :meth:`Tunnel.check`, by :meth:`Tunnel.stop` and when the ``with`` block ends.  A local
@@ -924,9 +926,12 @@ class Tunnel(TunnelBase):
         peer = fwd.peer
         origin = (peer[0], peer[1]) if isinstance(peer, tuple) else ("127.0.0.1", 0)
         for attempt in range(2):
-            if not conn.is_connected:
-                hand_off()
-            conn.ensure_open()
+            if not conn.fresh:
+                hand_off()  # a probe of the path, or a new connection, may take seconds
+            # A path quiet for a while must answer a probe first: after a roam it never
+            # would, and the channel would wait ConnectTimeout for nothing; a new connection
+            # is taken instead (Connection.ensure_alive), and the request goes there.
+            conn.ensure_alive()
             with self._lock:  # count each re-opened connection once, whoever re-opened it
                 if conn.opened_count != self._opened_seen:
                     self._opened_seen = conn.opened_count
@@ -944,6 +949,8 @@ class Tunnel(TunnelBase):
                     f"check that the service is running on the machine and listens on port "
                     f"{self.remote_port}") from e
             except TimeoutError as e:
+                if not attempt and self._path_was_dead(transport):
+                    continue  # the path died just before (it had been heard from): again
                 raise TunnelError(
                     f"the machine did not connect to {self.target} within "
                     f"{conn.spec.connect_timeout:g} s",
@@ -955,6 +962,15 @@ class Tunnel(TunnelBase):
                                          "run `%gpu connect` again if this repeats") from e
                 # The transport looked alive but was not: the next round re-opens it.
         raise AssertionError("unreachable")
+
+    def _path_was_dead(self, transport) -> bool:
+        """After a channel that did not open within ConnectTimeout on ``transport``: whether
+        its path was dead (a roam just after the last packet, so no probe was asked before
+        the channel): it is probed now, and True when a new connection was taken."""
+        conn = self.connection
+        if conn.transport is transport and transport.is_active():
+            conn.ensure_alive()
+        return conn.transport is not transport
 
 
 def _reset(sock: socket.socket) -> None:
