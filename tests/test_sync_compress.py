@@ -226,6 +226,9 @@ def test_a_writer_steps_down_from_xz_through_the_ladder():
     w = agent.ZWriter(io.BytesIO(), agent.XZ)
     assert w.ladder == [1, 3, 6, agent.XZ_FAST, agent.XZ]
     assert agent.ZWriter(io.BytesIO(), 9).ladder == [1, 3, 6, 9]
+    # a start below the top is where it begins (the machine's writers: the downlink is faster)
+    assert agent.ZWriter(io.BytesIO(), agent.XZ, start=agent.XZ_FAST).level == agent.XZ_FAST
+    assert agent.ZWriter(io.BytesIO(), 6, start=agent.XZ_FAST).level == 6  # never above the top
 
 
 def test_the_serve_digit_says_empty_and_whether_the_agent_reads_xz():
