@@ -148,11 +148,13 @@ def test_killed_runner_leaves_no_orphan_and_the_next_cell_starts_a_new_one(sshd)
     m.close()
 
 
-def test_closing_the_connection_stops_a_running_cell(sshd):
+def test_closing_the_connection_stops_a_running_cell_without_a_grace(sshd):
+    # With a grace (the default) the cell would outlive the closed connection and be
+    # re-attached (tests/test_resilience.py); with none it is stopped, as before.
     m = gpumagic.connect("testgpu")
     token, pattern = unique_tag()
     threading.Timer(1.5, m.connection.close).start()
-    with pytest.raises(ConnectionLost):
+    with pytest.raises(ConnectionLost), execution.cell_grace(0):
         m.run(f"sleep 120 & wait # {token}", quiet=True)
     with gpumagic.connect("testgpu") as other:
         assert wait_no_process(other, pattern)

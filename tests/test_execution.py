@@ -12,6 +12,7 @@ import pytest
 import gpumagic
 from conftest import make_server, session_sshd_pid
 from gpumagic.errors import ConnectionLost, RemoteCommandError, RemoteTimeout
+from gpumagic.remote import execution
 from gpumagic.remote.execution import _MarkerFilter, _Stream
 
 
@@ -125,11 +126,13 @@ def test_timeout_stops_the_process_and_raises(machine):
 
 
 def test_killed_sshd_child_raises_connection_lost_and_next_cell_reconnects(sshd):
+    # Without a grace: the cell is stopped with its connection, as before (with one it is
+    # re-attached over a new connection: tests/test_resilience.py).
     m = gpumagic.connect("testgpu")
     pid = session_sshd_pid(m)
     token, pattern = unique_tag()
     threading.Timer(1, os.kill, (pid, signal.SIGKILL)).start()
-    with pytest.raises(ConnectionLost) as e:
+    with pytest.raises(ConnectionLost) as e, execution.cell_grace(0):
         m.run(f"sleep 120 & wait # {token}", quiet=True)
     assert "lost the connection" in e.value.message and "again" in e.value.hint
     assert m.run(["echo", "reconnected"], quiet=True).stdout == "reconnected\n"
@@ -300,3 +303,27 @@ def test_sandbox_relative_cwd_is_inside_the_sandbox_home(ip):
         assert ip.user_ns["r"].stdout == f"{sub}\n"
     finally:
         ip.run_line_magic("gpu", "disconnect sandbox")
+
+
+def test_the_grace_of_a_cell_comes_from_its_line_then_from_config(ip, monkeypatch):
+    # %%remote --grace S, else %config GpuMagics.grace (default 600 s), reach the cell's run
+    # (the cell lives through a lost connection that long: tests/test_resilience.py)
+    seen = []
+    real = execution.run
+
+    def spy(*args, **kwargs):
+        seen.append(execution._grace.get())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(execution, "run", spy)
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_cell_magic("remote", "--grace 3", "true")
+    ip.run_cell_magic("remote", "--grace 2m", "true")
+    ip.run_cell_magic("remote", "", "true")
+    ip.run_line_magic("config", "GpuMagics.grace = 0")
+    try:
+        ip.run_cell_magic("remote", "", "true")
+    finally:
+        ip.run_line_magic("config", "GpuMagics.grace = 600")
+    assert seen == [3.0, 120.0, 600.0, 0.0]
+    assert execution._grace.get() is None  # only for the cell

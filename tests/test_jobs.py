@@ -22,7 +22,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, install_shutdown, make_server
-from gpumagic.remote import jobs, program
+from gpumagic.remote import execution, jobs, program
 from gpumagic.notebook.display import job_alert, jobs_table
 from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
 from gpumagic.remote.jobs import Alert, classify, parse_listing, parse_stop_on, scan_alerts
@@ -582,18 +582,36 @@ def test_no_alerts_hides_alerts_when_listing_and_following(ip):
 
 
 @needs_tmux
-def test_dropped_connection_while_following_leaves_the_job_running(machine):
+def test_dropped_connection_while_following_without_a_grace_leaves_the_job_running(machine):
     job = machine.start_job(jname("drop"), "for i in 1 2 3 4 5; do echo tick $i; sleep 0.5; done")
 
     def out(text):
         machine.connection.transport.sock.close()
 
-    with pytest.raises(ConnectionLost) as e:
+    with execution.cell_grace(0), pytest.raises(ConnectionLost) as e:
         job.follow(out=out)
     assert "the job keeps running there" in str(e.value) and "%gpu attach" in e.value.hint
     assert job.info().state == "running"  # the next call reconnected by itself
     assert job.wait(timeout=30).state_text == "exited 0"
     assert job.logs() == "".join(f"tick {i}\n" for i in range(1, 6))
+
+
+def test_following_goes_on_through_a_dropped_connection_with_every_line_once(machine):
+    # issue 28: `%gpu logs -f` is a kept cell (the default grace): it connects again,
+    # re-attaches and shows what it had not shown, once
+    job = machine.start_job(jname("drop2"), "for i in 1 2 3 4 5; do echo tick $i; sleep 0.5; done")
+    seen: list[str] = []
+    first = machine.connection.transport
+
+    def out(text):
+        if not seen:
+            machine.connection.transport.sock.close()
+        seen.append(text)
+
+    info = job.follow(out=out)
+    assert machine.connection.transport is not first  # it did go through a new connection
+    assert "".join(seen) == "".join(f"tick {i}\n" for i in range(1, 6))
+    assert info.state_text == "exited 0"
 
 
 @needs_tmux

@@ -108,6 +108,9 @@ def test_a_fresh_path_is_not_probed_and_a_quiet_healthy_one_is_kept(make_link):
 
 
 def test_a_roam_during_a_printing_cell_fails_fast_and_leaves_nothing_running(make_link):
+    """With a grace of 0 (a cell that must not outlive its connection), as before kept cells:
+    the cut is noticed within the bound, the cell fails and is stopped over a new connection.
+    With a grace (the default) it is re-attached instead: the tests at the end of the file."""
     linked = make_link(rtt_ms=40)
     m = linked.machine
     token, pattern = unique_tag()
@@ -120,7 +123,7 @@ def test_a_roam_during_a_printing_cell_fails_fast_and_leaves_nothing_running(mak
         roamed.append(time.monotonic())
 
     threading.Thread(target=roam_after_line_3, daemon=True).start()
-    with pytest.raises(ConnectionLost) as e:
+    with pytest.raises(ConnectionLost) as e, execution.cell_grace(0):
         m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
     noticed = time.monotonic() - roamed[0]
     assert noticed < RUNNING_BOUND, noticed
@@ -164,7 +167,7 @@ def test_a_frozen_path_is_not_mistaken_for_a_finished_cell(make_link):
 
     threading.Thread(target=hold_after_line_2, daemon=True).start()
     try:
-        with pytest.raises(ConnectionLost) as e:
+        with pytest.raises(ConnectionLost) as e, execution.cell_grace(0):  # no re-attach
             m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
         assert "while the cell ran" in e.value.message
         lines = out.lines()
@@ -471,3 +474,177 @@ def test_the_first_request_through_a_tunnel_after_a_roam_gets_its_whole_answer(m
     finally:
         server.kill()
         server.wait()
+
+
+# -- a running %%remote cell lives through a roam (issue 28: kept cells) -----------------------
+#
+# The cell runs on while its path is dead, its output spooled on the machine
+# (exec-runner.py's kept cells); the client re-attaches over a new connection and is sent
+# what it had not received.  Each cell appends to a file on the machine (this computer) once
+# per run, so a request that started twice would show.
+
+
+class _Timed(Lines):
+    """Lines, with the time of each chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def __call__(self, chunk: str) -> None:
+        with self.lock:
+            self.text += chunk
+            self.times.append(time.monotonic())
+
+
+def _spools(linked) -> set[str]:
+    """The kept cells' spools on the machine (``~/.gpumagic/cells/ID``)."""
+    cells = Path(linked.server.env["HOME"]) / ".gpumagic" / "cells"
+    return {p.name for p in cells.iterdir()} if cells.is_dir() else set()
+
+
+def test_a_roam_while_a_cell_prints_is_re_attached_with_every_line_once_and_its_exit_code(make_link, tmp_path):
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, pattern = unique_tag()
+    runs = tmp_path / "runs"
+    before = _spools(linked)
+    out = _Timed()
+    roamed: list[float] = []
+
+    def roam_after_line_3() -> None:
+        wait_until(lambda: "line 3\n" in out.text, 20)
+        linked.roam()
+        roamed.append(time.monotonic())
+
+    threading.Thread(target=roam_after_line_3, daemon=True).start()
+    r = m.run(f"echo run >> {runs}; for i in $(seq 1 40); do echo line $i; sleep 0.3; done; exit 3 # {token}",
+              stdout=out)
+    assert roamed, "the roam did not come while the cell ran"
+    assert r.exit_code == 3
+    assert out.lines() == [f"line {i}" for i in range(1, 41)]  # each once, in order
+    assert r.stdout == out.text and r.stdout_bytes == len(out.text)
+    assert runs.read_text(encoding="utf-8") == "run\n"
+    assert m.connection.opened_count == 2
+    resumed = next(t for t in out.times if t > roamed[0]) - roamed[0]
+    print(f"roam -> output resumed {resumed:.2f} s")
+    assert resumed < RUNNING_BOUND + 3.0, resumed
+    assert running_here(pattern) == []
+    assert wait_until(lambda: _spools(linked) <= before, 10)  # its spool went with its exit status
+    assert m.run("echo next", quiet=True).stdout == "next\n"
+
+
+def _cell(token: str, runs: Path, ended: Path, lines: int = 10) -> str:
+    return (f"echo run >> {runs}; sleep 1; for i in $(seq 1 {lines}); do echo line $i; sleep 0.1; done; "
+            f"touch {ended}; sleep 0.3; exit 3 # {token}")
+
+
+@pytest.mark.parametrize("when", ["before the request", "after the request", "while it prints",
+                                  "after it exits"])
+def test_a_roam_at_each_point_of_a_cells_life_runs_it_once_with_every_line_once(make_link, tmp_path, when):
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, pattern = unique_tag()
+    runs, ended = tmp_path / "runs", tmp_path / "ended"
+    assert m.run("true", quiet=True).exit_code == 0  # a fresh path: the request is not probed first
+    out = Lines()
+    up = linked.counters().up_bytes
+
+    def roam() -> None:
+        if when == "after the request":  # the request reached sshd; nothing came back yet
+            wait_until(lambda: linked.counters().up_bytes - up >= 200, 20, interval=0.001)
+        elif when == "while it prints":
+            wait_until(lambda: "line 3\n" in out.text, 20, interval=0.001)
+        elif when == "after it exits":  # its last line is written: its exit status is on its way
+            wait_until(ended.exists, 20, interval=0.001)
+        linked.roam()
+
+    if when == "before the request":
+        linked.roam()
+    else:
+        threading.Thread(target=roam, daemon=True).start()
+    r = m.run(_cell(token, runs, ended), stdout=out)
+    assert r.exit_code == 3
+    assert out.lines() == [f"line {i}" for i in range(1, 11)]
+    assert runs.read_text(encoding="utf-8") == "run\n"  # it ran exactly once
+    assert m.connection.opened_count == 2
+    assert running_here(pattern) == []
+
+
+def test_past_a_short_grace_the_cell_is_stopped_and_the_message_names_the_grace(make_link):
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, pattern = unique_tag()
+    out = Lines()
+
+    def roam_after_line_3() -> None:
+        wait_until(lambda: "line 3\n" in out.text, 20)
+        linked.roam()
+
+    threading.Thread(target=roam_after_line_3, daemon=True).start()
+    with pytest.raises(ConnectionLost) as e, execution.cell_grace(3):
+        m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
+    assert "grace of 3 s" in e.value.message, e.value.message
+    assert "--grace" in e.value.hint
+    assert wait_until(lambda: running_here(pattern) == [], 10)
+    lines = out.lines()
+    assert lines == [f"line {i}" for i in range(1, len(lines) + 1)]
+
+
+def test_a_machine_with_no_client_for_the_grace_stops_the_cell_by_itself(make_link):
+    """The link holds everything (no new connection either): the machine hears no client for
+    the grace and stops the cell itself, while the link is still held (no orphan)."""
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, pattern = unique_tag()
+    out = Lines()
+    raised: list[BaseException] = []
+
+    def cell() -> None:
+        try:
+            with execution.cell_grace(3):
+                m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            raised.append(e)
+
+    t = threading.Thread(target=cell, daemon=True)
+    t.start()
+    assert wait_until(lambda: "line 2\n" in out.text, 20)
+    linked.hold()
+    held = time.monotonic()
+    try:
+        assert running_here(pattern) != []
+        assert wait_until(lambda: running_here(pattern) == [], 3 + 1 + 6)  # grace, a tick, SIGTERM
+        print(f"hold -> stopped by the machine {time.monotonic() - held:.2f} s")
+    finally:
+        linked.release()
+    t.join(60)
+    assert raised and isinstance(raised[0], ConnectionLost), raised
+    assert "grace" in raised[0].message, raised[0].message
+
+
+def test_past_the_spool_bound_the_oldest_output_is_dropped_and_the_cell_says_how_much(make_link, monkeypatch):
+    monkeypatch.setattr(execution, "SPOOL_BYTES", 64 * 1024)  # the runner started next gets it
+    linked = make_link(rtt_ms=40, connect=False)
+    m = linked.machine.connect()
+    m.connection.close()  # connect() may have started a runner already: the next one is small
+    out = Lines()
+    total = 2000 * 100
+
+    def roam_after_start() -> None:
+        wait_until(lambda: "start\n" in out.text, 20)
+        linked.roam()
+
+    threading.Thread(target=roam_after_start, daemon=True).start()
+    r = m.run("echo start; sleep 2; for i in $(seq 1 2000); do printf '%05d %093d\\n' $i 0; done; echo end",
+              stdout=out)
+    assert r.exit_code == 0
+    lines = out.lines()
+    assert lines[0] == "start" and lines[-1] == "end"
+    numbers = [int(line.split()[0]) for line in lines[1:-1] if line[:5].isdigit() and len(line) == 99]
+    assert numbers == sorted(set(numbers)) and numbers[-1] == 2000  # none twice, the newest kept
+    assert len(numbers) < 2000 // 2  # the oldest were dropped past the 64 KiB bound
+    note = [line for line in r.stderr.splitlines() if "bytes of stdout were dropped" in line]
+    assert len(note) == 1, r.stderr
+    lost = int(note[0].split("gpumagic: ")[1].split()[0].replace(",", ""))
+    assert r.stdout_bytes + lost == len("start\n") + total + len("end\n")

@@ -35,9 +35,24 @@ unguarded; ``SHLVL`` is set so that the cell's own ``bash -c`` does not source i
 A stop request (interrupt, timeout) sends SIGTERM to the cell's process group and SIGKILL
 :data:`KILL_GRACE` seconds later.  Kill on drop: the runner's watchdog process kills every
 running cell's group when the runner ends, whether the channel closed (dropped connection,
-killed sshd, the client gave up) or the runner itself was killed.  One cell uses the runner
+killed sshd, the client gave up) or the runner itself was killed (a kept cell, below,
+outlives a closed channel for its grace).  One cell uses the runner
 at a time; a concurrent cell, or every cell where the runner cannot start (no usable
 Python 3), runs the old way below.
+
+Kept cells (issue 28): a cell run through the runner with a grace (:data:`GRACE`, 600 s by
+default; :func:`cell_grace`, ``%%remote --grace``) outlives a dead path.  Its request ("K")
+carries an id that the machine claims with ``mkdir`` (``~/.gpumagic/cells/ID``), so a request
+sent again never starts it twice; the runner keeps its output there (bounded by
+:data:`SPOOL_BYTES`: past it the oldest part goes, and the client says how many bytes it
+missed) and feeds the channel from it without ever letting a stalled channel block the cell.
+When the path dies (:meth:`Connection.in_flight` notices within seconds, or the channel ends)
+the client connects again within the grace and sends the same request with the stdout and
+stderr byte counts it has shown: the new connection's runner follows the spool from there to
+the exit status (:class:`_Kept`, :func:`_reattach`).  The client sends a few bytes ("h")
+while a kept cell runs; the machine stops a cell whose client it has not heard for its grace,
+and gpumagic stops it over a new connection when the grace is over
+(``exec-stop-kept.py``).  With a grace of 0 a cell is stopped with its connection, as below.
 
 The old way, one exec per cell: the program is the wrapper
 ``gpumagic/remote/programs/exec-cell.sh`` (run through :mod:`gpumagic.remote.program`), with the directory, the environment and the cell's argv as
@@ -62,6 +77,9 @@ whole and invalid bytes never raise.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import contextvars
+import logging
 import re
 import secrets
 import shlex
@@ -78,8 +96,10 @@ import paramiko
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import Connection
 from ..ssh.pump import ChannelPump
-from ..errors import ConnectionLost, RemoteCommandError, RemoteTimeout
+from ..errors import ConnectionLost, GpumagicError, RemoteCommandError, RemoteTimeout
 from . import program as _program
+
+log = logging.getLogger(__name__)
 
 #: The exec request of every command gpumagic runs: three plain words that sh, bash, dash,
 #: zsh, fish, tcsh and csh all parse alike.  The program follows on stdin.
@@ -98,6 +118,18 @@ CWD_MISSING = 97
 STOP_WAIT = 5.0
 #: The stopper of a cut cell (``gpumagic/remote/programs/exec-stop-cell.sh``).
 STOP_PROGRAM = "exec-stop-cell.sh"
+
+#: Seconds a running cell outlives a dead path (a roam, a blink, a laptop asleep) by default:
+#: it runs on, its output kept on the machine, and the client re-attaches on a new connection
+#: (see "Kept cells" in the module docstring).  0: the cell is stopped when its path is lost.
+GRACE = 600.0
+#: Most bytes of a kept cell's output the machine holds for a client that is away; past
+#: it the oldest part is dropped, and the client says how many bytes it missed.
+SPOOL_BYTES = 64 << 20
+#: The grace of the cells run in this context (:func:`cell_grace`); None: :data:`GRACE`.
+_grace: "contextvars.ContextVar[float | None]" = contextvars.ContextVar("gpumagic_cell_grace", default=None)
+#: The stopper of a kept cell by its id (``gpumagic/remote/programs/exec-stop-kept.py``).
+STOP_KEPT_PROGRAM = "exec-stop-kept.py"
 
 #: The wrapper every cell runs in (``gpumagic/remote/programs/exec-cell.sh``).
 CELL_PROGRAM = "exec-cell.sh"
@@ -367,7 +399,7 @@ class _MarkerFilter:
 def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         env: Mapping[str, str | None] | None = None, stdout: Sink | None = None,
         stderr: Sink | None = None, capture: bool = True, timeout: float | None = None,
-        check: bool = False) -> RunResult:
+        check: bool = False, grace: float | None = None) -> RunResult:
     """Run ``argv`` on the machine and stream its output.
 
     Parameters
@@ -390,6 +422,11 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         Seconds; past it the process group is stopped and :class:`RemoteTimeout` raised.
     check : bool
         Raise :class:`RemoteCommandError` on a non-zero exit.
+    grace : float, optional
+        Seconds the command outlives a lost connection (default: :func:`cell_grace`'s, else
+        :data:`GRACE`): it runs on, its output kept on the machine, and is re-attached over
+        a new connection, its missed output shown once, in order (see :class:`_Kept`).  0
+        stops it when the connection is lost.
 
     Returns
     -------
@@ -398,8 +435,9 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     Raises
     ------
     ConnectionLost
-        The connection dropped mid-command (the remote process group is stopped by the
-        wrapper when sshd closes the channel; the next call reconnects).
+        The connection dropped mid-command and (with a grace) no new one came within the
+        grace; the remote process group is stopped (by the machine itself too, once no
+        client was heard for the grace).  The next call reconnects.
     RemoteTimeout, RemoteCommandError, KeyboardInterrupt
         KeyboardInterrupt is re-raised after the remote process group has been stopped.
         RemoteCommandError also before anything is sent, for a NUL byte in ``argv``,
@@ -415,9 +453,14 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     runner = _take_runner(conn) if USE_RUNNER else None
     if runner is not None:
         start = time.monotonic()
+        grace = _grace.get() if grace is None else grace
+        kept = _Kept(grace if grace is not None else GRACE, err)
         try:
-            with conn.in_flight():
-                code = runner.run(conn, request, out, err, timeout, start)
+            if kept.grace > 0:
+                code = _run_kept(conn, runner, request, out, err, timeout, start, kept)
+            else:
+                with conn.in_flight():
+                    code = runner.run(conn, request, out, err, timeout, start)
         except _NotStarted:
             code = None  # the runner ended before it started the cell: run it the old way
         except _Cut as e:
@@ -465,6 +508,158 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         raise RemoteCommandError(f"remote command exited with code {code}", exit_code=code,
                                  stdout=result.stdout, stderr=result.stderr)
     return result
+
+
+@contextlib.contextmanager
+def cell_grace(seconds: float | None):
+    """Run the cells of this block (:func:`run`, so ``Machine.run``) with a grace of
+    ``seconds`` (None: :data:`GRACE`): how ``%%remote --grace`` and ``%config
+    GpuMagics.grace`` reach them."""
+    token = _grace.set(seconds)
+    try:
+        yield
+    finally:
+        _grace.reset(token)
+
+
+class _Kept:
+    """The client's side of a kept cell (issue 28; ``exec-runner.py``'s "K" request): a cell
+    that outlives a dead path for :attr:`grace` seconds.
+
+    Its :attr:`id` is claimed on the machine by the first request that arrives, so a request
+    sent again over a new connection (the first one maybe lost in the dying path, maybe only
+    late) starts the cell at most once and otherwise re-attaches to it.  :attr:`pos` counts
+    the stdout and stderr bytes accounted for (shown, or dropped on the machine past its
+    bound: :attr:`lost`), and a re-attach asks for what follows them, so every byte is
+    shown once, in order.
+    """
+
+    def __init__(self, grace: float, err: "_Stream"):
+        self.id = secrets.token_hex(8)
+        self.grace = float(grace)
+        #: Seconds between the client's "h" frames, as the runner's ``beat()`` computes.
+        self.beat = min(10.0, max(0.5, self.grace / 4))
+        self.pos = [0, 0]
+        self.lost = [0, 0]
+        #: The grace after which the machine stopped the cell (its "G"), if it did.
+        self.graced: str | None = None
+        self.reconnects = 0
+        #: When the last "h" went out.
+        self.beaten = 0.0
+        self._err = err
+
+    def request(self, request: bytes) -> bytes:
+        """The "K" frame for ``request`` (:func:`runner_request`), from what was shown."""
+        head = f"{self.id}\0{self.grace:g}\0{self.pos[0]}\0{self.pos[1]}\0".encode()
+        return _FRAME.pack(b"K", len(head) + len(request)) + head + request
+
+    def take(self, kind: bytes, payload: bytes) -> None:
+        """Count a frame of the cell's stream (``O``, ``E``, ``Q``, ``G``)."""
+        if kind in (b"O", b"E"):
+            self.pos[kind == b"E"] += len(payload)
+        elif kind == b"Q":
+            at = [int(w) for w in payload.split()[:2]]
+            for i, name in enumerate(("stdout", "stderr")):
+                if at[i] > self.pos[i]:  # the machine dropped them past its bound
+                    missed = at[i] - self.pos[i]
+                    self.lost[i] += missed
+                    self.pos[i] = at[i]
+                    self.note(f"\n[gpumagic: {missed:,} bytes of {name} were "
+                              f"dropped on the machine while the notebook was away: it keeps the last "
+                              f"{SPOOL_BYTES / 2 ** 20:g} MiB of a cell's output]\n")
+        elif kind == b"G":
+            self.graced = payload.decode("ascii", "replace")
+
+    def note(self, text: str) -> None:
+        """A line of gpumagic's own among the cell's stderr (shown, and kept by ``--out``)."""
+        if self._err.capture:
+            self._err.parts.append(text)
+        if self._err.sink is not None:
+            self._err.sink(text)
+
+
+def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream", err: "_Stream",
+              timeout: float | None, start: float, kept: _Kept) -> int:
+    """Run a kept cell in ``runner``; when its path is lost, re-attach over a new connection
+    (:func:`_reattach`) as often as it takes, each within the grace; its exit status.
+
+    Raises
+    ------
+    ConnectionLost
+        No new connection within the grace (the cell is stopped on the machine), or the
+        machine stopped it after the grace without a client.
+    """
+    while True:
+        try:
+            with conn.in_flight():
+                code = runner.run(conn, request, out, err, timeout, start, kept=kept)
+        except (_Cut, _NotStarted) as e:
+            # _NotStarted: the runner ended with the request maybe read: its id decides
+            runner = _reattach(conn, kept, e if isinstance(e, _Cut) else _Cut(conn, None), runner)
+            continue
+        if kept.graced is not None:
+            raise ConnectionLost(
+                f"the machine stopped the cell: no client was heard for its grace of {kept.graced} s "
+                f"(the connection to {conn.spec.address} was lost)",
+                "raise the grace (%%remote --grace S, or %config GpuMagics.grace = S), or run it "
+                "as a job (%%remote --job) if it must outlive a closed laptop")
+        return code
+
+
+def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_Runner":
+    """A runner on a new connection for ``kept``, whose path was lost (``cut``): connections
+    are tried until the grace, counted from the last packet the old path brought, is over.
+
+    Raises
+    ------
+    ConnectionLost
+        The grace passed first: the cell is stopped on the machine over a new connection
+        if one comes within :data:`STOP_WAIT` s (the machine stops it by itself too).
+    KeyboardInterrupt
+        The cell's stop goes on in the background, sent as soon as a connection is made.
+    """
+    old.discard()
+    path = getattr(conn, "_path", None)
+    heard = path.heard_at if path is not None else time.monotonic()
+    deadline = heard + kept.grace
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                fate = _stop_elsewhere(conn, 0, 0, kept=kept.id)
+                raise ConnectionLost(
+                    f"lost the connection to {conn.spec.address} while the cell ran ({cut.why}) and "
+                    f"got no new one within its grace of {kept.grace:g} s; {fate}",
+                    "run the cell again (raise the grace with %%remote --grace S or %config "
+                    "GpuMagics.grace = S; %%remote --job survives a closed laptop)")
+            try:
+                conn.ensure_open()
+                runner = _take_runner(conn)
+            except (GpumagicError, paramiko.SSHException, EOFError, OSError):
+                time.sleep(min(1.0, max(0.0, left)))
+                continue
+            if runner is None:  # a runner of the new connection is busy with another cell
+                time.sleep(min(0.2, max(0.0, left)))
+                continue
+            kept.reconnects += 1
+            log.info("gpumagic: re-attaching cell %s after: %s", kept.id, cut.why)
+            return runner
+    except KeyboardInterrupt:
+        threading.Thread(target=_stop_kept_when_possible, args=(conn, kept.id, deadline), daemon=True,
+                         name="gpumagic-stop-kept-cell").start()
+        raise
+
+
+def _stop_kept_when_possible(conn: Connection, ident: str, deadline: float) -> None:
+    """Stop the kept cell ``ident`` as soon as a connection can be made, trying until
+    ``deadline`` (past it the machine stops it by itself)."""
+    while time.monotonic() < deadline:
+        try:
+            conn.ensure_open()
+            _program.run(conn, STOP_KEPT_PROGRAM, KILL_GRACE, ident, timeout=KILL_GRACE + 10)
+            return
+        except Exception:  # noqa: BLE001 - tried again until the grace is over
+            time.sleep(1.0)
 
 
 class _Timeout(Exception):
@@ -540,9 +735,10 @@ def _cut(conn: Connection, e: _Cut, pgid: int, runner: int) -> ConnectionLost:
         "must survive a network change)")
 
 
-def _stop_elsewhere(conn: Connection, pgid: int, runner: int) -> str:
+def _stop_elsewhere(conn: Connection, pgid: int, runner: int, *, kept: str | None = None) -> str:
     """Stop a cut cell's processes on the machine over a new connection, waiting up to
     :data:`STOP_WAIT` seconds; what became of them, as words for the error message.
+    ``kept``: a kept cell's id instead (``exec-stop-kept.py``, which finds its group).
 
     Needed because a path that went silent (a roam, a NAT that forgot the connection) tells
     the machine nothing: its sshd keeps the old connection, and with it the cell, for as
@@ -556,8 +752,11 @@ def _stop_elsewhere(conn: Connection, pgid: int, runner: int) -> str:
     def stop() -> None:
         try:
             conn.ensure_open()
-            r = _program.run(conn, STOP_PROGRAM, KILL_GRACE, pgid, runner,
-                             timeout=KILL_GRACE + 10)
+            if kept is not None:
+                r = _program.run(conn, STOP_KEPT_PROGRAM, KILL_GRACE, kept, timeout=KILL_GRACE + 10)
+            else:
+                r = _program.run(conn, STOP_PROGRAM, KILL_GRACE, pgid, runner,
+                                 timeout=KILL_GRACE + 10)
             said.append(r.stdout.strip())
         except Exception as e:  # noqa: BLE001 - told in the message
             said.append(f"error: {getattr(e, 'message', None) or e}")
@@ -571,6 +770,8 @@ def _stop_elsewhere(conn: Connection, pgid: int, runner: int) -> str:
     word = said[0] if said else ""
     if word == "stopped":
         return "its processes were stopped on the machine over a new connection"
+    if word == "gone" and kept is not None:
+        return "it had ended on the machine, or the machine stopped it itself (nothing of it is left running)"
     if word == "gone":
         return "it had already ended on the machine (nothing of it is left running)"
     if word == "left":
@@ -612,11 +813,12 @@ def runner_command() -> str:
     """The ``/bin/sh`` command that starts the cell runner: the machine's Python 3 (``-I``:
     no ``PYTHONPATH``, no ``~/signal.py`` shadowing the standard library; ``-S``: no
     ``site``, whose ``.pth`` files cost tens of ms and are not needed) with
-    the program as ``-c`` text, :data:`KILL_GRACE` and :data:`CWD_MISSING` as arguments.
+    the program as ``-c`` text, :data:`KILL_GRACE`, :data:`CWD_MISSING` and
+    :data:`SPOOL_BYTES` as arguments.
     Status 127 where the machine has no Python 3."""
     return (f"{_program.source('lib.sh')}\n_gm_py=$(gm_python) || exit 127\n"
             f"exec \"$_gm_py\" -I -S -c {shlex.quote(_program.source(RUNNER_PROGRAM))} "
-            f"{KILL_GRACE:g} {CWD_MISSING}\n")
+            f"{KILL_GRACE:g} {CWD_MISSING} {SPOOL_BYTES}\n")
 
 
 def runner_request(argv: Sequence[str], *, cwd: str | None = None,
@@ -681,7 +883,7 @@ def _stop_abandoned_runner(conn: Connection, transport: paramiko.Transport) -> N
     with it, for hours); a cell it ran is stopped by its watchdog."""
     with _runners_lock:
         runner = _runners.pop(transport, None)
-    if runner is not None and runner.pid:
+    if runner is not None and runner.pid and runner.kept is None:  # a kept cell re-attaches
         _program.run(conn, STOP_PROGRAM, KILL_GRACE, runner.cell_pid or 0, runner.pid,
                      timeout=KILL_GRACE + 10)
 
@@ -737,6 +939,8 @@ class _Runner:
         #: (its process group; from the "P" frame); None while not known.
         self.pid: int | None = None
         self.cell_pid: int | None = None
+        #: The kept cell running now (its frames are counted there), None for others.
+        self.kept: _Kept | None = None
 
     @property
     def alive(self) -> bool:
@@ -785,8 +989,9 @@ class _Runner:
                 pass
 
     def run(self, conn: Connection, request: bytes, out: _Stream, err: _Stream,
-            timeout: float | None, start: float) -> int:
-        """Run one cell (``request``: :func:`runner_request`); its exit status.
+            timeout: float | None, start: float, *, kept: "_Kept | None" = None) -> int:
+        """Run one cell (``request``: :func:`runner_request`); its exit status.  ``kept``: as
+        a kept cell (a "K" request; started, or re-attached to when its id is known there).
 
         Raises
         ------
@@ -799,26 +1004,32 @@ class _Runner:
         assert chan is not None
         done = False
         self.cell_pid = None
+        self.kept = kept
         try:
             try:
-                sendall_ordered(chan, _FRAME.pack(b"C", len(request)) + request)
+                sendall_ordered(chan, kept.request(request) if kept is not None
+                                else _FRAME.pack(b"C", len(request)) + request)
             except OSError:
                 raise _NotStarted()
             code = self._pump(conn, out, err, timeout, start)
             done = True
+            self._ack()
             return code
         except _Timeout:
             done = self._stop(conn, out, err)
+            self._ack()
             raise RemoteTimeout(
                 f"the command ran past its timeout of {timeout:g} s and was stopped",
                 "raise --timeout, or run it as a job (%%remote --job) if it is meant to run long",
             )
         except KeyboardInterrupt:
             done = self._stop(conn, out, err)
+            self._ack()
             raise
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise _lost(conn, e)
         finally:
+            self.kept = None
             if done:
                 self.busy = False
             else:
@@ -832,6 +1043,7 @@ class _Runner:
 
         def on_out(data: bytes) -> None:
             nonlocal started, code
+            beat()
             ended = self.take(data, out.feed, err.feed)
             started = started or self.cell_pid is not None
             if ended is not None:
@@ -840,7 +1052,16 @@ class _Runner:
                 err.feed(b"", final=True)
                 code = ended
 
+        def beat() -> None:
+            kept = self.kept
+            if kept is not None and time.monotonic() - kept.beaten >= kept.beat:
+                # "h": the client is there (the machine stops a kept cell after its grace
+                # without one); a few bytes, waited for by nobody
+                kept.beaten = time.monotonic()
+                sendall_ordered(chan, _FRAME.pack(b"h", 0))
+
         def watch() -> None:
+            beat()
             if pump.at_eof:
                 if not conn.is_connected:
                     raise _lost(conn)
@@ -868,6 +1089,8 @@ class _Runner:
         when its ``X`` came (what follows stays in the buffer, for the next program)."""
         self.buf += data
         for kind, payload in _frames(self.buf):
+            if self.kept is not None:
+                self.kept.take(kind, payload)
             if kind == b"O":
                 on_out(payload)
             elif kind == b"E":
@@ -878,6 +1101,16 @@ class _Runner:
                 self.cell_pid = None  # ended: its group's number may be reused
                 return int(payload)
         return None
+
+    def _ack(self) -> None:
+        """A kept cell's exit status is here: the machine may remove its spool ("F"; sent,
+        not waited for)."""
+        kept = self.kept
+        if kept is not None and self.chan is not None:
+            try:
+                sendall_ordered(self.chan, _FRAME.pack(b"F", len(kept.id)) + kept.id.encode())
+            except OSError:
+                pass  # swept on the machine later
 
     def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
         """Stop the cell's process group (SIGTERM, SIGKILL :data:`KILL_GRACE` s later) and

@@ -49,7 +49,8 @@ from traitlets import Float, Int, Unicode
 from ...errors import Interrupted, RemoteCommandError
 from ...gpu.doctor import failure_hint
 from ...fleet import Fleet
-from ._args import (EVERY_S, GB, KEEP_LAST, SETTLE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, env_pairs, host_arg,
+from ...remote.execution import cell_grace
+from ._args import (EVERY_S, GB, GRACE_S, KEEP_LAST, SETTLE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, env_pairs, host_arg,
                     number, out_arg, parse, returns_after_help, split_args)
 from ._output import OutputCap
 from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
@@ -128,6 +129,14 @@ class GpuMagics(Magics):
              "(one SSH round trip each).",
     )
 
+    grace = Float(
+        600.0, config=True,
+        help="Seconds a running %%remote cell outlives a lost connection (a Wi-Fi blink, a network "
+             "change, a laptop asleep): it runs on, its output kept on the machine, and the cell "
+             "re-attaches on a new connection, showing what it missed once; past it the cell is "
+             "stopped.  0: stopped when the connection is lost.  --grace S sets it for one cell.",
+    )
+
     default_cwd = Unicode(
         None, allow_none=True, config=True,
         help="Working directory for cells on newly connected machines (e.g. '/root/autodl-tmp').",
@@ -189,6 +198,10 @@ class GpuMagics(Magics):
     @host_arg("machine to run on (default: the last connected)")
     @argument("--cwd", metavar="DIR", help="working directory for this cell")
     @argument("--env", metavar="K=V", action="append", default=[], help="environment variable (repeatable)")
+    @argument("--grace", metavar="S", type=GRACE_S,
+              help="a cell you wait for: keep it running for S seconds through a lost connection "
+                   "(a Wi-Fi blink, a network change, a laptop asleep) and re-attach, showing what "
+                   "it printed meanwhile once (default 600: %%config GpuMagics.grace; 0: stop it)")
     @out_arg("the RunResult (stdout, stderr, exit_code)", " (with --job: the Job handle)")
     @argument_group("a detached job (--job NAME)",
                     "It survives disconnects and a closed laptop; the cell returns at once.")
@@ -258,8 +271,9 @@ class GpuMagics(Magics):
         machine = self.fleet.get(args.host)
         echo = OutputCap(self.max_display_bytes)
         try:
-            result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
-                                 timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
+            with cell_grace(self.grace if args.grace is None else args.grace):
+                result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
+                                     timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; the cell's processes on {machine.name} were stopped") from None
         echo.finish()

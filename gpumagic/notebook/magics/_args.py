@@ -252,6 +252,8 @@ LINES = number(0, 10**9, integer=True, what="a number of lines")
 #: ``--keep-every`` (above 0) and ``--keep-settle`` (0 or more): seconds, at most 30 days.
 EVERY_S = number(0, 30 * 86400, above=True, what="seconds", durations=True)
 SETTLE_S = number(0, 30 * 86400, what="seconds", durations=True)
+#: ``%%remote --grace``: seconds (0 or more; ``10m`` too) a cell outlives a lost connection.
+GRACE_S = number(0, 30 * 86400, what="seconds", durations=True)
 KEEP_LAST = number(1, 10**6, integer=True, what="a number of checkpoints")
 
 

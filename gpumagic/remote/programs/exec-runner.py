@@ -14,9 +14,15 @@
 #                     "I"/"Z" for a program that has ended are dropped.  While more than
 #                     PENDING bytes wait for the program's stdin, the channel is not read
 #                     (its window closes: the client waits, nothing piles up here).
+#                     "K" ID NUL GRACE NUL OUT NUL ERR NUL + a "C" request: a kept cell (below);
+#                     "F" ID: its exit status reached the client, its spool is removed;
+#                     "h" (empty): the client is there (sent while a kept cell runs).
 #   runner -> client: "H" version (once, at start); "P" PID (the cell started; its process
 #                     group and session); "O"/"E" stdout/stderr bytes; "X" exit status
-#                     (decimal; 128+N when ended by signal N).
+#                     (decimal; 128+N when ended by signal N); for a kept cell also "Q" OUT ERR
+#                     (how many stdout and stderr bytes came before the next frame), "R"
+#                     (re-attached to a cell another runner started) and "G" GRACE (stopped
+#                     because no client was heard for GRACE seconds).
 # A cell runs in a new session (its PID is its process group), stdin /dev/null, its cwd
 # entered like exec-cell.sh does ("~", "~/x" and relative paths from $HOME; CWD_MISSING and a
 # message when it does not exist).  Its text arrives in the request, never through a shell.
@@ -30,6 +36,21 @@
 # (the channel closed: interrupt, dropped connection, killed sshd; or the runner was killed),
 # the pipe reaches EOF and the watchdog sends SIGTERM to every registered group, then SIGKILL
 # GRACE seconds later.  Nothing a cell started is left running.
+#
+# Kept cells ("K", issue 28): a cell that must outlive a dead path for GRACE seconds.  Its ID
+# is claimed with mkdir(2) of ~/.gpumagic/cells/ID (atomic: a request that arrives twice, the
+# first one late through a path that came back, never runs twice).  The owner runner tees
+# every frame of the cell (P, O, E, X) into the cell's spool there, segment files of frames,
+# each starting with a "Q" frame; past SPOOL bytes the oldest segment is dropped (a reader
+# that was in it goes on at the oldest kept one: its "Q" says how much it missed).  The
+# channel is fed from the spool as it takes bytes, never blocking: while it moves, the cell
+# is held back once the channel lags AHEAD bytes (a fast printer is paced by the link as
+# before); once it took nothing for STALL seconds, the cell runs on into the spool.  A "K"
+# whose ID exists already re-attaches: this runner follows the spool from the client's
+# OUT and ERR byte counts to the exit status, so nothing is shown twice.  The client's "h"
+# frames (on any runner) touch the cell's lease file; when it is older than GRACE the owner
+# stops the cell ("G", then its "X").  An owner whose channel closed or went quiet keeps the
+# cell (no kill on drop) and exits once it ended.
 import os
 import select
 import signal
@@ -40,6 +61,14 @@ import time
 
 GRACE = float(sys.argv[1])
 MISSING = int(sys.argv[2])
+#: Most bytes of spool kept per cell (the oldest segment goes first past it).
+SPOOL = int(sys.argv[3]) if len(sys.argv) > 3 else 64 << 20
+SEGMENTS = 4
+CELLS = os.path.join(os.environ.get("HOME") or "/", ".gpumagic", "cells")
+#: Seconds without progress after which a stalled channel stops holding a kept cell back...
+STALL = 2.0
+#: ...and the bytes the channel may lag behind the spool while it moves.
+AHEAD = 1 << 20
 HEAD = struct.Struct(">cI")
 #: Bytes of "I" frames held for a program's stdin before the channel is read again.
 PENDING = 1 << 20
@@ -132,10 +161,84 @@ def capture_functions():
 
 
 def send(kind, payload=b""):
+    """Write one frame to the channel, waiting for it (fd 1 is non-blocking: kept cells feed it
+    only what it takes)."""
     data = HEAD.pack(kind, len(payload)) + payload
     while data:
-        n = os.write(1, data)
+        try:
+            n = os.write(1, data)
+        except BlockingIOError:
+            select.select([], [1], [])
+            continue
         data = data[n:]
+
+
+def beat(grace):
+    """Seconds between the client's "h" frames for a kept cell of ``grace`` seconds (the
+    client computes the same)."""
+    return min(10.0, max(0.5, grace / 4))
+
+
+def remove_dir(d):
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(d, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass
+
+
+def read_words(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def sweep():
+    """Make the spools' folder; remove the spools no client can want: ended or orphaned
+    (their owner runner is gone), with a lease older than their grace plus a minute."""
+    try:
+        os.makedirs(CELLS, 0o700, exist_ok=True)
+        names = os.listdir(CELLS)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        d = os.path.join(CELLS, name)
+        meta = read_words(os.path.join(d, "lease"))
+        try:
+            owner, grace = int(meta[0]), float(meta[1])
+        except (IndexError, ValueError):
+            owner, grace = 0, 0.0
+        try:
+            age = now - os.stat(os.path.join(d, "lease")).st_mtime
+        except OSError:
+            try:
+                age = now - os.stat(d).st_mtime
+            except OSError:
+                continue
+        ended = os.path.exists(os.path.join(d, "end")) or not owner or not pid_alive(owner)
+        if ended and age > grace + 60:
+            remove_dir(d)
 
 
 def enter_dir(d):
@@ -168,8 +271,11 @@ def parse(payload):
 
 
 class Cell:
-    def __init__(self, payload, wd, functions, piped=False):
+    def __init__(self, payload, wd, functions, piped=False, emit=send):
         self.wd = wd
+        #: Where its frames go: the channel, or a kept cell's spool.
+        self.emit = emit
+        self.spool = None
         #: The program's stdin (the write end of its pipe; None: /dev/null or closed), what
         #: waits to be written there, and whether the client's "Z" came.
         self.stdin = None
@@ -200,7 +306,7 @@ class Cell:
         self.kill_at = None
         if d:
             if not os.path.isdir(d):
-                send(b"E", ("gpumagic: cannot enter directory %s on this machine\n" % d)
+                emit(b"E", ("gpumagic: cannot enter directory %s on this machine\n" % d)
                      .encode("utf-8", "surrogateescape"))
                 self.code = MISSING
                 return
@@ -214,12 +320,12 @@ class Cell:
                                          stderr=subprocess.PIPE, cwd=d or None, env=env,
                                          start_new_session=True)
         except OSError as e:
-            send(b"E", b"gpumagic: %s: %s\n" % (argv[0], e.strerror.encode()))
+            emit(b"E", b"gpumagic: %s: %s\n" % (argv[0], e.strerror.encode()))
             self.code = 127 if isinstance(e, FileNotFoundError) else 126
             return
         self.pid = self.proc.pid
         os.write(wd, b"+%d\n" % self.pid)
-        send(b"P", b"%d" % self.pid)
+        emit(b"P", b"%d" % self.pid)
         self.fds = {self.proc.stdout.fileno(): b"O", self.proc.stderr.fileno(): b"E"}
         if piped:
             self.stdin = self.proc.stdin
@@ -267,7 +373,7 @@ class Cell:
         except OSError:
             data = b""
         if data:
-            send(self.fds[fd], data)
+            self.emit(self.fds[fd], data)
         else:
             del self.fds[fd]
 
@@ -292,7 +398,7 @@ class Cell:
         self.close_input()
         if rc < 0 and -rc not in (signal.SIGINT, signal.SIGPIPE) and self.kill_at is None:
             # what the old path's wrapper sh said on stderr ("Killed": the OOM killer's mark)
-            send(b"E", b"%s\n" % signal_name(-rc).encode())
+            self.emit(b"E", b"%s\n" % signal_name(-rc).encode())
         self.code = 128 - rc if rc < 0 else rc
         return self.code
 
@@ -313,28 +419,310 @@ class Cell:
             self.kill_at = float("inf")
 
 
+class Spool:
+    """The owner's side of a kept cell: its frames appended to segment files in ``d`` (see the
+    header), and the channel fed from them as it takes bytes."""
+
+    def __init__(self, d, grace):
+        self.dir = d
+        self.grace = grace
+        self.seg_max = max(SPOOL // SEGMENTS, 4096)
+        self.fds = {}  # segment number -> fd (read and append)
+        self.cur = -1
+        self.size = 0
+        self.counts = [0, 0]  # stdout, stderr bytes spooled
+        self.chan = [0, 0]  # the channel's place: segment, offset
+        self.chan_gone = False
+        self.moved = time.monotonic()  # when the channel last took bytes or had all
+        self.ended = False
+        self.graced = False
+        self.touched = time.monotonic()
+        self.rotate()
+
+    def lease(self, pgid):
+        """Write the lease file: this runner, the grace and the cell's process group (read by
+        a re-attach, ``exec-stop-kept.py`` and the sweep); its mtime is the lease."""
+        with open(os.path.join(self.dir, "lease"), "w") as f:
+            f.write("%d %g %d\n" % (os.getpid(), self.grace, pgid))
+
+    def touch(self):
+        """The client was heard: the lease starts again (at most once a second)."""
+        now = time.monotonic()
+        if now - self.touched >= 1.0:
+            self.touched = now
+            try:
+                os.utime(os.path.join(self.dir, "lease"))
+            except OSError:
+                pass
+
+    def lease_age(self):
+        try:
+            return time.time() - os.stat(os.path.join(self.dir, "lease")).st_mtime
+        except OSError:
+            return float("inf")
+
+    def rotate(self):
+        self.cur += 1
+        self.fds[self.cur] = os.open(os.path.join(self.dir, "%d" % self.cur),
+                                     os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self.size = 0
+        while len(self.fds) > SEGMENTS:  # past the bound: the oldest part goes
+            n = min(self.fds)
+            os.close(self.fds.pop(n))
+            try:
+                os.unlink(os.path.join(self.dir, "%d" % n))
+            except OSError:
+                pass
+        self.add(b"Q", b"%d %d" % tuple(self.counts))
+
+    def emit(self, kind, payload=b""):
+        while kind in (b"O", b"E") and payload:  # in pieces that fit: SPOOL holds
+            if self.size >= self.seg_max:
+                self.rotate()
+            piece, payload = payload[:self.seg_max - self.size], payload[self.seg_max - self.size:]
+            self.counts[kind == b"E"] += len(piece)
+            self.add(kind, piece)
+        if kind in (b"O", b"E"):
+            return
+        self.add(kind, payload)
+        if kind == b"X":
+            self.ended = True
+            with open(os.path.join(self.dir, "end"), "w") as f:
+                f.write(payload.decode() + "\n")
+
+    def add(self, kind, payload):
+        data = HEAD.pack(kind, len(payload)) + payload
+        fd = self.fds[self.cur]
+        while data:
+            n = os.write(fd, data)
+            data = data[n:]
+            self.size += n
+
+    def lag(self):
+        seg, off = self.chan
+        return (self.cur - seg) * self.seg_max + self.size - off
+
+    def feed(self):
+        """Write to the channel what it takes now, never blocking; True when it has all."""
+        if self.chan_gone:
+            return True
+        seg, off = self.chan
+        if seg not in self.fds:  # dropped past the bound: on at the oldest kept segment
+            seg, off = min(self.fds), 0
+        try:
+            while True:
+                data = os.pread(self.fds[seg], 65536, off)
+                if not data:
+                    if seg < self.cur:
+                        seg, off = seg + 1, 0
+                        continue
+                    self.moved = time.monotonic()
+                    return True
+                try:
+                    n = os.write(1, data)
+                except BlockingIOError:
+                    return False
+                off += n
+                self.moved = time.monotonic()
+        except OSError:  # the channel closed: the spool keeps everything for a re-attach
+            self.chan_gone = True
+            return True
+        finally:
+            self.chan = [seg, off]
+
+    def hold_back(self):
+        """Hold the cell back (do not read its output): the channel moves but lags."""
+        return (not self.chan_gone and self.lag() > AHEAD
+                and time.monotonic() - self.moved < STALL)
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+class Follow:
+    """A re-attach: this runner streams the spool of a cell another runner started (in ``d``)
+    to its channel, from the client's stdout and stderr byte counts ``want``, to its exit
+    status; the client's "h" frames touch its lease, its "S" stops the cell's group."""
+
+    def __init__(self, d, want):
+        self.dir = d
+        self.want = want
+        self.at = [0, 0]
+        self.seg = None
+        self.file = None
+        self.buf = b""
+        self.pgid = None
+        self.kill_at = None
+        self.done = False
+        self.touched = 0.0
+        self.checked = time.monotonic()
+        send(b"R")
+
+    def touch(self):
+        now = time.monotonic()
+        if now - self.touched >= 1.0:
+            self.touched = now
+            try:
+                os.utime(os.path.join(self.dir, "lease"))
+            except OSError:
+                pass
+
+    def segments(self):
+        try:
+            return sorted(int(n) for n in os.listdir(self.dir) if n.isdigit())
+        except OSError:
+            return []
+
+    def step(self):
+        """Send what the spool holds now; True once the exit status was sent."""
+        while not self.done:
+            if self.file is None:
+                segs = [n for n in self.segments() if self.seg is None or n >= self.seg]
+                if not segs:
+                    return self.orphaned()
+                self.seg = segs[0]
+                try:
+                    self.file = open(os.path.join(self.dir, "%d" % self.seg), "rb")
+                except OSError:
+                    continue  # dropped meanwhile: the next one
+                self.buf = b""
+            data = self.file.read(65536)
+            if not data:
+                if os.path.exists(os.path.join(self.dir, "%d" % (self.seg + 1))):
+                    data = self.file.read(65536)  # what was written before the next began
+                    if not data:
+                        self.file.close()
+                        self.file, self.seg = None, self.seg + 1
+                        continue
+                else:
+                    return self.orphaned()
+            self.buf += data
+            while len(self.buf) >= HEAD.size and not self.done:
+                kind, n = HEAD.unpack_from(self.buf)
+                if len(self.buf) < HEAD.size + n:
+                    break
+                payload, self.buf = self.buf[HEAD.size:HEAD.size + n], self.buf[HEAD.size + n:]
+                self.frame(kind, payload)
+        return True
+
+    def frame(self, kind, payload):
+        if kind in (b"O", b"E"):
+            i = kind == b"E"
+            start, self.at[i] = self.at[i], self.at[i] + len(payload)
+            if self.at[i] <= self.want[i]:
+                return  # the client has it
+            payload = payload[max(0, self.want[i] - start):]
+            self.want[i] = self.at[i]
+        elif kind == b"Q":
+            self.at = [int(w) for w in payload.split()]
+        elif kind == b"P":
+            self.pgid = int(payload)
+        elif kind == b"X":
+            self.done = True
+        send(kind, payload)
+
+    def orphaned(self):
+        """Caught up.  Whether the owner runner is gone without an exit status (killed: its
+        watchdog stopped the cell), looked at once a second; then the end is sent."""
+        now = time.monotonic()
+        if now - self.checked < 1.0:
+            return False
+        self.checked = now
+        meta = read_words(os.path.join(self.dir, "lease"))
+        end = read_words(os.path.join(self.dir, "end"))
+        if end and not self.segments():  # claimed by a stop before it ever started
+            send(b"X", end[0])
+            self.done = True
+        elif meta and not pid_alive(int(meta[0])) and not os.path.exists(os.path.join(self.dir, "end")):
+            send(b"E", b"gpumagic: the cell's runner on the machine ended; its processes were stopped\n")
+            send(b"X", b"255")
+            self.done = True
+        return self.done
+
+    def stop(self):
+        if self.pgid and self.kill_at is None:
+            try:
+                os.killpg(self.pgid, signal.SIGTERM)
+            except OSError:
+                pass
+            self.kill_at = time.monotonic() + GRACE
+
+    def tick(self):
+        if self.kill_at is not None and time.monotonic() >= self.kill_at and not self.done:
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.kill_at = float("inf")
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def kept(payload, wd, functions):
+    """A "K" request: (the cell it started, or None; the Follow of a re-attach, or None)."""
+    ident, grace, out, err, rest = payload.split(b"\0", 4)
+    name = ident.decode("ascii", "replace")
+    if not name or "/" in name or name.startswith("."):
+        return Cell(rest, wd, functions), None
+    d = os.path.join(CELLS, name)
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        return None, Follow(d, [int(out), int(err)])
+    except OSError:  # no spool here (a read-only HOME): an ordinary cell
+        return Cell(rest, wd, functions), None
+    try:
+        spool = Spool(d, float(grace))
+    except OSError:
+        remove_dir(d)
+        return Cell(rest, wd, functions), None
+    cell = Cell(rest, wd, functions, emit=spool.emit)
+    cell.spool = spool
+    spool.lease(cell.pid if cell.proc is not None else 0)
+    if cell.code is not None:  # never started (no such directory...): its end is spooled
+        spool.emit(b"X", b"%d" % cell.code)
+    return cell, None
+
+
 def main():
     functions = capture_functions()
     wd = start_watchdog(functions)
+    sweep()
     # SIGCHLD wakes the select loop (through the wakeup fd) when a cell ends.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
     signal.signal(signal.SIGCHLD, lambda *a: None)
     signal.set_wakeup_fd(wake_w)
+    os.set_blocking(1, False)  # a kept cell's spool feeds the channel only what it takes
     send(b"H", b"gpumagic-runner 1")
     buf = b""
-    cell = None
+    cell = follow = None
+    eof = False  # the channel closed (only a kept cell or a re-attach outlives that)
+    heard = time.monotonic()  # when the client was last heard
     while True:
-        fds = [0, wake_r] + (list(cell.fds) if cell is not None else [])
+        spool = cell.spool if cell is not None else None
+        fds = [wake_r] + ([] if eof else [0])
+        if cell is not None and not (spool is not None and spool.hold_back()):
+            fds += list(cell.fds)
         timeout = None
         if cell is not None and cell.kill_at is not None and cell.kill_at != float("inf"):
             timeout = max(0.0, cell.kill_at - time.monotonic())
         elif cell is not None and not cell.fds:
             timeout = 0.05  # output closed, the process not ended yet: look again soon
-        if cell is not None and len(cell.pending) >= PENDING:
+        if follow is not None:
+            timeout = 0.1  # new frames in the spool are looked for this often
+        elif spool is not None:
+            timeout = min(0.5, 0.5 if timeout is None else timeout)  # the lease, a stall
+        if cell is not None and len(cell.pending) >= PENDING and 0 in fds:
             fds.remove(0)  # the program's stdin is full: the client waits on the window
         out = [cell.stdin] if cell is not None and cell.stdin is not None and cell.pending else []
+        if spool is not None and not spool.chan_gone and spool.lag() > 0:
+            out.append(1)
         try:
             ready, writable, _ = select.select(fds, out, [], timeout)
         except InterruptedError:
@@ -347,33 +735,68 @@ def main():
         if 0 in ready:
             data = os.read(0, 65536)
             if not data:
-                return  # the channel closed: the watchdog stops what still runs
+                if spool is None and follow is None:
+                    return  # the channel closed: the watchdog stops what still runs
+                eof = True  # a kept cell lives on (its lease decides); a re-attach ends
+                if follow is not None:
+                    return
+            else:
+                heard = time.monotonic()
+                for one in (spool, follow):
+                    if one is not None:
+                        one.touch()
             buf += data
             while len(buf) >= HEAD.size:
                 kind, n = HEAD.unpack_from(buf)
                 if len(buf) < HEAD.size + n:
                     break
                 payload, buf = buf[HEAD.size:HEAD.size + n], buf[HEAD.size + n:]
-                if kind in (b"C", b"A") and cell is None:
+                if kind in (b"C", b"A") and cell is None and follow is None:
                     cell = Cell(payload, wd, functions, piped=kind == b"A")
-                elif kind == b"S" and cell is not None:
-                    cell.stop()
+                elif kind == b"K" and cell is None and follow is None:
+                    cell, follow = kept(payload, wd, functions)
+                elif kind == b"S" and (cell or follow) is not None:
+                    (cell or follow).stop()
                 elif kind == b"I" and cell is not None:
                     cell.feed(payload)
                 elif kind == b"Z" and cell is not None:
                     cell.end_input()
+                elif kind == b"F" and payload and b"/" not in payload and not payload.startswith(b"."):
+                    d = os.path.join(CELLS, payload.decode("ascii", "replace"))
+                    if os.path.exists(os.path.join(d, "end")):
+                        remove_dir(d)
+        if follow is not None:
+            follow.tick()
+            if follow.step():
+                follow.close()
+                follow = None
         if cell is not None:
+            spool = cell.spool
             if writable or (cell.stdin is not None and cell.pending):
                 cell.write()
             for fd in ready:
                 if fd in cell.fds:
                     cell.read(fd)
             cell.tick()
+            if (spool is not None and not spool.ended and not spool.graced
+                    and time.monotonic() - heard > spool.grace and spool.lease_age() > spool.grace):
+                spool.graced = True  # no client for the grace: stopped, as a cut cell was
+                spool.emit(b"G", b"%g" % spool.grace)
+                cell.stop()
             code = cell.reap()
-            if code is not None:
+            if code is not None and spool is None:
                 send(b"X", b"%d" % code)
                 cell = None
-
+            elif spool is not None:
+                if code is not None and not spool.ended:
+                    spool.emit(b"X", b"%d" % code)
+                if spool.feed() and spool.ended:
+                    spool.close()  # its spool stays until the client's "F" (or a sweep)
+                    cell = None
+                elif spool.ended and (eof or time.monotonic() - heard > 3 * beat(spool.grace) + STALL):
+                    return  # ended while its client is away: a re-attach reads the spool
+        if eof and cell is None and follow is None:
+            return
 
 try:
     main()
