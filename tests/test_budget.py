@@ -153,6 +153,24 @@ def test_history_spreads_a_session_over_the_days_it_covers(tmp_path):
     assert [(r[1], round(r[2], 6), r[3]) for r in rows] == [("2027-01-01", 10, "CNY"), ("2027-01-02", 20, "CNY")]
 
 
+def test_a_moved_jobs_old_machine_is_billed_until_it_was_last_seen(tmp_path):
+    """A move (gpumagic.remote.move) extends the old machine's latest rental to the last time it
+    answered, never back in time, and not a rental that began after then."""
+    from gpumagic.budget.ledger import note_last_seen
+
+    ledger = Ledger(tmp_path / "ledger.json")
+    assert not note_last_seen(ledger, "m", 1000.0)  # no record: nothing to extend
+    budget.set_prices(ledger, "m", Prices(rate=3600, currency="CNY"))
+    with ledger.update() as machines:
+        record_rental(machines["m"], 1_000_000.0, 1_000_100.0, Prices(rate=3600, currency="CNY"))
+    assert note_last_seen(ledger, "m", 1_000_400.0)
+    assert ledger.machine("m").rentals[0].last_seen == 1_000_400.0
+    assert not note_last_seen(ledger, "m", 1_000_200.0)  # earlier: kept
+    assert not note_last_seen(ledger, "m", 999_000.0)  # before the rental began
+    assert ledger.machine("m").rentals[0].last_seen == 1_000_400.0
+    assert round(sum(r[2] for r in budget.history(ledger.machines(), 2_000_000.0))) == 400
+
+
 def test_platform_presets_name_billing_disk_and_how_to_stop_but_no_prices():
     presets = budget.platforms()
     assert {"generic", "autodl", "vastai", "runpod", "lambda"} <= set(presets)

@@ -12,6 +12,7 @@ the proof that the checkpoint was used).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server, wait_until
@@ -209,7 +211,8 @@ def test_a_job_lost_with_its_machine_is_named_and_moved_to_b_with_the_same_resul
     seam = next(i for i, ln in enumerate(log) if "gpumagic: job" in ln)
     assert "moved from a to b" in log[seam] and "from checkpoint ckpt/" in log[seam], log[:3]
     assert log[seam + 1].startswith("resumed from step ") and int(log[seam + 1].split()[-1]) >= 10, log[:3]
-    assert "step 1 loss" not in cap.stdout  # it continued, it did not start again
+    assert "step 1 loss" not in "\n".join(log[seam:])  # it continued, it did not start again
+    assert "step 1 loss" in "\n".join(log[:seam])  # before the seam: A's log, as kept here
     result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
     assert result == uninterrupted(tmp_path, *args.replace("0.1", "0").split())
     # and A's record says where it went
@@ -281,3 +284,152 @@ def test_move_of_a_job_with_no_record_is_a_one_line_error(ip):
     with pytest.raises(JobError) as e:
         ip.run_line_magic("gpu", "job move nosuch-job --to b")
     assert "no record here of a job named 'nosuch-job'" in str(e.value)
+
+
+# -- step 4 and 5: a standby machine, and what follows the job --------------------------------
+
+
+def start_standby(ip, name: str, kept: Path, train_args: str, extra: str = "") -> str:
+    with capture_output() as cap:
+        ip.run_cell_magic("remote", f"--job {name} --host a --cwd work --keep ckpt/ --keep-every 0.2 "
+                                    f"--keep-settle 10s --keep-to {kept} --fallback b {extra} "
+                                    '--resume-arg "--resume {checkpoint}"',
+                          f"python3 train.py {train_args}")
+    return cap.stdout
+
+
+def after_a_cell(ip) -> str:
+    """What the notebook says after the next cell (the hooks that run after each one)."""
+    with capture_output() as cap:
+        ip.run_cell("pass")
+    return cap.stdout
+
+
+def kept_log_has(k, text: str) -> bool:
+    try:
+        return text in Path(k.record["log"]).read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def test_fallback_moves_the_run_to_b_by_itself_and_one_log_shows_each_line_once(ip, machines, tmp_path, monkeypatch):
+    """With the default LOST_AFTER (the time to the move is measured): A goes, with the job;
+    nothing is typed; the run continues on B from the newest kept checkpoint to the result of an
+    uninterrupted run, and `%gpu logs NAME` on B shows A's log as kept here, one seam, B's log."""
+    from gpumagic.remote import keep
+
+    monkeypatch.setattr(keep, "LOG_EVERY", 0.3)
+    servers, proj = machines
+    name = f"mv-standby-{TOKEN}"
+    args = "--steps 60 --every 10 --pause 0.2"
+    out = start_standby(ip, name, tmp_path / "kept", args)
+    assert "standby: if a is lost" in out and "moves to b by itself" in out, out
+    assert move.start_record("a", name)["fallback"] == "b"
+    assert f"job {name}: moves to b by itself if a is lost (--fallback b" in jobs_text(ip, "a")
+    k = ip._gpumagic.fleet.get("a").keepers.get(name)
+    assert wait_until(lambda: len(k.kept) >= 2 and kept_log_has(k, "step 20 loss"), 60), (k.error, k.looks)
+    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
+    lose(servers["a"])
+    lost = time.monotonic()
+    b_log = home(servers["b"]) / ".gpumagic" / "jobs" / name / "log"
+    assert wait_until(lambda: b_log.exists() and "resumed from step" in b_log.read_text(encoding="utf-8"), 120)
+    took = time.monotonic() - lost
+    print(f"\ntime from A's loss to the run continuing on B (--fallback, defaults): {took:.1f} s")
+    assert took <= move.LOST_AFTER + 30, took
+    assert k.done.wait(60)  # the keeper that moved it has finished (and said so)
+    said = after_a_cell(ip)
+    assert f"job {name}: a was lost at " in said and "moved to b by itself (--fallback)" in said, said
+    assert said.count("moved to b by itself") == 1, said  # said once
+    assert "moved to b by itself" not in after_a_cell(ip)
+    b = ip._gpumagic.fleet.get("b")
+    assert b.job(name).wait(timeout=120).state_text == "exited 0", b.job(name).logs(50)
+    result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
+    assert result == uninterrupted(tmp_path, *args.replace("0.2", "0").split())
+    # one log: A's as kept here, one seam line, then B's, each line once
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", f"logs {name} --host b -n 0")
+    shown = cap.stdout
+    seams = [i for i, ln in enumerate(shown.splitlines()) if ln.startswith("--- gpumagic: job")]
+    assert len(seams) == 1, shown
+    before, after = shown.split("--- gpumagic: job", 1)
+    a_log = (home(servers["a"]) / ".gpumagic" / "jobs" / name / "log").read_text(encoding="utf-8")
+    assert "step 1 loss" in before and "step 20 loss" in before and a_log.startswith(before), before
+    assert "--- gpumagic: job" + after == b_log.read_text(encoding="utf-8")
+    assert "moved from a to b" in after.splitlines()[0]
+    # the last lines asked for reach back over the seam, still each once
+    b_lines = b_log.read_text(encoding="utf-8").splitlines()
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", f"logs {name} --host b -n {len(b_lines) + 2}")
+    tail = cap.stdout.splitlines()
+    assert tail[2:] == b_lines and tail[:2] == before.splitlines()[-2:], tail[:4]
+
+
+def test_a_machine_that_comes_back_after_a_standby_move_gets_no_second_copy_and_its_guard_goes(
+        ip, machines, tmp_path, monkeypatch):
+    """A is cut off (its sshd goes; the job goes on there, as behind a broken network): the run
+    moves to B by itself, with its --then-shutdown and A's budget guard.  When A answers again,
+    the next connect stops A's copy of the job and disarms A's guard; nothing starts there."""
+    from conftest import install_shutdown
+
+    from gpumagic.budget.ledger import Ledger
+
+    monkeypatch.setattr(move, "LOST_AFTER", 3.0)
+    monkeypatch.setattr(move, "PROBE_EVERY", 0.5)
+    servers, proj = machines
+    for s in servers.values():
+        install_shutdown(s, '#!/bin/sh\necho "$(date +%s) $*" >> "$HOME/shutdown-calls"\n')
+    name = f"mv-back-{TOKEN}"
+    with capture_output():
+        ip.run_line_magic("gpu", "budget guard --deadline +3h --host a")
+    a = ip._gpumagic.fleet.get("a")
+    assert a.budget_guard_status().state == "armed"
+    try:
+        start_standby(ip, name, tmp_path / "kept", "--steps 1000000 --every 10 --pause 0.05", "--then-shutdown 5")
+        k = a.keepers.get(name)
+        assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
+        lose(servers["a"])  # its sshd and connections; the job (in tmux) runs on
+        a_job = home(servers["a"]) / ".gpumagic" / "jobs" / name
+        b = ip._gpumagic.fleet.get("b")
+        b_log = home(servers["b"]) / ".gpumagic" / "jobs" / name / "log"
+        assert wait_until(lambda: b_log.exists() and "resumed from step" in b_log.read_text(encoding="utf-8"), 60)
+        assert k.done.wait(60)
+        said = after_a_cell(ip)
+        assert "moved to b by itself" in said and "armed the guard of a on b too (deadline " in said, said
+        info = b.job(name).info()
+        assert info.running and info.shutdown_state == "armed", info  # --then-shutdown came along
+        assert b.budget_guard_status().state == "armed"
+        ledger = Ledger()
+        ga, gb = ledger.machine("a").guard, ledger.machine("b").guard
+        assert abs((ga.armed_at + ga.deadline_in) - (gb.armed_at + gb.deadline_in)) < 5  # the same deadline
+        assert not (a_job / "exit_code").exists()  # A's copy still runs there: A is only cut off
+        # A comes back; the next connect sees to it
+        servers["a"].start()
+        with capture_output():
+            ip.run_line_magic("gpu", f"connect {servers['a'].alias} --name a")
+        said = after_a_cell(ip)
+        assert f"a is back: job {name} was still running there; stopped it (it runs on b now)" in said, said
+        assert "a is back: its budget guard was disarmed" in said, said
+        a = ip._gpumagic.fleet.get("a")
+        assert a.job(name).info().state_text == "killed (moved)"
+        assert a.budget_guard_status().state != "armed" and Ledger().machine("a").guard is None
+        assert move.pending_cleanups("a") == []
+        assert "a is back" not in after_a_cell(ip)  # once
+        assert [j.name for j in a.jobs() if j.name == name and j.running] == []  # no second copy started
+        assert b.job(name).info().running and b.budget_guard_status().state == "armed"
+    finally:
+        for n in ("a", "b"):
+            with contextlib.suppress(Exception):
+                ip._gpumagic.fleet.get(n).budget_guard_cancel()
+        with contextlib.suppress(Exception):
+            ip._gpumagic.fleet.get("b").job(name).kill()
+
+
+def test_fallback_is_refused_without_keep_or_a_connected_machine(ip, machines):
+    for line, msg in [("--job fb1 --host a --fallback b", "--fallback b needs --keep DIR"),
+                      ("--job fb1 --host a --keep ckpt/ --fallback a", "--fallback a: the job starts on a itself"),
+                      ("--job fb1 --host a --keep ckpt/ --fallback zz", "--fallback zz: no machine of that name"),
+                      ("--host a --fallback b", "need --job NAME")]:
+        with pytest.raises(UsageError) as e:
+            ip.run_cell_magic("remote", line, "true")
+        assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert move.start_record("a", "fb1") is None  # nothing started

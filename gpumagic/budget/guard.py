@@ -356,3 +356,54 @@ def disarm_machine_guard(machine: MachineLike, ledger: Ledger) -> GuardStatus:
         if machine.name in machines:
             machines[machine.name].guard = None
     return status
+
+
+# -- a job that moved (gpumagic.remote.move) ---------------------------------------------
+
+
+def carry_guard(ledger: Ledger, source_name: str, target: MachineLike, say) -> GuardStatus | None:
+    """Arm on ``target`` the guard armed from here on ``source_name`` (its job moved there):
+    the same idle time and grace, the same deadline (as a time, where it is still ahead), and
+    the limit rule where ``target`` has a limit set.  A guard ``target`` has already is left as
+    it is.  ``say`` hears what was done; returns the new guard's status (None: none armed).
+
+    Raises
+    ------
+    BudgetError
+        No shutdown command can run on ``target`` (with what to do instead).
+    """
+    old = (ledger.machine(source_name) or MachineRecord()).guard
+    if old is None:
+        return None
+    mine = ledger.machine(target.name) or MachineRecord()
+    if mine.guard is not None:
+        say(f"the guard of {target.name} is left as it is (the job's guard on {source_name} is not carried over it)")
+        return None
+    deadline = None
+    if old.deadline_in is not None and old.armed_at is not None:
+        deadline = old.armed_at + old.deadline_in
+        if deadline <= time.time():
+            deadline = None
+    at_limit = old.limit_in is not None and mine.limit is not None and mine.prices is not None
+    if old.idle_s is None and deadline is None and not at_limit:
+        say(f"the guard of {source_name} had nothing left to carry to {target.name} (its deadline "
+            "passed, or a limit rule without a limit set there)")
+        return None
+    status = arm_machine_guard(target, ledger, idle_s=old.idle_s, at_limit=at_limit, deadline=deadline,
+                               grace_s=old.grace_s if old.grace_s is not None else 600)
+    rules = ([f"idle {old.idle_s:g} s"] if old.idle_s is not None else []) + (["at the limit"] if at_limit else []) \
+        + ([f"deadline {time.strftime('%H:%M', time.localtime(deadline))}"] if deadline is not None else [])
+    say(f"armed the guard of {source_name} on {target.name} too ({', '.join(rules)})")
+    return status
+
+
+def disarm_if_armed(machine: MachineLike, ledger: Ledger | None = None) -> bool:
+    """Disarm ``machine``'s guard where one runs there or the ledger has one armed from here
+    (one or two round trips); returns whether one was."""
+    ledger = ledger or Ledger()
+    rec = ledger.machine(machine.name)
+    _, status = read_status(machine)
+    if status.state not in ("armed", "firing") and (rec is None or rec.guard is None):
+        return False
+    disarm_machine_guard(machine, ledger)
+    return True

@@ -543,3 +543,18 @@ def history(machines: Mapping[str, MachineRecord], now: float) -> list[tuple[str
                 totals[(name, day)] = totals.get((name, day), 0.0) + cost * piece / (end - start)
                 t = min(day_end, end)
     return [(m, d, c, currencies.get(m, "")) for (m, d), c in sorted(totals.items())]
+
+
+def note_last_seen(ledger: Ledger, name: str, at: float) -> bool:
+    """``name`` was seen up at ``at`` (epoch s, laptop clock): its latest rental, begun before
+    then, is extended to it (a machine lost after a meter reading is billed until it went).
+    Returns whether a rental was extended."""
+    rec = ledger.machine(name)
+    if rec is None or not rec.rentals:
+        return False
+    with ledger.update() as machines:
+        rental = max(machines[name].rentals, key=lambda s: float(s.start))
+        if float(rental.start) <= at and float(rental.last_seen or 0) < at:
+            rental.last_seen = at
+            return True
+    return False

@@ -32,6 +32,13 @@ such as Hugging Face's ``checkpoint-500/``), dated by its newest file's mtime.
 What was kept and when is recorded in the laptop's gpumagic data directory
 (``keep/MACHINE/JOB.json`` under :func:`gpumagic.budget.ledger.data_dir`), so that
 ``%gpu jobs`` says it after the notebook restarts (:func:`records`).
+
+The job's log is kept too, at most every :data:`LOG_EVERY` seconds and at the last look
+(``keep/MACHINE/JOB.logs/RUN/log``, :func:`pull_log`): after a move, ``%gpu logs NAME`` on the
+new machine shows it before the new log (:mod:`gpumagic.remote.move`).  With a *fallback*
+(:attr:`Keeper.fallback`, ``--fallback b``), a keeper whose machine has not answered for
+:data:`gpumagic.remote.move.LOST_AFTER` seconds, or answers without the job's process, calls it
+once and stops.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .._fs import atomic_write, private_dir
 from ..errors import GpumagicError, JobError, SyncError
@@ -62,6 +69,8 @@ SETTLE = 10.0
 #: The staging folder inside the local folder (the sync engine's destination).
 STAGE = ".gpumagic-keep"
 RECORD_FORMAT = "gpumagic-keep"
+#: Seconds between pulls of the job's log (a look pulls it when this long has passed).
+LOG_EVERY = 5.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,28 @@ def records(machine_name: str) -> list[dict]:
     return sorted(out, key=lambda r: (r.get("started") or 0, r.get("job", "")))
 
 
+def log_folder(machine_name: str, job: str, started: float) -> Path:
+    """Where the log of the run of ``job`` that started at ``started`` is kept here (a
+    folder holding ``log``: the sync engine's destination)."""
+    return record_dir(machine_name) / f"{job}.logs" / f"{int(started * 1000)}"
+
+
+def pull_log(machine: MachineLike, job: str, folder: str | os.PathLike) -> str:
+    """Bring ``folder``/log up to date with the job's log on ``machine`` (the sync engine: only
+    the appended tail travels); returns the local file.
+
+    Raises
+    ------
+    SyncError
+        The job's log is not there; the connection's errors as they come.
+    """
+    from ..sync import engine as sync
+
+    os.makedirs(folder, exist_ok=True)
+    sync.pull(machine, f"~/.gpumagic/jobs/{job}/log", os.fspath(folder) + os.sep, grace=0)  # see look()
+    return os.path.join(folder, "log")
+
+
 # -- judging what is whole ----------------------------------------------------------------------
 
 
@@ -228,6 +259,12 @@ class Keeper:
         self._root: str | None = None
         self._record_path = record_dir(machine.name) / f"{job}.json"
         self.record = self._load()
+        #: Called once, from the keeper's thread, with why and whether the machine answers,
+        #: when the machine is noticed lost
+        #: (``--fallback``: :func:`gpumagic.remote.move.arm_fallback`); the keeper stops then.
+        self.fallback: Callable[[str, bool], None] | None = None
+        self._stopped_by_user = False
+        self._log_pulled = 0.0  # time.monotonic() of the last pull of the job's log
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"gpumagic-keep-{job}")
 
     # -- record ---------------------------------------------------------------------------
@@ -242,9 +279,11 @@ class Keeper:
                 files = old["files"]
         except (OSError, ValueError):
             pass
+        started = time.time()
         return {"format": RECORD_FORMAT, "version": 1, "machine": self.machine.name, "job": self.job,
                 "path": self.options.path, "local": self.to, "every": self.options.every,
-                "last": self.options.last, "started": time.time(), "state": "keeping",
+                "last": self.options.last, "started": started, "state": "keeping",
+                "log": os.path.join(log_folder(self.machine.name, self.job, started), "log"),
                 "last_kept": None, "kept_count": 0, "last_look": None, "error": "", "files": files}
 
     def _save(self) -> None:
@@ -264,6 +303,7 @@ class Keeper:
 
     def stop(self, why: str = "stopped", timeout: float = 10) -> None:
         """Stop looking (safe twice); the record says ``why``."""
+        self._stopped_by_user = True
         self._stop.set()
         self._wake.set()
         self._close_watch()
@@ -286,6 +326,7 @@ class Keeper:
             while not self._stop.is_set():
                 ended = False
                 begun = time.time()
+                was_unreachable = self.unreachable
                 try:
                     self._ensure_watch()
                     ended = self.look()
@@ -293,11 +334,20 @@ class Keeper:
                         self._ensure_watch()  # after the first look, which names the folder
                     self.error = ""
                     self.unreachable = False
+                    if was_unreachable and self.fallback is not None:  # back: rebooted, or the job killed?
+                        gone = move.job_gone(self.machine, self.job)
+                        if gone:
+                            self._lost(gone, answers=True)
+                            return
                 except Exception as e:  # the connection went, a disk filled: said, then tried again
                     self.error = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
                     if isinstance(e, move.UNREACHABLE):  # %gpu jobs counts the machine lost from these
                         self.unreachable = True
                         move.note_failed(self.machine.name, move.why(e), begun)
+                        lost = move.lost_for(self.machine.name) if self.fallback is not None else None
+                        if lost:
+                            self._lost(lost, answers=False)
+                            return
                 with self._lock:
                     if self.record["error"] != self.error:
                         self.record["error"] = self.error
@@ -313,6 +363,17 @@ class Keeper:
         finally:
             self._close_watch()
             self.done.set()
+
+    def _lost(self, why: str, answers: bool) -> None:
+        """The machine is lost: stop looking, then call :attr:`fallback` (once)."""
+        fallback, self.fallback = self.fallback, None
+        with self._lock:
+            self.record["state"] = f"the machine was lost ({why})"
+            with contextlib.suppress(OSError):
+                self._save()
+        self._stop.set()
+        if fallback is not None and not self._stopped_by_user:
+            fallback(why, answers)
 
     def _next_wait(self) -> float:
         """``every``, or sooner when a file written in place will have settled before that,
@@ -417,10 +478,23 @@ class Keeper:
                     take.append(rel)
         return take
 
+    def pull_log(self) -> None:
+        """Bring the job's log kept here up to date (see :func:`pull_log`); a log that is not
+        there (yet) is no error."""
+        self._log_pulled = time.monotonic()
+        with contextlib.suppress(SyncError):
+            pull_log(self.machine, self.job, os.path.dirname(self.record["log"]))
+
     def look(self) -> bool:
         """List the folder, pull what is whole, keep what is still whole after the pull, drop
-        the oldest beyond ``last``.  Returns True once the job has ended and its last files
-        are kept."""
+        the oldest beyond ``last``; the job's log every :data:`LOG_EVERY` seconds, and at the
+        end.  Returns True once the job has ended and its last files are kept."""
+        ended = self._look()
+        if ended or time.monotonic() - self._log_pulled >= LOG_EVERY:
+            self.pull_log()
+        return ended
+
+    def _look(self) -> bool:
         from ..sync import engine as sync
 
         listing = self._list()
@@ -433,7 +507,9 @@ class Keeper:
             staged = os.path.join(self.stage, *rel.split("/"))
             os.makedirs(os.path.dirname(staged), exist_ok=True)
             try:
-                sync.pull(self.machine, f"{listing.root}/{rel}", os.path.dirname(staged) + os.sep)
+                # grace=0: a cut pull is not waited on for minutes; the next look takes it up,
+                # and a machine that went is counted lost in time (LOST_AFTER)
+                sync.pull(self.machine, f"{listing.root}/{rel}", os.path.dirname(staged) + os.sep, grace=0)
             except SyncError as e:  # gone since the listing (a script that keeps its last 3): the rest goes on
                 failed.append((rel, e.message))
         after = self._list()  # what was read is whole only if nothing wrote it meanwhile

@@ -33,6 +33,17 @@ folder goes to the same working directory on the other machine, then the newest 
 checkpoint into the same checkpoint folder; the command starts there under the same name with
 the same options, its resume argument filled in (``--resume {checkpoint}`` -> the path
 there), ``GPUMAGIC_RESUME`` set to that path, and a first log line that marks the seam.
+What the job arranged for its machine follows it (:func:`_follow_rules`): ``--then-shutdown``
+(an option of the job), and a budget guard armed from here on the old machine is armed on the
+new one (:func:`gpumagic.budget.guard.carry_guard`); the ledger keeps the old machine's
+rental up to the last time it answered.  The new start record names the logs of the earlier
+runs as kept here (``earlier_logs``), so ``%gpu logs NAME`` shows one log (:func:`earlier_log`).
+
+A standby (:func:`arm_fallback`, ``%%remote --job NAME --keep DIR --fallback b``): the job's
+keeper, once it has found the machine lost, moves the job to ``b`` by itself (:func:`standby_move`).
+A machine a job moved away from is *cleaned* on the next connect to it
+(:func:`clean_after_move`): the old job, if it still runs there, is stopped (no second copy),
+and its budget guard disarmed.
 """
 
 from __future__ import annotations
@@ -283,6 +294,29 @@ def list_or_lost(machine: MachineLike, say: Callable[[str], None] = print) -> li
         return infos
 
 
+def lost_for(machine_name: str) -> str | None:
+    """Why ``machine_name`` counts as lost (``unreachable 31 s: connection refused``) once
+    every attempt to reach it has failed for :data:`LOST_AFTER` seconds; else None."""
+    r = reach(machine_name)
+    if not r["failing_since"]:
+        return None
+    streak = time.time() - r["failing_since"]
+    return f"unreachable {_span(streak)}: {r['why']}" if streak >= LOST_AFTER else None
+
+
+def job_gone(machine: MachineLike, name: str) -> str | None:
+    """Why job ``name`` is gone from a machine that answers (its folder, or its process without
+    an exit code: the machine rebooted), or None while it runs or ended by itself (one round trip)."""
+    from .jobs import list_jobs
+
+    found = list_jobs(machine, only=name)
+    if not found:
+        return "the machine answers, but the job's folder is gone"
+    if found[0].state == "lost":
+        return "the machine answers, but the job's process is gone without an exit code"
+    return None
+
+
 # -- what %gpu jobs says --------------------------------------------------------------------------
 
 
@@ -375,6 +409,9 @@ def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float
         if rec.get("ended"):
             continue
         if isinstance(found, Unreachable):
+            if rec.get("fallback"):
+                lines.append(f"job {name}: --fallback {rec['fallback']}: it moves there by itself once "
+                             "its keeper finds the machine lost")
             alive = [t for t in (found.last_seen, _last_alive(rec), rec.get("started")) if t]
             lost_at = min(max(alive), found.since) if alive else found.since  # never after the first failure
             lines.append(lost_line(rec, lost_at, f"unreachable {_span(now - lost_at)}: {found.why}"))
@@ -382,6 +419,9 @@ def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float
         info = next((i for i in found if i.name == name), None)
         if info is not None and info.running:
             update_start(machine_name, name, seen_running=now)
+            if rec.get("fallback"):
+                lines.append(f"job {name}: moves to {rec['fallback']} by itself if {machine_name} is lost "
+                             f"(--fallback {rec['fallback']}, while this notebook runs)")
         elif info is not None and info.state != "lost":
             update_start(machine_name, name, ended=info.state_text)
         else:
@@ -458,29 +498,52 @@ def _final_pull_and_stop(source: MachineLike, name: str, say: Callable[[str], No
     Job(source, name).kill("moved")
 
 
-def _check_source(source: MachineLike | None, name: str, yes: bool, same: bool,
-                  say: Callable[[str], None]) -> None:
+def _final_log(source: MachineLike, rec: dict) -> str | None:
+    """Pull the job's log from ``source`` a last time (where its keeper keeps it, or beside the
+    start record); returns the local file, or None when it could not be had."""
+    from .keep import log_folder, pull_log
+
+    name = rec["job"]
+    k = source.keepers.get(name)
+    keep_rec = next((r for r in keep_records(source.name) if r.get("job") == name), None)
+    if k is not None:
+        folder = os.path.dirname(k.record["log"])
+    elif keep_rec and keep_rec.get("log") and (keep_rec.get("started") or 0) >= (rec.get("started") or 0) - 5:
+        folder = os.path.dirname(keep_rec["log"])
+    else:
+        folder = os.fspath(log_folder(source.name, name, rec.get("started") or time.time()))
+    try:
+        return pull_log(source, name, folder)
+    except Exception:  # the log is a convenience: the move goes on without it
+        return None
+
+
+def _check_source(source: MachineLike | None, rec: dict, yes: bool, same: bool,
+                  say: Callable[[str], None]) -> tuple[bool, str | None]:
     """Whether the job may move from ``source`` (None: not connected here): refused while it
-    runs there without ``yes`` (or always, for a resume); with ``yes`` stopped there first."""
+    runs there without ``yes`` (or always, for a resume); with ``yes`` stopped there first.
+    Returns whether ``source`` answered, and the job's log there as pulled here a last time
+    (None when it could not be)."""
     from .jobs import list_jobs
 
+    name = rec["job"]
     if source is None:
-        return
+        return False, None
     try:
         found = list_jobs(source, only=name)
     except UNREACHABLE as e:
         note_failed(source.name, why(e))
         if not same:
             say(f"{source.name} does not answer ({why(e)}): job {name} could not be stopped there; "
-                f"if {source.name} comes back, `%gpu kill {name} --host {source.name}`")
-        return
+                f"it is stopped when {source.name} is connected again")
+        return False, None
     note_seen(source.name)
     info = found[0] if found else None
     if info is None or not info.running:
         if info is not None and info.state == "exited" and info.exit_code == 0:
             raise JobError(f"job {name} ended on {source.name} (exited 0); there is nothing to "
                            "continue", "start a new job with `%%remote --job NAME`")
-        return
+        return True, _final_log(source, rec)
     if same:
         raise JobError(f"job {name} is still running on {source.name}; there is nothing to resume",
                        f"`%gpu logs {name} --follow` watches it")
@@ -489,6 +552,7 @@ def _check_source(source: MachineLike | None, name: str, yes: bool, same: bool,
                        f"(after a last checkpoint pull) and move it")  # one line: it says what to do
     _final_pull_and_stop(source, name, say)
     say(f"stopped job {name} on {source.name} after a last look at its checkpoints")
+    return True, _final_log(source, rec)
 
 
 def _push_state(target: MachineLike, rec: dict, src: str | None,
@@ -542,7 +606,7 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dic
         Still running without ``yes``; a resume of a job that runs; a folder that is missing.
     """
     same = source is target
-    _check_source(source, name, yes, same, say)
+    reached, last_log = _check_source(source, rec, yes, same, say)
     keep = rec.get("keep") or None
     if source is not None and not same:
         k = source.keepers.get(name)
@@ -561,12 +625,161 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dic
     elif keep:
         say(f"--torchrun: the checkpoints of job {name} are not kept on {target.name} (--keep is not yet "
             "for torchrun jobs)")
+    logs = _earlier_logs(rec, last_log)
     job = target.start_job(name, resumed_command(rec, checkpoint, seam), options, keep=keep_options,
                            **({"torchrun": torchrun} if torchrun is not None else {}))
     now = time.time()
     if not same:
-        update_start(rec["machine"], name, moved_to=target.name, moved_at=now)
+        # not reached: what it may still run, and its guard, are seen to when it is connected again
+        update_start(rec["machine"], name, moved_to=target.name, moved_at=now,
+                     cleanup=None if reached else "pending")
     update_start(target.name, name, command=rec["command"], src=src or rec.get("src"),
                  moved_from=None if same else rec["machine"], checkpoint=named, resumed_at=now,
+                 earlier_logs=logs, seam=seam,
                  options={**rec.get("options", {}), "env": dict(rec.get("options", {}).get("env") or {})})
+    if not same:
+        _follow_rules(rec["machine"], target, say)
     return job
+
+
+def _earlier_logs(rec: dict, last_log: str | None) -> list[str]:
+    """The logs kept here of the runs before this one: the earlier runs' (``earlier_logs`` of
+    the record), then the log of the run that is moved (``last_log``: pulled a last time; else
+    as its keeper kept it)."""
+    logs = [p for p in rec.get("earlier_logs") or [] if isinstance(p, str)]
+    if last_log:
+        return logs + [last_log]
+    keep_rec = next((r for r in keep_records(rec["machine"]) if r.get("job") == rec["job"]), None)
+    mine = (keep_rec or {}).get("log")
+    if mine and os.path.isfile(mine) and (keep_rec or {}).get("started", 0) >= (rec.get("started") or 0) - 5:
+        logs.append(mine)
+    return logs
+
+
+def earlier_log(machine_name: str, name: str, lines: int | None) -> str:
+    """The last ``lines`` lines (None: all) of the logs kept here of the runs of job ``name``
+    before the one on ``machine_name`` (``""`` when it was not moved or resumed, or none was
+    kept); each ends with a newline, so the new log's first line (the seam) follows on its own."""
+    rec = start_record(machine_name, name)
+    if not rec or not rec.get("earlier_logs") or lines == 0:
+        return ""
+    parts = []
+    for path in rec["earlier_logs"]:
+        try:
+            with open(path, encoding="utf-8", errors="replace", newline="") as f:
+                text = f.read()
+        except OSError:
+            continue
+        parts.append(text if not text or text.endswith("\n") else text + "\n")
+    text = "".join(parts)
+    if lines is None:
+        return text
+    kept = text.splitlines(keepends=True)[-lines:]
+    return "".join(kept)
+
+
+def _follow_rules(source_name: str, target: MachineLike, say: Callable[[str], None]) -> None:
+    """After a move from ``source_name``: its rental kept in the ledger up to the last time it
+    answered, ``target``'s begun, and a guard armed from here on ``source_name`` armed on
+    ``target`` too (never raises: each failure is said)."""
+    from ..budget import guard as budget_guard
+    from ..budget.ledger import Ledger, note_last_seen
+
+    try:
+        ledger = Ledger()
+        last = reach(source_name)["last_seen"]
+        if last:
+            note_last_seen(ledger, source_name, last)
+        rec = ledger.machine(target.name)
+        if rec is not None and rec.prices is not None:
+            target.budget_meter(ledger=ledger)  # its rental starts in the ledger now
+        budget_guard.carry_guard(ledger, source_name, target, say)
+    except Exception as e:  # the move is done; what follows it is said, never raised
+        say(f"the budget rules of {source_name} did not follow the job to {target.name}: "
+            f"{getattr(e, 'message', None) or e}")
+
+
+# -- a standby machine, and the machine a job left ---------------------------------------------
+
+_moving = threading.Lock()  # a standby move and a typed one never run at once
+
+
+def arm_fallback(keeper, name: str, target: Callable[[], MachineLike],
+                 say: Callable[[str], None]) -> None:
+    """Make ``keeper`` (the :class:`~gpumagic.remote.keep.Keeper` of job ``name``) move the job
+    to ``target()`` (the connected fallback machine, looked up when it is needed) by itself
+    once it finds its machine lost; ``say`` hears what happened (from the keeper's thread)."""
+    source = keeper.machine
+    keeper.fallback = lambda why, answers: standby_move(source if answers else None, source.name, target, name,
+                                                        why, say)
+
+
+def standby_move(source: MachineLike | None, source_name: str, target: Callable[[], MachineLike], name: str,
+                 why: str, say: Callable[[str], None]) -> Job | None:
+    """Move job ``name`` from the lost machine ``source_name`` (``source``: the machine, where it
+    still answers, for a last pull of the log) to the fallback (see :func:`arm_fallback`); never
+    raises: a failure is said, with the command that tries again."""
+    begun = time.time()
+    with _moving:
+        rec = start_record(source_name, name)
+        if rec is None or rec.get("moved_to") or rec.get("ended"):
+            return None  # moved already (by hand), or it ended
+        fallback = rec.get("fallback") or "?"
+        said: list[str] = []
+        try:
+            machine = target()
+            job = move(source, machine, name, rec=rec, say=said.append)
+        except Exception as e:
+            say(f"job {name}: {source_name} was lost ({why}), and the move to {fallback} failed: "
+                f"{getattr(e, 'message', None) or e}; `%gpu job move {name} --to {fallback}` tries again")
+            return None
+        took = time.time() - begun
+        rec = start_record(machine.name, name) or {}
+        start = f"from checkpoint {rec['checkpoint']}" if rec.get("checkpoint") else "from the beginning"
+        say(f"job {name}: {source_name} was lost at {_clock(begun)} ({why}); moved to {machine.name} by "
+            f"itself (--fallback) and started there {start} ({took:.0f} s); "
+            f"`%gpu logs {name} --host {machine.name}` shows one log")
+        for line in said:
+            if line.startswith(("the budget", "armed", "the guard", "no checkpoint")):
+                say(f"  {line}")
+        return job
+
+
+def pending_cleanups(machine_name: str) -> list[dict]:
+    """The start records of jobs that moved away from ``machine_name`` and whose old copy has
+    not been seen to (:func:`clean_after_move`) since."""
+    return [r for r in start_records(machine_name) if r.get("moved_to") and r.get("cleanup") == "pending"]
+
+
+def clean_after_move(machine: MachineLike, say: Callable[[str], None]) -> int:
+    """On a machine that answers again after its jobs moved away: each moved job that still runs
+    there is stopped (the run goes on elsewhere: no second copy), and a budget guard armed
+    there is disarmed (the guard went with the job).  Returns the jobs seen to; never starts one.
+
+    Raises
+    ------
+    Exception
+        The machine's errors (not answering...): it is tried again at a later connect.
+    """
+    from ..budget.guard import disarm_if_armed
+    from .jobs import Job, list_jobs
+
+    todo = pending_cleanups(machine.name)
+    if not todo:
+        return 0
+    found = {i.name: i for i in list_jobs(machine)}
+    note_seen(machine.name)
+    for rec in todo:
+        name, where = rec["job"], rec["moved_to"]
+        info = found.get(name)
+        if info is not None and info.running:
+            k = machine.keepers.get(name)
+            if k is not None:
+                k.stop(f"the job moved to {where}")
+            Job(machine, name).kill("moved")
+            say(f"{machine.name} is back: job {name} was still running there; stopped it (it runs on {where} now)")
+        update_start(machine.name, name, cleanup="done")
+    if disarm_if_armed(machine):
+        say(f"{machine.name} is back: its budget guard was disarmed (it went with the job to "
+            f"{', '.join(sorted({r['moved_to'] for r in todo}))})")
+    return len(todo)

@@ -56,7 +56,7 @@ from ._output import OutputCap
 from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
 from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
 from .gpu import _doctor, _fit, _status
-from .jobs import JOB, _attach, _jobs, _kill, _logs, _remote_job, keep_given
+from .jobs import JOB, _attach, _jobs, _kill, _logs, _moves_post_run_cell, _remote_job, keep_given
 from .keys import _add_host, _install_key, _keygen, show_public_key
 from .net import PROXY, _mirrors
 from .sync import _sync
@@ -151,8 +151,9 @@ class GpuMagics(Magics):
         self.closed = False
         #: (event, callback) registered with ``shell.events``, unregistered by :meth:`close`
         self._hooks: list[tuple[str, Callable]] = []
-        if shell is not None:  # budget alerts and tunnel errors after each cell
-            for hook in (_budget_post_run_cell(self), _tunnel_faults_post_run_cell(self)):
+        if shell is not None:  # budget alerts, tunnel errors and moved jobs after each cell
+            for hook in (_budget_post_run_cell(self), _tunnel_faults_post_run_cell(self),
+                         _moves_post_run_cell(self)):
                 shell.events.register("post_run_cell", hook)
                 self._hooks.append(("post_run_cell", hook))
 
@@ -230,6 +231,9 @@ class GpuMagics(Magics):
     @argument("--resume-arg", metavar="ARGS",
               help='with --job: what `%%gpu job move|resume` adds to the command to continue from a '
                    'checkpoint, {checkpoint} standing for its path, e.g. "--resume {checkpoint}"')
+    @argument("--fallback", metavar="MACHINE",
+              help="with --job and --keep: a connected machine the job moves to by itself if this "
+                   "one is lost (as `%%gpu job move NAME --to MACHINE` would), while this notebook runs")
     @argument_group("torchrun and fan-out (with --job NAME)",
                     "One training run over the GPUs of one or more machines, or one job per machine.")
     @argument("--torchrun", metavar="N|auto",
@@ -266,7 +270,7 @@ class GpuMagics(Magics):
 
             return torchrun_cell(self, args, cell)
         if (args.job is not None or args.stop_on or args.then_shutdown is not None or args.no_alerts
-                or keep_given(args) or args.resume_arg is not None):
+                or keep_given(args) or args.resume_arg is not None or args.fallback is not None):
             return _remote_job(self, args, cell)
         machine = self.fleet.get(args.host)
         echo = OutputCap(self.max_display_bytes)

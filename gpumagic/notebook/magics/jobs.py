@@ -35,8 +35,8 @@ _KEEP_OPTIONS = {"--keep-every": "keep_every", "--keep-to": "keep_to", "--keep-l
 
 
 def keep_given(args) -> bool:
-    """Whether the line gave ``--keep`` or one of its options."""
-    return getattr(args, "keep", None) is not None or any(
+    """Whether the line gave ``--keep`` or one of its options (``--fallback`` among them)."""
+    return getattr(args, "keep", None) is not None or getattr(args, "fallback", None) is not None or any(
         getattr(args, a, None) is not None for a in _KEEP_OPTIONS.values())
 
 
@@ -75,7 +75,7 @@ def job_options(args, **changes) -> JobOptions:
 def _remote_job(magics: GpuMagics, args, cell: str):
     """``%%remote --job NAME ...``: start the cell detached and return at once."""
     if args.job is None:
-        raise UsageError("--stop-on, --then-shutdown, --no-alerts, --keep and --resume-arg need --job NAME "
+        raise UsageError("--stop-on, --then-shutdown, --no-alerts, --keep, --resume-arg and --fallback need --job NAME "
                          "(e.g. --job train --keep ckpt/)")
     if not NAME_RE.fullmatch(args.job):
         raise UsageError(f"--job {args.job!r}: use letters, digits, '-' and '_' (e.g. --job train-1)")
@@ -84,17 +84,94 @@ def _remote_job(magics: GpuMagics, args, cell: str):
     options = job_options(args)
     keep = keep_options(args)
     machine = magics.fleet.get(args.host)
+    fallback = _fallback(magics, args, keep, machine.name)
     job = machine.start_job(args.job, cell, options, keep=keep)
+    if fallback is not None and job.keeper is not None:
+        move.update_start(machine.name, args.job, fallback=fallback)
+        move.arm_fallback(job.keeper, args.job, lambda: magics.fleet.get(fallback), _events(magics).append)
     if job.note and job.runner not in machine.notes_shown:
         machine.notes_shown.add(job.runner)
         print(job.note)
     print(job_started(job, machine.name))
     if job.keeper is not None:
         print(keep_started(job.keeper))
+    if fallback is not None:
+        print(f"standby: if {machine.name} is lost (no answer for {move.LOST_AFTER:g} s, or the job's process "
+              f"gone), job {args.job} moves to {fallback} by itself, while this notebook runs")
     if args.then_shutdown is not None and machine.is_this_computer:
         print(SANDBOX_SHUTDOWN_NOTE)
     if args.out:
         magics.shell.user_ns[args.out] = job
+
+
+def _fallback(magics: GpuMagics, args, keep: KeepOptions | None, here: str) -> str | None:
+    """The ``--fallback`` machine's name (checked: connected, not the job's own; with --keep)."""
+    name = getattr(args, "fallback", None)
+    if name is None:
+        return None
+    if keep is None:
+        raise UsageError(f"--fallback {name} needs --keep DIR: the job moves from its newest checkpoint "
+                         "kept here (e.g. --keep ckpt/ --resume-arg \"--resume {checkpoint}\")")
+    if name == here:
+        raise UsageError(f"--fallback {name}: the job starts on {here} itself; name another connected machine")
+    if name not in magics.fleet.machines:
+        known = ", ".join(sorted(m for m in magics.fleet.machines if m != here)) or "none"
+        raise UsageError(f"--fallback {name}: no machine of that name is connected (others connected: {known}); "
+                         f"`%gpu connect ALIAS --name {name}` first")
+    return name
+
+
+def _events(magics: GpuMagics) -> list[str]:
+    """What happened to jobs in the background (a move by --fallback, a machine cleaned after a
+    move), said after the next cell (:func:`_moves_post_run_cell`)."""
+    events = getattr(magics, "_job_events", None)
+    if events is None:
+        events = magics._job_events = []
+    return events
+
+
+def _moves_post_run_cell(magics: GpuMagics):
+    """After each cell: say what the standby keepers did (``--fallback``), and see to the
+    machines that jobs moved away from once they are connected again
+    (:func:`gpumagic.remote.move.clean_after_move`: in a thread, waited for a few seconds)."""
+    import threading
+
+    tried: dict[str, tuple[int, int, float]] = {}  # machine -> (id, opened_count, when) of the last try
+
+    def clean(m) -> None:
+        try:
+            move.clean_after_move(m, _events(magics).append)
+        except move.UNREACHABLE:  # it did not answer after all: tried again later
+            pass
+        except Exception as e:  # tried again at a later connect
+            _events(magics).append(f"gpumagic: could not see to the jobs that moved away from {m.name}: "
+                                   f"{getattr(e, 'message', None) or e} (tried again when it is connected again)")
+
+    def hook(*_):
+        if magics.closed:  # the extension was unloaded (see GpuMagics.close)
+            return
+        threads = []
+        for name, m in list(magics.fleet.machines.items()):
+            if not m.is_connected or not move.pending_cleanups(name):
+                continue
+            key = (id(m), m.connection.opened_count)
+            last = tried.get(name)
+            if last is not None and last[:2] == key and time.monotonic() - last[2] < move.LOST_AFTER:
+                continue
+            tried[name] = (*key, time.monotonic())
+            t = threading.Thread(target=clean, args=(m,), daemon=True, name=f"gpumagic-clean-{name}")
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(CLEAN_WAIT)
+        events = _events(magics)
+        while events:
+            print(events.pop(0))
+    return hook
+
+
+#: Seconds the cell hook waits for a machine's cleaning after a move (the rest is said later).
+CLEAN_WAIT = 10.0
 
 
 def _show_alerts(info, alerts=None) -> None:
@@ -133,10 +210,23 @@ def _jobs(magics: GpuMagics, line: str):
         print(keep_line(rec, live=k is not None and k.running))
 
 
+def _with_earlier(machine_name: str, name: str, text: str, lines: int | None) -> str:
+    """``text`` (the last ``lines`` lines of the job's log there) after the logs kept here of
+    its runs before a move or resume, so that ``lines`` lines (None: all) of one log show."""
+    count = len(text.splitlines())
+    if lines is not None and count >= lines:
+        return text
+    return move.earlier_log(machine_name, name, None if lines is None else lines - count) + text
+
+
 def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:
     machine = magics.fleet.get(host)
     job = machine.job(_job_name(name))
     before = job.info()
+    if move.earlier_log(machine.name, name, 1):  # a moved job: its runs before first, as one log
+        shown = job.logs(lines)
+        print(move.earlier_log(machine.name, name, None if lines is None else max(0, lines - len(shown.splitlines()))),
+              end="")
     seen: set[str] = set()
 
     def alert(a):
@@ -172,6 +262,7 @@ def _logs(magics: GpuMagics, line: str):
     machine = magics.fleet.get(args.host)
     job = machine.job(_job_name(args.name))
     text = job.logs(lines)
+    text = _with_earlier(machine.name, args.name, text, lines)
     print(text, end="" if text.endswith("\n") or not text else "\n")
     info = job.info()
     if info.alerts_enabled:
