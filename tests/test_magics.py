@@ -448,3 +448,26 @@ def test_unload_ext_removes_the_hooks_and_closes_the_machines(ip):
     assert [len(_hooks(ip, p)) for p in HOOKS] == [1, 1]
     ip.run_line_magic("gpu", "connect testgpu")
     assert ip.run_cell_magic("remote", "--out r", "echo back") is None and ip.user_ns["r"].stdout == "back\n"
+
+
+@pytest.mark.parametrize("line, value", [
+    ('--job r1 --keep ckpt/ --resume-arg "--resume={checkpoint}"', "--resume={checkpoint}"),
+    ('--job r1 --keep ckpt/ --resume-arg --resume', "--resume"),
+    ('--job r1 --keep ckpt/ --resume-arg "--resume {checkpoint}"', "--resume {checkpoint}"),
+    ('--job r1 --keep ckpt/ --resume-arg="--resume={checkpoint}"', "--resume={checkpoint}"),
+])
+def test_an_option_value_that_starts_with_a_dash_is_the_options_value(line, value):
+    # a user's trial: argparse read "--resume={checkpoint}" as an option ("expected one argument")
+    from gpumagic.notebook.magics import GpuMagics
+    from gpumagic.notebook.magics._args import parse
+
+    args = parse(GpuMagics.remote, line, cell=True)
+    assert args.resume_arg == value and args.job == "r1" and args.keep == "ckpt/"
+
+
+def test_an_option_missing_its_value_before_another_option_is_still_an_error():
+    from gpumagic.notebook.magics import GpuMagics
+    from gpumagic.notebook.magics._args import parse
+
+    with pytest.raises(UsageError, match="--cwd: expected one argument"):
+        parse(GpuMagics.remote, "--cwd --job r1", cell=True)

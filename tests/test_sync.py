@@ -869,3 +869,15 @@ def test_the_sync_magic_hands_its_flags_as_one_object(ip, monkeypatch, tmp_path)
         ip.run_line_magic("gpu", f"sync {tmp_path}/ :x --delete --exclude '*.pt' --checksum --no-compress")
     assert got["options"] == SyncOptions(delete=True, exclude=("*.pt",), checksum=True, compress=False)
     assert set(got["kw"]) == {"progress"}
+
+
+def test_progress_false_is_no_progress_and_a_non_callable_is_a_clear_error(machine, tmp_path):
+    # a user's trial: progress=False failed deep inside the engine ('bool' object is not callable)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n", encoding="utf-8")
+    s = machine.push(f"{src}/", str(tmp_path / "remote"), progress=False)
+    assert s.files_sent == 1 and (tmp_path / "remote" / "a.txt").read_text(encoding="utf-8") == "a\n"
+    assert machine.pull(f"{tmp_path / 'remote'}/", str(tmp_path / "back"), progress=None).files_sent == 1
+    with pytest.raises(TypeError, match=r"^progress must be a callable that takes a SyncProgress"):
+        machine.push(f"{src}/", str(tmp_path / "remote"), progress="yes")

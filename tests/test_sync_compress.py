@@ -183,7 +183,7 @@ def test_flag_then_ssh_config_then_the_link_decide(caplog):
     assert level == 0 and why.startswith("uncompressed (auto: a round trip takes 0.4 ms")
     level, why = sync.decide_compression(m, None, 0.040)
     assert level == sync.LEVEL == agent.XZ
-    assert why.startswith("xz -0 (normal mode) (auto: a round trip takes 40.0 ms")
+    assert why.startswith("xz (normal mode) (auto: a round trip takes 40.0 ms")
     # a machine whose python3 has no lzma gets zlib, as does a laptop without it
     assert sync.decide_compression(m, None, 0.040, reads_xz=False)[1].startswith("zlib 6 (auto")
     assert sync.decide_compression(_fake_machine(False), None, 0.040) == (
@@ -191,7 +191,18 @@ def test_flag_then_ssh_config_then_the_link_decide(caplog):
     assert sync.decide_compression(_fake_machine(True), None, 0.0001)[0] == sync.LEVEL
     assert sync.decide_compression(_fake_machine(False), True, 0.040)[0] == sync.LEVEL  # the flag wins
     assert [r.getMessage() for r in caplog.records][:2] == [
-        "sync with gpu: xz -0 (normal mode) (--compress)", "sync with gpu: uncompressed (--no-compress)"]
+        "sync with gpu: xz (normal mode) (--compress)", "sync with gpu: uncompressed (--no-compress)"]
+
+
+def test_the_connections_probed_round_trip_overrules_a_slow_channel_opening():
+    # a user's trial: the first sync over loopback went compressed (its one channel opened
+    # slowly on a loaded machine); the connection's probes said 0.5 ms
+    m = _fake_machine()
+    m.connection = SimpleNamespace(rtt=0.0005)
+    level, why = sync.decide_compression(m, None, 0.040)
+    assert level == 0 and why.startswith("uncompressed (auto: a round trip takes 0.5 ms")
+    m.connection = SimpleNamespace(rtt=0.040)  # a slow link stays slow
+    assert sync.decide_compression(m, None, 0.041)[0] == sync.LEVEL
 
 
 def test_without_lzma_on_this_computer_streams_are_zlib(monkeypatch):

@@ -280,6 +280,12 @@ class Connection:
             return self
 
     @property
+    def rtt(self) -> float | None:
+        """The smoothed round trip of this path's probes (seconds), None before the first."""
+        path = self._path
+        return path.rtt if path is not None else None
+
+    @property
     def fresh(self) -> bool:
         """True when the connection is up and a packet came from the machine within
         :data:`FRESH` seconds: :meth:`ensure_alive` returns at once, sending nothing."""

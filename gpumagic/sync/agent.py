@@ -1614,9 +1614,9 @@ def _unpack(kind, body):
 
 
 def codec_name(level):
-    """How ``level`` reads in a summary: ``zlib 6``, ``xz -0``, ``xz -0 (normal mode)``."""
+    """How ``level`` reads in a summary: ``zlib 6``, ``xz -0``, ``xz (normal mode)``."""
     if level == XZ:
-        return "xz -0 (normal mode)"
+        return "xz (normal mode)"
     return "xz -0" if level == XZ_FAST else "zlib %d" % level
 
 

@@ -946,8 +946,9 @@ def decide_compression(machine, compress: bool | None, rtt: float | None,
 
     ``compress`` (``--compress``/``--no-compress``) decides first, then ``Compression
     yes``/``no`` of the host's ssh config (``machine.spec.compression``), then ``auto``: a
-    connection whose channel opened within :data:`FAST_LINK_RTT` s (``rtt``, one round
-    trip; measured with a keepalive request when None) is loopback or a LAN, faster than
+    connection whose round trip is within :data:`FAST_LINK_RTT` s (``rtt``, the time its
+    channel took to open, or its probes' smoothed round trip where smaller; a keepalive
+    request's when neither is known) is loopback or a LAN, faster than
     zlib, and goes uncompressed; any other is compressed.  A compressed stream starts at
     :data:`LEVEL` (xz) when both ends have Python's ``lzma`` (``reads_xz``: the reader on
     the machine, for a push), else at zlib :data:`ZLIB_LEVEL`, and its writer steps the
@@ -961,6 +962,9 @@ def decide_compression(machine, compress: bool | None, rtt: float | None,
         level = top if on else 0
         why = f"Compression {'yes' if on else 'no'} in the ssh config of {machine.spec.alias}"
     else:
+        probed = getattr(getattr(machine, "connection", None), "rtt", None)
+        if probed is not None:  # one channel's opening is one noisy sample (a loaded machine)
+            rtt = probed if rtt is None else min(rtt, probed)
         if rtt is None:
             rtt = _round_trip(machine)
         ms = f"{rtt * 1000:.1f} ms"
@@ -1296,7 +1300,18 @@ def push(machine, src: str, dst: str, options: SyncOptions | None = None, *,
     options = (options or SyncOptions()).with_(**shortcuts)
     if options.rename_clashes:
         raise TypeError("rename_clashes is for a pull (the machine's names written here)")
-    return _sync("push", machine, src, dst, options, progress)
+    return _sync("push", machine, src, dst, options, _progress_callback(progress))
+
+
+def _progress_callback(progress) -> ProgressCallback | None:
+    """``progress`` as :func:`push` and :func:`pull` take it: a callable, or None/False for
+    none (``progress=False`` reads as "no progress", as it does for tqdm's ``disable``)."""
+    if progress is None or progress is False:
+        return None
+    if not callable(progress):
+        raise TypeError(f"progress must be a callable that takes a SyncProgress, or None/False "
+                        f"for none (got {progress!r})")
+    return progress
 
 
 @dataclass
@@ -2148,7 +2163,8 @@ def pull(machine, src: str, dst: str, options: SyncOptions | None = None, *,
     ConfigError, SyncError, SyncDiskFull, SyncPermissionDenied, ConnectionLost, KeyboardInterrupt
         As for :func:`push`.
     """
-    return _sync("pull", machine, src, dst, (options or SyncOptions()).with_(**shortcuts), progress)
+    return _sync("pull", machine, src, dst, (options or SyncOptions()).with_(**shortcuts),
+                 _progress_callback(progress))
 
 
 def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing:

@@ -316,6 +316,26 @@ def returns_after_help(magic):
     return run
 
 
+def _glue_dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--opt -x`` as ``--opt=-x`` where ``--opt`` takes one value and ``-x`` is none of the
+    parser's options: argparse reads every word that starts with ``-`` as an option, so
+    ``--resume-arg "--resume={checkpoint}"`` failed with "expected one argument"."""
+    known = {s for a in parser._actions for s in a.option_strings}
+    takes_one = {s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings}
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in takes_one:
+            value = next(words, None)
+            if value is not None and value.startswith("-") and value.split("=", 1)[0] not in known:
+                word = f"{word}={value}"
+            elif value is not None:
+                out.append(word)
+                word = value
+        out.append(word)
+    return out
+
+
 def parse(fn, line: str, name: str | None = None, *, cell: bool = False) -> argparse.Namespace:
     """Parse ``line`` with ``fn``'s magic_arguments parser.
 
@@ -335,7 +355,7 @@ def parse(fn, line: str, name: str | None = None, *, cell: bool = False) -> argp
         print("usage: " + text)
         raise HelpShown
     try:
-        args = fn.parser.parse_args(argv)
+        args = fn.parser.parse_args(_glue_dashed_values(fn.parser, argv))
     except SystemExit:  # argparse after printing --help
         raise HelpShown from None
     for action in fn.parser._actions:  # Python < 3.12 parses `--host=--` as the value []

@@ -499,8 +499,9 @@ def _autorun(magics, line: str):
     k = _get(magics, args.host, _name(args.name), start=True)
     shell.input_transformers_cleanup.append(Autorun(k.machine.name, k.name))
     print(f"autorun is on: every following code cell runs in session {k.name} on {k.machine.name}; "
-          "cells starting with % or ! run here (but %matplotlib, %config InlineBackend and "
-          "autoreload's magics go there with their cell); `%gpu kernel autorun off` ends it")
+          "cells starting with % or ! run here (but %matplotlib, %config InlineBackend, "
+          "autoreload's magics and %time, %timeit, %prun go there with their cell); "
+          "`%gpu kernel autorun off` ends it")
 
 
 #: ``%gpu kernel SUB``: name -> (function, summary, usage).
