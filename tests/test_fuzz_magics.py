@@ -84,6 +84,9 @@ VALUES = {
     "--retries": ["0", "1"], "--backoff": ["0", "0.1"], "--local": ["1", "18765"], "--remote-port": ["18766", "18767"],
     "--keep": ["ckpt/", "rsrc"], "--keep-every": ["5m", "0.5", "30s"], "--keep-to": ["kept", "kept2/"],
     "--keep-last": ["3", "1"], "--keep-settle": ["0", "10s"],
+    # the fuzz's own machine (refused: the job's own), a name not connected, and n2 (connected
+    # by a drawn `connect --name n2`: then a standby is armed)
+    "--fallback": [ALIAS, "n2", "nosuch"], "--resume-arg": ["--resume {checkpoint}", "--ckpt={checkpoint}"],
 }
 #: ``%%remote``'s options of ``--keep``, fuzzed as their own entry (``%%remote --keep``).
 KEEP_OPTIONS = {"--keep", "--keep-every", "--keep-to", "--keep-last", "--keep-settle"}

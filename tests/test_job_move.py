@@ -433,3 +433,221 @@ def test_fallback_is_refused_without_keep_or_a_connected_machine(ip, machines):
             ip.run_cell_magic("remote", line, "true")
         assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert move.start_record("a", "fb1") is None  # nothing started
+
+
+# -- a new user's trial: the move checks everything first, and says what it does -----------------
+
+
+class _Exec:
+    def __init__(self, stdout: str, exit_code: int = 0):
+        self.stdout, self.exit_code, self.stderr = stdout, exit_code, ""
+
+
+class FakeTarget:
+    """A machine that records what a move does to it (its HOME is /h)."""
+
+    def __init__(self, name: str = "b"):
+        self.name, self.keepers, self.calls = name, {}, []
+
+    def exec(self, command: str, timeout=None):
+        self.calls.append(("exec", command))
+        if "mkdir -p" in command:  # abs_dirs: the working directory, then the checkpoint folder
+            wd, *sub = [w.strip("'") for w in command.split("\n", 1)[0].split()[2:]]
+            wd = "/h/" + wd.removeprefix("~/")
+            return _Exec("\n".join([wd] + [f"{wd}/{s}" for s in sub if s]) + "\n")
+        return _Exec("")
+
+    def push(self, src, dst):
+        self.calls.append(("push", src, dst))
+        from types import SimpleNamespace
+        return SimpleNamespace(files_sent=1)
+
+    def start_job(self, name, command, options, keep=None, **kw):
+        self.calls.append(("start", name, command, options))
+        from types import SimpleNamespace
+        return SimpleNamespace(keeper=None)
+
+
+def _records(name: str, *, resume_arg: str | None = "--resume {checkpoint}", keep: bool = True,
+             kept: bool = True, cwd: str = "proj", src: str | None = None, tmp: Path) -> dict:
+    """A start record of job ``name`` on machine ``a`` (and its keep record, with one
+    checkpoint kept here when ``kept``), as `%%remote --job` leaves them."""
+    from gpumagic.remote.keep import record_dir
+
+    rec = {"format": move.START_FORMAT, "version": 1, "machine": "a", "job": name, "started": time.time() - 100,
+           "command": "python3 train.py", "cwd": cwd, "src": src,
+           "options": {"python": False, "env": {}, "stop_on": [], "then_shutdown": None, "alerts": True,
+                       "resume_arg": resume_arg},
+           "keep": {"path": "ckpt/", "every": 2.0, "to": str(tmp / "kept"), "last": None, "settle": 10.0} if keep else None,
+           "seen_running": None, "moved_to": None, "moved_from": None, "checkpoint": None}
+    move._write(move.start_path("a", name), rec)
+    if keep:
+        (tmp / "kept").mkdir(exist_ok=True)
+        files = {}
+        if kept:
+            (tmp / "kept" / "step-10.json").write_text("{}", encoding="utf-8")
+            files["step-10.json"] = {"sig": [2, int(time.time() - 50) * 10**9, 1], "kept_at": time.time() - 50,
+                                     "pruned": False}
+        keep_rec = {"format": "gpumagic-keep", "version": 1, "machine": "a", "job": name, "path": "ckpt/",
+                    "local": str(tmp / "kept"), "every": 2.0, "last": None, "started": rec["started"],
+                    "state": "keeping", "log": str(tmp / "log"), "files": files, "error": "",
+                    "last_kept": {"path": "step-10.json", "at": time.time() - 50} if kept else None,
+                    "last_look": time.time() - 20}
+        (record_dir("a") / f"{name}.json").write_text(json.dumps(keep_rec), encoding="utf-8")
+    return move.start_record("a", name)
+
+
+def test_a_push_to_a_home_relative_folder_is_the_project_of_a_job_in_it(tmp_path):
+    """Finding 1: `%gpu sync ./proj/ a:proj/` (shown as a:~/proj) then `--cwd proj`: the move finds
+    the project folder (it was left out, for any push not to an absolute path)."""
+    from types import SimpleNamespace
+
+    proj = tmp_path / "proj"
+    (proj / "sub").mkdir(parents=True)
+    move.note_push("a", str(proj) + "/", SimpleNamespace(destination="a:~/proj", dry_run=False))
+    assert move.project_folder_here("a", "proj") == str(proj)
+    assert move.project_folder_here("a", "~/proj/") == str(proj)
+    assert move.project_folder_here("a", "proj/sub") == str(proj / "sub")
+    assert move.project_folder_here("a", "other") is None
+    move.note_push("a", str(tmp_path), SimpleNamespace(destination="a:work", dry_run=False))  # relative: from $HOME
+    assert move.project_folder_here("a", "~/work/proj") == str(proj)
+    # a push to an absolute path and a job in ~/...: compared as resolved on the machine
+    move.note_push("a", str(proj), SimpleNamespace(destination="a:/h/abs", dry_run=False))
+
+    class M:
+        name = "a"
+
+        def exec(self, command, timeout=None):
+            words = shlex.split(command.split("\n", 1)[0])[2:]
+            return _Exec("".join(("/h/" + w.removeprefix("~/") if not w.startswith("/") else w) + "\0"
+                                 for w in words))
+
+    import shlex
+    assert move._project_folder(M(), "~/abs/sub") == str(proj / "sub")
+
+
+def test_a_move_with_no_project_folder_known_is_refused_before_anything_is_stopped(tmp_path):
+    """Finding 1: no folder recorded and no --src: refused in one line that says what to do;
+    the job's machine is not even looked at (nothing stopped), nothing is pushed or started."""
+    rec = _records("trA", tmp=tmp_path)
+    target = FakeTarget()
+
+    class Source:
+        name = "a"
+
+    with pytest.raises(JobError) as e:
+        move.move(Source(), target, "trA", rec=rec, yes=True)  # Source has no exec: untouched
+    msg = f"{e.value.message}"
+    assert "no project folder is recorded for job trA" in msg and "--src DIR" in msg and "--no-src" in msg, msg
+    assert "\n" not in str(e.value) and target.calls == []
+    move.move(None, target, "trA", rec=rec, how=move.Start(no_src=True))  # said on purpose: it goes
+    assert [c[0] for c in target.calls if c[0] != "exec"] == ["push", "start"]  # the checkpoint, the start
+
+
+@pytest.mark.parametrize("case", ["no-resume-arg", "no-keep", "nothing-kept"])
+def test_a_move_that_cannot_continue_from_a_checkpoint_is_refused_first_unless_from_start(tmp_path, case):
+    """Finding 2: without a resume argument, --keep or a kept checkpoint the move is refused before
+    anything is stopped (one line naming --from-start); with --from-start the seam says so, and
+    never names a checkpoint the command does not use."""
+    rec = _records("trD", tmp=tmp_path, src=str(tmp_path), resume_arg=None if case == "no-resume-arg" else
+                   "--resume {checkpoint}", keep=case != "no-keep", kept=case != "nothing-kept")
+    target = FakeTarget()
+
+    class Source:  # no exec, no keepers: touching it fails the test
+        name = "a"
+
+    with pytest.raises(JobError) as e:
+        move.move(Source(), target, "trD", rec=rec, yes=True)
+    assert "--from-start" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert target.calls == []
+    move.move(None, target, "trD", rec=rec, how=move.Start(from_start=True))
+    start = next(c for c in target.calls if c[0] == "start")
+    first = start[2].splitlines()[0]
+    assert "from the beginning (--from-start)" in first and "checkpoint" not in first.split("beginning")[0], first
+    assert "--resume" not in start[2] and "GPUMAGIC_RESUME" not in start[3].env
+    assert not [c for c in target.calls if c[0] == "push" and "step-10" in c[1]]  # no checkpoint went
+
+
+def test_ctrl_c_while_jobs_waits_on_a_machine_that_does_not_answer_is_one_line(monkeypatch):
+    """Finding 3: the wait is told first, and an interrupt is one line, with no chained traceback."""
+    from gpumagic.errors import ConnectionRefused, Interrupted
+    from gpumagic.remote import jobs
+
+    def refused(machine, only=None):
+        raise ConnectionRefused("connection refused", "is it up?")
+
+    def interrupt(_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jobs, "list_jobs", refused)
+    monkeypatch.setattr(move.time, "sleep", interrupt)
+    said = []
+
+    class M:
+        name = "st1"
+
+    with pytest.raises(Interrupted) as e:
+        move.list_or_lost(M(), said.append)
+    assert said and "does not answer" in said[0] and "trying again every" in said[0]
+    assert str(e.value).startswith("stopped waiting for st1;") and "\n" not in str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_jobs_on_a_lost_machine_never_says_keeping_and_counts_the_training_lost(tmp_path):
+    """Finding 4: the keep line of a lost job says nothing more is kept; the training lost runs
+    from the checkpoint to the last time the job was seen (never "0 s"); the files counted are
+    those in the folder."""
+    from gpumagic.notebook.display import keep_line
+    from gpumagic.remote.keep import records
+
+    _records("trA", tmp=tmp_path, src=str(tmp_path))
+    for n in range(3):  # kept there by the run before a move
+        (tmp_path / "kept" / f"old-{n}.json").write_text("{}", encoding="utf-8")
+    (tmp_path / "kept" / ".gpumagic-keep").mkdir()
+    (tmp_path / "kept" / ".gpumagic-keep" / "staged").write_text("", encoding="utf-8")
+    move.note_seen("a", time.time() - 20)
+    move.note_failed("a", "connection refused", time.time() - 15)
+    verdict = move.Unreachable(time.time() - 15, time.time() - 20, "connection refused")
+    lines, lost = move.lost_report("a", verdict)
+    line = next(ln for ln in lines if ln.startswith("job trA: lost"))
+    assert "of training lost" in line and "about 0 s" not in line and " 0 s of" not in line, line
+    # 30 s seen alive after the checkpoint, at most 5 s more until the first failed attempt
+    assert "under 35 s of training lost" in line or "under 36 s of training lost" in line, line
+    rec = next(r for r in records("a") if r["job"] == "trA")
+    view, live = move.keep_view(rec, lost.get("trA"), live=True)
+    text = keep_line(view, live)
+    assert "keeping" not in text and "nothing more is kept" in text and "(4 files in " in text, text
+    assert move._lost_span(0.2, None) == "under 1 s" and move._lost_span(0.2, 3) == "under 4 s"
+
+
+def test_the_keep_folder_of_the_data_folder_is_the_users_alone(tmp_path, data_dir):
+    """Finding 5: <data dir>/keep/ is 0700, as its subfolders."""
+    if os.name == "nt":
+        pytest.skip("mode bits")
+    _records("trK", tmp=tmp_path, src=str(tmp_path))
+    assert (data_dir / "keep").stat().st_mode & 0o777 == 0o700
+    assert (data_dir / "keep" / "a").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("code", [0, 2])
+def test_resume_refuses_a_job_that_finished_and_continues_one_that_crashed(tmp_path, monkeypatch, code):
+    """Finding 6: exit 0 -> refused (nothing to resume), in one line; a non-zero exit continues
+    from its checkpoint."""
+    from types import SimpleNamespace
+
+    from gpumagic.remote import jobs
+
+    rec = _records("trE", tmp=tmp_path, src=str(tmp_path))
+    info = SimpleNamespace(name="trE", running=False, state="exited", exit_code=code)
+    monkeypatch.setattr(jobs, "list_jobs", lambda machine, only=None: [info])
+    target = FakeTarget("a")
+    if code == 0:
+        with pytest.raises(JobError) as e:
+            move.move(target, target, "trE", rec=rec)
+        assert "finished on a (exited 0): there is nothing to resume" in str(e.value), str(e.value)
+        assert "\n" not in str(e.value) and not [c for c in target.calls if c[0] == "start"]
+    else:
+        move.move(target, target, "trE", rec=rec)
+        start = next(c for c in target.calls if c[0] == "start")
+        assert "from checkpoint ckpt/step-10.json" in start[2].splitlines()[0]
+        assert "--resume /h/proj/ckpt/step-10.json" in start[2]

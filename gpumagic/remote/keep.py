@@ -147,6 +147,25 @@ def record_dir(machine_name: str) -> Path:
     return data_dir() / "keep" / urllib.parse.quote(machine_name, safe="")
 
 
+def private_record_dir(machine_name: str) -> Path:
+    """Make :func:`record_dir` and the ``keep`` folder above it, both for the user alone
+    (0700, as the rest of gpumagic's data folder); returns it."""
+    folder = record_dir(machine_name)
+    private_dir(folder.parent)
+    return private_dir(folder)
+
+
+def kept_files(local: str) -> int:
+    """How many files the local folder of a keeper holds now (its staging folder and
+    half-promoted copies left out): what is there, kept by this keeper or an earlier one."""
+    count = 0
+    for top, dirs, files in os.walk(local):
+        if top == local:
+            dirs[:] = [d for d in dirs if d != STAGE]
+        count += sum(1 for f in files if not f.endswith(".keep-tmp"))
+    return count
+
+
 def records(machine_name: str) -> list[dict]:
     """The keep records of jobs of ``machine_name``, oldest start first (unreadable ones left out)."""
     folder = record_dir(machine_name)
@@ -178,7 +197,9 @@ def pull_log(machine: MachineLike, job: str, folder: str | os.PathLike) -> str:
     """
     from ..sync import engine as sync
 
-    os.makedirs(folder, exist_ok=True)
+    private_record_dir(machine.name)
+    private_dir(Path(folder).parent)  # JOB.logs/ (under keep/MACHINE/): the user's alone too
+    private_dir(folder)
     sync.pull(machine, f"~/.gpumagic/jobs/{job}/log", os.fspath(folder) + os.sep, grace=0)  # see look()
     return os.path.join(folder, "log")
 
@@ -287,7 +308,7 @@ class Keeper:
                 "last_kept": None, "kept_count": 0, "last_look": None, "error": "", "files": files}
 
     def _save(self) -> None:
-        private_dir(self._record_path.parent)
+        private_record_dir(self.machine.name)
         atomic_write(self._record_path, json.dumps(self.record, indent=1, sort_keys=True))
 
     # -- life cycle -----------------------------------------------------------------------
@@ -453,7 +474,9 @@ class Keeper:
         note_seen(self.machine.name)
         with self._lock:
             self.looks += 1
-            self.record["last_look"] = time.time()
+            self.record["last_look"] = time.time()  # on disk too: the job was alive then (%gpu jobs)
+            with contextlib.suppress(OSError):
+                self._save()
         return listing
 
     def _whole(self, listing: Listing, ended: bool) -> list[str]:

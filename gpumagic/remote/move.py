@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import posixpath
 import shlex
 import threading
 import time
@@ -59,7 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .._fs import atomic_write, private_dir
-from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, JobError
+from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, Interrupted, JobError
 from .keep import KeepOptions, record_dir, records as keep_records
 
 if TYPE_CHECKING:
@@ -91,6 +93,7 @@ def _read(path: Path, fmt: str) -> dict | None:
 
 
 def _write(path: Path, data: dict) -> None:
+    private_dir(path.parent.parent)  # keep/ itself for the user alone too (see private_record_dir)
     private_dir(path.parent)
     atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
 
@@ -142,20 +145,74 @@ def abs_dirs(machine: MachineLike, work: str, sub: str = "") -> list[str]:
     return lines[:2] if sub else lines[:1]
 
 
-def _project_folder(machine: MachineLike, work: str) -> str | None:
-    """The folder here whose push to ``machine`` holds the job's working directory (the
-    newest such push), or None; one round trip, and only when pushes are recorded."""
-    pushes = (_read(record_dir(machine.name) / "@pushes.json", PUSHES_FORMAT) or {}).get("pushes") or []
-    if not pushes:
-        return None
-    cwd = abs_dirs(machine, work)[0].rstrip("/")
+def _home_form(path: str) -> str:
+    """``path`` as the job's ``run.sh`` reads a working directory, without the machine: ``~``,
+    ``~/x`` and relative ``x`` (from ``$HOME``) all as ``~/x``; absolute paths as they are
+    (both normalised), so that a push to ``~/proj`` and a job with ``--cwd proj`` compare equal."""
+    p = path.strip()
+    if p in ("", "~"):
+        return "~"
+    if p.startswith("~/"):
+        p = p[2:]
+    elif p.startswith("/"):
+        return posixpath.normpath(p)
+    p = posixpath.normpath(p)
+    return "~" if p == "." else f"~/{p}"
+
+
+def _pushes(machine_name: str) -> list[dict]:
+    return [p for p in (_read(record_dir(machine_name) / "@pushes.json", PUSHES_FORMAT) or {}).get("pushes") or []
+            if isinstance(p, dict) and p.get("remote") and p.get("local")]
+
+
+def _match_push(pushes: list[dict], cwd: str, form: Callable[[str], str | None]) -> str | None:
+    """The local folder of the newest push (remote resolved by ``form``) that holds ``cwd``."""
+    cwd = cwd.rstrip("/") or "/"
     for p in reversed(pushes):
-        remote = str(p.get("remote", "")).rstrip("/")
+        remote = (form(str(p["remote"])) or "").rstrip("/")
         if remote and (cwd == remote or cwd.startswith(remote + "/")):
             local = os.path.join(p["local"], *[x for x in cwd[len(remote):].split("/") if x])
             if os.path.isdir(local):
                 return local
     return None
+
+
+def project_folder_here(machine_name: str, work: str) -> str | None:
+    """The folder here whose recorded push to ``machine_name`` holds the working directory
+    ``work``, from the records alone (no round trip: the machine may be gone); paths written
+    with ``~`` or relative ones compare as the job reads them (:func:`_home_form`)."""
+    return _match_push(_pushes(machine_name), _home_form(work), _home_form)
+
+
+def _resolve(machine: MachineLike, paths: list[str]) -> list[str]:
+    """The absolute paths on ``machine`` of ``paths``, each read as the job's ``run.sh`` reads
+    its working directory (``~``, ``~/...`` and relative paths from ``$HOME``); one round
+    trip, nothing made."""
+    script = ('for wd in "$@"; do case $wd in "~") wd=$HOME ;; "~/"*) wd=$HOME/${wd#"~/"} ;; /*) ;; '
+              '?*) wd=$HOME/$wd ;; "") wd=$HOME ;; esac\n'
+              'r=$(cd -- "$wd" 2>/dev/null && pwd) || r=$wd; printf \'%s\\0\' "$r"; done\n')
+    r = machine.exec(f"set -- {' '.join(shlex.quote(p) for p in paths)}\n{script}", timeout=60)
+    out = r.stdout.split("\0")[:len(paths)]
+    if r.exit_code != 0 or len(out) < len(paths):
+        raise JobError(f"could not read folders on {machine.name}: {r.stderr.strip() or 'no answer'}")
+    return out
+
+
+def _project_folder(machine: MachineLike, work: str) -> str | None:
+    """The folder here whose push to ``machine`` holds the job's working directory (the
+    newest such push), or None: from the records where the paths compare as written (see
+    :func:`project_folder_here`), else with one round trip that resolves them all there (a
+    push to an absolute path, a job in ``~/...``)."""
+    pushes = _pushes(machine.name)
+    if not pushes:
+        return None
+    found = _match_push(pushes, _home_form(work), _home_form)
+    if found:
+        return found
+    remotes = sorted({str(p["remote"]) for p in pushes})
+    resolved = _resolve(machine, [work, *remotes])
+    there = dict(zip(remotes, resolved[1:]))
+    return _match_push(pushes, resolved[0], there.get)
 
 
 def record_start(machine: MachineLike, name: str, command: str, options: JobOptions) -> dict:
@@ -205,9 +262,11 @@ def note_push(machine_name: str, src: str, summary) -> None:
     :class:`~gpumagic.sync.engine.SyncSummary`); a single file or a dry run is not a project."""
     if getattr(summary, "dry_run", False) or not os.path.isdir(src):
         return
-    remote = str(getattr(summary, "destination", "")).partition(":")[2]
-    if not remote.startswith("/"):
+    remote = str(getattr(summary, "destination", "")).partition(":")[2].strip()
+    if not remote:
         return
+    # ~/proj and proj (from $HOME, as a job's --cwd) are kept as written and compared as the
+    # job's working directory is read (see _project_folder)
     path = record_dir(machine_name) / "@pushes.json"
     with _lock, contextlib.suppress(OSError):
         rec = _read(path, PUSHES_FORMAT) or {"format": PUSHES_FORMAT, "pushes": []}
@@ -270,7 +329,21 @@ class Unreachable:
 def list_or_lost(machine: MachineLike, say: Callable[[str], None] = print) -> list[JobInfo] | Unreachable:
     """The jobs of ``machine`` (one round trip when it answers), or, when it does not, the
     verdict once every attempt for :data:`LOST_AFTER` seconds failed (tried again every
-    :data:`PROBE_EVERY` seconds; ``say`` is told once that it waits)."""
+    :data:`PROBE_EVERY` seconds; ``say`` is told once that it waits).
+
+    Raises
+    ------
+    Interrupted
+        On a kernel interrupt while it waits (one line, no chained traceback).
+    """
+    try:
+        return _list_or_lost(machine, say)
+    except KeyboardInterrupt:
+        raise Interrupted(f"stopped waiting for {machine.name}; its jobs were not listed "
+                          f"(`%gpu jobs --host {machine.name}` tries again)") from None
+
+
+def _list_or_lost(machine: MachineLike, say: Callable[[str], None]) -> list[JobInfo] | Unreachable:
     from .jobs import list_jobs
 
     told = False
@@ -369,13 +442,27 @@ def _cost(machine_name: str, seconds: float) -> str:
     return f" ({p.hourly * seconds / 3600:.2f}{cur} at {p.hourly:.2f}{cur}/h)"
 
 
-def lost_line(start: dict, lost_at: float, how: str) -> str:
+def _lost_span(lower: float, gap: float | None) -> str:
+    """How much training was lost: at least ``lower`` s (from the checkpoint to the last time
+    the job was seen alive), at most ``gap`` s more (until the first failed attempt, or the
+    keeper's next look): ``about 4 min``, or ``under 9 s`` where that is small."""
+    lower = max(0.0, lower)
+    if gap is not None and lower < 60:
+        return f"under {_span(max(1.0, math.ceil(lower + max(0.0, gap))))}"
+    return f"about {_span(lower)}" if lower >= 1 else "under 1 s"
+
+
+def lost_line(start: dict, lost_at: float, how: str, until: float | None = None) -> str:
     """The ``%gpu jobs`` line of a job lost with its machine: when, how (``unreachable 3
-    min``), the last checkpoint kept and the training since then, and what that cost."""
+    min``), the last checkpoint kept and the training since then (from that checkpoint to
+    ``lost_at``, the last time the job was seen alive; ``until``: the first failed attempt,
+    when known), and what that cost."""
     name, machine = start.get("job", "?"), start.get("machine", "?")
     keep_rec = next((r for r in keep_records(machine) if r.get("job") == name), None)
     kept = newest_kept(keep_rec)
     line = f"job {name}: lost with the machine at {_clock(lost_at)} ({how})"
+    if until is None and keep_rec and keep_rec.get("every"):
+        until = lost_at + float(keep_rec["every"])  # the keeper would have looked again by then
     if kept:
         path = (keep_rec or {}).get("path", "").rstrip("/")
         lost_s = max(0.0, lost_at - kept[1])
@@ -383,9 +470,10 @@ def lost_line(start: dict, lost_at: float, how: str) -> str:
     else:
         lost_s = max(0.0, lost_at - (start.get("started") or lost_at))
         line += "; no checkpoint kept" + ("" if start.get("keep") else " (it was started without --keep)")
-    line += f"; about {_span(lost_s)} of training lost{_cost(machine, lost_s)}"
-    verb = "move" if kept else "move (from the start)"
-    return line + f"; `%gpu job {verb} {name} --to OTHER` or `%gpu job resume {name}` continue it"
+    line += f"; {_lost_span(lost_s, None if until is None else until - lost_at)} of training lost{_cost(machine, lost_s)}"
+    can = kept and (start.get("options") or {}).get("resume_arg")
+    verb = "" if can else " --from-start"
+    return line + f"; `%gpu job move {name} --to OTHER{verb}` or `%gpu job resume {name}{verb}` continue it"
 
 
 def _last_alive(start: dict) -> float | None:
@@ -396,11 +484,18 @@ def _last_alive(start: dict) -> float | None:
 
 
 def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float | None = None) -> list[str]:
+    """The lines ``%gpu jobs`` adds for the recorded jobs of ``machine_name`` (see :func:`lost_report`)."""
+    return lost_report(machine_name, found, now)[0]
+
+
+def lost_report(machine_name: str, found: list[JobInfo] | Unreachable,
+                now: float | None = None) -> tuple[list[str], dict[str, str]]:
     """The lines ``%gpu jobs`` adds for the recorded jobs of ``machine_name``: lost ones
-    (``found`` is the listing, or the :class:`Unreachable` verdict) and moved ones.  A
-    listing also brings the records up to date (seen running, ended)."""
+    (``found`` is the listing, or the :class:`Unreachable` verdict) and moved ones; and the
+    lost jobs (name -> why).  A listing also brings the records up to date (seen running, ended)."""
     now = time.time() if now is None else now
-    lines = []
+    lines: list[str] = []
+    lost: dict[str, str] = {}
     for rec in start_records(machine_name):
         name = rec["job"]
         if rec.get("moved_to"):
@@ -414,7 +509,8 @@ def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float
                              "its keeper finds the machine lost")
             alive = [t for t in (found.last_seen, _last_alive(rec), rec.get("started")) if t]
             lost_at = min(max(alive), found.since) if alive else found.since  # never after the first failure
-            lines.append(lost_line(rec, lost_at, f"unreachable {_span(now - lost_at)}: {found.why}"))
+            lost[name] = f"unreachable {_span(now - lost_at)}: {found.why}"
+            lines.append(lost_line(rec, lost_at, lost[name], until=found.since))
             continue
         info = next((i for i in found if i.name == name), None)
         if info is not None and info.running:
@@ -428,8 +524,27 @@ def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float
             lost_at = _last_alive(rec) or rec.get("started") or now
             gone = ("its job folder is gone: it was rebuilt, or the folder removed" if info is None else
                     "its process is gone without an exit code: it rebooted, or the job was killed outright")
-            lines.append(lost_line(rec, lost_at, f"the machine answers, but {gone}"))
-    return lines
+            lost[name] = f"the machine answers, but {gone}"
+            lines.append(lost_line(rec, lost_at, lost[name]))
+    return lines, lost
+
+
+def keep_view(rec: dict, lost: str | None, live: bool) -> tuple[dict, bool]:
+    """A keep record as ``%gpu jobs``'s keep line shows it (:func:`gpumagic.notebook.display.keep_line`):
+    the files counted as they are in its local folder now (the checkpoints an earlier run kept
+    there too), and, for a job ``lost`` with its machine, never "keeping": what was kept, and
+    that nothing more is.  Returns ``(record, live)``."""
+    from .keep import kept_files
+
+    view = dict(rec)
+    local = rec.get("local") or ""
+    if os.path.isdir(local):
+        view["files"] = {str(i): {} for i in range(kept_files(local))}
+    if lost is None:
+        return view, live
+    still = f"; its keeper looks every {PROBE_EVERY:g} s in case it comes back" if live else ""
+    view["state"] = f"the machine is lost ({lost}), nothing more is kept{still}"
+    return view, False
 
 
 # -- moving a job ---------------------------------------------------------------------------------
@@ -541,8 +656,8 @@ def _check_source(source: MachineLike | None, rec: dict, yes: bool, same: bool,
     info = found[0] if found else None
     if info is None or not info.running:
         if info is not None and info.state == "exited" and info.exit_code == 0:
-            raise JobError(f"job {name} ended on {source.name} (exited 0); there is nothing to "
-                           "continue", "start a new job with `%%remote --job NAME`")
+            raise JobError(f"job {name} finished on {source.name} (exited 0): there is nothing to "
+                           f"{'resume' if same else 'move'}; start it anew with `%%remote --job {name} ...`")
         return True, _final_log(source, rec)
     if same:
         raise JobError(f"job {name} is still running on {source.name}; there is nothing to resume",
@@ -555,25 +670,58 @@ def _check_source(source: MachineLike | None, rec: dict, yes: bool, same: bool,
     return True, _final_log(source, rec)
 
 
-def _push_state(target: MachineLike, rec: dict, src: str | None,
+def _preflight(target: MachineLike, rec: dict, src: str | None, how: Start) -> str | None:
+    """Everything a move checks before it stops anything (one-line errors that say what to do):
+    that the job can continue from a checkpoint kept here (a resume argument, ``--keep``, a
+    checkpoint kept) unless ``how.from_start``; that the project folder is known (``src``, or
+    recorded) for a move to another machine unless ``how.no_src``.  Returns the project folder."""
+    name, same = rec["job"], rec["machine"] == target.name
+    verb = "resume" if same else "move"
+    again = f"`%gpu job {verb} {name}{'' if same else ' --to ' + target.name} --from-start`"
+    if src is not None and not os.path.isdir(src):
+        raise JobError(f"--src {src}: no such folder here", "name the job's project folder on this computer")
+    if not how.from_start:
+        keep = rec.get("keep") or None
+        kept = newest_kept(next((r for r in keep_records(rec["machine"]) if r.get("job") == name), None))
+        if not (rec.get("options") or {}).get("resume_arg"):
+            raise JobError(f"job {name} was started without --resume-arg, so it cannot continue from a checkpoint: "
+                           f"{again} starts it again from the beginning")
+        if not keep:
+            raise JobError(f"job {name} was started without --keep: no checkpoint of it is kept here; "
+                           f"{again} starts it again from the beginning")
+        if not kept:
+            raise JobError(f"no checkpoint of job {name} is kept here yet; {again} starts it again from the beginning")
+    if src is None and not same and not how.no_src:
+        raise JobError(f"no project folder is recorded for job {name} (no `%gpu sync` to its folder {rec.get('cwd') or '~'} "
+                       f"here), so its files would be missing on {target.name}: pass --src DIR to push it, or "
+                       "--no-src if they are there already")
+    return src
+
+
+def _push_state(target: MachineLike, rec: dict, src: str | None, how: Start,
                 say: Callable[[str], None]) -> tuple[str | None, str | None]:
     """Push the project folder and the newest kept checkpoint to ``target``; returns
-    ``(checkpoint path there, checkpoint as the job names it)`` (Nones without one)."""
+    ``(checkpoint path there, checkpoint as the job names it)`` (Nones: it starts from the
+    beginning, ``how.from_start``, or a standby move with nothing kept)."""
     keep = rec.get("keep") or None
     keep_rec = next((r for r in keep_records(rec["machine"]) if r.get("job") == rec["job"]), None)
     kept = newest_kept(keep_rec)
-    dirs = abs_dirs(target, rec.get("cwd") or "", keep["path"].rstrip("/") if keep else "")
+    use = bool(kept and keep_rec is not None and keep and (rec.get("options") or {}).get("resume_arg")
+               and not how.from_start)
+    dirs = abs_dirs(target, rec.get("cwd") or "", keep["path"].rstrip("/") if keep and use else "")
     if src:
         if not os.path.isdir(src):
             raise JobError(f"--src {src}: no such folder here", "name the job's project folder on this computer")
         summary = target.push(src.rstrip("/\\") + os.sep, dirs[0])
         say(f"pushed the project folder {src} to {target.name}:{dirs[0]} ({summary.files_sent} files sent)")
-    else:
-        say(f"no project folder is recorded for job {rec['job']} (no push to its folder); only its "
-            "checkpoint goes (pass --src DIR to push one)")
-    if not kept or keep_rec is None or not keep:
-        say(f"no checkpoint of job {rec['job']} is kept here: it starts from the beginning on {target.name}")
+    elif rec["machine"] != target.name:
+        say(f"no project folder is recorded for job {rec['job']} (no push to its folder): only its "
+            f"checkpoint goes; its files must be in {target.name}:{dirs[0]} already")
+    if not use:
+        say(f"job {rec['job']} starts from the beginning on {target.name}"
+            + (" (--from-start)" if how.from_start else " (no checkpoint kept here, or no --resume-arg)"))
         return None, None
+    assert kept is not None and keep_rec is not None and keep is not None
     local = os.path.join(keep_rec["local"], kept[0])
     if not os.path.exists(local):
         raise JobError(f"the newest kept checkpoint {local} is gone from this computer",
@@ -583,8 +731,19 @@ def _push_state(target: MachineLike, rec: dict, src: str | None,
     return f"{dirs[1]}/{kept[0]}", f"{keep['path'].rstrip('/')}/{kept[0]}"
 
 
+@dataclass(frozen=True)
+class Start:
+    """How a moved job starts: ``from_start`` (from the beginning, on purpose: no checkpoint
+    needed), ``no_src`` (no project folder pushed: its files are there already), ``fresh_if_none``
+    (a standby move: from the beginning where nothing is kept, said)."""
+
+    from_start: bool = False
+    no_src: bool = False
+    fresh_if_none: bool = False
+
+
 def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dict, yes: bool = False,
-         src: str | None = None, torchrun: int | str | None = None,
+         src: str | None = None, torchrun: int | str | None = None, how: Start = Start(),
          say: Callable[[str], None] = print) -> Job:
     """Move job ``name`` from ``source`` (None: not connected here; ``target`` itself for a
     resume) to ``target``, from the newest checkpoint kept here (see the module).
@@ -599,24 +758,34 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dic
         The project folder here (default: the one recorded as pushed to the job's folder).
     torchrun : int or "auto", optional
         Start it under torchrun with that many processes instead (then without ``--keep``).
+    how : Start
+        From the beginning on purpose; without a project folder on purpose (see :class:`Start`).
 
     Raises
     ------
     JobError
-        Still running without ``yes``; a resume of a job that runs; a folder that is missing.
+        Before anything is stopped: no resume argument, ``--keep`` or kept checkpoint (without
+        ``how.from_start``); no project folder known (without ``how.no_src``).  Still running
+        without ``yes``; a resume of a job that runs or ended with exit code 0.
     """
     same = source is target
+    src = src or rec.get("src") or (None if same else project_folder_here(rec["machine"], rec.get("cwd") or ""))
+    if how.fresh_if_none and not how.from_start:
+        keep_rec = next((r for r in keep_records(rec["machine"]) if r.get("job") == name), None)
+        if not newest_kept(keep_rec) or not (rec.get("options") or {}).get("resume_arg"):
+            how = Start(from_start=True, no_src=how.no_src)
+    _preflight(target, rec, src, how)
     reached, last_log = _check_source(source, rec, yes, same, say)
     keep = rec.get("keep") or None
     if source is not None and not same:
         k = source.keepers.get(name)
         if k is not None:
             k.stop(f"the job was moved to {target.name}")
-    checkpoint, named = _push_state(target, rec, src or rec.get("src"), say)
+    checkpoint, named = _push_state(target, rec, src, how, say)
     at = time.strftime("%Y-%m-%d %H:%M:%S")
     whence = f"resumed on {target.name}" if same else f"moved from {rec['machine']} to {target.name}"
-    seam = (f"--- gpumagic: job {name} {whence} at {at}, "
-            f"{'from checkpoint ' + named if named else 'from the beginning (no checkpoint kept)'} ---")
+    fresh = "from the beginning" + (" (--from-start)" if how.from_start else " (no checkpoint kept)")
+    seam = f"--- gpumagic: job {name} {whence} at {at}, {'from checkpoint ' + named if named else fresh} ---"
     options = job_options(rec, env={**job_options(rec).env, **({"GPUMAGIC_RESUME": checkpoint} if checkpoint else {})})
     keep_options = None
     if keep and torchrun is None:
@@ -633,7 +802,7 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dic
         # not reached: what it may still run, and its guard, are seen to when it is connected again
         update_start(rec["machine"], name, moved_to=target.name, moved_at=now,
                      cleanup=None if reached else "pending")
-    update_start(target.name, name, command=rec["command"], src=src or rec.get("src"),
+    update_start(target.name, name, command=rec["command"], src=src,
                  moved_from=None if same else rec["machine"], checkpoint=named, resumed_at=now,
                  earlier_logs=logs, seam=seam,
                  options={**rec.get("options", {}), "env": dict(rec.get("options", {}).get("env") or {})})
@@ -728,7 +897,9 @@ def standby_move(source: MachineLike | None, source_name: str, target: Callable[
         said: list[str] = []
         try:
             machine = target()
-            job = move(source, machine, name, rec=rec, say=said.append)
+            # no flags to type here: a job with nothing kept starts from the beginning, one
+            # with no project folder recorded takes only its checkpoint (both said)
+            job = move(source, machine, name, rec=rec, how=Start(no_src=True, fresh_if_none=True), say=said.append)
         except Exception as e:
             say(f"job {name}: {source_name} was lost ({why}), and the move to {fallback} failed: "
                 f"{getattr(e, 'message', None) or e}; `%gpu job move {name} --to {fallback}` tries again")
@@ -740,7 +911,7 @@ def standby_move(source: MachineLike | None, source_name: str, target: Callable[
             f"itself (--fallback) and started there {start} ({took:.0f} s); "
             f"`%gpu logs {name} --host {machine.name}` shows one log")
         for line in said:
-            if line.startswith(("the budget", "armed", "the guard", "no checkpoint")):
+            if line.startswith(("the budget", "armed", "the guard", "no project folder", f"job {name} starts")):
                 say(f"  {line}")
         return job
 

@@ -95,6 +95,9 @@ def _remote_job(magics: GpuMagics, args, cell: str):
     print(job_started(job, machine.name))
     if job.keeper is not None:
         print(keep_started(job.keeper))
+    if fallback is not None and not (move.start_record(machine.name, args.job) or {}).get("src"):
+        print(f"standby: no project folder is recorded for job {args.job}'s folder (no `%gpu sync` to it): "
+              f"its files must be on {fallback} already, for only its checkpoint goes there")
     if fallback is not None:
         print(f"standby: if {machine.name} is lost (no answer for {move.LOST_AFTER:g} s, or the job's process "
               f"gone), job {args.job} moves to {fallback} by itself, while this notebook runs")
@@ -118,6 +121,9 @@ def _fallback(magics: GpuMagics, args, keep: KeepOptions | None, here: str) -> s
         known = ", ".join(sorted(m for m in magics.fleet.machines if m != here)) or "none"
         raise UsageError(f"--fallback {name}: no machine of that name is connected (others connected: {known}); "
                          f"`%gpu connect ALIAS --name {name}` first")
+    if getattr(args, "resume_arg", None) is None:
+        raise UsageError(f"--fallback {name} needs --resume-arg: the job continues there from its newest "
+                         'checkpoint (e.g. --resume-arg "--resume {checkpoint}")')
     return name
 
 
@@ -203,11 +209,13 @@ def _jobs(magics: GpuMagics, line: str):
         ipy_display(jobs_table(found, machine.name))
         for info in found:
             _show_alerts(info)
-    for text in move.lost_lines(machine.name, found):
+    texts, lost = move.lost_report(machine.name, found)
+    for text in texts:
         print(text)
     for rec in keep_records(machine.name):
         k = machine.keepers.get(rec.get("job", ""))
-        print(keep_line(rec, live=k is not None and k.running))
+        view, live = move.keep_view(rec, lost.get(rec.get("job", "")), live=k is not None and k.running)
+        print(keep_line(view, live=live))
 
 
 def _with_earlier(machine_name: str, name: str, text: str, lines: int | None) -> str:
@@ -335,6 +343,10 @@ def _torchrun(value: str | None):
 @argument("--src", metavar="DIR",
           help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
 @argument("--torchrun", metavar="N|auto", help="start it under torchrun with N processes there (then without --keep)")
+@argument("--from-start", action="store_true",
+          help="start it from the beginning there, on purpose (no --resume-arg, or no checkpoint kept)")
+@argument("--no-src", action="store_true",
+          help="push no project folder: the job's files are on the other machine already")
 @host_arg("the machine it was started on (default: the one this computer's records name)")
 def _job_move(magics: GpuMagics, line: str):
     """Continue a job on another machine from its newest checkpoint kept here: its project
@@ -349,7 +361,8 @@ def _job_move(magics: GpuMagics, line: str):
     if source is target:
         raise UsageError(f"job {name} was started on {target.name} already: `%gpu job resume {name}` "
                          "starts it again there")
-    job = move.move(source, target, name, rec=rec, yes=args.yes, src=args.src, torchrun=torchrun)
+    how = move.Start(from_start=args.from_start, no_src=args.no_src)
+    job = move.move(source, target, name, rec=rec, yes=args.yes, src=args.src, torchrun=torchrun, how=how)
     print(f"job {name} moved from {rec['machine']} to {target.name} and started there; "
           f"`%gpu logs {name} --host {target.name}` shows the seam, `%gpu jobs --host {target.name}` lists it")
     if getattr(job, "keeper", None) is not None:
@@ -360,6 +373,8 @@ def _job_move(magics: GpuMagics, line: str):
 @argument("name", help="the job (see `%%gpu jobs`)")
 @argument("--src", metavar="DIR",
           help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
+@argument("--from-start", action="store_true",
+          help="start it from the beginning, on purpose (no --resume-arg, or no checkpoint kept)")
 @host_arg("the machine it was started on (default: the one this computer's records name)")
 def _job_resume(magics: GpuMagics, line: str):
     """Start a lost job again on its own machine (after a restart) from its newest checkpoint
@@ -368,7 +383,7 @@ def _job_resume(magics: GpuMagics, line: str):
     name = _job_name(args.name)
     rec = move.find_start(name, args.host)
     machine = magics.fleet.get(rec["machine"])
-    job = move.move(machine, machine, name, rec=rec, src=args.src)
+    job = move.move(machine, machine, name, rec=rec, src=args.src, how=move.Start(from_start=args.from_start))
     print(f"job {name} resumed on {machine.name}; `%gpu logs {name} --host {machine.name}` shows the seam")
     if getattr(job, "keeper", None) is not None:
         print(keep_started(job.keeper))
