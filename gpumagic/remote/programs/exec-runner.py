@@ -419,7 +419,31 @@ class Cell:
             self.kill_at = float("inf")
 
 
-class Spool:
+class Leased(object):
+    """A kept cell's folder ``dir`` as its owner and a re-attach both see it: the mtime of its
+    ``lease`` file is when a client was last heard."""
+
+    dir = ""
+    touched = 0.0
+
+    def touch(self):
+        """The client was heard: the lease starts again (at most once a second)."""
+        now = time.monotonic()
+        if now - self.touched >= 1.0:
+            self.touched = now
+            try:
+                os.utime(os.path.join(self.dir, "lease"))
+            except OSError:
+                pass
+
+    def lease_age(self):
+        try:
+            return time.time() - os.stat(os.path.join(self.dir, "lease")).st_mtime
+        except OSError:
+            return float("inf")
+
+
+class Spool(Leased):
     """The owner's side of a kept cell: its frames appended to segment files in ``d`` (see the
     header), and the channel fed from them as it takes bytes."""
 
@@ -445,21 +469,6 @@ class Spool:
         with open(os.path.join(self.dir, "lease"), "w") as f:
             f.write("%d %g %d\n" % (os.getpid(), self.grace, pgid))
 
-    def touch(self):
-        """The client was heard: the lease starts again (at most once a second)."""
-        now = time.monotonic()
-        if now - self.touched >= 1.0:
-            self.touched = now
-            try:
-                os.utime(os.path.join(self.dir, "lease"))
-            except OSError:
-                pass
-
-    def lease_age(self):
-        try:
-            return time.time() - os.stat(os.path.join(self.dir, "lease")).st_mtime
-        except OSError:
-            return float("inf")
 
     def rotate(self):
         self.cur += 1
@@ -541,7 +550,7 @@ class Spool:
         self.fds = {}
 
 
-class Follow:
+class Follow(Leased):
     """A re-attach: this runner streams the spool of a cell another runner started (in ``d``)
     to its channel, from the client's stdout and stderr byte counts ``want``, to its exit
     status; the client's "h" frames touch its lease, its "S" stops the cell's group."""
@@ -559,15 +568,6 @@ class Follow:
         self.touched = 0.0
         self.checked = time.monotonic()
         send(b"R")
-
-    def touch(self):
-        now = time.monotonic()
-        if now - self.touched >= 1.0:
-            self.touched = now
-            try:
-                os.utime(os.path.join(self.dir, "lease"))
-            except OSError:
-                pass
 
     def segments(self):
         try:
