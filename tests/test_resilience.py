@@ -648,3 +648,64 @@ def test_past_the_spool_bound_the_oldest_output_is_dropped_and_the_cell_says_how
     assert len(note) == 1, r.stderr
     lost = int(note[0].split("gpumagic: ")[1].split()[0].replace(",", ""))
     assert r.stdout_bytes + lost == len("start\n") + total + len("end\n")
+
+
+# -- `%gpu status --watch` through a roam: `reconnecting...`, never a traceback (issue 28) ------
+
+
+def test_a_status_watch_says_reconnecting_through_a_roam_and_goes_on_updating(make_link, ip, monkeypatch, capsys):
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)  # a Jupyter kernel's shell: widgets show
+    linked = make_link(rtt_ms=40)
+    m = ip._gpumagic.fleet.add(linked.machine)
+    ip.run_line_magic("gpu", "status --watch 1")
+    watcher = ip._gpumagic.status_watchers[m.name]
+    view = watcher.on_update.__self__
+    seen: list[tuple[float, int, str]] = []  # (when, refreshes, what the widget's text says)
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.wait(0.05):
+            seen.append((time.monotonic(), watcher.refreshes, view.text + view._repr_mimebundle_()["text/html"]))
+
+    looker = threading.Thread(target=look, daemon=True)
+    looker.start()
+    try:
+        assert wait_until(lambda: watcher.refreshes >= 2, 20)
+        assert linked.roam() >= 1
+        roamed = time.monotonic()
+        assert wait_until(lambda: "reconnecting..." in view.note_text, 20), view.note_text
+        during = watcher.refreshes
+        # it goes on updating, on a new connection, and the note is the usual one again
+        assert wait_until(lambda: watcher.refreshes >= during + 2 and "reconnecting" not in view.note_text, 30)
+    finally:
+        done.set()
+        looker.join(5)
+    assert watcher.running and watcher.failures == 0
+    assert m.connection.opened_count == 2
+    said = [t for t, _, text in seen if "reconnecting..." in text]
+    assert said and said[0] > roamed
+    assert any(n > during and "refreshing every 1 s" in text for _, n, text in seen if n)
+    assert not any("Traceback" in text or "Error" in text for _, _, text in seen)
+    ip.run_line_magic("gpu", "status --stop")
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and "reconnecting" not in out.err
+
+
+# -- the soak, 2 minutes (issue 28; benchmarks/soak.py runs it for 2 hours) --------------------
+
+
+def test_a_2_minute_soak_loses_and_repeats_no_line_shows_no_error_and_reconnects_within_the_bound(make_link):
+    """A %%remote cell, a followed job and a live session print a numbered line every second,
+    all at once, for 2 minutes, while the link blinks for 5 s every 30 s and roams every 60 s
+    (tests/soak.py)."""
+    from soak import run_soak
+
+    linked = make_link(rtt_ms=40, up_mbit=20, down_mbit=50)
+    result = run_soak(linked, seconds=120, blink_every=30, roam_every=60, blink_seconds=5)
+    print(result.report())
+    assert result.blinks >= 2 and result.roams >= 1
+    assert result.problems() == []
+    assert result.cell == [f"cell {i}" for i in range(1, 121)]
+    assert result.job == [f"job {i}" for i in range(1, 121)]
+    assert len(result.session) >= 100 and result.errors == []
+    assert len(result.opens) >= 2 * result.roams  # each roam: the cell's connection and the follower's

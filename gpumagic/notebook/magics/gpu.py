@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
@@ -62,11 +63,34 @@ def _status(magics: GpuMagics, line: str):
         old = magics.status_watchers.pop(m.name, None)
         if old is not None:
             old.stop("stopped: a newer `%gpu status --watch` took over")
-        view.set_note(f"refreshing every {args.watch:g} s; `%gpu status --stop` stops it")
-        magics.status_watchers[m.name] = Watcher(
-            lambda prev: m.gpu_status(cuda_version=prev.known_cuda if prev else None),
-            view.update, view.finish, interval=args.watch,
-            is_connected=lambda: m.is_connected, previous=status).start()
+        magics.status_watchers[m.name] = _watch(magics, m, view, args.watch, status)
+
+
+def _watch(magics: GpuMagics, m, view, every: float, status) -> Watcher:
+    """The thread behind ``%gpu status --watch``.  A refresh counts as work in flight on
+    the connection (a dead path is noticed within seconds, not after the keepalives); while
+    one waits on a quiet path (a roam: the connection is being replaced) or lost its
+    connection, the note says ``reconnecting...``; the next status that comes through puts
+    the note back.  Only ``%gpu disconnect`` (the machine leaves the fleet) ends the watch
+    as disconnected: a path that died by itself is reconnected by the next refresh."""
+    normal = f"refreshing every {every:g} s; `%gpu status --stop` stops it"
+    view.set_note(normal)
+
+    def fetch(prev):
+        with m.connection.in_flight():
+            return m.gpu_status(cuda_version=prev.known_cuda if prev else None)
+
+    def reconnecting(now: bool) -> None:
+        if now:
+            since = time.strftime("%H:%M:%S", time.localtime(watcher.refreshed_at))
+            view.set_note(f"reconnecting... (the status above is from {since}); `%gpu status --stop` stops it")
+        else:
+            view.set_note(normal)
+
+    watcher = Watcher(fetch, view.update, view.finish, interval=every,
+                      is_connected=lambda: magics.fleet.machines.get(m.name) is m, previous=status,
+                      stalled=lambda: not m.connection.fresh, on_reconnecting=reconnecting)
+    return watcher.start()
 
 
 @magic_arguments()
