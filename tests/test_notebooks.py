@@ -111,3 +111,33 @@ def test_run_notebook_command_bad_notebook_is_a_one_line_error(tmp_path, monkeyp
     assert main(["run-notebook", name]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [message, hint.format(cwd=tmp_path)], err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["09-move-a-run.ipynb", "zh-CN/09-move-a-run.ipynb"])
+def test_tutorial_09_moves_a_lost_run_to_b_and_its_loss_goes_on_from_the_checkpoint(tmp_path, name):
+    # The notebook works in its own scratch folder (it chdirs there), so it runs in place.
+    out = run_notebook(NOTEBOOKS / name, tmp_path)
+    nb = nbformat.read(out, as_version=4)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    text, _ = outputs(nb, "%gpu jobs --host a")
+    lost = next(ln for ln in text.splitlines() if ln.startswith("job tutorial-move: lost with the machine at"))
+    assert "; last checkpoint ckpt/step-" in lost and "of training lost" in lost, lost
+    text, _ = outputs(nb, "%gpu job move tutorial-move --to b")
+    assert "job tutorial-move moved from a to b and started there" in text, text
+    text, _ = outputs(nb, 'b = fleet.get("b")')
+    log = text.splitlines()
+    seam = next(i for i, ln in enumerate(log) if ln.startswith("--- gpumagic: job tutorial-move moved from a to b"))
+    assert "from checkpoint ckpt/step-" in log[seam], log[seam]
+    step = int(log[seam + 1].split()[3])  # "resumed at step 10 from ..."
+    assert log[seam + 1].startswith("resumed at step ") and step >= 5, log[seam + 1]
+    assert log[seam + 2].startswith(f"step {step + 1} loss "), log[seam + 2]  # on from the checkpoint
+    starts = [i for i, ln in enumerate(log) if ln.startswith("step 1 loss ")]
+    assert starts == [0], starts  # a's log as kept here starts the one log; b did not start anew
+    assert log[-1].startswith("done, w = 2.9"), log[-1]
+    text, _ = outputs(nb, "import re")
+    assert text.startswith("step   on a    on b\n"), text
+    again = [ln.split() for ln in text.splitlines()[1:] if ln.split()[1] != "-" and ln.split()[2] != "-"]
+    assert again and all(a == b for _, a, b in again), text  # the steps run twice give the same loss
+    cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("import re"))
+    assert any("image/png" in o.get("data", {}) for o in cell.outputs)
