@@ -1869,6 +1869,8 @@ def stop_agents(nonces, wait=STOP_WAIT):
     ``/proc``; elsewhere nothing is found): SIGTERM, then SIGKILL after ``wait`` seconds.
     A killed ``put`` leaves its part file, abandoned once it is gone, for the resume to take
     over.  Returns how many were found."""
+    if os.name == "nt":  # no /proc, getuid or SIGKILL there (it runs on the machine, imported here)
+        return 0
     import signal
     import time
     wanted = set(n.encode("ascii") for n in nonces)
