@@ -65,26 +65,6 @@ while True:
 '''
 
 
-def lose(server) -> None:
-    """Machine ``server`` goes: its sshd and every process under it (as tests/test_job_move.py)."""
-    parents = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            parents[int(proc.name)] = int((proc / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, grew = {server.proc.pid}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    server.stop()
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
 
 def kill_group(pid_file: Path) -> None:
     try:
@@ -109,7 +89,7 @@ def main() -> None:
     from gpumagic.remote.jobs import JobOptions
     from gpumagic.remote.keep import KeepOptions
     from gpumagic.ssh.sandbox import SshServer
-    from linkemu import MBIT, Link, LinkedMachine
+    from linkemu import MBIT, Link, LinkedMachine, lose
 
     servers, machines, linked = {}, {}, None
     name = "movebench"

@@ -69,10 +69,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
 import random
+import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
@@ -673,3 +676,44 @@ def csv_text(rng: random.Random, size: int) -> str:
         lines.append(line)
         n += len(line)
     return "".join(lines)
+
+
+# -- what tests and benchmarks of faults share ---------------------------------------------------
+
+
+class Lines:
+    """A stdout sink that keeps every chunk (thread-safe); :meth:`lines` splits them."""
+
+    def __init__(self):
+        self.text = ""
+        self.lock = threading.Lock()
+
+    def __call__(self, chunk: str) -> None:
+        with self.lock:
+            self.text += chunk
+
+    def lines(self) -> list[str]:
+        return self.text.splitlines()
+
+
+def lose(server) -> None:
+    """Machine ``server`` goes: its sshd, every connection it serves and every process they
+    started (Linux's ``/proc``; a job's tmux keeps its group out of this tree: its caller
+    kills that)."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            parents[int(proc.name)] = int((proc / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, grew = {server.proc.pid}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    server.stop()
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

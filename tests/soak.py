@@ -33,6 +33,7 @@ import uuid
 from typing import Callable
 
 from gpumagic.remote.kernel import Output
+from linkemu import Lines
 
 #: The issue's bound for noticing a dead path while a cell runs (seconds); one connect is added.
 NOTICE_BOUND = 10.0
@@ -134,26 +135,12 @@ def _numbering(what: str, lines: list[str], want: int) -> str:
             f"out of order {numbers != sorted(numbers)}, other {other[:3]}")
 
 
-class _Sink:
-    """Text chunks in, complete lines kept (thread-safe)."""
-
-    def __init__(self):
-        self.text = ""
-        self.lock = threading.Lock()
-
-    def __call__(self, chunk: str) -> None:
-        with self.lock:
-            self.text += chunk
-
-    def lines(self) -> list[str]:
-        return self.text.splitlines()
-
 
 class _SessionOutput(Output):
     """A session's output: stdout kept; stderr, notes and displays are errors shown."""
 
     def __init__(self, errors: list[str]):
-        self.out = _Sink()
+        self.out = Lines()
         self.errors = errors
 
     def stream(self, name, text):
@@ -233,7 +220,7 @@ def run_soak(linked, *, seconds: float, blink_every: float, roam_every: float, b
     session = _SessionOutput(errors)
     k.execute("n = 0", output=session)
     job = m.start_job(f"soak{tag}", f"for i in $(seq 1 {n}); do echo job $i; sleep 1; done")
-    cell, followed = _Sink(), _Sink()
+    cell, followed = Lines(), Lines()
     follower = m if one_connection else gpumagic.Machine(linked.spec).connect()
     followed_job = follower.job(job.name)
     opens: list[float] = []

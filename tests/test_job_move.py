@@ -29,6 +29,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server, wait_until
+from linkemu import lose
 from gpumagic.errors import JobError
 from gpumagic.remote import move
 
@@ -120,27 +121,6 @@ def kill_group(pid_file: Path) -> None:
     except (OSError, ValueError):
         pass
 
-
-def lose(server) -> None:
-    """Machine ``server`` goes: its sshd, every connection it serves and every process they
-    started (the job's group is killed by the caller: tmux keeps it out of this tree)."""
-    parents = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            parents[int(proc.name)] = int((proc / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, grew = {server.proc.pid}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    server.stop()
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def home(server) -> Path:

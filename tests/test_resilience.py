@@ -29,6 +29,7 @@ from gpumagic.remote import execution
 from gpumagic.remote.kernel import Output
 
 from conftest import wait_until
+from linkemu import Lines
 
 #: The issue's bound for noticing a dead path while a cell runs (seconds).
 RUNNING_BOUND = 10.0
@@ -47,20 +48,6 @@ def running_here(pattern: str) -> list[str]:
     r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, encoding="utf-8")
     return r.stdout.split()
 
-
-class Lines:
-    """A stdout sink that keeps every chunk and the time each complete line arrived."""
-
-    def __init__(self):
-        self.text = ""
-        self.lock = threading.Lock()
-
-    def __call__(self, chunk: str) -> None:
-        with self.lock:
-            self.text += chunk
-
-    def lines(self) -> list[str]:
-        return self.text.splitlines()
 
 
 def test_after_an_idle_roam_the_next_cell_runs_on_a_new_connection_with_no_error(make_link):
