@@ -32,7 +32,8 @@ class GpumagicError(Exception):
         return self.message
 
     def _render_traceback_(self) -> list[str]:
-        # IPython calls this instead of printing our traceback.
+        """What IPython shows instead of our traceback: ``ClassName: message``, then the hint
+        (``InteractiveShell.showtraceback`` calls this where an exception has it)."""
         return [f"{type(self).__name__}: {self}"]
 
 

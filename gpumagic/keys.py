@@ -42,12 +42,13 @@ from .ssh.hosts import (HONOURED_KEYWORDS, HostSpec, is_ssh_command, parse_ssh_c
 PasswordPrompt = Callable[[str], str]
 
 
+def _getpass(prompt: str) -> str:
+    """The default :data:`PasswordPrompt`: ``getpass.getpass``, looked up when called."""
+    return getpass.getpass(prompt)
+
+
 def _os_reason(e: OSError) -> str:
     return e.strerror or str(e)
-
-
-def _getpass(prompt: str) -> str:
-    return getpass.getpass(prompt)
 
 
 # -- keys --------------------------------------------------------------------------------

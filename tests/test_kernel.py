@@ -595,6 +595,7 @@ def test_autorun_sends_code_cells_to_the_session_and_keeps_magics_local(ip, caps
         ip.run_cell("print('remote', os.getpid() == where)")
         assert capsys.readouterr().out == "remote True\n"
         # a cell that begins with %time runs there whole, timed there
+        ip.user_ns.pop("a", None), ip.user_ns.pop("b", None)  # test_magics' run leaves an `a` and a `b`
         ip.run_cell("%time a = os.getpid()\nb = os.getpid()")
         assert "Wall time" in capsys.readouterr().out
         assert "a" not in ip.user_ns and "b" not in ip.user_ns

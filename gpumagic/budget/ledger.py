@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
@@ -95,12 +95,13 @@ class GuardRecord:
     deadline_in: float | None = None
     grace_s: float | None = None
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     @classmethod
     def from_dict(cls, d: dict) -> "GuardRecord":
-        return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """A record from :meth:`to_dict`'s form (a key missing there is ``None``)."""
+        return cls(**{f.name: d.get(f.name) for f in fields(cls)})
 
 
 @dataclass

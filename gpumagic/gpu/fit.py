@@ -689,7 +689,8 @@ def verdict(total: int, free: int) -> str:
 
 @dataclass(frozen=True)
 class Suggestion:
-    """A change and the estimate after it."""
+    """A change (``"micro-batch 4 instead of 8"``) and the estimate after it: ``total`` bytes
+    and its :func:`verdict`."""
 
     change: str
     total: int

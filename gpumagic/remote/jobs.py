@@ -178,7 +178,8 @@ def scan_alerts(lines: Iterable[str]) -> list[Alert]:
 
 @dataclass(frozen=True)
 class JobInfo:
-    """What the remote job directory says about one job.
+    """What the remote job directory (``~/.gpumagic/jobs/NAME/``) says about one job, as
+    ``job-list.sh`` lists it (:func:`parse_listing`).
 
     Attributes
     ----------

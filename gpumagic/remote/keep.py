@@ -68,9 +68,6 @@ EVERY = 60.0
 SETTLE = 10.0
 #: The staging folder inside the local folder (the sync engine's destination).
 STAGE = ".gpumagic-keep"
-RECORD_FORMAT = "gpumagic-keep"
-#: Seconds between pulls of the job's log (a look pulls it when this long has passed).
-LOG_EVERY = 5.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +135,12 @@ class KeepOptions:
 
 
 # -- the record on the laptop -----------------------------------------------------------------
+
+
+#: The ``format`` of a keep record (``keep/MACHINE/JOB.json``, :func:`records`).
+RECORD_FORMAT = "gpumagic-keep"
+#: Seconds between pulls of the job's log (a look pulls it when this long has passed).
+LOG_EVERY = 5.0
 
 
 def record_dir(machine_name: str) -> Path:

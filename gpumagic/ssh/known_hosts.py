@@ -311,11 +311,13 @@ class Certificate:
 
 @dataclass(frozen=True)
 class Entry:
-    """One usable known_hosts line.
+    """One usable known_hosts line: ``[marker] hosts key-type key [comment]``, as sshd(8)
+    describes the file (SSH_KNOWN_HOSTS FILE FORMAT).
 
     Attributes
     ----------
     path : str
+        The known_hosts file it is in.
     line : int
         1-based line number.
     marker : str

@@ -65,7 +65,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import paramiko
 
@@ -136,10 +136,11 @@ class TunnelBase:
     Subclasses set ``self._lock``, ``self.connection``, ``self.reconnects``,
     ``self._workers`` and ``self._state`` (``new`` -> ``open`` -> ``closed`` or
     ``failed: ...``), call :meth:`_init_counts`, say in :attr:`_lost_state` what happens
-    while the SSH connection is down, name themselves in :attr:`label`, list their live
+    while the SSH connection is down, name themselves in :attr:`label`, keep their live
     connections (objects with ``down`` and ``up`` byte counts and ``abort()``) in
-    :meth:`_live`, define :meth:`start`, and may add phases to :meth:`stop`
-    (:meth:`_stop_listening`, :meth:`_release`)."""
+    :attr:`_connections` by number, handing each to :meth:`_ended` when it is over, define
+    :meth:`start`, and may add phases to :meth:`stop` (:meth:`_stop_listening`,
+    :meth:`_release`)."""
 
     faults: list[TunnelFault]
     _lock: threading.Lock
@@ -174,7 +175,7 @@ class TunnelBase:
             if self._state in ("new", "open"):
                 self._state = "closed"
             self.stopped = True
-            live = list(self._live())
+            live = list(self._connections.values())
         self._stop_listening(was_open)
         for c in live:
             c.abort()
@@ -214,29 +215,35 @@ class TunnelBase:
         self.faults = []
         self._reported = 0  # faults already raised or shown
         self.connections_total = 0
+        self._connections: dict[int, Any] = {}  # the live ones, by number
         self._done_down = 0  # bytes of the connections that ended
         self._done_up = 0
 
-    def _live(self):
-        raise NotImplementedError
+    def _ended(self, number: int, conn) -> None:
+        """Connection ``number`` (``conn``) is over: it is no longer live, and its bytes count
+        in the totals."""
+        with self._lock:
+            self._connections.pop(number, None)
+            self._done_down += conn.down
+            self._done_up += conn.up
 
     @property
     def active_connections(self) -> int:
         with self._lock:
-            return len(self._live())
+            return len(self._connections)
 
     @property
     def bytes_down(self) -> int:
         """Bytes towards this computer so far (all connections): from the remote service of
         a local tunnel, from the machine's clients of a reverse one."""
         with self._lock:
-            return self._done_down + sum(c.down for c in self._live())
+            return self._done_down + sum(c.down for c in self._connections.values())
 
     @property
     def bytes_up(self) -> int:
         """Bytes towards the machine so far (all connections)."""
         with self._lock:
-            return self._done_up + sum(c.up for c in self._live())
+            return self._done_up + sum(c.up for c in self._connections.values())
 
     @property
     def label(self) -> str:
@@ -649,7 +656,6 @@ class Tunnel(TunnelBase):
         #: The remote service (TensorBoard, Jupyter) this tunnel was opened for, if any.
         self.service: RemoteService | None = None
         self.reconnects = 0
-        self._forwards: dict[int, _Forward] = {}
         self._workers = _Workers(f"gpumagic-tunnel-{self.wanted_port}")
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -747,6 +753,8 @@ class Tunnel(TunnelBase):
 
     @property
     def label(self) -> str:
+        """What the tunnel is, for messages: ``tunnel http://127.0.0.1:6006/ -> localhost:6006``
+        (:attr:`url` and :attr:`target`)."""
         return f"tunnel {self.url} -> {self.target}"
 
     @property
@@ -758,9 +766,6 @@ class Tunnel(TunnelBase):
     def target(self) -> str:
         """``host:port`` as seen from the machine."""
         return f"{self.remote_host}:{self.remote_port}"
-
-    def _live(self):
-        return self._forwards.values()
 
     def __repr__(self) -> str:
         where = self.url if self.local_port else "(not started)"
@@ -813,7 +818,7 @@ class Tunnel(TunnelBase):
                         return None
                     self.connections_total += 1
                     fwd = _Forward(self, self.connections_total, sock, peer)
-                    self._forwards[fwd.number] = fwd
+                    self._connections[fwd.number] = fwd
                 return fwd
         except BaseException as e:  # the listener itself broke: the tunnel cannot go on
             with self._lock:
@@ -860,10 +865,7 @@ class Tunnel(TunnelBase):
                 fwd.release()
             except BaseException as e:
                 self._fault(fwd.number, f"while closing: {_describe(e)}", e)
-            with self._lock:
-                self._forwards.pop(fwd.number, None)
-                self._done_down += fwd.down
-                self._done_up += fwd.up
+            self._ended(fwd.number, fwd)
 
     def _copy_up(self, fwd: _Forward) -> bool:
         """Local -> remote until the client's EOF, then send the channel's EOF.

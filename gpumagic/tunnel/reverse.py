@@ -147,7 +147,6 @@ class ReverseTunnel(TunnelBase):
         #: Why it moved, completing "port N on the machine ..."; empty when it did not.
         self.moved_reason = ""
         self.reconnects = 0
-        self._pairs: dict[int, _Pair] = {}
         self._lock = threading.Lock()
         self._init_counts()
         self._workers = _Workers(f"gpumagic-reverse-{self.local_port}")
@@ -311,9 +310,6 @@ class ReverseTunnel(TunnelBase):
     def label(self) -> str:
         return f"reverse tunnel {self.id} (the machine's {self.listen} -> this computer's {self.target})"
 
-    def _live(self):
-        return self._pairs.values()
-
     def __repr__(self) -> str:
         return f"<ReverseTunnel {self.name}: machine {self.listen} -> {self.target} {self.state}>"
 
@@ -352,7 +348,7 @@ class ReverseTunnel(TunnelBase):
                 pair.abort()
                 sock.close()
                 return
-            self._pairs[number] = pair
+            self._connections[number] = pair
         try:
             self._workers.submit(self._copy_down, pair)
             self._copy_up(pair)
@@ -363,10 +359,7 @@ class ReverseTunnel(TunnelBase):
         finally:
             pair.abort()
             sock.close()
-            with self._lock:
-                self._pairs.pop(number, None)
-                self._done_down += pair.down
-                self._done_up += pair.up
+            self._ended(number, pair)
 
     def _copy_up(self, pair: _Pair) -> None:
         """This computer -> machine until the local EOF, then the channel's EOF."""

@@ -50,8 +50,8 @@ from ...errors import Interrupted, RemoteCommandError
 from ...gpu.doctor import failure_hint
 from ...fleet import Fleet
 from ...remote.execution import cell_grace
-from ._args import (EVERY_S, GB, GRACE_S, KEEP_LAST, SETTLE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, env_pairs, host_arg,
-                    number, out_arg, parse, returns_after_help, split_args)
+from ._args import (GB, GRACE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, checkpoint_args,
+                    env_pairs, host_arg, number, out_arg, parse, returns_after_help, split_args)
 from ._output import OutputCap
 from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
 from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
@@ -216,24 +216,7 @@ class GpuMagics(Magics):
               help="shut the machine down MINUTES after the job succeeds (exit 0)")
     @argument("--no-alerts", action="store_true",
               help="do not show NaN/OOM/traceback alerts when following or listing")
-    @argument("--keep", metavar="DIR",
-              help="pull new or changed files of DIR (relative to the job's working directory) to "
-                   "this computer while the job runs and the notebook is open; a file is taken "
-                   "whole: at its rename, or once it held still for --keep-settle")
-    @argument("--keep-every", metavar="S", type=EVERY_S,
-              help="with --keep: look every S (90, 30s, 5m; default 60s)")
-    @argument("--keep-to", metavar="LOCAL_DIR", help="with --keep: where the copies go (default ./NAME/DIR/)")
-    @argument("--keep-last", metavar="K", type=KEEP_LAST,
-              help="with --keep: keep only the newest K checkpoints here (a file or folder of DIR each)")
-    @argument("--keep-settle", metavar="S", type=SETTLE_S,
-              help="with --keep: seconds a file written in place must hold still (size and mtime) "
-                   "before it is taken (default 10s)")
-    @argument("--resume-arg", metavar="ARGS",
-              help='with --job: what `%%gpu job move|resume` adds to the command to continue from a '
-                   'checkpoint, {checkpoint} standing for its path, e.g. "--resume {checkpoint}"')
-    @argument("--fallback", metavar="MACHINE",
-              help="with --job and --keep: a connected machine the job moves to by itself if this "
-                   "one is lost (as `%%gpu job move NAME --to MACHINE` would), while this notebook runs")
+    @checkpoint_args()
     @argument_group("torchrun and fan-out (with --job NAME)",
                     "One training run over the GPUs of one or more machines, or one job per machine.")
     @argument("--torchrun", metavar="N|auto",

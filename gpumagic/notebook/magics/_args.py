@@ -294,6 +294,34 @@ def env_pairs(items: list[str]) -> dict[str, str]:
     return env
 
 
+# -- a detached job's checkpoints (%%remote --job NAME --keep DIR) --------------------------
+
+
+def checkpoint_args():
+    """``%%remote --job``'s options for a job that continues from its checkpoints: ``--keep DIR``
+    and its settings (:class:`gpumagic.remote.keep.KeepOptions`), the ``--resume-arg`` that
+    `%gpu job move|resume` adds, and the ``--fallback`` machine it moves to by itself."""
+    keep = argument("--keep", metavar="DIR",
+                    help="pull new or changed files of DIR (relative to the job's working directory) to "
+                         "this computer while the job runs and the notebook is open; a file is taken "
+                         "whole: at its rename, or once it held still for --keep-settle")
+    every = argument("--keep-every", metavar="S", type=EVERY_S,
+                     help="with --keep: look every S (90, 30s, 5m; default 60s)")
+    to = argument("--keep-to", metavar="LOCAL_DIR", help="with --keep: where the copies go (default ./NAME/DIR/)")
+    last = argument("--keep-last", metavar="K", type=KEEP_LAST,
+                    help="with --keep: keep only the newest K checkpoints here (a file or folder of DIR each)")
+    settle = argument("--keep-settle", metavar="S", type=SETTLE_S,
+                      help="with --keep: seconds a file written in place must hold still (size and mtime) "
+                           "before it is taken (default 10s)")
+    resume = argument("--resume-arg", metavar="ARGS",
+                      help='with --job: what `%%gpu job move|resume` adds to the command to continue from a '
+                           'checkpoint, {checkpoint} standing for its path, e.g. "--resume {checkpoint}"')
+    fallback = argument("--fallback", metavar="MACHINE",
+                        help="with --job and --keep: a connected machine the job moves to by itself if this "
+                             "one is lost (as `%%gpu job move NAME --to MACHINE` would), while this notebook runs")
+    return lambda fn: keep(every(to(last(settle(resume(fallback(fn)))))))  # in this order in the help
+
+
 # -- reading a line ------------------------------------------------------------------------
 
 

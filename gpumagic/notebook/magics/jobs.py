@@ -335,19 +335,24 @@ def _torchrun(value: str | None):
     return int(value)
 
 
+#: ``--src`` and ``--host``, as `%gpu job move` and `%gpu job resume` take them.
+_SRC_ARG = argument("--src", metavar="DIR",
+                    help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
+_STARTED_ON_ARG = host_arg("the machine it was started on (default: the one this computer's records name)")
+
+
 @magic_arguments()
 @argument("name", help="the job (see `%%gpu jobs`)")
 @argument("--to", metavar="MACHINE", required=True, help="the connected machine to continue it on")
 @argument("--yes", action="store_true",
           help="the job still runs where it is: stop it there (after a last checkpoint pull), then move it")
-@argument("--src", metavar="DIR",
-          help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
+@_SRC_ARG
 @argument("--torchrun", metavar="N|auto", help="start it under torchrun with N processes there (then without --keep)")
 @argument("--from-start", action="store_true",
           help="start it from the beginning there, on purpose (no --resume-arg, or no checkpoint kept)")
 @argument("--no-src", action="store_true",
           help="push no project folder: the job's files are on the other machine already")
-@host_arg("the machine it was started on (default: the one this computer's records name)")
+@_STARTED_ON_ARG
 def _job_move(magics: GpuMagics, line: str):
     """Continue a job on another machine from its newest checkpoint kept here: its project
     folder and that checkpoint are pushed there, and the same command starts with its
@@ -371,11 +376,10 @@ def _job_move(magics: GpuMagics, line: str):
 
 @magic_arguments()
 @argument("name", help="the job (see `%%gpu jobs`)")
-@argument("--src", metavar="DIR",
-          help="the project folder here to push (default: the folder gpumagic pushed to the job's folder)")
+@_SRC_ARG
 @argument("--from-start", action="store_true",
           help="start it from the beginning, on purpose (no --resume-arg, or no checkpoint kept)")
-@host_arg("the machine it was started on (default: the one this computer's records name)")
+@_STARTED_ON_ARG
 def _job_resume(magics: GpuMagics, line: str):
     """Start a lost job again on its own machine (after a restart) from its newest checkpoint
     kept here, as `%gpu job move` does."""

@@ -7,9 +7,11 @@ line (or parsed arguments), calls the plain-Python API once, and displays.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import sys
 import time
+from typing import Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -322,40 +324,42 @@ def session_args(required: bool = False):
     return lambda fn: name(host_arg()(fn))  # NAME first in the help, then --host
 
 
-def _session(magics, fn, line: str) -> RemoteKernel:
-    """Parse ``line`` with ``fn``'s parser (:func:`session_args`); the session it names."""
+@contextlib.contextmanager
+def _session(magics, fn, line: str) -> Iterator[RemoteKernel]:
+    """Parse ``line`` with ``fn``'s parser (:func:`session_args`); the session it names, for a
+    ``with`` block that acts on it.  Once the block ran without an error, the session is the
+    one used last (:func:`_used`)."""
     args = parse(fn, line, f"kernel {fn.__name__.lstrip('_')}")
-    return _get(magics, args.host, _name(args.name))
+    k = _get(magics, args.host, _name(args.name))
+    yield k
+    _used(k)
 
 
 @magic_arguments()
 @session_args(required=True)
 def _restart(magics, line: str):
-    k = _session(magics, _restart, line)
-    k.restart(output=_output(magics))
-    _used(k)
+    with _session(magics, _restart, line) as k:
+        k.restart(output=_output(magics))
     print(f"restarted session {k.name} on {k.machine.name}: a fresh kernel, no variables")
 
 
 @magic_arguments()
 @session_args()
 def _interrupt(magics, line: str):
-    k = _session(magics, _interrupt, line)
-    k.interrupt()
-    _used(k)
+    with _session(magics, _interrupt, line) as k:
+        k.interrupt()
     print(f"sent an interrupt to session {k.name} on {k.machine.name} (its variables are kept)")
 
 
 @magic_arguments()
 @session_args()
 def _attach(magics, line: str):
-    k = _session(magics, _attach, line)
-    out = _output(magics)
-    try:
-        status = k.attach(output=out)
-    finally:
-        out.finish()
-    _used(k)
+    with _session(magics, _attach, line) as k:
+        out = _output(magics)
+        try:
+            status = k.attach(output=out)
+        finally:
+            out.finish()
     print(f"session {k.name} on {k.machine.name}: {status.get('state')}; nothing more to show",
           file=sys.stderr)
 

@@ -92,10 +92,13 @@ class RemoteKernel:
 
     @property
     def where(self) -> str:
+        """``machine:session``, for messages."""
         return f"{self.machine.name}:{self.name}"
 
     @property
     def remote_dir(self) -> str:
+        """The session's folder on the machine, where its keeper keeps the kernel's state,
+        token and logs (``$HOME`` left for the remote shell to expand)."""
         return f"$HOME/{KERNELS_DIR}/{self.name}"
 
     def __repr__(self) -> str:
