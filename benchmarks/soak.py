@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--roam-every", type=float, default=1200, metavar="SECONDS")
     ap.add_argument("--blink-seconds", type=float, default=5)
     ap.add_argument("--one-connection", action="store_true",
-                    help="follow the job on the cell's connection (a second Machine.run there has no grace)")
+                    help="follow the job on the cell's connection (two Machine.run at once there)")
     ap.add_argument("--rtt-ms", type=float, default=40)
     ap.add_argument("--up-mbit", type=float, default=20)
     ap.add_argument("--down-mbit", type=float, default=50)

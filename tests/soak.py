@@ -206,9 +206,9 @@ def run_soak(linked, *, seconds: float, blink_every: float, roam_every: float, b
     module docstring.  ``say`` gets a line at each fault.
 
     The job is followed over a second connection (a second ``Machine``, as a second notebook
-    would), because a connection has one cell runner: a second ``Machine.run`` while one
-    runs takes the old way, with no grace, and a roam cuts it (``one_connection=True``
-    follows on ``linked.machine`` and shows that)."""
+    would); ``one_connection=True`` follows it on ``linked.machine``, beside the cell and the
+    session: two ``Machine.run`` at once on one connection, each in a runner of its own, so
+    each is kept through a roam with its grace."""
     import gpumagic
 
     m = linked.machine

@@ -174,7 +174,7 @@ def test_a_machine_where_the_runner_cannot_start_runs_cells_the_old_way():
         with gpumagic.Machine(server.spec()) as m:
             r = m.run('echo "$GM_FROM_BASHRC"; echo e >&2; exit 4', quiet=True)
             assert (r.stdout, r.stderr, r.exit_code) == ("bashrc-value\n", "e\n", 4)
-            assert execution._runners.get(m.connection.transport, ...) is None  # not retried
+            assert execution._runners[m.connection.transport].failed  # not retried
             before = rc_runs(home)
             assert m.run(["echo", "ok"], quiet=True).stdout == "ok\n"
             assert rc_runs(home) > before  # the old way: the login shell ran again

@@ -54,7 +54,7 @@ def test_after_an_idle_roam_the_next_cell_runs_on_a_new_connection_with_no_error
     linked = make_link(rtt_ms=40)
     m = linked.machine
     assert m.run("echo first", quiet=True).stdout == "first\n"
-    old_runner = execution._runners[m.connection.transport].pid
+    old_runner = execution._runners[m.connection.transport].runners[0].pid
     assert old_runner and Path(f"/proc/{old_runner}").exists()
     time.sleep(2.5)  # quiet for longer than FRESH: the next cell asks the path first
     assert linked.roam() == 1
@@ -635,6 +635,181 @@ def test_past_the_spool_bound_the_oldest_output_is_dropped_and_the_cell_says_how
     assert len(note) == 1, r.stderr
     lost = int(note[0].split("gpumagic: ")[1].split()[0].replace(",", ""))
     assert r.stdout_bytes + lost == len("start\n") + total + len("end\n")
+
+
+def test_two_cells_at_once_on_one_connection_both_live_through_a_roam_with_every_line_once(make_link, tmp_path):
+    """Two ``Machine.run`` at once on one connection (a cell and a watch's refresh, a cell and
+    a followed job log): each has a runner of its own, so both are kept, both re-attach after
+    the roam, each line once, each run once, each with its own exit code."""
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, pattern = unique_tag()
+    outs = [Lines(), Lines()]
+    runs = [tmp_path / "runs0", tmp_path / "runs1"]
+    got: dict[int, object] = {}
+
+    def cell(i: int) -> None:
+        try:
+            got[i] = m.run(f"echo run >> {runs[i]}; for j in $(seq 1 30); do echo c{i} line $j; sleep 0.3; "
+                           f"done; exit {3 + i} # {token}", stdout=outs[i])
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            got[i] = e
+
+    def roam_when_both_print() -> None:
+        wait_until(lambda: all("line 3\n" in out.text for out in outs), 20)
+        linked.roam()
+        roamed.append(time.monotonic())
+
+    roamed: list[float] = []
+    second = threading.Thread(target=cell, args=(1,), daemon=True)
+    second.start()
+    assert wait_until(lambda: "line 1\n" in outs[1].text, 20)  # the first is running when the next comes
+    threading.Thread(target=roam_when_both_print, daemon=True).start()
+    cell(0)
+    second.join(60)
+    assert roamed, "the roam did not come while both cells ran"
+    for i in (0, 1):
+        r = got[i]
+        assert not isinstance(r, BaseException), f"cell {i}: {r!r}"
+        assert r.exit_code == 3 + i
+        assert outs[i].lines() == [f"c{i} line {j}" for j in range(1, 31)]  # each once, in order
+        assert r.stdout == outs[i].text
+        assert runs[i].read_text(encoding="utf-8") == "run\n"  # each ran once
+    assert m.connection.opened_count == 2
+    assert running_here(pattern) == []
+    assert m.run("echo next", quiet=True).stdout == "next\n"
+
+
+def test_a_connection_holds_one_runner_per_cell_at_once_up_to_its_cap(link, monkeypatch):
+    """Idle runners are taken again (no new one per cell); a cell past MAX_RUNNERS at once runs
+    the old way; an idle extra past SPARE_IDLE is closed at the next take, the first kept."""
+    m = link.machine
+    m.run("true", quiet=True)
+    pool = execution._runners[m.connection.transport]
+    assert len(pool.runners) == 1
+    for _ in range(3):
+        m.run("true", quiet=True)
+    assert len(pool.runners) == 1  # one at a time: always the same runner
+    monkeypatch.setattr(execution, "MAX_RUNNERS", 2)
+    threads = [threading.Thread(target=m.run, args=("sleep 3",), kwargs=dict(quiet=True), daemon=True)
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    # both started, each in a runner of its own
+    assert wait_until(lambda: len(pool.runners) == 2 and all(r.busy and r.cell_pid for r in pool.runners), 20)
+    pids = {r.pid for r in pool.runners}
+    assert m.run(["echo", "third"], quiet=True).stdout == "third\n"  # past the cap: the old way
+    assert {r.pid for r in pool.runners} == pids
+    for t in threads:
+        t.join(30)
+    assert not any(r.busy for r in pool.runners)
+    monkeypatch.setattr(execution, "SPARE_IDLE", 0.0)
+    m.run("true", quiet=True)  # takes the last used; the other idle one is closed
+    assert len(pool.runners) == 1
+    assert wait_until(lambda: sum(_alive(pid) for pid in pids) == 1, 10)
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid`` on the machine (this computer)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text(encoding="utf-8").rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+                found.append(int(d.name))
+    return found
+
+
+@pytest.mark.parametrize("when", ["before the cut is noticed", "while it reconnects"])
+def test_ctrl_c_in_the_gap_stops_the_kept_cell_as_soon_as_a_path_exists(make_link, tmp_path, when):
+    """Ctrl-C while a kept cell's path is dead: the interrupt is raised at once, and the
+    cell's process tree on the machine is stopped over the first connection that can be made,
+    long before its grace.  "before the cut is noticed": a roam, then Ctrl-C at once (its
+    stop goes into the dead path); "while it reconnects": the link holds everything, the cut
+    is noticed and new connections wait, Ctrl-C, then the link comes back."""
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, _pattern = unique_tag()
+    marker = tmp_path / "pgid"
+    out = Lines()
+    ctrl_c: list[float] = []
+    path_back: list[float] = []
+    in_gap: list[list[int]] = []  # the cell's processes just before the link came back
+
+    def fault() -> None:
+        wait_until(lambda: "line 3\n" in out.text, 20)
+        if when == "before the cut is noticed":
+            linked.roam()  # new connections work at once: a path exists
+            path_back.append(time.monotonic())
+        else:
+            linked.hold()
+            wait_until(lambda: not m.connection.is_connected, 20)  # noticed: it seeks a connection
+            time.sleep(1.0)
+        ctrl_c.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+        if when == "while it reconnects":
+            time.sleep(2.0)
+            in_gap.append(_group(int(marker.read_text(encoding="utf-8"))))
+            linked.release()
+            path_back.append(time.monotonic())
+
+    faults = threading.Thread(target=fault, daemon=True)
+    faults.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            m.run(f"echo $$ > {marker}; for i in $(seq 1 1000); do echo line $i; sleep 0.3; done # {token}",
+                  stdout=out)
+        raised = time.monotonic()
+    finally:
+        faults.join(30)
+        linked.release()
+    assert ctrl_c and path_back
+    assert when != "while it reconnects" or in_gap[0], "the cell did not live on in the gap"
+    assert raised - ctrl_c[0] < execution.KILL_GRACE + 3.0  # not held up by the dead path
+    pgid = int(marker.read_text(encoding="utf-8"))
+    assert pgid > 1
+    # stopped over the first connection made: a probe's bound, one connect, SIGTERM
+    assert wait_until(lambda: _group(pgid) == [], IDLE_BOUND + execution.KILL_GRACE + 6.0), _group(pgid)
+    stopped = time.monotonic()
+    print(f"{when}: Ctrl-C -> raised {raised - ctrl_c[0]:.2f} s, -> processes gone {stopped - ctrl_c[0]:.2f} s; "
+          f"path back -> gone {stopped - path_back[0]:.2f} s")
+    lines = out.lines()
+    assert lines == [f"line {i}" for i in range(1, len(lines) + 1)]
+    assert m.run("echo next", quiet=True).stdout == "next\n"
+
+
+@pytest.mark.parametrize("line, mode", [("--kernel --grace 60", "--kernel"), ("--kernel s1 --grace 0", "--kernel"),
+                                        ("--job j1 --grace 10m", "--job"), ("--grace 5 --job j1 --keep ckpt/", "--job")])
+def test_grace_with_a_session_or_a_job_is_refused_with_a_line_that_says_what_to_do(ip, line, mode):
+    """A session cell and a job live on through a lost connection with no limit, so a
+    ``--grace`` there would mean nothing: refused before anything starts."""
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as e:
+        ip.run_cell_magic("remote", line, "print(1)")
+    assert type(e.value) is UsageError
+    msg = str(e.value)
+    assert msg.startswith(f"--grace does not apply to {mode}: ") and msg.endswith("drop --grace"), msg
+    assert "\n" not in msg
+    assert ip._gpumagic.fleet.machines == {}  # refused before a machine was looked for
+
+
+def test_grace_on_a_cell_you_wait_for_reaches_its_run(ip, link, monkeypatch):
+    m = ip._gpumagic.fleet.add(link.machine)
+    seen: list = []
+    real = m.run
+
+    def run(*a, **k):
+        seen.append(execution._grace.get())
+        return real(*a, **k)
+
+    monkeypatch.setattr(m, "run", run)
+    ip.run_cell_magic("remote", "--grace 5", "echo hi")
+    ip.run_cell_magic("remote", "", "echo hi")
+    assert seen == [5.0, ip._gpumagic.grace]
 
 
 # -- `%gpu status --watch` through a roam: `reconnecting...`, never a traceback (issue 28) ------

@@ -23,7 +23,7 @@ only for commands that read stdin.
 How a cell runs
 ---------------
 Through the connection's *runner* when it can start
-(``gpumagic/remote/programs/exec-runner.py``; :func:`_take_runner`): one Python process per
+(``gpumagic/remote/programs/exec-runner.py``; :func:`_take_runner`): a Python process on the
 connection, started once like every program here (through the login shell, so its
 environment is the one every exec gets; the login-environment delta is applied per cell as
 before), on a session channel that stays open.  Each cell is one request frame on that
@@ -36,9 +36,11 @@ A stop request (interrupt, timeout) sends SIGTERM to the cell's process group an
 :data:`KILL_GRACE` seconds later.  Kill on drop: the runner's watchdog process kills every
 running cell's group when the runner ends, whether the channel closed (dropped connection,
 killed sshd, the client gave up) or the runner itself was killed (a kept cell, below,
-outlives a closed channel for its grace).  One cell uses the runner
-at a time; a concurrent cell, or every cell where the runner cannot start (no usable
-Python 3), runs the old way below.
+outlives a closed channel for its grace).  One cell uses a runner
+at a time; a cell that comes while the others run gets a runner of its own beside them
+(:class:`_Pool`, up to :data:`MAX_RUNNERS` a connection), so it is kept too.  A cell past
+those, or every cell where the runner cannot start (no usable Python 3), runs the old way
+below.
 
 Kept cells (issue 28): a cell run through the runner with a grace (:data:`GRACE`, 600 s by
 default; :func:`cell_grace`, ``%%remote --grace``) outlives a dead path.  Its request ("K")
@@ -492,7 +494,7 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         out.feed(marker.flush(), final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()
-        if code == -1 and not conn.is_connected:
+        if code == -1 and _gone(conn, chan):
             raise _lost(conn)
     except KeyboardInterrupt:
         _stop(chan)
@@ -546,6 +548,8 @@ class _Kept:
         self.reconnects = 0
         #: When the last "h" went out.
         self.beaten = 0.0
+        #: While a new connection is sought (:func:`_reattach`): when the grace is over.
+        self.ends: float | None = None
         self._err = err
 
     def request(self, request: bytes) -> bytes:
@@ -588,22 +592,37 @@ def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream
     ConnectionLost
         No new connection within the grace (the cell is stopped on the machine), or the
         machine stopped it after the grace without a client.
+    KeyboardInterrupt
+        After the cell was stopped.  Where its path had died (the stop reached no one, or
+        the interrupt came while a new connection was sought), the stop goes on in the
+        background and reaches the machine as soon as a connection is made
+        (:func:`_stop_kept_later`).
     """
-    while True:
-        try:
-            with conn.in_flight():
-                code = runner.run(conn, request, out, err, timeout, start, kept=kept)
-        except (_Cut, _NotStarted) as e:
-            # _NotStarted: the runner ended with the request maybe read: its id decides
-            runner = _reattach(conn, kept, e if isinstance(e, _Cut) else _Cut(conn, None), runner)
-            continue
-        if kept.graced is not None:
-            raise ConnectionLost(
-                f"the machine stopped the cell: no client was heard for its grace of {kept.graced} s "
-                f"(the connection to {conn.spec.address} was lost)",
-                "raise the grace (%%remote --grace S, or %config GpuMagics.grace = S), or run it "
-                "as a job (%%remote --job) if it must outlive a closed laptop")
-        return code
+    stopped = False  # the runner stopped the cell and saw it end
+    try:
+        while True:
+            try:
+                with conn.in_flight():
+                    code = runner.run(conn, request, out, err, timeout, start, kept=kept)
+            except KeyboardInterrupt:
+                stopped = not runner.dead  # dead: its stop got no answer, the path is gone
+                raise
+            except (_Cut, _NotStarted) as e:
+                # _NotStarted: the runner ended with the request maybe read: its id decides
+                runner = _reattach(conn, kept, e if isinstance(e, _Cut) else _Cut(conn, None), runner)
+                continue
+            if kept.graced is not None:
+                raise ConnectionLost(
+                    f"the machine stopped the cell: no client was heard for its grace of {kept.graced} s "
+                    f"(the connection to {conn.spec.address} was lost)",
+                    "raise the grace (%%remote --grace S, or %config GpuMagics.grace = S), or run it "
+                    "as a job (%%remote --job) if it must outlive a closed laptop")
+            return code
+    except KeyboardInterrupt:
+        if not stopped:
+            runner.discard()  # the old path's, or a new one the cell never reached
+            _stop_kept_later(conn, kept)
+        raise
 
 
 def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_Runner":
@@ -615,47 +634,56 @@ def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_R
     ConnectionLost
         The grace passed first: the cell is stopped on the machine over a new connection
         if one comes within :data:`STOP_WAIT` s (the machine stops it by itself too).
-    KeyboardInterrupt
-        The cell's stop goes on in the background, sent as soon as a connection is made.
     """
     old.discard()
+    deadline = kept.ends = _grace_ends(conn, kept)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            fate = _stop_elsewhere(conn, 0, 0, kept=kept.id)
+            raise ConnectionLost(
+                f"lost the connection to {conn.spec.address} while the cell ran ({cut.why}) and "
+                f"got no new one within its grace of {kept.grace:g} s; {fate}",
+                "run the cell again (raise the grace with %%remote --grace S or %config "
+                "GpuMagics.grace = S; %%remote --job survives a closed laptop)")
+        try:
+            conn.ensure_open()
+            runner = _take_runner(conn)
+        except (GpumagicError, paramiko.SSHException, EOFError, OSError):
+            time.sleep(min(1.0, max(0.0, left)))
+            continue
+        if runner is None:  # the new connection runs MAX_RUNNERS cells already
+            time.sleep(min(0.2, max(0.0, left)))
+            continue
+        kept.reconnects += 1
+        kept.ends = None
+        log.info("gpumagic: re-attaching cell %s after: %s", kept.id, cut.why)
+        return runner
+
+
+def _grace_ends(conn: Connection, kept: _Kept) -> float:
+    """When ``kept``'s grace is over, were its path dead now: counted from the last packet
+    the path brought."""
     path = getattr(conn, "_path", None)
-    heard = path.heard_at if path is not None else time.monotonic()
-    deadline = heard + kept.grace
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                fate = _stop_elsewhere(conn, 0, 0, kept=kept.id)
-                raise ConnectionLost(
-                    f"lost the connection to {conn.spec.address} while the cell ran ({cut.why}) and "
-                    f"got no new one within its grace of {kept.grace:g} s; {fate}",
-                    "run the cell again (raise the grace with %%remote --grace S or %config "
-                    "GpuMagics.grace = S; %%remote --job survives a closed laptop)")
-            try:
-                conn.ensure_open()
-                runner = _take_runner(conn)
-            except (GpumagicError, paramiko.SSHException, EOFError, OSError):
-                time.sleep(min(1.0, max(0.0, left)))
-                continue
-            if runner is None:  # a runner of the new connection is busy with another cell
-                time.sleep(min(0.2, max(0.0, left)))
-                continue
-            kept.reconnects += 1
-            log.info("gpumagic: re-attaching cell %s after: %s", kept.id, cut.why)
-            return runner
-    except KeyboardInterrupt:
-        threading.Thread(target=_stop_kept_when_possible, args=(conn, kept.id, deadline), daemon=True,
-                         name="gpumagic-stop-kept-cell").start()
-        raise
+    return (path.heard_at if path is not None else time.monotonic()) + kept.grace
+
+
+def _stop_kept_later(conn: Connection, kept: _Kept) -> None:
+    """An interrupt came while ``kept``'s path was dead: stop the cell on the machine as soon
+    as a connection can be made (:func:`_stop_kept_when_possible`, on a thread: the
+    interrupt is not held up), trying until its grace is over (then the machine has)."""
+    ends = kept.ends if kept.ends is not None else _grace_ends(conn, kept)
+    threading.Thread(target=_stop_kept_when_possible, args=(conn, kept.id, ends), daemon=True,
+                     name="gpumagic-stop-kept-cell").start()
 
 
 def _stop_kept_when_possible(conn: Connection, ident: str, deadline: float) -> None:
     """Stop the kept cell ``ident`` as soon as a connection can be made, trying until
-    ``deadline`` (past it the machine stops it by itself)."""
+    ``deadline`` (past it the machine stops it by itself).  A path that looks up but went
+    quiet is probed first (:meth:`Connection.ensure_alive`, in ``open_session``), so a
+    dead one is left for a new connection within max(3 s, 10 RTT)."""
     while time.monotonic() < deadline:
         try:
-            conn.ensure_open()
             _program.run(conn, STOP_KEPT_PROGRAM, KILL_GRACE, ident, timeout=KILL_GRACE + 10)
             return
         except Exception:  # noqa: BLE001 - tried again until the grace is over
@@ -695,12 +723,18 @@ def _pump(conn: Connection, chan: paramiko.Channel, on_out: Callable[[bytes], No
         pump.send_eof(when=ready if stdin else lambda: True)
 
     def watch() -> None:
-        if not conn.is_connected:
+        if _gone(conn, chan):
             raise _lost(conn)
 
     deadline = None if timeout is None else start + timeout
     if not pump.run(lambda: pump.finished, deadline=deadline, watch=watch):
         raise _Timeout()
+
+
+def _gone(conn: Connection, chan: paramiko.Channel) -> bool:
+    """Whether ``chan``'s connection was lost, or left for a new one (another thread's
+    :meth:`Connection.ensure_alive` found its path dead)."""
+    return not conn.is_connected or conn.transport is not chan.get_transport()
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
@@ -799,9 +833,57 @@ def _stop(chan: paramiko.Channel) -> None:
 RUNNER_PROGRAM = "exec-runner.py"
 #: Seconds allowed for the runner to start (the login shell's start-up files run once).
 RUNNER_START_TIMEOUT = 30.0
+#: Most runners one connection holds at once, one per cell running at the same time (a
+#: ``%gpu status --watch`` refresh or a followed job log beside a cell).  Each holds a session
+#: channel, and sshd allows 10 a connection by default (``MaxSessions``): a cell past them
+#: runs the old way, with no grace.
+MAX_RUNNERS = 4
+#: Seconds an idle runner beyond the connection's first is kept after its last cell: a second
+#: cell that keeps coming back (a watch's refresh) finds it started; one that came once (a
+#: burst) gives its session slot and processes back at the next take after this.
+SPARE_IDLE = 60.0
 _FRAME = struct.Struct(">cI")
-#: One runner per SSH transport: a :class:`_Runner`, or None where none could start.
-_runners: "weakref.WeakKeyDictionary[paramiko.Transport, _Runner | None]" = weakref.WeakKeyDictionary()
+
+
+class _Pool:
+    """The runners of one SSH transport (:func:`_take_runner`): one per cell running at once,
+    up to :data:`MAX_RUNNERS`."""
+
+    def __init__(self):
+        self.runners: list[_Runner] = []
+        #: No runner can start on this connection (no usable Python 3, a refused login): every
+        #: cell runs the old way from now on, and none is tried again.
+        self.failed = False
+        #: A runner did start here: a later failed start is that runner's own, not the machine's.
+        self.worked = False
+
+    def take(self, new: bool) -> "tuple[_Runner | None, list[_Runner]]":
+        """An idle runner marked busy (a started one first), else a new one (``new``) while
+        fewer than :data:`MAX_RUNNERS`; and the idle extras to close (past :data:`SPARE_IDLE`).
+        Called with ``_runners_lock`` held."""
+        self.runners = [r for r in self.runners if not (r.dead or (r.ready and not r.alive))]
+        idle = sorted((r for r in self.runners if not r.busy), key=lambda r: (r.ready, r.used))
+        runner = idle.pop() if idle else None
+        now = time.monotonic()
+        stale = [r for r in idle if now - r.used > SPARE_IDLE]
+        for r in stale:
+            self.runners.remove(r)
+        if runner is None and new and len(self.runners) < MAX_RUNNERS:
+            runner = _Runner()
+            self.runners.append(runner)
+        if runner is not None:
+            runner.busy = True
+        return runner, stale
+
+    def drop(self, runner: "_Runner") -> None:
+        """Close ``runner`` and forget it (called with ``_runners_lock`` held)."""
+        runner.discard()
+        if runner in self.runners:
+            self.runners.remove(runner)
+
+
+#: The runners of each SSH transport.
+_runners: "weakref.WeakKeyDictionary[paramiko.Transport, _Pool]" = weakref.WeakKeyDictionary()
 _runners_lock = threading.Lock()
 
 
@@ -840,10 +922,11 @@ def runner_request(argv: Sequence[str], *, cwd: str | None = None,
 
 
 def _take_runner(conn: Connection, *, new: bool = True) -> "_Runner | None":
-    """This connection's runner, marked busy, started on first use; None when it cannot
-    start on this connection or another cell uses it now (the cell then runs the way every
-    exec does, through the login shell).  With ``new`` False, None also where no runner was
-    started or sent its start yet (:func:`prestart_runner`): nothing waits for one."""
+    """A runner of this connection for one cell, marked busy: an idle one, else one started
+    now (:class:`_Pool`: one per cell running at once, up to :data:`MAX_RUNNERS`); None when
+    none can start on this connection, or that many cells run now (the cell then runs the way
+    every exec does, through the login shell).  With ``new`` False, None also where no idle
+    runner was started or sent its start (:func:`prestart_runner`): nothing waits for one."""
     conn.ensure_open()
     transport = conn.transport
     if transport is None:
@@ -851,41 +934,43 @@ def _take_runner(conn: Connection, *, new: bool = True) -> "_Runner | None":
     if _stop_abandoned_runner not in conn.after_abandon:
         conn.after_abandon.append(_stop_abandoned_runner)
     with _runners_lock:
-        runner = _runners.get(transport, ...)
-        if runner is None:
+        pool = _runners.setdefault(transport, _Pool())
+        if pool.failed:
             return None
-        if runner is not ... and not runner.dead and runner.busy:
-            return None
-        if runner is ... or runner.dead or (runner.ready and not runner.alive):
-            if not new:
-                return None
-            runner = _runners[transport] = _Runner()
-        runner.busy = True
+        runner, stale = pool.take(new)
+    for extra in stale:
+        extra.discard()  # its channel closes: the runner ends
+    if runner is None:
+        return None
     try:
-        if runner.ready or runner.start(conn):
+        if runner.ready or runner.start(conn, beside=pool.worked):
+            pool.worked = True
             return runner
     except (paramiko.SSHException, EOFError, OSError, RemoteCommandError):
         pass
     except BaseException:
-        runner.discard()
         with _runners_lock:
-            _runners.pop(transport, None)
+            pool.drop(runner)
         raise
-    runner.discard()
     with _runners_lock:
-        _runners[transport] = None  # no Python 3, a refused login...: the old way from now on
+        pool.drop(runner)
+        # the first runner could not start (no Python 3, a refused login...): the old way
+        # from now on; a later one (a channel refused past MaxSessions): this cell only
+        pool.failed = pool.failed or not pool.worked
     return None
 
 
 def _stop_abandoned_runner(conn: Connection, transport: paramiko.Transport) -> None:
-    """After :meth:`Connection.ensure_alive` left a dead path: end that path's runner on the
-    machine over the new connection (its sshd keeps the old connection, and the runner
-    with it, for hours); a cell it ran is stopped by its watchdog."""
+    """After :meth:`Connection.ensure_alive` left a dead path: end that path's runners on the
+    machine over the new connection (its sshd keeps the old connection, and the runners with
+    it, for hours); a cell one ran is stopped by its watchdog.  A runner that started or
+    follows a kept cell is left alone: the cell re-attaches."""
     with _runners_lock:
-        runner = _runners.pop(transport, None)
-    if runner is not None and runner.pid and runner.kept is None:  # a kept cell re-attaches
-        _program.run(conn, STOP_PROGRAM, KILL_GRACE, runner.cell_pid or 0, runner.pid,
-                     timeout=KILL_GRACE + 10)
+        pool = _runners.pop(transport, None)
+    for runner in pool.runners if pool is not None else []:
+        if runner.pid and runner.kept is None:
+            _program.run(conn, STOP_PROGRAM, KILL_GRACE, runner.cell_pid or 0, runner.pid,
+                         timeout=KILL_GRACE + 10)
 
 
 def prestart_runner(conn: Connection) -> None:
@@ -897,20 +982,20 @@ def prestart_runner(conn: Connection) -> None:
         return
     transport = conn.transport
     with _runners_lock:
-        if transport in _runners and (_runners[transport] is None or not _runners[transport].dead):
+        pool = _runners.setdefault(transport, _Pool())
+        if pool.failed or any(not r.dead for r in pool.runners):
             return
-        runner = _runners[transport] = _Runner()
+        runner = _Runner()
+        pool.runners.append(runner)
     try:
         runner.begin(conn)
     except BaseException as e:
-        runner.discard()
         with _runners_lock:
-            if _runners.get(transport) is runner:
-                del _runners[transport]
+            pool.drop(runner)
         if not isinstance(e, Exception):
             raise
     finally:
-        runner.busy = False
+        runner.release()
 
 
 def _frames(buf: bytearray):
@@ -926,11 +1011,17 @@ def _frames(buf: bytearray):
 
 class _Runner:
     """The client side of ``exec-runner.py`` on one session channel (see the program's
-    header for the protocol).  Used by one cell at a time (``busy``)."""
+    header for the protocol).  Used by one cell at a time (``busy``); a connection holds
+    several (:class:`_Pool`)."""
 
     def __init__(self):
         self.chan: paramiko.Channel | None = None
+        #: The transport its channel is on: a cell there is cut when the connection has
+        #: another one now (another thread's :meth:`Connection.ensure_alive` left the path).
+        self.transport: paramiko.Transport | None = None
         self.busy = True
+        #: When its last cell ended (:meth:`release`).
+        self.used = time.monotonic()
         self.dead = False
         self.ready = False
         self.tag = b""
@@ -939,7 +1030,9 @@ class _Runner:
         #: (its process group; from the "P" frame); None while not known.
         self.pid: int | None = None
         self.cell_pid: int | None = None
-        #: The kept cell running now (its frames are counted there), None for others.
+        #: The kept cell running now (its frames are counted there), None for others; left
+        #: set when the runner was given up on with the cell still there (it re-attaches
+        #: elsewhere, so the runner, maybe its owner, must not be stopped).
         self.kept: _Kept | None = None
 
     @property
@@ -947,15 +1040,32 @@ class _Runner:
         c = self.chan
         return c is not None and not (c.closed or c.eof_received or c.exit_status_ready())
 
-    def begin(self, conn: Connection) -> None:
-        """Open the channel and send the runner's start (through the login shell)."""
-        self.chan = conn.open_session()
+    def cut(self, conn: Connection) -> bool:
+        """Whether the connection this runner is on was lost (or left for a new one)."""
+        return not conn.is_connected or conn.transport is not self.transport
+
+    def release(self) -> None:
+        """Its cell ended: the runner takes the next one."""
+        self.used = time.monotonic()
+        self.busy = False
+
+    def begin(self, conn: Connection, *, beside: bool = False) -> None:
+        """Open the channel and send the runner's start (through the login shell).
+        ``beside``: next to a runner that started on this transport, whose path was just
+        checked: the channel is asked of the transport as it is, so one that sshd refuses
+        (past its ``MaxSessions``) fails this runner alone and never reopens the connection
+        under the cells that run there."""
+        if beside and conn.transport is not None:
+            self.chan = conn.transport.open_session(timeout=conn.spec.connect_timeout)
+        else:
+            self.chan = conn.open_session()
+        self.transport = self.chan.get_transport()
         self.tag = _send_program(self.chan, runner_command())
 
-    def start(self, conn: Connection) -> bool:
+    def start(self, conn: Connection, *, beside: bool = False) -> bool:
         """Start the runner (unless :meth:`begin` did) and wait for its greeting."""
         if self.chan is None:
-            self.begin(conn)
+            self.begin(conn, beside=beside)
         assert self.chan is not None
         self.pid = _await_marker(self.chan, self.tag, RUNNER_START_TIMEOUT)
         self.ready = self._greeted(time.monotonic() + RUNNER_START_TIMEOUT)
@@ -1029,9 +1139,9 @@ class _Runner:
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise _lost(conn, e)
         finally:
-            self.kept = None
             if done:
-                self.busy = False
+                self.kept = None
+                self.release()
             else:
                 self.discard()
 
@@ -1063,7 +1173,7 @@ class _Runner:
         def watch() -> None:
             beat()
             if pump.at_eof:
-                if not conn.is_connected:
+                if self.cut(conn):
                     raise _lost(conn)
                 if not started:
                     raise _NotStarted()
@@ -1071,7 +1181,7 @@ class _Runner:
                     f"gpumagic's cell runner on {conn.spec.address} ended while the cell ran; "
                     "its processes were stopped",
                     "run the cell again (a new runner starts by itself)")
-            if not conn.is_connected:
+            if self.cut(conn):
                 raise _lost(conn)
 
         # stderr is the runner's own complaints, not the cell's: read and dropped
@@ -1216,7 +1326,7 @@ class RunnerPipe:
             return
         self.given_back = True
         if self.code is not None and not self.pump.at_eof:
-            self.runner.busy = False  # ended: the runner takes the next cell
+            self.runner.release()  # ended: the runner takes the next cell
         else:
             self.runner.discard()  # its watchdog stops the program
 
@@ -1280,7 +1390,7 @@ def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
         out.feed(marker.flush(), final=True)
         err.feed(b"", final=True)
         code = chan.recv_exit_status()
-        if code == -1 and not conn.is_connected:
+        if code == -1 and _gone(conn, chan):
             raise _lost(conn)
     except (paramiko.SSHException, EOFError, OSError) as e:
         raise _lost(conn, e)

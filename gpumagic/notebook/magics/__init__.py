@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from traitlets import Float, Int, Unicode
@@ -202,7 +203,8 @@ class GpuMagics(Magics):
     @argument("--grace", metavar="S", type=GRACE_S,
               help="a cell you wait for: keep it running for S seconds through a lost connection "
                    "(a Wi-Fi blink, a network change, a laptop asleep) and re-attach, showing what "
-                   "it printed meanwhile once (default 600: %%config GpuMagics.grace; 0: stop it)")
+                   "it printed meanwhile once (default 600: %%config GpuMagics.grace; 0: stop it); "
+                   "refused with --job and --kernel, which live on with no limit")
     @out_arg("the RunResult (stdout, stderr, exit_code)", " (with --job: the Job handle)")
     @argument_group("a detached job (--job NAME)",
                     "It survives disconnects and a closed laptop; the cell returns at once.")
@@ -244,6 +246,7 @@ class GpuMagics(Magics):
         cell's whole remote process tree, then raises KeyboardInterrupt.
         """
         args = parse(self.remote, line, cell=True)
+        _refuse_grace_outside_a_cell(args)
         if args.kernel is not None:
             from .kernel import remote_cell
 
@@ -277,6 +280,21 @@ class GpuMagics(Magics):
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
         return None
+
+
+def _refuse_grace_outside_a_cell(args) -> None:
+    """``--grace`` is for a cell you wait for; a session cell and a job outlive a lost
+    connection with no limit, so the option given with them is refused (as UsageError)."""
+    if args.grace is None:
+        return
+    if args.kernel is not None:
+        raise UsageError("--grace does not apply to --kernel: a session and its running cell live on "
+                         "through a lost connection and re-attach by themselves (`%gpu kernel stop NAME` "
+                         "ends one); drop --grace")
+    if args.job is not None or args.torchrun is not None or args.hosts is not None or args.each:
+        raise UsageError("--grace does not apply to --job: a job runs on through a lost connection "
+                         "until it ends (`%gpu logs NAME -f` follows it, `%gpu kill NAME` stops it); "
+                         "drop --grace")
 
 
 # -- %load_ext / %unload_ext / %reload_ext gpumagic -------------------------------------------

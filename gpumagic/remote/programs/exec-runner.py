@@ -1,5 +1,6 @@
-# exec-runner.py GRACE CWD_MISSING: the cell runner, one per connection
-# (gpumagic/remote/execution.py, _Runner).  Started once through the login shell, so its
+# exec-runner.py GRACE CWD_MISSING SPOOL: the cell runner, one per cell running at once on a
+# connection (gpumagic/remote/execution.py, _Runner, _Pool: most connections need one; a
+# second runs beside it while both cells run).  Started once through the login shell, so its
 # environment is the one every exec gets; it starts each cell as its own child with that
 # environment (plus the cell's entries), so no shell start-up file runs again per cell.
 #
@@ -270,7 +271,36 @@ def parse(payload):
     return fields[0], fields[2:2 + argc], fields[2 + argc:]
 
 
-class Cell:
+class Stoppable(object):
+    """A process group stopped as every cell is: SIGTERM at ``stop``, SIGKILL GRACE seconds
+    later (at the first ``tick`` past ``kill_at``; then ``kill_at`` is infinite)."""
+
+    kill_at = None
+
+    def group(self):
+        """The process group to stop; None when there is none (not started, or ended)."""
+        return None
+
+    def stop(self):
+        group = self.group()
+        if group and self.kill_at is None:
+            try:
+                os.killpg(group, signal.SIGTERM)
+            except OSError:
+                pass
+            self.kill_at = time.monotonic() + GRACE
+
+    def tick(self):
+        group = self.group()
+        if group and self.kill_at is not None and time.monotonic() >= self.kill_at:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                pass
+            self.kill_at = float("inf")
+
+
+class Cell(Stoppable):
     def __init__(self, payload, wd, functions, piped=False, emit=send):
         self.wd = wd
         #: Where its frames go: the channel, or a kept cell's spool.
@@ -303,7 +333,6 @@ class Cell:
         self.proc = None
         self.fds = {}
         self.code = None
-        self.kill_at = None
         if d:
             if not os.path.isdir(d):
                 emit(b"E", ("gpumagic: cannot enter directory %s on this machine\n" % d)
@@ -402,21 +431,8 @@ class Cell:
         self.code = 128 - rc if rc < 0 else rc
         return self.code
 
-    def stop(self):
-        if self.proc is not None and self.kill_at is None:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except OSError:
-                pass
-            self.kill_at = time.monotonic() + GRACE
-
-    def tick(self):
-        if self.kill_at is not None and time.monotonic() >= self.kill_at:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            self.kill_at = float("inf")
+    def group(self):
+        return self.pid if self.proc is not None else None
 
 
 class Leased(object):
@@ -550,7 +566,7 @@ class Spool(Leased):
         self.fds = {}
 
 
-class Follow(Leased):
+class Follow(Leased, Stoppable):
     """A re-attach: this runner streams the spool of a cell another runner started (in ``d``)
     to its channel, from the client's stdout and stderr byte counts ``want``, to its exit
     status; the client's "h" frames touch its lease, its "S" stops the cell's group."""
@@ -563,7 +579,6 @@ class Follow(Leased):
         self.file = None
         self.buf = b""
         self.pgid = None
-        self.kill_at = None
         self.done = False
         self.touched = 0.0
         self.checked = time.monotonic()
@@ -641,21 +656,8 @@ class Follow(Leased):
             self.done = True
         return self.done
 
-    def stop(self):
-        if self.pgid and self.kill_at is None:
-            try:
-                os.killpg(self.pgid, signal.SIGTERM)
-            except OSError:
-                pass
-            self.kill_at = time.monotonic() + GRACE
-
-    def tick(self):
-        if self.kill_at is not None and time.monotonic() >= self.kill_at and not self.done:
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-            except OSError:
-                pass
-            self.kill_at = float("inf")
+    def group(self):
+        return None if self.done else self.pgid
 
     def close(self):
         if self.file is not None:
