@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None and shutil.which("s
 
 #: Deterministic SGD on a fixed-seed linear problem; a checkpoint (weights, step, the random
 #: generator's state) every --every steps, by write-then-rename or, with --inplace, written in
-#: place under one name; result.json at the end.
+#: place under one name; result.json at the end (under torchrun, by rank 0 only).
 TRAIN = r'''
 import argparse, json, os, random, time
 p = argparse.ArgumentParser()
@@ -49,6 +49,7 @@ p.add_argument("--pause", type=float, default=0.0)
 p.add_argument("--inplace", action="store_true")
 p.add_argument("--resume")
 a = p.parse_args()
+MAIN = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone writes
 rng = random.Random(1234)
 w, step = [0.0] * 4, 0
 if a.resume:
@@ -67,7 +68,7 @@ while step < a.steps:
     loss = err * err
     step += 1
     print(f"step {step} loss {loss:.6f}", flush=True)
-    if step % a.every == 0:
+    if step % a.every == 0 and MAIN:
         os.makedirs("ckpt", exist_ok=True)
         st = {"w": w, "step": step, "rng": list(rng.getstate())}
         if a.inplace:
@@ -78,8 +79,9 @@ while step < a.steps:
                 json.dump(st, f)
             os.replace(f"ckpt/.step-{step}.json.tmp", f"ckpt/step-{step}.json")
     time.sleep(a.pause)
-with open("result.json", "w") as f:
-    json.dump({"w": w, "loss": loss, "step": step}, f)
+if MAIN:
+    with open("result.json", "w") as f:
+        json.dump({"w": w, "loss": loss, "step": step}, f)
 print("done", flush=True)
 '''
 
@@ -93,12 +95,12 @@ def data_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def machines(ip, tmp_path):
-    """Machines ``a`` and ``b`` (two sshd servers, each its own HOME), connected in ``ip``,
-    and a project folder here with train.py pushed to ``a:work/``."""
+    """Machines ``a`` and ``b`` (two sshd servers, each its own HOME and one replayed GPU),
+    connected in ``ip``, and a project folder here with train.py pushed to ``a:work/``."""
     tag = secrets.token_hex(3)
     servers = {}
-    for n in ("a", "b"):
-        servers[n] = make_server(f"move-{n}-{tag}")
+    for n in ("a", "b"):  # each with one GPU as the stand-in nvidia-smi replays it (set_gpu switches it)
+        servers[n] = make_server(f"move-{n}-{tag}", fake_gpu="h200-idle")
         add_client_entry(servers[n], f"move-{n}-{tag}")
         ip.run_line_magic("gpu", f"connect move-{n}-{tag} --name {n}")
     proj = tmp_path / "proj"
@@ -286,7 +288,10 @@ def test_resume_on_the_same_machine_after_its_job_process_died(ip, machines, tmp
     assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
     kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
     text = jobs_text(ip, "a")
-    assert f"job {name}: lost with the machine at" in text and "its process is gone" in text, text
+    line = next((ln for ln in text.splitlines() if ln.startswith(f"job {name}: lost at ")), "")
+    assert ": its process is gone without an exit code (the machine rebooted, or the process was killed " \
+        "outright); last checkpoint ckpt/" in line, text
+    assert "lost with the machine" not in line and "the machine answers" not in line, line
     with capture_output() as cap:
         ip.run_line_magic("gpu", f"job resume {name}")
     assert f"job {name} resumed on a" in cap.stdout, cap.stdout
@@ -365,7 +370,7 @@ def test_fallback_moves_the_run_to_b_by_itself_and_one_log_shows_each_line_once(
     assert took <= move.LOST_AFTER + 30, took
     assert k.done.wait(60)  # the keeper that moved it has finished (and said so)
     said = after_a_cell(ip)
-    assert f"job {name}: a was lost at " in said and "moved to b by itself (--fallback)" in said, said
+    assert f"job {name}: lost on a at " in said and "moved to b by itself (--fallback)" in said, said
     assert said.count("moved to b by itself") == 1, said  # said once
     assert "moved to b by itself" not in after_a_cell(ip)
     b = ip._gpumagic.fleet.get("b")
@@ -678,3 +683,324 @@ def test_resume_refuses_a_job_that_finished_and_continues_one_that_crashed(tmp_p
         start = next(c for c in target.calls if c[0] == "start")
         assert "from checkpoint ckpt/step-10.json" in start[2].splitlines()[0]
         assert "--resume /h/proj/ckpt/step-10.json" in start[2]
+
+
+# -- a GPU that vanished, and how each cause of a loss reads ----------------------------------------
+
+#: The stand-in nvidia-smi (it replays the recordings; GPUMAGIC_FAKE_GPU_STATE names the mode).
+FAKE_SMI = Path(move.__file__).parents[1] / "gpu" / "fake" / "nvidia_smi.py"
+
+
+def smi_now(tmp_path: Path, mode: str):
+    """``(status, rc)`` of nvidia-smi's listing of the fields a job's GPUs are recorded by, as the
+    stand-in answers in ``mode`` (``lost-gpu``: GPU 2 of four fell off the bus, exit status 15)."""
+    from gpumagic.gpu import smi
+
+    state = tmp_path / "gpu-state"
+    state.write_text(mode, encoding="utf-8")
+    r = subprocess.run([sys.executable, str(FAKE_SMI), "--query-gpu=" + ",".join(move.GPU_FIELDS),
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True, encoding="utf-8",
+                       env={**os.environ, "GPUMAGIC_FAKE_GPU_STATE": str(state)})
+    return smi.status_from_sections({"gpus": smi.Section(r.stdout, r.returncode)}, fields=move.GPU_FIELDS), r.returncode
+
+
+def test_a_gpu_that_fell_off_the_bus_is_a_loss_and_rows_with_exit_14_are_not(tmp_path):
+    """What the start record holds (the GPUs listed at the start) against what nvidia-smi says
+    now: exit 15 with a device it cannot reach, a [GPU is lost] row, no driver, a GPU no longer
+    listed are losses; rows with exit 14 (infoROM), a driver/library mismatch are not; a job
+    limited by CUDA_VISIBLE_DEVICES counts only its GPUs; a job that started with none, none."""
+    idle, rc = smi_now(tmp_path, "h200-idle")
+    gpus = move.gpus_held(idle)
+    assert rc == 0 and len(gpus) == 1 and gpus[0]["index"] == 0 and gpus[0]["uuid"].startswith("GPU-"), gpus
+    rec = {"gpus": gpus, "options": {"env": {}}}
+    verdicts = {mode: move.gpu_loss(rec, *smi_now(tmp_path, mode))
+                for mode in ("h200-idle", "h200-load", "inforom", "mismatch", "lost-gpu", "lost-gpu-fields",
+                             "no-driver")}
+    assert smi_now(tmp_path, "inforom")[1] == 14 and smi_now(tmp_path, "lost-gpu")[1] == 15
+    assert [m for m, v in verdicts.items() if v is None] == ["h200-idle", "h200-load", "inforom", "mismatch"]
+    assert str(verdicts["lost-gpu"]) == ("its GPU fell off the bus: nvidia-smi: Unable to determine the device "
+                                         "handle for GPU0000:00:08.0: Unknown Error (exit status 15)")
+    assert str(verdicts["lost-gpu-fields"]) == "its GPU fell off the bus: nvidia-smi lists GPU2 as [GPU is lost]"
+    assert str(verdicts["no-driver"]).startswith("its GPU is gone: nvidia-smi couldn't communicate with the NVIDIA "
+                                                 "driver (exit status 9)"), verdicts["no-driver"]
+    gone = {"gpus": gpus + [{"index": 1, "uuid": "GPU-0000-gone"}], "options": {"env": {}}}
+    assert str(move.gpu_loss(gone, idle, 0)) == "its GPU is gone: nvidia-smi no longer lists GPU1 (GPU-0000-gone)"
+    # limited to GPU 0, listed whole: another GPU went; limited to GPU 2: its own went
+    for visible, lost in [("0", []), ("2", ["lost-gpu", "lost-gpu-fields"]), ("", []),
+                          (gpus[0]["uuid"][:12], [])]:
+        mine = {"gpus": gpus, "options": {"env": {"CUDA_VISIBLE_DEVICES": visible}}}
+        got = [m for m in ("lost-gpu", "lost-gpu-fields") if move.gpu_loss(mine, *smi_now(tmp_path, m))]
+        assert got == lost, (visible, got)
+    for started_with in ([], None):  # no GPU at the start (or not known): never lost so
+        assert move.gpu_loss({"gpus": started_with, "options": {}}, *smi_now(tmp_path, "lost-gpu")) is None
+
+
+def test_the_lost_line_reads_naturally_for_each_cause(tmp_path):
+    """Unreachable keeps the issue's form; a machine that answers says what is gone, not "lost
+    with the machine (the machine answers...)"; a GPU names nvidia-smi's words.  The keep line
+    says the job is lost and nothing more is kept."""
+    from gpumagic.notebook.display import keep_line
+    from gpumagic.remote.jobs import JobInfo
+    from gpumagic.remote.keep import records
+
+    _records("trW", tmp=tmp_path, src=str(tmp_path))
+    now = time.time()
+    heads = {}
+    for cause, found, gpu in [
+            ("unreachable", move.Unreachable(now - 200, now - 200, "connection refused"), None),
+            ("folder", [], None),
+            ("process", [JobInfo("trW", now, started=now - 100, alive=False)], None),
+            ("gpu", [JobInfo("trW", now, started=now - 100, alive=True)],
+             {"trW": move.Loss("gpu", "nvidia-smi lists GPU0 as [GPU is lost]")})]:
+        lines, lost = move.lost_report("a", found, now, gpu=gpu)
+        line, = [ln for ln in lines if ln.startswith("job trW: lost")]
+        heads[cause] = re.sub(r"\d\d:\d\d", "HH:MM", line.split("; last checkpoint")[0])
+        assert "; last checkpoint ckpt/step-10.json kept at " in line and "of training lost" in line, line
+        rec = next(r for r in records("a") if r["job"] == "trW")
+        shown = keep_line(*move.keep_view(rec, lost["trW"], live=False))
+        assert f"not kept now: the job is lost ({lost['trW']}), nothing more is kept" in shown, shown
+    assert heads == {
+        "unreachable": "job trW: lost with the machine at HH:MM (unreachable 3 min: connection refused)",
+        "folder": "job trW: lost at HH:MM: the machine answers, but the job's folder is gone (it was reset or rebuilt)",
+        "process": "job trW: lost at HH:MM: its process is gone without an exit code (the machine rebooted, or the "
+                   "process was killed outright)",
+        "gpu": "job trW: lost with the machine at HH:MM (its GPU fell off the bus: nvidia-smi lists GPU0 as "
+               "[GPU is lost])"}
+
+
+def test_jobs_names_a_job_whose_gpu_fell_off_the_bus_and_a_move_stops_it_there_without_yes(
+        ip, machines, tmp_path):
+    """A's GPU: exit 14 with its row (a corrupted infoROM) is no loss; then it falls off the bus
+    (exit 15): `%gpu jobs` names it, and `%gpu job move` (no --yes: the job still runs there, on a
+    GPU that is gone) stops it on A and continues on B from the kept checkpoint to the result of an
+    uninterrupted run."""
+    servers, proj = machines
+    name = f"mv-gpu-{TOKEN}"
+    args = "--steps 100 --every 10 --pause 0.2"
+    start_job(ip, name, tmp_path / "kept", args)
+    assert move.start_record("a", name)["gpus"][0]["index"] == 0  # what it started with
+    a = ip._gpumagic.fleet.get("a")
+    k = a.keepers.get(name)
+    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
+    servers["a"].set_gpu("inforom")
+    text = jobs_text(ip, "a")
+    assert f"job {name}: lost" not in text, text
+    servers["a"].set_gpu("lost-gpu")
+    text = jobs_text(ip, "a")
+    line = next((ln for ln in text.splitlines() if ln.startswith(f"job {name}: lost")), "")
+    assert line.startswith(f"job {name}: lost with the machine at "), text
+    assert ("(its GPU fell off the bus: nvidia-smi: Unable to determine the device handle for GPU0000:00:08.0: "
+            "Unknown Error (exit status 15)); last checkpoint ckpt/step-") in line, line
+    assert f"`%gpu job move {name} --to OTHER` continues it on another machine" in line, line
+    assert "nothing more is kept" in text, text
+    assert a.job(name).info().running  # its process runs on: the GPU went, not the job
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", f"job move {name} --to b")
+    assert f"stopped job {name} on a after a last look at its checkpoints (its GPU fell off the bus: " in cap.stdout
+    assert a.job(name).info().state_text == "killed (moved)"
+    b = ip._gpumagic.fleet.get("b")
+    assert b.job(name).wait(timeout=120).state_text == "exited 0", b.job(name).logs(50)
+    log = b.job(name).logs(None)
+    assert "resumed from step " in log and "step 1 loss" not in log, log[:300]
+    result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
+    assert result == uninterrupted(tmp_path, *args.replace("0.2", "0").split())
+
+
+def test_fallback_moves_a_run_whose_gpu_fell_off_the_bus(ip, machines, tmp_path, monkeypatch):
+    """The standby's keeper checks the job's GPUs every CHECK_EVERY seconds on a machine that
+    answers; a [GPU is lost] row moves the run to B by itself, the job on A stopped (no copy
+    left running there)."""
+    monkeypatch.setattr(move, "CHECK_EVERY", 0.5)
+    servers, proj = machines
+    name = f"mv-gpufb-{TOKEN}"
+    args = "--steps 60 --every 10 --pause 0.2"
+    start_standby(ip, name, tmp_path / "kept", args)
+    a = ip._gpumagic.fleet.get("a")
+    k = a.keepers.get(name)
+    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
+    servers["a"].set_gpu("lost-gpu-fields")
+    b_log = home(servers["b"]) / ".gpumagic" / "jobs" / name / "log"
+    assert wait_until(lambda: b_log.exists() and "resumed from step" in b_log.read_text(encoding="utf-8"), 120)
+    assert k.done.wait(60)
+    said = after_a_cell(ip)
+    assert (f"job {name}: lost on a at " in said and "(its GPU fell off the bus: nvidia-smi lists GPU2 as "
+            "[GPU is lost]); moved to b by itself (--fallback)" in said), said
+    assert a.job(name).info().state_text == "killed (moved)"
+    b = ip._gpumagic.fleet.get("b")
+    assert b.job(name).wait(timeout=120).state_text == "exited 0", b.job(name).logs(50)
+    result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
+    assert result == uninterrupted(tmp_path, *args.replace("0.2", "0").split())
+
+
+# -- a new torchrun layout on the new machine ------------------------------------------------------
+
+TORCH = "torch is not installed; add it with `.venv/bin/pip install torch==2.13.0` (tests/test_torchrun.py)"
+
+
+def test_a_job_moved_with_torchrun_2_runs_two_ranks_on_b_from_the_kept_checkpoint(ip, machines, tmp_path):
+    """A plain job (one command line, its checkpoints kept here) moved with `--torchrun 2`: on B
+    torchrun runs two ranks of the same command, each resumed from the checkpoint (rank 0 writes),
+    the seam printed once; the result is an uninterrupted run's; B's record keeps the new layout."""
+    pytest.importorskip("torch", reason=TORCH)
+    servers, proj = machines
+    name = f"mv-tr-{TOKEN}"
+    args = "--steps 60 --every 10 --pause 0.1"
+    start_job(ip, name, tmp_path / "kept", args)
+    k = ip._gpumagic.fleet.get("a").keepers.get(name)
+    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
+    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")  # gone without an exit code
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", f"job move {name} --to b --torchrun 2")
+    assert f"job {name} moved from a to b" in cap.stdout and "are not kept on b" in cap.stdout, cap.stdout
+    b = ip._gpumagic.fleet.get("b")
+    info = b.job(name).wait(timeout=240)
+    log = b.job(name).logs(None)
+    assert info.state_text == "exited 0", log[-2000:]
+    assert info.torchrun and sorted(g for g, _ in info.ranks) == [0, 1], info.ranks
+    assert log.count("--- gpumagic: job ") == 1 and f"[default0]:--- gpumagic: job {name} moved from a to b" in log
+    for rank in (0, 1):
+        assert f"[default{rank}]:resumed from step " in log and f"[default{rank}]:step 60 loss" in log, log[-2000:]
+    assert "step 1 loss" not in log
+    result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
+    assert result == uninterrupted(tmp_path, *args.replace("0.1", "0").split())
+    rec = move.start_record("b", name)
+    assert rec["torchrun"]["nproc"] == 2 and rec["command"] == f"!python3 train.py {args}", rec
+
+
+def test_a_torchrun_job_keeps_its_layout_when_moved_and_a_bash_script_is_refused_first(ip, machines, tmp_path):
+    """A job started with `--torchrun 2` is recorded by its script (not the machine's torchrun
+    command line); moved without --torchrun, it runs two ranks on B.  A bash job of several
+    lines is refused before anything is stopped."""
+    pytest.importorskip("torch", reason=TORCH)
+    servers, proj = machines
+    name = f"mv-trk-{TOKEN}"
+    with capture_output():
+        ip.run_cell_magic("remote", f"--job {name} --host a --cwd work --torchrun 2",
+                          "!python3 train.py --steps 100000 --every 10 --pause 0.05")
+    a = ip._gpumagic.fleet.get("a")
+    assert wait_until(lambda: "[default1]:step 3 loss" in a.job(name).logs(None), 120), a.job(name).logs(20)
+    rec = move.start_record("a", name)
+    assert rec["command"].startswith("!python3 train.py") and rec["torchrun"]["nproc"] == 2, rec
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", f"job move {name} --to b --yes --from-start --src {proj}")
+    assert f"stopped job {name} on a" in cap.stdout, cap.stdout
+    b = ip._gpumagic.fleet.get("b")
+    assert wait_until(lambda: "[default1]:step 3 loss" in b.job(name).logs(None), 120), b.job(name).logs(20)
+    info = b.job(name).info()
+    assert info.torchrun and sorted(g for g, _ in info.ranks) == [0, 1], info
+    assert "from the beginning (--from-start)" in b.job(name).logs(None)
+    b.job(name).kill()
+    # a bash script of two lines cannot be torchrun's program: said before the job is touched
+    rec = _records("trB", tmp=tmp_path, src=str(tmp_path))
+    move.update_start("a", "trB", command="cd sub\npython3 train.py")
+    target = FakeTarget()
+
+    class Source:  # no exec: touching it fails the test
+        name = "a"
+
+    with pytest.raises(JobError) as e:
+        move.move(Source(), target, "trB", rec=rec, torchrun=2, yes=True)
+    assert "--torchrun: job trB's command is a bash script (2 lines)" in e.value.message, e.value.message
+    assert target.calls == []
+
+
+# -- --fallback after the notebook restarts ------------------------------------------------------
+
+
+def test_a_restarted_notebook_arms_the_standby_again_and_it_moves_the_run(ip, machines, tmp_path, monkeypatch):
+    """The notebook restarts (the extension reloaded: its keepers stop, nothing moves); once A and
+    B are connected again, the cell after says the standby is armed again, and when A goes the run
+    moves to B by itself, from a checkpoint kept before or after the restart, to the result of an
+    uninterrupted run."""
+    monkeypatch.setattr(move, "LOST_AFTER", 3.0)
+    monkeypatch.setattr(move, "PROBE_EVERY", 0.5)
+    servers, proj = machines
+    name = f"mv-restart-{TOKEN}"
+    args = "--steps 100 --every 10 --pause 0.15"
+    start_standby(ip, name, tmp_path / "kept", args)
+    k = ip._gpumagic.fleet.get("a").keepers.get(name)
+    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
+    ip.run_line_magic("reload_ext", "gpumagic")  # a restart, as far as gpumagic can tell
+    assert k.done.wait(30) and not k.running
+    assert "again" not in after_a_cell(ip)  # nothing connected: nothing armed
+    for n in ("a", "b"):
+        with capture_output():
+            ip.run_line_magic("gpu", f"connect {servers[n].alias} --name {n}")
+    said = after_a_cell(ip)
+    assert said.count(f"job {name}: its standby is armed again: it moves to b by itself if a is lost") == 1, said
+    assert "armed again" not in after_a_cell(ip)  # once
+    k2 = ip._gpumagic.fleet.get("a").keepers.get(name)
+    assert k2 is not None and k2 is not k and k2.fallback is not None
+    assert wait_until(lambda: k2.looks >= 1, 60), (k2.error, k2.looks)
+    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
+    lose(servers["a"])
+    b_log = home(servers["b"]) / ".gpumagic" / "jobs" / name / "log"
+    assert wait_until(lambda: b_log.exists() and "resumed from step" in b_log.read_text(encoding="utf-8"), 120)
+    assert k2.done.wait(60)
+    said = after_a_cell(ip)
+    assert f"job {name}: lost on a at " in said and "moved to b by itself (--fallback)" in said, said
+    b = ip._gpumagic.fleet.get("b")
+    assert b.job(name).wait(timeout=120).state_text == "exited 0", b.job(name).logs(50)
+    result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
+    assert result == uninterrupted(tmp_path, *args.replace("0.15", "0").split())
+
+
+# -- two notebooks racing one move ---------------------------------------------------------------
+
+
+def test_a_second_move_while_another_notebook_moves_the_job_is_refused_naming_it(tmp_path):
+    """Another process (a second notebook) holds the job's move lock: the move here is refused in
+    one line naming that process and its move, with nothing done; once it lets go the move goes;
+    a later move from the record read before is refused: the job was moved already."""
+    rec = _records("trL", tmp=tmp_path, src=str(tmp_path))
+    code = ("import sys\nfrom gpumagic.remote import move\nwith move.move_lock('a', 'trL', 'c'):\n"
+            "    print('held', flush=True)\n    sys.stdin.readline()\n")
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, encoding="utf-8")
+    try:
+        assert other.stdout.readline().strip() == "held"
+        target = FakeTarget()
+        with pytest.raises(JobError) as e:
+            move.move(None, target, "trL", rec=rec, how=move.Start(no_src=True))
+        msg = str(e.value)
+        assert msg.startswith(f"job trL is being moved already, by another notebook (process {other.pid} on ") and \
+            ": a move to c since " in msg and "`%gpu jobs --host c`" in msg and "\n" not in msg, msg
+        assert target.calls == [] and not move.start_record("a", "trL").get("moved_to")
+    finally:
+        other.communicate("\n", timeout=30)
+    move.move(None, target, "trL", rec=rec, how=move.Start(no_src=True))
+    assert [c[0] for c in target.calls if c[0] != "exec"] == ["push", "push", "start"]  # project, checkpoint
+    with pytest.raises(JobError) as e:
+        move.move(None, FakeTarget("c"), "trL", rec=rec, how=move.Start(no_src=True))
+    assert "job trL was moved from a to b at " in str(e.value) and " already" in str(e.value), str(e.value)
+
+
+def test_two_moves_racing_in_one_notebook_one_goes_and_the_other_names_it(tmp_path):
+    """A typed move and another (a --fallback one) in two threads: the one that finds the lock
+    taken is refused, naming the move under way; only one job is started."""
+    import threading
+
+    rec = _records("trR", tmp=tmp_path, src=str(tmp_path))
+    pushing, go = threading.Event(), threading.Event()
+
+    class Slow(FakeTarget):
+        def push(self, src, dst):
+            pushing.set()
+            go.wait(30)
+            return super().push(src, dst)
+
+    first, errors = Slow("b"), []
+    t = threading.Thread(target=lambda: move.move(None, first, "trR", rec=rec, how=move.Start(no_src=True)))
+    t.start()
+    try:
+        assert pushing.wait(30)
+        second = FakeTarget("c")
+        try:
+            move.move(None, second, "trR", rec=rec, how=move.Start(no_src=True))
+        except JobError as e:
+            errors.append(str(e))
+    finally:
+        go.set()
+        t.join(30)
+    assert len(errors) == 1 and "is being moved already, by this notebook: a move to b since " in errors[0], errors
+    assert second.calls == [] and [c[0] for c in first.calls if c[0] == "start"] == ["start"]

@@ -121,7 +121,8 @@ def test_tutorial_09_moves_a_lost_run_to_b_and_its_loss_goes_on_from_the_checkpo
     nb = nbformat.read(out, as_version=4)
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     text, _ = outputs(nb, "%gpu jobs --host a")
-    lost = next(ln for ln in text.splitlines() if ln.startswith("job tutorial-move: lost with the machine at"))
+    lost = next(ln for ln in text.splitlines() if ln.startswith("job tutorial-move: lost at "))
+    assert ": its process is gone without an exit code" in lost, lost
     assert "; last checkpoint ckpt/step-" in lost and "of training lost" in lost, lost
     text, _ = outputs(nb, "%gpu job move tutorial-move --to b")
     assert "job tutorial-move moved from a to b and started there" in text, text

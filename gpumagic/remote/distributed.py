@@ -600,6 +600,9 @@ def start(machines: Sequence[MachineLike], name: str, script: str,
             except Exception:
                 pass
         raise
+    from .move import record_torchrun
+
+    record_torchrun(machines, name, script, torchrun.nproc, extra)  # what a move starts again
     return DistributedJob(name, parts, nproc=plan.nproc, plan=plan)
 
 

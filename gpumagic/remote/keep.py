@@ -37,8 +37,8 @@ The job's log is kept too, at most every :data:`LOG_EVERY` seconds and at the la
 (``keep/MACHINE/JOB.logs/RUN/log``, :func:`pull_log`): after a move, ``%gpu logs NAME`` on the
 new machine shows it before the new log (:mod:`gpumagic.remote.move`).  With a *fallback*
 (:attr:`Keeper.fallback`, ``--fallback b``), a keeper whose machine has not answered for
-:data:`gpumagic.remote.move.LOST_AFTER` seconds, or answers without the job's process, calls it
-once and stops.
+:data:`gpumagic.remote.move.LOST_AFTER` seconds, or answers without the job's process or a GPU it
+could use (:attr:`Keeper.lost_check`), calls it once and stops.
 """
 
 from __future__ import annotations
@@ -287,6 +287,10 @@ class Keeper:
         #: when the machine is noticed lost
         #: (``--fallback``: :func:`gpumagic.remote.move.arm_fallback`); the keeper stops then.
         self.fallback: Callable[[str, bool], None] | None = None
+        #: With a fallback: called after each look that reached the machine, with whether looks
+        #: failed before it; returns why the job is lost there though the machine answers (its
+        #: process or a GPU gone), or None (set with the fallback by ``arm_fallback``).
+        self.lost_check: Callable[[bool], str | None] | None = None
         self._stopped_by_user = False
         self._log_pulled = 0.0  # time.monotonic() of the last pull of the job's log
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"gpumagic-keep-{job}")
@@ -358,8 +362,8 @@ class Keeper:
                         self._ensure_watch()  # after the first look, which names the folder
                     self.error = ""
                     self.unreachable = False
-                    if was_unreachable and self.fallback is not None:  # back: rebooted, or the job killed?
-                        gone = move.job_gone(self.machine, self.job)
+                    if self.fallback is not None and self.lost_check is not None and not ended:
+                        gone = self.lost_check(was_unreachable)  # back after a reboot? its GPU gone?
                         if gone:
                             self._lost(gone, answers=True)
                             return
@@ -370,7 +374,7 @@ class Keeper:
                         move.note_failed(self.machine.name, move.why(e), begun)
                         lost = move.lost_for(self.machine.name) if self.fallback is not None else None
                         if lost:
-                            self._lost(lost, answers=False)
+                            self._lost(str(lost), answers=False)
                             return
                 with self._lock:
                     if self.record["error"] != self.error:
@@ -392,7 +396,7 @@ class Keeper:
         """The machine is lost: stop looking, then call :attr:`fallback` (once)."""
         fallback, self.fallback = self.fallback, None
         with self._lock:
-            self.record["state"] = f"the machine was lost ({why})"
+            self.record["state"] = f"the job was lost ({why})"
             with contextlib.suppress(OSError):
                 self._save()
         self._stop.set()

@@ -19,9 +19,11 @@ works after the notebook restarts and while the machine does not answer:
     Which folder here was pushed to which folder there (:meth:`gpumagic.machine.Machine.push`
     calls :func:`note_push`), so a move pushes the job's project folder without being told.
 
-A machine is *lost* when every attempt to reach it (connection refused, timed out, dropped)
-has failed for :data:`LOST_AFTER` seconds, or when it answers but the job's folder or process
-is gone without an exit code (it rebooted, or was rebuilt).  ``%gpu jobs`` on an unreachable
+A job is *lost* (:class:`Loss`) when every attempt to reach its machine (connection refused,
+timed out, dropped) has failed for :data:`LOST_AFTER` seconds; when the machine answers but the
+job's folder or process is gone without an exit code (it rebooted, or was rebuilt); or when a
+GPU it could use vanished (:func:`gpu_loss`: the start record holds the GPUs nvidia-smi listed
+when the job started, ``gpus``).  ``%gpu jobs`` on an unreachable
 machine tries again every :data:`PROBE_EVERY` seconds until it can say which (so with the
 defaults, "lost" is shown at most ``LOST_AFTER`` plus one connect timeout after the loss), and
 a keeper that fails a look looks again every ``PROBE_EVERY`` seconds, and at once when its
@@ -40,7 +42,10 @@ rental up to the last time it answered.  The new start record names the logs of 
 runs as kept here (``earlier_logs``), so ``%gpu logs NAME`` shows one log (:func:`earlier_log`).
 
 A standby (:func:`arm_fallback`, ``%%remote --job NAME --keep DIR --fallback b``): the job's
-keeper, once it has found the machine lost, moves the job to ``b`` by itself (:func:`standby_move`).
+keeper, once it has found the machine lost, moves the job to ``b`` by itself (:func:`standby_move`);
+after a restart of the notebook the standby is armed again once the job's machine and ``b`` are
+both connected (:func:`rearm_fallbacks`).  Two moves of one job never run at once, from one
+notebook or two: each holds the start record's lock file (:func:`move_lock`).
 A machine a job moved away from is *cleaned* on the next connect to it
 (:func:`clean_after_move`): the old job, if it still runs there, is stopped (no second copy),
 and its budget guard disarmed.
@@ -49,10 +54,12 @@ and its budget guard disarmed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import posixpath
+import re
 import shlex
 import threading
 import time
@@ -218,8 +225,9 @@ def _project_folder(machine: MachineLike, work: str) -> str | None:
 def record_start(machine: MachineLike, name: str, command: str, options: JobOptions) -> dict:
     """Write the start record of a job that just started (see the module); returns it.
 
-    A failure to write here never fails the start: the record is what a later move needs,
-    and the job runs without it.
+    It holds the GPUs nvidia-smi lists now (``gpus``, one round trip; ``[]`` on a machine without
+    one), by which a GPU that vanishes later is told (:func:`gpu_loss`).  A failure to write here
+    never fails the start: the record is what a later move needs, and the job runs without it.
     """
     from .jobs import parse_stop_on
 
@@ -227,8 +235,12 @@ def record_start(machine: MachineLike, name: str, command: str, options: JobOpti
     src = None
     with contextlib.suppress(Exception):  # a project folder is a convenience: --src names one
         src = _project_folder(machine, cwd)
+    gpus = None
+    with contextlib.suppress(Exception):  # what a GPU that vanishes is told by (gpu_loss)
+        gpus = gpus_held(gpu_status(machine)[0])
+    now = time.time()
     rec = {"format": START_FORMAT, "version": 1, "machine": machine.name, "job": name,
-           "started": time.time(), "command": command, "cwd": cwd, "src": src,
+           "started": now, "command": command, "cwd": cwd, "src": src, "gpus": gpus, "gpu_ok_at": now,
            "options": {"python": bool(options.python), "env": dict(options.env or {}),
                        "stop_on": list(parse_stop_on(options.stop_on)), "then_shutdown": options.then_shutdown,
                        "alerts": bool(options.alerts), "resume_arg": options.resume_arg},
@@ -367,27 +379,175 @@ def _list_or_lost(machine: MachineLike, say: Callable[[str], None]) -> list[JobI
         return infos
 
 
-def lost_for(machine_name: str) -> str | None:
+#: How each cause of a loss reads: (the head of ``%gpu jobs``' lost line, with ``{at}`` the time
+#: it was lost; the short reason that other messages put in parentheses).  ``{detail}``: what
+#: was seen (``3 min: connection refused``; nvidia-smi's words).
+LOSSES = {
+    "unreachable": ("lost with the machine at {at} (unreachable {detail})", "unreachable {detail}"),
+    "folder": ("lost at {at}: the machine answers, but the job's folder is gone (it was reset or rebuilt)",
+               "the machine answers, but the job's folder is gone: it was reset or rebuilt"),
+    "process": ("lost at {at}: its process is gone without an exit code (the machine rebooted, or the "
+                "process was killed outright)", "its process is gone without an exit code"),
+    "gpu": ("lost with the machine at {at} (its GPU fell off the bus: {detail})",
+            "its GPU fell off the bus: {detail}"),
+    "gpu-gone": ("lost with the machine at {at} (its GPU is gone: {detail})", "its GPU is gone: {detail}"),
+}
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Why a job counts as lost: ``kind`` (a key of :data:`LOSSES`) and what was seen."""
+
+    kind: str
+    detail: str = ""
+
+    def head(self, at: float) -> str:
+        """``lost with the machine at 14:07 (unreachable 3 min: connection refused)``."""
+        return LOSSES[self.kind][0].format(at=_clock(at), detail=self.detail)
+
+    def __str__(self) -> str:
+        return LOSSES[self.kind][1].format(detail=self.detail)
+
+
+def lost_for(machine_name: str) -> Loss | None:
     """Why ``machine_name`` counts as lost (``unreachable 31 s: connection refused``) once
     every attempt to reach it has failed for :data:`LOST_AFTER` seconds; else None."""
     r = reach(machine_name)
     if not r["failing_since"]:
         return None
     streak = time.time() - r["failing_since"]
-    return f"unreachable {_span(streak)}: {r['why']}" if streak >= LOST_AFTER else None
+    return Loss("unreachable", f"{_span(streak)}: {r['why']}") if streak >= LOST_AFTER else None
 
 
-def job_gone(machine: MachineLike, name: str) -> str | None:
+def job_gone(machine: MachineLike, name: str) -> Loss | None:
     """Why job ``name`` is gone from a machine that answers (its folder, or its process without
     an exit code: the machine rebooted), or None while it runs or ended by itself (one round trip)."""
     from .jobs import list_jobs
 
     found = list_jobs(machine, only=name)
     if not found:
-        return "the machine answers, but the job's folder is gone"
+        return Loss("folder")
     if found[0].state == "lost":
-        return "the machine answers, but the job's process is gone without an exit code"
+        return Loss("process")
     return None
+
+
+# -- a GPU that vanished --------------------------------------------------------------------------
+
+#: The ``--query-gpu`` fields (``nvidia-smi --help-query-gpu``) a job's GPUs are recorded by at
+#: its start, and checked by later.
+GPU_FIELDS = ("index", "uuid")
+#: What nvidia-smi prints, among the rows of the others, for a GPU it cannot reach any more
+#: ("Unable to determine the device handle for GPU0000:1B:00.0: Unknown Error", as users report it).
+GPU_GONE_RE = re.compile(r"Unable to determine the device handle|GPU is lost|fallen off the bus", re.IGNORECASE)
+#: Seconds between a standby keeper's checks, on a machine that answers, that the job's process
+#: and its GPUs are still there (two round trips; see :func:`arm_fallback`).
+CHECK_EVERY = 30.0
+
+
+def gpu_status(machine: MachineLike):
+    """The machine's GPUs as nvidia-smi lists them now, in one round trip: ``(status, rc)``, a
+    :class:`gpumagic.gpu.smi.GpuStatus` of :data:`GPU_FIELDS` (whatever nvidia-smi says is its
+    ``kind``) and nvidia-smi's exit status."""
+    from ..gpu import smi
+
+    login_path = machine.login_env().get("PATH") or ""
+    r = machine.exec(smi.sections_command(["gpus=" + ",".join(GPU_FIELDS)], login_path), timeout=smi.SMI_TIMEOUT + 30)
+    sections = smi.split_sections(r.stdout)
+    rc = sections["gpus"].rc if "gpus" in sections else -1
+    return smi.status_from_sections(sections, host=machine.name, fields=GPU_FIELDS), rc
+
+
+def gpus_held(status) -> list[dict] | None:
+    """What a start record holds of the GPUs of ``status`` (``[{"index": 0, "uuid": "GPU-..."}]``;
+    ``[]`` where nvidia-smi is missing or lists none; None where it could not tell: hung, a
+    driver/library mismatch)."""
+    from ..gpu.smi import StatusKind, known
+
+    if status.kind is StatusKind.OK:
+        return [{"index": g.index if known(g.index) else None, "uuid": g.uuid if known(g.uuid) else None}
+                for g in status.gpus]
+    return [] if status.kind in (StatusKind.NO_NVIDIA_SMI, StatusKind.NO_DRIVER, StatusKind.FAILED) else None
+
+
+def _visible(rec: dict) -> list[str] | None:
+    """The GPUs the job was limited to by ``CUDA_VISIBLE_DEVICES`` in its environment (indexes
+    or UUIDs, as CUDA reads it), or None (every GPU of the machine)."""
+    value = ((rec.get("options") or {}).get("env") or {}).get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [v.strip() for v in str(value).split(",") if v.strip()]
+
+
+def _gone(gpu) -> str | None:
+    """``[GPU is lost]`` where nvidia-smi printed that for a value of ``gpu``'s row."""
+    from ..gpu.smi import Unknown
+
+    return next((v.raw for v in vars(gpu).values() if isinstance(v, Unknown) and v.raw.lower() == "[gpu is lost]"),
+                None)
+
+
+def gpu_loss(rec: dict, status, rc: int = 0) -> Loss | None:
+    """Whether a GPU that job ``rec`` could use has vanished, from nvidia-smi's answer now
+    (``status`` and its exit status ``rc``, :func:`gpu_status`) and the GPUs listed when the job
+    started (``rec["gpus"]``).
+
+    A job that started with no GPU listed is never lost so.  It is lost when nvidia-smi now
+    finds no GPU or no driver (or fails with exit status 15); lists one of its GPUs as ``[GPU is lost]``; no longer lists one
+    it listed at the start (by UUID); or exits 15 ("the GPU has fallen off the bus", nvidia-smi(1))
+    or prints a device it cannot reach (``Unable to determine the device handle for GPU...``)
+    while not every GPU the job could use is listed whole.  A job limited by
+    ``CUDA_VISIBLE_DEVICES`` counts only those GPUs; one that is not could use every GPU.  Rows
+    listed with another non-zero exit status (14: a corrupted infoROM, a card that still works),
+    a driver/library mismatch (running processes keep working), a hung or missing nvidia-smi are
+    no loss.
+    """
+    from ..gpu.smi import StatusKind, known
+
+    had = rec.get("gpus") or []
+    spec = _visible(rec)
+    if not had or spec == []:
+        return None
+
+    def mine(index, uuid) -> bool:
+        return spec is None or str(index) in spec or bool(uuid and any(
+            s.startswith(("GPU-", "MIG-")) and str(uuid).startswith(s) for s in spec))
+
+    if status.kind is StatusKind.NO_DRIVER or (status.kind is StatusKind.FAILED and (
+            rc == 15 or status.message == "nvidia-smi found no GPU" or GPU_GONE_RE.search(status.message))):
+        # no GPU at all where the job had some (another failure, an unreadable answer: no verdict)
+        return Loss("gpu-gone", status.message + (f" (exit status {rc})" if rc > 0 and "exit status" not in status.message
+                                                  else ""))
+    if status.kind is not StatusKind.OK:
+        return None
+    said = [w.removeprefix("nvidia-smi: ") for w in status.warnings
+            if w.startswith("nvidia-smi: ") and GPU_GONE_RE.search(w)]  # not "WARNING: infoROM is corrupted"
+    tail = f" (exit status {rc})" if rc else ""
+    at_start = {h.get("index"): h.get("uuid") for h in had}
+    for g in status.gpus:
+        gone = _gone(g)
+        if gone and mine(g.index, at_start.get(g.index)):
+            return Loss("gpu", f"nvidia-smi lists {g.label} as {gone}{tail}")
+    listed = {g.uuid for g in status.gpus if known(g.uuid)}
+    for h in had:
+        if h.get("uuid") and h["uuid"] not in listed and mine(h.get("index"), h["uuid"]):
+            return Loss("gpu-gone", f"nvidia-smi no longer lists GPU{h.get('index')} ({h['uuid']}){tail}")
+    if rc == 15 or said:
+        whole = [g for g in status.gpus if not _gone(g)]
+        if spec is not None and all(any(s == str(g.index) or (known(g.uuid) and str(g.uuid).startswith(s))
+                                        for g in whole) for s in spec):
+            return None  # every GPU the job could use is listed whole: another one went
+        return Loss("gpu", f"nvidia-smi: {said[0]}{tail}" if said else f"nvidia-smi{tail}")
+    return None
+
+
+def gpu_lost(machine: MachineLike, rec: dict) -> Loss | None:
+    """:func:`gpu_loss` of job ``rec`` on ``machine`` now (one round trip; none for a job that
+    started with no GPU listed).  The start record keeps when its GPUs were last seen whole
+    (``gpu_ok_at``) and when one was first seen gone (``gpu_lost``)."""
+    if not rec.get("gpus") or _visible(rec) == []:
+        return None
+    loss = gpu_loss(rec, *gpu_status(machine))
+    _note_gpu(rec, loss)
+    return loss
 
 
 # -- what %gpu jobs says --------------------------------------------------------------------------
@@ -452,15 +612,15 @@ def _lost_span(lower: float, gap: float | None) -> str:
     return f"about {_span(lower)}" if lower >= 1 else "under 1 s"
 
 
-def lost_line(start: dict, lost_at: float, how: str, until: float | None = None) -> str:
-    """The ``%gpu jobs`` line of a job lost with its machine: when, how (``unreachable 3
-    min``), the last checkpoint kept and the training since then (from that checkpoint to
-    ``lost_at``, the last time the job was seen alive; ``until``: the first failed attempt,
-    when known), and what that cost."""
+def lost_line(start: dict, lost_at: float, loss: Loss, until: float | None = None) -> str:
+    """The ``%gpu jobs`` line of a lost job: when, why (``loss``: ``unreachable 3 min``...), the
+    last checkpoint kept and the training since then (from that checkpoint to ``lost_at``, the
+    last time the job was seen alive; ``until``: the first failed attempt, or the first time its
+    GPU was seen gone, when known), what that cost, and the command that continues it."""
     name, machine = start.get("job", "?"), start.get("machine", "?")
     keep_rec = next((r for r in keep_records(machine) if r.get("job") == name), None)
     kept = newest_kept(keep_rec)
-    line = f"job {name}: lost with the machine at {_clock(lost_at)} ({how})"
+    line = f"job {name}: {loss.head(lost_at)}"
     if until is None and keep_rec and keep_rec.get("every"):
         until = lost_at + float(keep_rec["every"])  # the keeper would have looked again by then
     if kept:
@@ -473,6 +633,8 @@ def lost_line(start: dict, lost_at: float, how: str, until: float | None = None)
     line += f"; {_lost_span(lost_s, None if until is None else until - lost_at)} of training lost{_cost(machine, lost_s)}"
     can = kept and (start.get("options") or {}).get("resume_arg")
     verb = "" if can else " --from-start"
+    if loss.kind.startswith("gpu"):  # its process may still run there, stuck: a move stops it
+        return line + f"; `%gpu job move {name} --to OTHER{verb}` continues it on another machine"
     return line + f"; `%gpu job move {name} --to OTHER{verb}` or `%gpu job resume {name}{verb}` continue it"
 
 
@@ -488,11 +650,46 @@ def lost_lines(machine_name: str, found: list[JobInfo] | Unreachable, now: float
     return lost_report(machine_name, found, now)[0]
 
 
-def lost_report(machine_name: str, found: list[JobInfo] | Unreachable,
-                now: float | None = None) -> tuple[list[str], dict[str, str]]:
+def gpu_losses(machine: MachineLike, found: list[JobInfo] | Unreachable) -> dict[str, Loss]:
+    """The recorded jobs of ``machine`` that run (or whose process is gone) and lost a GPU they
+    could use (:func:`gpu_loss`): name -> why.  One round trip where such a job started with a
+    GPU listed, none otherwise; ``{}`` when the machine does not answer."""
+    if isinstance(found, Unreachable):
+        return {}
+    infos = {i.name: i for i in found}
+    recs = [r for r in start_records(machine.name)
+            if not r.get("moved_to") and not r.get("ended") and r.get("gpus") and _visible(r) != []
+            and (i := infos.get(r["job"])) is not None and (i.running or i.state == "lost")]
+    if not recs:
+        return {}
+    try:
+        status, rc = gpu_status(machine)
+    except UNREACHABLE:
+        return {}
+    out = {}
+    for r in recs:
+        loss = gpu_loss(r, status, rc)
+        _note_gpu(r, loss)
+        if loss is not None:
+            out[r["job"]] = loss
+    return out
+
+
+def _note_gpu(rec: dict, loss: Loss | None) -> None:
+    """Keep in the start record when the job's GPUs were last seen whole (``gpu_ok_at``), or
+    first seen gone (``gpu_lost``)."""
+    if loss is None:
+        update_start(rec["machine"], rec["job"], gpu_ok_at=time.time(), gpu_lost=None)
+    elif not (start_record(rec["machine"], rec["job"]) or {}).get("gpu_lost"):
+        update_start(rec["machine"], rec["job"], gpu_lost={"at": time.time(), "why": str(loss)})
+
+
+def lost_report(machine_name: str, found: list[JobInfo] | Unreachable, now: float | None = None,
+                gpu: dict[str, Loss] | None = None) -> tuple[list[str], dict[str, str]]:
     """The lines ``%gpu jobs`` adds for the recorded jobs of ``machine_name``: lost ones
-    (``found`` is the listing, or the :class:`Unreachable` verdict) and moved ones; and the
-    lost jobs (name -> why).  A listing also brings the records up to date (seen running, ended)."""
+    (``found`` is the listing, or the :class:`Unreachable` verdict; ``gpu``: the jobs that lost
+    a GPU, :func:`gpu_losses`) and moved ones; and the lost jobs (name -> why).  A listing also
+    brings the records up to date (seen running, ended)."""
     now = time.time() if now is None else now
     lines: list[str] = []
     lost: dict[str, str] = {}
@@ -509,11 +706,20 @@ def lost_report(machine_name: str, found: list[JobInfo] | Unreachable,
                              "its keeper finds the machine lost")
             alive = [t for t in (found.last_seen, _last_alive(rec), rec.get("started")) if t]
             lost_at = min(max(alive), found.since) if alive else found.since  # never after the first failure
-            lost[name] = f"unreachable {_span(now - lost_at)}: {found.why}"
-            lines.append(lost_line(rec, lost_at, lost[name], until=found.since))
+            cut = Loss("unreachable", f"{_span(now - lost_at)}: {found.why}")
+            lost[name] = str(cut)
+            lines.append(lost_line(rec, lost_at, cut, until=found.since))
             continue
         info = next((i for i in found if i.name == name), None)
-        if info is not None and info.running:
+        loss = (gpu or {}).get(name)
+        if loss is not None:
+            # seen whole last at gpu_ok_at, gone at gpu_lost.at; a checkpoint kept after the
+            # former was written before the loss
+            kept = newest_kept(next((r for r in keep_records(machine_name) if r.get("job") == name), None))
+            lost_at = max(rec.get("gpu_ok_at") or rec.get("started") or now, kept[1] if kept else 0)
+            lost[name] = str(loss)
+            lines.append(lost_line(rec, lost_at, loss, until=(rec.get("gpu_lost") or {}).get("at")))
+        elif info is not None and info.running:
             update_start(machine_name, name, seen_running=now)
             if rec.get("fallback"):
                 lines.append(f"job {name}: moves to {rec['fallback']} by itself if {machine_name} is lost "
@@ -521,11 +727,9 @@ def lost_report(machine_name: str, found: list[JobInfo] | Unreachable,
         elif info is not None and info.state != "lost":
             update_start(machine_name, name, ended=info.state_text)
         else:
-            lost_at = _last_alive(rec) or rec.get("started") or now
-            gone = ("its job folder is gone: it was rebuilt, or the folder removed" if info is None else
-                    "its process is gone without an exit code: it rebooted, or the job was killed outright")
-            lost[name] = f"the machine answers, but {gone}"
-            lines.append(lost_line(rec, lost_at, lost[name]))
+            gone = Loss("folder") if info is None else Loss("process")
+            lost[name] = str(gone)
+            lines.append(lost_line(rec, _last_alive(rec) or rec.get("started") or now, gone))
     return lines, lost
 
 
@@ -543,7 +747,7 @@ def keep_view(rec: dict, lost: str | None, live: bool) -> tuple[dict, bool]:
     if lost is None:
         return view, live
     still = f"; its keeper looks every {PROBE_EVERY:g} s in case it comes back" if live else ""
-    view["state"] = f"the machine is lost ({lost}), nothing more is kept{still}"
+    view["state"] = f"the job is lost ({lost}), nothing more is kept{still}"
     return view, False
 
 
@@ -662,11 +866,13 @@ def _check_source(source: MachineLike | None, rec: dict, yes: bool, same: bool,
     if same:
         raise JobError(f"job {name} is still running on {source.name}; there is nothing to resume",
                        f"`%gpu logs {name} --follow` watches it")
-    if not yes:
+    loss = None if yes else gpu_lost(source, rec)  # a run whose GPU went is stuck or failing: no --yes needed
+    if not yes and loss is None:
         raise JobError(f"job {name} is still running on {source.name}: pass --yes to stop it there "
                        f"(after a last checkpoint pull) and move it")  # one line: it says what to do
     _final_pull_and_stop(source, name, say)
-    say(f"stopped job {name} on {source.name} after a last look at its checkpoints")
+    say(f"stopped job {name} on {source.name} after a last look at its checkpoints"
+        + (f" ({loss})" if loss is not None else ""))
     return True, _final_log(source, rec)
 
 
@@ -746,35 +952,54 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dic
          src: str | None = None, torchrun: int | str | None = None, how: Start = Start(),
          say: Callable[[str], None] = print) -> Job:
     """Move job ``name`` from ``source`` (None: not connected here; ``target`` itself for a
-    resume) to ``target``, from the newest checkpoint kept here (see the module).
+    resume) to ``target``, from the newest checkpoint kept here (see the module), holding the
+    start record's lock throughout (:func:`move_lock`).
 
     Parameters
     ----------
     rec : dict
-        The job's start record (:func:`find_start`).
+        The job's start record (:func:`find_start`); read again once the lock is held.
     yes : bool
-        Stop the job on ``source`` first when it still runs there (after a last look of its keeper).
+        Stop the job on ``source`` first when it still runs there (after a last look of its
+        keeper); not needed where a GPU it could use is gone (:func:`gpu_lost`).
     src : str, optional
         The project folder here (default: the one recorded as pushed to the job's folder).
     torchrun : int or "auto", optional
-        Start it under torchrun with that many processes instead (then without ``--keep``).
+        Start it under torchrun with that many processes per machine (then without ``--keep``);
+        default: as it ran (a torchrun job keeps its layout, recorded at its start).
     how : Start
         From the beginning on purpose; without a project folder on purpose (see :class:`Start`).
 
     Raises
     ------
     JobError
-        Before anything is stopped: no resume argument, ``--keep`` or kept checkpoint (without
-        ``how.from_start``); no project folder known (without ``how.no_src``).  Still running
-        without ``yes``; a resume of a job that runs or ended with exit code 0.
+        Before anything is stopped: another move of the job runs (naming it), or one moved it
+        already; no resume argument, ``--keep`` or kept checkpoint (without ``how.from_start``);
+        no project folder known (without ``how.no_src``); a command torchrun cannot run on each
+        rank (with ``torchrun``).  Still running without ``yes``; a resume of a job that runs or
+        ended with exit code 0.
     """
+    with move_lock(rec["machine"], name, target.name, "resume" if source is target else "move"):
+        fresh = start_record(rec["machine"], name)
+        if fresh is not None and fresh.get("moved_to"):
+            raise JobError(f"job {name} was moved from {rec['machine']} to {fresh['moved_to']} at "
+                           f"{_clock(fresh.get('moved_at') or time.time())} already; "
+                           f"`%gpu jobs --host {fresh['moved_to']}` lists it there")
+        return _move(source, target, name, fresh or rec, yes, src, torchrun, how, say)
+
+
+def _move(source: MachineLike | None, target: MachineLike, name: str, rec: dict, yes: bool, src: str | None,
+          torchrun: int | str | None, how: Start, say: Callable[[str], None]) -> Job:
     same = source is target
     src = src or rec.get("src") or (None if same else project_folder_here(rec["machine"], rec.get("cwd") or ""))
     if how.fresh_if_none and not how.from_start:
         keep_rec = next((r for r in keep_records(rec["machine"]) if r.get("job") == name), None)
         if not newest_kept(keep_rec) or not (rec.get("options") or {}).get("resume_arg"):
             how = Start(from_start=True, no_src=how.no_src)
+    ran = rec.get("torchrun") or {}
+    layout = torchrun if torchrun is not None else ran.get("nproc")
     _preflight(target, rec, src, how)
+    form = torchrun_form(rec) if layout is not None else None  # refused here, before anything is stopped
     reached, last_log = _check_source(source, rec, yes, same, say)
     keep = rec.get("keep") or None
     if source is not None and not same:
@@ -787,28 +1012,155 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: dic
     fresh = "from the beginning" + (" (--from-start)" if how.from_start else " (no checkpoint kept)")
     seam = f"--- gpumagic: job {name} {whence} at {at}, {'from checkpoint ' + named if named else fresh} ---"
     options = job_options(rec, env={**job_options(rec).env, **({"GPUMAGIC_RESUME": checkpoint} if checkpoint else {})})
-    keep_options = None
-    if keep and torchrun is None:
-        keep_options = KeepOptions(keep["path"], every=keep["every"], to=keep["to"], last=keep["last"],
-                                   settle=keep["settle"])
-    elif keep:
-        say(f"--torchrun: the checkpoints of job {name} are not kept on {target.name} (--keep is not yet "
-            "for torchrun jobs)")
     logs = _earlier_logs(rec, last_log)
-    job = target.start_job(name, resumed_command(rec, checkpoint, seam), options, keep=keep_options,
-                           **({"torchrun": torchrun} if torchrun is not None else {}))
+    if form is not None:
+        from .distributed import TorchrunOptions
+
+        if keep:
+            say(f"--torchrun: the checkpoints of job {name} are not kept on {target.name} (--keep is not yet "
+                "for torchrun jobs)")
+        if len(ran.get("hosts") or ()) > 1:
+            say(f"job {name} ran under torchrun on {', '.join(ran['hosts'])}; it continues on {target.name} alone")
+        run = TorchrunOptions(nproc=layout, torchrun_args=tuple(ran.get("args") or ()))  # type: ignore[arg-type]
+        job = target.start_job(name, torchrun_script(form, (rec.get("options") or {}).get("resume_arg"),
+                                                     checkpoint, seam), options, torchrun=run)
+    else:
+        keep_options = None
+        if keep:
+            keep_options = KeepOptions(keep["path"], every=keep["every"], to=keep["to"], last=keep["last"],
+                                       settle=keep["settle"])
+        job = target.start_job(name, resumed_command(rec, checkpoint, seam), options, keep=keep_options)
     now = time.time()
     if not same:
         # not reached: what it may still run, and its guard, are seen to when it is connected again
         update_start(rec["machine"], name, moved_to=target.name, moved_at=now,
                      cleanup=None if reached else "pending")
-    update_start(target.name, name, command=rec["command"], src=src,
+    update_start(target.name, name, command=rec["command"] if form is None else form, src=src,
                  moved_from=None if same else rec["machine"], checkpoint=named, resumed_at=now,
                  earlier_logs=logs, seam=seam,
+                 torchrun=None if form is None else {"nproc": layout, "args": list(ran.get("args") or ()),
+                                                     "hosts": [target.name]},
                  options={**rec.get("options", {}), "env": dict(rec.get("options", {}).get("env") or {})})
     if not same:
         _follow_rules(rec["machine"], target, say)
     return job
+
+
+# -- one move at a time ---------------------------------------------------------------------------
+
+MOVER_FORMAT = "gpumagic-mover"
+
+
+@contextlib.contextmanager
+def move_lock(machine_name: str, job: str, to: str, what: str = "move"):
+    """Hold the lock of job ``job``'s start record on ``machine_name`` for a move (or resume) to
+    ``to``: ``JOB.job.lock`` beside the record, taken with filelock (``flock`` on POSIX,
+    ``msvcrt.locking`` on Windows), so two notebooks, or a typed move and a ``--fallback`` one,
+    never move one job at once.  Who holds it is written beside it (``JOB.job.mover``: process,
+    computer, target, since when) for the one that finds it taken.
+
+    Raises
+    ------
+    JobError
+        Another move holds it (one line that names it); nothing was done.
+    """
+    import socket
+
+    import filelock
+
+    folder = record_dir(machine_name)
+    private_dir(folder.parent)
+    private_dir(folder)
+    who_path = folder / f"{job}.job.mover"
+    lock = filelock.FileLock(os.fspath(folder / f"{job}.job.lock"), mode=0o600)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        who = _read(who_path, MOVER_FORMAT) or {}
+        by = "by another notebook on this computer"
+        if who.get("pid"):
+            here = who.get("pid") == os.getpid() and who.get("host") == socket.gethostname()
+            by = ("by this notebook" if here else f"by another notebook (process {who['pid']} on {who.get('host', '?')})")
+            by += f": a {who.get('what', 'move')} to {who.get('to', '?')} since {_clock_s(who.get('since') or 0)}"
+        raise JobError(f"job {job} is being moved already, {by}; wait for it to end, then `%gpu jobs --host "
+                       f"{who.get('to') or to}` shows where it runs") from None
+    try:
+        with contextlib.suppress(OSError):
+            _write(who_path, {"format": MOVER_FORMAT, "pid": os.getpid(), "host": socket.gethostname(), "to": to,
+                              "what": what, "since": time.time()})
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            who_path.unlink()
+        lock.release()
+
+
+def _clock_s(epoch: float) -> str:
+    """``14:07:02`` (laptop time)."""
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+# -- a run under torchrun -------------------------------------------------------------------------
+
+
+def _one_command(line: str) -> list[str] | None:
+    """The words of ``line`` when it is one command without shell syntax (no ``|``, ``;``,
+    ``&&``, redirection, ``$``, backquote or leading ``NAME=value``), split as a shell would;
+    else None."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    try:
+        words = list(lex)
+    except ValueError:
+        return None
+    if (not words or "$" in line or "`" in line or any(w and set(w) <= set("();<>|&") for w in words)
+            or "=" in words[0].split("/")[0]):
+        return None
+    return words
+
+
+def torchrun_form(rec: dict) -> str:
+    """Job ``rec``'s command as torchrun runs it on each rank (what ``%%remote --job NAME
+    --torchrun N`` takes): a torchrun job's own script (Python source, or a ``!`` command line);
+    a Python job's source; a bash job of one command line as ``!LINE``.
+
+    Raises
+    ------
+    JobError
+        A bash job of several lines, or with shell syntax (torchrun starts one program per rank).
+    """
+    command = rec["command"]
+    if rec.get("torchrun") or (rec.get("options") or {}).get("python"):
+        return command
+    lines = [ln.strip() for ln in command.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if len(lines) == 1 and _one_command(lines[0]) is not None:
+        return "!" + lines[0]
+    what = f"{len(lines)} lines" if len(lines) != 1 else f"shell syntax in {lines[0][:60]!r}"
+    raise JobError(f"--torchrun: job {rec['job']}'s command is a bash script ({what}), and torchrun runs one "
+                   "program on each rank", "start it with one command line (`python3 train.py ...`) or as "
+                   "Python (--python), or move it without --torchrun")
+
+
+def torchrun_script(form: str, resume_arg: str | None, checkpoint: str | None, seam: str) -> str:
+    """The Python script each rank runs for a moved torchrun job (``form``, :func:`torchrun_form`):
+    rank 0 prints ``seam`` first (in the job's log as ``[default0]:--- gpumagic: ...``); the
+    resume words, ``{checkpoint}`` filled in, become ``sys.argv[1:]`` of Python source, or end
+    the ``!`` command line, which the rank then runs in its place (as torchrun's ``--exec``)."""
+    words = [w.replace("{checkpoint}", checkpoint) for w in shlex.split(resume_arg)] if resume_arg and checkpoint else []
+    head = f"import os, sys; print({seam!r}, flush=True) if os.environ.get('RANK', '0') == '0' else None"
+    text = form.lstrip()
+    if text.startswith("!"):
+        argv = shlex.split(text[1:].strip()) + words
+        return f"{head}; os.execvp({argv[0]!r}, {argv!r})\n"
+    return head + (f"; sys.argv[1:] = {words!r}" if words else "") + "\n" + form
+
+
+def record_torchrun(machines, name: str, script: str, nproc: int | str, args) -> None:
+    """Keep in the start records of a torchrun job (one per machine) what a move starts again:
+    the script the ranks run (not the machine's torchrun command line) and the layout."""
+    hosts = [m.name for m in machines]
+    for m in machines:
+        update_start(m.name, name, command=script, torchrun={"nproc": nproc, "args": list(args), "hosts": hosts})
 
 
 def _earlier_logs(rec: dict, last_log: str | None) -> list[str]:
@@ -874,13 +1226,73 @@ _moving = threading.Lock()  # a standby move and a typed one never run at once
 
 
 def arm_fallback(keeper, name: str, target: Callable[[], MachineLike],
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], *, check_first: bool = False) -> None:
     """Make ``keeper`` (the :class:`~gpumagic.remote.keep.Keeper` of job ``name``) move the job
     to ``target()`` (the connected fallback machine, looked up when it is needed) by itself
-    once it finds its machine lost; ``say`` hears what happened (from the keeper's thread)."""
+    once it finds its machine lost; ``say`` hears what happened (from the keeper's thread).
+
+    Besides the machine not answering for :data:`LOST_AFTER` seconds, the keeper then checks,
+    after a look that reached the machine, that the job's process and the GPUs it could use are
+    still there (:func:`job_gone`, :func:`gpu_lost`): after looks that failed, and every
+    :data:`CHECK_EVERY` seconds (``check_first``: at the first look too, for a standby armed
+    again after a restart, :func:`rearm_fallbacks`)."""
     source = keeper.machine
+    last = [-math.inf if check_first else time.monotonic()]
+
+    def lost_check(was_unreachable: bool) -> str | None:
+        if not was_unreachable and time.monotonic() - last[0] < CHECK_EVERY:
+            return None
+        last[0] = time.monotonic()
+        loss = job_gone(source, name)
+        if loss is None:
+            rec = start_record(source.name, name)
+            loss = gpu_lost(source, rec) if rec is not None else None
+        return None if loss is None else str(loss)
+
+    keeper.lost_check = lost_check
     keeper.fallback = lambda why, answers: standby_move(source if answers else None, source.name, target, name,
                                                         why, say)
+
+
+def _connected(connected: Callable[[str], MachineLike | None], name: str) -> MachineLike:
+    m = connected(name)
+    if m is None:
+        raise JobError(f"{name} is no longer connected here", f"`%gpu connect ALIAS --name {name}`, then "
+                       "`%gpu job move` the job there")
+    return m
+
+
+def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike | None],
+                    say: Callable[[str], None]) -> list[str]:
+    """Arm again the standby of each job of ``machine`` started with ``--fallback`` whose keeper
+    is not running in this process (the notebook restarted, or ``machine`` was connected anew):
+    where the job was not moved and is not known to have ended (by a listing, or its keeper's
+    last look), and its fallback machine is
+    connected here (``connected(name)``, None otherwise), its keeper starts again with the
+    ``--keep`` options of its start record (what it kept before carries over) and the fallback
+    armed, checking the job at its first look (:func:`arm_fallback`).  No round trip here: the
+    keeper's thread looks.  Returns the jobs armed again."""
+    armed = []
+    ended = {r.get("job") for r in keep_records(machine.name) if r.get("state") == "the job ended"}
+    for rec in start_records(machine.name):
+        name, fallback, keep = rec["job"], rec.get("fallback"), rec.get("keep")
+        if (not fallback or not keep or rec.get("moved_to") or rec.get("ended") or name in ended
+                or machine.keepers.get(name) is not None or connected(fallback) is None):
+            continue
+        try:
+            options = KeepOptions(keep["path"], every=keep["every"], to=keep["to"], last=keep["last"],
+                                  settle=keep["settle"])
+            k = machine.keepers.start(machine, name, rec.get("cwd") or "", options)
+        except Exception as e:  # a folder here gone or unwritable: said once, the job runs on
+            update_start(machine.name, name, fallback=None)
+            say(f"job {name}: its standby (--fallback {fallback}) could not be armed again: "
+                f"{getattr(e, 'message', None) or e}; `%gpu job move {name} --to {fallback}` moves it by hand")
+            continue
+        arm_fallback(k, name, functools.partial(_connected, connected, fallback), say, check_first=True)
+        armed.append(name)
+        say(f"job {name}: its standby is armed again: it moves to {fallback} by itself if {machine.name} is lost "
+            f"(--fallback {fallback}), and its checkpoints are kept here again")
+    return armed
 
 
 def standby_move(source: MachineLike | None, source_name: str, target: Callable[[], MachineLike], name: str,
@@ -901,13 +1313,13 @@ def standby_move(source: MachineLike | None, source_name: str, target: Callable[
             # with no project folder recorded takes only its checkpoint (both said)
             job = move(source, machine, name, rec=rec, how=Start(no_src=True, fresh_if_none=True), say=said.append)
         except Exception as e:
-            say(f"job {name}: {source_name} was lost ({why}), and the move to {fallback} failed: "
+            say(f"job {name}: lost on {source_name} ({why}), and the move to {fallback} failed: "
                 f"{getattr(e, 'message', None) or e}; `%gpu job move {name} --to {fallback}` tries again")
             return None
         took = time.time() - begun
         rec = start_record(machine.name, name) or {}
         start = f"from checkpoint {rec['checkpoint']}" if rec.get("checkpoint") else "from the beginning"
-        say(f"job {name}: {source_name} was lost at {_clock(begun)} ({why}); moved to {machine.name} by "
+        say(f"job {name}: lost on {source_name} at {_clock(begun)} ({why}); moved to {machine.name} by "
             f"itself (--fallback) and started there {start} ({took:.0f} s); "
             f"`%gpu logs {name} --host {machine.name}` shows one log")
         for line in said:

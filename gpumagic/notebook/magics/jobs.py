@@ -137,7 +137,9 @@ def _events(magics: GpuMagics) -> list[str]:
 
 
 def _moves_post_run_cell(magics: GpuMagics):
-    """After each cell: say what the standby keepers did (``--fallback``), and see to the
+    """After each cell: arm again the standbys (``--fallback``) of jobs whose machine and fallback
+    are both connected but whose keeper does not run here (the notebook restarted:
+    :func:`gpumagic.remote.move.rearm_fallbacks`), say what the standby keepers did, and see to the
     machines that jobs moved away from once they are connected again
     (:func:`gpumagic.remote.move.clean_after_move`: in a thread, waited for a few seconds)."""
     import threading
@@ -158,6 +160,8 @@ def _moves_post_run_cell(magics: GpuMagics):
             return
         threads = []
         for name, m in list(magics.fleet.machines.items()):
+            # a --fallback armed before the notebook restarted (or before m was connected anew)
+            move.rearm_fallbacks(m, magics.fleet.machines.get, _events(magics).append)
             if not m.is_connected or not move.pending_cleanups(name):
                 continue
             key = (id(m), m.connection.opened_count)
@@ -209,7 +213,7 @@ def _jobs(magics: GpuMagics, line: str):
         ipy_display(jobs_table(found, machine.name))
         for info in found:
             _show_alerts(info)
-    texts, lost = move.lost_report(machine.name, found)
+    texts, lost = move.lost_report(machine.name, found, gpu=move.gpu_losses(machine, found))
     for text in texts:
         print(text)
     for rec in keep_records(machine.name):
