@@ -21,6 +21,7 @@ requirements.txt (3.4 MB of text), a 20 MB CSV and 4 MB of random bytes (a ``.pt
     ... --rtt-ms 60 --up-mbit 10 --down-mbit 30 --runs 1
     ... --cases push,resync,echo                                          # some rows only
     ... --cases weights                                                   # 50 MB of random bytes
+    ... --cases many --many 100000                                        # 100,000 x 4 KB of text
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from linkemu import MBIT, Counters, Link, LinkedMachine, csv_text  # noqa: E402
 
 MB = 1_000_000
 CASES = ("push", "pull", "resync", "edit", "connect", "echo", "python", "kernel", "tunnel", "print")
-OPTIONAL = ("weights",)
+OPTIONAL = ("weights", "many")
 WORDS = ("self value data batch model loss grad step epoch config args path name index count "
          "result items state device tensor shape size offset train eval optimizer scheduler "
          "logger metrics update return import from class def if else for in while with as not "
@@ -98,6 +99,34 @@ def build_project(root: Path, seed: int) -> tuple[int, int]:
     (root / "assets" / "banner.jpg").write_bytes(rng.randbytes(1 * MB))
     files = [p for p in root.rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
+
+
+def build_many(root: Path, files: int, size: int, seed: int, kind: str = "text") -> int:
+    """``files`` files of ``size`` bytes in 100 folders; returns the bytes.  ``text``: a data
+    set of small text samples, each its own words and numbers, so no file repeats another;
+    ``same``: the loopback benchmark's tree (``sync_vs_rsync.py --cases many``), one random
+    payload written as every ``.jpg``."""
+    rng = random.Random(seed)
+    if kind == "same":
+        payload = rng.randbytes(size)
+        for i in range(files):
+            d = root / f"d{i % 100:03d}"
+            if i < 100:
+                d.mkdir(parents=True)
+            (d / f"img{i:06d}.jpg").write_bytes(payload)
+        return files * size
+    words = WORDS + [f"{w}_{i}" for i in range(40) for w in ("id", "label", "token")]
+    for i in range(files):
+        d = root / f"d{i % 100:03d}"
+        if i < 100:
+            d.mkdir(parents=True)
+        parts, n = [], 0
+        while n < size:
+            part = f"{rng.choice(words)}={rng.randint(0, 99999)}" if rng.random() < 0.3 else rng.choice(words)
+            parts.append(part)
+            n += len(part) + 1
+        (d / f"sample{i:06d}.txt").write_text(" ".join(parts)[:size], encoding="ascii")
+    return files * size
 
 
 def seq_bytes(n: int) -> int:
@@ -270,6 +299,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma-separated, of {', '.join(CASES + OPTIONAL)}")
     ap.add_argument("--seed", type=int, default=29)
+    ap.add_argument("--many", type=int, default=100_000, help="files of the many case (4 KB each)")
+    ap.add_argument("--many-kind", choices=("text", "same"), default="text",
+                    help="text: each file its own text; same: one random 4 KB payload as every .jpg")
     ap.add_argument("--dir", default=None, help="where the trees go (default: the system's temp dir)")
     args = ap.parse_args()
     decided = logging.getLogger("gpumagic.sync.engine")  # how each sync decided to compress
@@ -346,6 +378,16 @@ def main() -> None:
                                                                compress=False),
                 "rsync -az": lambda: bench.rsync("-az", f"{wsrc}/", f"{remote}:{dest['rsync -az']}/"),
                 "rsync -a": lambda: bench.rsync("-a", f"{wsrc}/", f"{remote}:{dest['rsync -a']}/"),
+            }, args.runs, prepare=new_dest)
+        if "many" in cases:
+            msrc = base / "many"
+            t = time.perf_counter()
+            size = build_many(msrc, args.many, 4096, args.seed + 4, args.many_kind)
+            what = "text" if args.many_kind == "text" else "one random payload"
+            print(f"  many: {args.many:,} x 4 KB ({what}) made in {time.perf_counter() - t:.1f} s", flush=True)
+            bench.compare(f"first push of {args.many:,} x 4 KB ({size / MB:.0f} MB of {what} in 100 folders)", {
+                "gpumagic": lambda: machine.push(f"{msrc}/", str(dest["gpumagic"])),
+                "rsync -az": lambda: bench.rsync("-az", f"{msrc}/", f"{remote}:{dest['rsync -az']}/"),
             }, args.runs, prepare=new_dest)
         if "pull" in cases:
             logs = base / "remote-logs"

@@ -29,8 +29,9 @@ process under the test sshd).  On ext4 without a journal (this machine's /tmp) t
 says so: there, inodes deleted in the last 1-6 minutes are skipped when new ones are
 allocated, so a large deletion shortly before a run (another process's clean-up, the last
 benchmark's) costs that run system time, and a tool that makes each folder just before its
-files (gpumagic's streaming push) pays more of it than one that makes every folder first
-(rsync): see PROFILE-sync.md, "ext4 without a journal".  There the benchmark writes the page cache back at its
+files pays more of it than one that makes the folders first (rsync, and gpumagic since
+issue 29: its push sends each batch of folders ahead of their files): see PROFILE-sync.md,
+"ext4 without a journal".  There the benchmark writes the page cache back at its
 start and lets a minute pass before its first timed run, so that deletions made before it
 (the last benchmark's clean-up) no longer count; deletions by other processes during the
 runs still do (the per-run CPU lines show them as machine-side system time).

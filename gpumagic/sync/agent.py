@@ -37,7 +37,10 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     [part paths]}`` (removals first; mode/mtime of files equal in content; abandoned part
     files to remove), then a tar stream follows on stdin.  Every file is written to a part
     file of its own beside its target, its size checked, and renamed into place; directories
-    get their mode and mtime last.
+    get their mode and mtime last.  A directory is made when its member arrives: gpumagic
+    sends the folders ahead of the files that go into them (all of them, or a streaming
+    push's folders as its walk finds them), so they are made together, as rsync's receiver
+    makes them (see :func:`extract`).
 ``put NONCE ROOT CWD REL SIZE MTIME_NS MODE OFFSET SHA256``
     One large file with resume: when an abandoned part file of REL holds OFFSET bytes whose
     sha256 is SHA256, it is taken over and they are kept (a matching part whose writer still
@@ -1294,6 +1297,11 @@ _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 
 def extract(root, stream, on_file=None, on_bytes=None, allowed=None):
     """Apply a tar stream under ``root``: files via temp names, links, dirs stamped last.
+
+    A directory member is made as it arrives (its mode and mtime are set after the
+    stream's end); a file whose folder had no member before it makes that folder then.
+    Folders made together, before their files, keep the files of a large push together on
+    ext4 without a journal (PROFILE-sync.md, "ext4 without a journal").
 
     ``allowed``, when given, is the set of regular-file names that may arrive (a pull takes
     only the files it asked for; anything else in the stream is refused).

@@ -1920,18 +1920,23 @@ def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str
     """Large files on a worker thread while the tar of small files streams.
 
     The remote side of a many-small-files tar is bound by file creation, not the network,
-    so the large files' bytes flow meanwhile.  Directory entries (stamped last by the agent)
-    are written only after the large files are in place, so their mtimes stay right.
+    so the large files' bytes flow meanwhile.  The tar ends (and the agent stamps the
+    directories, last) only after the large files are in place, so their mtimes stay right.
     """
     _beside_the_tar(run, large,
                     lambda e, chs: _push_large(machine, run, src, dst_root, e, offsets[e.path], chs),
-                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_dirs=wait))
+                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_end=wait))
 
 
 class _TarSender:
-    """The ``recv`` command on a ``serve`` channel and its tar stream: small files one by
-    one (each read whole), then links and directories (the agent stamps those last), then
-    the agent's answer.  ``removals``, ``meta``, ``clean``: see ``apply_push`` in
+    """The ``recv`` command on a ``serve`` channel and its tar stream: directories first
+    (:meth:`folders`), then small files one by one (each read whole), then links, then the
+    agent's answer.  The agent makes a folder when its entry arrives and stamps its mode and
+    mtime after the tar's end, so a folder's entry ahead of its files costs nothing and
+    makes the folders together, as rsync's receiver does: on ext4 without a journal, folders
+    made one by one between their files land in the block groups a recent deletion emptied,
+    where every new file pays a scan of the recently freed inodes (PROFILE-sync.md, "ext4
+    without a journal").  ``removals``, ``meta``, ``clean``: see ``apply_push`` in
     :mod:`gpumagic.sync.agent`."""
 
     def __init__(self, ch: "_Channel", run: _Run, src: str, removals: Iterable[str] = (),
@@ -1956,14 +1961,18 @@ class _TarSender:
         self.sink.write(agent.tar_member(rel, data, mode, mtime_ns // 1_000_000_000))
         self.run.file_done(rel, size)
 
-    def finish(self, links: list[Entry], dirs: list[Entry],
-               before_dirs: Callable[[], None] | None = None) -> None:
-        for e in links:
-            self.sink.write(_tar_header(e))
-        if before_dirs is not None:
-            before_dirs()
+    def folders(self, dirs: Iterable[Entry]) -> None:
+        """Directory entries, sent ahead of the files that go into them."""
         for e in dirs:
             self.sink.write(_tar_header(e))
+
+    def finish(self, links: list[Entry], before_end: Callable[[], None] | None = None) -> None:
+        """Links, then the tar's end once ``before_end`` (the large files beside the tar)
+        has returned, then the agent's answer."""
+        for e in links:
+            self.sink.write(_tar_header(e))
+        if before_end is not None:
+            before_end()
         agent.end_tar(self.sink)
         self.sink.flush()
         if isinstance(self.sink, agent.ZWriter):
@@ -1976,14 +1985,15 @@ class _TarSender:
 
 
 def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
-              clean: list[str] = (), before_dirs: Callable[[], None] | None = None) -> None:
+              clean: list[str] = (), before_end: Callable[[], None] | None = None) -> None:
     """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the
     result.  ``clean``: abandoned part files to remove."""
     try:
         tar = _TarSender(ch, run, src, plan.removals, plan.meta, clean)
+        tar.folders(plan.dirs)  # every folder before the first file (removals came first)
         for e in small:
             tar.file(e.path, e.size, e.mode, e.mtime_ns)
-        tar.finish(plan.links, plan.dirs, before_dirs)
+        tar.finish(plan.links, before_end)
     except KeyboardInterrupt:
         ch.close()
         raise
@@ -2001,8 +2011,10 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
                 run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
     """A push into an empty destination: with nothing there to compare, each folder's files
     go as soon as the walk has listed them, so the machine writes while this side still
-    walks (rsync's incremental recursion).  Large files go beside the tar on their own
-    channels, as in any push; links and directories follow the files.  The progress totals
+    walks (rsync's incremental recursion).  The folders the walk has found go ahead of the
+    files of each batch (a folder's subfolders are made before its files, as rsync's receiver
+    makes each level's folders first; see :class:`_TarSender`).  Large files go beside the
+    tar on their own channels, as in any push; links follow the files.  The progress totals
     grow meanwhile (``counting``).  ``walked``: the whole tree, when the walk ended before
     the agent said the destination was empty.  Returns the plan carried out (its links and
     dirs)."""
@@ -2015,8 +2027,9 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
             tar = _TarSender(ch, run, src)
 
             def hand_off(counting: bool = True) -> None:
-                # what the walk added since the last call: small files into the tar now
-                batch = []
+                # what the walk added since the last call: its folders (the subfolders of
+                # the folders listed since), then its small files, into the tar now
+                batch, folders = [], []
                 files = nbytes = 0
                 for kind, rel, size, mtime_ns, mode, text, _ in walk.fields:
                     if not modes:  # a folder without modes: new files by content, folders 0755
@@ -2029,7 +2042,7 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
                         else:
                             batch.append((rel, size, mode, mtime_ns))
                     elif kind == "d":
-                        plan.dirs.append(Entry(rel, "d", 0, mtime_ns, mode))
+                        folders.append(Entry(rel, "d", 0, mtime_ns, mode))
                     elif kind == "l":
                         plan.links.append(Entry(rel, "l", 0, mtime_ns, mode, text))
                     elif kind == "e":
@@ -2040,6 +2053,8 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
                         run.summary.specials[rel] = text
                 walk.fields.clear()  # the walk appends to this very list
                 run.grow(files, nbytes, counting)
+                tar.folders(folders)
+                plan.dirs.extend(folders)
                 for item in batch:
                     tar.file(*item)
 
@@ -2049,7 +2064,7 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
         finally:
             large.put(None)
         plan.dirs.sort(key=lambda e: tree_order(e.path))
-        tar.finish(plan.links, plan.dirs, wait_for_large)
+        tar.finish(plan.links, wait_for_large)
 
     try:
         _beside_the_tar(run, iter(large.get, None),
