@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,44 @@ def test_job_programs_are_files_not_python_strings():
     assert set(jobs.JOB_FILES.values()) <= set(PROGRAM_FILES)
     src = open(jobs.__file__, encoding="utf-8").read()
     assert "#!/bin/sh" not in src and "kill -TERM" not in src and "mkfifo" not in src
+
+
+def test_no_shell_program_writes_kill_with_a_dashed_signal_before_double_dash():
+    # dash (Debian's /bin/sh) refuses `kill -TERM -- -PGID` ("kill: Illegal number: -"), so
+    # exec-stop-cell.sh signalled nothing; `kill -s TERM -- -PGID` is POSIX and works in dash
+    import re
+
+    bad = re.compile(r"\bkill\s+-[A-Z0-9]+\s+--")
+    found = [f"{name}:{i}: {line.strip()}" for name in PROGRAM_FILES if name.endswith(".sh")
+             for i, line in enumerate(program.source(name).splitlines(), 1) if bad.search(line)]
+    assert found == []
+
+
+@pytest.mark.parametrize("name", ["tunnel-stop-service.sh", "exec-stop-cell.sh"])
+def test_the_stop_programs_stop_a_whole_process_group_under_bin_sh(name, tmp_path):
+    # a service (TensorBoard and its data server) or a cell run the old way: a group leader
+    # and a child of it; both must go, under the machine's /bin/sh (dash here)
+    leader = subprocess.Popen(["setsid", "sh", "-c", "sleep 300 & echo $! > child; wait"], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text(encoding="ascii").strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int((tmp_path / "child").read_text(encoding="ascii"))
+    args = [leader.pid] if name == "tunnel-stop-service.sh" else [1, leader.pid, 0]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    subprocess.run(["/bin/sh", "-c", program.command(name, *args)], env=env, timeout=30,
+                   capture_output=True)  # as sent to the machine: lib.sh, set -- ARGS, the program
+    leader.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while running(child):
+        assert time.monotonic() < deadline, f"the child {child} of the group still runs"
+        time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    """A process ``pid`` that is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -94,10 +94,15 @@ def test_a_fresh_path_is_not_probed_and_a_quiet_healthy_one_is_kept(make_link):
     assert m.connection.opened_count == 1 and linked.counters().connections == 1
 
 
-def test_a_roam_during_a_printing_cell_fails_fast_and_leaves_nothing_running(make_link):
+@pytest.mark.parametrize("runner", [True, False], ids=["runner", "plain-exec"])
+def test_a_roam_during_a_printing_cell_fails_fast_and_leaves_nothing_running(make_link, monkeypatch, runner):
     """With a grace of 0 (a cell that must not outlive its connection), as before kept cells:
     the cut is noticed within the bound, the cell fails and is stopped over a new connection.
-    With a grace (the default) it is re-attached instead: the tests at the end of the file."""
+    With a grace (the default) it is re-attached instead: the tests at the end of the file.
+    ``plain-exec``: a cell run the old way (a fifth at once, or no python3 on the machine) is
+    stopped by exec-stop-cell.sh, run by the machine's /bin/sh (dash on Debian refused
+    ``kill -TERM -- -PGID``, so nothing was signalled)."""
+    monkeypatch.setattr(execution, "USE_RUNNER", runner)
     linked = make_link(rtt_ms=40)
     m = linked.machine
     token, pattern = unique_tag()

@@ -22,7 +22,7 @@ group_alive() {  # a live (not zombie) process in the group (gm_procs: pid ppid 
 was=gone
 if group_alive; then
   was=running
-  kill -TERM -- "-$pgid" 2>/dev/null
+  kill -s TERM -- "-$pgid" 2>/dev/null
 fi
 if [ "$runner" -gt 1 ] && tr '\0' ' ' < "/proc/$runner/cmdline" 2>/dev/null | grep -q 'exec-runner'; then
   kill -TERM "$runner" 2>/dev/null
@@ -31,7 +31,7 @@ if [ "$was" = running ]; then
   i=0
   ticks=$(awk -v g="$grace" 'BEGIN { printf "%d", g * 10 }')
   while [ "$i" -lt "$ticks" ] && group_alive; do sleep 0.1; i=$((i + 1)); done
-  group_alive && kill -KILL -- "-$pgid" 2>/dev/null
+  group_alive && kill -s KILL -- "-$pgid" 2>/dev/null
   i=0
   while [ "$i" -lt 20 ] && group_alive; do sleep 0.1; i=$((i + 1)); done
   if group_alive; then echo left; exit 0; fi
