@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from IPython.utils.capture import capture_output
 
 from conftest import wait_until
 from gpumagic.errors import JobError
-from gpumagic.remote import keep
+from gpumagic.remote import keep, move
 from gpumagic.remote.keep import KeepOptions
 
 TOKEN = secrets.token_hex(3)
@@ -137,6 +138,27 @@ def test_a_checkpoint_written_then_renamed_is_kept_at_the_rename(machine, work, 
 
 
 @needs_tmux
+def test_checkpoints_there_before_the_keeper_are_kept_at_its_first_look_and_the_newest_is_named(
+        machine, work, tmp_path, data_dir):
+    # a fresh-user trial: after a notebook restart the files already on the machine waited a
+    # second look settle later, and `%gpu jobs` named the last file a look happened to take
+    # (listing order), not the newest checkpoint a move would use
+    rel, path = work
+    now = time.time()
+    for n in range(6):  # step-0 the newest: the names' order is the reverse of the mtimes'
+        f = path / "ckpt" / f"step-{n}.pt"
+        f.write_bytes(blob(n))
+        os.utime(f, (now - 600 - 60 * n, now - 600 - 60 * n))
+    name = jname("before")
+    job, k = start(machine, name, rel, tmp_path, command=WAITING_JOB, python=False, every=3600, settle=60)
+    # within 30 s: before, a file first seen was taken only at a look settle (60 s) later
+    assert wait_until(lambda: len(k.kept) == 6, 30), (k.error, k.looks)
+    rec = json.loads((data_dir / "keep" / machine.name / f"{name}.json").read_text(encoding="utf-8"))
+    assert rec["last_kept"]["path"] == "step-0.pt"
+    assert move.newest_kept(rec)[0] == "step-0.pt"
+
+
+@needs_tmux
 def test_a_checkpoint_written_slowly_in_place_is_never_kept_half(machine, work, tmp_path):
     rel, path = work
     job, k = start(machine, jname("inplace"), rel, tmp_path, command=WAITING_JOB, python=False,
@@ -213,9 +235,10 @@ def test_a_checkpoint_deleted_before_its_pull_leaves_the_others_kept(machine, wo
     assert not (tmp_path / "kept" / "s1.pt").exists()
 
 
-def test_the_settle_rule_judges_by_the_machines_clock_and_two_looks():
-    """The rule itself, on recorded looks: held still for ``settle`` in two looks and by its
-    mtime; or renamed into place with exactly the listed size, mtime and inode."""
+def test_the_settle_rule_judges_by_the_machines_clock_and_the_mtime():
+    """The rule itself, on recorded looks: held still for ``settle`` by its mtime on the
+    machine's clock (a write moves it), at its first sight too; or renamed into place with
+    exactly the listed size, mtime and inode."""
     s = 1_000_000_000
     k = keep.Keeper.__new__(keep.Keeper)
     k.settle, k.record, k._seen, k._renamed = 10, {"files": {}}, {}, {}
@@ -231,6 +254,12 @@ def test_the_settle_rule_judges_by_the_machines_clock_and_two_looks():
     k._renamed["b.pt"] = (6, 110 * s, 3)  # another inode than the one renamed: not whole
     assert k._whole(later, False) == ["a.pt"]
     assert k._whole(later, True) == ["a.pt", "b.pt"]  # the job ended: nothing writes any more
+    # a keeper started again (the notebook restarted) takes at its first look what had held
+    # still for settle already; it used to wait for a second look settle later
+    again = keep.Keeper.__new__(keep.Keeper)
+    again.settle, again.record, again._seen, again._renamed, again._lock = 10, {"files": {}}, {}, {}, k._lock
+    restart = keep.Listing(200 * s, "/r", False, {"old.pt": (5, 150 * s, 4), "new.pt": (5, 195 * s, 5)})
+    assert again._whole(restart, False) == ["old.pt"]
 
 
 @needs_tmux

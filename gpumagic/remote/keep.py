@@ -14,9 +14,10 @@ A checkpoint being written is never taken half:
   that moment: the machine-side watcher (``keep-watch.py``, inotify) reports each rename into
   the folder with the file's size, mtime and inode, and a file that the listing shows with
   exactly those is taken at once;
-* any other file (written in place, as ``torch.save(path)`` does) is taken only once its size
-  and mtime have held still for ``settle`` seconds: the same in two listings at least
-  ``settle`` apart, and its mtime that old, both on the machine's clock;
+* any other file (written in place, as ``torch.save(path)`` does) is taken only once it has
+  held still for ``settle`` seconds: its mtime that old on the machine's clock (every write
+  moves it), so a file already there when the keeper starts (after a notebook restart) is
+  taken at the first look;
 * after the pull the folder is listed again, and the copy is kept only if the file is still
   what was judged whole (no write began while it was read); otherwise it is left staged and
   judged again;
@@ -503,7 +504,9 @@ class Keeper:
                 if seen is None or seen.sig != sig:
                     seen = self._seen[rel] = _Seen(sig, listing.now)
                 renamed = self._renamed.get(rel) == sig
-                settled = listing.now - seen.since >= settle_ns and listing.now - sig[1] >= settle_ns
+                # a write moves the mtime: one that is settle old says the file held still that
+                # long, at its first listing too (files there before the notebook restarted)
+                settled = listing.now - sig[1] >= settle_ns
                 if ended or renamed or settled:
                     take.append(rel)
         return take
@@ -575,8 +578,14 @@ class Keeper:
             os.replace(tmp, final)
         now = time.time()
         with self._lock:
-            self.record["files"][rel] = {"sig": list(sig), "kept_at": now, "pruned": False}
-            self.record["last_kept"] = {"path": rel, "at": now}
+            files = self.record["files"]
+            files[rel] = {"sig": list(sig), "kept_at": now, "pruned": False}
+            last = self.record.get("last_kept") or {}
+            newest = files.get(last.get("path"))
+            if newest is None or newest.get("pruned") or (sig[1], rel) >= (newest["sig"][1], last["path"]):
+                # the newest checkpoint by mtime, the one a move takes (not the last one a batch
+                # happened to promote: a look takes several in listing order)
+                self.record["last_kept"] = {"path": rel, "at": now}
             self.record["kept_count"] += 1
             self.kept.append((rel, now))
             self._seen.pop(rel, None)

@@ -919,7 +919,7 @@ def _push_state(target: MachineLike, rec: dict, src: str | None, how: Start,
         if not os.path.isdir(src):
             raise JobError(f"--src {src}: no such folder here", "name the job's project folder on this computer")
         summary = target.push(src.rstrip("/\\") + os.sep, dirs[0])
-        say(f"pushed the project folder {src} to {target.name}:{dirs[0]} ({summary.files_sent} files sent)")
+        say(f"pushed the project folder {src} to {target.name}:{dirs[0]} ({summary.files_sent} file{'' if summary.files_sent == 1 else 's'} sent)")
     elif rec["machine"] != target.name:
         say(f"no project folder is recorded for job {rec['job']} (no push to its folder): only its "
             f"checkpoint goes; its files must be in {target.name}:{dirs[0]} already")
