@@ -138,6 +138,20 @@ def uninterrupted(tmp_path: Path, *extra: str) -> dict:
     return json.loads((d / "result.json").read_text(encoding="utf-8"))
 
 
+def kill_job(servers, name: str) -> None:
+    """SIGKILL job ``name``'s process group on machine a: gone without an exit code."""
+    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
+
+
+def start_job_and_kill_it_once_kept(ip, servers, name: str, tmp_path: Path, train_args: str) -> None:
+    """Start job ``name`` on a (:func:`start_job`), wait until a checkpoint of it is kept here,
+    then kill its process there (:func:`kill_job`)."""
+    start_job(ip, name, tmp_path / "kept", train_args)
+    k = ip._gpumagic.fleet.get("a").keepers.get(name)
+    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
+    kill_job(servers, name)
+
+
 def start_job(ip, name: str, kept: Path, train_args: str, settle: str = "10s") -> None:
     with capture_output():
         ip.run_cell_magic("remote", f"--job {name} --host a --cwd work --keep ckpt/ --keep-every 0.2 "
@@ -283,10 +297,7 @@ def test_resume_on_the_same_machine_after_its_job_process_died(ip, machines, tmp
     servers, proj = machines
     name = f"mv-resume-{TOKEN}"
     args = "--steps 40 --every 10 --pause 0.1"
-    start_job(ip, name, tmp_path / "kept", args)
-    k = ip._gpumagic.fleet.get("a").keepers.get(name)
-    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
-    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
+    start_job_and_kill_it_once_kept(ip, servers, name, tmp_path, args)
     text = jobs_text(ip, "a")
     line = next((ln for ln in text.splitlines() if ln.startswith(f"job {name}: lost at ")), "")
     assert ": its process is gone without an exit code (the machine rebooted, or the process was killed " \
@@ -360,7 +371,7 @@ def test_fallback_moves_the_run_to_b_by_itself_and_one_log_shows_each_line_once(
     assert f"job {name}: moves to b by itself if a is lost (--fallback b" in jobs_text(ip, "a")
     k = ip._gpumagic.fleet.get("a").keepers.get(name)
     assert wait_until(lambda: len(k.kept) >= 2 and kept_log_has(k, "step 20 loss"), 60), (k.error, k.looks)
-    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
+    kill_job(servers, name)
     lose(servers["a"])
     lost = time.monotonic()
     b_log = home(servers["b"]) / ".gpumagic" / "jobs" / name / "log"
@@ -845,10 +856,7 @@ def test_a_job_moved_with_torchrun_2_runs_two_ranks_on_b_from_the_kept_checkpoin
     servers, proj = machines
     name = f"mv-tr-{TOKEN}"
     args = "--steps 60 --every 10 --pause 0.1"
-    start_job(ip, name, tmp_path / "kept", args)
-    k = ip._gpumagic.fleet.get("a").keepers.get(name)
-    assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
-    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")  # gone without an exit code
+    start_job_and_kill_it_once_kept(ip, servers, name, tmp_path, args)
     with capture_output() as cap:
         ip.run_line_magic("gpu", f"job move {name} --to b --torchrun 2")
     assert f"job {name} moved from a to b" in cap.stdout and "are not kept on b" in cap.stdout, cap.stdout
@@ -932,7 +940,7 @@ def test_a_restarted_notebook_arms_the_standby_again_and_it_moves_the_run(ip, ma
     k2 = ip._gpumagic.fleet.get("a").keepers.get(name)
     assert k2 is not None and k2 is not k and k2.fallback is not None
     assert wait_until(lambda: k2.looks >= 1, 60), (k2.error, k2.looks)
-    kill_group(home(servers["a"]) / ".gpumagic" / "jobs" / name / "pid")
+    kill_job(servers, name)
     lose(servers["a"])
     b_log = home(servers["b"]) / ".gpumagic" / "jobs" / name / "log"
     assert wait_until(lambda: b_log.exists() and "resumed from step" in b_log.read_text(encoding="utf-8"), 120)
