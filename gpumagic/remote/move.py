@@ -1272,11 +1272,14 @@ def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike
     ``--keep`` options of its start record (what it kept before carries over) and the fallback
     armed, checking the job at its first look (:func:`arm_fallback`).  No round trip here: the
     keeper's thread looks.  Returns the jobs armed again."""
-    armed = []
+    armed: list[str] = []
+    standbys = [r for r in start_records(machine.name) if r.get("fallback") and r.get("keep")]
+    if not standbys:  # after every cell, for every machine: most have none
+        return armed
     ended = {r.get("job") for r in keep_records(machine.name) if r.get("state") == "the job ended"}
-    for rec in start_records(machine.name):
-        name, fallback, keep = rec["job"], rec.get("fallback"), rec.get("keep")
-        if (not fallback or not keep or rec.get("moved_to") or rec.get("ended") or name in ended
+    for rec in standbys:
+        name, fallback, keep = rec["job"], rec["fallback"], rec["keep"]
+        if (rec.get("moved_to") or rec.get("ended") or name in ended
                 or machine.keepers.get(name) is not None or connected(fallback) is None):
             continue
         try:
