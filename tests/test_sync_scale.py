@@ -346,13 +346,24 @@ def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path
     (root / "model.ckpt").unlink()  # the agent's listing applies no ignore rules
     mine = walk_source(root)
     theirs = agent.list_tree(str(root), out=agent.Listed())
-    assert mine.fingerprint() == agent.fingerprint(theirs.rows)
-    # the inline rows of plain files are canon_row's
-    rows = [agent.canon_row(*f) for f in theirs.fields]
-    assert mine.fingerprint() == agent.fingerprint([r for r in rows if r is not None])
+    fingerprint = theirs.fingerprint()
+    assert mine.fingerprint() == fingerprint and len(theirs.plain) == 300 + 3  # run.sh, 样本, bad\xff
     assert mine.unchanged == 300 + 5  # files and the symlink (.gitignore, run.sh, 样本, bad\xff)
+    # the inline rows of plain files are canon_row's, and give back their fields
+    rows = [agent.canon_row(*f) for f in theirs.all_fields()]
+    assert not theirs.plain and len(theirs.fields) == len(rows)
+    assert fingerprint == theirs.fingerprint() == agent.fingerprint([r for r in rows if r is not None])
+    whole = agent.list_tree(str(root), out=_Whole())
+    assert sorted(whole.fields) == sorted(theirs.fields)
+    assert mine.unchanged == 300 + 5
     (root / "run.sh").chmod(0o700)
-    assert walk_source(root).fingerprint() != agent.fingerprint(theirs.rows)
+    assert walk_source(root).fingerprint() != fingerprint
+
+
+class _Whole(agent.Listed):
+    """A listing that keeps the fields of plain files as it walks (as a push's hand-off does)."""
+
+    keeps_rows = False
 
 
 def test_a_no_change_resync_receives_no_listing(machine, tmp_path, wire, monkeypatch):

@@ -2019,6 +2019,7 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
     the agent said the destination was empty.  Returns the plan carried out (its links and
     dirs)."""
     walk = _Handed() if walked is None else walked
+    walk.all_fields()  # a whole walk's plain files are kept as rows (see agent.Listed)
     plan = Plan()
     large: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
 

@@ -278,20 +278,16 @@ class SourceWalk(agent.Listed):
 
     parts = False
 
-    def fingerprint(self) -> bytes:
-        """The tree's fingerprint (32 bytes; sorts the rows)."""
-        return agent.fingerprint(self.rows)
-
     @property
     def unchanged(self) -> int:
         """Files and symlinks: what a no-change sync counts as unchanged."""
-        return sum(1 for f in self.fields if f[0] == "f" or f[0] == "l")
+        return len(self.plain) + sum(1 for f in self.fields if f[0] == "f" or f[0] == "l")
 
     def listing(self) -> Listing:
         """The :class:`Listing` of these records (as :func:`walk_local` returns it)."""
         out = _Collect()
         entries = out.entries
-        for f in self.fields:
+        for f in self.all_fields():
             kind = f[0]
             if kind == "f" or kind == "d" or kind == "l":  # _Collect.add's first case, inline
                 entries[f[1]] = Entry(f[1], kind, f[2], f[3], f[4], f[5], f[6])
