@@ -1183,6 +1183,10 @@ try:
     import lzma as _lzma
 except ImportError:  # a Python built without liblzma (pyenv's, often): zlib frames only
     _lzma = None
+try:
+    import bz2 as _bz2
+except ImportError:  # a Python built without libbz2 (pyenv's, often): no bzip2 frames
+    _bz2 = None
 
 
 def read_members(stream):
@@ -1429,7 +1433,8 @@ def end_tar(out):
 #
 # A compressed stream is a run of frames, each ``KIND LENGTH CRC PAYLOAD``: KIND one byte
 # (``z`` a zlib stream of its own, ``x`` a raw LZMA2 stream of its own (xz's codec, levels
-# :data:`XZ_FAST` and :data:`XZ`), ``r`` the bytes as they are), LENGTH the payload's bytes
+# :data:`XZ_FAST` and :data:`XZ`), ``b`` a bzip2 stream of its own (at those levels, where a
+# trial says it is smaller, see :data:`TRIAL`), ``r`` the bytes as they are), LENGTH the payload's bytes
 # and CRC the crc32 of KIND, LENGTH and the payload (both 4 bytes, big-endian); a ``z``
 # payload carries zlib's own Adler-32 of its content too.  Each frame is checked whole
 # before any of its bytes is handed on, so a damaged stream is refused before a damaged
@@ -1449,6 +1454,22 @@ FRAME = 256 * 1024
 XZ_FAST, XZ = 10, 11
 #: LZMA2's dictionary at both levels: a frame is the most an encoder can refer back to.
 _XZ_DICT = FRAME
+#: A flag on a level (``level | WITH_BZ2``): the reader takes bzip2 frames too.  At
+#: :data:`XZ_FAST` and :data:`XZ` a writer then tries bzip2 beside xz on a frame every
+#: :data:`TRIAL` frames and compresses the next ones with whichever made it smaller.  bzip2
+#: (Burrows-Wheeler) wins on text whose words come in no fixed order (a data set's samples,
+#: sources: 4.9-7.1x against xz's 3.6-3.8x, at ~23 MB/s a core against ~8), xz on numbers in
+#: columns (a CSV log: 5.1x against 3.4x), measured on 256 KiB frames.
+WITH_BZ2 = 64
+#: Frames between two trials of bzip2 against xz (see :data:`WITH_BZ2`).
+TRIAL = 16
+#: The bits of the codecs a Python reads beyond zlib, as the ``serve`` digit carries them.
+READS_XZ, READS_BZ2 = 2, 4
+
+
+def codecs_here():
+    """The codecs this Python reads beyond zlib (:data:`READS_XZ`, :data:`READS_BZ2`)."""
+    return (READS_XZ if _lzma is not None else 0) | (READS_BZ2 if _bz2 is not None else 0)
 #: Bytes of a frame tried at zlib level 1 to decide whether it is compressed, in 4 slices.
 SAMPLE = 64 * 1024
 #: The least fraction a sample must shrink by for its frame to be compressed.
@@ -1506,6 +1527,10 @@ class ZWriter(object):
     seconds (``time.perf_counter``)."""
 
     def __init__(self, out, level=6, threads=None, clock=None, start=None):
+        #: Whether bzip2 is tried beside xz (:data:`WITH_BZ2`), and whether it won the last trial.
+        self.bz2 = bool(level & WITH_BZ2) and _bz2 is not None
+        self.use_bz2 = False
+        level &= ~WITH_BZ2
         if level > 9 and _lzma is None:
             level = 6  # a Python without lzma sends zlib frames, which every reader takes
         #: The levels it may take: :data:`LEVELS` below the one it was given, and that one.
@@ -1524,6 +1549,9 @@ class ZWriter(object):
         self.waited = self.took = 0.0  # this window: waiting for the compressor, for out
         self.seen = 0
         self.changes = []
+        #: ``(content bytes before it, "bzip2" or "xz")`` each time a trial changed the codec.
+        self.trials = []
+        self.frames = 0
 
     def write(self, b):
         if b.__class__ is not bytes:
@@ -1548,21 +1576,32 @@ class ZWriter(object):
             sample = b"".join(data[i:i + cut] for i in range(0, 4 * step, step))
         return len(_zlib.compress(sample, 1)) <= len(sample) * (1 - MIN_SAVING)
 
-    def _pack(self, data):
-        """``data`` as one frame (bytes)."""
-        body, kind = data, b"r"
+    def _pack(self, data, level, use_bz2, trial):
+        """``data`` as one frame (bytes), and, for a ``trial``, whether bzip2 won it (else None)."""
+        body, kind, won = data, b"r", None
         if self._pays(data):
-            level = self.level
-            if level > 9:
-                z, k = _xz(data, level), b"x"
-            else:
+            if level <= 9:
                 z, k = _zlib.compress(data, level), b"z"
+            elif trial:
+                z, k = _xz(data, level), b"x"
+                b = _bz2.compress(data, 9)
+                won = len(b) < len(z)
+                if won:
+                    z, k = b, b"b"
+            elif use_bz2:
+                z, k = _bz2.compress(data, 9), b"b"
+            else:
+                z, k = _xz(data, level), b"x"
             if len(z) < len(data):
                 body, kind = z, k
         n = struct.pack(">cI", kind, len(body))
-        return n + struct.pack(">I", _zlib.crc32(body, _zlib.crc32(n))) + body
+        return n + struct.pack(">I", _zlib.crc32(body, _zlib.crc32(n))) + body, won
 
-    def _put(self, size, frame):
+    def _put(self, size, packed):
+        frame, won = packed
+        if won is not None and won != self.use_bz2:
+            self.use_bz2 = won
+            self.trials.append((self.raw, "bzip2" if won else "xz"))
         self.raw += size
         self.wire += len(frame)
         t = self.clock()
@@ -1596,16 +1635,21 @@ class ZWriter(object):
         self._put(size, frame)
 
     def _frame(self, data):
+        trial = self.bz2 and self.level > 9 and self.frames % TRIAL == 0
+        self.frames += 1
+        args = (data, self.level, self.use_bz2, trial)
         if self.threads <= 1:
             t = self.clock()
-            frame = self._pack(data)
+            packed = self._pack(*args)
             self.waited += self.clock() - t
-            self._put(len(data), frame)
+            self._put(len(data), packed)
             return
         if self.pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self.pool = ThreadPoolExecutor(self.threads)
-        self.ahead.append((len(data), self.pool.submit(self._pack, data)))
+        self.ahead.append((len(data), self.pool.submit(self._pack, *args)))
+        if trial and self.frames == 1:  # the first trial decides the frames behind it
+            self._next()
         if len(self.ahead) > 2 * self.threads:
             self._next()
 
@@ -1635,6 +1679,11 @@ def _unpack(kind, body):
     whole stream of its kind."""
     if kind == b"z":
         d, error = _zlib.decompressobj(), _zlib.error
+    elif kind == b"b":
+        if _bz2 is None:
+            raise Damaged("this Python has no bz2 module, so it cannot read a bzip2 frame; "
+                          "sync with --no-compress")
+        d, error = _bz2.BZ2Decompressor(), (OSError, ValueError)
     elif _lzma is None:
         raise Damaged("this Python has no lzma module, so it cannot read an xz frame; "
                       "sync with --no-compress")
@@ -1652,10 +1701,13 @@ def _unpack(kind, body):
 
 
 def codec_name(level):
-    """How ``level`` reads in a summary: ``zlib 6``, ``xz -0``, ``xz (normal mode)``."""
+    """How ``level`` reads in a summary: ``zlib 6``, ``xz -0``, ``xz (normal mode)``, ``xz
+    (normal mode) or bzip2``."""
+    bz2 = " or bzip2" if level & WITH_BZ2 and level & ~WITH_BZ2 > 9 else ""
+    level &= ~WITH_BZ2
     if level == XZ:
-        return "xz (normal mode)"
-    return "xz -0" if level == XZ_FAST else "zlib %d" % level
+        return "xz (normal mode)" + bz2
+    return ("xz -0" + bz2) if level == XZ_FAST else "zlib %d" % level
 
 
 class ZReader(object):
@@ -1687,7 +1739,7 @@ class ZReader(object):
         if not head:
             return False
         kind, n, crc = _FRAME_HEAD.unpack(head)
-        if kind not in (b"z", b"x", b"r") or n > MAX_FRAME + 1024:
+        if kind not in (b"z", b"x", b"b", b"r") or n > MAX_FRAME + 1024:
             raise Damaged("damaged compressed stream: a frame header is wrong")
         body = self._exact(n, "a frame")
         if _zlib.crc32(body, _zlib.crc32(head[:5])) != crc:
@@ -2000,7 +2052,7 @@ def _main(op, root, argv, inp, out):
         names = None if argv[5] == "-" else _json(argv[5])
         compare = len(argv) > 6 and argv[6] == "1"
         if compare:
-            out.write(b"%d" % ((0 if is_empty(root) else 1) | (2 if _lzma is not None else 0)))
+            out.write(b"%d" % ((0 if is_empty(root) else 1) | codecs_here()))
             out.flush()
         sink = Listed() if compare else []
         watch = WalkWatch(sink.count if compare else sink.__len__, sys.stderr.buffer)

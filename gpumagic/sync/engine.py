@@ -323,7 +323,7 @@ class _Channel:
         #: A ``serve`` channel's first byte (its root is empty; its agent reads xz frames)
         #: and its listing, when :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
-        self.reads_xz = False
+        self.reads = 0  # the codecs the agent reads beyond zlib (agent.READS_XZ | READS_BZ2)
         self.early: Listing | None = None
         self.started = time.monotonic()
         #: Moves the agent's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
@@ -817,13 +817,13 @@ class _FirstByte:
 
 def _destination_empty(ch: "_Channel") -> bool:
     """The digit a ``serve`` channel opened with ``compare`` sends before its walk: whether
-    the root is absent or an empty folder (read once; whether the agent reads xz frames is
-    kept in ``ch.reads_xz``)."""
+    the root is absent or an empty folder, and the codecs the agent reads beyond zlib (read
+    once; the codecs are kept in ``ch.reads``, see :func:`gpumagic.sync.agent.codecs_here`)."""
     if ch.empty is None:
         b = ch.read_exact(1)
         if len(b) < 1 or not b.isdigit():
             raise ch.failure()
-        ch.empty, ch.reads_xz = not int(b) & 1, bool(int(b) & 2)
+        ch.empty, ch.reads = not int(b) & 1, int(b) & ~1
     return ch.empty
 
 
@@ -940,7 +940,7 @@ def whole_file_system(direction: str, machine, src: str, dst: str) -> tuple[str,
 
 
 def decide_compression(machine, compress: bool | None, rtt: float | None,
-                       reads_xz: bool = True) -> tuple[int, str]:
+                       reads: int = agent.READS_XZ | agent.READS_BZ2) -> tuple[int, str]:
     """The top level of this sync's file streams (0: as they are; 1-9 zlib's, above that
     xz's, see ``ZWriter`` in :mod:`gpumagic.sync.agent`) and why, logged.
 
@@ -950,11 +950,15 @@ def decide_compression(machine, compress: bool | None, rtt: float | None,
     channel took to open, or its probes' smoothed round trip where smaller; a keepalive
     request's when neither is known) is loopback or a LAN, faster than
     zlib, and goes uncompressed; any other is compressed.  A compressed stream starts at
-    :data:`LEVEL` (xz) when both ends have Python's ``lzma`` (``reads_xz``: the reader on
-    the machine, for a push), else at zlib :data:`ZLIB_LEVEL`, and its writer steps the
-    level down while the link waits for it.  Either way, data that does not compress (a
-    sample of each frame is tried) goes as it is."""
-    top = LEVEL if reads_xz and agent._lzma is not None else ZLIB_LEVEL
+    :data:`LEVEL` (xz) when both ends have Python's ``lzma`` (``reads``: the codecs of the
+    agent's Python, see :func:`gpumagic.sync.agent.codecs_here`), else at zlib
+    :data:`ZLIB_LEVEL`, and its writer steps the level down while the link waits for it; xz
+    levels try bzip2 beside xz where both ends have ``bz2`` (``agent.WITH_BZ2``).  Either way,
+    data that does not compress (a sample of each frame is tried) goes as it is."""
+    both = reads & agent.codecs_here()
+    top = ZLIB_LEVEL
+    if both & agent.READS_XZ:
+        top = LEVEL | (agent.WITH_BZ2 if both & agent.READS_BZ2 else 0)
     if compress is not None:
         level, why = (top, "--compress") if compress else (0, "--no-compress")
     elif getattr(machine.spec, "compression", None) is not None:
@@ -993,6 +997,9 @@ def _retuned(machine, what: str, z: agent.ZWriter) -> None:
     for at, level in z.changes:
         log.info("sync with %s: %s: %s from %s on (%s)", machine.name, what, agent.codec_name(level), _fmt_bytes(at),
                  "the link waited for the compressor" if level < z.top else "the compressor waited for the link")
+    for at, codec in z.trials:
+        log.info("sync with %s: %s: %s from %s on (a trial of both made it smaller)", machine.name, what, codec,
+                 _fmt_bytes(at))
 
 
 class _Direct:
@@ -1236,7 +1243,7 @@ class SyncOptions(Options):
     checksum, update : bool
         Compare by sha256 instead of size+mtime; never replace a newer destination file.
     compress : bool, optional
-        Send the files' bytes compressed (True: xz, or zlib where an end lacks ``lzma``) or
+        Send the files' bytes compressed (True: xz or bzip2, or zlib where an end lacks ``lzma``) or
         as they are (False); None (``auto``) follows ``Compression`` in the ssh config, else the link's speed
         (:func:`decide_compression`).  Data that does not compress goes as it is.
     rename_clashes : bool
@@ -1521,7 +1528,7 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                 walk = None
             if first.wait() and _is_empty(early_listing(ch)):
                 summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
-                level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads_xz)
+                level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
                 run = _Run(Plan(), summary, progress, counting=walk is None, level=level)
                 with _no_cyclic_gc():
                     plan = _push_fresh(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
@@ -1741,7 +1748,7 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
         return None
     level = 0
     if large or small:
-        level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads_xz)
+        level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
     run = _Run(plan, summary, progress, level=level)
     if large and small:
         _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)

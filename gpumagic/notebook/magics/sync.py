@@ -31,7 +31,8 @@ if TYPE_CHECKING:
           help="pull: where this folder takes two of the machine's names for one (Model.pt, model.pt on "
                "Windows or macOS), write the later as 'model (2).pt' instead of refusing")
 @argument("--compress", dest="compress", action="store_const", const=True, default=None,
-          help="send the files' bytes compressed (xz; zlib where an end lacks lzma), whatever the link "
+          help="send the files' bytes compressed (xz, or bzip2 where it packs smaller; zlib where an end "
+               "lacks lzma), whatever the link "
                "(data that does not compress "
                "still goes as it is); default: auto, from Compression in ~/.ssh/config, else the link's speed")
 @argument("--no-compress", dest="compress", action="store_const", const=False,
