@@ -52,6 +52,7 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
     """
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
@@ -67,12 +68,28 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
     config = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "ipc")}})
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, config=config,
                             resources={"metadata": {"path": str(path.parent)}})
+    # The kernel's own stderr (ipykernel's logging, a traceback of its shutdown racing its
+    # last status message) goes to a log, as a Jupyter server keeps it out of the notebook;
+    # it is shown only when the kernel died.
+    log = os.path.join(sockets, "kernel.log")
     try:
-        client.execute()
+        with open(log, "wb") as stderr:
+            client.execute(stderr=stderr)
+    except DeadKernelError as e:
+        last = _tail(log)
+        raise DeadKernelError(f"{e}; its last words: {last}" if last else str(e)) from None
     finally:
         nbformat.write(nb, out)
         shutil.rmtree(sockets, ignore_errors=True)
     return out
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return " | ".join(f.read().splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def _failed_cell(executed: Path) -> str:
@@ -101,6 +118,7 @@ def _run_notebook(args) -> int:
         print("run-notebook needs nbclient and ipykernel: pip install 'gpumagic[notebook]'",
               file=sys.stderr)
         return 2
+    from nbclient.exceptions import DeadKernelError
     from nbformat.reader import NotJSONError
 
     notebook = Path(args.notebook)
@@ -121,6 +139,11 @@ def _run_notebook(args) -> int:
         copy = Path(args.output_dir) / Path(args.notebook).name
         print(f"a cell failed{_failed_cell(copy)}: {e.ename}: {e.evalue}".rstrip(": "), file=sys.stderr)
         print(f"executed copy (with the error): {copy}", file=sys.stderr)
+        return 1
+    except DeadKernelError as e:  # a cell ended its Python (os._exit, a crash, out of memory)
+        copy = Path(args.output_dir) / Path(args.notebook).name
+        print(f"the notebook's kernel died while it ran {args.notebook}: {e}", file=sys.stderr)
+        print(f"executed copy (up to there): {copy}", file=sys.stderr)
         return 1
     print(f"executed notebook written to {out.resolve()}")
     return 0

@@ -152,6 +152,24 @@ def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
     assert r.stderr.splitlines()[1] == f"executed copy (with the error): {tmp_path / 'out' / 't.ipynb'}"
 
 
+def test_run_notebook_says_in_a_line_that_the_kernel_died(tmp_path):
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print('before')"), nbformat.v4.new_code_cell("import os\nos._exit(3)")]
+    nbformat.write(nb, tmp_path / "t.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=300, encoding="utf-8")
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [f"the notebook's kernel died while it ran {tmp_path / 't.ipynb'}: Kernel died",
+                                     f"executed copy (up to there): {tmp_path / 'out' / 't.ipynb'}"], r.stderr
+    executed = nbformat.read(tmp_path / "out" / "t.ipynb", as_version=4)
+    assert executed.cells[0].outputs[0]["text"] == "before\n"
+
+
 # -- the Simplified Chinese tutorials (example-notebooks/zh-CN) ------------------------------
 
 
