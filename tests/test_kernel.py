@@ -204,10 +204,10 @@ def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m, m
             k.execute("import time\nfrom IPython.display import display\nfor i in range(30):\n"
                       "    print(f'line {i}', flush=True)\n"
                       "    if i == 4:\n        display({'image/png': 'iVBORw0KGgo='}, raw=True)\n"
-                      "    time.sleep(1)\ndone = 'yes'", output=first)
+                      "    time.sleep(0.3)\ndone = 'yes'", output=first)
         assert "attach c3" in str(e.value)
         assert killed
-        time.sleep(3)  # the cell goes on printing on the machine meanwhile
+        time.sleep(2)  # the cell goes on printing on the machine meanwhile (9 s in all)
         second = Recorder()
         status = k.attach(output=second)  # reconnects, shows the backlog, follows to the end
         assert status["state"] == "idle"
