@@ -360,6 +360,38 @@ def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path
     assert walk_source(root).fingerprint() != fingerprint
 
 
+@pytest.mark.skipif(not agent._SCANDIR_FD, reason="os.scandir takes no descriptor here")
+def test_a_walk_by_directory_descriptors_lists_what_a_walk_by_paths_lists(tmp_path, monkeypatch):
+    """The walk lists each directory by its descriptor (one path component per stat); the
+    records are those of a walk by paths: ignore files read (their rules applied below
+    them), part files, a symlink, digests, an unreadable folder's error."""
+    from gpumagic.sync.ignore import IgnoreRules
+    from gpumagic.sync.plan import walk_source
+
+    root = _kinds_tree(tmp_path / "t")
+    (root / "d2" / ".gpuignore").write_text("img00[0-4]*\n", encoding="utf-8")
+    part, _ = agent.new_part_name(str(root / "d3" / "big.bin"))
+    Path(part).write_bytes(b"half")
+    locked = root / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        walks = []
+        for by_fd in (True, False):
+            monkeypatch.setattr(agent, "_SCANDIR_FD", by_fd)
+            walk = walk_source(root, IgnoreRules())
+            walks.append((sorted(walk.all_fields()), walk.fingerprint(),
+                          sorted(agent.list_tree(str(root), True)), sorted(map(tuple, walk.listing().partials.items()))))
+        assert walks[0] == walks[1]
+        fields = {f[1]: f for f in walks[0][0]}
+        assert "d2/img0009.jpg" not in fields and "d2/img0051.jpg" in fields and "model.ckpt" not in fields
+        assert fields["latest"][0] == "l" and fields["run.sh"][4] == 0o755
+        if os.geteuid() != 0:  # root reads a mode-000 folder
+            assert fields["locked"][0] == "e"
+    finally:
+        locked.chmod(0o755)
+
+
 class _Whole(agent.Listed):
     """A listing that keeps the fields of plain files as it walks (as a push's hand-off does)."""
 

@@ -26,8 +26,9 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     ``-`` or a JSON list that limits the listing to those entries of ROOT.  With COMPARE
     ``1`` it first writes one digit before it walks: bit 0 clear when ROOT is absent or an
     empty directory (:func:`is_empty`: a push there has nothing to compare and starts sending
-    at once), set else; bit 1 set when this Python reads xz frames (see "compressed
-    streams"); then, walked, the tree's :func:`fingerprint` (32 bytes), and reads
+    at once), set else; bit 1 set when this Python reads xz frames, bit 2 when it reads
+    bzip2 frames (:func:`codecs_here`; see "compressed streams"); then, walked, the tree's
+    :func:`fingerprint` (32 bytes), and reads
     one byte: ``L`` asks for the listing (length and records, as above), ``=`` says the
     caller's own tree has the same fingerprint (nothing to do: no records are made).  A
     walk that takes longer than :data:`LISTED_EVERY` s says on stderr, each such interval,
@@ -617,7 +618,6 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
     if add is None:
         def add(kind, rel, size, mtime_ns, mode, text, digest):
             _record(out, kind, rel, size, mtime_ns, mode, text, digest)
-    fast = not want_hash
     rows = fields = None
     if isinstance(out, Listed):  # its add(), inline for plain files
         if out.keeps_rows:
@@ -631,50 +631,77 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
         walked += 1
         if gone is not None and walked % GONE_EVERY == 0 and gone():
             raise CallerGone(root)
+        fd = None
         try:
-            it = list(os.scandir(d))
+            if _SCANDIR_FD:  # each entry's stat is then an fstatat of its name (see _SCANDIR_FD)
+                fd = os.open(d, _DIR_FLAGS)
+                it = list(os.scandir(fd))
+            else:
+                it = list(os.scandir(d))
         except OSError as e:
+            if fd is not None:
+                os.close(fd)
             vanished = e.errno == errno.ENOENT and rel
             _record(out, "v" if vanished else "e", rel or ".", 0, 0, 0, e.strerror or str(e))
             continue
-        if prune is not None:
-            left_out = prune(rel, it)
-            it = [ent for ent in it if ent.name not in left_out]
-        prefix = rel + "/" if rel else ""
-        for ent in it:
-            name = ent.name
-            r = prefix + name
-            if name.endswith(PART_SUFFIX):
-                parsed = parse_part(name)
-                if parsed is not None:  # a part file: never an entry
-                    try:
-                        state = part_state(ent.path)
-                        if state is not None:
-                            _record(out, "p", prefix + parsed[0], ent.stat(follow_symlinks=False).st_size,
-                                    0, state == "busy", name)
-                    except OSError:
-                        pass
-                    continue
-            try:
-                st = ent.stat(follow_symlinks=False)
-                m = st.st_mode
-                if fast and m & 0o170000 == 0o100000 and name not in IGNORE_FILES:
-                    if fields is None:
-                        add("f", r, st.st_size, st.st_mtime_ns, m & 0o7777, "", "")
-                    elif rows is not None:  # see Listed: the row, and the mtime in ns
-                        mtime_ns = st.st_mtime_ns
-                        rows("f\0%s\0%d\0%d\0%o\0\0" % (r, st.st_size, mtime_ns // 1000000000, m & 0o7777))
-                        fields(mtime_ns)
-                    else:
-                        fields(("f", r, st.st_size, st.st_mtime_ns, m & 0o7777, "", ""))
-                    continue
-                _stat_record(out, ent.path, r, st, want_hash)
-            except OSError as e:
-                _record(out, "v" if e.errno == errno.ENOENT else "e", r, 0, 0, 0, e.strerror or str(e))
-                continue
-            if stat.S_ISDIR(m):
-                stack.append((ent.path, r))
+        try:
+            _list_dir(out, d, rel, it, prune, want_hash, add, rows, fields, stack)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return out
+
+
+#: Whether ``os.scandir`` takes a directory's descriptor (POSIX, Python 3.7+): its entries'
+#: ``stat()`` is then ``fstatat`` of the name in that directory, which looks up one path
+#: component where ``lstat`` of the whole path looks up all of them (100,000 files: 0.177
+#: against 0.197 s, measured).  The entries' ``path`` is then only their name.
+_SCANDIR_FD = os.scandir in getattr(os, "supports_fd", ())
+_DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+              | getattr(os, "O_CLOEXEC", 0))
+
+
+def _list_dir(out, d, rel, it, prune, want_hash, add, rows, fields, stack):
+    """The records of directory ``d``'s entries ``it`` (see :func:`list_tree`); its
+    subdirectories go on ``stack``."""
+    if prune is not None:
+        left_out = prune(rel, it)
+        it = [ent for ent in it if ent.name not in left_out]
+    prefix = rel + "/" if rel else ""
+    fast = not want_hash
+    for ent in it:
+        name = ent.name
+        r = prefix + name
+        if name.endswith(PART_SUFFIX):
+            parsed = parse_part(name)
+            if parsed is not None:  # a part file: never an entry
+                try:
+                    state = part_state(os.path.join(d, name))
+                    if state is not None:
+                        _record(out, "p", prefix + parsed[0], ent.stat(follow_symlinks=False).st_size,
+                                0, state == "busy", name)
+                except OSError:
+                    pass
+                continue
+        try:
+            st = ent.stat(follow_symlinks=False)
+            m = st.st_mode
+            if fast and m & 0o170000 == 0o100000 and name not in IGNORE_FILES:
+                if fields is None:
+                    add("f", r, st.st_size, st.st_mtime_ns, m & 0o7777, "", "")
+                elif rows is not None:  # see Listed: the row, and the mtime in ns
+                    mtime_ns = st.st_mtime_ns
+                    rows("f\0%s\0%d\0%d\0%o\0\0" % (r, st.st_size, mtime_ns // 1000000000, m & 0o7777))
+                    fields(mtime_ns)
+                else:
+                    fields(("f", r, st.st_size, st.st_mtime_ns, m & 0o7777, "", ""))
+                continue
+            _stat_record(out, os.path.join(d, name), r, st, want_hash)
+        except OSError as e:
+            _record(out, "v" if e.errno == errno.ENOENT else "e", r, 0, 0, 0, e.strerror or str(e))
+            continue
+        if stat.S_ISDIR(m):
+            stack.append((os.path.join(d, name), r))
 
 
 # -- writing ---------------------------------------------------------------------------

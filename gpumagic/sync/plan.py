@@ -304,18 +304,19 @@ def walk_source(root: str | os.PathLike, rules: IgnoreRules | None = None, *,
     ``each_dir`` is called as each directory is entered, before its entries are listed
     (what it raises ends the walk); ``out``: the sink (a :class:`SourceWalk` subclass)."""
     out = SourceWalk() if out is None else out
-    agent.list_tree(os.fspath(root), digests, None, _pruner(rules, each_dir), out)
+    root = os.fspath(root)
+    agent.list_tree(root, digests, None, _pruner(root, rules, each_dir), out)
     return out
 
 
-def _pruner(rules: IgnoreRules | None, each_dir: Callable[[], None] | None = None):
+def _pruner(root: str, rules: IgnoreRules | None, each_dir: Callable[[], None] | None = None):
     if rules is None and each_dir is None:
         return None
 
     def prune(rel: str, items: list[os.DirEntry]) -> set[str]:
         if each_dir is not None:
             each_dir()
-        return _ignored_names(rules, rel, items) if rules is not None else set()
+        return _ignored_names(rules, root, rel, items) if rules is not None else set()
     return prune
 
 
@@ -371,13 +372,15 @@ def list_local(root: str, digests: bool = False, names: list[str] | None = None,
     return out.listing()
 
 
-def _ignored_names(rules: IgnoreRules, rel: str, items: list[os.DirEntry]) -> set[str]:
-    """Names in directory ``rel`` that ``rules`` ignore, after its ignore files are added."""
+def _ignored_names(rules: IgnoreRules, root: str, rel: str, items: list[os.DirEntry]) -> set[str]:
+    """Names in directory ``rel`` (of ``root``) that ``rules`` ignore, after its ignore files
+    are added.  (An item's ``path`` may be its name only: the walk lists a directory by its
+    descriptor, see ``agent._SCANDIR_FD``.)"""
     if rules.use_files:
         for item in items:
             if item.name in IGNORE_FILES and item.is_file(follow_symlinks=False):
                 try:
-                    data = Path(item.path).read_bytes()
+                    data = Path(root, rel, item.name).read_bytes()
                 except OSError:
                     continue
                 rules.add_file(f"{rel}/{item.name}" if rel else item.name, data)
