@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import random
+import time
 import zlib
 from types import SimpleNamespace
 
@@ -187,8 +188,22 @@ def test_a_damaged_pull_stream_writes_no_file_under_its_name(tmp_path):
 # -- the decision ---------------------------------------------------------------------------
 
 
-def _fake_machine(compression=None):
-    return SimpleNamespace(name="gpu", spec=HostSpec("gpu", "203.0.113.9", compression=compression))
+class _Keepalive:
+    """A connection whose keepalive request is answered after ``seconds`` (a fake link), and
+    whose probes measured ``rtt`` (None: none yet)."""
+
+    def __init__(self, seconds: float = 0.06, rtt: float | None = None):
+        self.seconds, self.rtt, self.asked = seconds, rtt, 0
+
+    def global_request(self, kind):
+        assert kind == "keepalive@openssh.com"
+        self.asked += 1
+        time.sleep(self.seconds)
+
+
+def _fake_machine(compression=None, keepalive: float = 0.06):
+    return SimpleNamespace(name="gpu", spec=HostSpec("gpu", "203.0.113.9", compression=compression),
+                           connection=_Keepalive(keepalive))
 
 
 def test_flag_then_ssh_config_then_the_link_decide(caplog):
@@ -217,11 +232,25 @@ def test_the_connections_probed_round_trip_overrules_a_slow_channel_opening():
     # a user's trial: the first sync over loopback went compressed (its one channel opened
     # slowly on a loaded machine); the connection's probes said 0.5 ms
     m = _fake_machine()
-    m.connection = SimpleNamespace(rtt=0.0005)
+    m.connection = _Keepalive(rtt=0.0005)
     level, why = sync.decide_compression(m, None, 0.040)
     assert level == 0 and why.startswith("uncompressed (auto: a round trip takes 0.5 ms")
-    m.connection = SimpleNamespace(rtt=0.040)  # a slow link stays slow
+    assert m.connection.asked == 0
+    m.connection = _Keepalive(rtt=0.040)  # a slow link stays slow
     assert sync.decide_compression(m, None, 0.041)[0] == TOP
+
+
+def test_a_slow_channel_opening_is_asked_again_with_a_keepalive():
+    # a fresh-user trial: over loopback the first sync of each new connection went
+    # compressed, its channel's opening (the one sample) having taken 42 ms
+    m = _fake_machine(keepalive=0.0)
+    level, why = sync.decide_compression(m, None, 0.042)
+    assert level == 0 and why.startswith("uncompressed (auto: a round trip takes 0."), why
+    assert m.connection.asked == 1
+    m = _fake_machine(keepalive=0.0)  # a quick opening is believed: no request
+    assert sync.decide_compression(m, None, 0.0004)[0] == 0 and m.connection.asked == 0
+    m = _fake_machine(keepalive=0.05)  # a slow link: the smaller of the two
+    assert sync.decide_compression(m, None, 0.042)[1].startswith("xz (normal mode) or bzip2 (auto: a round trip takes 42.0 ms")
 
 
 def test_without_lzma_on_this_computer_streams_are_zlib(monkeypatch):
@@ -327,6 +356,24 @@ def test_over_loopback_auto_sends_uncompressed_and_says_why(machine, tmp_path, c
     from gpumagic.notebook.display import format_bytes
 
     assert str(s).split(": ", 1)[1].startswith(f"1 file, {format_bytes(s.bytes_sent)} sent, 0 unchanged")
+
+
+def test_over_loopback_the_first_sync_of_each_new_connection_goes_uncompressed(sshd, tmp_path):
+    # a fresh-user trial: with the agent kept on the machine, the first push of a new
+    # connection opened its own channel, took that opening (42 ms) for the round trip and
+    # went compressed, 7 times in 8
+    import gpumagic
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "log.csv").write_bytes(csv_text(random.Random(12), 300_000))
+    for i in range(4):
+        m = gpumagic.connect("testgpu")
+        try:
+            s = m.push(f"{src}/", str(tmp_path / f"remote{i}"))
+        finally:
+            m.close()
+        assert s.wire_bytes is None and s.compression.startswith("uncompressed (auto"), (i, s.compression)
 
 
 # -- over the emulated link ---------------------------------------------------------------
