@@ -75,7 +75,13 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
     try:
         with open(log, "wb") as stderr:
             client.execute(stderr=stderr)
-    except DeadKernelError as e:
+    except (DeadKernelError, AssertionError) as e:
+        # nbclient's own SIGINT/SIGTERM handler shuts the kernel down (none is left
+        # running); the cell then ends as a dead kernel, or its clean-up trips an assert
+        if getattr(client, "_async_cleanup_kernel_future", None) is not None:
+            raise KeyboardInterrupt from None
+        if isinstance(e, AssertionError):
+            raise
         last = _tail(log)
         raise DeadKernelError(f"{e}; its last words: {last}" if last else str(e)) from None
     finally:
@@ -111,6 +117,23 @@ def _failed_cell(executed: Path) -> str:
     return ""
 
 
+def _running_cell(executed: Path) -> str:
+    """`` (code cell N: first line)`` for the last code cell of ``executed`` that started (its
+    execution count is set when it starts); empty when it cannot be told."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(executed, as_version=4)
+    except Exception:
+        return ""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    started = [n for n, c in enumerate(code, 1) if c.get("execution_count") is not None]
+    if not started:
+        return ""
+    first = next((ln for ln in code[started[-1] - 1].source.splitlines() if ln.strip()), "")
+    return f" (code cell {started[-1]}: {first[:60]})"
+
+
 def _run_notebook(args) -> int:
     try:
         from nbclient.exceptions import CellExecutionError
@@ -118,7 +141,7 @@ def _run_notebook(args) -> int:
         print("run-notebook needs nbclient and ipykernel: pip install 'gpumagic[notebook]'",
               file=sys.stderr)
         return 2
-    from nbclient.exceptions import DeadKernelError
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from nbformat.reader import NotJSONError
 
     notebook = Path(args.notebook)
@@ -126,8 +149,18 @@ def _run_notebook(args) -> int:
         what = "is a directory, not a notebook" if notebook.is_dir() else "does not exist"
         raise GpumagicError(f"{args.notebook} {what}",
                             f"give the path of an .ipynb file (relative paths start at {Path.cwd()})")
+    copy = Path(args.output_dir) / Path(args.notebook).name
     try:
         out = run_notebook(args.notebook, args.output_dir, timeout=args.timeout)
+    except CellTimeoutError:  # a TimeoutError, so an OSError: before that
+        print(f"a cell ran longer than --timeout {args.timeout} s{_running_cell(copy)}; it was stopped",
+              file=sys.stderr)
+        print(f"executed copy (up to there): {copy}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted; the notebook's kernel was shut down; executed copy (up to there): {copy}",
+              file=sys.stderr)
+        return 130
     except NotJSONError:
         raise GpumagicError(f"{args.notebook} is not a notebook (not JSON)",
                             "give the path of an .ipynb file saved by Jupyter") from None
@@ -136,12 +169,10 @@ def _run_notebook(args) -> int:
         raise GpumagicError(f"cannot run {args.notebook}: {e.strerror or e}{where}",
                             "the notebook must be readable and --output-dir writable") from None
     except CellExecutionError as e:
-        copy = Path(args.output_dir) / Path(args.notebook).name
         print(f"a cell failed{_failed_cell(copy)}: {e.ename}: {e.evalue}".rstrip(": "), file=sys.stderr)
         print(f"executed copy (with the error): {copy}", file=sys.stderr)
         return 1
     except DeadKernelError as e:  # a cell ended its Python (os._exit, a crash, out of memory)
-        copy = Path(args.output_dir) / Path(args.notebook).name
         print(f"the notebook's kernel died while it ran {args.notebook}: {e}", file=sys.stderr)
         print(f"executed copy (up to there): {copy}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ replaced by its final static state through its display id when it stops (issue 1
 import importlib.util
 import os
 import shutil
+import time
 from pathlib import Path
 
 import nbformat
@@ -150,6 +151,52 @@ def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
                                         "FileNotFoundError: [Errno 2] No such file or directory: "
                                         "'/nonexistent/gm-file'"), r.stderr
     assert r.stderr.splitlines()[1] == f"executed copy (with the error): {tmp_path / 'out' / 't.ipynb'}"
+
+
+def _run_notebook_cli(tmp_path, cells, *extra, **popen):
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, tmp_path / "t.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
+                             "--output-dir", str(tmp_path / "out"), *extra], stderr=subprocess.PIPE, text=True,
+                            env=env, encoding="utf-8", **popen)
+
+
+def test_run_notebook_names_the_cell_that_ran_past_the_timeout(tmp_path):
+    # a fresh-user trial: a cell timeout (a TimeoutError, so an OSError) was reported as
+    # "cannot run ...: the notebook must be readable and --output-dir writable"
+    p = _run_notebook_cli(tmp_path, ["x = 1", "import time\ntime.sleep(60)", "y = 2"], "--timeout", "2")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert err.splitlines() == [
+        "a cell ran longer than --timeout 2 s (code cell 2: import time); it was stopped",
+        f"executed copy (up to there): {tmp_path / 'out' / 't.ipynb'}"], err
+
+
+def test_run_notebook_interrupted_says_so_in_a_line_and_leaves_no_kernel(tmp_path):
+    # a fresh-user trial: Ctrl-C gave two tracebacks ending in nbclient's AssertionError
+    import signal
+
+    pid_file = tmp_path / "kernel.pid"
+    p = _run_notebook_cli(tmp_path, [f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                                     "time.sleep(60)"], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text(encoding="utf-8")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kernel = int(pid_file.read_text(encoding="utf-8"))
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert err.splitlines() == [f"interrupted; the notebook's kernel was shut down; executed copy (up to there): "
+                                f"{tmp_path / 'out' / 't.ipynb'}"], err
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{kernel}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{kernel}")
 
 
 def test_run_notebook_says_in_a_line_that_the_kernel_died(tmp_path):
