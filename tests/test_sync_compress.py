@@ -288,6 +288,27 @@ def test_bzip2_wins_its_trials_on_word_samples_and_xz_on_a_csv():
             assert sizes[TOP] == sizes[agent.XZ] and w.trials == []
 
 
+def test_a_trial_that_falls_on_bytes_that_do_not_compress_is_made_on_the_next_frame():
+    # a fresh-user trial: the trial of frame 16 fell on random bytes, so the CSV after them
+    # went as bzip2 for 15 frames (xz packs it 1.5x smaller)
+    rng = random.Random(13)
+    f = agent.FRAME
+    data = samples_text(rng, 16 * f) + rng.randbytes(f) + csv_text(rng, 15 * f)[:15 * f]
+    out = io.BytesIO()
+    w = agent.ZWriter(out, TOP, threads=1)
+    w.write(data)
+    w.flush()
+    assert agent.ZReader(io.BytesIO(out.getvalue())).read() == data
+    assert w.trials == [(0, "bzip2"), (17 * f, "xz")]
+    kinds, pos = [], 0
+    stream = out.getvalue()
+    while pos < len(stream):
+        kind, n, _ = agent._FRAME_HEAD.unpack_from(stream, pos)
+        kinds.append(kind)
+        pos += agent._FRAME_HEAD.size + n
+    assert kinds == [b"b"] * 16 + [b"r"] + [b"x"] * 15
+
+
 def test_without_bz2_a_writer_sends_xz_and_a_reader_refuses_bzip2_saying_why(monkeypatch):
     data = samples_text(random.Random(9), 600_000)
     bz2_stream = _frames(data, TOP, chunk=agent.FRAME)

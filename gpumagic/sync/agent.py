@@ -1578,6 +1578,7 @@ class ZWriter(object):
         self.changes = []
         #: ``(content bytes before it, "bzip2" or "xz")`` each time a trial changed the codec.
         self.trials = []
+        self.retry = False
         self.frames = 0
 
     def write(self, b):
@@ -1604,8 +1605,9 @@ class ZWriter(object):
         return len(_zlib.compress(sample, 1)) <= len(sample) * (1 - MIN_SAVING)
 
     def _pack(self, data, level, use_bz2, trial):
-        """``data`` as one frame (bytes), and, for a ``trial``, whether bzip2 won it (else None)."""
-        body, kind, won = data, b"r", None
+        """``data`` as one frame (bytes), and, for a ``trial``, whether bzip2 won it (``""``
+        when the frame did not compress, so nothing was tried; None for no trial)."""
+        body, kind, won = data, b"r", "" if trial else None
         if self._pays(data):
             if level <= 9:
                 z, k = _zlib.compress(data, level), b"z"
@@ -1626,7 +1628,9 @@ class ZWriter(object):
 
     def _put(self, size, packed):
         frame, won = packed
-        if won is not None and won != self.use_bz2:
+        if won == "":  # a trial on bytes that do not compress: the next frame is tried
+            self.retry = True
+        elif won is not None and won != self.use_bz2:
             self.use_bz2 = won
             self.trials.append((self.raw, "bzip2" if won else "xz"))
         self.raw += size
@@ -1662,7 +1666,8 @@ class ZWriter(object):
         self._put(size, frame)
 
     def _frame(self, data):
-        trial = self.bz2 and self.level > 9 and self.frames % TRIAL == 0
+        trial = self.bz2 and self.level > 9 and (self.frames % TRIAL == 0 or self.retry)
+        self.retry = self.retry and not trial
         self.frames += 1
         args = (data, self.level, self.use_bz2, trial)
         if self.threads <= 1:
