@@ -132,38 +132,30 @@ def test_run_notebook_prints_no_tcp_encryption_warning(tmp_path):
     assert not list(Path(tmp_path).glob("**/kernel-ipc*"))  # no socket files left behind
 
 
-def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
-    # a new user saw only "a cell failed:   hint: ..." (the last line of the error text)
-    import subprocess
-    import sys
-
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("1 / 0"), nbformat.v4.new_code_cell("x = 1"),
-                nbformat.v4.new_code_cell("open('/nonexistent/gm-file')")]
-    nb.cells[0].metadata["tags"] = ["raises-exception"]
-    nbformat.write(nb, tmp_path / "t.ipynb")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
-                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
-                       env=env, timeout=300, encoding="utf-8")
-    assert r.returncode == 1
-    assert r.stderr.splitlines()[0] == ("a cell failed (code cell 3: open('/nonexistent/gm-file')): "
-                                        "FileNotFoundError: [Errno 2] No such file or directory: "
-                                        "'/nonexistent/gm-file'"), r.stderr
-    assert r.stderr.splitlines()[1] == f"executed copy (with the error): {tmp_path / 'out' / 't.ipynb'}"
-
-
 def _run_notebook_cli(tmp_path, cells, *extra, **popen):
     import subprocess
     import sys
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.cells = [nbformat.v4.new_code_cell(c) if isinstance(c, str) else c for c in cells]
     nbformat.write(nb, tmp_path / "t.ipynb")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
                              "--output-dir", str(tmp_path / "out"), *extra], stderr=subprocess.PIPE, text=True,
                             env=env, encoding="utf-8", **popen)
+
+
+def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
+    # a new user saw only "a cell failed:   hint: ..." (the last line of the error text)
+    raising = nbformat.v4.new_code_cell("1 / 0")
+    raising.metadata["tags"] = ["raises-exception"]
+    r = _run_notebook_cli(tmp_path, [raising, "x = 1", "open('/nonexistent/gm-file')"])
+    _, err = r.communicate(timeout=300)
+    assert r.returncode == 1
+    assert err.splitlines()[0] == ("a cell failed (code cell 3: open('/nonexistent/gm-file')): "
+                                        "FileNotFoundError: [Errno 2] No such file or directory: "
+                                        "'/nonexistent/gm-file'"), err
+    assert err.splitlines()[1] == f"executed copy (with the error): {tmp_path / 'out' / 't.ipynb'}"
 
 
 def test_run_notebook_names_the_cell_that_ran_past_the_timeout(tmp_path):
@@ -200,19 +192,11 @@ def test_run_notebook_interrupted_says_so_in_a_line_and_leaves_no_kernel(tmp_pat
 
 
 def test_run_notebook_says_in_a_line_that_the_kernel_died(tmp_path):
-    import subprocess
-    import sys
-
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("print('before')"), nbformat.v4.new_code_cell("import os\nos._exit(3)")]
-    nbformat.write(nb, tmp_path / "t.ipynb")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([sys.executable, "-m", "gpumagic", "run-notebook", str(tmp_path / "t.ipynb"),
-                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
-                       env=env, timeout=300, encoding="utf-8")
+    r = _run_notebook_cli(tmp_path, ["print('before')", "import os\nos._exit(3)"])
+    _, err = r.communicate(timeout=300)
     assert r.returncode == 1
-    assert r.stderr.splitlines() == [f"the notebook's kernel died while it ran {tmp_path / 't.ipynb'}: Kernel died",
-                                     f"executed copy (up to there): {tmp_path / 'out' / 't.ipynb'}"], r.stderr
+    assert err.splitlines() == [f"the notebook's kernel died while it ran {tmp_path / 't.ipynb'}: Kernel died",
+                                     f"executed copy (up to there): {tmp_path / 'out' / 't.ipynb'}"], err
     executed = nbformat.read(tmp_path / "out" / "t.ipynb", as_version=4)
     assert executed.cells[0].outputs[0]["text"] == "before\n"
 

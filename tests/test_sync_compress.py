@@ -68,14 +68,19 @@ def _frames(data: bytes, level: int = 6, chunk: int = 70_000) -> bytes:
     return out.getvalue()
 
 
-def _kinds(stream: bytes) -> set[bytes]:
-    """The kinds of a stream's frames (``z``, ``x``, ``r``)."""
-    kinds, pos = set(), 0
+def _frame_kinds(stream: bytes) -> list[bytes]:
+    """The kind of each of a stream's frames, in order (``z``, ``x``, ``b``, ``r``)."""
+    kinds, pos = [], 0
     while pos < len(stream):
         kind, n, _ = agent._FRAME_HEAD.unpack_from(stream, pos)
-        kinds.add(kind)
+        kinds.append(kind)
         pos += agent._FRAME_HEAD.size + n
     return kinds
+
+
+def _kinds(stream: bytes) -> set[bytes]:
+    """The kinds of a stream's frames."""
+    return set(_frame_kinds(stream))
 
 
 def _unframe(stream: bytes, step: int = 12345) -> bytes:
@@ -300,13 +305,7 @@ def test_a_trial_that_falls_on_bytes_that_do_not_compress_is_made_on_the_next_fr
     w.flush()
     assert agent.ZReader(io.BytesIO(out.getvalue())).read() == data
     assert w.trials == [(0, "bzip2"), (17 * f, "xz")]
-    kinds, pos = [], 0
-    stream = out.getvalue()
-    while pos < len(stream):
-        kind, n, _ = agent._FRAME_HEAD.unpack_from(stream, pos)
-        kinds.append(kind)
-        pos += agent._FRAME_HEAD.size + n
-    assert kinds == [b"b"] * 16 + [b"r"] + [b"x"] * 15
+    assert _frame_kinds(out.getvalue()) == [b"b"] * 16 + [b"r"] + [b"x"] * 15
 
 
 def test_without_bz2_a_writer_sends_xz_and_a_reader_refuses_bzip2_saying_why(monkeypatch):
@@ -415,13 +414,18 @@ def test_push_of_a_csv_sends_at_most_40_percent(link, tmp_path):
     assert f"1 file, {format_bytes(len(data))}, {format_bytes(s.wire_bytes)} sent" in str(s)
 
 
+def _small_files(src, files: int, folders: int, name: str, content) -> None:
+    """``files`` files ``name.format(i)`` of ``content()`` in ``folders`` folders under ``src``."""
+    for i in range(files):
+        d = src / f"d{i % folders}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name.format(i)).write_bytes(content())
+
+
 def test_push_of_small_text_files_in_the_tar_sends_at_most_40_percent(link, tmp_path):
     src = tmp_path / "src"
     rng = random.Random(4)
-    for i in range(40):
-        d = src / f"d{i % 4}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"log{i}.csv").write_bytes(csv_text(rng, 50_000))
+    _small_files(src, 40, 4, "log{}.csv", lambda: csv_text(rng, 50_000))
     total = sum(p.stat().st_size for p in src.rglob("*.csv"))
     s, c = _sent(link, lambda: link.machine.push(f"{src}/", str(tmp_path / "remote")))
     assert s.files_sent == 40 and s.wire_bytes <= 0.4 * total
@@ -435,10 +439,7 @@ def test_push_of_a_text_data_set_in_the_tar_sends_at_most_25_percent(link, tmp_p
     their bytes, where xz alone sends 32 % (measured on the same stream)."""
     src = tmp_path / "src"
     rng = random.Random(10)
-    for i in range(600):
-        d = src / f"d{i % 6}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"sample{i:04d}.txt").write_bytes(samples_text(rng, 4096))
+    _small_files(src, 600, 6, "sample{:04d}.txt", lambda: samples_text(rng, 4096))
     total = 600 * 4096
     s, c = _sent(link, lambda: link.machine.push(f"{src}/", str(tmp_path / "remote")))
     assert s.files_sent == 600 and s.wire_bytes <= 0.25 * total, s.wire_bytes
