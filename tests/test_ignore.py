@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpumagic.sync import plan as sync_plan
-from gpumagic.errors import GpumagicError
+from gpumagic.errors import ConfigError, GpumagicError
 from gpumagic.sync.ignore import IgnoreRules
 
 BOM = b"\xef\xbb\xbf"
@@ -287,7 +287,28 @@ def test_random_patterns_match_exactly_what_git_matches(tmp_path):
         ours = {p for p in paths if rules.covers(p, (root / p).is_dir())}
         if ours != want:
             wrong.append((data, where, sorted(want ^ ours)[:4]))
+        # the walk's judges (one regex per file first) say what covers() says, for the
+        # ignore file and for the same pattern given as --exclude
+        try:
+            excluded = [IgnoreRules([ln for ln in data.splitlines() if ln.strip()], use_files=False)]
+        except ConfigError:  # a pattern git never matches: refused as --exclude
+            excluded = []
+        for r in [rules, *excluded]:
+            judged = {p for p in paths if _judged(r, p, (root / p).is_dir())}
+            if judged != {p for p in paths if r.covers(p, (root / p).is_dir())}:
+                wrong.append(("judge", data, where, r is not rules))
     assert wrong == []
+
+
+def _judged(rules: IgnoreRules, rel: str, is_dir: bool) -> bool:
+    """Whether the walk leaves ``rel`` out: it or a folder above it ignored by the judge
+    of its folder (IgnoreRules.folder)."""
+    parts = rel.split("/")
+    for i in range(1, len(parts) + 1):
+        judge = rules.folder("/".join(parts[:i - 1]))
+        if judge is not None and judge(parts[i - 1], is_dir or i < len(parts)):
+            return True
+    return False
 
 
 def test_gitignore_saved_with_a_bom_keeps_its_first_line_secret(machine, tmp_path):

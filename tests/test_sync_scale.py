@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -320,6 +322,41 @@ def _kinds_tree(root: Path, files: int = 300) -> Path:
     return root
 
 
+def test_a_fingerprint_is_the_trees_not_the_order_its_folders_list_in(request):
+    """Each folder's plain files count as one row (agent.folder_row): the order a folder
+    lists its names in (ext4 hashes them, tmpfs lists the newest first) does not count, where
+    a file is does."""
+    def tree(root: Path, names: list[str]) -> Path:
+        for sub in ("a", "b"):
+            (root / sub).mkdir(parents=True)
+            for name in names:
+                (root / sub / name).write_bytes(b"x")
+                os.utime(root / sub / name, ns=(0, 10 ** 18))
+            os.utime(root / sub, ns=(0, 10 ** 18))
+        return root
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("needs tmpfs (/dev/shm): it lists a folder's names newest first")
+    base = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    names = [f"f{i:03d}" for i in range(200)]
+    one = tree(base / "one", names)
+    two = tree(base / "two", names[::-1])
+    assert [e.name for e in os.scandir(one / "a")] != [e.name for e in os.scandir(two / "a")]
+    prints = {agent.list_tree(str(r), out=agent.Listed()).fingerprint() for r in (one, two)}
+    assert len(prints) == 1
+    (two / "a" / "f000").rename(two / "b" / "moved")  # the same file, now in the other folder
+    (two / "b" / "moved").rename(two / "b" / "f000x")
+    os.utime(two / "a", ns=(0, 10 ** 18))
+    os.utime(two / "b", ns=(0, 10 ** 18))
+    moved = agent.list_tree(str(two), out=agent.Listed()).fingerprint()
+    assert moved not in prints
+    (two / "b" / "f000x").rename(two / "a" / "f000")
+    os.utime(two / "a", ns=(0, 10 ** 18))
+    os.utime(two / "b", ns=(0, 10 ** 18))
+    assert agent.list_tree(str(two), out=agent.Listed()).fingerprint() in prints
+
+
 def _tree_state(root: Path, skip: tuple[str, ...] = ()) -> dict:
     out = {}
     for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
@@ -349,10 +386,12 @@ def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path
     fingerprint = theirs.fingerprint()
     assert mine.fingerprint() == fingerprint and len(theirs.plain) == 300 + 3  # run.sh, 样本, bad\xff
     assert mine.unchanged == 300 + 5  # files and the symlink (.gitignore, run.sh, 样本, bad\xff)
-    # the inline rows of plain files are canon_row's, and give back their fields
+    # the inline rows of plain files are canon_row's, and give back their fields; the
+    # fingerprint stays what it was
+    plain = list(theirs.plain)
     rows = [agent.canon_row(*f) for f in theirs.all_fields()]
-    assert not theirs.plain and len(theirs.fields) == len(rows)
-    assert fingerprint == theirs.fingerprint() == agent.fingerprint([r for r in rows if r is not None])
+    assert not theirs.plain and len(theirs.fields) == len(rows) and set(plain) < set(rows)
+    assert theirs.fingerprint() == fingerprint
     whole = agent.list_tree(str(root), out=_Whole())
     assert sorted(whole.fields) == sorted(theirs.fields)
     assert mine.unchanged == 300 + 5

