@@ -569,6 +569,28 @@ def test_a_push_to_a_home_relative_folder_is_the_project_of_a_job_in_it(tmp_path
     assert move._project_folder(M(), "~/abs/sub") == str(proj / "sub")
 
 
+def test_a_resync_of_the_newest_push_writes_no_record(tmp_path):
+    """A push of the folder pushed last (every no-change resync) leaves @pushes.json as it
+    is; another folder, then the first again, makes each the newest in turn."""
+    from types import SimpleNamespace
+
+    def push(local, remote):
+        move.note_push("a", str(local), SimpleNamespace(destination=f"a:{remote}", dry_run=False))
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    push(one, "/w/one")
+    path = move.record_dir("a") / "@pushes.json"
+    before = path.stat()
+    push(one, "/w/one")
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    push(two, "/w/two")
+    push(one, "/w/one")
+    assert [p["local"] for p in move._pushes("a")] == [str(two), str(one)]
+
+
 def test_a_move_with_no_project_folder_known_is_refused_before_anything_is_stopped(tmp_path):
     """Finding 1: no folder recorded and no --src: refused in one line that says what to do;
     the job's machine is not even looked at (nothing stopped), nothing is pushed or started."""

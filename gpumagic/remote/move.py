@@ -283,6 +283,9 @@ def note_push(machine_name: str, src: str, summary) -> None:
     with _lock, contextlib.suppress(OSError):
         rec = _read(path, PUSHES_FORMAT) or {"format": PUSHES_FORMAT, "pushes": []}
         local = os.path.abspath(src)
+        last = rec["pushes"][-1] if rec["pushes"] else {}
+        if (last.get("local"), last.get("remote")) == (local, remote):
+            return  # already the newest: a resync writes nothing (an fsync, 3 ms)
         pushes = [p for p in rec["pushes"] if (p.get("local"), p.get("remote")) != (local, remote)]
         rec["pushes"] = (pushes + [{"local": local, "remote": remote, "at": time.time()}])[-PUSHES_KEPT:]
         _write(path, rec)
