@@ -1,7 +1,8 @@
-"""The remote half of ``%gpu sync``: a stdlib-only script run as ``python3 -I -S FILE OP NONCE ...``.
+"""The remote half of ``%gpu sync``: a stdlib-only program, ``python3 -I -S FILE OP NONCE ...``.
 
 gpumagic sends this file's text once per connection and keeps it on the machine as
-``~/.gpumagic/sync-agent-HASH.py`` for that connection's later syncs (or runs it as
+``~/.gpumagic/sync_agent_HASH.py`` for that connection's later syncs, imported and
+:func:`run` so that its bytecode is kept too (or runs it as
 ``python3 -c SOURCE`` where nothing can be kept; see ``engine.agent_command``).  It also
 imports it locally, so a pull writes files with the very same code a push uses on the
 remote side.  It must run on any Python 3.6+ and import nothing outside the standard
@@ -2178,8 +2179,14 @@ def _main(op, root, argv, inp, out):
     _fail({"error": "unknown operation %r" % op}, sys.stderr.buffer)
 
 
-if __name__ == "__main__":
+def run():
+    """This file as a program, the operation in ``sys.argv[1:]`` (run as a script, or
+    imported and called: see ``engine.agent_command``)."""
     main([os.fsdecode(a) if isinstance(a, bytes) else a for a in sys.argv[1:]])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # not freeing a 100,000-entry listing object by object first (~30 ms)
+
+
+if __name__ == "__main__":
+    run()
