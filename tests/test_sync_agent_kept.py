@@ -78,7 +78,28 @@ def test_the_kept_agent_runs_imported_so_its_bytecode_is_kept_too(machine, sshd,
     machine.pull("kept-agent-d/", str(tmp_path / "back"))
     assert cache[0].stat().st_mtime_ns == before
     assert stat.S_IMODE(cache[0].stat().st_mode) == 0o600  # as its source
+    assert stat.S_IMODE(cache[0].parent.stat().st_mode) == 0o700  # private state, not the umask's
     shutil.rmtree(Path(sshd.env["HOME"]) / "kept-agent-d", ignore_errors=True)
+
+
+@pytest.mark.parametrize("damage", ["cut short", "garbled"])
+def test_kept_bytecode_that_does_not_load_is_made_again_and_the_sync_goes_on(machine, sshd, tmp_path, damage):
+    """Python writes bytecode without checking the length written: on a nearly full disk it
+    left the agent's cut short, and every later sync failed with "marshal data too short"
+    (found by a fresh-user trial on a 200 KB tmpfs).  Its 16-byte header still matches the
+    source, so Python does not skip it by itself."""
+    src = _tree(tmp_path)
+    dest = Path(sshd.env["HOME"]) / "kept-agent-e"
+    machine.push(f"{src}/", str(dest))
+    [pyc] = (_kept(sshd).parent / "__pycache__").glob(f"sync_agent_{sync.agent_digest()}.*.pyc")
+    whole = pyc.read_bytes()
+    pyc.write_bytes(whole[:len(whole) // 2] if damage == "cut short" else whole[:16] + b"\xff" * 4096)
+    (src / "d0" / "f0.py").write_text("x = 'edited'\n", encoding="utf-8")
+    assert machine.push(f"{src}/", str(dest)).files_sent == 1
+    assert (dest / "d0" / "f0.py").read_text(encoding="utf-8") == "x = 'edited'\n"
+    assert pyc.read_bytes() == whole  # made again, for the next sync
+    assert machine.push(f"{src}/", str(dest)).files_sent == 0
+    shutil.rmtree(dest, ignore_errors=True)
 
 
 def test_a_home_where_nothing_can_be_kept_runs_the_agent_whole_every_time(machine, sshd, tmp_path, monkeypatch):
@@ -99,3 +120,4 @@ def test_a_home_where_nothing_can_be_kept_runs_the_agent_whole_every_time(machin
         os.rename(saved, home / ".gpumagic")
     assert len(sent) == 2 and all(n > SOURCE for n in sent)  # never the short form: nothing was kept
     shutil.rmtree(home / "kept-agent-c", ignore_errors=True)
+

@@ -223,7 +223,8 @@ def agent_command(op: str, nonce: str, *args: str, kept: bool = False) -> str:
 
     The agent's source (about 70 KB) travels once per connection: the whole program keeps
     it as ``~/.gpumagic/sync_agent_HASH.py`` (0600, written whole then renamed) and runs
-    it, imported (its bytecode is then kept in ``__pycache__`` beside it); with ``kept``
+    it, imported (its bytecode is then kept in ``__pycache__`` beside it, made again where
+    it does not load); with ``kept``
     (this connection kept it already) the program only runs the file, and prints :data:`AGENT_MISSING` and exits :data:`AGENT_MISSING_EXIT` when it is
     gone.  Where it cannot be kept (a read-only HOME), the whole program says
     :data:`AGENT_UNKEPT` and runs the source from its command line, as before.
@@ -232,10 +233,26 @@ def agent_command(op: str, nonce: str, *args: str, kept: bool = False) -> str:
     module = f"sync_agent_{digest}"
     path = f'"$HOME/.gpumagic/{module}.py"'
     rest = " ".join(shlex.quote(a) for a in (op, nonce, *args))
-    # imported, so that its bytecode is kept beside it (__pycache__): run as a script, it
-    # was compiled each time (python3 started and ran it in 28.6 ms, imported it in 12 ms)
-    run = (f"exec python3 -I -S -c 'import sys; sys.path.insert(0, sys.argv.pop(1)); import {module}; "
-           f"{module}.run()' \"$HOME/.gpumagic\" {rest}")
+    # Imported, so that its bytecode is kept beside it (__pycache__): run as a script, it
+    # was compiled each time (python3 started and ran it in 28.6 ms, imported it in 12 ms).
+    # The import runs under umask 077 (__pycache__ is private state like the file), and a
+    # bytecode file that does not load is removed and made again: Python does not check
+    # the length of what it writes there, so a nearly full disk leaves one cut short
+    # ("marshal data too short"), which would fail every later sync.
+    loader = (f"import sys, os\n"
+              f"d = sys.argv.pop(1); sys.path.insert(0, d); u = os.umask(0o77)\n"
+              f"try:\n"
+              f"    import {module} as a\n"
+              f"except Exception:\n"
+              f"    from importlib.util import cache_from_source\n"
+              f"    try:\n"
+              f"        os.remove(cache_from_source(d + \"/{module}.py\"))\n"
+              f"    except OSError:\n"
+              f"        pass\n"
+              f"    import {module} as a\n"
+              f"os.umask(u)\n"
+              f"a.run()")
+    run = f"exec python3 -I -S -c '{loader}' \"$HOME/.gpumagic\" {rest}"
     if kept:
         return (f"a={path}\n"
                 f"[ -r \"$a\" ] || {{ printf '\\036{AGENT_MISSING[1:-1].decode()}\\n'; exit {AGENT_MISSING_EXIT}; }}\n"
