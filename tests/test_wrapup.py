@@ -62,11 +62,15 @@ def caches(server):
         _write(h / ".config/app/settings.json", 10),
         _write(t / "in-use.tmp", 10),                            # changed just now: left alone
         _write(t / "tmux-0/default", 5, HOUR_AGO),               # tmux's socket folder
+        # gpumagic's own state: its sync agent's bytecode, in this home and in a sandbox's
+        _write(h / ".gpumagic/__pycache__/sync_agent_0.cpython-311.pyc", 20),
+        _write(h / ".local/share/gpumagic/sandbox-home/.gpumagic/__pycache__/sync_agent_0.cpython-311.pyc", 30),
     ]
     yield made, keep
     import shutil
 
-    for p in (h / ".cache", h / "project", h / ".vscode-server", h / "data", h / ".config"):
+    keep[-2].unlink()
+    for p in (h / ".cache", h / "project", h / ".vscode-server", h / "data", h / ".config", h / ".local"):
         shutil.rmtree(p, ignore_errors=True)
     for p in t.iterdir():
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()

@@ -21,7 +21,8 @@ sizes, like ``du --apparent-size`` -- and whether ``clean`` may remove it):
   and anything changed in the last :data:`RECENT` seconds (something may be using it);
 * old VS Code server versions: all but the newest of ``~/.vscode-server/bin/*`` and of
   ``~/.vscode-server/cli/servers/Stable-*``;
-* ``__pycache__`` folders under the home and working folders (one item for all).
+* ``__pycache__`` folders under the home and working folders (one item for all), not those
+  in gpumagic's own ``.gpumagic`` folders.
 
 Items outside the home folder (conda under ``/opt``, the temporary folder) are only listed,
 never removed, when ``system`` is false (the sandbox: the machine is your own computer).
@@ -128,7 +129,8 @@ def pycache_dirs(roots, skip, deadline):
             keep = []
             for d in dirs:
                 p = os.path.join(root, d)
-                if os.path.islink(p) or p in skip or d in (".git", "node_modules"):
+                # .gpumagic: gpumagic's own state in a home (its sync agent's bytecode)
+                if os.path.islink(p) or p in skip or d in (".git", "node_modules", ".gpumagic"):
                     continue
                 if d == "__pycache__":
                     found.append(p)
