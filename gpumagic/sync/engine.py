@@ -216,6 +216,29 @@ def agent_digest() -> str:
     return hashlib.sha256(AGENT_SOURCE.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
+#: The ``python3 -c`` program that runs the kept agent (its path the first argument): it
+#: imports it, so that Python keeps its bytecode in ``__pycache__`` beside it (run as a
+#: script, it was compiled each time: python3 started and ran it in 28.6 ms, imported it in
+#: 12 ms).  The import runs under umask 077 (``__pycache__`` is private state like the
+#: file), and bytecode that does not load is removed and made again: Python does not check
+#: the length of what it writes there, so a nearly full disk left it cut short ("marshal
+#: data too short") and every later sync failed.  It goes up with every sync: kept short.
+_AGENT_LOADER = """import sys, os
+p = sys.argv.pop(1); m = os.path.basename(p)[:-3]; sys.path.insert(0, os.path.dirname(p))
+u = os.umask(63)
+try:
+    a = __import__(m)
+except Exception:
+    from importlib.util import cache_from_source
+    try:
+        os.remove(cache_from_source(p))
+    except OSError:
+        pass
+    a = __import__(m)
+os.umask(u)
+a.run()"""
+
+
 def agent_command(op: str, nonce: str, *args: str, kept: bool = False) -> str:
     """The ``/bin/sh`` program that runs the agent operation ``op`` with the remote
     ``python3`` (started with :func:`gpumagic.remote.execution.start_program`); ``nonce``
@@ -223,36 +246,16 @@ def agent_command(op: str, nonce: str, *args: str, kept: bool = False) -> str:
 
     The agent's source (about 70 KB) travels once per connection: the whole program keeps
     it as ``~/.gpumagic/sync_agent_HASH.py`` (0600, written whole then renamed) and runs
-    it, imported (its bytecode is then kept in ``__pycache__`` beside it, made again where
-    it does not load); with ``kept``
-    (this connection kept it already) the program only runs the file, and prints :data:`AGENT_MISSING` and exits :data:`AGENT_MISSING_EXIT` when it is
-    gone.  Where it cannot be kept (a read-only HOME), the whole program says
-    :data:`AGENT_UNKEPT` and runs the source from its command line, as before.
+    it with :data:`_AGENT_LOADER`; with ``kept`` (this connection kept it already) the
+    program only runs the file, and prints :data:`AGENT_MISSING` and exits
+    :data:`AGENT_MISSING_EXIT` when it is gone.  Where it cannot be kept (a read-only HOME),
+    the whole program says :data:`AGENT_UNKEPT` and runs the source from its command line,
+    as before.
     """
     digest = agent_digest()
-    module = f"sync_agent_{digest}"
-    path = f'"$HOME/.gpumagic/{module}.py"'
+    path = f'"$HOME/.gpumagic/sync_agent_{digest}.py"'
     rest = " ".join(shlex.quote(a) for a in (op, nonce, *args))
-    # Imported, so that its bytecode is kept beside it (__pycache__): run as a script, it
-    # was compiled each time (python3 started and ran it in 28.6 ms, imported it in 12 ms).
-    # The import runs under umask 077 (__pycache__ is private state like the file), and a
-    # bytecode file that does not load is removed and made again: Python does not check
-    # the length of what it writes there, so a nearly full disk leaves one cut short
-    # ("marshal data too short"), which would fail every later sync.
-    loader = (f"import sys, os\n"
-              f"d = sys.argv.pop(1); sys.path.insert(0, d); u = os.umask(0o77)\n"
-              f"try:\n"
-              f"    import {module} as a\n"
-              f"except Exception:\n"
-              f"    from importlib.util import cache_from_source\n"
-              f"    try:\n"
-              f"        os.remove(cache_from_source(d + \"/{module}.py\"))\n"
-              f"    except OSError:\n"
-              f"        pass\n"
-              f"    import {module} as a\n"
-              f"os.umask(u)\n"
-              f"a.run()")
-    run = f"exec python3 -I -S -c '{loader}' \"$HOME/.gpumagic\" {rest}"
+    run = f"exec python3 -I -S -c '{_AGENT_LOADER}' \"$a\" {rest}"
     if kept:
         return (f"a={path}\n"
                 f"[ -r \"$a\" ] || {{ printf '\\036{AGENT_MISSING[1:-1].decode()}\\n'; exit {AGENT_MISSING_EXIT}; }}\n"
