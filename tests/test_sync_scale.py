@@ -376,6 +376,35 @@ def _tree_state(root: Path, skip: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def test_a_folders_files_are_kept_as_int64_columns_and_a_time_past_them_still_counts(tmp_path):
+    """A folder's plain files are kept as columns of 8-byte integers (agent.int64); an mtime
+    past 2262 (ext4 keeps times to 2446) does not fit in nanoseconds and is kept as a list,
+    hashed and given back all the same, and a change to it still changes the fingerprint."""
+    from array import array
+
+    root = tmp_path / "t"
+    root.mkdir()
+    for name in ("b", "a", "c"):
+        (root / name).write_bytes(name.encode() * 3)
+    far = 10_400_000_000 * 10 ** 9  # the year 2299, in nanoseconds: past 2 ** 63
+    os.utime(root / "c", ns=(0, far))
+    if os.lstat(root / "c").st_mtime_ns != far:
+        pytest.skip("this file system does not keep a time past 2262")
+    listed = agent.list_tree(str(root), out=agent.Listed())
+    ((prefix, names, sizes, times, modes),) = listed.plain
+    assert (prefix, names) == ("", ["a", "b", "c"])
+    assert isinstance(sizes, array) and isinstance(modes, array) and list(sizes) == [3, 3, 3]
+    assert isinstance(times, list) and times[2] == far  # the list it was: 2 ** 63 < far
+    before = listed.fingerprint()
+    assert {f[1]: f[3] for f in listed.all_fields() if f[0] == "f"}["c"] == far
+    assert agent.list_tree(str(root), out=agent.Listed()).fingerprint() == before
+    os.utime(root / "c", ns=(0, far + 10 ** 9))
+    assert agent.list_tree(str(root), out=agent.Listed()).fingerprint() != before
+    os.utime(root / "c", ns=(0, far))
+    os.utime(root / "a", ns=(0, far))
+    assert agent.list_tree(str(root), out=agent.Listed()).fingerprint() != before
+
+
 def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path):
     from gpumagic.sync.plan import walk_source
 
@@ -384,13 +413,17 @@ def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path
     mine = walk_source(root)
     theirs = agent.list_tree(str(root), out=agent.Listed())
     fingerprint = theirs.fingerprint()
-    assert mine.fingerprint() == fingerprint and len(theirs.plain) == 300 + 3  # run.sh, 样本, bad\xff
+    assert mine.fingerprint() == fingerprint and theirs.plain_count() == 300 + 3  # run.sh, 样本, bad\xff
     assert mine.unchanged == 300 + 5  # files and the symlink (.gitignore, run.sh, 样本, bad\xff)
-    # the inline rows of plain files are canon_row's, and give back their fields; the
+    # the columns of plain files give back their fields, each folder's in name order; the
     # fingerprint stays what it was
-    plain = list(theirs.plain)
-    rows = [agent.canon_row(*f) for f in theirs.all_fields()]
-    assert not theirs.plain and len(theirs.fields) == len(rows) and set(plain) < set(rows)
+    plain = [(prefix + name, size, ns, mode & 0o7777) for prefix, names, sizes, times, modes in theirs.plain
+             for name, size, ns, mode in zip(names, sizes, times, modes)]
+    assert all(names == sorted(names) for _, names, _, _, _ in theirs.plain)
+    before = len(theirs.fields)
+    fields = theirs.all_fields()
+    assert not theirs.plain and len(fields) == before + len(plain)
+    assert set(plain) == {f[1:5] for f in fields if f[0] == "f" and f[1] != ".gitignore"}
     assert theirs.fingerprint() == fingerprint
     whole = agent.list_tree(str(root), out=_Whole())
     assert sorted(whole.fields) == sorted(theirs.fields)
@@ -399,7 +432,7 @@ def test_the_local_walk_and_the_agent_give_one_fingerprint_for_one_tree(tmp_path
     assert walk_source(root).fingerprint() != fingerprint
 
 
-@pytest.mark.skipif(not agent._SCANDIR_FD, reason="os.scandir takes no descriptor here")
+@pytest.mark.skipif(not agent._LIST_FD, reason="os.listdir takes no descriptor here")
 def test_a_walk_by_directory_descriptors_lists_what_a_walk_by_paths_lists(tmp_path, monkeypatch):
     """The walk lists each directory by its descriptor (one path component per stat); the
     records are those of a walk by paths: ignore files read (their rules applied below
@@ -417,7 +450,7 @@ def test_a_walk_by_directory_descriptors_lists_what_a_walk_by_paths_lists(tmp_pa
     try:
         walks = []
         for by_fd in (True, False):
-            monkeypatch.setattr(agent, "_SCANDIR_FD", by_fd)
+            monkeypatch.setattr(agent, "_LIST_FD", by_fd)
             walk = walk_source(root, IgnoreRules())
             walks.append((sorted(walk.all_fields()), walk.fingerprint(),
                           sorted(agent.list_tree(str(root), True)), sorted(map(tuple, walk.listing().partials.items()))))

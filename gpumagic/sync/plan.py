@@ -281,7 +281,7 @@ class SourceWalk(agent.Listed):
     @property
     def unchanged(self) -> int:
         """Files and symlinks: what a no-change sync counts as unchanged."""
-        return len(self.plain) + sum(1 for f in self.fields if f[0] == "f" or f[0] == "l")
+        return self.plain_count() + sum(1 for f in self.fields if f[0] == "f" or f[0] == "l")
 
     def listing(self) -> Listing:
         """The :class:`Listing` of these records (as :func:`walk_local` returns it)."""
