@@ -467,12 +467,8 @@ def fingerprint(rows):
     """sha256 (32 bytes) of ROWS (from :func:`canon_row`, sorted here in place), as UTF-8
     with ``surrogateescape``: both ends of a sync compute it over their own tree, and the
     remote listing is sent only when the two differ."""
-    rows.sort()
-    return _sha256_text(rows)
-
-
-def _sha256_text(rows):
     import hashlib
+    rows.sort()
     return hashlib.sha256("".join(rows).encode("utf-8", "surrogateescape")).digest()
 
 
@@ -713,8 +709,7 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
             names.sort()
             _list_dir(out, d, rel, names, lstat, fd, want_hash, add, keep, fields, stack)
         except OSError as e:
-            vanished = e.errno == errno.ENOENT and rel
-            _record(out, "v" if vanished else "e", rel or ".", 0, 0, 0, e.strerror or str(e))
+            _unreadable(out, rel or ".", e, root=not rel)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -748,7 +743,7 @@ def _list_dir(out, d, rel, names, lstat, fd, want_hash, add, keep, fields, stack
         try:
             st = lstat(name, dir_fd=fd)
         except OSError as e:
-            _record(out, "v" if e.errno == errno.ENOENT else "e", prefix + name, 0, 0, 0, e.strerror or str(e))
+            _unreadable(out, prefix + name, e)
             continue
         m = st.st_mode
         if fast and m & 0o170000 == 0o100000:
@@ -772,7 +767,7 @@ def _list_dir(out, d, rel, names, lstat, fd, want_hash, add, keep, fields, stack
         try:
             st = lstat(name, dir_fd=fd)
         except OSError as e:
-            _record(out, "v" if e.errno == errno.ENOENT else "e", prefix + name, 0, 0, 0, e.strerror or str(e))
+            _unreadable(out, prefix + name, e)
             continue
         _entry_record(out, d, prefix + name, name, st, want_hash, stack)
 
@@ -795,10 +790,17 @@ def _entry_record(out, d, rel, name, st, want_hash, stack):
     try:
         _stat_record(out, os.path.join(d, name), rel, st, want_hash)
     except OSError as e:
-        _record(out, "v" if e.errno == errno.ENOENT else "e", rel, 0, 0, 0, e.strerror or str(e))
+        _unreadable(out, rel, e)
         return
     if st.st_mode & 0o170000 == 0o040000:
         stack.append((os.path.join(d, name), rel))
+
+
+def _unreadable(out, rel, e, root=False):
+    """The record of ``rel``, which the walk could not read (OSError ``e``): ``v`` where it
+    vanished meanwhile (ENOENT; never the ROOT, whose absence is an error), else ``e``."""
+    vanished = e.errno == errno.ENOENT and not root
+    _record(out, "v" if vanished else "e", rel, 0, 0, 0, e.strerror or str(e))
 
 
 def _part_record(out, d, prefix, name, lstat, fd):
