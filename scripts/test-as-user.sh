@@ -14,7 +14,9 @@
 #      `pip install -e ".[test]"` (scripts/_setup.sh), with pip's cache in its own home
 #      (seeded once from root's cache) and root's own pip.conf (copied once, where it has one);
 #      GPUMAGIC_TEST_* (GPUMAGIC_TEST_TORCH=1: torch for the torchrun tests) pass through;
-#   3. as that user: python -m pytest "$@" (with test.sh's EncodingWarning check).  The exit status is pytest's.
+#   3. as that user: bash scripts/test.sh "$@" (its xdist workers and EncodingWarning check).  The
+#      exit status is pytest's.  GPUMAGIC_SETUP_ONLY=1: steps 1-2 only (.ci/run makes the venv
+#      while the root suite runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -103,8 +105,12 @@ cd "$dest"
 step=$SECONDS
 as_user bash scripts/_setup.sh
 say "venv ready as $user ($((SECONDS - step))s)"
+# GPUMAGIC_SETUP_ONLY=1 (.ci/run, while the root suite runs): the copy and the venv, no tests.
+if [ "${GPUMAGIC_SETUP_ONLY:-}" = 1 ]; then
+  exit 0
+fi
 step=$SECONDS
 rc=0
-as_user .venv/bin/python -X warn_default_encoding -W error::EncodingWarning -m pytest "$@" || rc=$?  # as test.sh
+as_user bash scripts/test.sh "$@" || rc=$?
 say "pytest as $user exited $rc (suite $((SECONDS - step))s, all $((SECONDS - started))s)"
 exit "$rc"

@@ -22,7 +22,18 @@ CLIENT_HOME = Path(_TMP) / "client-home"
 _saved_env = {}
 
 
+#: Seconds a test's call may take without a ``@pytest.mark.slow(CEILING, reason=...)`` mark, which
+#: must also be listed in tests/slow-budget.txt (tests/test_house.py checks the two agree).  A
+#: call past 60 s unmarked, or past its mark's ceiling, fails the run (issue 42: a time budget
+#: that stays); fixture set-up (a tutorial run for the first test that reads it) is not counted.
+SLOW = 60.0
+_over_budget: list[str] = []
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "tutorial(name, ...): the executed tutorials a test reads (run in its set-up)")
+    config.addinivalue_line("markers", "slow(ceiling, reason): a test whose call takes over 60 s (seconds it "
+                                       "may take, and why); listed in tests/slow-budget.txt")
     for var in ("HOME", "SSH_AUTH_SOCK"):
         _saved_env[var] = os.environ.get(var)
     CLIENT_HOME.mkdir(parents=True, exist_ok=True)
@@ -37,6 +48,72 @@ def pytest_unconfigure(config):
         else:
             os.environ[var] = value
     shutil.rmtree(_TMP, ignore_errors=True)
+
+
+#: Seconds a test that reads an executed tutorial may take: it may be the first to ask for it
+#: (tests/tutorials.py runs it then, minutes on a loaded machine), or wait for the worker that is.
+TUTORIAL_TIMEOUT = 900
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        slow = item.get_closest_marker("slow")
+        if slow is not None:
+            item.user_properties.append(("slow_ceiling", float(slow.args[0])))
+        if "executed" in getattr(item, "fixturenames", ()):
+            marker = item.get_closest_marker("timeout")
+            if marker is None or (marker.args and marker.args[0] < TUTORIAL_TIMEOUT):
+                item.add_marker(pytest.mark.timeout(TUTORIAL_TIMEOUT), append=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection_finish(session):
+    # pytest-xdist's --dist loadgroup sends a module marked xdist_group("NAME") to one worker by
+    # adding "@NAME" to its tests' ids (in its pytest_collection_modifyitems, in each worker).
+    # Where that does not take (pytest 9.2 and xdist 3.8), the browser's and Binder's module
+    # fixtures would run once per worker, and the reopen tests would skip: refuse to go on.
+    if getattr(session.config.option, "loadgroup", False):
+        lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist ignored the xdist_group mark of {lost[0]} (and {len(lost) - 1} "
+                                    "more): install the pytest this project pins (pip install -e '.[test]')")
+    yield
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call" or hasattr(report, "wasxfail"):
+        return
+    ceiling = dict(report.user_properties).get("slow_ceiling", SLOW)
+    if report.duration > ceiling:
+        marked = "its slow mark's ceiling" if ceiling != SLOW else "60 s without a slow mark"
+        _over_budget.append(f"{report.nodeid}: {report.duration:.0f} s, over {marked} ({ceiling:.0f} s)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # GPUMAGIC_TEST_TIMELINE=FILE: one line per test, "worker start end nodeid" (epoch seconds),
+    # for finding what a parallel run's last minutes wait on.
+    began = time.time()
+    yield
+    path = os.environ.get("GPUMAGIC_TEST_TIMELINE")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {began:.1f} {time.time():.1f} {item.nodeid}\n")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _over_budget and not hasattr(config, "workerinput"):
+        terminalreporter.section("over the time budget (tests/slow-budget.txt)", red=True)
+        for line in _over_budget:
+            terminalreporter.line(line)
+        terminalreporter.line("make it quicker, or mark it @pytest.mark.slow(CEILING, reason=...) and list it in "
+                              "tests/slow-budget.txt with the same ceiling")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _over_budget and not hasattr(session.config, "workerinput") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def make_server(name: str, **kwargs) -> SshServer:
@@ -132,6 +209,33 @@ def link(make_link, request):
     """A machine behind the default emulated link (40 ms RTT, 20 Mbit/s up, 50 down); other
     parameters through ``@pytest.mark.parametrize("link", [dict(rtt_ms=60)], indirect=True)``."""
     return make_link(**getattr(request, "param", {}))
+
+
+@pytest.fixture(scope="session")
+def _executed(tmp_path_factory):
+    import tutorials
+
+    return tutorials.Executed(tutorials.shared_base(tmp_path_factory) / "tutorials", tutorials.runnable())
+
+
+@pytest.fixture
+def executed(_executed, request):
+    """Each tutorial of example-notebooks/ executed once in this test run, by whichever xdist
+    worker asks first (tests/tutorials.py): ``executed[name]``.  The tutorials a test names (a
+    parameter that is one, with its English twin, or ``@pytest.mark.tutorial(NAME, ...)``) are
+    run in its set-up, so its call's time is its own (the 60 s budget)."""
+    import tutorials
+
+    names = [n for m in request.node.iter_markers("tutorial") for n in m.args]
+    for value in getattr(getattr(request.node, "callspec", None), "params", {}).values():
+        if isinstance(value, Path) and tutorials.NOTEBOOKS in value.parents:
+            value = str(value.relative_to(tutorials.NOTEBOOKS))
+        if isinstance(value, str) and value in _executed.names:
+            names += [value, value.removeprefix("zh-CN/")]
+    for name in dict.fromkeys(names):
+        if name in _executed.names:
+            _executed.path(name)
+    return _executed
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,11 @@ TUTORIALS = [str(p.relative_to(NOTEBOOKS)) for p in
              sorted(NOTEBOOKS.glob("*.ipynb")) + sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))]
 
 
+#: One pytest-xdist worker runs this module: the environment is built once (``binder_env``) and
+#: its throwaway user is removed after the last tutorial.
+pytestmark = pytest.mark.xdist_group("binder")
+
+
 def runtime_version() -> str:
     """``binder/runtime.txt``'s Python version: ``python-3.10`` -> ``"3.10"`` (repo2docker's
     format, ``python-X.Y``)."""

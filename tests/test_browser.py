@@ -38,6 +38,10 @@ CHROMIUM = Path(os.environ.get("GPUMAGIC_CHROMIUM", "/usr/bin/chromium"))
 WIDGET = "application/vnd.jupyter.widget-view+json"
 ENABLE = "GPUMAGIC_TEST_BROWSER"
 
+#: One pytest-xdist worker runs this module: one JupyterLab and one Chromium for every test, and
+#: the reopen tests read what the Run All tests recorded (``_ran``).
+pytestmark = pytest.mark.xdist_group("browser")
+
 if os.environ.get(ENABLE) != "1":
     pytest.skip(f"the real-browser test takes minutes: run it with {ENABLE}=1 (.ci/run sets it)",
                 allow_module_level=True)

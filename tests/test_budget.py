@@ -665,17 +665,12 @@ def test_budget_guard_magic_arms_shows_and_cancels(budget_ip):
     assert not (server.dir / "shutdown-calls").exists()
 
 
-def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
-    from gpumagic.__main__ import run_notebook
-    import nbformat
-
-    monkeypatch.setenv("GPUMAGIC_DATA_DIR", str(tmp_path / "data"))
-    # a sandbox home of its own: what other tutorials left in the shared one (caches the
-    # wrapup would count, jobs) must not change what this one shows
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    out = run_notebook(ROOT / "example-notebooks" / "06-budget.ipynb", tmp_path / "executed", timeout=120)
-    nb = nbformat.read(out, as_version=4)
+@pytest.mark.tutorial("06-budget.ipynb")
+def test_tutorial_06_budget_runs_against_the_sandbox(executed):
+    # run once for every test that reads it, with a data dir and sandbox home of its own
+    # (tests/tutorials.py): what other tutorials left (caches the wrapup would count, jobs)
+    # never changes what this one shows
+    nb = executed["06-budget.ipynb"]
 
     def text(i):
         parts = []
@@ -715,9 +710,7 @@ def test_tutorial_06_budget_runs_against_the_sandbox(tmp_path, monkeypatch):
     assert "cleaned 1 cache, 1.9 MiB freed:" in text(first["%gpu wrapup --clean"])
     # the stand-in webhook is gone after the tutorial: its settings must not outlive it (later
     # jobs on the sandbox would try it and log the failure)
-    from gpumagic.ssh.sandbox import sandbox_home
-    notify_dir = sandbox_home() / ".gpumagic" / "notify"
-    assert tmp_path / "xdg" in notify_dir.parents
+    notify_dir = executed.sandbox_home("06-budget.ipynb") / ".gpumagic" / "notify"
     assert notify_dir.is_dir() and not (notify_dir / "config.json").exists()
 
 

@@ -113,3 +113,49 @@ def test_no_function_is_over_150_lines_or_13_parameters():
                 if lines > 150 or params > 13:
                     over.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines, {params} parameters)")
     assert over == []
+
+
+# -- the test suite's own time budget (issue 42) ---------------------------------------------
+
+#: Most tests that may take over 60 s.  Raising it is a decision to say in the commit: each
+#: such test lengthens the critical path of every CI run.
+MOST_SLOW_TESTS = 8
+
+
+def _slow_marks() -> dict[str, float]:
+    """``{"tests/FILE.py::FUNCTION": ceiling}`` of every ``@pytest.mark.slow(CEILING, ...)`` in tests/."""
+    import ast
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    found = {}
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for d in node.decorator_list:
+                if (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "slow"
+                        and ast.unparse(d.func.value) == "pytest.mark"):
+                    assert d.args and isinstance(d.args[0], ast.Constant), f"{path.name}::{node.name}: slow(CEILING, reason=...)"
+                    assert [k.arg for k in d.keywords] == ["reason"], f"{path.name}::{node.name}: slow(CEILING, reason=...)"
+                    found[f"tests/{path.name}::{node.name}"] = float(d.args[0].value)
+    return found
+
+
+def _slow_budget() -> dict[str, float]:
+    from pathlib import Path
+
+    listed = {}
+    for line in (Path(__file__).resolve().parent / "slow-budget.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            test, ceiling, reason = line.split(None, 2)
+            assert reason.strip(), line
+            listed[test] = float(ceiling)
+    return listed
+
+
+def test_every_slow_test_is_marked_and_listed_with_the_same_ceiling_and_the_list_has_a_cap():
+    marks, listed = _slow_marks(), _slow_budget()
+    assert marks == listed
+    assert len(listed) <= MOST_SLOW_TESTS, sorted(listed)
+    assert all(60 < c <= 900 for c in listed.values()), listed  # over the 60 s limit, under any timeout

@@ -9,7 +9,6 @@ job name carries a per-run token.
 from __future__ import annotations
 
 import os
-import pwd
 import re
 import secrets
 import shutil
@@ -240,6 +239,7 @@ def shutdown_jobs(shutdown_server):
 
 
 @needs_tmux
+@pytest.mark.xdist_group("jobs-shutdown")  # one worker makes the three jobs and waits their minute
 def test_then_shutdown_is_pending_after_success_only_and_kill_shutdown_cancels(ip, shutdown_jobs):
     m, names, recorder = shutdown_jobs
     for n in names.values():
@@ -668,30 +668,10 @@ def test_the_surviving_job_later_shows_exited_0_with_all_20_lines_in_its_log(ip,
 
 
 @needs_tmux
-def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
-    from gpumagic.__main__ import run_notebook
-    import nbformat
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    names = ("tutorial-train", "tutorial-eval")
-    home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # the sandbox's remote HOME is this user's
-    made = [p for p in (home / ".gpumagic", home / ".gpumagic" / "jobs") if not p.exists()]
-    for n in names:
-        if (home / ".gpumagic" / "jobs" / n / "pid").exists():
-            subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=home / ".gpumagic/jobs" / n,
-                           capture_output=True)
-    try:
-        out = run_notebook(REPO / "example-notebooks" / "04-long-training-jobs.ipynb", tmp_path, timeout=120)
-        nb = nbformat.read(out, as_version=4)
-    finally:
-        for d in (home / ".gpumagic" / "jobs").glob("tutorial-*"):
-            subprocess.run(["/bin/sh", "-c", program.command("job-cancel-shutdown.sh", d.name)], capture_output=True)
-            if (d / "kill.sh").exists():
-                subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
-            shutil.rmtree(d, ignore_errors=True)
-        for p in reversed(made):  # leave this user's HOME as it was
-            if p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
+@pytest.mark.tutorial("04-long-training-jobs.ipynb")
+def test_tutorial_04_runs_and_shows_the_nan_alert(executed):
+    # run once for every test that reads it (tests/tutorials.py: its jobs are ended and removed after)
+    nb = executed["04-long-training-jobs.ipynb"]
 
     def text(cell):
         parts = []
@@ -715,6 +695,7 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(tmp_path, monkeypatch):
 
 
 @needs_tmux
+@pytest.mark.xdist_group("jobs-shutdown")
 def test_then_shutdown_calls_the_recorder_about_a_minute_after_success_and_not_after_failure(shutdown_jobs):
     m, names, recorder = shutdown_jobs
     ok = m.job(names["ok"]).wait(timeout=30)

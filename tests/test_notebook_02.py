@@ -4,10 +4,8 @@
 import os
 from pathlib import Path
 
-import nbformat
 import pytest
 
-from gpumagic.__main__ import run_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "example-notebooks" / "02-check-the-machine.ipynb"
@@ -27,8 +25,9 @@ def cell_outputs(nb, source: str) -> tuple[str, str, list]:
     return streams, plain, [o for o in cell.outputs if o.output_type == "error"]
 
 
-def test_check_the_machine_notebook_runs_and_shows_status_doctor_and_hint(tmp_path):
-    nb = nbformat.read(run_notebook(NOTEBOOK, tmp_path), as_version=4)
+@pytest.mark.tutorial("02-check-the-machine.ipynb")
+def test_check_the_machine_notebook_runs_and_shows_status_doctor_and_hint(executed):
+    nb = executed["02-check-the-machine.ipynb"]
     line = "GPU0 NVIDIA H200 | util 100% | mem 20213/143771 MiB | 58C | 691/700 W"
     streams, plain, _ = cell_outputs(nb, "%gpu status --text")
     assert plain == ""  # --text: plain text only, no HTML

@@ -6,9 +6,9 @@ import os
 import re
 from pathlib import Path
 
-import nbformat
+import pytest
 
-from gpumagic.__main__ import run_notebook
+
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "example-notebooks" / "05-tensorboard.ipynb"
 
@@ -20,12 +20,9 @@ def _text(cell) -> str:
     return "".join(parts)
 
 
-def test_tensorboard_notebook_serves_tensorboard_through_the_tunnel(tmp_path, monkeypatch):
-    # The kernel runs in the notebook's folder: give it this checkout's gpumagic by path.
-    root = str(NOTEBOOK.parent.parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != "."]))
-    out = run_notebook(NOTEBOOK, tmp_path, timeout=180)
-    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+@pytest.mark.tutorial("05-tensorboard.ipynb")
+def test_tensorboard_notebook_serves_tensorboard_through_the_tunnel(executed):
+    cells = [c for c in executed[NOTEBOOK.name].cells if c.cell_type == "code"]
     by_source = {c.source.splitlines()[0]: _text(c) for c in cells}
 
     opened = by_source["%gpu tunnel tensorboard --logdir gpumagic-tutorial/runs --out tb"]

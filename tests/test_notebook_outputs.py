@@ -7,14 +7,12 @@ replaced by its final static state through its display id when it stops (issue 1
 
 import importlib.util
 import os
-import shutil
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-
-from gpumagic.__main__ import run_notebook
+import tutorials
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "example-notebooks"
@@ -24,56 +22,9 @@ CHINESE = sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 TUTORIALS = [p for p in ENGLISH + CHINESE if HAS_TORCH or p.name != "08-several-gpus.ipynb"]
 WIDGET = "application/vnd.jupyter.widget-view+json"
-#: The module executes every tutorial once (its `executed` fixture): minutes on a loaded machine.
-pytestmark = pytest.mark.timeout(1500)
 
 
-class Executed(dict):
-    """{file name: executed notebook}; ``src`` is the folder the copies ran in."""
-    src: Path
-
-
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """Each tutorial executed once in this module: {file name: executed notebook}."""
-    out = tmp_path_factory.mktemp("executed")
-    # Run copies: a kernel runs in its notebook's folder, and tutorials write there
-    # (08's `%gpu sync --from-all ~/runs results/`), which must not land in the checkout.
-    src = out / "src"
-    shutil.copytree(NOTEBOOKS, src, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "results"))
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
-    ran = None
-    try:
-        ran = {str(p.relative_to(NOTEBOOKS)): nbformat.read(run_notebook(src / p.relative_to(NOTEBOOKS),
-                                                                         out / p.parent.name / p.stem),
-                                                             as_version=4)
-                  for p in TUTORIALS}
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
-        _remove_tutorial_jobs()
-    ran = Executed(ran)
-    ran.src = src
-    return ran
-
-
-def _remove_tutorial_jobs():
-    """Notebook 04's jobs live in this user's ~/.gpumagic/jobs (the sandbox's HOME): end and
-    remove them, a pending shutdown cancelled, as tests/test_jobs.py does after running it."""
-    import pwd
-    import subprocess
-
-    from gpumagic.remote import program
-
-    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
-    for d in (home / ".gpumagic" / "jobs").glob("tutorial-*"):
-        subprocess.run(["/bin/sh", "-c", program.command("job-cancel-shutdown.sh", d.name)], capture_output=True)
-        if (d / "kill.sh").exists():
-            subprocess.run(["/bin/sh", "./kill.sh", "cleanup"], cwd=d, capture_output=True)
-        shutil.rmtree(d, ignore_errors=True)
+_remove_tutorial_jobs = tutorials.remove_tutorial_jobs
 
 
 def rich_outputs(nb, command):
@@ -87,13 +38,14 @@ def rich_outputs(nb, command):
             for o in c.outputs if o.output_type in ("display_data", "execute_result")]
 
 
-def test_no_saved_output_needs_a_widget_model(executed):
-    for name, nb in executed.items():
-        for i, c in enumerate(nb.cells):
-            for o in c.get("outputs", []):
-                data = o.get("data", {})
-                if WIDGET in data:
-                    assert "text/plain" in data and "text/html" in data, (name, i, c.source, data)
+@pytest.mark.parametrize("name", [str(p.relative_to(NOTEBOOKS)) for p in TUTORIALS])
+def test_no_saved_output_needs_a_widget_model(executed, name):
+    nb = executed[name]
+    for i, c in enumerate(nb.cells):
+        for o in c.get("outputs", []):
+            data = o.get("data", {})
+            if WIDGET in data:
+                assert "text/plain" in data and "text/html" in data, (name, i, c.source, data)
 
 
 @pytest.mark.parametrize("notebook, cell, needle", [
@@ -222,16 +174,15 @@ def test_each_chinese_tutorial_has_the_english_ones_code_cells(zh):
     assert sum("\u4e00" <= ch <= "\u9fff" for ch in prose) > len(prose) / 4  # written in Chinese
 
 
-def test_executed_chinese_tutorials_match_the_english_outputs(executed):
+@pytest.mark.parametrize("zh", [p for p in CHINESE if f"zh-CN/{p.name}" in
+                                [str(t.relative_to(NOTEBOOKS)) for t in TUTORIALS]], ids=lambda p: p.name)
+def test_executed_chinese_tutorials_match_the_english_outputs(executed, zh):
     # The same code gives the same kinds of output: no cell errs in one language only.
-    for zh in CHINESE:
-        if f"zh-CN/{zh.name}" not in executed:
-            continue  # tutorial 08 without torch
-        zh_nb, en_nb = executed[f"zh-CN/{zh.name}"], executed[zh.name]
-        zh_kinds = [[o.output_type for o in c.outputs] for c in zh_nb.cells if c.cell_type == "code"]
-        en_kinds = [[o.output_type for o in c.outputs] for c in en_nb.cells if c.cell_type == "code"]
-        assert [("error" in k) for k in zh_kinds] == [("error" in k) for k in en_kinds], zh.name
-        assert any(zh_kinds), zh.name
+    zh_nb, en_nb = executed[f"zh-CN/{zh.name}"], executed[zh.name]
+    zh_kinds = [[o.output_type for o in c.outputs] for c in zh_nb.cells if c.cell_type == "code"]
+    en_kinds = [[o.output_type for o in c.outputs] for c in en_nb.cells if c.cell_type == "code"]
+    assert [("error" in k) for k in zh_kinds] == [("error" in k) for k in en_kinds], zh.name
+    assert any(zh_kinds), zh.name
 
 
 def test_readme_zh_cn_gives_the_same_two_set_up_commands():

@@ -13,7 +13,6 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from gpumagic.__main__ import run_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "example-notebooks"
@@ -31,9 +30,9 @@ def outputs(nb, startswith):
     return text, errors
 
 
-def test_quickstart_notebook_runs_end_to_end(tmp_path):
-    out = run_notebook(NOTEBOOKS / "01-quickstart.ipynb", tmp_path)
-    nb = nbformat.read(out, as_version=4)
+@pytest.mark.tutorial("01-quickstart.ipynb")
+def test_quickstart_notebook_runs_end_to_end(executed):
+    nb = executed["01-quickstart.ipynb"]
     text, _ = outputs(nb, "%gpu connect --sandbox")
     assert "sandbox machine up" in text and "connected to sandbox" in text
     text, _ = outputs(nb, '%%remote\necho "hello')
@@ -115,10 +114,8 @@ def test_run_notebook_command_bad_notebook_is_a_one_line_error(tmp_path, monkeyp
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["09-move-a-run.ipynb", "zh-CN/09-move-a-run.ipynb"])
-def test_tutorial_09_moves_a_lost_run_to_b_and_its_loss_goes_on_from_the_checkpoint(tmp_path, name):
-    # The notebook works in its own scratch folder (it chdirs there), so it runs in place.
-    out = run_notebook(NOTEBOOKS / name, tmp_path)
-    nb = nbformat.read(out, as_version=4)
+def test_tutorial_09_moves_a_lost_run_to_b_and_its_loss_goes_on_from_the_checkpoint(executed, name):
+    nb = executed[name]
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     text, _ = outputs(nb, "%gpu jobs --host a")
     lost = next(ln for ln in text.splitlines() if ln.startswith("job tutorial-move: lost at "))

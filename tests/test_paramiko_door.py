@@ -94,28 +94,31 @@ def test_the_pinned_paramiko_range_admits_the_installed_release():
 # transport: "Connect failed"), and uploads racing a service that closes: paramiko's public
 # send can put DATA after the channel's CLOSE, and sshd then drops the whole connection
 # (measured: 2-5 of 30 clients lost their answer that way).
-PUBLIC_PATH_TESTS = [
-    "tests/test_execution.py",
-    "tests/test_tunnel.py::test_twenty_parallel_5mb_downloads_complete_with_correct_bytes",
-    "tests/test_tunnel.py::test_killed_ssh_connection_next_request_through_same_url_succeeds",
-    "tests/test_tunnel.py::test_server_that_speaks_first_reaches_a_client_that_has_not_sent_anything",
-    "tests/test_tunnel.py::test_client_reading_slowly_gets_every_byte_of_more_than_a_window",
-    "tests/test_tunnel.py::test_clients_that_reset_at_once_are_not_faults",
-    "tests/test_tunnel.py::test_refused_remote_port_is_recorded_and_raised_when_the_block_ends",
-    "tests/test_tunnel.py::test_slow_connection_does_not_stall_others",
-    "tests/test_sync.py",
-]
+PUBLIC_PATH_TESTS = {  # one subprocess each, so pytest-xdist runs the three at once
+    "execution": ["tests/test_execution.py"],
+    "tunnel": [
+        "tests/test_tunnel.py::test_twenty_parallel_5mb_downloads_complete_with_correct_bytes",
+        "tests/test_tunnel.py::test_killed_ssh_connection_next_request_through_same_url_succeeds",
+        "tests/test_tunnel.py::test_server_that_speaks_first_reaches_a_client_that_has_not_sent_anything",
+        "tests/test_tunnel.py::test_client_reading_slowly_gets_every_byte_of_more_than_a_window",
+        "tests/test_tunnel.py::test_clients_that_reset_at_once_are_not_faults",
+        "tests/test_tunnel.py::test_refused_remote_port_is_recorded_and_raised_when_the_block_ends",
+        "tests/test_tunnel.py::test_slow_connection_does_not_stall_others",
+    ],
+    "sync": ["tests/test_sync.py"],
+}
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not _paramiko.FAST, reason="this process already takes the public path")
-def test_cells_sync_and_tunnels_work_through_the_public_api_alone():
+@pytest.mark.parametrize("part", sorted(PUBLIC_PATH_TESTS))
+def test_cells_sync_and_tunnels_work_through_the_public_api_alone(part):
     env = {**os.environ, "GPUMAGIC_PARAMIKO_PRIVATE": "0"}
     env.pop("PYTEST_ADDOPTS", None)
     check = subprocess.run([sys.executable, "-c", "from gpumagic.ssh import _paramiko; print(_paramiko.FAST)"],
                            cwd=ROOT, env=env, capture_output=True, text=True, encoding="utf-8")
     assert check.stdout.strip() == "False", check.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-x", *PUBLIC_PATH_TESTS], cwd=ROOT, env=env, capture_output=True, text=True, encoding="utf-8")
+                          "-x", *PUBLIC_PATH_TESTS[part]], cwd=ROOT, env=env, capture_output=True, text=True, encoding="utf-8")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert re.search(r"\d+ passed", run.stdout), run.stdout[-2000:]

@@ -228,7 +228,8 @@ class SshServer:
         # bin/ (stand-ins) first, then this Python's own bin (the venv that runs gpumagic, so the
         # sandbox's python3 has what this environment has), then this process's PATH.
         pybin = os.path.dirname(sys.executable)
-        env = {"PATH": f"{self.bin}:{pybin}:{os.environ.get('PATH', '/usr/bin:/bin')}", **self.env}
+        env = {"PATH": f"{self.bin}:{pybin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+               "TMUX_TMPDIR": str(self.tmux_dir()), **self.env}
         setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
         lines = [
             f"Port {self.port}",
@@ -253,6 +254,21 @@ class SshServer:
             f"SetEnv {setenv}",
         ]
         return "\n".join(lines) + "\n" + self.extra_config + "\n"
+
+    def tmux_dir(self) -> Path:
+        """This server's own ``TMUX_TMPDIR`` (made, 0700): its jobs' tmux server is its own, so two
+        sandboxes (or two test servers) never share one, kill each other's sessions of the same
+        name, or start panes with the other's environment (tmux's default socket is per user:
+        ``/tmp/tmux-UID/default``).  ``DIR/tmux`` where the socket path fits a Unix socket's 107
+        bytes, else a short, stable folder in /tmp named after ``DIR``."""
+        d = self.dir / "tmux"
+        if len(os.fsencode(str(d))) + len("/tmux-4294967295/default") > 100:
+            import hashlib
+
+            digest = hashlib.sha256(os.fsencode(str(self.dir.resolve()))).hexdigest()[:16]
+            d = Path(tempfile.gettempdir()) / f"gpumagic-tmux-{digest}"
+        d.mkdir(mode=0o700, exist_ok=True)
+        return d
 
     def start(self, timeout: float = 10.0) -> "SshServer":
         """Start sshd and wait until it accepts connections.
