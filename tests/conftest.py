@@ -23,11 +23,13 @@ _saved_env = {}
 
 
 #: Seconds a test's call may take without a ``@pytest.mark.slow(CEILING, reason=...)`` mark, which
-#: must also be listed in tests/slow-budget.txt (tests/test_house.py checks the two agree).  A
-#: call past 60 s unmarked, or past its mark's ceiling, fails the run (issue 42: a time budget
-#: that stays); fixture set-up (a tutorial run for the first test that reads it) is not counted.
+#: must also be listed in tests/slow-budget.txt (tests/test_house.py checks the two agree)
+#: (issue 42: a time budget that stays).  An unmarked call past 60 s is named at the end of the
+#: run; past twice that, or a marked one past its ceiling, it fails the run (a loaded machine
+#: may stretch a 50 s call past 60 s; it does not stretch it past 120 s).  Fixture set-up (a
+#: tutorial run for the first test that reads it) is not counted.
 SLOW = 60.0
-_over_budget: list[str] = []
+_over_budget: list[tuple[str, bool]] = []
 
 
 def pytest_configure(config):
@@ -57,10 +59,24 @@ TUTORIAL_TIMEOUT = 900
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    # The longest first, so that none of them starts last and ends the run alone: the slow
+    # tests, then those that read executed tutorials (the first to ask runs one), then the rest
+    # in file order.  pytest-xdist hands out one test (or one xdist_group, the larger first)
+    # at a time in this order.
+    def first(item):
+        if item.get_closest_marker("xdist_group"):
+            return 2  # a group is handed out whole, its tests in file order
+        return 0 if item.get_closest_marker("slow") else 1 if "executed" in item.fixturenames else 2
+
+    items.sort(key=first)
     for item in items:
         slow = item.get_closest_marker("slow")
         if slow is not None:
-            item.user_properties.append(("slow_ceiling", float(slow.args[0])))
+            ceiling = float(slow.args[0])
+            item.user_properties.append(("slow_ceiling", ceiling))
+            timeout = item.get_closest_marker("timeout")
+            if timeout is None or (timeout.args and timeout.args[0] < ceiling + 120):
+                item.add_marker(pytest.mark.timeout(ceiling + 120), append=False)  # set-up, then the call
         if "executed" in getattr(item, "fixturenames", ()):
             marker = item.get_closest_marker("timeout")
             if marker is None or (marker.args and marker.args[0] < TUTORIAL_TIMEOUT):
@@ -84,10 +100,14 @@ def pytest_collection_finish(session):
 def pytest_runtest_logreport(report):
     if report.when != "call" or hasattr(report, "wasxfail"):
         return
-    ceiling = dict(report.user_properties).get("slow_ceiling", SLOW)
-    if report.duration > ceiling:
-        marked = "its slow mark's ceiling" if ceiling != SLOW else "60 s without a slow mark"
-        _over_budget.append(f"{report.nodeid}: {report.duration:.0f} s, over {marked} ({ceiling:.0f} s)")
+    ceiling = dict(report.user_properties).get("slow_ceiling")
+    if ceiling is not None and report.duration > ceiling:
+        _over_budget.append((f"{report.nodeid}: {report.duration:.0f} s, over its slow mark's ceiling "
+                             f"({ceiling:.0f} s)", True))
+    elif ceiling is None and report.duration > SLOW:
+        _over_budget.append((f"{report.nodeid}: {report.duration:.0f} s without a slow mark"
+                             + (" (over twice 60 s: fails the run)" if report.duration > 2 * SLOW else ""),
+                             report.duration > 2 * SLOW))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -104,15 +124,20 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _over_budget and not hasattr(config, "workerinput"):
-        terminalreporter.section("over the time budget (tests/slow-budget.txt)", red=True)
-        for line in _over_budget:
+        terminalreporter.section("over the time budget (tests/slow-budget.txt)", red=any(f for _, f in _over_budget))
+        for line, _ in _over_budget:
             terminalreporter.line(line)
         terminalreporter.line("make it quicker, or mark it @pytest.mark.slow(CEILING, reason=...) and list it in "
                               "tests/slow-budget.txt with the same ceiling")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _over_budget and not hasattr(session.config, "workerinput") and exitstatus == 0:
+    if not hasattr(session.config, "workerinput"):  # every worker is done: what the run made goes
+        if os.environ.get("GPUMAGIC_TEST_BINDER") == "1":
+            from test_binder import remove_made
+
+            remove_made(session.config._tmp_path_factory.getbasetemp())
+    if any(f for _, f in _over_budget) and not hasattr(session.config, "workerinput") and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

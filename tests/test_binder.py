@@ -17,6 +17,7 @@ Slow (minutes: pip downloads the requirements into an empty cache), so it runs o
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pwd
 import re
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import tutorials
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 BINDER = ROOT / "binder"
@@ -38,11 +41,6 @@ IS_ROOT = os.geteuid() == 0
 NOTEBOOKS = ROOT / "example-notebooks"
 TUTORIALS = [str(p.relative_to(NOTEBOOKS)) for p in
              sorted(NOTEBOOKS.glob("*.ipynb")) + sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))]
-
-
-#: One pytest-xdist worker runs this module: the environment is built once (``binder_env``) and
-#: its throwaway user is removed after the last tutorial.
-pytestmark = pytest.mark.xdist_group("binder")
 
 
 def runtime_version() -> str:
@@ -145,15 +143,17 @@ def _relocated_python(python: str, dest: Path) -> str:
 
 
 class PlainUser:
-    """Who runs the build and the notebooks: as root, a throwaway user whose home is ``home``;
-    otherwise this user, with HOME set to ``home``."""
+    """Who runs the build and the notebooks: as root, a throwaway user whose home is ``home``
+    (``name``: one made already); otherwise this user, with HOME set to ``home``."""
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, name: str | None = None):
         self.home = home
         if IS_ROOT:
-            self.name = "gmbinder" + secrets.token_hex(3)
-            subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/bin/sh",
-                            "--user-group", self.name], check=True, capture_output=True)
+            if name is None:
+                name = "gmbinder" + secrets.token_hex(3)
+                subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/bin/sh",
+                                "--user-group", name], check=True, capture_output=True)
+            self.name = name
             self.uid = pwd.getpwnam(self.name).pw_uid
         else:
             self.name, self.uid = pwd.getpwuid(os.getuid()).pw_name, os.getuid()
@@ -189,9 +189,44 @@ class PlainUser:
             assert r.returncode == 0, f"userdel {self.name}: {r.stderr.strip()}"
 
 
-@pytest.fixture(scope="module")
-def binder_env():
-    """(user, venv python, the repository copy, timings): the Binder environment, built once."""
+def _build(base: Path, python: str, timings: dict) -> tuple[PlainUser, str, Path]:
+    """The Binder environment in ``base`` (its home, a copy of this repository, the venv)."""
+    home = base / "home"
+    home.mkdir()
+    user = PlainUser(home)
+    (base / "made.json").write_text(json.dumps({"user": user.name if IS_ROOT else None}), encoding="utf-8")
+    if IS_ROOT and user.run([python, "-c", "pass"], user.env("/usr/bin")).returncode != 0:
+        started = time.monotonic()
+        python = _relocated_python(python, base / "python")
+        timings["copy python"] = time.monotonic() - started
+    # repo2docker copies the repository into the image (REPO_DIR, the user's home)
+    repo = home / "gpumagic"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True, encoding="utf-8").stdout.split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (repo / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, repo / f)
+    if IS_ROOT:
+        subprocess.run(["chown", "-R", f"{user.name}:{user.name}", str(home)], check=True)
+    venv = home / "venv"
+    env = user.env(str(venv / "bin"))
+    started = time.monotonic()
+    r = user.run([python, "-m", "venv", str(venv)], env, cwd=repo)
+    assert r.returncode == 0, r.stderr
+    r = user.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-r", "binder/requirements.txt"],
+                 env, cwd=repo, timeout=1800)
+    timings["pip install -r binder/requirements.txt"] = time.monotonic() - started
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return user, str(venv / "bin" / "python"), repo
+
+
+@pytest.fixture(scope="session")
+def binder_env(tmp_path_factory):
+    """(user, venv python, the repository copy, timings): the Binder environment, built once per
+    test run by the first pytest-xdist worker that asks (a file lock; the others wait and use
+    it), so the tutorials run in it on several workers at once.  The throwaway user and the
+    folder go when the run ends (:func:`remove_made`, from tests/conftest.py)."""
     if os.environ.get(ENABLE) != "1":
         pytest.skip(f"building the Binder environment takes minutes: run it with {ENABLE}=1 (.ci/run sets it)")
     version = runtime_version()
@@ -199,42 +234,48 @@ def binder_env():
     if python is None:
         pytest.skip(f"binder/runtime.txt asks for Python {version} and none is here (looked at "
                     f"{', '.join(looked)}): install one (pyenv install {version}) or set GPUMAGIC_BINDER_PYTHON")
-    base = Path(tempfile.mkdtemp(prefix="gpumagic-binder-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    home = base / "home"
-    home.mkdir()
-    user = PlainUser(home)
-    timings = {}
+    shared = tutorials.shared_base(tmp_path_factory) / "binder"
+    shared.mkdir(exist_ok=True)
+    built = shared / "built.json"
+    with FileLock(str(shared / "lock")):
+        if not built.exists():
+            base = Path(tempfile.mkdtemp(prefix="gpumagic-binder-", dir="/tmp"))
+            os.chmod(base, 0o755)
+            (shared / "base").write_text(str(base), encoding="utf-8")  # for remove_made, whatever happens
+            timings: dict = {}
+            try:
+                user, python, repo = _build(base, python, timings)
+                record = {"user": user.name, "home": str(user.home), "python": python, "repo": str(repo),
+                          "timings": timings}
+            except BaseException as e:
+                record = {"error": f"{type(e).__name__}: {e}"[-4000:]}
+                built.write_text(json.dumps(record), encoding="utf-8")
+                raise
+            built.write_text(json.dumps(record), encoding="utf-8")
+    record = json.loads(built.read_text(encoding="utf-8"))
+    if "error" in record:
+        pytest.fail(f"building the Binder environment failed on another worker: {record['error']}")
+    user = PlainUser(Path(record["home"]), record["user"])
+    return user, record["python"], Path(record["repo"]), record["timings"]
+
+
+def remove_made(shared_base: Path) -> None:
+    """Remove the throwaway user and the folder that :func:`binder_env` made in this test run
+    (called once every worker is done)."""
+    shared = shared_base / "binder"
     try:
-        if IS_ROOT and user.run([python, "-c", "pass"], user.env("/usr/bin")).returncode != 0:
-            started = time.monotonic()
-            python = _relocated_python(python, base / "python")
-            timings["copy python"] = time.monotonic() - started
-        # repo2docker copies the repository into the image (REPO_DIR, the user's home)
-        repo = home / "gpumagic"
-        files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                               cwd=ROOT, capture_output=True, text=True, check=True, encoding="utf-8").stdout.split("\0")
-        for f in filter(None, files):
-            if (ROOT / f).is_file():
-                (repo / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / f, repo / f)
-        if IS_ROOT:
-            subprocess.run(["chown", "-R", f"{user.name}:{user.name}", str(home)], check=True)
-        venv = home / "venv"
-        env = user.env(str(venv / "bin"))
-        started = time.monotonic()
-        r = user.run([python, "-m", "venv", str(venv)], env, cwd=repo)
-        assert r.returncode == 0, r.stderr
-        r = user.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-r", "binder/requirements.txt"],
-                     env, cwd=repo, timeout=1800)
-        timings["pip install -r binder/requirements.txt"] = time.monotonic() - started
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        yield user, str(venv / "bin" / "python"), repo, timings
+        base = Path((shared / "base").read_text(encoding="utf-8"))
+    except OSError:
+        return
+    try:
+        made = json.loads((base / "made.json").read_text(encoding="utf-8"))
+        if made.get("user"):
+            PlainUser(base / "home", made["user"]).remove()
+    except (OSError, ValueError, KeyError):
+        pass
     finally:
-        try:
-            user.remove()
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+        (shared / "base").unlink(missing_ok=True)
 
 
 #: Building the environment (pip downloads into an empty cache) counts in the first test's time.
@@ -256,16 +297,24 @@ def test_binder_environment_has_the_runtime_python(binder_env):
 
 @pytest.mark.timeout(BUILD_TIMEOUT + 900)
 @pytest.mark.parametrize("name", TUTORIALS)
+@pytest.mark.slow(300, reason="one tutorial in the Binder environment: a kernel and a sandbox of its own")
 def test_tutorial_runs_in_the_binder_environment_as_a_plain_user(binder_env, name):
     user, python, repo, _ = binder_env
     env = user.env(str(Path(python).parent))
     if name.endswith("08-several-gpus.ipynb") and user.run([python, "-c", "import torch"], env).returncode:
         pytest.skip("tutorial 08 runs torchrun and binder/requirements.txt has no torch "
                     "(on Binder, pip's default torch is a CUDA build of several GB)")
-    notebook = repo / "example-notebooks" / name
+    # Tutorials run on several workers at once: each from a copy in a folder of its own, with a
+    # data dir of its own (its own sandbox, as a student who opens only this one has)
+    safe = name.replace("/", "--").removesuffix(".ipynb")
+    run_dir = user.home / "runs" / safe
+    user.run(["mkdir", "-p", str(run_dir)], env, check=True)
+    user.run(["cp", str(repo / "example-notebooks" / name), str(run_dir)], env, check=True)
+    notebook = run_dir / Path(name).name
     out = user.home / "executed" / Path(name).parent
+    env = dict(env, XDG_DATA_HOME=str(user.home / "data" / safe))
     r = user.run([python, "-m", "gpumagic", "run-notebook", str(notebook), "--output-dir", str(out)],
-                 env, cwd=notebook.parent, timeout=840)
+                 env, cwd=run_dir, timeout=840)
     executed = out / Path(name).name
     errors = []
     if executed.exists():

@@ -56,9 +56,16 @@ from test_notebook_outputs import _remove_tutorial_jobs  # noqa: E402  (the same
 ENGLISH = sorted(NOTEBOOKS.glob("*.ipynb"))
 CHINESE = sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))
 TUTORIALS = [str(p.relative_to(NOTEBOOKS)) for p in ENGLISH + CHINESE]
-#: Opened again with no kernel: the case-1 outputs (status, sync bar, job table, budget meter).
+#: Opened again with no kernel after JupyterLab saved them: the case-1 outputs (status, sync
+#: bar, job table, budget meter).
 REOPEN = ["02-check-the-machine.ipynb", "03-sync-code-and-results.ipynb", "04-long-training-jobs.ipynb",
           "06-budget.ipynb", "zh-CN/06-budget.ipynb"]
+#: Run with Run All in JupyterLab: the tutorials whose cells show live widgets while they run (a
+#: status watch, sync bars, a job's log, the budget meter, a session's tqdm bar), and those
+#: reopened above.  Every tutorial, these too, is also opened as nbclient executed it
+#: (``test_executed_tutorial_renders_with_no_kernel``): its outputs as saved, with no kernel.
+LIVE = ["02-check-the-machine.ipynb", "03-sync-code-and-results.ipynb", "04-long-training-jobs.ipynb",
+        "06-budget.ipynb", "07-remote-python-session.ipynb", "zh-CN/06-budget.ipynb"]
 
 #: Chromium as root needs --no-sandbox; the rest keeps it off this machine's closed network.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -284,7 +291,8 @@ _widgets: dict[str, int] = {}  # widget outputs on each one's page once it finis
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", TUTORIALS)
+@pytest.mark.parametrize("name", LIVE)
+@pytest.mark.slow(300, reason="a whole tutorial run with Run All in JupyterLab in Chromium")
 def test_tutorial_runs_in_jupyterlab_with_run_all(lab, browser, name):
     if name.endswith("08-several-gpus.ipynb"):
         pytest.importorskip("torch", reason="tutorial 08 runs torchrun: .venv/bin/pip install torch==2.13.0")
@@ -333,6 +341,23 @@ def kernelless(served, lab, tmp_path_factory):
 def test_saved_notebook_renders_with_no_kernel(kernelless, browser, name):
     if name not in _ran:
         pytest.skip(f"{name} was not run in the browser in this session")
+    _renders_with_no_kernel(kernelless, browser, name, "reopened-" + name)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", TUTORIALS)
+def test_executed_tutorial_renders_with_no_kernel(kernelless, browser, executed, name):
+    # the copy nbclient executed (tests/tutorials.py, shared with the other tests), as a
+    # classmate opens it from GitHub or a shared folder: every output shows from the file
+    if name not in executed:
+        pytest.skip("tutorial 08 runs torchrun: .venv/bin/pip install torch==2.13.0")
+    rel = f"executed/{name}"
+    (kernelless.root / rel).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(executed.path(name), kernelless.root / rel)
+    _renders_with_no_kernel(kernelless, browser, rel, "executed-" + name)
+
+
+def _renders_with_no_kernel(kernelless: Lab, browser, name: str, shot: str) -> None:
     cells = _code_cells(kernelless.root / name)
     saved_outputs = [len(c.outputs) for c in cells]
     assert sum(saved_outputs) > 0
@@ -347,7 +372,7 @@ def test_saved_notebook_renders_with_no_kernel(kernelless, browser, name):
                                arg=[PANEL, sum(saved_outputs)], timeout=60_000)
         shown = page.evaluate(CELLS)
         body = page.evaluate("() => document.body.innerText")
-        _screenshot(page, "reopened-" + name)
+        _screenshot(page, shot)
     finally:
         page.close()
     assert kernelless.api("sessions") == []  # nothing was executed: the outputs are the file's

@@ -696,6 +696,7 @@ def test_tutorial_04_runs_and_shows_the_nan_alert(executed):
 
 @needs_tmux
 @pytest.mark.xdist_group("jobs-shutdown")
+@pytest.mark.slow(200, reason="a job's shutdown comes a minute after it ends, by design")
 def test_then_shutdown_calls_the_recorder_about_a_minute_after_success_and_not_after_failure(shutdown_jobs):
     m, names, recorder = shutdown_jobs
     ok = m.job(names["ok"]).wait(timeout=30)

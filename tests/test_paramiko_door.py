@@ -112,6 +112,7 @@ PUBLIC_PATH_TESTS = {  # one subprocess each, so pytest-xdist runs the three at 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not _paramiko.FAST, reason="this process already takes the public path")
 @pytest.mark.parametrize("part", sorted(PUBLIC_PATH_TESTS))
+@pytest.mark.slow(300, reason="a whole test file again in a subprocess, with paramiko's private door shut")
 def test_cells_sync_and_tunnels_work_through_the_public_api_alone(part):
     env = {**os.environ, "GPUMAGIC_PARAMIKO_PRIVATE": "0"}
     env.pop("PYTEST_ADDOPTS", None)

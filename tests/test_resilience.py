@@ -872,6 +872,7 @@ def test_a_status_watch_says_reconnecting_through_a_roam_and_goes_on_updating(ma
 # -- the soak, 2 minutes (issue 28; benchmarks/soak.py runs it for 2 hours) --------------------
 
 
+@pytest.mark.slow(400, reason="a 2-minute soak of cells through the emulated link, with roams and blinks")
 def test_a_2_minute_soak_loses_and_repeats_no_line_shows_no_error_and_reconnects_within_the_bound(make_link):
     """A %%remote cell, a followed job and a live session print a numbered line every second,
     all at once, for 2 minutes, while the link blinks for 5 s every 30 s and roams every 60 s

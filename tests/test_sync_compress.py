@@ -613,6 +613,7 @@ def test_a_damaged_pull_stream_is_refused_and_leaves_no_file_under_its_name(link
     assert (here / "log.csv").read_bytes() == data
 
 
+@pytest.mark.slow(300, reason="a compressed push of a large file, cut and resumed")
 def test_a_cut_compressed_push_resumes_and_the_file_comes_whole(machine, tmp_path, monkeypatch):
     """A compressed large-file push cut half-way (the socket closed): nothing under the
     file's name; the rerun keeps the machine's part (its bytes are the file's, as they were

@@ -143,6 +143,7 @@ def test_case2_two_machines_world_4_same_sum_and_kill(a, b):
     assert all(not i.running for i in job.infos())
 
 
+@pytest.mark.slow(200, reason="4 torch ranks on two machines, each importing torch")
 def test_case5_rank_3_raises_on_b(a, b):
     job = gpumagic.start_distributed([a, b], "ar5", ALLREDUCE, nproc=2, env={"BOOM": "3"})
     state = job.wait(timeout=300)
@@ -266,6 +267,7 @@ def recorders(pair):
         c.unlink(missing_ok=True)
 
 
+@pytest.mark.slow(360, reason="each machine's shutdown comes a minute after its ranks end, by design")
 def test_then_shutdown_shuts_every_machine_down_after_all_ranks_end(ip, pair, recorders, capsys):
     from gpumagic.budget.shutdown import find_shutdown
 
@@ -341,6 +343,7 @@ def _notify_message(home: str, name: str, machine: str, monkeypatch):
     return ns["job_message"]({"job": name, "job_dir": f"{home}/.gpumagic/jobs/{name}"}, machine)
 
 
+@pytest.mark.slow(200, reason="4 torch ranks on two machines, each importing torch")
 def test_alerts_and_stop_on_name_the_rank_and_machine(a, b, pair, monkeypatch):
     job = gpumagic.start_distributed([a, b], "nan3", NAN_ON_RANK_3, nproc=2, stop_on="nan")
     try:

@@ -334,6 +334,7 @@ def test_server_that_speaks_first_reaches_a_client_that_has_not_sent_anything(ma
         p.wait()
 
 
+@pytest.mark.slow(270, reason="a client that reads more than a window slowly, on purpose")
 def test_client_reading_slowly_gets_every_byte_of_more_than_a_window(machine, http_server):
     # 40 MiB with a 16 MiB channel window: the client reads nothing for a while, so the
     # local socket fills, bytes wait in the forward and the window is given back only as
