@@ -8,6 +8,7 @@ stand-in nvidia-smi (``sshd.set_gpu("h200-load")`` switches it).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -155,9 +156,14 @@ def add_client_entry(server: SshServer, alias: str, extra: str = "") -> None:
     the client's ~/.ssh/known_hosts (the real OpenSSH files that gpumagic reads)."""
     ssh = CLIENT_HOME / ".ssh"
     ssh.mkdir(mode=0o700, exist_ok=True)
-    with open(ssh / "config", "a", encoding="utf-8") as f:
-        f.write(f"\nHost {alias}\n  HostName {server.host}\n  Port {server.port}\n"
-                f"  User {server.user}\n  IdentityFile {server.client_key}\n  IdentitiesOnly yes\n{extra}")
+    # A block for this alias made before (a module's servers made again, on a worker that ran
+    # the module's tests in two stretches) is replaced: ssh_config's first match would win.
+    config = ssh / "config"
+    text = config.read_text(encoding="utf-8") if config.exists() else ""
+    text = re.sub(rf"\nHost {re.escape(alias)}\n(?:[ \t].*\n)*", "", text)
+    config.write_text(text + f"\nHost {alias}\n  HostName {server.host}\n  Port {server.port}\n"
+                      f"  User {server.user}\n  IdentityFile {server.client_key}\n  IdentitiesOnly yes\n{extra}",
+                      encoding="utf-8")
     with open(ssh / "known_hosts", "a", encoding="utf-8") as f:
         f.write(server.known_hosts.read_text(encoding="utf-8"))
 

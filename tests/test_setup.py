@@ -558,7 +558,8 @@ def test_install_key_appends_after_a_last_line_without_newline(password_server, 
     server, user, password, rhome = password_server
     home, pair = client
     ak = rhome / ".ssh" / "authorized_keys"
-    ak.parent.mkdir(exist_ok=True)
+    ak.parent.mkdir(mode=0o700, exist_ok=True)
+    shutil.chown(ak.parent, user, user)  # the user's, whichever test made it first (the login chmods it)
     other = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEhXdfgdsIfmHK+9ysqALkyJJSkiWpBKa5W1B1JmJsPX other"
     ak.write_text(other, encoding="utf-8")  # no trailing newline
     shutil.chown(ak, user, user)

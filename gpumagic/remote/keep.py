@@ -587,9 +587,9 @@ class Keeper:
                 # happened to promote: a look takes several in listing order)
                 self.record["last_kept"] = {"path": rel, "at": now}
             self.record["kept_count"] += 1
-            self.kept.append((rel, now))
             self._seen.pop(rel, None)
             self._save()
+            self.kept.append((rel, now))  # after the record: what `kept` shows, a move finds on disk
 
     def _prune(self) -> None:
         """Remove the oldest kept checkpoints beyond ``last`` (theirs and their staged copies)."""
