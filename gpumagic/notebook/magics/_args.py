@@ -373,7 +373,13 @@ def parse(fn, line: str, name: str | None = None, *, cell: bool = False) -> argp
     """
     if name is not None:
         fn.parser.prog = f"%gpu {name}"
+    # No option is reached by a prefix of its name (argparse's default): `--del` would be
+    # --delete, `--ti` --timeout.  A destructive option is only ever asked for in full.
+    fn.parser.allow_abbrev = False
     argv = split_args(line)
+    nul = next((w for w in argv if "\0" in w), None)
+    if nul is not None:  # no path, name or value holds one; the OS would refuse it later
+        raise UsageError(f"an argument holds a NUL character ({nul!r}): remove it")
     if any(tok in ("-h", "--help") for tok in argv):  # IPython's parser has add_help=False
         # IPython's parser formats help for docstrings ("::", "%%"); show it as typed, a cell
         # magic with its two %.
