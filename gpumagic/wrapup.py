@@ -106,6 +106,8 @@ class PullResult:
     pending: list = field(default_factory=list)
     summary: object = None
     error: str = ""
+    #: Files here whose content differs from the machine's and that are newer here (kept).
+    differs: list = field(default_factory=list)
 
 
 @dataclass
@@ -283,10 +285,13 @@ def wrapup(machine: MachineLike, pulls: list[tuple[str, str]] | None = None, *, 
     for src, dst in (pulls if pulls else remembered(machine.name)):
         res = PullResult(src, dst)
         try:
-            dry = machine.pull(src, dst, dry_run=True, update=True)
+            # every file under the folder, whatever ignore files say there, by size and sha256:
+            # "everything is already here" is the last thing read before a machine is released
+            dry = machine.pull(src, dst, dry_run=True, update=True, checksum=True, ignore_files=False)
             res.pending = list(dry.would_send)
+            res.differs = list(dry.newer)
             if pull and res.pending:
-                res.summary = machine.pull(src, dst, update=True)
+                res.summary = machine.pull(src, dst, update=True, checksum=True, ignore_files=False)
         except GpumagicError as e:
             res.error = e.message + (f" ({e.hint})" if e.hint else "")
         report.pulls.append(res)
@@ -326,8 +331,12 @@ def report_text(r: WrapupReport) -> str:
         head = f"results {p.src} -> {p.dst}: "
         if p.error:
             lines.append(head + f"could not check: {p.error}")
+        elif not p.pending and not p.differs:
+            lines.append(head + "everything is already here (every file, by size and content)")
         elif not p.pending:
-            lines.append(head + "everything is already here")
+            lines.append(head + f"{len(p.differs)} differ from the machine's and are newer here (kept, "
+                                "not replaced):")
+            lines += [f"  {name}" for name in p.differs[:20]]
         else:
             done = (f"pulled {p.summary.files_sent} files ({format_bytes(p.summary.bytes_sent)})"
                     if p.summary is not None else "not pulled (--no-pull)")
@@ -335,6 +344,9 @@ def report_text(r: WrapupReport) -> str:
             lines += [f"  {name}" for name in p.pending[:20]]
             if len(p.pending) > 20:
                 lines.append(f"  ... and {len(p.pending) - 20} more")
+            if p.differs:
+                lines.append(f"  and {len(p.differs)} differ from the machine's and are newer here (kept): "
+                             + ", ".join(p.differs[:5]) + (" ..." if len(p.differs) > 5 else ""))
     if r.cleaned is not None:
         freed = sum(c["freed"] for c in r.cleaned)
         lines.append(f"cleaned {len(r.cleaned)} cache{'' if len(r.cleaned) == 1 else 's'}, "

@@ -225,10 +225,11 @@ def test_push_and_pull_over_ssh_honour_the_corpus_like_git(machine, tmp_path):
     pushed = {str(p.relative_to(remote)) for p in remote.rglob("*") if p.is_file()}
     assert pushed == want
     assert not (remote / "secrets.env").exists()
-    # pull: the remote tree holds everything; its ignore files (BOM, CRLF) come with the listing
+    # pull, asked to honour them: the remote tree holds everything; its ignore files (BOM,
+    # CRLF) come with the listing
     full = _lay_out(tmp_path / "remote-full", GITIGNORE, FILES)
     back = tmp_path / "back"
-    machine.pull(str(full) + "/", str(back))
+    machine.pull(str(full) + "/", str(back), ignore_files=True)
     assert {str(p.relative_to(back)) for p in back.rglob("*") if p.is_file()} == want
 
 

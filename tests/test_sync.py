@@ -315,7 +315,7 @@ def test_gitignore_ckpt_and_pycache_not_pushed_unless_no_ignore_files(machine, t
     assert (tmp_path / "b" / "pkg" / "__pycache__" / "m.pyc").exists()
 
 
-def test_pull_honours_remote_gitignore_and_exclude(machine, tmp_path):
+def test_pull_asked_to_honours_remote_gitignore_and_exclude(machine, tmp_path):
     remote = tmp_path / "runs"
     (remote / "logs").mkdir(parents=True)
     (remote / ".gpuignore").write_text("scratch/\n", encoding="utf-8")
@@ -323,10 +323,53 @@ def test_pull_honours_remote_gitignore_and_exclude(machine, tmp_path):
     (remote / "scratch" / "tmp.bin").write_text("t", encoding="utf-8")
     (remote / "logs" / "train.log").write_text("loss 0.1", encoding="utf-8")
     (remote / "logs" / "debug.trace").write_text("trace", encoding="utf-8")
-    s = machine.pull(str(remote) + "/", str(tmp_path / "local"), exclude=["*.trace"])
+    s = machine.pull(str(remote) + "/", str(tmp_path / "local"), exclude=["*.trace"], ignore_files=True)
     got = sorted(str(p.relative_to(tmp_path / "local")) for p in (tmp_path / "local").rglob("*"))
     assert got == [".gpuignore", "logs", "logs/train.log"]
     assert s.files_sent == 2
+
+
+def test_a_pull_brings_what_the_projects_gitignore_names_and_wrapup_checks_every_file(ip, machine, tmp_path):
+    # issue 43 finding 1: `%gpu sync :proj/ ./back/` brought .gitignore and train.py only, said
+    # "2 files", and `%gpu wrapup` then said "everything is already here"
+    from IPython.utils.capture import capture_output
+
+    proj = tmp_path / "proj"
+    (proj / "runs" / "exp1").mkdir(parents=True)
+    (proj / "outputs").mkdir()
+    (proj / ".gitignore").write_text("*.pt\nruns/\noutputs/\n", encoding="utf-8")
+    for rel, data in {"runs/exp1/model.pt": "w1", "runs/exp1/log.txt": "loss", "outputs/best.pt": "w2",
+                      "train.py": "print(1)"}.items():
+        (proj / rel).write_text(data, encoding="utf-8")
+    back = tmp_path / "back"
+    ip.run_line_magic("gpu", "connect testgpu")
+    with capture_output() as dry:
+        ip.run_line_magic("gpu", f"sync :{proj}/ {back}/ --dry-run")
+    assert all(f"  {rel}" in dry.stdout for rel in ("runs/exp1/model.pt", "outputs/best.pt")), dry.stdout
+    with capture_output() as c:
+        ip.run_line_magic("gpu", f"sync :{proj}/ {back}/")
+    assert ": 5 files" in c.stdout, c.stdout
+    assert (back / "runs" / "exp1" / "model.pt").read_text(encoding="utf-8") == "w1"
+    assert (back / "outputs" / "best.pt").read_text(encoding="utf-8") == "w2"
+    # asked for, the rules apply: only what git would keep
+    only = tmp_path / "only"
+    machine.pull(f"{proj}/", str(only), ignore_files=True)
+    assert sorted(str(p.relative_to(only)) for p in only.rglob("*") if p.is_file()) == [".gitignore", "train.py"]
+    # wrapup: "everything is here" only once every file under the folder is, by size and content
+    from gpumagic import wrapup
+
+    (back / "outputs" / "best.pt").unlink()
+    r = wrapup.wrapup(machine, [(f"{proj}/", f"{back}/")], pull=False)
+    assert r.pulls[0].pending == ["outputs/best.pt"], r.pulls[0]
+    (back / "runs" / "exp1" / "log.txt").write_text("loss but edited here", encoding="utf-8")
+    os.utime(back / "runs" / "exp1" / "log.txt", (time.time() + 60, time.time() + 60))
+    r = wrapup.wrapup(machine, [(f"{proj}/", f"{back}/")])
+    assert r.pulls[0].differs == ["runs/exp1/log.txt"] and (back / "outputs" / "best.pt").exists()
+    text = wrapup.report_text(r)
+    assert "everything is already here" not in text and "runs/exp1/log.txt" in text, text
+    (back / "runs" / "exp1" / "log.txt").write_text("loss", encoding="utf-8")
+    r = wrapup.wrapup(machine, [(f"{proj}/", f"{back}/")])
+    assert "everything is already here (every file, by size and content)" in wrapup.report_text(r)
 
 
 def _sha(p: Path) -> str:
@@ -705,8 +748,11 @@ def test_tutorial_03_sync_code_and_results(tmp_path, monkeypatch):
     assert "push project/ -> sandbox:" in text(2) and ": 3 files," in text(2)
     assert ": 0 files, 0 B sent, 3 unchanged" in text(3)
     assert "trained; wrote ['metrics.json', 'model.ckpt']" in text(4)
-    assert ": 2 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
-    assert "would delete (4):\n  data/train set.csv\n  runs\n  runs/exp1\n  runs/exp1/metrics.json" in text(6)
+    # a pull brings what .gitignore names too: runs/exp1/model.ckpt (*.ckpt) comes back (issue 43)
+    assert ": 5 files," in text(5) and '{"epoch": 3, "loss": 0.042}' in text(5)
+    assert "and the checkpoint, though .gitignore says *.ckpt: ['metrics.json', 'model.ckpt']" in text(5)
+    # model.ckpt (*.ckpt in .gitignore) is protected, and so are runs/ and runs/exp1 that hold it
+    assert "would delete (2):\n  data/train set.csv\n  runs/exp1/metrics.json\n" in text(6)
     assert "1 file," in text(7) and "deleted (1):\n  data/train set.csv\n" in text(7)
     # the progress bar was a widget while it ran; the saved file has its final static state
     bars = [o["data"] for o in cells[2].outputs if o.output_type == "display_data"]

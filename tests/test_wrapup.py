@@ -96,7 +96,7 @@ def test_two_new_result_files_are_listed_and_pulled(ip, server, tmp_path, data_d
     assert (local / "ckpt/last.pt").stat().st_size == 3000 and (local / "log.txt").read_text(encoding="utf-8") == "x" * 40
     # the folders are remembered for this machine
     out = _run(ip, "wrapup")
-    assert f"results :{runs}/ -> {local}/: everything is already here" in out
+    assert f"results :{runs}/ -> {local}/: everything is already here (every file, by size and content)" in out
 
 
 def test_caches_are_listed_with_their_sizes(server, caches, data_dir):

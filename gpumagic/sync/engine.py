@@ -1267,8 +1267,11 @@ class SyncOptions(Options):
         Delete destination paths that the source lacks (ignored paths are kept).
     exclude : iterable of str
         gitignore-syntax patterns to leave out.
-    ignore_files : bool
-        Honour ``.gitignore`` and ``.gpuignore`` files in the source tree.
+    ignore_files : bool, optional
+        Honour ``.gitignore`` and ``.gpuignore`` files in the source tree.  None (the default):
+        a push does (they keep it small), a pull does not: it brings everything, results that
+        the project's ``.gitignore`` names (``*.pt``, ``runs/``) included, so nothing made on the
+        machine is left behind unsaid (issue 43).  ``exclude`` patterns apply either way.
     dry_run : bool
         Change nothing; the summary lists what would be sent and deleted.
     checksum, update : bool
@@ -1280,6 +1283,10 @@ class SyncOptions(Options):
     rename_clashes : bool
         A pull only: write the machine's names that this computer's folder takes for one
         (``Model.pt`` and ``model.pt`` on NTFS/APFS) under new names instead of refusing.
+    max_delete : int, optional
+        With ``delete``: most paths it may remove (rsync's ``--max-delete``); a plan that
+        removes more is refused before anything is touched, saying how many.  None:
+        :data:`MAX_DELETE`; 0: no bound (``%gpu sync --yes``).
     grace : float, optional
         Seconds a sync whose connection was lost keeps trying to connect again, then
         resumes by itself (at most :data:`MAX_RECONNECTS` times); None: :data:`RESUME_GRACE`;
@@ -1288,15 +1295,62 @@ class SyncOptions(Options):
 
     delete: bool = False
     exclude: Iterable[str] = ()
-    ignore_files: bool = True
+    ignore_files: bool | None = None
     dry_run: bool = False
     checksum: bool = False
     update: bool = False
     compress: bool | None = None
     rename_clashes: bool = False
     grace: float | None = None
+    max_delete: int | None = None
 
     kind = "sync"
+
+
+#: Most paths a ``--delete`` removes without ``--yes`` (``SyncOptions.max_delete``).
+MAX_DELETE = 1000
+#: What a ``--delete`` destination may not hold at its top: a home's (a rented machine's
+#: ``authorized_keys``: locked out) and gpumagic's own state (jobs, sessions, the sync agent).
+GUARDED_NAMES = (".ssh", ".gpumagic")
+
+
+def refuse_wide_delete(where: str, root: str, top: Iterable[str], home: bool, count: int,
+                       max_delete: int | None, src: str) -> None:
+    """Refuse a ``--delete`` before anything is touched when its destination ``root`` (shown
+    as ``where``) is a home (``home``), holds one of :data:`GUARDED_NAMES` among its ``top``
+    names, or lies inside gpumagic's own folder; or when it would remove more than
+    ``max_delete`` paths (``count``; None: :data:`MAX_DELETE`, 0: no bound).
+
+    Raises
+    ------
+    SyncError
+        One line naming what was found and what to write instead.
+    """
+    guarded = sorted(set(top) & set(GUARDED_NAMES))
+    parts = root.replace("\\", "/").split("/")
+    why = ("it is a home folder" if home else f"it holds {guarded[0]}" if guarded
+           else "it is gpumagic's own folder" if ".gpumagic" in parts else None)
+    if why is not None:
+        raise SyncError(f"--delete into {where} would delete what is there that {src} lacks, and {why}; "
+                        "nothing was changed", "name the project's own folder as the destination "
+                        "(e.g. :proj/ for the folder proj in the home), or leave out --delete")
+    bound = MAX_DELETE if max_delete is None else max_delete
+    if bound and count > bound:
+        raise SyncError(f"--delete into {where} would remove {count:,} paths that {src} lacks (more than "
+                        f"{bound:,}); nothing was changed", "look at them with --dry-run, check the destination, "
+                        "then add --yes to remove them")
+
+
+def _is_home_path(path: str, cwd: str | None) -> bool:
+    """Whether a machine path as written names its login home: ``~`` or ``~/``, and, where no
+    working directory is set (``%gpu cd``), an empty path or ``.`` (what the agent resolves
+    from the login directory)."""
+    p = path.strip()
+    if p.startswith("/"):
+        return False
+    if p.rstrip("/") == "~":
+        return True
+    return not cwd and p.rstrip("/") in ("", ".")
 
 
 #: The fields of :class:`SyncOptions`: what :func:`push` and :func:`pull` take as keywords.
@@ -1525,7 +1579,11 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
                             f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
         _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
-    rules = IgnoreRules(options.exclude, use_files=options.ignore_files)
+    if delete and pushing and os.path.isdir(src) and _is_home_path(destination_root(src, dst, src_seps=seps),
+                                                                     machine.cwd):
+        refuse_wide_delete(f"{machine.name}:{dst or '~'}", dst, (), True, 0, None, src)  # before it is listed
+    use_files = pushing if options.ignore_files is None else options.ignore_files
+    rules = IgnoreRules(options.exclude, use_files=use_files)
     # What the laptop's folder keeps (modes, case, normalisation), asked before it is walked
     if pushing:
         fs = laptop.probe(src if os.path.isdir(src) else os.path.dirname(src) or ".")
@@ -1575,6 +1633,8 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                 plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
                                  update=options.update, rules=rules, unreadable=sides.unreadable,
                                  fold=fs.key if fs.folds else None)
+        if delete and plan.delete:
+            _guard_delete(machine, pushing, sides, plan, options, src)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
                               skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
                               deleted=list(plan.delete), unreadable=dict(sides.unreadable),
@@ -1597,6 +1657,32 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
         ch.close()
     return _complete(_finished(summary, plan, run, start),
                      "this computer" if pushing else machine.name, sides.source_root, sides.single_source)
+
+
+def _guard_delete(machine, pushing: bool, sides: "_Sides", plan: Plan, options: SyncOptions, src: str) -> None:
+    """:func:`refuse_wide_delete` for this sync's destination (the machine's for a push, this
+    computer's for a pull); a dry run is refused by the guards too, but not by the count (it is
+    how the count is looked at)."""
+    top = [rel for rel in sides.dest.entries if "/" not in rel and rel != "."]
+    if pushing:
+        root = sides.dst_root
+        home = _is_home_path(root, machine.cwd)
+        where = sides.dest_name
+    else:
+        root = os.path.abspath(sides.dst_root)
+        here = os.path.realpath(root)
+        home = here == os.path.realpath(os.path.expanduser("~"))
+        try:
+            from ..budget.ledger import data_dir
+
+            mine = os.path.realpath(data_dir())
+            if here == mine or here.startswith(mine + os.sep):
+                root = os.path.join(root, ".gpumagic")  # counted as gpumagic's own folder
+        except Exception:  # noqa: BLE001 - no data dir: nothing of ours there
+            pass
+        where = f"this computer's {sides.dst_root}"
+    count = 0 if options.dry_run else len(plan.delete)
+    refuse_wide_delete(where, root, top, home, count, options.max_delete, src)
 
 
 #: A mode of each kind of special file (named by :func:`gpumagic.sync.agent.special_kind`).

@@ -530,7 +530,10 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
                 plan.send.append(s)
                 changed = True
             elif update and d.mtime_s > s.mtime_s:
-                plan.newer.append(rel)
+                if checksum and s.digest == d.digest:
+                    plan.unchanged += 1  # newer here, the same bytes: nothing differs
+                else:
+                    plan.newer.append(rel)
             elif (s.digest == d.digest) if checksum else (
                     s.size == d.size and s.mtime_ns // 1_000_000_000 == d.mtime_ns // 1_000_000_000):
                 plan.unchanged += 1
@@ -543,16 +546,23 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
             touched_dirs.add(posixpath.dirname(rel) or ".")
     if delete:
         src_keys = {fold(p) for p in src} if fold is not None else None
+        kept: list[str] = []  # destination-only paths that stay: their folders stay too
         for rel in sorted(dst, key=tree_order):
             if rel == "." or rel in src:
                 continue
-            if src_keys is not None and fold(rel) in src_keys:
-                continue
-            if rules is not None and rules.covers(rel, dst[rel].kind == "d"):
-                continue
-            if "." in unreadable or (rel + "/").startswith(spared):
+            if (src_keys is not None and fold(rel) in src_keys
+                    or rules is not None and rules.covers(rel, dst[rel].kind == "d")
+                    or "." in unreadable or (rel + "/").startswith(spared)):
+                kept.append(rel)
                 continue
             plan.delete.append(rel)
+        # A folder gone from the source is not deleted whole while something under it is
+        # protected (rsync: a protected file keeps its parent directories; mutagen#114):
+        # ``old/runs/ckpt.pt`` under an ignored ``runs/`` keeps ``old/`` and ``old/runs/``,
+        # and only the rest of ``old/`` goes.
+        holders = {"/".join(parts[:i]) for parts in (r.split("/") for r in kept) for i in range(1, len(parts))}
+        plan.delete = [r for r in plan.delete if r not in holders]
+        for rel in plan.delete:
             touched_dirs.add(posixpath.dirname(rel) or ".")
     for rel in plan.replace:
         touched_dirs.add(posixpath.dirname(rel) or ".")

@@ -20,10 +20,17 @@ if TYPE_CHECKING:
 @magic_arguments()
 @argument("src", help="source: local path, or :REMOTE_PATH / NAME:REMOTE_PATH; a trailing / copies the contents")
 @argument("dst", help="destination: the other side (exactly one side is remote)")
-@argument("--delete", action="store_true", help="delete destination files the source lacks (listed)")
+@argument("--delete", action="store_true",
+          help="delete destination files the source lacks (listed); refused into a home, a folder holding "
+               ".ssh or gpumagic's own, and past 1,000 paths without --yes; ignored paths are kept")
+@argument("--yes", action="store_true", help="with --delete: remove more than 1,000 paths")
 @argument("--exclude", metavar="PATTERN", action="append", default=[],
           help="leave out paths matching this gitignore-style pattern (repeatable)")
-@argument("--no-ignore-files", action="store_true", help="do not honour .gitignore / .gpuignore files")
+@argument("--no-ignore-files", dest="ignore_files", action="store_const", const=False, default=None,
+          help="push: do not honour .gitignore / .gpuignore files (a pull never does unless --ignore-files)")
+@argument("--ignore-files", dest="ignore_files", action="store_const", const=True,
+          help="pull: leave out what the machine's .gitignore / .gpuignore files match (by default a pull "
+               "brings everything, ignored results such as *.pt and runs/ included)")
 @argument("--dry-run", action="store_true", help="change nothing; list what would be sent and deleted")
 @argument("--checksum", action="store_true", help="compare files by content hash, not size and mtime")
 @argument("--update", action="store_true", help="never replace a destination file that is newer")
@@ -79,6 +86,7 @@ def _sync(magics: GpuMagics, line: str):
 
 def sync_options(args) -> sync.SyncOptions:
     """The :class:`gpumagic.sync.engine.SyncOptions` of ``%gpu sync``'s flags."""
-    return sync.SyncOptions(delete=args.delete, exclude=tuple(args.exclude), ignore_files=not args.no_ignore_files,
+    return sync.SyncOptions(delete=args.delete, exclude=tuple(args.exclude), ignore_files=args.ignore_files,
                             dry_run=args.dry_run, checksum=args.checksum, update=args.update,
-                            compress=args.compress, rename_clashes=bool(getattr(args, "rename_clashes", False)))
+                            compress=args.compress, rename_clashes=bool(getattr(args, "rename_clashes", False)),
+                            max_delete=0 if getattr(args, "yes", False) else None)
