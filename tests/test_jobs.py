@@ -930,3 +930,42 @@ def test_the_job_magic_hands_its_options_as_one_object(ip, monkeypatch):
                           "print(1)")
     assert got["options"] == JobOptions(python=True, cwd="proj", env={"A": "1"}, stop_on=("nan",), alerts=False)
     assert got["kw"] == {"keep": None}
+
+
+# -- two sandboxes, two tmux servers (issue 43) ------------------------------------------------
+
+
+@needs_tmux
+def test_two_servers_jobs_of_one_name_live_in_their_own_tmux_servers(tmp_path):
+    # A job `jy` started on sandbox b killed sandbox a's tmux session of the same name (the
+    # process ran on, its session was gone), and panes had the environment of whichever sandbox
+    # started the one tmux server: each machine's jobs are its own (TMUX_TMPDIR per server).
+    import gpumagic
+    from conftest import add_client_entry, make_server
+
+    aliases = [f"tmux-{n}-{TOKEN}" for n in ("a", "b")]
+    servers = [make_server(alias) for alias in aliases]
+    machines = []
+    name = jname("jy")
+    try:
+        for s, alias in zip(servers, aliases):
+            add_client_entry(s, alias)
+            machines.append(gpumagic.connect(alias))
+        for m in machines:
+            m.start_job(name, 'echo "home=$HOME"; sleep 600')
+        for m, s in zip(machines, servers):
+            assert m.exec(f"{TMUX} has-session -t =gpumagic-{name}").exit_code == 0  # both are there
+            assert m.job(name).info().running
+            assert wait_for(lambda: "home=" in m.job(name).logs(5), 20)
+            assert m.job(name).logs(5).strip() == f"home={s.env['HOME']}"  # its own machine's HOME
+        assert servers[0].tmux_dir() != servers[1].tmux_dir()
+    finally:
+        for m in machines:
+            try:
+                m.job(name).kill()
+            except Exception:  # noqa: BLE001 - the clean-up below ends what is left
+                pass
+            m.close()
+        for s in servers:
+            kill_all_jobs(Path(s.env["HOME"]))
+            s.stop()
