@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -135,6 +136,28 @@ def test_a_checkpoint_written_then_renamed_is_kept_at_the_rename(machine, work, 
     job.wait(timeout=60)
     assert k.done.wait(30) and k.record["state"] == "the job ended"
     assert wait_until(lambda: not watchers(path), 30), watchers(path)  # and goes with its keeper
+
+
+@needs_tmux
+def test_a_kept_checkpoint_dates_the_training_lost_from_when_the_machine_wrote_it(machine, work, tmp_path, data_dir):
+    # issue 43: "training lost" counted from when a checkpoint arrived here; one written 14.6 s
+    # before the loss read "under 4 s" (the settle and the look between)
+    rel, path = work
+    f = path / "ckpt" / "model.pt"
+    f.write_bytes(blob(7))
+    written = time.time() - 40
+    os.utime(f, (written, written))  # saved 40 s ago on the machine (whose clock is this one)
+    name = jname("written")
+    job, k = start(machine, name, rel, tmp_path, command=WAITING_JOB, python=False, every=0.05, settle=0.3)
+    assert wait_until(lambda: len(k.kept) == 1, 30), (k.error, k.looks)
+    rec = json.loads((data_dir / "keep" / machine.name / f"{name}.json").read_text(encoding="utf-8"))
+    kept = rec["files"]["model.pt"]
+    assert abs(kept["written_at"] - written) < 5 and kept["kept_at"] - kept["written_at"] > 35, kept
+    assert move.newest_written(rec) == kept["written_at"] and move.newest_kept(rec)[1] == kept["kept_at"]
+    line = move.lost_line({"job": name, "machine": machine.name, "keep": True}, kept["kept_at"] + 1,
+                          move.Loss(next(iter(move.LOSSES))))
+    lost = re.search(r"(?:about|under) (\d+) s of training lost", line)
+    assert lost and 40 <= int(lost.group(1)) <= 50, line  # from its writing, not its arrival (1 s)
 
 
 @needs_tmux

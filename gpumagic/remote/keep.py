@@ -546,6 +546,9 @@ class Keeper:
             except SyncError as e:  # gone since the listing (a script that keeps its last 3): the rest goes on
                 failed.append((rel, e.message))
         after = self._list()  # what was read is whole only if nothing wrote it meanwhile
+        # this computer's clock minus the machine's (a look's round trip off): a file's mtime
+        # there, on this clock, is when its training step was saved
+        offset = time.time() - after.now / 1e9
         for rel in take:
             sig = listing.files[rel]
             staged = os.path.join(self.stage, *rel.split("/"))
@@ -557,16 +560,17 @@ class Keeper:
                 with self._lock:
                     self._seen.pop(rel, None)  # judged again from the next look
                 continue
-            self._promote(rel, staged, sig)
+            self._promote(rel, staged, sig, sig[1] / 1e9 + offset)
         self._prune()
         still = [f"{rel}: {why}" for rel, why in failed if rel in after.files]  # not just gone
         if still:
             raise GpumagicError(f"could not pull {'; '.join(still)}", "it is tried again at the next look")
         return ended and after.files == listing.files
 
-    def _promote(self, rel: str, staged: str, sig: tuple[int, int, int]) -> None:
+    def _promote(self, rel: str, staged: str, sig: tuple[int, int, int], written: float | None = None) -> None:
         """Put the staged copy at its kept name: a temporary name, then a rename (a hard link
-        to the staged file, so the next pull can still send only an appended tail)."""
+        to the staged file, so the next pull can still send only an appended tail).
+        ``written``: when the machine wrote it, on this computer's clock (epoch seconds)."""
         final = os.path.join(self.to, *rel.split("/"))
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{secrets.token_hex(4)}.keep-tmp")
@@ -580,6 +584,8 @@ class Keeper:
         with self._lock:
             files = self.record["files"]
             files[rel] = {"sig": list(sig), "kept_at": now, "pruned": False}
+            if written is not None:
+                files[rel]["written_at"] = min(written, now)  # never after it arrived here
             last = self.record.get("last_kept") or {}
             newest = files.get(last.get("path"))
             if newest is None or newest.get("pruned") or (sig[1], rel) >= (newest["sig"][1], last["path"]):

@@ -575,19 +575,33 @@ def _span(seconds: float) -> str:
 def newest_kept(keep_rec: dict | None) -> tuple[str, float] | None:
     """``(checkpoint, kept at)`` of the newest checkpoint a keep record holds (a file or a
     folder of the kept folder, dated by its newest file's mtime), or None."""
+    found = _newest(keep_rec)
+    return None if found is None else (found[0], found[1])
+
+
+def newest_written(keep_rec: dict | None) -> float | None:
+    """When the machine wrote the newest kept checkpoint (:func:`newest_kept`), on this
+    computer's clock: its newest file's mtime there (the keeper records it with the two clocks'
+    difference); its arrival here for a record made before that was recorded."""
+    found = _newest(keep_rec)
+    return None if found is None else found[2]
+
+
+def _newest(keep_rec: dict | None) -> tuple[str, float, float] | None:
     if not keep_rec:
         return None
-    units: dict[str, tuple[int, float]] = {}
+    units: dict[str, tuple[int, float, float]] = {}
     for rel, f in (keep_rec.get("files") or {}).items():
         if f.get("pruned"):
             continue
         u = rel.split("/", 1)[0]
-        mtime, at = units.get(u, (0, 0.0))
-        units[u] = (max(mtime, int(f["sig"][1])), max(at, float(f.get("kept_at") or 0)))
+        mtime, at, written = units.get(u, (0, 0.0, 0.0))
+        kept_at = float(f.get("kept_at") or 0)
+        units[u] = (max(mtime, int(f["sig"][1])), max(at, kept_at), max(written, float(f.get("written_at") or kept_at)))
     if not units:
         return None
     u = max(units, key=lambda k: (units[k][0], k))
-    return u, units[u][1]
+    return u, units[u][1], units[u][2]
 
 
 def _cost(machine_name: str, seconds: float) -> str:
@@ -628,7 +642,8 @@ def lost_line(start: dict, lost_at: float, loss: Loss, until: float | None = Non
         until = lost_at + float(keep_rec["every"])  # the keeper would have looked again by then
     if kept:
         path = (keep_rec or {}).get("path", "").rstrip("/")
-        lost_s = max(0.0, lost_at - kept[1])
+        # from when the machine wrote it, not when it arrived here (a settle or --keep-every later)
+        lost_s = max(0.0, lost_at - (newest_written(keep_rec) or kept[1]))
         line += f"; last checkpoint {path}/{kept[0]} kept at {_clock(kept[1])}"
     else:
         lost_s = max(0.0, lost_at - (start.get("started") or lost_at))
