@@ -461,6 +461,7 @@ class Keeper:
             with self._lock:
                 self._renamed[ev["rel"]] = (int(ev["size"]), int(ev["mtime_ns"]), int(ev["ino"]))
                 self.renames += 1
+            self._wake.set()  # a renamed checkpoint is whole: taken at the rename, not at the next look
 
     def _close_watch(self) -> None:
         chan, self._watch_chan = self._watch_chan, None
