@@ -116,6 +116,36 @@ def kept_names(k) -> list[str]:
     return [rel for rel, _ in k.kept]
 
 
+LOGGING_JOB = r"""
+import hashlib, os, time
+n = 0
+while not os.path.exists("stop"):
+    if os.path.exists(f"go-{n}"):
+        print(f"step {n}: the line before checkpoint {n}", flush=True)
+        with open(f"ckpt/.step-{n}.pt.tmp", "wb") as f:
+            f.write(b"w" * 1000)
+        os.replace(f"ckpt/.step-{n}.pt.tmp", f"ckpt/step-{n}.pt")
+        n += 1
+    time.sleep(0.02)
+"""
+
+
+@needs_tmux
+def test_the_jobs_log_is_pulled_with_each_checkpoint(machine, work, tmp_path, monkeypatch):
+    # issue 43: the log was pulled every 5 s alone, so after a move `%gpu logs` missed the 34-37
+    # step lines printed before the checkpoint it resumed from
+    monkeypatch.setattr(keep, "LOG_EVERY", 3600.0)  # only a kept checkpoint pulls it now
+    rel, path = work
+    job, k = start(machine, jname("logck"), rel, tmp_path, command=LOGGING_JOB, every=0.1, settle=3600)
+    log = Path(k.record["log"])
+    for n in range(2):
+        (path / f"go-{n}").touch()
+        assert wait_until(lambda: len(k.kept) == n + 1, 30), (k.error, k.looks)
+        # the same look pulls the log right after (no other pull comes within the hour)
+        line = f"step {n}: the line before checkpoint {n}\n"
+        assert wait_until(lambda: line in log.read_text(encoding="utf-8"), 30), log.read_text(encoding="utf-8")
+
+
 @needs_tmux
 def test_a_rename_wakes_the_keeper_whatever_its_keep_every(machine, work, tmp_path):
     # issue 43: the rename event only marked the file for the next scheduled look (0.35-8.56 s

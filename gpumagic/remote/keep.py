@@ -521,10 +521,15 @@ class Keeper:
 
     def look(self) -> bool:
         """List the folder, pull what is whole, keep what is still whole after the pull, drop
-        the oldest beyond ``last``; the job's log every :data:`LOG_EVERY` seconds, and at the
-        end.  Returns True once the job has ended and its last files are kept."""
+        the oldest beyond ``last``; the job's log with each checkpoint kept, every
+        :data:`LOG_EVERY` seconds, and at the end.  Returns True once the job has ended and
+        its last files are kept."""
+        kept = len(self.kept)
         ended = self._look()
-        if ended or time.monotonic() - self._log_pulled >= LOG_EVERY:
+        # with each checkpoint too: a move resumes from the newest one, and the log kept here
+        # must hold every line up to it (pulled every LOG_EVERY s alone, 34-37 step lines
+        # before the checkpoint were missing from %gpu logs after a move)
+        if ended or len(self.kept) > kept or time.monotonic() - self._log_pulled >= LOG_EVERY:
             self.pull_log()
         return ended
 
