@@ -1,5 +1,6 @@
 """Summarise a pytest junit XML file for .ci/run: tests passed/failed/skipped, and the seconds
-spent in the browser and Binder modules (each runs on one pytest-xdist worker beside the rest).
+spent in the browser module (one pytest-xdist worker) and the Binder module (its tutorials
+spread over the workers), beside the rest of the suite.
 
     python scripts/ci_report.py FILE.xml [PREFIX]
 """
@@ -16,6 +17,7 @@ def main(argv: list[str]) -> int:
     root = ET.parse(path).getroot()
     counts: Counter[str] = Counter()
     seconds: Counter[str] = Counter()
+    ran: Counter[str] = Counter()
     for case in root.iter("testcase"):
         module = case.get("classname", "").rsplit(".", 1)[-1]
         outcome = "passed"
@@ -26,10 +28,12 @@ def main(argv: list[str]) -> int:
                 outcome = "skipped"
         counts[outcome] += 1
         seconds[module] += float(case.get("time") or 0)
+        ran[module] += outcome != "skipped"
     print(f"{prefix}{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
-    for module, label in (("test_browser", "browser"), ("test_binder", "Binder")):
-        if seconds[module]:
-            print(f"{prefix}{label}: {seconds[module]:.0f} s on one worker, beside the rest")
+    for module, label, where in (("test_browser", "browser", "on one worker"),
+                                 ("test_binder", "Binder", "summed over the workers that ran its tutorials")):
+        if ran[module]:
+            print(f"{prefix}{label}: {ran[module]} tests, {seconds[module]:.0f} s {where}, beside the rest")
     return 0
 
 

@@ -15,8 +15,7 @@
 #      (seeded once from root's cache) and root's own pip.conf (copied once, where it has one);
 #      GPUMAGIC_TEST_* (GPUMAGIC_TEST_TORCH=1: torch for the torchrun tests) pass through;
 #   3. as that user: bash scripts/test.sh "$@" (its xdist workers and EncodingWarning check).  The
-#      exit status is pytest's.  GPUMAGIC_SETUP_ONLY=1: steps 1-2 only (.ci/run makes the venv
-#      while the root suite runs).
+#      exit status is pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -105,10 +104,6 @@ cd "$dest"
 step=$SECONDS
 as_user bash scripts/_setup.sh
 say "venv ready as $user ($((SECONDS - step))s)"
-# GPUMAGIC_SETUP_ONLY=1 (.ci/run, while the root suite runs): the copy and the venv, no tests.
-if [ "${GPUMAGIC_SETUP_ONLY:-}" = 1 ]; then
-  exit 0
-fi
 step=$SECONDS
 rc=0
 as_user bash scripts/test.sh "$@" || rc=$?
