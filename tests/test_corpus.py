@@ -169,6 +169,7 @@ def test_the_corpus_is_three_notebooks_with_their_sources_and_licences():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow(240, reason="a teaching notebook run locally and in a session on the machine, each cell compared")
 @pytest.mark.parametrize("mode", ["remote", "autorun"])
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_a_teaching_notebook_gives_the_same_outputs_in_a_session_as_locally(name, mode, tmp_path_factory, monkeypatch):

@@ -333,6 +333,7 @@ def test_a_fingerprint_is_the_trees_not_the_order_its_folders_list_in(request):
                 (root / sub / name).write_bytes(b"x")
                 os.utime(root / sub / name, ns=(0, 10 ** 18))
             os.utime(root / sub, ns=(0, 10 ** 18))
+        os.utime(root, ns=(0, 10 ** 18))  # made a second apart on a loaded machine, the roots' mtimes differed
         return root
 
     if not os.path.isdir("/dev/shm"):
@@ -581,7 +582,7 @@ def test_a_pull_that_cleans_an_abandoned_part_sets_its_folders_mtime_again(machi
     _set_mtime(back / "d1", (remote / "d1").stat().st_mtime)
     machine.pull(f"{remote}/", str(back))
     assert not _parts(back)
-    assert _tree_state(back) == _tree_state(remote, skip=("model.ckpt",))
+    assert _tree_state(back) == _tree_state(remote)  # model.ckpt too: a pull takes what .gitignore names
 
 
 def test_a_header_with_any_one_byte_changed_is_refused(tmp_path):
