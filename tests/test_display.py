@@ -63,3 +63,18 @@ def test_a_guard_that_acted_is_shown_as_an_alert_with_its_warning():
     assert "the guard warned first: shutting down in 2s (deadline reached)" in html
     armed = GuardStatus(state="armed", settings={"idle_s": 1800})
     assert "border-left" not in display.GuardView(armed).html()
+
+
+def test_an_alert_is_first_once_per_job_even_when_its_start_was_not_read_yet():
+    # CI, with both suites at once: `%gpu attach` read the job's info before its `started` was
+    # written (None), `%gpu jobs` then read it, and the alert was shown twice
+    from gpumagic.notebook import display
+
+    name = f"first-alert-{id(object())}"
+    assert display.first_alert(name, None, "nan")
+    assert not display.first_alert(name, 1000.0, "nan")  # the same job, its start now known
+    assert not display.first_alert(name, None, "nan")
+    assert display.first_alert(name, 1000.0, "oom")  # another kind: its own first time
+    other = f"{name}-b"
+    assert display.first_alert(other, 1000.0, "nan") and not display.first_alert(other, 1000.0, "nan")
+    assert display.first_alert(other, 2000.0, "nan")  # started again under that name: a new job

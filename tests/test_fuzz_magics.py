@@ -300,6 +300,7 @@ def _run_one(ip, server, remote_dir: Path, name: str, line: str) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow(300, reason="a magic's drawn argument lines, run for real (wrapup's pulls compare every file by sha256)")
 @pytest.mark.parametrize("name", list(SPECS))
 def test_any_argument_line_is_success_usage_error_or_gpumagic_error(fuzz, name):
     ip, server, remote_dir = fuzz

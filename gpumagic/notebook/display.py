@@ -356,20 +356,22 @@ def _local_time(epoch: float | None) -> str:
     return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
-#: Alerts already shown in this kernel, as (job name, job start time, alert kind): each is
-#: shown once, the first time a command meets it; after that the job's row carries it.
-_ALERTS_SHOWN: set[tuple[str, float | None, str]] = set()
+#: Alerts already shown in this kernel: (job name, alert kind) -> the start times of the jobs
+#: of that name it was shown for (None: not known when shown).  Each is shown once, the first
+#: time a command meets it; after that the job's row carries it.
+_ALERTS_SHOWN: dict[tuple[str, str], set[float | None]] = {}
 
 
 def first_alert(job_name: str, started: float | None, kind: str) -> bool:
     """True the first time the alert ``kind`` of the job ``job_name`` started at ``started``
     (epoch seconds; a job started again under the same name is a new job) is offered in this
     kernel, then False: an alert box is shown once, with its job, not under every later
-    ``%gpu jobs``."""
-    key = (job_name, started, kind)
-    if key in _ALERTS_SHOWN:
+    ``%gpu jobs``.  A start time not known on one of the two occasions (a job that ended before
+    its start was read) is the same job, not a new one."""
+    shown = _ALERTS_SHOWN.setdefault((job_name, kind), set())
+    if shown and (started is None or None in shown or started in shown):
         return False
-    _ALERTS_SHOWN.add(key)
+    shown.add(started)
     return True
 
 
