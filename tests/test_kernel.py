@@ -773,7 +773,7 @@ def test_the_listing_script_passes_shellcheck():
     assert r.returncode == 0, r.stdout
 
 
-@pytest.mark.parametrize("program", ["kernel_keeper.py", "kernel_startup.py", "kernel_wire.py"])
+@pytest.mark.parametrize("program", ["kernel_keeper.py", "kernel_launch.py", "kernel_startup.py", "kernel_wire.py"])
 def test_the_programs_run_on_the_machine_are_python_3_8(program):
     """Rented machines often have an older python than the laptop (pickle protocol 5: 3.8)."""
     import ast
@@ -795,11 +795,11 @@ def test_the_machine_side_gets_the_laptops_own_wire_module_and_copies_none_of_it
 
     _, tar = gk.link._programs_tar()
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-        assert sorted(t.getnames()) == ["kernel_keeper.py", "kernel_startup.py", "kernel_wire.py"]
+        assert sorted(t.getnames()) == ["kernel_keeper.py", "kernel_launch.py", "kernel_startup.py", "kernel_wire.py"]
         assert t.extractfile("kernel_wire.py").read() == Path(kernel_wire.__file__).read_bytes()
     wire_names = {n.name for n in ast.parse(Path(kernel_wire.__file__).read_text(encoding="utf-8")).body
                   if isinstance(n, ast.FunctionDef)}
-    for program in ("kernel_keeper.py", "kernel_startup.py"):
+    for program in ("kernel_keeper.py", "kernel_launch.py", "kernel_startup.py"):
         tree = ast.parse(gk.program_text(program).decode())
         defined = {n.name.lstrip("_") for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert not defined & (wire_names | {"encode", "decode", "pickle", "unframe"}), program

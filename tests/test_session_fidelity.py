@@ -235,6 +235,29 @@ def test_a_cell_printing_many_small_lines_is_captured_whole(ip, capsys):
         capsys.readouterr()
 
 
+def test_output_printed_while_the_keeper_is_stopped_is_kept_whole(m):
+    """ZeroMQ's PUB socket drops what its peer is too slow to take (1000 messages by default):
+    under load, a keeper that falls behind a printing cell must not lose a line. The cell
+    stops its keeper (SIGSTOP, its parent) while it prints far more than 1000 messages and
+    the TCP buffers hold, then lets it go on."""
+    k = start(m, "stall")
+    try:
+        rec = Recorder()
+        n = 30000
+        r = k.execute("import os, signal, time\n"
+                      "keeper = os.getppid()\n"
+                      "os.kill(keeper, signal.SIGSTOP)\n"
+                      "try:\n"
+                      f"    for i in range({n}):\n"
+                      "        print(str(i).rjust(400, '.'), flush=True)\n"
+                      "    time.sleep(1)\n"
+                      "finally:\n"
+                      "    os.kill(keeper, signal.SIGCONT)", output=rec, timeout=300)
+        assert r.stdout == "".join(str(i).rjust(400, ".") + "\n" for i in range(n))
+    finally:
+        stop_quietly(k)
+
+
 # -- 9: a crashed kernel ---------------------------------------------------------------------
 
 

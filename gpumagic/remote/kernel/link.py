@@ -80,7 +80,7 @@ def _programs_tar() -> tuple[str, bytes]:
     unpack on the machine."""
     import hashlib
 
-    files = {n: program_text(n) for n in ("kernel_keeper.py", "kernel_startup.py")}
+    files = {n: program_text(n) for n in ("kernel_keeper.py", "kernel_launch.py", "kernel_startup.py")}
     # the wire format both sides load: the same file as this side's kernel.wire module
     files["kernel_wire.py"] = resources.files("gpumagic.remote.kernel").joinpath("wire.py").read_bytes()
     digest = hashlib.sha256(b"".join(files[n] for n in sorted(files))).hexdigest()[:16]

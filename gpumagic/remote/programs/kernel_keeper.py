@@ -209,11 +209,16 @@ class Keeper:
         self.socks = {}
         for ch in ("shell", "control", "stdin"):
             s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.IDENTITY, ident)  # stdin requests are routed to the shell's identity
             s.setsockopt(zmq.LINGER, 1000)
             s.connect("tcp://127.0.0.1:%d" % self.ports[ch])
             self.socks[ch] = s
         s = self.ctx.socket(zmq.SUB)
+        # no limit on what waits to be read: ZeroMQ drops what a full queue cannot take (1000
+        # messages by default), and a cell printing in a loop outruns a busy keeper;
+        # kernel_launch.py lifts the kernel's side of the same limit
+        s.setsockopt(zmq.RCVHWM, 0)
         s.setsockopt(zmq.SUBSCRIBE, b"")
         s.setsockopt(zmq.LINGER, 0)
         s.connect("tcp://127.0.0.1:%d" % self.ports["iopub"])
@@ -237,7 +242,8 @@ class Keeper:
         own = os.umask(self.umask) if self.umask is not None else None
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ipykernel_launcher", "-f", self.cf],
+                [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_launch.py"),
+                 "-f", self.cf],
                 cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         finally:
