@@ -32,8 +32,14 @@ cell as its child in a new session with stdin from ``/dev/null`` and sends back 
 stdout and stderr as they come, and its exit status.  No shell start-up file runs again per
 cell (``~/.bashrc`` cost 200 ms a cell on images that run ``pyenv init`` or conda's hook
 unguarded; ``SHLVL`` is set so that the cell's own ``bash -c`` does not source it either).
-A stop request (interrupt, timeout) sends SIGTERM to the cell's process group and SIGKILL
-:data:`KILL_GRACE` seconds later.  Kill on drop: the runner's watchdog process kills every
+A stop request (interrupt, timeout) does what a terminal's Ctrl-C does first: SIGINT to the
+cell's processes, so the program's ``except KeyboardInterrupt:`` and ``finally:`` run (a
+checkpoint saved on Ctrl-C is saved) and what they print is shown; SIGTERM follows
+:func:`cell_interrupt_wait` seconds later (:data:`INTERRUPT_WAIT`; at once once the cell's own
+process ended and only what it started is left), SIGKILL :data:`KILL_GRACE` seconds after
+that; a second interrupt sends the next signal at once.  The cell's processes are its process
+group and every process that carries its mark (``GPUMAGIC_CELL`` in its environment), also
+one that left the group (``setsid``, a daemon).  Kill on drop: the runner's watchdog process kills every
 running cell's group when the runner ends, whether the channel closed (dropped connection,
 killed sshd, the client gave up) or the runner itself was killed (a kept cell, below,
 outlives a closed channel for its grace).  One cell uses a runner
@@ -112,6 +118,11 @@ USE_RUNNER = True
 MAX_INLINE = 120 * 1024
 #: Seconds between SIGTERM and SIGKILL when a cell is stopped.
 KILL_GRACE = 1.0
+#: Seconds an interrupted cell gets after SIGINT (its handler saving a checkpoint) before
+#: SIGTERM, by default (:func:`cell_interrupt_wait`; ``%config GpuMagics.interrupt_wait``).
+INTERRUPT_WAIT = 10.0
+_interrupt_wait: "contextvars.ContextVar[float | None]" = contextvars.ContextVar(
+    "gpumagic_interrupt_wait", default=None)
 #: The wrapper's exit status when the working directory does not exist (stderr says which).
 CWD_MISSING = 97
 
@@ -309,7 +320,7 @@ def build_program(argv: Sequence[str], *, cwd: str | None = None,
         unset = [a for k, v in rest.items() if v is None for a in ("-u", k)]
         cmd = ["env", *unset, "--", *(f"{k}={v}" for k, v in rest.items() if v is not None), *cmd]
     entries = [k if v is None else f"{k}={v}" for k, v in shell]
-    return program(_program.command(CELL_PROGRAM, cwd or "", KILL_GRACE, CWD_MISSING, len(entries),
+    return program(_program.command(CELL_PROGRAM, cwd or "", f"{interrupt_wait():g}/{KILL_GRACE:g}", CWD_MISSING, len(entries),
                                     *entries, *cmd), nonce)
 
 
@@ -510,6 +521,23 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         raise RemoteCommandError(f"remote command exited with code {code}", exit_code=code,
                                  stdout=result.stdout, stderr=result.stderr)
     return result
+
+
+@contextlib.contextmanager
+def cell_interrupt_wait(seconds: float | None):
+    """Give the cells of this block ``seconds`` between SIGINT and SIGTERM when interrupted
+    (None: :data:`INTERRUPT_WAIT`): how ``%config GpuMagics.interrupt_wait`` reaches them."""
+    token = _interrupt_wait.set(seconds)
+    try:
+        yield
+    finally:
+        _interrupt_wait.reset(token)
+
+
+def interrupt_wait() -> float:
+    """Seconds between SIGINT and SIGTERM for a cell stopped now."""
+    wait = _interrupt_wait.get()
+    return INTERRUPT_WAIT if wait is None else max(0.0, float(wait))
 
 
 @contextlib.contextmanager
@@ -1030,6 +1058,8 @@ class _Runner:
         #: (its process group; from the "P" frame); None while not known.
         self.pid: int | None = None
         self.cell_pid: int | None = None
+        #: The runner answered the stop being sent ("s"): the path lives.
+        self.stop_heard = False
         #: The kept cell running now (its frames are counted there), None for others; left
         #: set when the runner was given up on with the cell still there (it re-attaches
         #: elsewhere, so the runner, maybe its owner, must not be stopped).
@@ -1122,6 +1152,7 @@ class _Runner:
             except OSError:
                 raise _NotStarted()
             code = self._pump(conn, out, err, timeout, start)
+            assert code is not None
             done = True
             self._ack()
             return code
@@ -1146,7 +1177,8 @@ class _Runner:
                 self.discard()
 
     def _pump(self, conn: Connection, out: _Stream, err: _Stream, timeout: float | None,
-              start: float, *, started: bool = False) -> int:
+              start: float, *, started: bool = False,
+              until: Callable[[], bool] | None = None) -> int | None:
         chan = self.chan
         assert chan is not None
         code: int | None = None
@@ -1187,9 +1219,9 @@ class _Runner:
         # stderr is the runner's own complaints, not the cell's: read and dropped
         pump = ChannelPump(chan, on_out)
         deadline = None if timeout is None else start + timeout
-        if not pump.run(lambda: code is not None, deadline=deadline, watch=watch):
+        if not pump.run(lambda: code is not None or (until is not None and until()),
+                        deadline=deadline, watch=watch):
             raise _Timeout()
-        assert code is not None
         return code
 
     def take(self, data: bytes, on_out: Callable[[bytes], None],
@@ -1207,6 +1239,8 @@ class _Runner:
                 on_err(payload)
             elif kind == b"P":
                 self.cell_pid = int(payload)
+            elif kind == b"s":
+                self.stop_heard = True
             elif kind == b"X":
                 self.cell_pid = None  # ended: its group's number may be reused
                 return int(payload)
@@ -1223,14 +1257,38 @@ class _Runner:
                 pass  # swept on the machine later
 
     def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
-        """Stop the cell's process group (SIGTERM, SIGKILL :data:`KILL_GRACE` s later) and
-        drain to its exit status; True when the runner is ready for the next cell."""
+        """Stop the cell as a terminal's Ctrl-C does, then harder (the runner's "S": SIGINT,
+        SIGTERM :func:`interrupt_wait` s later, SIGKILL :data:`KILL_GRACE` s after that), showing
+        what it prints meanwhile (its handler's, its ``finally:``'s); a further Ctrl-C here
+        sends the next signal at once.  Drained to its exit status; True when the runner is
+        ready for the next cell."""
+        wait = interrupt_wait()
+        stop = f"{wait:g}".encode()
+        out.capture = err.capture = False
+        sent = 0
+        self.stop_heard = False
         try:
-            sendall_ordered(self.chan, _FRAME.pack(b"S", 0))
-            out.sink = err.sink = None
-            out.capture = err.capture = False
-            self._pump(conn, out, err, KILL_GRACE + 2, time.monotonic(), started=True)
-            return True
+            # the runner answers a stop at once ("s"): a path that brings no answer within
+            # KILL_GRACE + 2 s is dead, and the stop goes on over a new one (the caller's)
+            now = time.monotonic()
+            deadline = now + KILL_GRACE + 2
+            while True:
+                try:
+                    if sent < 3:
+                        sendall_ordered(self.chan, _FRAME.pack(b"S", len(stop)) + stop)
+                        sent += 1
+                    now = time.monotonic()
+                    if not self.stop_heard:
+                        if self._pump(conn, out, err, max(0.0, deadline - now), now, started=True,
+                                      until=lambda: self.stop_heard) is not None:
+                            return True
+                        deadline = time.monotonic() + wait + KILL_GRACE + 3
+                        now = time.monotonic()
+                    self._pump(conn, out, err, max(0.0, deadline - now), now, started=True)
+                    return True
+                except KeyboardInterrupt:  # the next signal at once
+                    stop = b""
+                    deadline = min(deadline, time.monotonic() + KILL_GRACE * (3 - sent) + 3)
         except BaseException:
             return False
 

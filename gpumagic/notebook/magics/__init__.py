@@ -50,7 +50,7 @@ from traitlets import Float, Int, Unicode
 from ...errors import Interrupted, RemoteCommandError
 from ...gpu.doctor import failure_hint
 from ...fleet import Fleet
-from ...remote.execution import cell_grace
+from ...remote.execution import INTERRUPT_WAIT, cell_grace, cell_interrupt_wait
 from ._args import (GB, GRACE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, checkpoint_args,
                     env_pairs, host_arg, number, out_arg, parse, returns_after_help, split_args)
 from ._output import OutputCap
@@ -136,6 +136,14 @@ class GpuMagics(Magics):
              "change, a laptop asleep): it runs on, its output kept on the machine, and the cell "
              "re-attaches on a new connection, showing what it missed once; past it the cell is "
              "stopped.  0: stopped when the connection is lost.  --grace S sets it for one cell.",
+    )
+
+    interrupt_wait = Float(
+        INTERRUPT_WAIT, config=True,
+        help="Seconds an interrupted %%remote cell gets between SIGINT (a terminal's Ctrl-C: the "
+             "program's `except KeyboardInterrupt:` and `finally:` run, e.g. to save a checkpoint) "
+             "and SIGTERM; SIGKILL follows 1 s later.  Interrupting again sends the next signal "
+             "at once.",
     )
 
     default_cwd = Unicode(
@@ -261,7 +269,8 @@ class GpuMagics(Magics):
         machine = self.fleet.get(args.host)
         echo = OutputCap(self.max_display_bytes)
         try:
-            with cell_grace(self.grace if args.grace is None else args.grace):
+            with cell_grace(self.grace if args.grace is None else args.grace), \
+                    cell_interrupt_wait(self.interrupt_wait):
                 result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
                                      timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
         except KeyboardInterrupt:

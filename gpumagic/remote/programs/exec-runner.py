@@ -11,7 +11,15 @@
 #                     "A" (as "C"): start a program whose stdin is a pipe fed by the
 #                     client's "I" frames (bytes) and closed by its "Z" (empty): the sync
 #                     agent, which then starts with no login shell and no new channel;
-#                     "S" (empty): stop it: SIGTERM to its process group, SIGKILL GRACE s later.
+#                     "S" WAIT: stop it (an interrupt, a timeout): SIGINT to its processes (a
+#                     terminal's Ctrl-C: the program's KeyboardInterrupt handler and `finally:`
+#                     run), SIGTERM WAIT seconds later (at once when the cell's own process has
+#                     ended and only what it started is left), SIGKILL GRACE s after that; a
+#                     later "S" sends the next signal at once.  Each "S" is answered "s" (the
+#                     client learns that its path lives and waits for the program's handler).  A cell's processes: its process
+#                     group, and every process whose environment holds its mark
+#                     (GPUMAGIC_CELL, set for each cell), also one that left the group
+#                     (setsid, a daemon) and was re-parented away.
 #                     "I"/"Z" for a program that has ended are dropped.  While more than
 #                     PENDING bytes wait for the program's stdin, the channel is not read
 #                     (its window closes: the client waits, nothing piles up here).
@@ -20,7 +28,8 @@
 #                     "h" (empty): the client is there (sent while a kept cell runs).
 #   runner -> client: "H" version (once, at start); "P" PID (the cell started; its process
 #                     group and session); "O"/"E" stdout/stderr bytes; "X" exit status
-#                     (decimal; 128+N when ended by signal N); for a kept cell also "Q" OUT ERR
+#                     (decimal; 128+N when ended by signal N); "s" (an "S" was heard); for a
+#                     kept cell also "Q" OUT ERR
 #                     (how many stdout and stderr bytes came before the next frame), "R"
 #                     (re-attached to a cell another runner started) and "G" GRACE (stopped
 #                     because no client was heard for GRACE seconds).
@@ -35,8 +44,9 @@
 # Kill on drop: a watchdog process, forked at start, holds the read end of a pipe on which the
 # runner registers each running cell's process group.  When the runner ends for any reason
 # (the channel closed: interrupt, dropped connection, killed sshd; or the runner was killed),
-# the pipe reaches EOF and the watchdog sends SIGTERM to every registered group, then SIGKILL
-# GRACE seconds later.  Nothing a cell started is left running.
+# the pipe reaches EOF and the watchdog sends SIGTERM to every registered cell's processes (its
+# group and its marked ones), then SIGKILL GRACE seconds later.  Nothing a cell started is left
+# running.
 #
 # Kept cells ("K", issue 28): a cell that must outlive a dead path for GRACE seconds.  Its ID
 # is claimed with mkdir(2) of ~/.gpumagic/cells/ID (atomic: a request that arrives twice, the
@@ -75,8 +85,47 @@ HEAD = struct.Struct(">cI")
 PENDING = 1 << 20
 
 
+#: The environment entry that marks every process of a cell (its value is the cell's mark).
+MARK = b"GPUMAGIC_CELL"
+
+
+def marked(mark):
+    """PIDs of the processes whose environment (as they were started) holds ``mark``."""
+    entry = MARK + b"=" + mark
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/environ" % name, "rb") as f:
+                    if entry in f.read().split(b"\0"):
+                        pids.append(int(name))
+            except OSError:  # gone, or another user's
+                pass
+    return pids
+
+
+def signal_cell(group, mark, sig):
+    """Send ``sig`` to a cell's processes: its process group, and each marked process outside
+    it (once each: a second SIGINT would interrupt the program's own handler); how many
+    marked processes outside the group there were."""
+    if group:
+        try:
+            os.killpg(group, sig)
+        except OSError:
+            pass
+    outside = 0
+    for pid in marked(mark) if mark else ():
+        try:
+            if os.getpgid(pid) != group:
+                outside += 1
+                os.kill(pid, sig)
+        except OSError:
+            pass
+    return outside
+
+
 def watchdog(rfd, functions):
-    groups = set()
+    cells = {}  # process group -> mark
     buf = b""
     while True:
         try:
@@ -90,17 +139,15 @@ def watchdog(rfd, functions):
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
-            if line[:1] == b"+":
-                groups.add(int(line[1:]))
-            elif line[:1] == b"-":
-                groups.discard(int(line[1:]))
+            words = line[1:].split()
+            if line[:1] == b"+" and words:
+                cells[int(words[0])] = words[1] if len(words) > 1 else None
+            elif line[:1] == b"-" and words:
+                cells.pop(int(words[0]), None)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for g in groups:
-            try:
-                os.killpg(g, sig)
-            except OSError:
-                pass
-        if sig == signal.SIGTERM and groups:
+        for g, mark in cells.items():
+            signal_cell(g, mark, sig)
+        if sig == signal.SIGTERM and cells:
             time.sleep(GRACE)
     if functions:
         try:
@@ -272,37 +319,63 @@ def parse(payload):
 
 
 class Stoppable(object):
-    """A process group stopped as every cell is: SIGTERM at ``stop``, SIGKILL GRACE seconds
-    later (at the first ``tick`` past ``kill_at``; then ``kill_at`` is infinite)."""
+    """A cell's processes, stopped as a terminal and then a supervisor would: ``stop(WAIT)``
+    (an interrupt) sends SIGINT, SIGTERM follows WAIT seconds later, SIGKILL GRACE seconds
+    after that; ``stop()`` (no client left) starts at SIGTERM; a stop while one is under way
+    sends the next signal at once.  ``tick`` sends what is due."""
 
-    kill_at = None
+    #: Signals sent so far (of SIGINT, SIGTERM, SIGKILL), and when (monotonic) the next is due.
+    sent = ()
+    next_at = None
+    mark = None
 
     def group(self):
         """The process group to stop; None when there is none (not started, or ended)."""
         return None
 
-    def stop(self):
-        group = self.group()
-        if group and self.kill_at is None:
-            try:
-                os.killpg(group, signal.SIGTERM)
-            except OSError:
-                pass
-            self.kill_at = time.monotonic() + GRACE
+    def leader_ended(self):
+        """Whether the cell's own process ended (what is left is what it started)."""
+        return False
+
+    def stop(self, wait=None):
+        if self.group() is None:
+            return
+        if not self.sent:
+            self.signal(signal.SIGINT if wait is not None else signal.SIGTERM,
+                        GRACE if wait is None else max(0.0, wait))
+        else:
+            self.escalate()
+
+    def signal(self, sig, then):
+        self.sent += (sig,)
+        signal_cell(self.group(), self.mark, sig)
+        self.next_at = float("inf") if sig == signal.SIGKILL else time.monotonic() + then
+
+    def escalate(self):
+        last = self.sent[-1] if self.sent else None
+        if last == signal.SIGINT:
+            self.signal(signal.SIGTERM, GRACE)
+        elif last == signal.SIGTERM:
+            self.signal(signal.SIGKILL, 0)
 
     def tick(self):
-        group = self.group()
-        if group and self.kill_at is not None and time.monotonic() >= self.kill_at:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except OSError:
-                pass
-            self.kill_at = float("inf")
+        if self.next_at is None or self.group() is None:
+            return
+        now = time.monotonic()
+        if now >= self.next_at or (self.sent[-1] == signal.SIGINT and self.leader_ended()):
+            self.escalate()
 
 
 class Cell(Stoppable):
-    def __init__(self, payload, wd, functions, piped=False, emit=send):
+    #: Cells started by this runner (a part of each one's mark).
+    started = 0
+
+    def __init__(self, payload, wd, functions, piped=False, emit=send, mark=None):
         self.wd = wd
+        # the mark every process of the cell inherits: a kept cell's is its id (which
+        # exec-stop-kept.py knows), another's this runner's PID and the cell's number
+        Cell.started += 1
+        self.mark = mark or b"%d.%d" % (os.getpid(), Cell.started)
         #: Where its frames go: the channel, or a kept cell's spool.
         self.emit = emit
         self.spool = None
@@ -327,6 +400,7 @@ class Cell(Stoppable):
             level = 0
         if level < 1:
             env[b"SHLVL"] = b"1"
+        env[MARK] = self.mark
         if functions and os.path.basename(argv[0]) == b"bash" and b"BASH_ENV" not in env:
             env[b"BASH_ENV"] = functions.encode("utf-8", "surrogateescape")
         d = enter_dir(cwd.decode("utf-8", "surrogateescape"))
@@ -353,7 +427,7 @@ class Cell(Stoppable):
             self.code = 127 if isinstance(e, FileNotFoundError) else 126
             return
         self.pid = self.proc.pid
-        os.write(wd, b"+%d\n" % self.pid)
+        os.write(wd, b"+%d %s\n" % (self.pid, self.mark))
         emit(b"P", b"%d" % self.pid)
         self.fds = {self.proc.stdout.fileno(): b"O", self.proc.stderr.fileno(): b"E"}
         if piped:
@@ -425,14 +499,17 @@ class Cell(Stoppable):
         self.proc.stdout.close()
         self.proc.stderr.close()
         self.close_input()
-        if rc < 0 and -rc not in (signal.SIGINT, signal.SIGPIPE) and self.kill_at is None:
+        if rc < 0 and -rc not in (signal.SIGINT, signal.SIGPIPE) and not self.sent:
             # what the old path's wrapper sh said on stderr ("Killed": the OOM killer's mark)
             self.emit(b"E", b"%s\n" % signal_name(-rc).encode())
         self.code = 128 - rc if rc < 0 else rc
         return self.code
 
     def group(self):
-        return self.pid if self.proc is not None else None
+        return self.pid if self.proc is not None and self.code is None else None
+
+    def leader_ended(self):
+        return self.proc is not None and self.proc.poll() is not None
 
 
 class Leased(object):
@@ -573,6 +650,7 @@ class Follow(Leased, Stoppable):
 
     def __init__(self, d, want):
         self.dir = d
+        self.mark = os.path.basename(d).encode("ascii", "replace")  # the kept cell's id
         self.want = want
         self.at = [0, 0]
         self.seg = None
@@ -682,7 +760,7 @@ def kept(payload, wd, functions):
     except OSError:
         remove_dir(d)
         return Cell(rest, wd, functions), None
-    cell = Cell(rest, wd, functions, emit=spool.emit)
+    cell = Cell(rest, wd, functions, emit=spool.emit, mark=ident)
     cell.spool = spool
     spool.lease(cell.pid if cell.proc is not None else 0)
     if cell.code is not None:  # never started (no such directory...): its end is spooled
@@ -712,8 +790,8 @@ def main():
         if cell is not None and not (spool is not None and spool.hold_back()):
             fds += list(cell.fds)
         timeout = None
-        if cell is not None and cell.kill_at is not None and cell.kill_at != float("inf"):
-            timeout = max(0.0, cell.kill_at - time.monotonic())
+        if cell is not None and cell.next_at is not None and cell.next_at != float("inf"):
+            timeout = max(0.0, cell.next_at - time.monotonic())  # (SIGCHLD wakes it sooner)
         elif cell is not None and not cell.fds:
             timeout = 0.05  # output closed, the process not ended yet: look again soon
         if follow is not None:
@@ -758,7 +836,12 @@ def main():
                 elif kind == b"K" and cell is None and follow is None:
                     cell, follow = kept(payload, wd, functions)
                 elif kind == b"S" and (cell or follow) is not None:
-                    (cell or follow).stop()
+                    try:
+                        wait = float(payload) if payload else None
+                    except ValueError:
+                        wait = None
+                    (cell or follow).stop(wait)
+                    (cell.emit if cell is not None else send)(b"s")  # heard: the path lives
                 elif kind == b"I" and cell is not None:
                     cell.feed(payload)
                 elif kind == b"Z" and cell is not None:

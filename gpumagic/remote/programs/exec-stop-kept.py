@@ -3,8 +3,9 @@
 # grace passed without a connection, or Ctrl-C came while none was there.  Its owner runner
 # (exec-runner.py) then spools its exit status and ends by itself.
 # * The cell's process group is in ~/.gpumagic/cells/ID/lease (its third word, written when it
-#   started; the first is its owner runner's PID, the second its grace): SIGTERM
-#   to it, SIGKILL to what is left GRACE seconds later.
+#   started; the first is its owner runner's PID, the second its grace), and every process
+#   that carries the cell's mark (GPUMAGIC_CELL=ID in its environment: also one that left
+#   the group with setsid): SIGTERM to them, SIGKILL to what is left GRACE seconds later.
 # * An ID not claimed yet (its request is still on its way through a dying path, or lost) is
 #   claimed here as ended, so that the request never starts it later.
 # Prints `stopped` (the group was running and is gone now), `gone` (nothing of it runs), or
@@ -19,19 +20,42 @@ cells = os.path.join(os.environ.get("HOME") or "/", ".gpumagic", "cells")
 d = os.path.join(cells, os.path.basename(sys.argv[2]))
 
 
-def group_alive(g):
-    """A live (not zombie) process in process group ``g``."""
+MARK = b"GPUMAGIC_CELL=" + os.path.basename(sys.argv[2]).encode("ascii", "replace")
+
+
+def alive(g):
+    """The live (not zombie) processes of the cell: in process group ``g``, or marked."""
+    pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open("/proc/%s/stat" % name, "rb") as f:
                 fields = f.read().rpartition(b")")[2].split()
+            if len(fields) < 3 or fields[0] in (b"Z", b"X"):
+                continue
+            if fields[2] == b"%d" % g:
+                pids.append((int(name), True))
+            else:
+                with open("/proc/%s/environ" % name, "rb") as f:
+                    if MARK in f.read().split(b"\0"):
+                        pids.append((int(name), False))
         except OSError:
             continue
-        if len(fields) > 2 and fields[2] == b"%d" % g and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+    return pids
+
+
+def kill(g, sig):
+    try:
+        os.killpg(g, sig)
+    except OSError:
+        pass
+    for pid, in_group in alive(g):
+        if not in_group:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
 
 
 try:
@@ -54,22 +78,16 @@ try:
         pgid = int(f.read().split()[2])
 except (OSError, ValueError, IndexError):
     pgid = 0
-if pgid <= 1 or os.path.exists(os.path.join(d, "end")) or not group_alive(pgid):
+if pgid <= 1 or os.path.exists(os.path.join(d, "end")) or not alive(pgid):
     print("gone")
     sys.exit(0)
-try:
-    os.killpg(pgid, signal.SIGTERM)
-except OSError:
-    pass
+kill(pgid, signal.SIGTERM)
 until = time.monotonic() + grace
-while time.monotonic() < until and group_alive(pgid):
+while time.monotonic() < until and alive(pgid):
     time.sleep(0.1)
-if group_alive(pgid):
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
+if alive(pgid):
+    kill(pgid, signal.SIGKILL)
 until = time.monotonic() + 2
-while time.monotonic() < until and group_alive(pgid):
+while time.monotonic() < until and alive(pgid):
     time.sleep(0.1)
-print("left" if group_alive(pgid) else "stopped")
+print("left" if alive(pgid) else "stopped")
