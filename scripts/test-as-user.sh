@@ -39,6 +39,13 @@ if [ "$(id -u "$user")" = 0 ]; then
   say "$user has uid 0: it is not a plain user"; exit 2
 fi
 home=$(getent passwd "$user" | cut -d: -f6)
+# pytest's temp folder left by an earlier account of the same name (removed and made again, so
+# another uid) stops pytest at start ("not owned by the current user"): it goes
+stale=/tmp/pytest-of-$user
+if [ -d "$stale" ] && [ "$(stat -c %u "$stale")" != "$(id -u "$user")" ]; then
+  say "removing $stale, left by an earlier $user (uid $(stat -c %u "$stale"))"
+  rm -rf "$stale"
+fi
 repo=$PWD
 cd "$home"  # the checkout may sit where the user cannot enter (/root)
 as_user() {

@@ -174,21 +174,37 @@ PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 #: One look at the page while Run All goes on: every widget output is given an id and its
 #: record kept in window.__gm (polls seen, ever visible: a box with a size and some text);
 #: returns whether every cell ran, whether "Error displaying widget" is shown, and the records.
-LOOK = """() => {
+#: Records every widget view that appears in the notebook while Run All goes on: each DOM
+#: change is looked at as it happens (a MutationObserver), not at the next poll, so a sync bar
+#: that lives 50 ms is seen as surely as one that lives a minute.  Installed once a page.
+OBSERVE = """() => {
   const PANEL = '%s';
   const gm = window.__gm = window.__gm || {next: 0, seen: {}, error: false};
-  const views = [...document.querySelectorAll(`${PANEL} .jp-OutputArea-output`)]
-    .filter(e => e.querySelector('.jupyter-widgets'));  // a widget view (no data-mime-type there)
-  for (const e of views) {
-    if (!e.dataset.gmId) e.dataset.gmId = String(gm.next++);
-    const s = gm.seen[e.dataset.gmId] = gm.seen[e.dataset.gmId] || {polls: 0, visible: false, text: ''};
-    const r = e.getBoundingClientRect();
-    s.polls++;
-    if (r.width > 0 && r.height > 0 && e.innerText.trim() !== '') {
-      s.visible = true;
-      s.text = e.innerText.slice(0, 200);
+  if (gm.observer) return;
+  gm.scan = () => {
+    const views = [...document.querySelectorAll(`${PANEL} .jp-OutputArea-output`)]
+      .filter(e => e.querySelector('.jupyter-widgets'));  // a widget view (no data-mime-type there)
+    for (const e of views) {
+      if (!e.dataset.gmId) e.dataset.gmId = String(gm.next++);
+      const s = gm.seen[e.dataset.gmId] = gm.seen[e.dataset.gmId] || {polls: 0, visible: false, text: ''};
+      const r = e.getBoundingClientRect();
+      s.polls++;
+      if (r.width > 0 && r.height > 0 && e.innerText.trim() !== '') {
+        s.visible = true;
+        s.text = e.innerText.slice(0, 200);
+      }
     }
-  }
+  };
+  gm.observer = new MutationObserver(() => { gm.scan(); requestAnimationFrame(gm.scan); });
+  gm.observer.observe(document.body, {childList: true, subtree: true, characterData: true});
+}""" % PANEL
+
+#: What the page shows now: whether every code cell has run, a widget error, and every widget
+#: view recorded so far (OBSERVE).
+LOOK = """() => {
+  const PANEL = '%s';
+  const gm = window.__gm;
+  gm.scan();
   gm.error = gm.error || document.body.innerText.includes('Error displaying widget');
   const p = [...document.querySelectorAll(`${PANEL} .jp-CodeCell .jp-InputPrompt`)].map(e => e.textContent.trim());
   return {done: p.length > 0 && p.every(t => /^\\[\\d+\\]:$/.test(t)), error: gm.error,
@@ -301,6 +317,7 @@ def test_tutorial_runs_in_jupyterlab_with_run_all(lab, browser, name):
     try:
         _open(page, lab, name)
         page.get_by_text("| Idle").wait_for(timeout=120_000)  # the status bar: the kernel is ready
+        page.evaluate(OBSERVE)
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").click()
         page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
         live = _run_all_and_watch(page, 780)
