@@ -190,7 +190,7 @@ class Machine:
             env: Mapping[str, str] | None = None, timeout: float | None = None,
             check: bool = False, quiet: bool = False,
             stdout: Callable[[str], None] | None = None,
-            stderr: Callable[[str], None] | None = None, capture: bool = True) -> RunResult:
+            stderr: Callable[[str], None] | None = None, capture: bool | int = True) -> RunResult:
         """Run a command or a cell on the machine, streaming its output.
 
         Parameters

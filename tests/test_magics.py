@@ -260,6 +260,42 @@ def test_interrupt_shows_one_line_not_gpumagic_frames(ip, capsys):
     assert "execution.py" not in shown and "Traceback" not in shown
 
 
+def test_output_neither_shown_nor_asked_for_is_not_kept_in_memory(ip, capsys):
+    # Issue 43: 400 MB printed raised the notebook's peak memory to 824 MB, all of it kept for
+    # a result nobody asked for.  Without --out only the last 64 KiB of each stream is kept (the
+    # failure hint's and the error's); shown here: max_display_bytes.
+    import tracemalloc
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    tracemalloc.start()
+    try:
+        ip.run_cell_magic("remote", "--python", "import sys\nfor _ in range(480):\n"
+                          "    sys.stdout.write('y' * 65535 + '\\n')\nsys.stdout.flush()")  # 30 MiB
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+    seen = capsys.readouterr()
+    assert seen.out.count("y") == 1000
+    assert "31,456,280 more characters were not displayed" in seen.err, seen.err
+    assert peak < 10 * 2 ** 20, peak  # was over 30 MiB: every character kept
+
+
+def test_a_failed_cells_hint_reads_the_end_of_a_long_output(ip, capsys):
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    try:
+        with pytest.raises(RemoteCommandError) as e:
+            ip.run_cell_magic("remote", "--python", "import sys\nsys.stderr.write('x' * 5000000)\n"
+                              "raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB')")
+    finally:
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+    assert "batch size" in (e.value.hint or "").lower(), e.value.hint
+    assert e.value.stderr.endswith("CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    assert len(e.value.stderr) == 64 * 1024
+
+
 def test_huge_output_is_capped_in_the_notebook_but_kept_by_out(ip, capsys):
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")

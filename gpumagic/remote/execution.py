@@ -161,7 +161,8 @@ class RunResult:
     Attributes
     ----------
     stdout, stderr : str
-        Everything written (UTF-8, invalid bytes replaced), unless not captured.
+        Everything written (UTF-8, invalid bytes replaced), unless not captured (or its
+        last ``capture`` characters, where ``capture`` was a number).
     exit_code : int
         Remote exit status; 128+N when ended by signal N.
     seconds : float
@@ -348,11 +349,17 @@ def cell_argv(code: str, *, python: bool = False, python_exe: str = "python3") -
 
 
 class _Stream:
-    def __init__(self, sink: Sink | None, capture: bool):
+    """One stream of a command: decoded as it comes, passed to ``sink``, and kept for the
+    result as ``capture`` says: everything (True), nothing (False), or its last ``capture``
+    characters (an int: memory stays flat however much a cell prints)."""
+
+    def __init__(self, sink: Sink | None, capture: bool | int):
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.sink = sink
-        self.capture = capture
+        self.tail = None if isinstance(capture, bool) else max(0, int(capture))
+        self.capture = bool(capture) or self.tail is not None
         self.parts: list[str] = []
+        self.kept = 0  # characters in parts
         self.nbytes = 0
 
     def feed(self, data: bytes, final: bool = False) -> None:
@@ -360,14 +367,23 @@ class _Stream:
         text = self.decoder.decode(data, final)
         if not text:
             return
-        if self.capture:
-            self.parts.append(text)
+        self.keep(text)
         if self.sink is not None:
             self.sink(text)
 
+    def keep(self, text: str) -> None:
+        if not self.capture:
+            return
+        self.parts.append(text)
+        self.kept += len(text)
+        if self.tail is not None and self.kept > 2 * self.tail + 65536:  # trimmed now and then
+            joined = "".join(self.parts)[-self.tail:]
+            self.parts, self.kept = [joined], len(joined)
+
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        text = "".join(self.parts)
+        return text if self.tail is None else text[-self.tail:] if self.tail else ""
 
 
 class _MarkerFilter:
@@ -411,7 +427,7 @@ class _MarkerFilter:
 
 def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         env: Mapping[str, str | None] | None = None, stdout: Sink | None = None,
-        stderr: Sink | None = None, capture: bool = True, timeout: float | None = None,
+        stderr: Sink | None = None, capture: bool | int = True, timeout: float | None = None,
         check: bool = False, grace: float | None = None) -> RunResult:
     """Run ``argv`` on the machine and stream its output.
 
@@ -429,8 +445,9 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         a process's argv.
     stdout, stderr : callable, optional
         Called with each decoded text chunk as it arrives (``\\r`` kept as sent).
-    capture : bool
-        Keep the whole output in the result (turn off for huge outputs).
+    capture : bool or int
+        Keep the whole output in the result (True), none of it (False: for huge outputs), or
+        each stream's last ``capture`` characters (an int).
     timeout : float, optional
         Seconds; past it the process group is stopped and :class:`RemoteTimeout` raised.
     check : bool
@@ -604,8 +621,7 @@ class _Kept:
 
     def note(self, text: str) -> None:
         """A line of gpumagic's own among the cell's stderr (shown, and kept by ``--out``)."""
-        if self._err.capture:
-            self._err.parts.append(text)
+        self._err.keep(text)
         if self._err.sink is not None:
             self._err.sink(text)
 

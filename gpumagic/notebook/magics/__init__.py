@@ -271,8 +271,11 @@ class GpuMagics(Magics):
         try:
             with cell_grace(self.grace if args.grace is None else args.grace), \
                     cell_interrupt_wait(self.interrupt_wait):
+                # kept whole only for --out; else the last 64 KiB of each stream (the error's
+                # and the failure hint's), so a cell printing gigabytes costs no memory here
                 result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
-                                     timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr)
+                                     timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr,
+                                     capture=True if args.out else UNKEPT_TAIL)
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; the cell's processes on {machine.name} were stopped") from None
         echo.finish()
@@ -289,6 +292,11 @@ class GpuMagics(Magics):
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
         return None
+
+
+#: Characters of each stream of a %%remote cell kept without --out (what the failure hint and
+#: the error read: the end of the output).
+UNKEPT_TAIL = 64 * 1024
 
 
 def _refuse_grace_outside_a_cell(args) -> None:
