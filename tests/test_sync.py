@@ -927,3 +927,49 @@ def test_progress_false_is_no_progress_and_a_non_callable_is_a_clear_error(machi
     assert machine.pull(f"{tmp_path / 'remote'}/", str(tmp_path / "back"), progress=None).files_sent == 1
     with pytest.raises(TypeError, match=r"^progress must be a callable that takes a SyncProgress"):
         machine.push(f"{src}/", str(tmp_path / "remote"), progress="yes")
+
+
+@pytest.mark.parametrize("flags", ["", "--compress"])
+def test_ctrl_c_in_a_sync_is_one_line_at_once_and_the_same_sync_resumes(ip, capsys, tmp_path, flags):
+    # Issue 43: Ctrl-C during %gpu sync printed a 30-frame traceback (threading's
+    # waiter.acquire) and took 4.9 s with --compress: the large file's worker, its channel
+    # closed under it, waited 2 s for the connection to look down, then read the agent's end.
+    import _thread
+    import threading
+
+    from gpumagic.errors import Interrupted
+    from gpumagic.notebook.magics.sync import INTERRUPTED
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    block = os.urandom(1 << 20)
+    with open(src / "big.bin", "wb") as f:  # 200 MiB, half of it compressible
+        for i in range(100):
+            f.write(block[i:] + block[:i] + b"a" * (1 << 20))
+    ip.run_line_magic("gpu", "connect testgpu")
+    worker_left: list[bool] = []
+
+    def interrupt_when_a_part_grows() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            parts = list(dst.glob(".big.bin.*.gpumagic-part")) if dst.exists() else []
+            if parts and parts[0].stat().st_size > 16 << 20:
+                break
+            time.sleep(0.01)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_a_part_grows, daemon=True).start()
+    result = ip.run_cell(f"%gpu sync {src}/ :{dst}/ {flags}")
+    # the large file's worker ended with the sync: none is left sending
+    worker_left.extend(t.name.startswith("gpumagic-sync") for t in threading.enumerate())
+    assert isinstance(result.error_in_exec, Interrupted)
+    shown = capsys.readouterr()
+    lines = [ln for ln in (shown.out + shown.err).splitlines() if ln.startswith("KeyboardInterrupt")]
+    assert lines == ["KeyboardInterrupt: " + INTERRUPTED]
+    assert "Traceback" not in shown.out + shown.err
+    assert not any(worker_left)
+    assert not (dst / "big.bin").exists() and len(list(dst.glob(".big.bin.*.gpumagic-part"))) == 1
+    ip.run_line_magic("gpu", f"sync {src}/ :{dst}/ {flags}")
+    again = capsys.readouterr().out
+    assert "resumed)" in again, again
+    assert _sha(dst / "big.bin") == _sha(src / "big.bin")

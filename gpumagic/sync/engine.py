@@ -294,6 +294,12 @@ _LISTED = re.compile(re.escape(agent.LISTED_TAG) + rb"(\d+)\n")
 _LISTED_START = agent.LISTED_TAG[:8]
 
 
+class _ClosedHere(Exception):
+    """A channel of the sync was closed by this side (an interrupt, another worker's error)
+    while a worker still used it: the worker stops at once; the error that closed it is the
+    one raised."""
+
+
 class _Channel:
     """An agent exec channel: reads after the start marker, with the connection watched.
 
@@ -316,6 +322,8 @@ class _Channel:
     def __init__(self, machine, op: str, *args: str):
         self.machine = machine
         self.op = op
+        #: Closed by this side (:meth:`close`): a failing send is no news then.
+        self.closed_here = False
         #: What the agent does to its files, for error messages ("reading": it sends them).
         self.doing = "reading" if op == "get" else "writing"
         nonce = self.nonce = os.urandom(8).hex()
@@ -566,6 +574,8 @@ class _Channel:
             # never after the agent's CLOSE (sshd would drop us).
             self.pump.send_all(data, self._idle)
         except (paramiko.SSHException, EOFError, OSError) as e:
+            if self.closed_here:  # closed by this side (an interrupt): nothing to wait for
+                raise _ClosedHere() from None
             if self._connection_gone():
                 raise _lost(self.machine, e) from None
             raise self.failure(self.read()) from None  # the agent stopped (disk full...)
@@ -647,6 +657,7 @@ class _Channel:
                          "run the sync again; if it repeats, report it with this message")
 
     def close(self) -> None:
+        self.closed_here = True
         try:
             self.chan.close()
         except (paramiko.SSHException, EOFError, OSError):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ...errors import ConfigError, SyncIncomplete
+from ...errors import ConfigError, Interrupted, SyncIncomplete
 from ...sync import engine as sync
 from .. import widgets
 from ._args import host_arg, parse
@@ -76,12 +76,20 @@ def _sync(magics: GpuMagics, line: str):
         summary = sync_once(t.src.path, t.dst.path, options, progress=progress)
     except SyncIncomplete as e:  # the rest was synced: its summary, then the error (Run All stops)
         summary, incomplete = e.summary, e
+    except KeyboardInterrupt:
+        raise Interrupted(INTERRUPTED) from None
     finally:  # the bar's line ends before an error is shown
         if progress is not None:
             progress.close(failed=summary is None or incomplete is not None)
     print(summary)
     if incomplete is not None:
         raise incomplete
+
+
+#: What an interrupted sync says (one line, for IPython: :class:`Interrupted`).
+INTERRUPTED = ("the sync was interrupted and stopped, here and on the machine; every file that "
+               "arrived is whole, and a file of 8 MiB or more keeps its part: the same %gpu sync "
+               "goes on from there")
 
 
 def sync_options(args) -> sync.SyncOptions:

@@ -9,7 +9,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as _show
 
 from ... import wrapup as wrapupmod
-from ...errors import ConfigError
+from ...errors import ConfigError, Interrupted
 from ...sync.engine import parse_endpoint
 from ..display import Rendered
 from ._args import host_arg, out_arg, parse
@@ -63,7 +63,11 @@ def _wrapup(magics: GpuMagics, line: str):
     if args.yes and not args.clean:
         raise UsageError("--yes only applies to --clean")
     confirm = (lambda _text: True) if args.yes else (lambda text: _ask(text))
-    report = wrapupmod.wrapup(m, pulls or None, pull=not args.no_pull, clean=args.clean, confirm=confirm)
+    try:
+        report = wrapupmod.wrapup(m, pulls or None, pull=not args.no_pull, clean=args.clean, confirm=confirm)
+    except KeyboardInterrupt:
+        raise Interrupted("the wrap-up was interrupted and stopped, here and on the machine; run "
+                          f"%gpu wrapup again before releasing {m.name} (it checks everything anew)") from None
     _show(Rendered(wrapupmod.report_text(report), wrapupmod.report_html(report)))
     if args.out:
         magics.shell.user_ns[args.out] = report
