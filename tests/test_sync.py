@@ -973,3 +973,37 @@ def test_ctrl_c_in_a_sync_is_one_line_at_once_and_the_same_sync_resumes(ip, caps
     again = capsys.readouterr().out
     assert "resumed)" in again, again
     assert _sha(dst / "big.bin") == _sha(src / "big.bin")
+
+
+def _parts(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*.gpumagic-part")]
+
+
+@pytest.mark.parametrize("size", [3 << 20, 10 << 20], ids=["small file", "large file"])
+def test_a_pull_into_a_full_disk_names_the_file_and_mount_and_leaves_no_part(machine, tmp_path, small_mount, size):
+    # Issue 43: "SyncDiskFull: disk full on this computer writing ?", and a hidden 19-31 MB
+    # part file left the disk full.
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "ok.txt").write_text("fits", encoding="utf-8")
+    (there / "w.bin").write_bytes(os.urandom(size))
+    with pytest.raises(SyncDiskFull) as e:
+        machine.pull(str(there) + "/", str(small_mount / "back"))
+    said = e.value.message
+    assert f"disk full on this computer writing {small_mount / 'back' / 'w.bin'} (mount {small_mount}" in said, said
+    assert _parts(small_mount) == []
+    if size >= sync.LARGE_FILE:
+        assert "its partial copy (" in said and "was removed, so the space is free again" in said, said
+    assert (small_mount / "back" / "ok.txt").read_text(encoding="utf-8") == "fits"
+
+
+def test_a_push_into_a_full_disk_leaves_no_part_there(machine, tmp_path, small_mount):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(10 << 20))
+    with pytest.raises(SyncDiskFull) as e:
+        machine.push(str(src) + "/", str(small_mount / "ws"))
+    said = e.value.message
+    assert f"writing {small_mount / 'ws' / 'w.bin'} (mount {small_mount}" in said, said
+    assert "was removed, so the space is free again" in said, said
+    assert _parts(small_mount) == []

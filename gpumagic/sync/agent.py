@@ -370,6 +370,8 @@ def error_record(exc, path=None):
         path = exc.filename or path
         rec["error"] = exc.strerror or str(exc)
         rec["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
+    if getattr(exc, "removed", None) is not None:
+        rec["removed"] = exc.removed
     if path:
         path = os.fsdecode(path)
         rec["path"] = path
@@ -912,11 +914,16 @@ def write_file(path, src, size, mode, mtime, on_bytes=None):
     ``mtime``: seconds.
     """
     _make_parent(path)
-    with _Part(path) as tmp:
-        with _create(tmp) as f:
-            write_rest(f, src, size, path, on_bytes)
-            _check_size(f, size, path)
-        set_meta(tmp, mode, mtime)
+    try:
+        with _Part(path) as tmp:
+            with _create(tmp) as f:
+                write_rest(f, src, size, path, on_bytes)
+                _check_size(f, size, path)
+            set_meta(tmp, mode, mtime)
+    except OSError as e:  # (closing the part can fail too, e.g. its last flush on a full disk)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
 
 
 def write_rest(f, src, left, path, on_bytes=None):
@@ -926,17 +933,25 @@ def write_rest(f, src, left, path, on_bytes=None):
     ------
     EOFError
         When ``src`` ends first (what was written stays, for a resume).
+    OSError
+        Writing failed; one for a full disk (ENOSPC, EDQUOT) names ``path`` (the caller
+        then removes the part: :func:`drop_part`).
     """
-    while left > 0:
-        b = src.read(min(CHUNK, left))
-        if not b:
-            f.flush()
-            raise EOFError("stream ended %d bytes before the end of %s" % (left, path))
-        f.write(b)
-        left -= len(b)
-        if on_bytes is not None:
-            on_bytes(len(b))
-    f.flush()
+    try:
+        while left > 0:
+            b = src.read(min(CHUNK, left))
+            if not b:
+                f.flush()
+                raise EOFError("stream ended %d bytes before the end of %s" % (left, path))
+            f.write(b)
+            left -= len(b)
+            if on_bytes is not None:
+                on_bytes(len(b))
+        f.flush()
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(e.errno, e.strerror, e.filename or path) from None
 
 
 def _check_size(f, size, path):
@@ -1119,6 +1134,28 @@ def _taken_part(path, tmp):
         if f is not None:
             return f, os.fstat(f.fileno()).st_size
     return None
+
+
+def drop_part(f, tmp, exc):
+    """The write of part file ``f`` (at ``tmp``) failed with ``exc``: for a full disk
+    (ENOSPC, EDQUOT) the part is removed, so the disk is not left full by it (a resume would
+    save sending its bytes again, but nothing can be written there until space is freed);
+    ``exc.removed`` says how many bytes it held (:func:`error_record` reports them)."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT) or f.closed:
+        return
+    fd = os.dup(f.fileno())
+    try:
+        held = os.fstat(fd).st_size
+        os.ftruncate(fd, 0)  # the blocks are free at once
+        try:
+            f.close()  # (what it still buffered may be written, into the space just freed)
+        except OSError:
+            pass
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    _unlink_quietly(tmp)
+    exc.removed = held
 
 
 def leave_part(f, tmp):
@@ -2040,7 +2077,11 @@ def _put(root, argv, inp, out):
             out.flush()
             if len(argv) > 6 and argv[6] != "0":  # the bytes come in frames
                 inp = ZReader(inp)
-            write_rest(f, inp, size - keep, path)
+            try:
+                write_rest(f, inp, size - keep, path)
+            except OSError as e:
+                drop_part(f, tmp, e)
+                raise
             want = None
             if keep:
                 want = inp.read(64).decode("ascii", "replace")

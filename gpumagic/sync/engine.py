@@ -764,7 +764,9 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
     at = f" (mount {mount}" + (f", {_fmt_bytes(rec['free'])} free)" if "free" in rec else ")") if mount else ""
     code = rec.get("errno", "")
     if code in ("ENOSPC", "EDQUOT"):
-        return SyncDiskFull(f"disk full{on} writing {path}{at}",
+        removed = f"; its partial copy ({_fmt_bytes(rec['removed'])}) was removed, so the space is free again" \
+            if rec.get("removed") else ""
+        return SyncDiskFull(f"disk full{on} writing {path}{at}{removed}",
                             f"free space on {mount or 'that disk'} (old checkpoints?) or sync elsewhere, then "
                             "run the sync again: files already complete are kept")
     if code in ("EACCES", "EPERM", "EROFS"):
@@ -2424,8 +2426,12 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
             want = None
             stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
             try:
-                agent.write_rest(f, stream, e.size - kept, path,
-                                 on_bytes=lambda n: run.add_bytes(n, path=e.path))
+                try:
+                    agent.write_rest(f, stream, e.size - kept, path,
+                                     on_bytes=lambda n: run.add_bytes(n, path=e.path))
+                except OSError as exc:
+                    agent.drop_part(f, tmp, exc)
+                    raise
                 if kept:
                     want = agent.read_exact(stream, 64).decode("ascii", "replace")
                     if len(want) < 64:
