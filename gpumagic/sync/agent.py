@@ -654,6 +654,14 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
         st = os.lstat(root)
     except FileNotFoundError:
         return out
+    followed = False
+    if stat.S_ISLNK(st.st_mode):  # a root that links to a folder is that folder (as rsync follows it)
+        try:
+            target = os.stat(root)
+        except OSError:
+            target = None
+        if target is not None and stat.S_ISDIR(target.st_mode):
+            st, followed = target, True
     _stat_record(out, root, ".", st, want_hash)
     if not stat.S_ISDIR(st.st_mode):
         return out
@@ -689,7 +697,7 @@ def list_tree(root, want_hash=False, names=None, prune=None, out=None, gone=None
         fd = None
         try:
             if _LIST_FD:  # each name's stat is then an fstatat in that directory (see _LIST_FD)
-                fd = os.open(d, _DIR_FLAGS)
+                fd = os.open(d, _DIR_FLAGS if d != root or not followed else _ROOT_FLAGS)
                 lstat = os.lstat
                 if judge is None:
                     names = os.listdir(fd)
@@ -726,6 +734,8 @@ _LIST_FD = (os.listdir in getattr(os, "supports_fd", ()) and os.scandir in getat
             and os.stat in getattr(os, "supports_dir_fd", ()))
 _DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
               | getattr(os, "O_CLOEXEC", 0))
+#: ... and a root that is a link to a folder, followed.
+_ROOT_FLAGS = _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0)
 
 
 def _list_dir(out, d, rel, names, lstat, fd, want_hash, add, keep, fields, stack):

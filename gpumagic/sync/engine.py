@@ -1943,7 +1943,8 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
             agent.remove(_local_path(dst_root, rel))
         os.makedirs(dst_root, exist_ok=True)
         for e in plan.dirs:
-            agent.make_dir(_local_path(dst_root, e.path), e.mode)
+            if e.path != ".":  # the root is made above (a link to a folder stays a link: followed)
+                agent.make_dir(_local_path(dst_root, e.path), e.mode)
         if single:
             for e in large:
                 _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
