@@ -377,13 +377,17 @@ class Machine:
             return distributed.start([self], name, command, options, run)  # type: ignore[return-value]
         if torchrun_args is not None:
             raise TypeError("torchrun_args is for a torchrun job: give torchrun=N too")
+        keep_run = 1
         if keep is not None:
+            from .remote.keep import next_run
+
             jobs.check_name(name)
-            keep.make_local_folder(name)  # refused here, before anything starts there
+            keep_run = next_run(self.name, name)  # each start is a run of its own: its checkpoints apart
+            keep.make_local_folder(name, keep_run)  # refused here, before anything starts there
         job = jobs.start(self, name, command, options, tool_dirs=self.tool_dirs)
         if keep is not None:
             cwd = options.cwd if options.cwd is not None else (self.cwd or "")
-            job.keeper = self.keepers.start(self, name, cwd, keep)
+            job.keeper = self.keepers.start(self, name, cwd, keep, run=keep_run)
         return job
 
     def jobs(self) -> list[JobInfo]:

@@ -398,3 +398,57 @@ def test_keep_durations_and_defaults():
     assert o.local_folder("train") == os.path.abspath(os.path.join("train", "ckpt"))
     with pytest.raises(JobError):
         KeepOptions("ckpt/", last=0)
+
+
+#: A training job for two runs of one name: it writes checkpoints 5 and 10 (write, then rename)
+#: and ends; with the file ``crash`` in its folder it crashes at once.
+TWO_RUNS_JOB = r"""
+import os, sys
+if os.path.exists("crash"):
+    sys.exit("crashed at start")
+for n in (5, 10):
+    with open(f"ckpt/.step-{n}.pt.tmp", "wb") as f:
+        f.write(b"run 1, step %d" % n)
+    os.replace(f"ckpt/.step-{n}.pt.tmp", f"ckpt/step-{n}.pt")
+print("done", flush=True)
+"""
+
+
+@needs_tmux
+def test_a_second_run_of_a_name_is_a_run_of_its_own(ip, work, tmp_path, monkeypatch, data_dir):
+    # Issue 43, finding 4: run 1 of `train` kept step-5..10 and ended; run 2 crashed at once.
+    # `%gpu job resume` pushed run 1's step-10 and resumed it, `%gpu jobs` showed it and "training
+    # lost" for run 2, and run 2's kept files would replace run 1's of the same name.
+    rel, path = work
+    name = jname("runs")
+    monkeypatch.chdir(tmp_path)  # ./NAME/ckpt/ lands here
+    ip.run_line_magic("gpu", "connect testgpu")
+    cell = (f"--job {name} --python --cwd {rel} --keep ckpt/ --keep-every 0.1 --keep-settle 1h "
+            f'--resume-arg "--resume {{checkpoint}}"')
+    with capture_output():
+        ip.run_cell_magic("remote", cell, TWO_RUNS_JOB)
+    m = ip._gpumagic.fleet.get(None)
+    k = m.keepers.get(name)
+    assert wait_until(lambda: len(k.kept) == 2, 30), (k.error, k.kept)
+    assert m.job(name).wait(timeout=30).exit_code == 0
+    first = tmp_path / name / "ckpt"
+    assert sorted(p.name for p in first.glob("step-*")) == ["step-10.pt", "step-5.pt"]
+
+    (path / "crash").touch()
+    with capture_output() as cap:
+        ip.run_cell_magic("remote", cell, TWO_RUNS_JOB)
+    assert f"keeping ckpt/ of job {name} in {tmp_path / name / 'run-2' / 'ckpt'}" in cap.stdout, cap.stdout
+    assert m.job(name).wait(timeout=30).exit_code == 1
+    rec = json.loads(keep.record_path(m.name, name).read_text(encoding="utf-8"))
+    assert rec["run"] == 2 and rec["files"] == {}
+    assert move.newest_kept(rec) is None
+    # run 1's checkpoints stay where they were, whole
+    assert (first / "step-10.pt").read_bytes() == b"run 1, step 10"
+    with capture_output() as cap:
+        ip.run_line_magic("gpu", "jobs")
+    line = next(ln for ln in cap.stdout.splitlines() if ln.startswith(f"job {name}:"))
+    assert "step-10" not in line and "training lost" not in line, line
+    with pytest.raises((UsageError, JobError)) as e:
+        ip.run_line_magic("gpu", f"job resume {name}")
+    assert f"no checkpoint of job {name} is kept here yet" in str(e.value), str(e.value)
+    assert not (path / "ckpt" / "resumed").exists()

@@ -112,13 +112,16 @@ class KeepOptions:
         if self.last is not None and not (isinstance(self.last, int) and self.last >= 1):
             raise JobError(f"--keep-last must be a whole number from 1, not {self.last!r}", "e.g. --keep-last 3")
 
-    def local_folder(self, job: str) -> str:
-        """The absolute local folder for job ``job``."""
+    def local_folder(self, job: str, run: int = 1) -> str:
+        """The absolute local folder for run ``run`` of job ``job``: ``--keep-to``'s, else
+        ``./JOB/ckpt/`` for the first run and ``./JOB/run-N/ckpt/`` for run N after it, so
+        that an earlier run's checkpoints are kept apart, never replaced by a later one's."""
         if self.to:
             return os.path.abspath(os.path.expanduser(self.to))
-        return os.path.abspath(os.path.join(job, os.path.basename(self.path.rstrip("/")) or "ckpt"))
+        name = os.path.basename(self.path.rstrip("/")) or "ckpt"
+        return os.path.abspath(os.path.join(job, name) if run <= 1 else os.path.join(job, f"run-{run}", name))
 
-    def make_local_folder(self, job: str) -> str:
+    def make_local_folder(self, job: str, run: int = 1) -> str:
         """Make the local folder (and its staging folder) before the job starts; returns it.
 
         Raises
@@ -126,7 +129,7 @@ class KeepOptions:
         JobError
             It cannot be made here (a file of that name, no permission, a full disk).
         """
-        folder = self.local_folder(job)
+        folder = self.local_folder(job, run)
         try:
             os.makedirs(os.path.join(folder, STAGE), exist_ok=True)
         except OSError as e:
@@ -182,6 +185,21 @@ def records(machine_name: str) -> list[dict]:
         if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT:
             out.append(rec)
     return sorted(out, key=lambda r: (r.get("started") or 0, r.get("job", "")))
+
+
+def record_path(machine_name: str, job: str) -> Path:
+    """The keep record of ``job`` on ``machine_name`` (its latest run's)."""
+    return record_dir(machine_name) / f"{job}.json"
+
+
+def next_run(machine_name: str, job: str) -> int:
+    """The number of a new start of ``job`` on ``machine_name``: 1, or one more than the run
+    its keep record is of (a record from before runs were numbered counts as run 1)."""
+    try:
+        old = json.loads(record_path(machine_name, job).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 1
+    return int(old.get("run") or 1) + 1 if isinstance(old, dict) else 1
 
 
 def log_folder(machine_name: str, job: str, started: float) -> Path:
@@ -262,9 +280,13 @@ class Keeper:
         The last look's failure ("" after a look that worked); the keeper tries again.
     """
 
-    def __init__(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions):
+    def __init__(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions,
+                 run: int | None = None):
         self.machine, self.job, self.cwd, self.options = machine, job, cwd, options
-        self.to = options.local_folder(job)
+        #: The run it keeps: a number for a new start of the job (:func:`next_run`), None for
+        #: the same run going on (a resume, a move, a standby armed again)
+        self.run = run
+        self.to = options.local_folder(job, run or 1)
         self.stage = os.path.join(self.to, STAGE)
         self.settle = options.settle
         self.looks = 0
@@ -282,7 +304,7 @@ class Keeper:
         self._renamed: dict[str, tuple[int, int, int]] = {}
         self._watch_chan = None
         self._root: str | None = None
-        self._record_path = record_dir(machine.name) / f"{job}.json"
+        self._record_path = record_path(machine.name, job)
         self.record = self._load()
         #: Called once, from the keeper's thread, with why and whether the machine answers,
         #: when the machine is noticed lost
@@ -299,17 +321,21 @@ class Keeper:
     # -- record ---------------------------------------------------------------------------
 
     def _load(self) -> dict:
-        """A new record; the files of an earlier record of the same job and folder carry over
-        (they are on the laptop already)."""
+        """A new record.  For the same run going on (``run`` None: a resume, a move), the files
+        of its earlier record carry over (they are on the laptop already); a new run starts
+        with none: an earlier run's checkpoints are never this one's."""
         files: dict = {}
+        run = self.run
         try:
             old = json.loads(self._record_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        if run is None:
+            run = int(old.get("run") or 1) if isinstance(old, dict) else 1
             if isinstance(old, dict) and old.get("local") == self.to and isinstance(old.get("files"), dict):
                 files = old["files"]
-        except (OSError, ValueError):
-            pass
         started = time.time()
-        return {"format": RECORD_FORMAT, "version": 1, "machine": self.machine.name, "job": self.job,
+        return {"format": RECORD_FORMAT, "version": 1, "machine": self.machine.name, "job": self.job, "run": run,
                 "path": self.options.path, "local": self.to, "every": self.options.every,
                 "last": self.options.last, "started": started, "state": "keeping",
                 "log": os.path.join(log_folder(self.machine.name, self.job, started), "log"),
@@ -643,12 +669,14 @@ class Keepers:
     def __init__(self):
         self.by_job: dict[str, Keeper] = {}
 
-    def start(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions) -> Keeper:
-        """Start keeping ``job`` (a keeper of an earlier job of that name stops first)."""
+    def start(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions,
+              run: int | None = None) -> Keeper:
+        """Start keeping ``job`` (a keeper of an earlier job of that name stops first); ``run``:
+        the number of a new start (:func:`next_run`), None for the same run going on."""
         old = self.by_job.pop(job, None)
         if old is not None:
             old.stop("a new job of that name started")
-        k = self.by_job[job] = Keeper(machine, job, cwd, options).start()
+        k = self.by_job[job] = Keeper(machine, job, cwd, options, run).start()
         return k
 
     def get(self, job: str) -> Keeper | None:
