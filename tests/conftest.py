@@ -283,10 +283,20 @@ def _ipython():
 
 @pytest.fixture
 def ip(_ipython, sshd):
-    """A real InteractiveShell with gpumagic loaded and no machine connected."""
+    """A real InteractiveShell with gpumagic loaded and no machine connected (and no
+    ``%gpu status --watch`` of an earlier test still running: a test that asserts there is
+    none would otherwise see one, depending on which tests its worker ran before)."""
+    _stop_watchers(_ipython)
     _ipython._gpumagic.fleet.close_all()
     yield _ipython
+    _stop_watchers(_ipython)
     _ipython._gpumagic.fleet.close_all()
+
+
+def _stop_watchers(shell) -> None:
+    watchers = shell._gpumagic.status_watchers
+    while watchers:
+        watchers.popitem()[1].stop("the test is over")
 
 
 def session_sshd_pid(machine) -> int:

@@ -32,6 +32,9 @@ def _status(magics: GpuMagics, line: str):
     thread until `%gpu status --stop`, a disconnect, or three failed refreshes in a row.
     """
     args = parse(_status, line, "status")
+    for name, watcher in list(magics.status_watchers.items()):  # one that ended by itself
+        if not watcher.running:                                  # (a disconnect) is gone
+            del magics.status_watchers[name]
     if args.stop:
         names = [args.host] if args.host else list(magics.status_watchers)
         stopped = []
