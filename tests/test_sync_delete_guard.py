@@ -174,7 +174,7 @@ def test_delete_never_removes_a_protected_path_or_one_outside_the_destination(sr
     source, dest = _tree(src), _tree(dst)
     rules = IgnoreRules(patterns)
     plan = make_plan(source, dest, delete=True, rules=rules)
-    removed = set()
+    removed = _replaced(plan, dest)
     for rel in plan.delete:  # the agent removes a listed folder with all it holds
         assert rel in dest and rel != "." and ".." not in rel.split("/") and not rel.startswith("/")
         removed |= {p for p in dest if p == rel or p.startswith(rel + "/")}
@@ -186,6 +186,46 @@ def test_delete_never_removes_a_protected_path_or_one_outside_the_destination(sr
         if p != "." and p not in source and p not in protected:
             assert p in removed or any(q.startswith(p + "/") for q in protected), p
     assert all(posixpath.normpath(r) == r for r in plan.delete)
+
+
+def _replaced(plan, dest) -> set[str]:
+    """What the replacements remove: a folder replaced by a file goes with all it holds."""
+    return {p for rel in plan.replace for p in dest if p.startswith(rel + "/")}
+
+
+@settings(max_examples=300, deadline=None)
+@given(src=st.lists(PATHS, max_size=6), dst=st.lists(PATHS, max_size=10), patterns=PATTERNS)
+def test_without_delete_nothing_the_source_lacks_is_removed(src, dst, patterns):
+    # a file where the destination has a folder that holds files does not replace it (rsync:
+    # "cannot delete non-empty directory"): it was wiped with all it held
+    source, dest = _tree(src), _tree(dst)
+    plan = make_plan(source, dest, rules=IgnoreRules(patterns))
+    assert plan.delete == []
+    assert _replaced(plan, dest) == set(), plan.replace
+    for rel in plan.kept_dirs:
+        assert dest[rel].kind == "d" and source[rel].kind != "d"
+        assert rel not in {e.path for e in plan.send} | {e.path for e in plan.links}
+
+
+def test_a_file_where_a_folder_of_results_is_keeps_the_folder(machine, tmp_path, proj):
+    # without --delete: the folder and all it holds stay, the file is not sent, the summary says
+    # so; with --delete: replaced, unless the rules protect something in it
+    dest = tmp_path / "dest"
+    (dest / "results").mkdir(parents=True)
+    (dest / "results" / "model.pt").write_text("weights", encoding="utf-8")
+    (proj / "results").write_text("a file now", encoding="utf-8")
+    s = machine.push(f"{proj}/", str(dest))
+    assert (dest / "results" / "model.pt").read_text(encoding="utf-8") == "weights"
+    assert s.kept_dirs == ["results"]
+    from gpumagic.notebook.display import sync_summary_text
+
+    assert "kept 1 folder where the source has a file of that name (it holds files" in sync_summary_text(s)
+    (proj / ".gpuignore").write_text("*.pt\n", encoding="utf-8")
+    s = machine.push(f"{proj}/", str(dest), delete=True)
+    assert (dest / "results" / "model.pt").read_text(encoding="utf-8") == "weights" and s.kept_dirs == ["results"]
+    (proj / ".gpuignore").unlink()
+    s = machine.push(f"{proj}/", str(dest), delete=True, max_delete=0)
+    assert (dest / "results").read_text(encoding="utf-8") == "a file now" and s.kept_dirs == []
 
 
 def test_refuse_wide_delete_names_each_reason():

@@ -295,7 +295,7 @@ def sync_summary_text(s) -> str:
         head = (f"dry run, nothing changed: {arrow}: would send {count(len(s.would_send), 'file')}, "
                 f"delete {len(s.deleted)}, {s.skipped} unchanged")
         lines = [head] + _paths("would send", s.would_send) + _paths("would delete", s.deleted)
-        return "\n".join(lines + _unreadable(s))
+        return "\n".join(lines + _kept_dirs(s) + _unreadable(s))
     wire = getattr(s, "wire_bytes", None)  # compressed: what the data took on the wire
     sent = (f"{format_bytes(s.bytes_sent)}, {format_bytes(wire)} sent" if wire is not None
             else f"{format_bytes(s.bytes_sent)} sent")
@@ -306,7 +306,18 @@ def sync_summary_text(s) -> str:
             + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
             + (f", resumed after {count(s.reconnects, 'reconnect')}" if getattr(s, "reconnects", 0) else "")
             + f" in {duration(s.seconds)}")
-    return "\n".join([head] + _paths("deleted", s.deleted) + _unreadable(s) + _laptop_notes(s))
+    return "\n".join([head] + _paths("deleted", s.deleted) + _kept_dirs(s) + _unreadable(s) + _laptop_notes(s))
+
+
+def _kept_dirs(s) -> list[str]:
+    """Folders at the destination a file of the source would have replaced, kept: they hold files."""
+    kept = getattr(s, "kept_dirs", None) or []
+    if not kept:
+        return []
+    return [f"kept {count(len(kept), 'folder')} where the source has a file of that name (it holds "
+            "files; the file was not sent: move the folder away, or sync with --delete, which replaces "
+            "it unless the ignore rules protect a file in it): "
+            + ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")]
 
 
 def _unreadable(s) -> list[str]:

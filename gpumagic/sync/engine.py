@@ -105,6 +105,9 @@ class SyncSummary:
         Files and links that already matched.
     newer : list of str
         Files left alone because the destination was newer (``update``).
+    kept_dirs : list of str
+        Folders at the destination left where the source has a file or link of that name,
+        because they hold files (a protected one, with ``delete``): those were not sent.
     deleted : list of str
         Paths deleted (or, with ``dry_run``, that would be).
     would_send : list of str
@@ -147,6 +150,7 @@ class SyncSummary:
     dirs: int = 0
     skipped: int = 0
     newer: list[str] = field(default_factory=list)
+    kept_dirs: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     would_send: list[str] = field(default_factory=list)
     unreadable: dict[str, str] = field(default_factory=dict)
@@ -1649,7 +1653,8 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
         if delete and plan.delete:
             _guard_delete(machine, pushing, sides, plan, options, src)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
-                              skipped=plan.unchanged, newer=plan.newer, dry_run=dry_run,
+                              skipped=plan.unchanged, newer=plan.newer, kept_dirs=list(plan.kept_dirs),
+                              dry_run=dry_run,
                               deleted=list(plan.delete), unreadable=dict(sides.unreadable),
                               vanished=dict(sides.vanished), specials=dict(sides.specials),
                               renamed={r: p for p, r in sides.remote_of.items()})

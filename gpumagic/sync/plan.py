@@ -462,6 +462,10 @@ class Plan:
         Files and links that already match.
     newer : list of str
         Files skipped because the destination is newer (``update``).
+    kept_dirs : list of str
+        Destination folders kept where the source has a file or link of that name: the folder
+        holds something (without ``delete``: anything; with it: a path the rules protect),
+        so the file is not sent (rsync: "cannot delete non-empty directory").
     """
 
     send: list[Entry] = field(default_factory=list)
@@ -472,6 +476,7 @@ class Plan:
     delete: list[str] = field(default_factory=list)
     unchanged: int = 0
     newer: list[str] = field(default_factory=list)
+    kept_dirs: list[str] = field(default_factory=list)
 
     @property
     def bytes_to_send(self) -> int:
@@ -508,9 +513,21 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
     spared = tuple(p + "/" for p in unreadable if p != ".")
     plan = Plan()
     touched_dirs: set[str] = set()
+    # A folder where the source has a file or link is replaced only when nothing in it would
+    # be lost: it is empty, or (--delete) nothing in it is protected by the rules
+    holding: set[str] = set()
+    for rel, d in dst.items():
+        if d.kind == "d" and rel in src and src[rel].kind != "d" and rel != ".":
+            inside = [r for r in dst if r.startswith(rel + "/")]
+            if inside and (not delete or rules is not None and any(
+                    rules.covers(r, dst[r].kind == "d") for r in inside)):
+                holding.add(rel)
     for rel in sorted(src, key=tree_order):
         s, d = src[rel], dst.get(rel)
         changed = False
+        if rel in holding:
+            plan.kept_dirs.append(rel)
+            continue
         if d is not None and d.kind != s.kind and not (s.kind == "d" and d.kind == "d"):
             if rel != ".":
                 plan.replace.append(rel)
@@ -548,7 +565,10 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
         src_keys = {fold(p) for p in src} if fold is not None else None
         kept: list[str] = []  # destination-only paths that stay: their folders stay too
         for rel in sorted(dst, key=tree_order):
-            if rel == "." or rel in src:
+            if rel == "." or rel in src and rel not in holding:
+                continue
+            if rel in holding:
+                kept.append(rel)
                 continue
             if (src_keys is not None and fold(rel) in src_keys
                     or rules is not None and rules.covers(rel, dst[rel].kind == "d")
