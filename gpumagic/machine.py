@@ -15,6 +15,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .remote import execution, jobs
@@ -377,7 +378,7 @@ class Machine:
             return distributed.start([self], name, command, options, run)  # type: ignore[return-value]
         if torchrun_args is not None:
             raise TypeError("torchrun_args is for a torchrun job: give torchrun=N too")
-        keep_run = 1
+        keep_run, since = 1, time.time()
         if keep is not None:
             from .remote.keep import next_run
 
@@ -387,7 +388,9 @@ class Machine:
         job = jobs.start(self, name, command, options, tool_dirs=self.tool_dirs)
         if keep is not None:
             cwd = options.cwd if options.cwd is not None else (self.cwd or "")
-            job.keeper = self.keepers.start(self, name, cwd, keep, run=keep_run)
+            # run 2 on: what an earlier run left in the folder on the machine is not this run's
+            job.keeper = self.keepers.start(self, name, cwd, keep, run=keep_run,
+                                            since=since if keep_run > 1 else None)
         return job
 
     def jobs(self) -> list[JobInfo]:

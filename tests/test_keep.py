@@ -423,7 +423,9 @@ def test_a_second_run_of_a_name_is_a_run_of_its_own(ip, work, tmp_path, monkeypa
     name = jname("runs")
     monkeypatch.chdir(tmp_path)  # ./NAME/ckpt/ lands here
     ip.run_line_magic("gpu", "connect testgpu")
-    cell = (f"--job {name} --python --cwd {rel} --keep ckpt/ --keep-every 0.1 --keep-settle 1h "
+    # settle 0: run 1's files, still on the machine, are "settled" at run 2's first look (the
+    # trial's case: the default 10 s had passed), and must not be taken for run 2's
+    cell = (f"--job {name} --python --cwd {rel} --keep ckpt/ --keep-every 0.1 --keep-settle 0 "
             f'--resume-arg "--resume {{checkpoint}}"')
     with capture_output():
         ip.run_cell_magic("remote", cell, TWO_RUNS_JOB)
@@ -439,6 +441,10 @@ def test_a_second_run_of_a_name_is_a_run_of_its_own(ip, work, tmp_path, monkeypa
         ip.run_cell_magic("remote", cell, TWO_RUNS_JOB)
     assert f"keeping ckpt/ of job {name} in {tmp_path / name / 'run-2' / 'ckpt'}" in cap.stdout, cap.stdout
     assert m.job(name).wait(timeout=30).exit_code == 1
+    k2 = m.keepers.get(name)
+    assert wait_until(lambda: k2.looks >= 2 or k2.done.is_set(), 30), k2.error  # it looked, after the end too
+    assert k2.kept == []
+    assert not (tmp_path / name / "run-2" / "ckpt" / "step-10.pt").exists()
     rec = json.loads(keep.record_path(m.name, name).read_text(encoding="utf-8"))
     assert rec["run"] == 2 and rec["files"] == {}
     assert move.newest_kept(rec) is None

@@ -141,6 +141,9 @@ class KeepOptions:
 # -- the record on the laptop -----------------------------------------------------------------
 
 
+#: Seconds of slack when a new run's keeper leaves out the files written before the run
+#: started (mtime granularity, the clocks' offset measured over a round trip).
+RUN_SLACK = 1.0
 #: The ``format`` of a keep record (``keep/MACHINE/JOB.json``, :func:`records`).
 RECORD_FORMAT = "gpumagic-keep"
 #: Seconds between pulls of the job's log (a look pulls it when this long has passed).
@@ -281,11 +284,16 @@ class Keeper:
     """
 
     def __init__(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions,
-                 run: int | None = None):
+                 run: int | None = None, since: float | None = None):
         self.machine, self.job, self.cwd, self.options = machine, job, cwd, options
         #: The run it keeps: a number for a new start of the job (:func:`next_run`), None for
         #: the same run going on (a resume, a move, a standby armed again)
         self.run = run
+        #: For a new run: when it started (this computer's clock, a moment before the job did).
+        #: A file the machine wrote before then is an earlier run's, never this one's.
+        self.since = since
+        #: The files an earlier run kept, path -> signature (a new run leaves them alone).
+        self._earlier: dict[str, tuple] = {}
         self.to = options.local_folder(job, run or 1)
         self.stage = os.path.join(self.to, STAGE)
         self.settle = options.settle
@@ -334,6 +342,9 @@ class Keeper:
             run = int(old.get("run") or 1) if isinstance(old, dict) else 1
             if isinstance(old, dict) and old.get("local") == self.to and isinstance(old.get("files"), dict):
                 files = old["files"]
+        elif isinstance(old, dict) and isinstance(old.get("files"), dict):
+            # the files an earlier run kept, as they were: still there unchanged, they are its
+            self._earlier = {rel: tuple(f.get("sig") or ()) for rel, f in old["files"].items()}
         started = time.time()
         return {"format": RECORD_FORMAT, "version": 1, "machine": self.machine.name, "job": self.job, "run": run,
                 "path": self.options.path, "local": self.to, "every": self.options.every,
@@ -518,11 +529,17 @@ class Keeper:
         """The files of ``listing`` to take now: new or changed, and whole (see the module)."""
         take = []
         settle_ns = int(self.settle * 1e9)
+        # an earlier run's files, still in the folder on the machine: written (on the machine's
+        # clock, this look's offset off) before this run started, with a second of slack
+        before_ns = None if self.since is None else \
+            int((self.since - (time.time() - listing.now / 1e9) - RUN_SLACK) * 1e9)
         with self._lock:
             for rel in list(self._seen):
                 if rel not in listing.files:
                     del self._seen[rel]
             for rel, sig in listing.files.items():
+                if before_ns is not None and sig[1] < before_ns or self._earlier.get(rel) == sig:
+                    continue
                 done = self.record["files"].get(rel)
                 if done is not None and tuple(done["sig"]) == sig:
                     self._seen.pop(rel, None)
@@ -670,13 +687,14 @@ class Keepers:
         self.by_job: dict[str, Keeper] = {}
 
     def start(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions,
-              run: int | None = None) -> Keeper:
+              run: int | None = None, since: float | None = None) -> Keeper:
         """Start keeping ``job`` (a keeper of an earlier job of that name stops first); ``run``:
-        the number of a new start (:func:`next_run`), None for the same run going on."""
+        the number of a new start (:func:`next_run`) and ``since`` when it started, or None
+        for the same run going on."""
         old = self.by_job.pop(job, None)
         if old is not None:
             old.stop("a new job of that name started")
-        k = self.by_job[job] = Keeper(machine, job, cwd, options, run).start()
+        k = self.by_job[job] = Keeper(machine, job, cwd, options, run, since).start()
         return k
 
     def get(self, job: str) -> Keeper | None:
