@@ -239,3 +239,22 @@ def test_refuse_wide_delete_names_each_reason():
     sync.refuse_wide_delete("gpu:/w", "/w", [], False, 1000, None, "./p/")  # at the bound
     assert sync._is_home_path("", None) and sync._is_home_path("~/", "/ws") and not sync._is_home_path("", "/ws")
     assert not sync._is_home_path("/", None) and not sync._is_home_path("proj", None)
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_one_file_sent_onto_a_folder_of_that_name_keeps_the_folder(machine, tmp_path, direction):
+    # the new-user trial: `%gpu sync ./proj5/results :proj5`, with proj5/results/ a folder of
+    # results there, removed the folder and model.pt (a one-file sync lists only that name, so
+    # the folder looked empty); a dry run said "delete 0"
+    here, there = tmp_path / "here", tmp_path / "there"
+    (here).mkdir()
+    (there / "results").mkdir(parents=True)
+    (there / "results" / "model.pt").write_text("weights", encoding="utf-8")
+    (here / "results").write_text("a file", encoding="utf-8")
+    # the machine is this computer: a push sends here/results to there/ as the machine's, a
+    # pull brings the machine's here/results into there/ on this computer
+    sync_one = machine.pull if direction == "pull" else machine.push
+    s = sync_one(str(here / "results"), str(there))
+    folder = there / "results"
+    assert folder.is_dir() and (folder / "model.pt").read_text(encoding="utf-8") == "weights"
+    assert s.kept_dirs == ["results"] and s.files_sent == 0

@@ -1649,7 +1649,7 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             else:
                 plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
                                  update=options.update, rules=rules, unreadable=sides.unreadable,
-                                 fold=fs.key if fs.folds else None)
+                                 fold=fs.key if fs.folds else None, whole_dest=not sides.single_source)
         if delete and plan.delete:
             _guard_delete(machine, pushing, sides, plan, options, src)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,

@@ -499,7 +499,7 @@ class Plan:
 def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = False,
               checksum: bool = False, update: bool = False,
               rules: IgnoreRules | None = None, unreadable: Iterable[str] = (),
-              fold: Callable[[str], str] | None = None) -> Plan:
+              fold: Callable[[str], str] | None = None, whole_dest: bool = True) -> Plan:
     """Compare two listings as rsync ``-a`` does.
 
     A file is unchanged when size and mtime (whole seconds) match, or with ``checksum``
@@ -509,6 +509,8 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
     under a source path that could not be read (``unreadable``), and, with ``fold`` (how
     the laptop's folder compares names: :meth:`gpumagic.sync.laptop.LocalFs.key`), except
     a path that is one name there with a source path (``a.txt`` is not deleted for ``A.txt``).
+    ``whole_dest``: ``dst`` lists what its folders hold (False for a one-file sync, which lists
+    only that name: a folder there is then taken to hold files).
     """
     spared = tuple(p + "/" for p in unreadable if p != ".")
     plan = Plan()
@@ -519,7 +521,7 @@ def make_plan(src: dict[str, Entry], dst: dict[str, Entry], *, delete: bool = Fa
     for rel, d in dst.items():
         if d.kind == "d" and rel in src and src[rel].kind != "d" and rel != ".":
             inside = [r for r in dst if r.startswith(rel + "/")]
-            if inside and (not delete or rules is not None and any(
+            if not whole_dest or inside and (not delete or rules is not None and any(
                     rules.covers(r, dst[r].kind == "d") for r in inside)):
                 holding.add(rel)
     for rel in sorted(src, key=tree_order):
