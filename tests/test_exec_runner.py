@@ -222,3 +222,20 @@ def test_an_empty_argv_runs_nothing_and_keeps_the_runner(machine):
     r = machine.run([], quiet=True)
     assert (r.exit_code, r.stdout, r.stderr) == (0, "", "")  # as the old wrapper's "$@"
     assert parent(machine) == runner
+
+
+def test_the_first_cell_makes_gpumagics_folder_private():
+    # the new-user trial: a first cell made ~/.gpumagic 0755 (os.makedirs gave only
+    # ~/.gpumagic/cells the mode asked for); the README says gpumagic's folders are 0700
+    import stat
+
+    server = make_server("private-" + uuid.uuid4().hex[:6])
+    try:
+        home = server.env["HOME"]
+        assert not os.path.exists(os.path.join(home, ".gpumagic"))
+        with gpumagic.Machine(server.spec()) as m:
+            assert m.run("echo hi", quiet=True).stdout == "hi\n"
+        for folder in (".gpumagic", ".gpumagic/cells"):
+            assert stat.S_IMODE(os.stat(os.path.join(home, folder)).st_mode) == 0o700, folder
+    finally:
+        server.stop()

@@ -89,6 +89,16 @@ PENDING = 1 << 20
 MARK = b"GPUMAGIC_CELL"
 
 
+def private_dirs(path):
+    """Make ``path`` and ~/.gpumagic above it, each 0700 (os.makedirs gives only the last one
+    its mode: ~/.gpumagic came out 0755 when a cell made it first)."""
+    for d in (os.path.dirname(path), path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
 def marked(mark):
     """PIDs of the processes whose environment (as they were started) holds ``mark``."""
     entry = MARK + b"=" + mark
@@ -265,7 +275,7 @@ def sweep():
     """Make the spools' folder; remove the spools no client can want: ended or orphaned
     (their owner runner is gone), with a lease older than their grace plus a minute."""
     try:
-        os.makedirs(CELLS, 0o700, exist_ok=True)
+        private_dirs(CELLS)
         names = os.listdir(CELLS)
     except OSError:
         return

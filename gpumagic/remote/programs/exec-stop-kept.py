@@ -23,6 +23,16 @@ d = os.path.join(cells, os.path.basename(sys.argv[2]))
 MARK = b"GPUMAGIC_CELL=" + os.path.basename(sys.argv[2]).encode("ascii", "replace")
 
 
+def private_dirs(path):
+    """Make ``path`` and ~/.gpumagic above it, each 0700 (os.makedirs gives only the last one
+    its mode: ~/.gpumagic came out 0755 when a cell made it first)."""
+    for d in (os.path.dirname(path), path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
 def alive(g):
     """The live (not zombie) processes of the cell: in process group ``g``, or marked."""
     pids = []
@@ -59,7 +69,7 @@ def kill(g, sig):
 
 
 try:
-    os.makedirs(cells, 0o700, exist_ok=True)
+    private_dirs(cells)
     os.mkdir(d, 0o700)
 except FileExistsError:
     pass
