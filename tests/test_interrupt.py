@@ -151,12 +151,26 @@ def test_a_program_that_goes_on_after_sigint_gets_sigterm_after_the_wait(machine
 
 def test_a_second_interrupt_sends_the_next_signal_at_once(machine, tmp_path):
     log = tmp_path / "signals"
-    interrupt_when(log, "started", times=2)  # the second once SIGINT is logged
+    said: list[str] = []
+
+    def stop_button() -> None:
+        wait_for = (lambda: "started" in (log.read_text(encoding="utf-8") if log.exists() else ""),
+                    lambda: "still runs" in "".join(said))  # the second: once told it still runs
+        for ready in wait_for:
+            deadline = time.monotonic() + 120
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _thread.interrupt_main()
+
+    threading.Thread(target=stop_button, daemon=True).start()
     began = time.monotonic()
     with pytest.raises(KeyboardInterrupt), execution.cell_interrupt_wait(300):
-        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True)
+        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, stdout=said.append,
+                    stderr=said.append)
     assert log.read_text(encoding="utf-8") == "started\nSIGINT\nSIGTERM\n"
     assert time.monotonic() - began < 120  # not the 300 s wait
+    # while it waited, one line said what comes next and how to hurry it
+    assert "".join(said).count("still runs; SIGTERM follows 300 s after it (interrupt again") == 1, said
 
 
 def test_a_timeout_stops_with_sigint_first(machine, tmp_path):

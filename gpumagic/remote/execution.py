@@ -121,6 +121,8 @@ KILL_GRACE = 1.0
 #: Seconds an interrupted cell gets after SIGINT (its handler saving a checkpoint) before
 #: SIGTERM, by default (:func:`cell_interrupt_wait`; ``%config GpuMagics.interrupt_wait``).
 INTERRUPT_WAIT = 10.0
+#: Seconds after its SIGINT a cell still running is told of what comes next (one line).
+STOP_NOTE_AFTER = 1.0
 _interrupt_wait: "contextvars.ContextVar[float | None]" = contextvars.ContextVar(
     "gpumagic_interrupt_wait", default=None)
 #: The wrapper's exit status when the working directory does not exist (stderr says which).
@@ -1282,6 +1284,7 @@ class _Runner:
         stop = f"{wait:g}".encode()
         out.capture = err.capture = False
         sent = 0
+        told = False
         self.stop_heard = False
         try:
             # the runner answers a stop at once ("s"): a path that brings no answer within
@@ -1299,6 +1302,16 @@ class _Runner:
                                       until=lambda: self.stop_heard) is not None:
                             return True
                         deadline = time.monotonic() + wait + KILL_GRACE + 3
+                        now = time.monotonic()
+                    if sent == 1 and not told and wait > STOP_NOTE_AFTER:
+                        told = True  # a program still running after its SIGINT: say what comes
+                        try:
+                            self._pump(conn, out, err, STOP_NOTE_AFTER, now, started=True)
+                            return True
+                        except _Timeout:
+                            if err.sink is not None:
+                                err.sink(f"[gpumagic: the cell got SIGINT and still runs; SIGTERM follows "
+                                         f"{wait:g} s after it (interrupt again to send it now)]\n")
                         now = time.monotonic()
                     self._pump(conn, out, err, max(0.0, deadline - now), now, started=True)
                     return True
