@@ -309,6 +309,7 @@ def test_the_settle_rule_judges_by_the_machines_clock_and_the_mtime():
     s = 1_000_000_000
     k = keep.Keeper.__new__(keep.Keeper)
     k.settle, k.record, k._seen, k._renamed = 10, {"files": {}}, {}, {}
+    k.since, k._earlier = None, {}  # the same run (a new run leaves out an earlier run's files)
     import threading
 
     k._lock = threading.Lock()
@@ -325,8 +326,22 @@ def test_the_settle_rule_judges_by_the_machines_clock_and_the_mtime():
     # still for settle already; it used to wait for a second look settle later
     again = keep.Keeper.__new__(keep.Keeper)
     again.settle, again.record, again._seen, again._renamed, again._lock = 10, {"files": {}}, {}, {}, k._lock
+    again.since, again._earlier = None, {}
     restart = keep.Listing(200 * s, "/r", False, {"old.pt": (5, 150 * s, 4), "new.pt": (5, 195 * s, 5)})
     assert again._whole(restart, False) == ["old.pt"]
+
+    # a new run (run 2 of the name) never takes an earlier run's files: one the earlier run
+    # kept, unchanged, or one written before this run started (even once the job ended)
+    import time as _time
+
+    run2 = keep.Keeper.__new__(keep.Keeper)
+    run2.settle, run2.record, run2._seen, run2._renamed, run2._lock = 10, {"files": {}}, {}, {}, k._lock
+    run2._earlier = {"kept-by-run-1.pt": (5, 150 * s, 6)}
+    run2.since = _time.time() - 50  # the run started 50 s before this look, on this clock
+    look = keep.Listing(300 * s, "/r", True, {"kept-by-run-1.pt": (5, 150 * s, 6),
+                                              "left-by-run-1.pt": (5, 240 * s, 7),
+                                              "run-2.pt": (5, 280 * s, 8)})
+    assert run2._whole(look, True) == ["run-2.pt"]
 
 
 @needs_tmux

@@ -157,11 +157,13 @@ def test_plan_update_checksum_and_type_change():
     dst = {"a": _f("a", mtime_s=200, digest="zz"), "b": _f("b", mtime_s=300, mode=0o600, digest="h2"),
            "d": Entry("d", "d", mode=0o755), "d/x": _f("d/x")}
     up = make_plan(src, dst, update=True)
-    assert up.newer == ["a", "b"] and [e.path for e in up.send] == ["d"]
-    ck = make_plan(src, dst, checksum=True)
+    # the folder d holds d/x: a file d does not replace it without --delete (rsync: "cannot
+    # delete non-empty directory"); it is kept and named
+    assert up.newer == ["a", "b"] and [e.path for e in up.send] == [] and up.kept_dirs == ["d"]
+    ck = make_plan(src, dst, checksum=True, delete=True)
     assert [e.path for e in ck.send] == ["a", "d"]
     assert ck.meta == [("b", 0o644, 100 * 10**9)]
-    assert ck.replace == ["d"] and ck.removals == ["d"]
+    assert ck.replace == ["d"] and ck.removals == ["d"] and ck.kept_dirs == []
 
 
 def test_plan_delete_keeps_paths_the_rules_ignore():
