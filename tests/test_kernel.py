@@ -753,6 +753,26 @@ def test_list_shows_busy_since_and_the_budget_guard_counts_a_busy_kernel(m, sshd
         stop_quietly(k)
 
 
+def test_the_state_reads_idle_as_soon_as_a_cell_ends_while_a_thread_still_prints(m):
+    """The keeper writes ``idle`` before the cell's idle reaches the client: a listing right
+    after a cell never reads a stale ``busy``, also while the kernel keeps sending (a thread
+    that prints every 10 ms: the keeper's loop is never quiet, so a write put off until it
+    is came a second late)."""
+    k = start(m, "idlenow")
+    try:
+        k.execute("import threading\nstop = threading.Event()\n"
+                  "def tick():\n    while not stop.wait(0.01):\n        print('.', end='', flush=True)\n"
+                  "threading.Thread(target=tick, daemon=True).start()", output=Recorder())
+        states = []
+        for _ in range(3):
+            k.execute("x = 1", output=Recorder())
+            states.append(k.info().state)
+        k.execute("stop.set()", output=Recorder())
+        assert states == ["idle"] * 3
+    finally:
+        stop_quietly(k)
+
+
 def test_parse_listing_sums_gpu_memory_of_the_kernels_process_group():
     text = ("\x1ekernel a\n" + json.dumps({"name": "a", "python": "/usr/bin/python3", "state": "busy",
                                            "since": 100.0, "kernel_pid": 485, "keeper_pid": 480}) + "\nalive\n"

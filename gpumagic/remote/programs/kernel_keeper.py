@@ -152,8 +152,8 @@ class Keeper:
 
     def set_state(self, state, busy_msg=None, now=True):
         """Change the state; its files (``state.json``, ``busy``) are written now, or with
-        ``now=False`` (a cell starting or ending) once the loop is quiet for STATE_DELAY
-        seconds, so that writing them is not in the way of the cell's messages."""
+        ``now=False`` (a cell starting) once the loop is quiet for STATE_DELAY seconds, so
+        that writing them is not in the way of the cell's first messages."""
         if state != self.state or busy_msg != self.busy_msg:
             self.state, self.busy_msg, self.since = state, busy_msg, time.time()
             self.dirty = True
@@ -645,7 +645,9 @@ class Keeper:
                 if state == "busy":
                     self.set_state("busy", parent.get("msg_id"), now=False)
                 elif state == "idle" and self.busy_msg == parent.get("msg_id"):
-                    self.set_state("idle", now=False)
+                    # written before the idle reaches a client: a state read after a cell
+                    # ended says idle (%gpu kernel list, the idle stop), never a stale busy
+                    self.set_state("idle")
         self.append(ch, parts, buffers)
 
     def shutdown(self):
