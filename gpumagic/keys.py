@@ -378,7 +378,9 @@ def host_block(name: str, hostname: str, *, port: int | None = None, user: str |
 
     ``IdentitiesOnly yes`` goes with a key so that an agent full of keys cannot exhaust the
     server's ``MaxAuthTries`` first.  ``server_alive_interval`` in seconds; None leaves the
-    keyword out.  ``options`` adds other honoured keywords (``ConnectTimeout``...).  Every
+    keyword out.  ``options`` adds other honoured keywords (``ConnectTimeout``...) and
+    replaces gpumagic's defaults where it names them (``-o ServerAliveInterval=10`` pasted with
+    ``--save``); a keyword given by name (``port``...) wins over it.  Every
     value is written so that OpenSSH reads it back as given (quoted where needed, see
     :func:`_config_word`); the block is read back with :mod:`gpumagic.ssh.config` to prove it.
 
@@ -402,13 +404,18 @@ def host_block(name: str, hostname: str, *, port: int | None = None, user: str |
             ("IdentitiesOnly", "yes" if key else None), ("ProxyJump", jump),
             ("ServerAliveInterval", server_alive_interval),
             ("ServerAliveCountMax", server_alive_count_max)]
-    given = {k for k, v in rows if v is not None and v != ""}
+    # what was given by name wins over an -o of the same keyword; gpumagic's own defaults
+    # (IdentitiesOnly with a key, the keepalives) yield to it, in their place
+    given = {k for k, v in rows[:6] if v is not None and v != "" and k != "IdentitiesOnly"}
     for k, v in (options or {}).items():
         canon = HONOURED_KEYWORDS.get(k.lower(), k)
         if canon in given:
             continue
         given.add(canon)
-        rows = [(kw, None if kw == canon else val) for kw, val in rows] + [(canon, v)]
+        if any(kw == canon for kw, _ in rows):
+            rows = [(kw, v if kw == canon else val) for kw, val in rows]
+        else:
+            rows.append((canon, v))
     lines = [f"Host {name}"]
     wanted = []
     for keyword, value in rows:

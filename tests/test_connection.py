@@ -140,6 +140,41 @@ def test_two_hop_proxyjump_chain_in_written_order(sshd):
         s.stop()
 
 
+def test_a_jump_hosts_own_proxyjump_is_followed_as_ssh_does(sshd):
+    """Host gpu -> ProxyJump login, Host login -> ProxyJump bastion: ssh goes bastion -> login
+    -> gpu (it dialled login directly, skipping the bastion: university clusters are reached
+    this way); which sshd forwarded what is read from their logs."""
+    bastion = make_server("jb-bastion", log_level="DEBUG1")
+    login = make_server("jb-login", log_level="DEBUG1")
+    gpu = make_server("jb-gpu")
+    add_client_entry(bastion, "jb-bastion")
+    add_client_entry(login, "jb-login", extra="  ProxyJump jb-bastion\n")
+    add_client_entry(gpu, "jb-gpu", extra="  ProxyJump jb-login\n")
+    try:
+        with gpumagic.connect("jb-gpu") as m:
+            assert m.run(["echo", "through"], quiet=True).stdout == "through\n"
+            assert [h.spec.alias for h in m.connection._hops] == ["jb-bastion", "jb-login"]
+        assert f"target 127.0.0.1 port {login.port}" in bastion.log.read_text(encoding="utf-8")
+        assert f"port {gpu.port}" not in bastion.log.read_text(encoding="utf-8")
+        assert f"target 127.0.0.1 port {gpu.port}" in login.log.read_text(encoding="utf-8")
+    finally:
+        for s in (bastion, login, gpu):
+            s.stop()
+
+
+def test_a_proxyjump_loop_is_one_clear_error_before_any_connection(sshd):
+    from gpumagic.errors import ConfigError
+
+    add_client_entry(sshd, "loop-a", extra="  ProxyJump loop-b\n")
+    ssh = CLIENT_HOME / ".ssh" / "config"
+    ssh.write_text(ssh.read_text(encoding="utf-8") + "\nHost loop-b\n  HostName 127.0.0.1\n  Port 1\n"
+                   "  ProxyJump loop-a\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        gpumagic.connect("loop-a")
+    assert e.value.message.startswith("ProxyJump loops: 127.0.0.1:") and " -> " in e.value.message
+    assert "ProxyJump none" in e.value.hint
+
+
 def test_command_line_jump_none_overrides_config(sshd):
     # ProxyJump none on the command line connects directly even if the config says a hop.
     add_client_entry(sshd, "testgpu-via-nowhere", extra="  ProxyJump nowhere.invalid\n")
@@ -223,6 +258,84 @@ def test_ssh_agent_keys_are_offered(sshd, tmp_path, monkeypatch):
     finally:
         agent.terminate()
         agent.wait(5)
+
+
+@pytest.fixture
+def agent(tmp_path, monkeypatch):
+    """A real ssh-agent on its own socket (SSH_AUTH_SOCK set for the test); yields ``add(path)``."""
+    import shutil
+    import subprocess
+    if not shutil.which("ssh-agent"):
+        pytest.skip("ssh-agent is not installed")
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        yield lambda path: subprocess.run(["ssh-add", "-q", str(path)], check=True, capture_output=True)
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def _ssh_judge(sshd, identities_only: bool):
+    """What the real ssh makes of the same login: IdentityFile the sandbox's key, the agent."""
+    import subprocess
+    argv = sshd.ssh_command("echo", "in")
+    argv[argv.index("IdentitiesOnly=yes")] = f"IdentitiesOnly={'yes' if identities_only else 'no'}"
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, encoding="utf-8")
+
+
+def test_an_agent_full_of_keys_offers_the_configured_key_first_as_ssh_does(sshd, tmp_path, agent):
+    """9 keys in the agent, the configured IdentityFile the last of them, sshd's MaxAuthTries
+    6: ssh logs in (it offers the agent's copy of the configured key first), and so does
+    gpumagic (it offered the agent's keys in the agent's order: 'No existing session')."""
+    for i in range(8):
+        make_keypair(tmp_path / f"other{i}", f"other{i}")
+        agent(tmp_path / f"other{i}")
+    agent(sshd.client_key)
+    spec = replace(sshd.spec(), identities_only=False)
+    assert _ssh_judge(sshd, identities_only=False).stdout == "in\n"
+    with gpumagic.Machine(spec) as m:
+        assert m.run(["echo", "agent"], quiet=True).stdout == "agent\n"
+
+
+def test_public_blob_reads_a_keys_pub_or_the_clear_part_of_an_openssh_file(tmp_path):
+    """As OpenSSH matches an agent's key with an IdentityFile without its passphrase."""
+    import base64
+
+    from gpumagic.ssh.connection import public_blob
+
+    key = Ed25519PrivateKey.generate()
+    want = base64.b64decode(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                          serialization.PublicFormat.OpenSSH).split()[1])
+    locked = tmp_path / "locked"  # encrypted, no .pub: the public part is in the clear
+    locked.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                         serialization.BestAvailableEncryption(b"secret")))
+    assert public_blob(str(locked)) == want
+    (tmp_path / "locked.pub").write_text("ssh-ed25519 " + base64.b64encode(b"other").decode() + " c\n")
+    assert public_blob(str(locked)) == b"other"  # the .pub first, as ssh reads it
+    assert public_blob(str(tmp_path / "none")) is None
+
+
+def test_too_many_agent_keys_before_the_right_one_is_named_as_maxauthtries(sshd, tmp_path, agent):
+    """The configured key not in the agent and 9 other keys there: ssh fails ('Too many
+    authentication failures'), and gpumagic names why and what to do; IdentitiesOnly logs in."""
+    for i in range(9):
+        make_keypair(tmp_path / f"other{i}", f"other{i}")
+        agent(tmp_path / f"other{i}")
+    judge = _ssh_judge(sshd, identities_only=False)
+    assert judge.returncode != 0 and "Too many authentication failures" in judge.stderr, judge.stderr
+    with pytest.raises(AuthenticationFailed) as e:
+        gpumagic.Machine(replace(sshd.spec(), identities_only=False)).connect()
+    assert "ended the login at the 6th key offered: too many keys offered (MaxAuthTries)" in e.value.message
+    assert "IdentitiesOnly yes" in e.value.hint
+    assert _ssh_judge(sshd, identities_only=True).stdout == "in\n"
+    with gpumagic.Machine(sshd.spec()) as m:  # IdentitiesOnly yes: the agent's other keys are not offered
+        assert m.run(["echo", "only"], quiet=True).stdout == "only\n"
 
 
 def test_a_port_that_is_not_ssh_says_so_at_once_without_paramiko_noise(sshd):

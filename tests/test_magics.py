@@ -112,6 +112,23 @@ def test_bad_arguments_are_exactly_usage_error(ip):
         ip.run_line_magic("gpu", "connect")
 
 
+@pytest.mark.parametrize("line, named", [
+    ("--sandbox root@127.0.0.1:39785", "'root@127.0.0.1:39785'"),
+    ("--sandbox ssh -p 39785 root@127.0.0.1", "'ssh -p 39785 root@127.0.0.1'"),
+    ("--sandbox -p 2222 -l ubuntu", "-p, -l"),
+    ("--sandbox --trust-new-host", "--trust-new-host"),
+])
+def test_sandbox_with_what_only_a_machine_takes_is_one_usage_error_and_starts_nothing(_ipython, line, named):
+    """``%gpu connect --sandbox root@127.0.0.1:39785`` ignored the target and connected to a sandbox."""
+    _ipython._gpumagic.fleet.close_all()
+    with pytest.raises(UsageError) as e:
+        _ipython.run_line_magic("gpu", f"connect {line}")
+    assert type(e.value) is UsageError
+    assert str(e.value) == (f"--sandbox starts a local sshd of its own and takes no {named}: drop --sandbox to "
+                            "connect to a machine, or drop the rest to try the sandbox")
+    assert _ipython._gpumagic.fleet.machines == {}
+
+
 def test_remote_cell_streams_and_out_stores_the_result(ip, capsys):
     ip.run_line_magic("gpu", "connect testgpu")
     ip.run_cell_magic("remote", "--out res", "echo to-stdout; echo to-stderr >&2")

@@ -380,6 +380,19 @@ def test_connect_magic_pasted_unquoted_with_save_writes_block_and_connects_by_na
     assert cfg.read_bytes() == before
 
 
+def test_connect_save_keeps_the_pasted_lines_o_options_over_gpumagics_defaults(ip, capsys, sshd):
+    """``-o ServerAliveInterval=10`` pasted with ``--save`` is what ``ssh -G`` reads from the
+    block (it wrote gpumagic's default 30), as are the other keywords that have a default."""
+    ip.run_line_magic("gpu", f"connect ssh -p {sshd.port} -i {sshd.client_key} {sshd.user}@{sshd.host} "
+                             "-o ServerAliveInterval=10 -o ServerAliveCountMax=5 -o IdentitiesOnly=no "
+                             "-o ConnectTimeout=20 --save withopts")
+    assert "connected to withopts" in capsys.readouterr().out
+    g = _ssh_G(CLIENT_HOME / ".ssh" / "config", "withopts")
+    assert (g["serveraliveinterval"], g["serveralivecountmax"], g["identitiesonly"], g["connecttimeout"]) == (
+        "10", "5", "no", "20")
+    assert (g["port"], g["identityfile"]) == (str(sshd.port), str(sshd.client_key))
+
+
 def test_connect_save_writes_no_block_when_the_pasted_line_fails(ip, sshd):
     from gpumagic.errors import ConnectionRefused
     from gpumagic.ssh.sandbox import free_port

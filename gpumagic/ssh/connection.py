@@ -87,6 +87,36 @@ def check_key_permissions(path: str) -> None:
         )
 
 
+def public_blob(path: str) -> bytes | None:
+    """The public key of a private key file, without its passphrase, as OpenSSH finds it to
+    match an agent's keys: ``PATH.pub``, or the clear public part of an ``openssh-key-v1``
+    file; None where neither is there (an old PEM file without its ``.pub``)."""
+    import base64
+    import struct
+
+    try:
+        with open(path + ".pub", encoding="utf-8", errors="replace") as f:
+            return base64.b64decode(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read()
+        begin, end = "-----BEGIN OPENSSH PRIVATE KEY-----", "-----END OPENSSH PRIVATE KEY-----"
+        data = base64.b64decode("".join(text[text.index(begin) + len(begin):text.index(end)].split()))
+        magic = b"openssh-key-v1\0"
+        if not data.startswith(magic):
+            return None
+        at = len(magic)
+        for _ in range(3):  # ciphername, kdfname, kdfoptions
+            at += 4 + struct.unpack(">I", data[at:at + 4])[0]
+        at += 4  # the number of keys
+        n = struct.unpack(">I", data[at:at + 4])[0]
+        return data[at + 4:at + 4 + n] or None
+    except (OSError, ValueError, struct.error):
+        return None
+
+
 def load_private_key(path: str, prompt: PassphrasePrompt = _default_prompt) -> paramiko.PKey:
     """Load a private key file (OpenSSH or PEM format), asking for a passphrase if needed.
 
@@ -464,12 +494,10 @@ class Connection:
         return sock
 
     def _open_via_jumps(self, hops: "list[Connection]"):
-        """Connect hop by hop in the order written; each hop is resolved like a target (and
-        appended to ``hops``)."""
+        """Connect hop by hop in the order :func:`jump_route` gives (each hop appended to
+        ``hops``)."""
         prev: Connection | None = None
-        for hop_text in self.spec.proxy_jump:
-            # Inside a chain a hop's own ProxyJump is not followed (as OpenSSH does for -J a,b).
-            hop_spec = replace(resolve(hop_text, home=self.home), proxy_jump=())
+        for hop_spec in jump_route(self.spec, home=self.home):
             hop = Connection(hop_spec, trust_new_host=self.trust_new_host,
                              passphrase_prompt=self.passphrase_prompt, home=self.home,
                              use_agent=self.use_agent, via=prev)
@@ -545,17 +573,31 @@ class Connection:
     # -- authentication ---------------------------------------------------------------
 
     def _candidate_keys(self):
-        """Yield (label, loader) pairs in OpenSSH's order: agent, IdentityFile, defaults."""
+        """Yield (label, loader) pairs in OpenSSH's order (``sshconnect2.c`` ``pubkey_prepare``):
+        the configured IdentityFiles the agent holds (the agent's copy, in the agent's order),
+        then the agent's other keys (none with ``IdentitiesOnly yes``), then the configured
+        files it does not hold.  The default ``~/.ssh/id_*`` files stand in only where no
+        IdentityFile is configured.  An agent full of keys so cannot use up the server's
+        ``MaxAuthTries`` before the configured key is offered."""
         spec = self.spec
-        if self.use_agent and not spec.identities_only and os.environ.get("SSH_AUTH_SOCK"):
+        files = list(spec.identity_files) or default_identity_files(self.home)
+        agent_keys: list = []
+        if self.use_agent and os.environ.get("SSH_AUTH_SOCK"):
             try:
-                for k in paramiko.Agent().get_keys():
-                    yield f"agent key {known_hosts.fingerprint(k)}", (lambda k=k: k)
+                agent_keys = list(paramiko.Agent().get_keys())
             except Exception:  # a broken agent socket must not stop file keys
                 pass
-        files = list(spec.identity_files)
-        if not spec.identities_only or not files:
-            files += [f for f in default_identity_files(self.home) if f not in files]
+        blobs = {path: public_blob(path) for path in files}
+        rest: list = []
+        for k in agent_keys:
+            path = next((f for f in files if blobs.get(f) is not None and blobs[f] == k.asbytes()), None)
+            if path is not None:
+                files.remove(path)
+                yield f"{path} (from the agent)", (lambda k=k: k)
+            elif not spec.identities_only:
+                rest.append(k)
+        for k in rest:
+            yield f"agent key {known_hosts.fingerprint(k)}", (lambda k=k: k)
         for path in files:
             if not os.path.exists(path):
                 if path in spec.identity_files:  # ssh: "Identity file X not accessible"
@@ -585,6 +627,13 @@ class Connection:
             except paramiko.AuthenticationException:
                 continue
             except (paramiko.SSHException, EOFError, OSError) as e:
+                if len(tried) > 1:  # sshd ends a login at MaxAuthTries (6) refused keys
+                    raise AuthenticationFailed(
+                        f"{spec.user}@{spec.address} ended the login at the {len(tried)}th key offered: "
+                        f"too many keys offered (MaxAuthTries); keys tried: {', '.join(tried)}",
+                        "offer this machine's key alone: `IdentityFile KEY` and `IdentitiesOnly yes` in its "
+                        "Host block (or -i KEY with IdentitiesOnly), or fewer keys in the agent (ssh-add -d)",
+                    ) from None
                 raise ConnectionLost(f"connection to {spec.address} dropped during login: {e}",
                                      "connect again; if it repeats, check the machine's sshd")
             if t.is_authenticated():
@@ -874,6 +923,39 @@ def _close_made(made: tuple) -> None:
     t.close()
     for hop in reversed(hops):
         hop.close()
+
+
+#: How many hops a route may have, its jump hosts' own ProxyJump followed (a loop ends here).
+MAX_HOPS = 16
+
+
+def jump_route(spec: HostSpec, home: str | None = None, _seen: tuple = ()) -> list[HostSpec]:
+    """The hosts to go through, in order, to reach ``spec``, as ssh goes: ``ProxyJump a,b``
+    runs ``ssh -J a -W HOST:PORT b``, so ``b``'s own ProxyJump is overridden by ``a``, and
+    ``ssh -W b:PORT a`` reads ``a``'s Host block, whose own ProxyJump is followed: ``Host gpu``
+    -> ``ProxyJump login``, ``Host login`` -> ``ProxyJump bastion`` goes bastion, login, gpu.
+
+    Raises
+    ------
+    ConfigError
+        A loop (a host reached through itself) or a route of more than :data:`MAX_HOPS` hops.
+    """
+    from ..errors import ConfigError
+
+    if not spec.proxy_jump:
+        return []
+    seen = _seen or ((spec.user, spec.hostname, spec.port),)
+    chain = [resolve(h, home=home) for h in spec.proxy_jump]
+    first = (chain[0].user, chain[0].hostname, chain[0].port)
+    if first in seen:
+        names = " -> ".join(f"{h}:{p}" for _, h, p in (*seen, first))
+        raise ConfigError(f"ProxyJump loops: {names} (each hop's own ProxyJump followed, as ssh does)",
+                          "end the loop: `ProxyJump none` in the jump host's Host block, or -J to give the route")
+    route = jump_route(chain[0], home, (*seen, first)) + [replace(h, proxy_jump=()) for h in chain]
+    if len(route) > MAX_HOPS:
+        raise ConfigError(f"the route to {spec.address} has {len(route)} ProxyJump hops (at most {MAX_HOPS})",
+                          "give a shorter route with -J")
+    return route
 
 
 def _direct(via: Connection, spec: HostSpec):

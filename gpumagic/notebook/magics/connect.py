@@ -45,6 +45,8 @@ def _connect(magics: GpuMagics, line: str):
         if args.target:
             raise UsageError(f"give either the ssh command or a target, not both ({args.target!r})")
         args.target = pasted
+    if args.sandbox:
+        _refuse_with_sandbox(args)
     save = _prepare_save(args) if args.save else None
     if not args.target and not args.sandbox:
         raise UsageError("name a machine: `%gpu connect ALIAS` or `%gpu connect user@host:port` "
@@ -69,6 +71,18 @@ def _connect(magics: GpuMagics, line: str):
           f"{time.monotonic() - start:.2f} s; %%remote cells run there")
     if save is not None:  # only after the line proved to work: no block from a mistyped line
         _print_add_host(save())
+
+
+def _refuse_with_sandbox(args) -> None:
+    """``--sandbox`` with what only a real machine takes (a target, ``-p``...): one usage error,
+    not a sandbox that silently drops them."""
+    given = [shown for shown, value in ((repr(args.target), args.target), ("-p", args.port), ("-i", args.identity),
+                                        ("-J", args.jump), ("-l", args.user),
+                                        ("--trust-new-host", args.trust_new_host))
+             if value]
+    if given:
+        raise UsageError(f"--sandbox starts a local sshd of its own and takes no {', '.join(given)}: "
+                         "drop --sandbox to connect to a machine, or drop the rest to try the sandbox")
 
 
 @magic_arguments()
