@@ -30,7 +30,7 @@ from gpumagic.remote import kernel as gk
 from gpumagic.errors import Interrupted
 from gpumagic.remote.kernel import KernelConnectionLost, KernelError, Output, RemoteKernelError
 
-from conftest import CLIENT_HOME, session_sshd_pid
+from conftest import CLIENT_HOME, session_sshd_pid, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -326,6 +326,59 @@ def test_text_past_the_text_limit_is_cut_and_images_are_not_counted_as_text(ip, 
     finally:
         ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
         ip.run_line_magic("gpu", "kernel stop txtcap")
+
+
+def test_limits_count_what_the_notebook_holds_a_live_plot_ends_on_its_last_frame(ip, capsys, shown_bundles):
+    """A live plot that redraws with clear_output(wait=True), text that is cleared and a display
+    updated in place: the notebook holds one frame, one text, one display; none is held back
+    (12 frames of 1 MB under a 3 MB image limit said '[gpumagic: 9 images (9 MB) were not
+    displayed ...]' where a local kernel ends on the last frame)."""
+    ip.run_line_magic("gpu", "connect testgpu")
+    ip.run_line_magic("gpu", f"kernel start live --python {PY}")
+    ip.run_line_magic("config", "GpuMagics.max_image_bytes = 3000000")
+    ip.run_line_magic("config", "GpuMagics.max_display_bytes = 1000")
+    cleared = []
+    monkey = pytest.MonkeyPatch()
+    import IPython.display
+    monkey.setattr(IPython.display, "clear_output", lambda wait=False: cleared.append(wait))
+    try:
+        capsys.readouterr()
+        ip.run_cell_magic("remote", "--kernel live", (
+            "from IPython.display import clear_output, display\n"
+            "for i in range(12):\n"
+            "    clear_output(wait=True)\n"
+            "    print('frame', i, '.' * 600)\n"
+            "    display({'image/png': 'iVBORw0KGgo' + chr(65 + i) * 1_000_000}, raw=True)\n"
+            "h = display({'text/plain': 'v0'}, raw=True, display_id=True)\n"
+            "for i in range(1, 30):\n"
+            "    h.update({'image/png': 'iVBORw0KGgo' + 'u' * 1_000_000, 'text/plain': f'v{i}'}, raw=True)\n"))
+        pngs = [b["image/png"] for b in shown_bundles if "image/png" in b]
+        assert [p[11] for p in pngs[:12]] == [chr(65 + i) for i in range(12)]
+        assert len(pngs) == 12 + 29 and cleared == [True] * 12
+        seen = capsys.readouterr()
+        assert "not displayed" not in seen.err, seen.err
+        assert seen.out.count("frame ") == 12
+    finally:
+        monkey.undo()
+        ip.run_line_magic("config", "GpuMagics.max_image_bytes = 50000000")
+        ip.run_line_magic("config", "GpuMagics.max_display_bytes = 5000000")
+        ip.run_line_magic("gpu", "kernel stop live")
+
+
+def test_output_cap_counts_updates_in_place_and_holds_back_what_never_fits():
+    from gpumagic.notebook.magics._output import OutputCap
+
+    cap = OutputCap(100, image_limit=1000)
+    assert cap.admit_display({"image/png": "a" * 600}, "d1")
+    assert cap.admit_display({"image/png": "b" * 900}, "d1", update=True)  # replaces the 600
+    assert not cap.admit_display({"image/png": "c" * 1001}, "d1", update=True)  # too big: the 900 stays
+    assert cap.images_shown == 900 and cap.images_dropped == 1
+    assert not cap.admit_display({"image/png": "d" * 200}, "d2")  # 900 + 200 > 1000
+    assert not cap.admit_display({"image/png": "e" * 10}, "d2", update=True)  # d2 was held back
+    assert cap.admit_display({"image/png": "f" * 10}, "elsewhere", update=True)  # not this cell's: passes
+    cap.clear()
+    assert (cap.images_shown, cap.images_dropped, cap.held_back) == (0, 0, False)
+    assert cap.admit_display({"image/png": "g" * 1000}, "d2")
 
 
 # -- case 4 -------------------------------------------------------------------------------
@@ -769,6 +822,40 @@ def test_the_state_reads_idle_as_soon_as_a_cell_ends_while_a_thread_still_prints
             states.append(k.info().state)
         k.execute("stop.set()", output=Recorder())
         assert states == ["idle"] * 3
+    finally:
+        stop_quietly(k)
+
+
+class CommRecorder(Recorder):
+    """A Recorder that keeps the comm messages too, with when they came."""
+
+    def comm(self, kernel, kind, content, metadata, buffers):
+        self.events.append(("comm", kind, content, time.monotonic()))
+
+
+def test_a_widget_a_thread_updates_between_cells_reaches_the_front_end_as_it_changes(m):
+    """ipywidgets' background-progress example: the cell starts a thread and ends; the bar's
+    value changes reach the front end as they are made, with no cell running (they waited
+    for the next cell: the bar stayed at 0.0, then jumped to 1.0)."""
+    pytest.importorskip("ipywidgets")
+    k = start(m, "bgbar")
+    try:
+        out = CommRecorder()
+        k.execute("import threading, time\nimport ipywidgets as widgets\n"
+                  "bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0)\ndisplay(bar)\n"
+                  "def work():\n    for i in range(1, 11):\n        time.sleep(0.2)\n        bar.value = i / 10\n"
+                  "threading.Thread(target=work).start()", output=out)
+        ended = time.monotonic()
+
+        def values():
+            return [e[2]["data"]["state"]["value"] for e in out.events if e[0] == "comm" and e[1] == "comm_msg"
+                    and "value" in (e[2].get("data", {}).get("state") or {})]
+
+        assert wait_until(lambda: values()[-1:] == [1.0], 30), values()
+        assert values() == [i / 10 for i in range(1, 11)]
+        came = [e[3] for e in out.events if e[0] == "comm" and e[1] == "comm_msg"]
+        assert came[0] > ended and k.comms_between_cells >= 10  # each as it was made, no cell running
+        assert k.execute("print(bar.value)", output=Recorder()).ok
     finally:
         stop_quietly(k)
 

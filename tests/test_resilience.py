@@ -230,6 +230,47 @@ def test_a_session_request_after_a_roam_reconnects_and_keeps_the_variables(make_
         _stop_keepers(linked.server, name)
 
 
+def test_a_session_request_lost_with_its_path_is_sent_again_and_runs_once(make_link, monkeypatch):
+    """The path goes as a cell is sent and the request never reaches the session: it is sent
+    again on the new connection and runs exactly once (it raised KernelConnectionLost: '...
+    session never got it (it is idle and ran nothing of it)'); a request that did arrive and is
+    sent again is not run twice (the keeper passes each id on once)."""
+    from gpumagic.remote.kernel.link import _Link
+
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    name = "resend" + uuid.uuid4().hex[:6]
+    k = m.kernel(name, python=sys.executable)
+    send, lost = _Link.send, []
+
+    def send_into_a_dying_path(self, meta, parts=()):
+        parts = list(parts)
+        if meta.get("op") == "send" and not lost and b"execute_request" in parts[0]:
+            lost.append(parts)  # the request goes into the path as it dies, and no further
+            linked.roam()
+            return None
+        return send(self, meta, parts)
+
+    try:
+        assert k.execute("n = 0", output=_Quiet()).ok
+        monkeypatch.setattr(_Link, "send", send_into_a_dying_path)
+        out = _Quiet()
+        assert k.execute("n += 1\nprint('ran', n)", output=out).ok
+        assert (out.text, k.resent, len(lost)) == ("ran 1\n", 1, 1)
+        assert m.connection.opened_count == 2
+        monkeypatch.setattr(_Link, "send", send)
+        # the same request again, as a client does when it cannot tell whether it came
+        link = k._connect()
+        link.send({"op": "send", "ch": "shell", "ack": 0}, lost[0])
+        assert k.pull(["n"])["n"] == 1
+    finally:
+        try:
+            k.stop()
+        except Exception:
+            pass
+        _stop_keepers(linked.server, name)
+
+
 class _Quiet(Output):
     """A session's output, stdout kept."""
 
@@ -624,6 +665,46 @@ def test_a_machine_with_no_client_for_the_grace_stops_the_cell_by_itself(make_li
     t.join(60)
     assert raised and isinstance(raised[0], ConnectionLost), raised
     assert "grace" in raised[0].message, raised[0].message
+
+
+def test_a_cell_whose_link_went_says_within_seconds_that_it_reconnects_then_goes_on(make_link):
+    """Nothing was shown for the whole grace while the machine could not be reached (31.9 s
+    with --grace 30): within 10 s of the loss a line says it reconnects and how much grace is
+    left; once the link is back the cell goes on, every line once, and says so."""
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    token, pattern = unique_tag()
+    out, err = Lines(), Lines()
+    raised: list[BaseException] = []
+    results = []
+
+    def cell() -> None:
+        try:
+            with execution.cell_grace(120):
+                results.append(m.run(f"for i in $(seq 1 60); do echo line $i; sleep 0.3; done # {token}",
+                                     stdout=out, stderr=err))
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            raised.append(e)
+
+    t = threading.Thread(target=cell, daemon=True)
+    t.start()
+    assert wait_until(lambda: "line 2\n" in out.text, 20)
+    linked.hold()
+    held = time.monotonic()
+    try:
+        # the path is found dead 7.5 s after its last packet, and the line follows 1 s later
+        assert wait_until(lambda: "reconnecting to " in err.text, 20), err.text
+        print(f"hold -> 'reconnecting' shown {time.monotonic() - held:.2f} s")
+        said = next(ln for ln in err.lines() if "reconnecting to " in ln)
+        assert said.startswith(f"[gpumagic: reconnecting to {m.name} (") and "; grace left 1 min" in said, said
+    finally:
+        linked.release()
+    t.join(120)
+    assert not raised, raised
+    assert out.lines() == [f"line {i}" for i in range(1, 61)]
+    assert [ln for ln in err.lines() if ln.startswith("[gpumagic: reconnected to ")] == [
+        f"[gpumagic: reconnected to {m.name}; the cell's output goes on]"], err.text
+    assert results[0].exit_code == 0 and results[0].stderr == ""  # shown, not the program's output
 
 
 def test_past_the_spool_bound_the_oldest_output_is_dropped_and_the_cell_says_how_much(make_link, monkeypatch):

@@ -138,6 +138,8 @@ STOP_PROGRAM = "exec-stop-cell.sh"
 #: it runs on, its output kept on the machine, and the client re-attaches on a new connection
 #: (see "Kept cells" in the module docstring).  0: the cell is stopped when its path is lost.
 GRACE = 600.0
+#: Seconds a kept cell seeks a new connection before it says so (a roam takes one connect).
+REATTACH_NOTE_AFTER = 1.0
 #: Most bytes of a kept cell's output the machine holds for a client that is away; past
 #: it the oldest part is dropped, and the client says how many bytes it missed.
 SPOOL_BYTES = 64 << 20
@@ -621,6 +623,12 @@ class _Kept:
         elif kind == b"G":
             self.graced = payload.decode("ascii", "replace")
 
+    def say(self, text: str) -> None:
+        """A passing line of gpumagic's own where the cell's stderr is shown (not kept in its
+        result: the program did not print it)."""
+        if self._err.sink is not None:
+            self._err.sink(text)
+
     def note(self, text: str) -> None:
         """A line of gpumagic's own among the cell's stderr (shown, and kept by ``--out``)."""
         self._err.keep(text)
@@ -681,8 +689,32 @@ def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_R
         The grace passed first: the cell is stopped on the machine over a new connection
         if one comes within :data:`STOP_WAIT` s (the machine stops it by itself too).
     """
+    from .._format import duration
+
     old.discard()
     deadline = kept.ends = _grace_ends(conn, kept)
+    # a roam is over in a connect; a machine that went is said within REATTACH_NOTE_AFTER s
+    # (nothing was shown for the whole grace)
+    said = threading.Event()
+
+    def say() -> None:
+        said.set()
+        kept.say(f"\n[gpumagic: reconnecting to {conn.spec.alias} ({cut.why}); grace left "
+                  f"{duration(deadline - time.monotonic())}, the cell runs on there meanwhile]\n")
+
+    timer = threading.Timer(REATTACH_NOTE_AFTER, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        runner = _reattach_within(conn, kept, cut, deadline)
+    finally:
+        timer.cancel()
+    if said.is_set():
+        kept.say(f"[gpumagic: reconnected to {conn.spec.alias}; the cell's output goes on]\n")
+    return runner
+
+
+def _reattach_within(conn: Connection, kept: _Kept, cut: "_Cut", deadline: float) -> "_Runner":
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

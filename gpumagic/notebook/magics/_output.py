@@ -66,6 +66,52 @@ class OutputCap:
         #: Images held back: how many, and their bytes.
         self.images_dropped = 0
         self.image_bytes_dropped = 0
+        #: display id -> (whether it counts as an image, its size): what an update replaces
+        self._held: dict[str, tuple[bool, int]] = {}
+        self._dropped_ids: set[str] = set()
+
+    def clear(self) -> None:
+        """The cell's output was cleared (``clear_output``): nothing it held counts any more,
+        shown or held back (a live plot that redraws its figure ends holding the last one,
+        as in a local kernel)."""
+        self.shown = self.dropped = 0
+        self.images_shown = self.images_dropped = self.image_bytes_dropped = 0
+        self._held.clear()
+        self._dropped_ids.clear()
+
+    def admit_display(self, data: dict, display_id: str | None = None, update: bool = False) -> bool:
+        """Whether a display (``display_data``, or ``update_display_data`` with ``update``) is
+        shown.  A display with an id is held under it: its update replaces it, so what counts
+        is the update's size instead of the one before; an update of an id this cell held back
+        is held back too; one of an id shown before this cell (or never) passes uncounted."""
+        media = any(is_media(mime) for mime in data)
+        n = bundle_size(data)
+        if update:
+            if display_id in self._dropped_ids:
+                return False
+            if display_id not in self._held:
+                return True
+            was_media, old = self._held.pop(display_id)
+            if was_media:
+                self.images_shown -= old
+            else:
+                self.shown -= old
+            if not self.admit_bundle(data):  # too big now: the old one stays shown and counted
+                if was_media:
+                    self.images_shown += old
+                else:
+                    self.shown += old
+                self._held[display_id] = (was_media, old)
+                return False
+            self._held[display_id] = (media, n)
+            return True
+        if not self.admit_bundle(data):
+            if display_id:
+                self._dropped_ids.add(display_id)
+            return False
+        if display_id:
+            self._held[display_id] = (media, n)
+        return True
 
     def room(self, n: int) -> int:
         """How many of the next ``n`` characters to show (the rest count as dropped)."""

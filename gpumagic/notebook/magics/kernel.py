@@ -30,7 +30,8 @@ class NotebookOutput(Output):
 
     At most ``limit`` characters of text and ``image_limit`` bytes of images are shown per
     cell (the ``%%remote`` cap, :class:`OutputCap`: a MIME bundle with an image counts as an
-    image, any other as text); an update of a display already shown is never counted again.
+    image, any other as text), counting what the notebook holds: ``clear_output`` empties the
+    count, and an update of a display replaces its size with the update's.
     """
 
     def __init__(self, limit: int | None = None, cell_result: bool = False,
@@ -47,7 +48,7 @@ class NotebookOutput(Output):
         from IPython.display import display as ipy_display
         from IPython.display import update_display
 
-        if not update and not self.cap.admit_bundle(data):
+        if not self.cap.admit_display(data, display_id, update):
             return
         if update and display_id:
             update_display(data, raw=True, metadata=metadata, display_id=display_id)
@@ -59,6 +60,7 @@ class NotebookOutput(Output):
     def clear(self, wait: bool = False) -> None:
         from IPython.display import clear_output
 
+        self.cap.clear()
         clear_output(wait=wait)
 
     def page(self, data: dict) -> None:

@@ -51,6 +51,8 @@ class _Waiter:
         self.idle = not need_idle
         #: Any message of the request's came (the kernel took it).
         self.seen = False
+        #: The request as sent (its frames), to send again when it may not have arrived.
+        self.parts: list[bytes] = []
 
     @property
     def done(self) -> bool:
@@ -87,8 +89,18 @@ class RemoteKernel:
         self._lock = threading.RLock()
         #: The ids of the requests sent lately (insertion-ordered), so that no id is used twice.
         self._sent_ids: dict[str, None] = {}
+        self._sent_parts: list[bytes] = []
+        #: Requests sent again after a lost path (the keeper runs each once).
+        self.resent = 0
         #: Bytes per variable of the last :meth:`pull`.
         self.last_pull_sizes: dict[str, int] = {}
+        #: Where the session's comms (widgets) go between cells: the output of the last
+        #: request that carried one; its listener thread (:meth:`_listen`) once there is one.
+        self._comm_output: Output | None = None
+        self._closed = False
+        self._listener: threading.Thread | None = None
+        #: Comm messages passed on between cells (for tests and ``%gpu kernel list``).
+        self.comms_between_cells = 0
 
     @property
     def where(self) -> str:
@@ -293,6 +305,7 @@ class RemoteKernel:
         if msg_id in self._sent_ids:  # a request's id names one request
             msg_id = None
         msg_id, parts = self._message(msg_type, content, msg_id)
+        self._sent_parts = [*parts, *buffers]
         self._sent_ids[msg_id] = None
         while len(self._sent_ids) > 1000:
             del self._sent_ids[next(iter(self._sent_ids))]
@@ -385,6 +398,7 @@ class RemoteKernel:
             # interact) expects of the front end that shows it
             msg_id = self._send(link, "shell", "execute_request", content, msg_id=out.request_id())
             waiter = _Waiter(msg_id, "execute_reply")
+            waiter.parts = self._sent_parts
             result = ExecuteResult()
             deadline = start + timeout if timeout is not None else None
             try:
@@ -480,11 +494,14 @@ class RemoteKernel:
                               capture=capture)
             if waiter.done:
                 return link
-            if not waiter.seen and sync.get("state") == "idle":
-                raise KernelConnectionLost(
-                    f"the connection to {self.machine.name} was lost as the cell was sent, and "
-                    f"session {self.where} never got it (it is idle and ran nothing of it)",
-                    "run the cell again (the connection is back)")
+            if not waiter.seen and sync.get("state") == "idle" and waiter.parts:
+                # the path went as the request was sent, and nothing of it came: sent again,
+                # with its id (the keeper passes on a request it had already once only)
+                try:
+                    link.send({"op": "send", "ch": "shell", "ack": self._last_seq}, waiter.parts)
+                except _Lost:
+                    self._lost()
+                self.resent += 1
         return link
 
     def _interrupt_and_wait(self, link, out, waiter, result, capture) -> bool:
@@ -559,6 +576,7 @@ class RemoteKernel:
         if msg.ch == "iopub":
             if kind in _COMM_TYPES:
                 out.comm(self, kind, msg.content, msg.metadata, msg.buffers)
+                self._listen_between_cells(out)
             elif kind == "status":
                 if own is not None and pid == own and msg.content.get("execution_state") == "idle":
                     said = "idle"
@@ -748,6 +766,7 @@ class RemoteKernel:
     def stop(self) -> None:
         """Stop the kernel and its keeper and remove its files on the machine (the session's
         variables are lost).  Safe when it already stopped."""
+        self._closed = True
         with self._lock:
             try:
                 link = self._connect()
@@ -770,9 +789,55 @@ class RemoteKernel:
             self.machine.exec(f'for i in 1 2 3 4 5 6 7 8 9 10; do [ -d "{self.remote_dir}" ] || exit 0; '
                               "sleep 0.5; done", timeout=30)
 
+    def _listen_between_cells(self, out: Output) -> None:
+        """Pass the session's comm messages on as they come, also while no cell runs (a
+        widget a thread there updates: a local kernel's front end sees each change at once;
+        here they waited for the next cell)."""
+        self._comm_output = out
+        self._closed = False
+        if self._listener is None or not self._listener.is_alive():
+            self._listener = threading.Thread(target=self._listen, daemon=True,
+                                              name=f"gpumagic-kernel-comms-{self.name}")
+            self._listener.start()
+
+    def _listen(self) -> None:
+        """While no request holds the session, each comm message at the head of the link's
+        queue is dispatched here; anything else waits for the next request, which shows it
+        as before (a thread's print between cells, with its note)."""
+        looked: Message | None = None
+        while not self._closed:
+            link = self._link
+            if link is None or link.closed:
+                time.sleep(0.2)
+                continue
+            head = link.wait_head(0.5, after=looked)
+            if head is None:
+                continue
+            if head.ch != "iopub" or head.msg_type not in _COMM_TYPES:
+                looked = head  # for the next request: wait for what comes after it
+                continue
+            if not self._lock.acquire(blocking=False):  # a request runs: it shows them
+                time.sleep(0.05)
+                continue
+            try:
+                while link is self._link and self._comm_output is not None:
+                    head = link.wait_head(0)
+                    if head is None or head.ch != "iopub" or head.msg_type not in _COMM_TYPES:
+                        break
+                    msg = link.get(0)
+                    if msg is not None:
+                        self._dispatch(link, self._comm_output, msg, None)
+                        self.comms_between_cells += 1
+                looked = head
+            except Exception:  # noqa: BLE001 - the next request finds a lost link and says so
+                looked = None
+            finally:
+                self._lock.release()
+
     def close(self) -> None:
         """Acknowledge what was shown and close the channel to the keeper (the kernel keeps
         running); safe twice."""
+        self._closed = True
         link, self._link = self._link, None
         if link is not None:
             self._ack(link, force=True)

@@ -186,6 +186,17 @@ class _Link:
             self._cv.notify_all()
         return item
 
+    def wait_head(self, timeout: float, after: "Message | None" = None) -> "Message | None":
+        """The frame at the head of the queue, left there, waiting up to ``timeout`` seconds
+        for one (for a head other than ``after``: one already looked at); None when there is
+        none yet, or the channel ended."""
+        with self._cv:
+            head = self._items[0][0] if self._items else None
+            if head is None or head is after:
+                self._cv.wait(timeout)
+                head = self._items[0][0] if self._items else None
+            return None if head is after else head
+
     def close(self) -> None:
         self.closed = True
         try:

@@ -49,6 +49,7 @@ number), ``{"op": "interrupt"}`` (SIGINT to the kernel's process group), ``{"op"
 """
 
 import array
+import collections
 import errno
 import fcntl
 import hmac
@@ -73,6 +74,8 @@ SHUTDOWN_GRACE = 3.0
 CLIENT_BUFFER = 1 << 20
 #: Seconds of quiet after which a changed state is written to its files.
 STATE_DELAY = 0.05
+#: How many request ids the keeper remembers to run a request sent again only once.
+FORWARDED_KEPT = 1000
 #: The journal is started afresh once it is this large and everything in it was delivered.
 JOURNAL_RESET = 64 << 20
 DELIM = b"<IDS|MSG>"
@@ -131,6 +134,9 @@ class Keeper:
         self.acked = 0
         self.stopping = False
         self.dirty = False
+        #: The ids of the last requests passed to the kernel: a client that lost its path as it
+        #: sent one sends it again, and a request that had come is not run twice.
+        self.forwarded = collections.OrderedDict()
         #: Where ``kernel.log`` stood when the kernel last started or became ready: what its
         #: death is explained with comes after it (not its start-up warnings).
         self.log_mark = 0
@@ -492,6 +498,23 @@ class Keeper:
         c.out += frame([dumps(obj)])
         self.flush(c)
 
+    def seen_before(self, header):
+        """Whether a request with this header's msg_id was passed on already (then it is not
+        again); else it is remembered (the last FORWARDED_KEPT)."""
+        try:
+            msg_id = json.loads(header).get("msg_id")
+        except (ValueError, AttributeError):
+            return False
+        if not msg_id:
+            return False
+        if msg_id in self.forwarded:
+            log("a request sent again (%s) had come before: not run twice" % msg_id)
+            return True
+        self.forwarded[msg_id] = None
+        while len(self.forwarded) > FORWARDED_KEPT:
+            self.forwarded.popitem(last=False)
+        return False
+
     def status(self):
         return {"name": self.name, "state": self.state, "since": self.since,
                 "busy_msg": self.busy_msg, "last": self.next_seq - 1, "acked": self.acked,
@@ -539,6 +562,8 @@ class Keeper:
             ch = meta.get("ch")
             if ch in ("shell", "stdin", "control") and len(parts) >= 5 and self.socks:
                 body = parts[1:5]
+                if ch == "shell" and self.seen_before(body[0]):
+                    return True
                 self.socks[ch].send_multipart([DELIM, self.session.sign(body)] + body + parts[5:])
         elif op == "ack":
             self.acked = max(self.acked, min(int(meta.get("seq") or 0), self.next_seq - 1))
