@@ -25,7 +25,33 @@ __version__ = "0.1.0"
 # A library never prints through logging's last-resort handler (paramiko's transport logs
 # go under "gpumagic.ssh"); an application that configures logging sees everything.
 _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
-__all__ = ["connect", "Machine", "GpumagicError", "KeepOptions", "start_distributed", "load_ipython_extension", "__version__"]
+__all__ = ["connect", "machine", "Machine", "GpumagicError", "KeepOptions", "start_distributed",
+           "load_ipython_extension", "__version__"]
+
+
+def machine(name=None):
+    """The :class:`Machine` that ``%gpu connect`` connected in this notebook: the default one
+    (the last connected, or the one ``%gpu connect`` made default), or the one named ``name``;
+    for what the magics do not say (``machine.job("train").logs(3)``).
+
+    Raises
+    ------
+    NotConnected
+        Outside IPython, before ``%load_ext gpumagic``, or with no such machine connected
+        (naming those that are).
+    """
+    from .errors import NotConnected
+
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        get_ipython = None  # type: ignore[assignment]
+    state = getattr(get_ipython() if get_ipython is not None else None, "_gpumagic", None)
+    if state is None:
+        raise NotConnected("gpumagic.machine() reads what %gpu connect connected in a notebook, and "
+                           "gpumagic is not loaded here",
+                           "run `%load_ext gpumagic` and `%gpu connect ALIAS` first, or use gpumagic.connect(ALIAS)")
+    return state.fleet.get(name)
 
 
 def start_distributed(machines, name, script, **options):

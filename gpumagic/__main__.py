@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -85,9 +86,66 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
         last = _tail(log)
         raise DeadKernelError(f"{e}; its last words: {last}" if last else str(e)) from None
     finally:
+        for cell in nb.cells:
+            if cell.get("outputs"):
+                cell.outputs = join_streams(cell.outputs)
         nbformat.write(nb, out)
         shutil.rmtree(sockets, ignore_errors=True)
     return out
+
+
+_CONTROL = re.compile(r"[\n\b\r]")
+
+
+def process_text(index: int, text: str, prev: str = "") -> tuple[str, int]:
+    """``text`` written into ``prev`` at ``index`` as JupyterLab's output area writes a stream
+    message into the stream output before it (``processText`` in @jupyterlab/outputarea 4):
+    ``\r`` goes back to the line's start, ``\b`` takes back a character, ``\n`` ends the line.
+    Returns the text and where the next message writes."""
+    if not _CONTROL.search(text):
+        return prev[:index] + text + prev[index + len(text):], index + len(text)
+    r, at = index, 0
+    while True:
+        m = _CONTROL.search(text, at)
+        end = m.start() if m else len(text)
+        seg = text[at:end]
+        prev = prev[:r] + seg + prev[r + len(seg):]
+        r += len(seg)
+        if m is None:
+            return prev, r
+        at = end + 1
+        ch = text[end]
+        if ch == "\b":
+            if r > 0 and prev[r - 1] != "\n":
+                prev = prev[:r - 1] + prev[r + 1:]  # (as JupyterLab does: the character after goes too)
+                r -= 1
+        elif ch == "\r":
+            while r > 0 and prev[r - 1] != "\n":
+                r -= 1
+        else:
+            prev += "\n"
+            r = len(prev)
+
+
+def join_streams(outputs: list) -> list:
+    """A cell's outputs as JupyterLab holds and saves them: consecutive stream outputs of one
+    name (one per message, as nbclient saves them) are one, with ``\r`` and ``\b`` applied
+    (:func:`process_text`); a non-stream output between two ends the first."""
+    joined: list = []
+    index = 0
+    for o in outputs:
+        if o.get("output_type") != "stream":
+            joined.append(o)
+            continue
+        text = o["text"] if isinstance(o["text"], str) else "".join(o["text"])
+        last = joined[-1] if joined else None
+        if last is not None and last.get("output_type") == "stream" and last.get("name") == o.get("name"):
+            last["text"], index = process_text(index, text, last["text"])
+        else:
+            o = type(o)(o)
+            o["text"], index = process_text(0, text)
+            joined.append(o)
+    return joined
 
 
 def _tail(path: str, lines: int = 5) -> str:

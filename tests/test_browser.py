@@ -377,7 +377,7 @@ def test_executed_tutorial_renders_with_no_kernel(kernelless, browser, executed,
 def _shown_outputs(outputs: list) -> int:
     """How many outputs JupyterLab shows for a cell's saved ``outputs``: its output area joins
     consecutive stream outputs of one name (stdout after stdout) into one, as a live kernel's
-    are joined while they arrive; nbclient saves them as they came."""
+    are joined while they arrive (nbclient saves them as they came; run-notebook joins them)."""
     shown, last = 0, None
     for o in outputs:
         stream = o.get("name") if o.get("output_type") == "stream" else None
@@ -391,6 +391,7 @@ def _renders_with_no_kernel(kernelless: Lab, browser, name: str, shot: str) -> N
     cells = _code_cells(kernelless.root / name)
     saved_outputs = [_shown_outputs(c.outputs) for c in cells]
     assert sum(saved_outputs) > 0
+    assert saved_outputs == [len(c.outputs) for c in cells]  # saved as JupyterLab holds them
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
         _open(page, kernelless, name)

@@ -7,6 +7,7 @@ replaced by its final static state through its display id when it stops (issue 1
 
 import importlib.util
 import os
+import re
 import time
 from pathlib import Path
 
@@ -97,6 +98,40 @@ def _run_notebook_cli(tmp_path, cells, *extra, **popen):
                             env=env, encoding="utf-8", **popen)
 
 
+def test_an_executed_copy_holds_a_cells_streams_as_jupyterlab_saves_them(tmp_path):
+    """One output per run of one stream, not one per message (nbclient saved each print as
+    it came: ``"python"``, ``" "``, ``"3.11.7"``...), with ``\\r`` applied as JupyterLab's
+    output area applies it; a display between two prints ends the first."""
+    cell = ("import sys, time\n"
+            "for i in range(3):\n    print(i, flush=True); time.sleep(0.2)\n"
+            "print('warn', file=sys.stderr, flush=True); time.sleep(0.2)\n"
+            "for p in (10, 50, 100):\n    print(f'\\r{p:3}%', end='', flush=True); time.sleep(0.2)\n"
+            "print(flush=True); time.sleep(0.2)\n"
+            "display('shown')\n"
+            "print('after', flush=True)")
+    r = _run_notebook_cli(tmp_path, [cell])
+    _, err = r.communicate(timeout=300)
+    assert r.returncode == 0, err
+    outputs = nbformat.read(tmp_path / "out" / "t.ipynb", as_version=4).cells[0].outputs
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in outputs] == [
+        ("stream", "stdout", "0\n1\n2\n"), ("stream", "stderr", "warn\n"), ("stream", "stdout", "100%\n"),
+        ("display_data", None, None), ("stream", "stdout", "after\n")]
+
+
+@pytest.mark.parametrize("index, text, prev, want", [
+    (0, "abc\rxy", "", ("xyc", 2)),  # \r goes back to the line's start; what follows overwrites
+    (0, "a\nb\n", "", ("a\nb\n", 4)),
+    (3, "\r 20%", " 10%", (" 20%", 4)),  # a progress bar's next message
+    (2, "cd", "ab", ("abcd", 4)),
+    (2, "\b", "ab", ("a", 1)),  # as JupyterLab does it
+    (0, "x\r", "", ("x", 0)),
+])
+def test_process_text_writes_a_message_as_jupyterlab_does(index, text, prev, want):
+    from gpumagic.__main__ import process_text
+
+    assert process_text(index, text, prev) == want
+
+
 def test_run_notebook_names_the_failed_cell_and_its_error(tmp_path):
     # a new user saw only "a cell failed:   hint: ..." (the last line of the error text)
     raising = nbformat.v4.new_code_cell("1 / 0")
@@ -151,6 +186,28 @@ def test_run_notebook_says_in_a_line_that_the_kernel_died(tmp_path):
                                      f"executed copy (up to there): {tmp_path / 'out' / 't.ipynb'}"], err
     executed = nbformat.read(tmp_path / "out" / "t.ipynb", as_version=4)
     assert executed.cells[0].outputs[0]["text"] == "before\n"
+
+
+@pytest.mark.parametrize("path", ENGLISH + CHINESE, ids=lambda p: str(p.relative_to(NOTEBOOKS)))
+def test_a_tutorial_uses_only_the_public_api(path):
+    """A reader copies a tutorial's cells into their own notebook: no name that starts with _
+    is reached from gpumagic (04 and 09 read get_ipython()._gpumagic.fleet: now
+    gpumagic.machine())."""
+    nb = nbformat.read(path, as_version=4)
+    private = [ln for c in nb.cells if c.cell_type == "code" for ln in c.source.splitlines()
+               if re.search(r"\._[A-Za-z]", ln)]
+    assert private == [], path.name
+
+
+def test_machine_is_the_one_percent_gpu_connect_connected(ip):
+    import gpumagic
+    from gpumagic.errors import NotConnected
+
+    ip.run_line_magic("gpu", "connect testgpu")
+    assert gpumagic.machine() is ip._gpumagic.fleet.get("testgpu") is gpumagic.machine("testgpu")
+    with pytest.raises(NotConnected) as e:
+        gpumagic.machine("nope")
+    assert e.value.message == "no machine named 'nope' is connected (connected: testgpu)"
 
 
 # -- the Simplified Chinese tutorials (example-notebooks/zh-CN) ------------------------------

@@ -23,6 +23,8 @@ r = dist.get_rank()
 t = torch.tensor([r])
 dist.all_reduce(t)
 print(f"rank {r} world {dist.get_world_size()} sum {t.item()}", flush=True)
+print(f"rank {r} ifnames", *(f"{v}={os.environ.get(v)}" for v in
+      ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")), flush=True)
 if os.environ.get("BOOM") == str(r):
     # a rank that exits with its gloo group alive may abort at interpreter exit ("terminate called
     # without an active exception", pytorch#190489): CI saw exit -6 and no traceback, once
@@ -135,6 +137,14 @@ def test_case2_two_machines_world_4_same_sum_and_kill(a, b):
         [j.logs(None) for j in job.parts]
     for r in range(4):
         assert f"rank {r} world 4 sum 6" in job.logs(rank=r)
+    # every backend that picks an interface by itself has the one the rendezvous chose, on
+    # both machines (only NCCL_SOCKET_IFNAME was set: Gloo picked its own)
+    assert set(job.plan.devs) == {"tra", "trb"}, job.plan.devs
+    for r in range(4):
+        host = next(h for h in ("tra", "trb") if f"[{h}:" in job.logs(rank=r))
+        dev = job.plan.devs[host]
+        assert (f"rank {r} ifnames NCCL_SOCKET_IFNAME={dev} GLOO_SOCKET_IFNAME={dev} "
+                f"TP_SOCKET_IFNAME={dev}") in job.logs(rank=r), job.logs(rank=r)
     hosts = {host for host in ("tra", "trb") if f"[{host}:" in job.logs_all()}
     assert hosts == {"tra", "trb"}
     assert len(procs("torchrun/ar2/")) >= 6  # two torchruns and four workers, before the kill

@@ -487,6 +487,12 @@ class DistributedJob:
         return self.state
 
 
+#: What chooses the network interface for each backend: NCCL, Gloo (the gloo process group),
+#: TensorPipe (torch.distributed.rpc); each is set to the interface the rendezvous reached the
+#: first machine by, unless the job's environment sets it.
+SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
 def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = "", rdzv_id: str = "",
             torchrun_args: Sequence[str] = (), exec_argv: Sequence[str] | None = None,
             socket_ifname: str = "", is_host: bool = True) -> str:
@@ -506,8 +512,8 @@ def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = 
     # torchrun itself (its logs/ and the ranks/ files) runs private, umask 077; rank.py gives
     # the training script the user's umask back, so its checkpoints are made as in a plain cell.
     lines = [f"export GPUMAGIC_TORCHRUN_DIR={d}", 'export GPUMAGIC_UMASK="$(umask)"', "umask 077"]
-    if socket_ifname:
-        lines.append(f"export NCCL_SOCKET_IFNAME=\"${{NCCL_SOCKET_IFNAME:-{socket_ifname}}}\"")
+    if socket_ifname:  # every backend that picks an interface by itself gets the rendezvous's
+        lines += [f"export {v}=\"${{{v}:-{socket_ifname}}}\"" for v in SOCKET_IFNAME_VARS]
     lines.append(f"exec {q} --log-dir {d}/logs {d}/rank.py"
                  + ("" if exec_argv else f" {d}/script.py") + (" " + " ".join(shlex.quote(a) for a in tail)
                                                             if tail else ""))

@@ -121,7 +121,7 @@ def _find_or_start(machine: MachineLike, what: str, kind: str, timeout: float, p
     info = json.loads(lines[-1])
     if "missing" in info:
         raise TunnelError(f"{what} is not installed for {info['missing']} on {machine.name}",
-                          f"install it there: %%remote\\n{shlex.quote(info['missing'])} -m pip install {package}")
+                          f"install it there: a %%remote cell with `{shlex.quote(info['missing'])} -m pip install {package}`")
     if "failed" in info:
         raise TunnelError(f"{what} did not start on {machine.name}: {info['failed']}",
                           f"its log on the machine: {info['log']}")
