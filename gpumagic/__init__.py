@@ -25,11 +25,11 @@ __version__ = "0.1.0"
 # A library never prints through logging's last-resort handler (paramiko's transport logs
 # go under "gpumagic.ssh"); an application that configures logging sees everything.
 _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
-__all__ = ["connect", "machine", "Machine", "GpumagicError", "KeepOptions", "start_distributed",
+__all__ = ["connect", "current_machine", "Machine", "GpumagicError", "KeepOptions", "start_distributed",
            "load_ipython_extension", "__version__"]
 
 
-def machine(name=None):
+def current_machine(name=None):
     """The :class:`Machine` that ``%gpu connect`` connected in this notebook: the default one
     (the last connected, or the one ``%gpu connect`` made default), or the one named ``name``;
     for what the magics do not say (``machine.job("train").logs(3)``).
@@ -48,7 +48,7 @@ def machine(name=None):
         get_ipython = None  # type: ignore[assignment]
     state = getattr(get_ipython() if get_ipython is not None else None, "_gpumagic", None)
     if state is None:
-        raise NotConnected("gpumagic.machine() reads what %gpu connect connected in a notebook, and "
+        raise NotConnected("gpumagic.current_machine() reads what %gpu connect connected in a notebook, and "
                            "gpumagic is not loaded here",
                            "run `%load_ext gpumagic` and `%gpu connect ALIAS` first, or use gpumagic.connect(ALIAS)")
     return state.fleet.get(name)

@@ -331,7 +331,7 @@ def test_too_many_agent_keys_before_the_right_one_is_named_as_maxauthtries(sshd,
     assert judge.returncode != 0 and "Too many authentication failures" in judge.stderr, judge.stderr
     with pytest.raises(AuthenticationFailed) as e:
         gpumagic.Machine(replace(sshd.spec(), identities_only=False)).connect()
-    assert "ended the login at the 6th key offered: too many keys offered (MaxAuthTries)" in e.value.message
+    assert "ended the login after 6 keys were refused: too many keys offered (MaxAuthTries)" in e.value.message
     assert "IdentitiesOnly yes" in e.value.hint
     assert _ssh_judge(sshd, identities_only=True).stdout == "in\n"
     with gpumagic.Machine(sshd.spec()) as m:  # IdentitiesOnly yes: the agent's other keys are not offered

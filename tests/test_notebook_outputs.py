@@ -192,21 +192,21 @@ def test_run_notebook_says_in_a_line_that_the_kernel_died(tmp_path):
 def test_a_tutorial_uses_only_the_public_api(path):
     """A reader copies a tutorial's cells into their own notebook: no name that starts with _
     is reached from gpumagic (04 and 09 read get_ipython()._gpumagic.fleet: now
-    gpumagic.machine())."""
+    gpumagic.current_machine())."""
     nb = nbformat.read(path, as_version=4)
     private = [ln for c in nb.cells if c.cell_type == "code" for ln in c.source.splitlines()
                if re.search(r"\._[A-Za-z]", ln)]
     assert private == [], path.name
 
 
-def test_machine_is_the_one_percent_gpu_connect_connected(ip):
+def test_current_machine_is_the_one_percent_gpu_connect_connected(ip):
     import gpumagic
     from gpumagic.errors import NotConnected
 
     ip.run_line_magic("gpu", "connect testgpu")
-    assert gpumagic.machine() is ip._gpumagic.fleet.get("testgpu") is gpumagic.machine("testgpu")
+    assert gpumagic.current_machine() is ip._gpumagic.fleet.get("testgpu") is gpumagic.current_machine("testgpu")
     with pytest.raises(NotConnected) as e:
-        gpumagic.machine("nope")
+        gpumagic.current_machine("nope")
     assert e.value.message == "no machine named 'nope' is connected (connected: testgpu)"
 
 

@@ -629,8 +629,8 @@ class Connection:
             except (paramiko.SSHException, EOFError, OSError) as e:
                 if len(tried) > 1:  # sshd ends a login at MaxAuthTries (6) refused keys
                     raise AuthenticationFailed(
-                        f"{spec.user}@{spec.address} ended the login at the {len(tried)}th key offered: "
-                        f"too many keys offered (MaxAuthTries); keys tried: {', '.join(tried)}",
+                        f"{spec.user}@{spec.address} ended the login after {len(tried) - 1} keys were "
+                        f"refused: too many keys offered (MaxAuthTries); keys tried: {', '.join(tried)}",
                         "offer this machine's key alone: `IdentityFile KEY` and `IdentitiesOnly yes` in its "
                         "Host block (or -i KEY with IdentitiesOnly), or fewer keys in the agent (ssh-add -d)",
                     ) from None
@@ -947,7 +947,7 @@ def jump_route(spec: HostSpec, home: str | None = None, _seen: tuple = ()) -> li
     seen = _seen or ((spec.user, spec.hostname, spec.port),)
     chain = [resolve(h, home=home) for h in spec.proxy_jump]
     first = (chain[0].user, chain[0].hostname, chain[0].port)
-    if first in seen:
+    if chain[0].proxy_jump and first in seen:  # its own ProxyJump leads back: no end
         names = " -> ".join(f"{h}:{p}" for _, h, p in (*seen, first))
         raise ConfigError(f"ProxyJump loops: {names} (each hop's own ProxyJump followed, as ssh does)",
                           "end the loop: `ProxyJump none` in the jump host's Host block, or -J to give the route")
