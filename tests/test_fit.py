@@ -195,7 +195,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
 def _run(ip, line):
     with capture_output() as cap:
         ip.run_line_magic("gpu", line)
-    return cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
+    return cap.stdout + "".join(o.data.get("text/plain", "") + "\n" for o in cap.outputs)  # each on lines of its own
 
 
 def test_fit_magic_compares_with_the_connected_gpu(ip):

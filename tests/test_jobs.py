@@ -39,8 +39,10 @@ def jname(what: str) -> str:
 
 
 def shown(cap) -> str:
-    """Everything a captured cell showed: stdout plus the text of displayed objects."""
-    return cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
+    """Everything a captured cell showed: stdout plus the text of displayed objects, each on
+    lines of its own as a notebook shows them (joined with nothing, an alert another test's
+    job raised ran on from the table's last row: '... line 20!! ALERT job oomstop-...')."""
+    return cap.stdout + "".join(o.data.get("text/plain", "") + "\n" for o in cap.outputs)
 
 
 def processes(pattern: str) -> list[str]:

@@ -79,7 +79,7 @@ def caches(server):
 def _run(ip, line):
     with capture_output() as cap:
         ip.run_line_magic("gpu", line)
-    return cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
+    return cap.stdout + "".join(o.data.get("text/plain", "") + "\n" for o in cap.outputs)  # each on lines of its own
 
 
 def test_two_new_result_files_are_listed_and_pulled(ip, server, tmp_path, data_dir):
