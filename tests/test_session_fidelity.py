@@ -283,6 +283,10 @@ def _run_notebook(tmp_path, monkeypatch, cells: list[str]):
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
+    from gpumagic.__main__ import join_streams
+
+    for cell in nb.cells:  # as run-notebook and JupyterLab save them: one print, however it was flushed
+        cell.outputs = join_streams(cell.outputs)
     return nb
 
 
