@@ -164,8 +164,14 @@ def add_client_entry(server: SshServer, alias: str, extra: str = "") -> None:
     config.write_text(text + f"\nHost {alias}\n  HostName {server.host}\n  Port {server.port}\n"
                       f"  User {server.user}\n  IdentityFile {server.client_key}\n  IdentitiesOnly yes\n{extra}",
                       encoding="utf-8")
-    with open(ssh / "known_hosts", "a", encoding="utf-8") as f:
-        f.write(server.known_hosts.read_text(encoding="utf-8"))
+    # a server stopped before may have had this port: its key for [host]:port goes (else the
+    # new server's key reads as CHANGED, as it would to ssh)
+    new = server.known_hosts.read_text(encoding="utf-8")
+    names = {ln.split()[0] for ln in new.splitlines() if ln.strip()}
+    kh = ssh / "known_hosts"
+    old = kh.read_text(encoding="utf-8").splitlines(keepends=True) if kh.exists() else []
+    kh.write_text("".join(ln for ln in old if not ln.strip() or ln.split()[0] not in names) + new,
+                  encoding="utf-8")
 
 
 #: Where the suite does not run as root, a machine can shut itself down only through passwordless
