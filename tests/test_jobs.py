@@ -814,26 +814,32 @@ def test_a_start_lock_left_by_a_dead_launcher_is_broken_and_a_live_one_means_alr
     base.mkdir(parents=True, exist_ok=True)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    for name, owner in [(jname("stale"), f"{dead.pid} 1"), (jname("ownerless"), None)]:
-        lock = base / f".{name}.starting"
-        lock.mkdir()
-        if owner:
-            (lock / "owner").write_text(owner + "\n", encoding="utf-8")
+    # The lock is a symlink naming its owner, "PID PSTART": a dead pid, or a target that names
+    # no process at all, is a lock to break.
+    for name, owner in [(jname("stale"), f"{dead.pid} 1"), (jname("ownerless"), "garbage")]:
+        lock = base / f".{name}.lock"
+        lock.symlink_to(owner)
         job = machine.start_job(name, "echo ran")
         assert job.wait(timeout=30).state_text == "exited 0" and job.logs() == "ran\n"
-        assert not lock.exists()
+        assert not lock.is_symlink()
     # A live launcher (this test process stands in, with its real start time) holds it.
     name = jname("starting")
-    lock = base / f".{name}.starting"
-    lock.mkdir()
+    lock = base / f".{name}.lock"
     start_time = Path(f"/proc/{os.getpid()}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[19]
-    (lock / "owner").write_text(f"{os.getpid()} {start_time}\n", encoding="utf-8")
+    lock.symlink_to(f"{os.getpid()} {start_time}")
     with pytest.raises(JobError) as e:
         machine.start_job(name, "echo never")
     assert "is already running" in str(e.value)
-    assert not (base / name).exists() and lock.exists()
+    assert not (base / name).exists() and lock.is_symlink()
     # A pid reused by another process (after a reboot) does not hold it.
-    (lock / "owner").write_text(f"{os.getpid()} 1\n", encoding="utf-8")
+    lock.unlink()
+    lock.symlink_to(f"{os.getpid()} 1")
+    # Something else at the lock's path is not taken for a lock, nor removed.
+    other = jname("notalock")
+    (base / f".{other}.lock").mkdir()
+    with pytest.raises(JobError, match="is not a start lock gpumagic made: remove it"):
+        machine.start_job(other, "echo never")
+    assert (base / f".{other}.lock").is_dir() and not (base / other).exists()
     assert machine.start_job(name, "echo now").wait(timeout=30).state_text == "exited 0"
 
 

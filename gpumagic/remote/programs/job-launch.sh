@@ -9,9 +9,10 @@
 # applied only where env.sh is written: no value reaches a tmux server's environment).
 # Prints `ok RUNNER PATH PID [TMUX-ERROR]`, `running`, `norunner` or `error MESSAGE` last.
 #
-# Starting is atomic per name: `mkdir .NAME.starting` (atomic on every file system) is the
-# start lock, held from the "is it running?" check until the runner has written its pid.  A
-# second launcher that finds it held by a live launcher prints `running`; one whose owner died
+# Starting is atomic per name: the start lock is a symlink, JOBS/.NAME.lock -> "PID PSTART"
+# (symlink(2) is atomic and carries its owner, so no launcher ever sees a lock whose owner is
+# not yet written), held from the "is it running?" check until the runner has written its pid.
+# A second launcher that finds it held by a live launcher prints `running`; one whose owner died
 # (SIGKILL, a reboot) is broken.  Everything is created private (umask 077: directories 0700,
 # files 0600); the command itself runs with the user's umask.
 # shellcheck shell=sh
@@ -37,24 +38,31 @@ um=$(umask)
 umask 077
 base=$HOME/.gpumagic/jobs
 d=$base/$name
-lock=$base/.$name.starting
+lock=$base/.$name.lock
 mkdir -p "$base" || { echo "error cannot create $base"; exit 0; }
 chmod 700 "$HOME/.gpumagic" "$base" 2>/dev/null
-i=0
+me="$$ $(gm_pstart $$)"
 broke=0
-while ! mkdir "$lock" 2>/dev/null; do
-  if gm_lock_held "$lock"; then echo "running"; exit 0; fi
-  if [ ! -s "$lock/owner" ] && [ $i -lt 40 ]; then  # its owner is writing it: 2 s at most
-    i=$((i + 1)); sleep 0.05; continue
+# (`ln -s` onto a directory would make a link inside it and succeed.)
+[ -d "$lock" ] && [ ! -L "$lock" ] && { echo "error $lock is not a start lock gpumagic made: remove it"; exit 0; }
+while ! ln -s "$me" "$lock" 2>/dev/null; do
+  if ! seen=$(readlink "$lock" 2>/dev/null); then
+    [ -e "$lock" ] || continue  # released meanwhile: try again
+    echo "error $lock is not a start lock gpumagic made: remove it"; exit 0
   fi
-  # The launcher that took it is gone: break the lock (one of several breakers wins the mv).
-  broke=$((broke + 1)); i=0
+  if gm_lock_held "$lock"; then echo "running"; exit 0; fi
+  # The launcher that took it is gone: break the lock.  Of several breakers one wins the mv;
+  # one that took a lock taken afresh meanwhile (not the dead owner's) puts it back.
+  broke=$((broke + 1))
   [ $broke -le 5 ] || { echo "error cannot take the start lock $lock"; exit 0; }
-  mv "$lock" "$lock.stale.$$" 2>/dev/null && rm -rf "$lock.stale.$$"
+  if mv "$lock" "$lock.stale.$$" 2>/dev/null; then
+    took=$(readlink "$lock.stale.$$" 2>/dev/null)
+    rm -f "$lock.stale.$$"
+    [ "$took" = "$seen" ] || ln -s "$took" "$lock" 2>/dev/null
+  fi
 done
-trap 'rm -rf "$lock"' EXIT
+trap 'rm -f "$lock"' EXIT
 trap 'exit 1' HUP INT TERM PIPE
-echo "$$ $(gm_pstart $$)" > "$lock/owner.tmp" && mv "$lock/owner.tmp" "$lock/owner"
 if [ -d "$d" ]; then
   if [ -s "$d/pid" ] && gm_job_running "$d"; then echo "running"; exit 0; fi
   s=$(cat "$d/started" 2>/dev/null)

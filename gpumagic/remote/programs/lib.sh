@@ -81,22 +81,23 @@ gm_procs() {
   done
 }
 
-# gm_lock_held LOCKDIR: the process named in LOCKDIR/owner ("PID PSTART") is alive and is
+# gm_lock_held LOCK: the process that the symlink LOCK names ("PID PSTART") is alive and is
 # still that process (its start time matches: not a pid reused after a reboot).
 gm_lock_held() {
-  _gm_o=; _gm_t=; { read -r _gm_o _gm_t < "$1/owner"; } 2>/dev/null
-  [ -n "$_gm_o" ] && gm_alive "$_gm_o" && [ "$(gm_pstart "$_gm_o")" = "$_gm_t" ]
+  _gm_l=$(readlink "$1" 2>/dev/null) || return 1
+  _gm_o=${_gm_l%% *}; _gm_t=${_gm_l#* }
+  [ "$_gm_t" != "$_gm_l" ] && gm_alive "$_gm_o" && [ "$(gm_pstart "$_gm_o")" = "$_gm_t" ]
 }
 
 # gm_job_running DIR: the one test of "is this gpumagic job still running"
 # (gpumagic/remote/jobs.py): no DIR/exit_code yet, and the pid in DIR/pid is alive (a zombie
 # is not: see gm_alive) and still this job's runner (its /proc/PID/cwd is DIR; where /proc is
 # missing, gm_alive alone decides).  Before the runner has written its pid, the job runs while
-# a live launcher holds the job's start lock (JOBS/.NAME.starting, see job-launch.sh).
+# a live launcher holds the job's start lock (JOBS/.NAME.lock, see job-launch.sh).
 gm_job_running() {
   [ -e "$1/exit_code" ] && return 1
   _gm_p=$(cat "$1/pid" 2>/dev/null)
-  if [ -z "$_gm_p" ]; then gm_lock_held "${1%/*}/.${1##*/}.starting"; return; fi
+  if [ -z "$_gm_p" ]; then gm_lock_held "${1%/*}/.${1##*/}.lock"; return; fi
   gm_alive "$_gm_p" || return 1
   _gm_c=$(readlink "/proc/$_gm_p/cwd" 2>/dev/null) || return 0
   [ "$_gm_c" = "$(cd "$1" 2>/dev/null && pwd -P)" ]
