@@ -104,6 +104,7 @@ import paramiko
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import Connection
 from ..ssh.pump import ChannelPump
+from .._format import duration
 from ..errors import ConnectionLost, GpumagicError, RemoteCommandError, RemoteTimeout
 from . import program as _program
 
@@ -689,8 +690,6 @@ def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_R
         The grace passed first: the cell is stopped on the machine over a new connection
         if one comes within :data:`STOP_WAIT` s (the machine stops it by itself too).
     """
-    from .._format import duration
-
     old.discard()
     deadline = kept.ends = _grace_ends(conn, kept)
     # a roam is over in a connect; a machine that went is said within REATTACH_NOTE_AFTER s

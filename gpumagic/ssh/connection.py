@@ -9,6 +9,7 @@ group or others; a passphrase is asked with ``getpass`` and kept only in memory)
 
 from __future__ import annotations
 
+import base64
 import getpass
 import io
 import logging
@@ -17,6 +18,7 @@ import contextlib
 import select
 import socket
 import stat
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -26,7 +28,7 @@ from typing import Callable
 import paramiko
 
 from . import _paramiko, known_hosts
-from ..errors import (AuthenticationFailed, ChangedHostKey, ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, InsecureKeyFile, NotConnected, RevokedHostKey, UnknownHostKey, WrongPassphrase)
+from ..errors import (AuthenticationFailed, ChangedHostKey, ConfigError, ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, InsecureKeyFile, NotConnected, RevokedHostKey, UnknownHostKey, WrongPassphrase)
 from .hosts import HostSpec, default_identity_files, resolve
 
 log = logging.getLogger(__name__)
@@ -91,9 +93,6 @@ def public_blob(path: str) -> bytes | None:
     """The public key of a private key file, without its passphrase, as OpenSSH finds it to
     match an agent's keys: ``PATH.pub``, or the clear public part of an ``openssh-key-v1``
     file; None where neither is there (an old PEM file without its ``.pub``)."""
-    import base64
-    import struct
-
     try:
         with open(path + ".pub", encoding="utf-8", errors="replace") as f:
             return base64.b64decode(f.read().split()[1])
@@ -940,8 +939,6 @@ def jump_route(spec: HostSpec, home: str | None = None, _seen: tuple = ()) -> li
     ConfigError
         A loop (a host reached through itself) or a route of more than :data:`MAX_HOPS` hops.
     """
-    from ..errors import ConfigError
-
     if not spec.proxy_jump:
         return []
     seen = _seen or ((spec.user, spec.hostname, spec.port),)

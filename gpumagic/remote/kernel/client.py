@@ -99,7 +99,7 @@ class RemoteKernel:
         self._comm_output: Output | None = None
         self._closed = False
         self._listener: threading.Thread | None = None
-        #: Comm messages passed on between cells (for tests and ``%gpu kernel list``).
+        #: Comm messages passed on between cells (counted for the tests).
         self.comms_between_cells = 0
 
     @property
