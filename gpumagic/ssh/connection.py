@@ -47,17 +47,26 @@ PassphrasePrompt = Callable[[str], str]
 
 # -- noticing a dead path (see _Path) ------------------------------------------------------
 #: Seconds without a packet from the machine after which a path must answer a probe before
-#: something new is sent on it (:meth:`Connection.ensure_alive`).
+#: something new is sent on it (:meth:`Connection.ensure_alive`), within max(:data:`REQUEST_WAIT`,
+#: 10 RTT).
 FRESH = 2.0
-#: Fewest seconds that probe may take before the path counts as dead: max(this, 10 RTT).
+#: Fewest seconds a transfer's probe may take before its path counts as dead, max(this, 10 RTT)
+#: (:meth:`Connection.in_flight` ``quick``: a sync, which resumes by itself).
 ALIVE_WAIT = 3.0
-#: A spare connection starts when that probe got no answer for max(this, 4 RTT) seconds.
+#: A spare connection starts when a probe got no answer for max(this, 4 RTT) seconds.
 SPARE_AFTER = 0.5
 #: While work is in flight (a running cell: :meth:`Connection.in_flight`), a probe goes out
 #: after this many seconds without a packet...
 BUSY_PROBE_AFTER = 1.0
 #: ...and the path is declared dead when nothing at all came for this many seconds after it.
 BUSY_DEAD_AFTER = 6.5
+#: A request just sent (a cell, a session request: :meth:`Connection.in_flight`), and the probe
+#: of a quiet path before one (:meth:`Connection.ensure_alive`), must see a packet come back
+#: within max(this, 10 RTT), or the path counts as dead.  A probe goes out
+#: when it waited max(:data:`SPARE_AFTER`, 4 RTT), and a spare connection is opened side by
+#: side at twice that, so that the cell goes on over it at once (a roam costs seconds, at
+#: whatever moment the cell was sent after it).
+REQUEST_WAIT = 2.0
 #: Seconds between looks of the watch thread.
 _TICK = 0.25
 #: A look this much later than due means this process did not run meanwhile (SIGSTOP, the
@@ -273,7 +282,7 @@ class Connection:
 
         When nothing came from the machine for :data:`FRESH` seconds (on the monotonic or
         the wall clock: a laptop that slept counts), a probe (``keepalive@openssh.com``) must
-        be answered within max(:data:`ALIVE_WAIT`, 10 RTT).  Meanwhile, once the probe is
+        be answered within max(:data:`REQUEST_WAIT`, 10 RTT).  Meanwhile, once the probe is
         :data:`SPARE_AFTER` late, a spare connection is opened side by side; when the
         probe's time is up the old path is declared dead and the spare adopted (an open in
         every respect: the reverse tunnels' ``after_open`` hooks run), with no error.  On a
@@ -291,7 +300,7 @@ class Connection:
             if path.quiet() < FRESH or threading.current_thread() is t:
                 return self
             rtt = path.rtt or 0.0
-            bound = max(ALIVE_WAIT, 10 * rtt)
+            bound = max(REQUEST_WAIT, 10 * rtt)
             head = min(bound, max(SPARE_AFTER, 4 * rtt))
             sent = time.monotonic()
             path.probe(self)
@@ -346,10 +355,13 @@ class Connection:
 
         ``quick``: the work resumes by itself on a new connection (a sync), so a blink costs
         it nothing but a reconnect: the probe must be answered within max(:data:`ALIVE_WAIT`,
-        10 RTT), the bound of :meth:`ensure_alive`, instead of :data:`BUSY_DEAD_AFTER`."""
+        10 RTT) instead of :data:`BUSY_DEAD_AFTER`."""
         with self._busy_lock:
             self._busy += 1
             self._quick += quick
+        path = self._path
+        if path is not None:
+            path.waiting = time.monotonic()  # the request that starts the block
         try:
             yield
         finally:
@@ -659,6 +671,14 @@ class Connection:
                          name="gpumagic-keepalive").start()
 
     def _watch(self, t: paramiko.Transport, path: "_Path", stop: threading.Event) -> None:
+        try:
+            self._watch_path(t, path, stop)
+        finally:
+            spare, path.spare = path.spare, None
+            if spare is not None:  # a spare this path's waiting request opened, not adopted
+                spare.abandon()
+
+    def _watch_path(self, t: paramiko.Transport, path: "_Path", stop: threading.Event) -> None:
         interval = self.spec.server_alive_interval
         limit = interval * max(1, self.spec.server_alive_count_max)
         last_m, last_w = time.monotonic(), time.time()
@@ -672,6 +692,8 @@ class Connection:
                 path.restart(now_m)
                 path.probe(self)
             last_m, last_w = now_m, now_w
+            if self._awaited(t, path, now_m):
+                return
             if self._quick > 0:
                 after, dead = BUSY_PROBE_AFTER, max(ALIVE_WAIT, 10 * (path.rtt or 0.0))
                 why = f"{self.spec.address} did not answer a probe within {dead:.3g} s during a transfer"
@@ -693,6 +715,51 @@ class Connection:
                     return
             elif now_m - path.heard_at >= after:
                 path.probe(self)
+
+    def _awaited(self, t: paramiko.Transport, path: "_Path", now: float) -> bool:
+        """The watch's look at a request that waits for its first answer (:attr:`_Path.waiting`,
+        set by :meth:`in_flight`): a probe when it waited max(:data:`SPARE_AFTER`, 4 RTT), a spare
+        connection at twice that, and past max(:data:`REQUEST_WAIT`, 10 RTT) without a packet
+        the path is dead: the spare is adopted (as :meth:`ensure_alive` adopts one) and ``t``
+        closed, so the cell's reattach finds a connection made.  True when ``t`` is done with."""
+        sent = path.waiting
+        if sent is None:
+            return False
+        if path.heard_at >= sent:  # answered: any packet after it tells the path carries
+            path.waiting = None
+            if path.spare is not None:
+                path.spare.abandon()
+                path.spare = None
+            return False
+        rtt = path.rtt or 0.0
+        head = max(SPARE_AFTER, 4 * rtt)
+        bound = max(REQUEST_WAIT, 10 * rtt)
+        if now - sent >= head and path.asked is None:
+            path.probe(self)
+        if now - sent >= 2 * head and path.spare is None:
+            path.spare = _Spare(self)
+        if now - sent < bound:
+            return False
+        why = f"{self.spec.address} did not answer a request within {bound:.3g} s (the network changed or dropped)"
+        log.info("gpumagic: %s; adopting a new connection", why)
+        spare, path.spare = path.spare, None
+        try:
+            made = spare.result(self.spec.connect_timeout + 1) if spare is not None else None
+        except BaseException as e:  # noqa: BLE001 - no spare: the caller reconnects, and says why
+            log.info("gpumagic: the spare connection to %s failed: %s", self.spec.address, e)
+            made = None
+        with self._lock:
+            if self.transport is not t:  # replaced meanwhile (ensure_alive took a spare)
+                if made is not None:
+                    _close_made(made)
+                return True
+            self._lost_reason = why
+            if made is None:
+                t.close()
+                return True
+            self._adopt(*made)
+        self.abandoned(t)
+        return True
 
     # -- global requests and remote forwards (ssh -R) ----------------------------------
 
@@ -777,12 +844,16 @@ class Connection:
             When no channel can be opened even on a fresh connection.
         """
         self.ensure_alive()
-        assert self.transport is not None
+        t = self.transport
+        assert t is not None
         try:
-            return self.transport.open_session(timeout=self.spec.connect_timeout)
+            return t.open_session(timeout=self.spec.connect_timeout)
         except (paramiko.SSHException, EOFError, OSError):
-            # The transport looked alive but was not: reconnect once.
-            self.close()
+            # The transport looked alive but was not: reconnect once (unless the watch of a
+            # waiting request replaced it meanwhile: that new one is kept).
+            with self._lock:
+                if self.transport is t:
+                    self._teardown()
             self.ensure_open()
             try:
                 return self.transport.open_session(timeout=self.spec.connect_timeout)
@@ -813,6 +884,10 @@ class _Path:
         self.rtt: float | None = None
         #: When the unanswered probe went out (monotonic), None when none waits.
         self.asked: float | None = None
+        #: When a request went out that no packet has answered yet (monotonic), else None.
+        self.waiting: float | None = None
+        #: The spare connection opened while that request waits (Connection._awaited).
+        self.spare: _Spare | None = None
         self._asking = False
         self._news = threading.Event()
         self.hooked = _paramiko.on_every_packet(transport, self.heard)
@@ -828,9 +903,12 @@ class _Path:
         return max(time.monotonic() - self.heard_at, time.time() - self.heard_wall)
 
     def restart(self, now: float) -> None:
-        """Count an unanswered probe's silence from ``now`` (this process did not run)."""
+        """Count an unanswered probe's or request's silence from ``now`` (this process did
+        not run)."""
         if self.asked is not None:
             self.asked = now
+        if self.waiting is not None:
+            self.waiting = now
 
     def probe(self, conn: Connection) -> None:
         """Send a probe unless one waits for its reply already (from a short thread:
@@ -908,9 +986,12 @@ class _Spare:
         if made is not None:
             _close_made(made)
 
-    def result(self) -> tuple:
-        """(transport, hops) once the attempt authenticated; its error when it failed."""
-        self._done.wait()
+    def result(self, timeout: float | None = None) -> tuple:
+        """(transport, hops) once the attempt authenticated; its error when it failed, or
+        :class:`ConnectTimeout` when ``timeout`` seconds passed first (it is abandoned)."""
+        if not self._done.wait(timeout):
+            self.abandon()
+            raise ConnectTimeout(f"the spare connection did not open within {timeout:g} s")
         if self._error is not None:
             raise self._error
         assert self._result is not None

@@ -44,6 +44,7 @@ from typing import Callable, Iterable
 import paramiko
 
 from . import agent, laptop
+from .._format import duration
 from .._options import Options
 from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
 from ..remote import execution
@@ -1488,7 +1489,7 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
                 shown.cut(runs)
             reconnects += 1
             log.info("sync with %s: %s; reconnecting (%d)", machine.name, e.message, reconnects)
-            _reconnect(machine, e, grace)
+            _reconnect(machine, e, grace, shown.reconnecting if shown is not None else None)
             continue
         except SyncIncomplete as e:
             if e.summary is not None:
@@ -1499,9 +1500,11 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
         return _add_up(summary, cut, runs, reconnects, start)
 
 
-def _reconnect(machine, cause: ConnectionLost, grace: float) -> None:
+def _reconnect(machine, cause: ConnectionLost, grace: float,
+               say: Callable[[str], None] | None = None) -> None:
     """A new connection for a sync that ``cause`` cut, trying for up to ``grace`` seconds
-    (Ctrl-C stops it at once).
+    (Ctrl-C stops it at once).  ``say`` gets ``reconnecting to HOST (grace left T)`` before
+    each try (the bar shows it), as a cell's output says it.
 
     Raises
     ------
@@ -1512,6 +1515,8 @@ def _reconnect(machine, cause: ConnectionLost, grace: float) -> None:
     deadline = time.monotonic() + grace
     pause = RECONNECT_PAUSE
     while True:
+        if say is not None:
+            say(f"reconnecting to {machine.name} (grace left {duration(deadline - time.monotonic())})")
         try:
             conn.ensure_alive()
             return
@@ -1551,7 +1556,8 @@ def _add_up(summary: SyncSummary, cut: list[_Run], last: list[_Run], reconnects:
 class _Resumed:
     """The progress callback of a sync that may resume: what its cut attempts completed is
     added to the next attempt's counts (whose plan leaves it out), so that the bar goes on
-    from where it was, and while it reconnects ``current`` says ``reconnecting...``."""
+    from where it was, and while it reconnects ``current`` says ``reconnecting to HOST (grace
+    left T)``."""
 
     def __init__(self, progress: ProgressCallback, started: float):
         self.progress = progress
@@ -1568,12 +1574,16 @@ class _Resumed:
         self.progress(p)
 
     def cut(self, runs: list[_Run]) -> None:
-        """The attempt of ``runs`` was cut: count what it completed, say so."""
+        """The attempt of ``runs`` was cut: count what it completed."""
         for run in runs:
             self.files += run.state.files_done
             self.bytes += max(0, run.state.bytes_done - sum(run.open.values()))
+
+    def reconnecting(self, text: str) -> None:
+        """While it reconnects, the bar's ``current`` says so (``reconnecting to HOST (grace
+        left T)``)."""
         if self.last is not None:
-            self.progress(dataclasses.replace(self.last, current="reconnecting...", finished=False))
+            self.progress(dataclasses.replace(self.last, current=text, finished=False))
 
 
 def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions,
