@@ -7,13 +7,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/_packages.sh"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-# GPUMAGIC_FOR=main (quickstart.sh): the package and its [notebook] extra; test (the default):
-# the [test] extra, which holds [notebook]'s packages too.  A stamp per extra says it is done.
+# GPUMAGIC_FOR=main (quickstart.sh): the package and its [tutorials] extra (what every tutorial
+# imports, here and on the sandbox, whose python3 is this venv's); test (the default): the [test]
+# extra, which holds [tutorials]'s packages too.  A stamp per extra says it is done.
 extra="test"
-[ "${GPUMAGIC_FOR:-test}" = main ] && extra=notebook
+[ "${GPUMAGIC_FOR:-test}" = main ] && extra=tutorials
 stamp=.venv/.gpumagic-installed-$extra
 fresh() { [ -f "$1" ] && ! [ pyproject.toml -nt "$1" ]; }
-if ! fresh "$stamp" && ! { [ $extra = notebook ] && fresh .venv/.gpumagic-installed-test; }; then
+if ! fresh "$stamp" && ! { [ $extra = tutorials ] && fresh .venv/.gpumagic-installed-test; }; then
   echo "gpumagic: installing .[$extra] into .venv (log: .venv/pip.log)" >&2
   # No pip upgrade: the venv's own pip installs these wheels.  GPUMAGIC_INSTALLER=uv takes uv
   # (measured: 9 s against pip's 34 s for [notebook], cold caches), which reads no pip.conf:

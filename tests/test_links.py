@@ -56,5 +56,9 @@ def test_the_tunnel_message_and_the_tensorboard_iframe_follow_the_rule(monkeypat
 def test_binder_installs_tensorboard_and_the_server_proxy():
     from pathlib import Path
 
-    reqs = (Path(__file__).resolve().parent.parent / "binder" / "requirements.txt").read_text(encoding="utf-8").split()
-    assert "tensorboard" in reqs and "jupyter-server-proxy" in reqs
+    root = Path(__file__).resolve().parent.parent
+    reqs = (root / "binder" / "requirements.txt").read_text(encoding="utf-8").split()
+    assert ".[tutorials]" in reqs and "jupyter-server-proxy" in reqs
+    tutorials = next(ln for ln in (root / "pyproject.toml").read_text(encoding="utf-8").splitlines()
+                     if ln.startswith("tutorials = ["))
+    assert '"tensorboard>=' in tutorials  # through the extra the quickstart installs too
