@@ -113,6 +113,24 @@ def test_run_notebook_command_bad_notebook_is_a_one_line_error(tmp_path, monkeyp
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.tutorial("09-move-a-run.ipynb")
+def test_tutorial_09_runs_again_against_the_same_sandbox_and_reads_run_2s_folder(executed, tmp_path):
+    """Run a second time as a student re-runs it, the sandbox's home and this computer's keep
+    records kept from the first: the job is run 2, kept in ./tutorial-move/run-2/ckpt/, which
+    the tutorial asks the keeper for (it waited on ./tutorial-move/ckpt/ for ever)."""
+    import tutorials
+
+    name = "09-move-a-run.ipynb"
+    assert executed[name]  # the first run
+    nb = nbformat.read(tutorials._run(executed.src / name, tmp_path / "again", executed.data(name)), as_version=4)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    text, _ = outputs(nb, "%%remote --job tutorial-move")
+    assert "of job tutorial-move in " in text and "/tutorial-move/run-2/ckpt" in text, text
+    text, _ = outputs(nb, "import time")
+    assert text.startswith("kept here: [") and "'step-10.json'" in text, text
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["09-move-a-run.ipynb", "zh-CN/09-move-a-run.ipynb"])
 def test_tutorial_09_moves_a_lost_run_to_b_and_its_loss_goes_on_from_the_checkpoint(executed, name):
     nb = executed[name]
