@@ -232,32 +232,16 @@ def test_silent_port_times_out_after_connect_timeout(sshd):
     assert "SSH port" in e.value.hint
 
 
-def test_ssh_agent_keys_are_offered(sshd, tmp_path, monkeypatch):
-    import shutil
-    import subprocess
-    if not shutil.which("ssh-agent"):
-        pytest.skip("ssh-agent is not installed")
-    sock = tmp_path / "agent.sock"
-    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            if sock.exists():
-                break
-            time.sleep(0.05)
-        env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
-        subprocess.run(["ssh-add", "-q", str(sshd.client_key)], env=env, check=True)
-        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
-        # no IdentityFile and no ~/.ssh/id_* key: only the agent can log in
-        spec = replace(sshd.spec(), identity_files=(), identities_only=False)
-        with gpumagic.Machine(spec) as m:
-            assert m.run(["echo", "agent"], quiet=True).stdout == "agent\n"
-        monkeypatch.delenv("SSH_AUTH_SOCK")
-        with pytest.raises(AuthenticationFailed) as e:
-            gpumagic.Machine(spec).connect()
-        assert "no IdentityFile, no ~/.ssh/id_* key, no agent" in e.value.message
-    finally:
-        agent.terminate()
-        agent.wait(5)
+def test_ssh_agent_keys_are_offered(sshd, agent, monkeypatch):
+    agent(sshd.client_key)
+    # no IdentityFile and no ~/.ssh/id_* key: only the agent can log in
+    spec = replace(sshd.spec(), identity_files=(), identities_only=False)
+    with gpumagic.Machine(spec) as m:
+        assert m.run(["echo", "agent"], quiet=True).stdout == "agent\n"
+    monkeypatch.delenv("SSH_AUTH_SOCK")
+    with pytest.raises(AuthenticationFailed) as e:
+        gpumagic.Machine(spec).connect()
+    assert "no IdentityFile, no ~/.ssh/id_* key, no agent" in e.value.message
 
 
 @pytest.fixture

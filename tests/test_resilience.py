@@ -707,6 +707,24 @@ def test_past_a_short_grace_the_cell_is_stopped_and_the_message_names_the_grace(
     assert lines == [f"line {i}" for i in range(1, len(lines) + 1)]
 
 
+def _cell_on_a_thread(m, command: str, grace: float, **streams):
+    """``m.run(command, **streams)`` with a grace of ``grace`` s, on a thread started now;
+    returns (the thread, its results, what it raised), the lists filled when it ends."""
+    results: list = []
+    raised: list[BaseException] = []
+
+    def cell() -> None:
+        try:
+            with execution.cell_grace(grace):
+                results.append(m.run(command, **streams))
+        except BaseException as e:  # noqa: BLE001 - looked at by the test
+            raised.append(e)
+
+    t = threading.Thread(target=cell, daemon=True)
+    t.start()
+    return t, results, raised
+
+
 def test_a_machine_with_no_client_for_the_grace_stops_the_cell_by_itself(make_link):
     """The link holds everything (no new connection either): the machine hears no client for
     the grace and stops the cell itself, while the link is still held (no orphan)."""
@@ -714,17 +732,8 @@ def test_a_machine_with_no_client_for_the_grace_stops_the_cell_by_itself(make_li
     m = linked.machine
     token, pattern = unique_tag()
     out = Lines()
-    raised: list[BaseException] = []
-
-    def cell() -> None:
-        try:
-            with execution.cell_grace(3):
-                m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
-        except BaseException as e:  # noqa: BLE001 - looked at below
-            raised.append(e)
-
-    t = threading.Thread(target=cell, daemon=True)
-    t.start()
+    t, _, raised = _cell_on_a_thread(m, f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", 3,
+                                     stdout=out)
     assert wait_until(lambda: "line 2\n" in out.text, 20)
     linked.hold()
     held = time.monotonic()
@@ -747,19 +756,8 @@ def test_a_cell_whose_link_went_says_within_seconds_that_it_reconnects_then_goes
     m = linked.machine
     token, pattern = unique_tag()
     out, err = Lines(), Lines()
-    raised: list[BaseException] = []
-    results = []
-
-    def cell() -> None:
-        try:
-            with execution.cell_grace(120):
-                results.append(m.run(f"for i in $(seq 1 60); do echo line $i; sleep 0.3; done # {token}",
-                                     stdout=out, stderr=err))
-        except BaseException as e:  # noqa: BLE001 - looked at below
-            raised.append(e)
-
-    t = threading.Thread(target=cell, daemon=True)
-    t.start()
+    t, results, raised = _cell_on_a_thread(m, f"for i in $(seq 1 60); do echo line $i; sleep 0.3; done # {token}",
+                                           120, stdout=out, stderr=err)
     assert wait_until(lambda: "line 2\n" in out.text, 20)
     linked.hold()
     held = time.monotonic()
