@@ -299,9 +299,7 @@ class Connection:
                 return self.ensure_open()
             if path.quiet() < FRESH or threading.current_thread() is t:
                 return self
-            rtt = path.rtt or 0.0
-            bound = max(REQUEST_WAIT, 10 * rtt)
-            head = min(bound, max(SPARE_AFTER, 4 * rtt))
+            head, bound = path.answer_bounds()
             sent = time.monotonic()
             path.probe(self)
             if path.wait_answer(sent, head):
@@ -310,11 +308,8 @@ class Connection:
             if path.wait_answer(sent, bound - (time.monotonic() - sent)):
                 spare.abandon()
                 return self
-            self._lost_reason = (f"{self.spec.address} did not answer a probe within {bound:g} s "
-                                 "(the network changed or dropped)")
-            log.info("gpumagic: %s; adopting a new connection", self._lost_reason)
-            self._adopt(*spare.result())
-            self.abandoned(t)
+            self._replace(t, spare.result(), f"{self.spec.address} did not answer a probe within "
+                                             f"{bound:g} s (the network changed or dropped)")
             return self
 
     @property
@@ -731,35 +726,41 @@ class Connection:
                 path.spare.abandon()
                 path.spare = None
             return False
-        rtt = path.rtt or 0.0
-        head = max(SPARE_AFTER, 4 * rtt)
-        bound = max(REQUEST_WAIT, 10 * rtt)
+        head, bound = path.answer_bounds()
         if now - sent >= head and path.asked is None:
             path.probe(self)
         if now - sent >= 2 * head and path.spare is None:
             path.spare = _Spare(self)
         if now - sent < bound:
             return False
-        why = f"{self.spec.address} did not answer a request within {bound:.3g} s (the network changed or dropped)"
-        log.info("gpumagic: %s; adopting a new connection", why)
         spare, path.spare = path.spare, None
         try:
             made = spare.result(self.spec.connect_timeout + 1) if spare is not None else None
         except BaseException as e:  # noqa: BLE001 - no spare: the caller reconnects, and says why
             log.info("gpumagic: the spare connection to %s failed: %s", self.spec.address, e)
             made = None
+        self._replace(t, made, f"{self.spec.address} did not answer a request within {bound:.3g} s "
+                               "(the network changed or dropped)")
+        return True
+
+    def _replace(self, t: paramiko.Transport, made: tuple | None, why: str) -> None:
+        """``t``'s path is dead (``why``): adopt ``made`` (a spare's transport and hops) in its
+        place and run the :attr:`after_abandon` hooks for ``t``; without ``made``, close ``t``
+        (the caller reconnects).  When ``t`` was replaced meanwhile (by another look at the
+        same path), ``made`` is closed and the new transport kept."""
         with self._lock:
-            if self.transport is not t:  # replaced meanwhile (ensure_alive took a spare)
+            if self.transport is not t:
                 if made is not None:
                     _close_made(made)
-                return True
+                return
             self._lost_reason = why
             if made is None:
+                log.info("gpumagic: %s; closing that connection", why)
                 t.close()
-                return True
+                return
+            log.info("gpumagic: %s; adopting a new connection", why)
             self._adopt(*made)
         self.abandoned(t)
-        return True
 
     # -- global requests and remote forwards (ssh -R) ----------------------------------
 
@@ -901,6 +902,13 @@ class _Path:
     def quiet(self) -> float:
         """Seconds since the last packet, the larger of the two clocks."""
         return max(time.monotonic() - self.heard_at, time.time() - self.heard_wall)
+
+    def answer_bounds(self) -> tuple[float, float]:
+        """(head, bound) for a probe or a request on this path: a spare connection is opened
+        when no packet answered it for max(:data:`SPARE_AFTER`, 4 RTT) seconds, and the path
+        counts as dead past max(:data:`REQUEST_WAIT`, 10 RTT)."""
+        rtt = self.rtt or 0.0
+        return max(SPARE_AFTER, 4 * rtt), max(REQUEST_WAIT, 10 * rtt)
 
     def restart(self, now: float) -> None:
         """Count an unanswered probe's or request's silence from ``now`` (this process did
