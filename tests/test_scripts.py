@@ -1,8 +1,9 @@
 """The set-up scripts (issue 31, item 10): the quickstart installs only what the main job needs
 (the sandbox's sshd, ssh, rsync, tmux, a venv, and the package with its [tutorials] extra); the
-tools only the tests use stay with scripts/test.sh.  What the [tutorials] extra holds is read off
-the tutorials themselves: every module a tutorial imports, here or on the sandbox machine.  Read off what scripts/_packages.sh asks for
-on a machine that has none of them (an empty PATH, as a plain user: it prints the list)."""
+tools only the tests use stay with scripts/test.sh.  Read off what scripts/_packages.sh asks for
+on a machine that has none of them (an empty PATH, as a plain user: it prints the list).  What
+the [tutorials] extra must hold is read off the tutorials themselves: every module a tutorial
+imports, here or on the sandbox machine."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ def test_quickstart_asks_only_for_what_the_main_job_needs(tmp_path):
 def test_tests_ask_for_their_own_tools_too(tmp_path):
     got = missing("test", tmp_path)
     assert {"openssh-client", "rsync", "tmux", "git", "curl"} <= got
-
 
 
 # -- what the tutorials import ------------------------------------------------------------------
