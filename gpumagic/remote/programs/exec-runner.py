@@ -41,6 +41,22 @@
 # the functions it defined there (conda's `conda activate`) are read once at start into a
 # private file that bash cells get as BASH_ENV (capture_functions).
 #
+# A Python started ahead: a --python cell (argv exactly PYTHON -u -c TEXT) pays the
+# interpreter's start-up (8 ms here, more on a busy machine) before its first line runs.
+# Once such a cell ended, the runner starts the same PYTHON -u -c STUB, in a new session, with
+# the environment and directory that cell had (its mark aside): STUB waits on a private pipe.
+# The next Python cell whose PYTHON, environment (mark aside) and directory are the same is
+# handed to it: the pipe brings its mark (set in os.environ, so what it starts carries it) and
+# its text.  What start-up read is looked at first (the interpreter, the user site, each
+# sys.path entry and .pth file: a `pip install` meanwhile changes one): when any changed, STUB
+# execs `PYTHON -u -c TEXT` (a cold start).  Else it compiles TEXT as "<string>" and runs it in
+# __main__ as `python -c` does: sys.argv is ["-c"] (sys.orig_argv ends in TEXT), __main__
+# holds only its own names, an uncaught exception prints the traceback `-c` prints (STUB's
+# frame left out) and exits 1, SystemExit exits as it does, and an uncaught KeyboardInterrupt
+# ends the process by SIGINT once threads and atexit ran.  What differs: the command line in
+# /proc and ps shows STUB, and the start time is earlier.  A Python cell of another key
+# discards it (its pipe's EOF ends it), and it ends with the runner the same way.
+#
 # Kill on drop: a watchdog process, forked at start, holds the read end of a pipe on which the
 # runner registers each running cell's process group.  When the runner ends for any reason
 # (the channel closed: interrupt, dropped connection, killed sshd; or the runner was killed),
@@ -375,12 +391,153 @@ class Stoppable(object):
         if now >= self.next_at or (self.sent[-1] == signal.SIGINT and self.leader_ended()):
             self.escalate()
 
+#: The program a Python started ahead runs (%d: when it was started, less 20 ms, in ns;
+#: then the pipe's fd, twice); see the header.
+STUB = """\
+def _gm_run():
+    import os, sys
+    if sys.version_info < (3,):
+        os._exit(0)  # (a cell for it starts cold)
+    def mtime(path):
+        try:
+            return os.stat(path).st_mtime_ns
+        except (OSError, ValueError):
+            return None
+    def listed(d):
+        try:
+            return [os.path.join(d, n) for n in os.listdir(d) if n.endswith(".pth")]
+        except (OSError, ValueError):
+            return []
+    site = sys.modules.get("site")
+    paths = [sys.executable, getattr(site, "USER_SITE", None)] + sys.path
+    paths = [p for p in paths if p] + [f for d in sys.path if d for f in listed(d)]
+    started = [mtime(p) for p in paths]
+    since = %d  # when the runner started it, less the file clock's lag: start-up read after
+    data = b""
+    while True:
+        chunk = os.read(%d, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(%d)
+    mark, sep, text = data.partition(b"\\0")
+    if not sep:
+        os._exit(0)
+    os.environb[b"GPUMAGIC_CELL"] = mark
+    text = text.decode("utf-8", "surrogateescape")
+    now = [mtime(p) for p in paths]
+    if now != started or any(t is not None and t >= since for t in now):  # a package or .pth came or went: start as `python -c` would
+        os.execv(sys.executable, [getattr(sys, "orig_argv", [sys.executable])[0], "-u", "-c", text])
+    if hasattr(sys, "orig_argv"):
+        sys.orig_argv = sys.orig_argv[:3] + [text]
+    main = sys.modules["__main__"].__dict__
+    del main["_gm_run"]
+    try:
+        exec(compile(text, "<string>", "exec", dont_inherit=True), main)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        tb = e.__traceback__.tb_next
+        e.__traceback__ = tb
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = e
+        sys.excepthook(type(e), e, tb)
+        if not isinstance(e, KeyboardInterrupt):
+            raise SystemExit(1)
+        del e, tb
+        import atexit, signal
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        atexit._run_exitfuncs()
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(130)
+_gm_run()
+"""
+
+
+def python_cell(argv, piped):
+    """Whether ``argv`` is a cell a Python started ahead can run: PYTHON -u -c TEXT."""
+    return not piped and len(argv) == 4 and argv[1] == b"-u" and argv[2] == b"-c"
+
+
+class Spares(object):
+    """At most one Python started ahead (see the header): ``key`` names the cell it can run
+    (PYTHON, the environment without the mark, the directory)."""
+
+    def __init__(self):
+        self.key = None
+        self.proc = None
+        self.control = None
+
+    def start(self, key, exe, env, cwd):
+        """Start one for ``key`` (after a Python cell ended), unless one for it is ready."""
+        if self.key == key and self.proc is not None and self.proc.poll() is None:
+            return
+        self.discard()
+        r, w = os.pipe()
+        env = dict(env)
+        env[MARK] = b"%d.spare" % os.getpid()
+        since = int(time.time() * 1e9) - 20000000  # (a file's time comes from a coarse clock)
+        try:
+            self.proc = subprocess.Popen([exe, b"-u", b"-c", (STUB % (since, r, r)).encode()],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, cwd=cwd or None, env=env,
+                                         start_new_session=True, pass_fds=(r,))
+        except OSError:
+            os.close(w)
+            self.proc = None
+            return
+        finally:
+            os.close(r)
+        self.key, self.control = key, w
+
+    def take(self, key, mark, text):
+        """The ready process, now running ``text`` with ``mark``; None when there is none
+        for ``key`` (a cold start then)."""
+        proc = self.proc if self.key == key else None
+        if proc is None or proc.poll() is not None:
+            self.discard()
+            return None
+        try:
+            os.write(self.control, mark + b"\0" + text)  # (a cell's text: at most 120 KiB)
+        except OSError:
+            self.discard()
+            return None
+        os.close(self.control)
+        self.key = self.proc = self.control = None
+        return proc
+
+    def discard(self):
+        """End the one that is ready (its pipe's EOF), if any."""
+        if self.control is not None:
+            os.close(self.control)
+        if self.proc is not None:
+            try:
+                self.proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+        self.key = self.proc = self.control = None
+
 
 class Cell(Stoppable):
     #: Cells started by this runner (a part of each one's mark).
     started = 0
 
-    def __init__(self, payload, wd, functions, piped=False, emit=send, mark=None):
+    #: (key, PYTHON, environment, directory) of a Python cell: what a Python started ahead
+    #: for the next one gets (Spares.start); None for another cell.
+    python = None
+
+    def __init__(self, payload, wd, functions, piped=False, emit=send, mark=None, spares=None):
         self.wd = wd
         # the mark every process of the cell inherits: a kept cell's is its id (which
         # exec-stop-kept.py knows), another's this runner's PID and the cell's number
@@ -427,11 +584,16 @@ class Cell(Stoppable):
         if not argv:  # as `"$@"` with no words: nothing runs, status 0
             self.code = 0
             return
+        if spares is not None and python_cell(argv, piped):
+            key = (argv[0], d, sorted((k, v) for k, v in env.items() if k != MARK))
+            self.python = (key, argv[0], env, d)
+            self.proc = spares.take(key, self.mark, argv[3])
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, cwd=d or None, env=env,
-                                         start_new_session=True)
+            if self.proc is None:
+                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
+                                             stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, cwd=d or None, env=env,
+                                             start_new_session=True)
         except OSError as e:
             emit(b"E", b"gpumagic: %s: %s\n" % (argv[0], e.strerror.encode()))
             self.code = 127 if isinstance(e, FileNotFoundError) else 126
@@ -752,25 +914,25 @@ class Follow(Leased, Stoppable):
             self.file.close()
 
 
-def kept(payload, wd, functions):
+def kept(payload, wd, functions, spares):
     """A "K" request: (the cell it started, or None; the Follow of a re-attach, or None)."""
     ident, grace, out, err, rest = payload.split(b"\0", 4)
     name = ident.decode("ascii", "replace")
     if not name or "/" in name or name.startswith("."):
-        return Cell(rest, wd, functions), None
+        return Cell(rest, wd, functions, spares=spares), None
     d = os.path.join(CELLS, name)
     try:
         os.mkdir(d, 0o700)
     except FileExistsError:
         return None, Follow(d, [int(out), int(err)])
     except OSError:  # no spool here (a read-only HOME): an ordinary cell
-        return Cell(rest, wd, functions), None
+        return Cell(rest, wd, functions, spares=spares), None
     try:
         spool = Spool(d, float(grace))
     except OSError:
         remove_dir(d)
-        return Cell(rest, wd, functions), None
-    cell = Cell(rest, wd, functions, emit=spool.emit, mark=ident)
+        return Cell(rest, wd, functions, spares=spares), None
+    cell = Cell(rest, wd, functions, emit=spool.emit, mark=ident, spares=spares)
     cell.spool = spool
     spool.lease(cell.pid if cell.proc is not None else 0)
     if cell.code is not None:  # never started (no such directory...): its end is spooled
@@ -790,6 +952,7 @@ def main():
     signal.set_wakeup_fd(wake_w)
     os.set_blocking(1, False)  # a kept cell's spool feeds the channel only what it takes
     send(b"H", b"gpumagic-runner 1")
+    spares = Spares()
     buf = b""
     cell = follow = None
     eof = False  # the channel closed (only a kept cell or a re-attach outlives that)
@@ -842,9 +1005,9 @@ def main():
                     break
                 payload, buf = buf[HEAD.size:HEAD.size + n], buf[HEAD.size + n:]
                 if kind in (b"C", b"A") and cell is None and follow is None:
-                    cell = Cell(payload, wd, functions, piped=kind == b"A")
+                    cell = Cell(payload, wd, functions, piped=kind == b"A", spares=spares)
                 elif kind == b"K" and cell is None and follow is None:
-                    cell, follow = kept(payload, wd, functions)
+                    cell, follow = kept(payload, wd, functions, spares)
                 elif kind == b"S" and (cell or follow) is not None:
                     try:
                         wait = float(payload) if payload else None
@@ -879,6 +1042,10 @@ def main():
                 spool.emit(b"G", b"%g" % spool.grace)
                 cell.stop()
             code = cell.reap()
+            if code is not None and cell.python is not None:
+                ended, cell.python = cell.python, None
+            else:
+                ended = None
             if code is not None and spool is None:
                 send(b"X", b"%d" % code)
                 cell = None
@@ -890,6 +1057,8 @@ def main():
                     cell = None
                 elif spool.ended and (eof or time.monotonic() - heard > 3 * beat(spool.grace) + STALL):
                     return  # ended while its client is away: a re-attach reads the spool
+            if ended is not None and not eof:
+                spares.start(*ended)  # after its "X": the next Python cell starts in it
         if eof and cell is None and follow is None:
             return
 
