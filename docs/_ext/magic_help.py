@@ -39,17 +39,30 @@ class Command:
         return "magic-" + "-".join(w.strip("-").lower() for w in words if w.strip("-"))
 
 
-def _tables():
-    from gpumagic.notebook import magics
-    from gpumagic.notebook.magics._args import Subcommands
+def _is_table(fn) -> bool:
+    """A ``Subcommands`` table (``gpumagic/notebook/magics/_args.py``): rows and a help text."""
+    return hasattr(fn, "rows") and hasattr(fn, "help_text")
 
-    return magics, Subcommands
+
+def _table_of(name: str, fn):
+    """The table a row's function is, or imports on first use (``%gpu kernel``'s function imports
+    ``gpumagic.notebook.magics.kernel.KERNEL``: the group's module, its name in capitals)."""
+    if _is_table(fn) or hasattr(fn, "parser"):
+        return fn
+    import importlib
+
+    try:
+        table = getattr(importlib.import_module(f"gpumagic.notebook.magics.{name}"), name.upper().replace("-", "_"))
+    except (ImportError, AttributeError):
+        return fn
+    return table if _is_table(table) else fn
 
 
 def commands() -> list[Command]:
     """Every command, in the order ``%gpu help`` lists them, ``%%remote`` first; a table's rows
     follow the table."""
-    magics, Subcommands = _tables()
+    from gpumagic.notebook import magics
+
     out = [Command("%%remote", "-h"), Command("%gpu", "help", table=True)]
 
     def walk(table, words: list[str]) -> None:
@@ -58,10 +71,8 @@ def commands() -> list[Command]:
             # a line that starts with an option goes to the default row: its own -h
             out.append(Command(f"%gpu {' '.join(words)}{usage}", " ".join(words + ["--host", "_", "-h"])))
         for name, row in table.rows.items():
-            fn = row.fn
-            if not isinstance(fn, Subcommands) and not hasattr(fn, "parser"):
-                fn = _LAZY_TABLES[name]() if name in _LAZY_TABLES else fn
-            if isinstance(fn, Subcommands):
+            fn = _table_of(name, row.fn)
+            if _is_table(fn):
                 out.append(Command(fn.prog, " ".join(words + [name, "help"]), table=True))
                 walk(fn, words + [name])
             elif hasattr(fn, "parser"):
@@ -77,14 +88,6 @@ def commands() -> list[Command]:
     return out
 
 
-def _kernel_table():
-    from gpumagic.notebook.magics.kernel import KERNEL
-
-    return KERNEL
-
-
-#: Rows whose function imports its table on first use (``%gpu kernel``).
-_LAZY_TABLES = {"kernel": _kernel_table}
 #: A word that a table's ``other`` row accepts, to reach its help.
 _EXAMPLE = {"PORT": "8000"}
 
@@ -119,9 +122,13 @@ def help_text(command: Command, ip=None) -> str:
 
 def summaries() -> dict[str, str]:
     """A command's one line from its table (what ``%gpu help`` says beside it), by name."""
-    magics, Subcommands = _tables()
-    found = {"%%remote": "Run the cell on the machine: a cell you wait for, a detached job, torchrun or a live session.",
-             "%gpu": "The sub-commands, each with one line."}
+    from gpumagic.notebook import magics
+
+    def first_line(fn) -> str:  # magic_arguments puts the usage first in __doc__; not in its parser's
+        parser = getattr(fn, "parser", None)
+        return ((parser.description if parser is not None else None) or fn.__doc__ or "").strip().split("\n")[0]
+
+    found = {"%%remote": first_line(magics.GpuMagics.remote), "%gpu": first_line(magics.GpuMagics.gpu)}
 
     def walk(table, words):
         if table.default is not None:
@@ -129,9 +136,8 @@ def summaries() -> dict[str, str]:
             found[f"%gpu {' '.join(words)}{usage}"] = table.default.summary
         for name, row in table.rows.items():
             found[f"%gpu {' '.join(words + [name])}"] = row.summary
-            fn = row.fn if isinstance(row.fn, Subcommands) else (
-                _LAZY_TABLES[name]() if name in _LAZY_TABLES else None)
-            if isinstance(fn, Subcommands):
+            fn = _table_of(name, row.fn)
+            if _is_table(fn):
                 walk(fn, words + [name])
         if table.other is not None:
             found[f"%gpu {' '.join(words)} {table.other[0]}"] = table.other[2].summary
