@@ -2,8 +2,8 @@
 build time, and module docstrings shown as pages of "how it works".
 
 ``magic-reference`` (a directive, no argument): one section per command that
-:func:`magic_help.commands` finds by walking ``%gpu``'s table (and ``%%remote``), each with the
-row's one-line summary and the help text the notebook prints for ``-h``
+:func:`magic_help.commands` finds by walking ``%gpu``'s table (and ``%%remote``), a table's rows
+inside its section, each with the row's one-line summary and the help text the notebook prints for ``-h``
 (:func:`magic_help.help_text`).  A sub-command added, renamed or given a new option shows in the
 next build; nothing is written by hand.  Option ``:lang: zh-CN`` translates the words around
 the help (the help itself is the parser's, in English).  Each section's id is
@@ -46,7 +46,8 @@ class MagicReference(SphinxDirective):
         prefix = "" if lang == "en" else lang.lower() + "-"
         ip = magic_help.shell()
         summaries = magic_help.summaries()
-        out = []
+        out: list[nodes.Node] = []
+        tables: dict[str, nodes.section] = {}  # a table's section holds its rows' sections
         for command in magic_help.commands():
             anchor = prefix + command.anchor
             section = nodes.section(ids=[anchor], names=[anchor])
@@ -54,8 +55,7 @@ class MagicReference(SphinxDirective):
             if summaries.get(command.name):
                 section += nodes.paragraph(text=summaries[command.name])
             intro = nodes.paragraph()
-            label = words["table" if command.table else "help"]
-            before, code, after = label.partition("`")[0], label.split("`")[1], label.split("`")[2]
+            before, code, after = words["table" if command.table else "help"].split("`")
             intro += [nodes.Text(before), nodes.literal(text=code), nodes.Text(after)]
             section += intro
             text = magic_help.help_text(command, ip)
@@ -63,7 +63,10 @@ class MagicReference(SphinxDirective):
             block["classes"].append("magic-help")
             section += block
             self.env.get_domain("std").note_hyperlink_target(anchor, self.env.docname, anchor, command.name)
-            out.append(section)
+            parent = max((name for name in tables if command.name.startswith(name + " ")), key=len, default=None)
+            (tables[parent] if parent is not None else out).append(section)
+            if command.table:
+                tables[command.name] = section
         return out
 
 
