@@ -9,12 +9,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # GPUMAGIC_FOR=main (quickstart.sh): the package and its [tutorials] extra (what every tutorial
 # imports, here and on the sandbox, whose python3 is this venv's); test (the default): the [test]
-# extra, which holds [tutorials]'s packages too.  A stamp per extra says it is done.
-extra="test"
+# extra, which holds [tutorials]'s packages too, and [docs] (tests/test_docs.py builds the docs).
+# A stamp per set of extras says it is done.
+extra="test,docs"
 [ "${GPUMAGIC_FOR:-test}" = main ] && extra=tutorials
-stamp=.venv/.gpumagic-installed-$extra
+stamp=.venv/.gpumagic-installed-${extra//,/-}
 fresh() { [ -f "$1" ] && ! [ pyproject.toml -nt "$1" ]; }
-if ! fresh "$stamp" && ! { [ $extra = tutorials ] && fresh .venv/.gpumagic-installed-test; }; then
+if ! fresh "$stamp" && ! { [ $extra = tutorials ] && fresh .venv/.gpumagic-installed-test-docs; }; then
   echo "gpumagic: installing .[$extra] into .venv (log: .venv/pip.log)" >&2
   # No pip upgrade: the venv's own pip installs these wheels.  GPUMAGIC_INSTALLER=uv takes uv
   # (measured: 9 s against pip's 34 s for [notebook], cold caches), which reads no pip.conf:

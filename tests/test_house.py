@@ -72,15 +72,15 @@ def test_machine_like_names_what_the_capability_modules_use():
         assert hasattr(Machine, n), n
 
 
-def test_the_readme_layout_names_every_module_and_folder():
-    # README.md's layout section is how a newcomer finds each idea: a module or folder added,
-    # moved or renamed must show there.
+def test_the_docs_layout_names_every_module_and_folder():
+    # The docs' layout page (docs/how-it-works/layout.md, linked from the README) is how a
+    # newcomer finds each idea: a module or folder added, moved or renamed must show there.
     import re
     from pathlib import Path
 
     root = Path(gpumagic.__file__).parent
-    readme = (root.parent / "README.md").read_text(encoding="utf-8")
-    layout = readme.split("## Layout", 1)[1].split("```")[1]
+    page = (root.parent / "docs" / "how-it-works" / "layout.md").read_text(encoding="utf-8")
+    layout = page.split("# Layout", 1)[1].split("```")[1]
     words = set(re.findall(r"[\w.-]+/?", layout))
     missing = [str(p.relative_to(root)) for p in sorted(root.rglob("*"))
                if "programs" not in p.parts[len(root.parts):-1] and "recordings" not in p.parts

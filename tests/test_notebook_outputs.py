@@ -252,6 +252,9 @@ def test_readme_zh_cn_gives_the_same_two_set_up_commands():
     en = commands((ROOT / "README.md").read_text(encoding="utf-8"))
     zh = commands((ROOT / "README.zh-CN.md").read_text(encoding="utf-8"))
     assert zh == en == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]
+    # and the docs' set-up pages, English and Chinese, where the README points for more
+    for page in ("docs/guide/setup.md", "docs/zh-CN/setup.md"):
+        assert commands((ROOT / page).read_text(encoding="utf-8")) == en, page
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="tutorial 08 needs torch: .venv/bin/pip install torch==2.13.0")

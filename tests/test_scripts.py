@@ -95,6 +95,7 @@ def test_the_quickstart_provides_every_module_the_tutorials_import():
     by_module = importlib.metadata.packages_distributions()
     stdlib = set(sys.stdlib_module_names)
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    setup_page = " ".join((ROOT / "docs" / "guide" / "setup.md").read_text(encoding="utf-8").split())
     wanted: dict[str, set[str]] = {}
     notebooks = sorted((ROOT / "example-notebooks").glob("**/*.ipynb"))
     assert len(notebooks) >= 22
@@ -110,6 +111,7 @@ def test_the_quickstart_provides_every_module_the_tutorials_import():
             continue
         if module in NOT_PROVIDED:
             assert NOT_PROVIDED[module] in readme, module
+            assert NOT_PROVIDED[module] in setup_page, module
             continue
         dists = {_norm(d) for d in by_module.get(module, [module])}
         if not dists & provided:
