@@ -199,7 +199,8 @@ def test_a_kept_checkpoint_dates_the_training_lost_from_when_the_machine_wrote_i
     kept = rec["files"]["model.pt"]
     assert abs(kept["written_at"] - written) < 5 and kept["kept_at"] - kept["written_at"] > 35, kept
     assert move.newest_written(rec) == kept["written_at"] and move.newest_kept(rec)[1] == kept["kept_at"]
-    line = move.lost_line({"job": name, "machine": machine.name, "keep": True}, kept["kept_at"] + 1,
+    line = move.lost_line(move.StartRecord(machine=machine.name, job=name, keep=keep.KeepOptions("ckpt/")),
+                          kept["kept_at"] + 1,
                           move.Loss(next(iter(move.LOSSES))))
     lost = re.search(r"(?:about|under) (\d+) s of training lost", line)
     assert lost and 40 <= int(lost.group(1)) <= 50, line  # from its writing, not its arrival (1 s)
