@@ -46,10 +46,13 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 
 def rough_duration(seconds: float) -> str:
     """A length of time to the unit that matters, for a sentence that says roughly how long:
-    whole seconds under a minute (``"40 s"``), whole minutes under two hours (``"3 min"``,
-    ``"90 min"``), hours beyond, to a tenth unless whole (``"2 h"``, ``"2.5 h"``).  A negative
-    length reads as 0.  Where the exact length matters, :func:`duration`."""
+    under 10 s to a tenth unless whole (``"3 s"``, ``"0.5 s"``), whole seconds under a minute
+    (``"40 s"``), whole minutes under two hours (``"3 min"``, ``"90 min"``), hours beyond, to a
+    tenth unless whole (``"2 h"``, ``"2.5 h"``).  A negative length reads as 0.  Where the exact
+    length matters, :func:`duration`."""
     seconds = max(0.0, float(seconds))
+    if seconds < 9.95:
+        return f"{round(seconds, 1):g} s"
     if seconds < 59.5:
         return f"{seconds:.0f} s"
     if seconds < 2 * 3600:
