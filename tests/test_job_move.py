@@ -30,6 +30,7 @@ from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server, wait_until
 from linkemu import lose
+from gpumagic._stored import write_json
 from gpumagic.errors import JobError
 from gpumagic.remote import move
 
@@ -357,7 +358,7 @@ def after_a_cell(ip) -> str:
 
 def kept_log_has(k, text: str) -> bool:
     try:
-        return text in Path(k.record["log"]).read_text(encoding="utf-8")
+        return text in Path(k.record.log).read_text(encoding="utf-8")
     except OSError:
         return False
 
@@ -530,7 +531,7 @@ def _records(name: str, *, resume_arg: str | None = "--resume {checkpoint}", kee
                        "resume_arg": resume_arg},
            "keep": {"path": "ckpt/", "every": 2.0, "to": str(tmp / "kept"), "last": None, "settle": 10.0} if keep else None,
            "seen_running": None, "moved_to": None, "moved_from": None, "checkpoint": None}
-    move.store._write(move.start_path("a", name), rec)
+    write_json(move.start_path("a", name), rec)
     if keep:
         (tmp / "kept").mkdir(exist_ok=True)
         files = {}
@@ -685,7 +686,7 @@ def test_jobs_on_a_lost_machine_never_says_keeping_and_counts_the_training_lost(
     assert "of training lost" in line and "about 0 s" not in line and " 0 s of" not in line, line
     # 30 s seen alive after the checkpoint, at most 5 s more until the first failed attempt
     assert "under 35 s of training lost" in line or "under 36 s of training lost" in line, line
-    rec = next(r for r in records("a") if r["job"] == "trA")
+    rec = next(r for r in records("a") if r.job == "trA")
     view, live = move.keep_view(rec, lost.get("trA"), live=True)
     text = keep_line(view, live)
     assert "keeping" not in text and "nothing more is kept" in text and "(4 files in " in text, text
@@ -798,7 +799,7 @@ def test_the_lost_line_reads_naturally_for_each_cause(tmp_path):
         line, = [ln for ln in lines if ln.startswith("job trW: lost")]
         heads[cause] = re.sub(r"\d\d:\d\d", "HH:MM", line.split("; last checkpoint")[0])
         assert "; last checkpoint ckpt/step-10.json kept at " in line and "of training lost" in line, line
-        rec = next(r for r in records("a") if r["job"] == "trW")
+        rec = next(r for r in records("a") if r.job == "trW")
         shown = keep_line(*move.keep_view(rec, lost["trW"], live=False))
         assert f"not kept now: the job is lost ({lost['trW']}), nothing more is kept" in shown, shown
     assert heads == {

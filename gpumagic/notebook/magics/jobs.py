@@ -217,8 +217,8 @@ def _jobs(magics: GpuMagics, line: str):
     for text in texts:
         print(text)
     for rec in keep_records(machine.name):
-        k = machine.keepers.get(rec.get("job", ""))
-        view, live = move.keep_view(rec, lost.get(rec.get("job", "")), live=k is not None and k.running)
+        k = machine.keepers.get(rec.job)
+        view, live = move.keep_view(rec, lost.get(rec.job), live=k is not None and k.running)
         print(keep_line(view, live=live))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..._format import rough_duration
-from ..keep import records as keep_records
+from ..keep import KeepRecord, record_of as keep_record_of
 from . import reaching
 from .reaching import UNREACHABLE, Unreachable, reach
 from .store import GpuGone, StartRecord, gpu_status, start_record, start_records, update_start
@@ -170,14 +170,14 @@ def _clock(epoch: float) -> str:
     return time.strftime("%H:%M" if t[:3] == time.localtime()[:3] else "%Y-%m-%d %H:%M", t)
 
 
-def newest_kept(keep_rec: dict | None) -> tuple[str, float] | None:
+def newest_kept(keep_rec: KeepRecord | None) -> tuple[str, float] | None:
     """``(checkpoint, kept at)`` of the newest checkpoint a keep record holds (a file or a
     folder of the kept folder, dated by its newest file's mtime), or None."""
     found = _newest(keep_rec)
     return None if found is None else (found[0], found[1])
 
 
-def newest_written(keep_rec: dict | None) -> float | None:
+def newest_written(keep_rec: KeepRecord | None) -> float | None:
     """When the machine wrote the newest kept checkpoint (:func:`newest_kept`), on this
     computer's clock: its newest file's mtime there (the keeper records it with the two clocks'
     difference); its arrival here for a record made before that was recorded."""
@@ -185,17 +185,16 @@ def newest_written(keep_rec: dict | None) -> float | None:
     return None if found is None else found[2]
 
 
-def _newest(keep_rec: dict | None) -> tuple[str, float, float] | None:
+def _newest(keep_rec: KeepRecord | None) -> tuple[str, float, float] | None:
     if not keep_rec:
         return None
     units: dict[str, tuple[int, float, float]] = {}
-    for rel, f in (keep_rec.get("files") or {}).items():
-        if f.get("pruned"):
+    for rel, f in keep_rec.files.items():
+        if f.pruned:
             continue
         u = rel.split("/", 1)[0]
         mtime, at, written = units.get(u, (0, 0.0, 0.0))
-        kept_at = float(f.get("kept_at") or 0)
-        units[u] = (max(mtime, int(f["sig"][1])), max(at, kept_at), max(written, float(f.get("written_at") or kept_at)))
+        units[u] = (max(mtime, f.sig[1]), max(at, f.kept_at), max(written, f.written_at or f.kept_at))
     if not units:
         return None
     u = max(units, key=lambda k: (units[k][0], k))
@@ -233,13 +232,13 @@ def lost_line(start: StartRecord, lost_at: float, loss: Loss, until: float | Non
     last time the job was seen alive; ``until``: the first failed attempt, or the first time its
     GPU was seen gone, when known), what that cost, and the command that continues it."""
     name, machine = start.job, start.machine
-    keep_rec = next((r for r in keep_records(machine) if r.get("job") == name), None)
+    keep_rec = keep_record_of(machine, name)
     kept = newest_kept(keep_rec)
     line = f"job {name}: {loss.head(lost_at)}"
-    if until is None and keep_rec and keep_rec.get("every"):
-        until = lost_at + float(keep_rec["every"])  # the keeper would have looked again by then
+    if until is None and keep_rec and keep_rec.every:
+        until = lost_at + keep_rec.every  # the keeper would have looked again by then
     if kept:
-        path = (keep_rec or {}).get("path", "").rstrip("/")
+        path = keep_rec.path.rstrip("/") if keep_rec else ""
         # from when the machine wrote it, not when it arrived here (a settle or --keep-every later)
         lost_s = max(0.0, lost_at - (newest_written(keep_rec) or kept[1]))
         line += f"; last checkpoint {path}/{kept[0]} kept at {_clock(kept[1])}"
@@ -256,8 +255,8 @@ def lost_line(start: StartRecord, lost_at: float, loss: Loss, until: float | Non
 
 def _last_alive(start: StartRecord) -> float | None:
     """The last time the job was seen running: by a listing, or by its keeper's looks."""
-    keep_rec = next((r for r in keep_records(start.machine) if r.get("job") == start.job), None)
-    times = [t for t in (start.seen_running, (keep_rec or {}).get("last_look")) if t]
+    keep_rec = keep_record_of(start.machine, start.job)
+    times = [t for t in (start.seen_running, keep_rec.last_look if keep_rec else None) if t]
     return max(times) if times else None
 
 
@@ -331,7 +330,7 @@ def lost_report(machine_name: str, found: list[JobInfo] | Unreachable, now: floa
         if loss is not None:
             # seen whole last at gpu_ok_at, gone at gpu_lost.at; a checkpoint kept after the
             # former was written before the loss
-            kept = newest_kept(next((r for r in keep_records(machine_name) if r.get("job") == name), None))
+            kept = newest_kept(keep_record_of(machine_name, name))
             lost_at = max(rec.gpu_ok_at or rec.started or now, kept[1] if kept else 0)
             lost[name] = str(loss)
             lines.append(lost_line(rec, lost_at, loss, until=rec.gpu_lost.at if rec.gpu_lost else None))
@@ -349,15 +348,15 @@ def lost_report(machine_name: str, found: list[JobInfo] | Unreachable, now: floa
     return lines, lost
 
 
-def keep_view(rec: dict, lost: str | None, live: bool) -> tuple[dict, bool]:
-    """A keep record as ``%gpu jobs``'s keep line shows it (:func:`gpumagic.notebook.display.keep_line`):
-    the files counted as they are in its local folder now (the checkpoints an earlier run kept
-    there too), and, for a job ``lost`` with its machine, never "keeping": what was kept, and
-    that nothing more is.  Returns ``(record, live)``."""
+def keep_view(rec: KeepRecord, lost: str | None, live: bool) -> tuple[dict, bool]:
+    """A keep record as ``%gpu jobs``'s keep line shows it (:func:`gpumagic.notebook.display.keep_line`,
+    which reads the record's JSON form): the files counted as they are in its local folder now
+    (the checkpoints an earlier run kept there too), and, for a job ``lost`` with its machine,
+    never "keeping": what was kept, and that nothing more is.  Returns ``(record, live)``."""
     from ..keep import kept_files
 
-    view = dict(rec)
-    local = rec.get("local") or ""
+    view = rec.to_dict()
+    local = rec.local
     if os.path.isdir(local):
         view["files"] = {str(i): {} for i in range(kept_files(local))}
     if lost is None:

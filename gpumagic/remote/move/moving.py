@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from ..._fs import private_dir
+from ..._stored import Stored
 from ...errors import JobError
-from ..keep import record_dir, records as keep_records
+from ..keep import record_dir, record_of as keep_record_of
 from .loss import _clock, gpu_lost, newest_kept
 from .reaching import UNREACHABLE, note_failed, note_seen, reach, why
-from .store import (StartRecord, Stored, TorchrunLayout, abs_dirs, job_options, project_folder_here, start_record,
+from .store import (StartRecord, TorchrunLayout, abs_dirs, job_options, project_folder_here, start_record,
                     update_start)
 
 if TYPE_CHECKING:
@@ -111,11 +112,11 @@ def _final_log(source: MachineLike, rec: StartRecord) -> str | None:
 
     name = rec.job
     k = source.keepers.get(name)
-    keep_rec = next((r for r in keep_records(source.name) if r.get("job") == name), None)
+    keep_rec = keep_record_of(source.name, name)
     if k is not None:
-        folder = os.path.dirname(k.record["log"])
-    elif keep_rec and keep_rec.get("log") and (keep_rec.get("started") or 0) >= rec.started - 5:
-        folder = os.path.dirname(keep_rec["log"])
+        folder = os.path.dirname(k.record.log)
+    elif keep_rec and keep_rec.log and keep_rec.started >= rec.started - 5:
+        folder = os.path.dirname(keep_rec.log)
     else:
         folder = os.fspath(log_folder(source.name, name, rec.started or time.time()))
     try:
@@ -175,7 +176,7 @@ def _preflight(target: MachineLike, rec: StartRecord, src: str | None, how: Star
         raise JobError(f"--src {src}: no such folder here", "name the job's project folder on this computer")
     if not how.from_start:
         keep = rec.keep
-        kept = newest_kept(next((r for r in keep_records(rec.machine) if r.get("job") == name), None))
+        kept = newest_kept(keep_record_of(rec.machine, name))
         if not rec.options.resume_arg:
             raise JobError(f"job {name} was started without --resume-arg, so it cannot continue from a checkpoint: "
                            f"{again} starts it again from the beginning")
@@ -197,7 +198,7 @@ def _push_state(target: MachineLike, rec: StartRecord, src: str | None, how: Sta
     ``(checkpoint path there, checkpoint as the job names it)`` (Nones: it starts from the
     beginning, ``how.from_start``, or a standby move with nothing kept)."""
     keep = rec.keep
-    keep_rec = next((r for r in keep_records(rec.machine) if r.get("job") == rec.job), None)
+    keep_rec = keep_record_of(rec.machine, rec.job)
     kept = newest_kept(keep_rec)
     use = bool(kept and keep_rec is not None and keep and rec.options.resume_arg
                and not how.from_start)
@@ -215,7 +216,7 @@ def _push_state(target: MachineLike, rec: StartRecord, src: str | None, how: Sta
             + (" (--from-start)" if how.from_start else " (no checkpoint kept here, or no --resume-arg)"))
         return None, None
     assert kept is not None and keep_rec is not None and keep is not None
-    local = os.path.join(keep_rec["local"], kept[0])
+    local = os.path.join(keep_rec.local, kept[0])
     if not os.path.exists(local):
         raise JobError(f"the newest kept checkpoint {local} is gone from this computer",
                        "put it back, or pass --src with a folder that holds the checkpoint")
@@ -281,8 +282,7 @@ def _move(source: MachineLike | None, target: MachineLike, name: str, rec: Start
     same = source is target
     src = src or rec.src or (None if same else project_folder_here(rec.machine, rec.cwd))
     if how.from_start_if_none_kept and not how.from_start:
-        keep_rec = next((r for r in keep_records(rec.machine) if r.get("job") == name), None)
-        if not newest_kept(keep_rec) or not rec.options.resume_arg:
+        if not newest_kept(keep_record_of(rec.machine, name)) or not rec.options.resume_arg:
             how = Start(from_start=True, no_src=how.no_src)
     ran = rec.torchrun
     layout = torchrun if torchrun is not None else (ran.nproc if ran else None)
@@ -322,7 +322,8 @@ def _move(source: MachineLike | None, target: MachineLike, name: str, rec: Start
     update_start(target.name, name, command=rec.command if form is None else form, src=src,
                  moved_from=None if same else rec.machine, checkpoint=named, resumed_at=now,
                  earlier_logs=logs, seam=seam,
-                 torchrun=None if form is None else TorchrunLayout(layout, ran.args if ran else (), (target.name,)),
+                 torchrun=None if form is None or layout is None else
+                 TorchrunLayout(layout, ran.args if ran else (), (target.name,)),
                  options=dataclasses.replace(rec.options, env=dict(rec.options.env)))
     if not same:
         _follow_rules(rec.machine, target, say)
@@ -477,10 +478,9 @@ def _earlier_logs(rec: StartRecord, last_log: str | None) -> list[str]:
     logs = list(rec.earlier_logs)
     if last_log:
         return logs + [last_log]
-    keep_rec = next((r for r in keep_records(rec.machine) if r.get("job") == rec.job), None)
-    mine = (keep_rec or {}).get("log")
-    if mine and os.path.isfile(mine) and (keep_rec or {}).get("started", 0) >= rec.started - 5:
-        logs.append(mine)
+    keep_rec = keep_record_of(rec.machine, rec.job)
+    if keep_rec and keep_rec.log and os.path.isfile(keep_rec.log) and keep_rec.started >= rec.started - 5:
+        logs.append(keep_rec.log)
     return logs
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..._stored import Stored
 from ...errors import ConnectionLost, ConnectionRefused, ConnectTimeout, Interrupted
 from ..keep import record_dir
-from .store import Stored, lock
+from .store import lock
 
 if TYPE_CHECKING:
     from ..._types import MachineLike

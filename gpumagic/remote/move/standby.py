@@ -85,7 +85,7 @@ def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike
     standbys = [r for r in start_records(machine.name) if r.fallback and r.keep]
     if not standbys:  # after every cell, for every machine: most have none
         return armed
-    ended = {r.get("job") for r in keep_records(machine.name) if r.get("state") == "the job ended"}
+    ended = {r.job for r in keep_records(machine.name) if r.state == "the job ended"}
     for rec in standbys:
         name, fallback, keep = rec.job, rec.fallback or "", rec.keep
         if (rec.moved_to or rec.ended or name in ended

@@ -1,11 +1,10 @@
 """The records a move reads, typed, and the JSON files they live in (see :mod:`gpumagic.remote.move`).
 
-Each record is a dataclass with ``from_dict``/``to_dict`` and, through :class:`Stored`,
-``load``/``save``: one JSON object of its own ``format`` and schema ``version``, written
-atomically under ``keep/MACHINE/`` of gpumagic's data directory, for the user alone.  A record
-written before its format had a version field (``@reach.json``, ``@pushes.json``) reads as
-version 0: its fields are the same.  Fields a newer gpumagic added are kept as they are
-(``extra``) and written back, so an older copy that updates a record loses nothing of it.
+Each record is a dataclass with ``from_dict``/``to_dict`` and, through
+:class:`gpumagic._stored.Stored`, ``load``/``save``: one JSON object of its own ``format`` and
+schema ``version``, written atomically under ``keep/MACHINE/`` of gpumagic's data directory, for
+the user alone.  A record written before its format had a version field (``@reach.json``,
+``@pushes.json``) reads as version 0: its fields are the same.
 
 ``JOB.job.json`` (:class:`StartRecord`)
     What the job was started with: the command, its options (:class:`RunOptions`,
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import posixpath
 import shlex
@@ -31,9 +29,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
-from ..._fs import atomic_write, private_dir
+from ..._stored import Stored, opt_float, opt_str
 from ...errors import JobError
 from ..keep import KeepOptions, record_dir
 
@@ -51,68 +49,6 @@ PUSHES_KEPT = 50
 GPU_FIELDS = ("index", "uuid")
 
 lock = threading.Lock()  # the keeper threads and the magics write the same small files
-
-_S = TypeVar("_S", bound="Stored")
-
-
-def _read(path: Path, fmt: str) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("format") == fmt else None
-
-
-def _write(path: Path, data: dict) -> None:
-    private_dir(path.parent.parent)  # keep/ itself for the user alone too (see private_record_dir)
-    private_dir(path.parent)
-    atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-class Stored:
-    """``load``/``save`` of a record class with ``FORMAT``, ``VERSION``, ``from_dict``, ``to_dict``
-    and an ``extra`` field (what a newer gpumagic wrote that this one does not know)."""
-
-    FORMAT: ClassVar[str]
-    #: The schema this code writes; a file without ``version`` is of version 0.
-    VERSION: ClassVar[int]
-    version: int
-    extra: dict
-
-    @classmethod
-    def from_dict(cls: type[_S], data: dict) -> _S:  # pragma: no cover - each record has its own
-        raise NotImplementedError
-
-    def to_dict(self) -> dict:  # pragma: no cover - each record has its own
-        raise NotImplementedError
-
-    @classmethod
-    def load(cls: type[_S], path: Path) -> _S | None:
-        """The record in ``path``; None when there is none, or it is not of this format or cannot
-        be read (a damaged file counts as none, as a missing one)."""
-        data = _read(path, cls.FORMAT)
-        if data is None:
-            return None
-        try:
-            rec = cls.from_dict(data)
-        except (KeyError, TypeError, ValueError, AttributeError, JobError):
-            return None
-        known = {f.name for f in dataclasses.fields(rec)} | {"format", "version"}  # type: ignore[arg-type]
-        rec.extra = {k: v for k, v in data.items() if k not in known}
-        rec.version = int(data.get("version") or 0)
-        return rec
-
-    def save(self, path: Path) -> None:
-        """Write the record to ``path`` (atomically; its folders for the user alone)."""
-        _write(path, {**self.extra, **self.to_dict(), "format": self.FORMAT, "version": self.VERSION})
 
 
 # -- the start record ---------------------------------------------------------------------------
@@ -134,8 +70,8 @@ class RunOptions:
     def from_dict(cls, d: dict | None) -> RunOptions:
         d = d or {}
         return cls(python=bool(d.get("python")), env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
-                   stop_on=[str(s) for s in d.get("stop_on") or ()], then_shutdown=_opt_float(d.get("then_shutdown")),
-                   alerts=bool(d.get("alerts", True)), resume_arg=_opt_str(d.get("resume_arg")))
+                   stop_on=[str(s) for s in d.get("stop_on") or ()], then_shutdown=opt_float(d.get("then_shutdown")),
+                   alerts=bool(d.get("alerts", True)), resume_arg=opt_str(d.get("resume_arg")))
 
     def to_dict(self) -> dict:
         return {"python": self.python, "env": dict(self.env), "stop_on": list(self.stop_on),
@@ -146,7 +82,7 @@ def keep_from_dict(d: dict | None) -> KeepOptions | None:
     """The ``--keep`` options a start record holds (``to``: the local folder as resolved at the start)."""
     if not d:
         return None
-    return KeepOptions(str(d["path"]), every=float(d["every"]), to=_opt_str(d.get("to")),
+    return KeepOptions(str(d["path"]), every=float(d["every"]), to=opt_str(d.get("to")),
                        last=None if d.get("last") is None else int(d["last"]), settle=float(d["settle"]))
 
 
@@ -165,7 +101,7 @@ class HeldGpu:
 
     @classmethod
     def from_dict(cls, d: dict) -> HeldGpu:
-        return cls(None if d.get("index") is None else int(d["index"]), _opt_str(d.get("uuid")))
+        return cls(None if d.get("index") is None else int(d["index"]), opt_str(d.get("uuid")))
 
     def to_dict(self) -> dict:
         return {"index": self.index, "uuid": self.uuid}
@@ -277,16 +213,16 @@ class StartRecord(Stored):
         gpus = d.get("gpus")
         return cls(
             machine=str(d["machine"]), job=str(d["job"]), started=float(d.get("started") or 0),
-            command=str(d.get("command") or ""), cwd=str(d.get("cwd") or ""), src=_opt_str(d.get("src")),
+            command=str(d.get("command") or ""), cwd=str(d.get("cwd") or ""), src=opt_str(d.get("src")),
             gpus=None if gpus is None else [HeldGpu.from_dict(g) for g in gpus],
-            gpu_ok_at=_opt_float(d.get("gpu_ok_at")), gpu_lost=GpuGone.from_dict(d.get("gpu_lost")),
+            gpu_ok_at=opt_float(d.get("gpu_ok_at")), gpu_lost=GpuGone.from_dict(d.get("gpu_lost")),
             options=RunOptions.from_dict(d.get("options")), keep=keep_from_dict(d.get("keep")),
-            seen_running=_opt_float(d.get("seen_running")), ended=_opt_str(d.get("ended")),
-            moved_to=_opt_str(d.get("moved_to")), moved_at=_opt_float(d.get("moved_at")),
-            moved_from=_opt_str(d.get("moved_from")), cleanup=_opt_str(d.get("cleanup")),
-            checkpoint=_opt_str(d.get("checkpoint")), resumed_at=_opt_float(d.get("resumed_at")),
-            seam=_opt_str(d.get("seam")), earlier_logs=[p for p in d.get("earlier_logs") or () if isinstance(p, str)],
-            fallback=_opt_str(d.get("fallback")), torchrun=TorchrunLayout.from_dict(d.get("torchrun")))
+            seen_running=opt_float(d.get("seen_running")), ended=opt_str(d.get("ended")),
+            moved_to=opt_str(d.get("moved_to")), moved_at=opt_float(d.get("moved_at")),
+            moved_from=opt_str(d.get("moved_from")), cleanup=opt_str(d.get("cleanup")),
+            checkpoint=opt_str(d.get("checkpoint")), resumed_at=opt_float(d.get("resumed_at")),
+            seam=opt_str(d.get("seam")), earlier_logs=[p for p in d.get("earlier_logs") or () if isinstance(p, str)],
+            fallback=opt_str(d.get("fallback")), torchrun=TorchrunLayout.from_dict(d.get("torchrun")))
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("version", "extra")}

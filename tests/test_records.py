@@ -1,10 +1,13 @@
-"""The records a move reads (:mod:`gpumagic.remote.move.store`, ``.reaching``, ``.moving``) are
-typed, with a schema version, and the files gpumagic wrote before they were typed still load.
+"""The records gpumagic keeps here are typed, with a schema version (:mod:`gpumagic._stored`):
+the keep records (:class:`gpumagic.remote.keep.KeepRecord`) and those a move reads
+(:mod:`gpumagic.remote.move.store`, ``.reaching``, ``.moving``); the files gpumagic wrote before
+they were typed still load.
 
-The JSON below is what the dict-based ``gpumagic/remote/move.py`` (commit ae9a282) wrote, byte
-for byte, through its own functions: ``record_start``, ``record_keep``, ``update_start`` (as a
-standby, a GPU loss and a move left it), ``note_push``, ``note_seen``/``note_failed``.  No
-sshd: these are files on this computer.
+The JSON below is what the dict-based code (commit ae9a282) wrote, byte for byte, through its
+own functions: ``move.record_start``, ``record_keep``, ``update_start`` (as a standby, a GPU
+loss and a move left it), ``note_push``, ``note_seen``/``note_failed``; a ``Keeper``'s
+``_load``, ``_promote`` (three checkpoints, one with no mtime recorded), ``_prune`` (``--keep-last
+2``) and ``_save``.  No sshd: these are files on this computer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpumagic.remote import move
+from gpumagic.remote import keep
 from gpumagic.remote.keep import KeepOptions, record_dir
 
 #: A job's start record on the machine it left, after a standby was armed, a GPU was seen gone,
@@ -130,6 +134,60 @@ PUSHES = '''{
  ]
 }'''
 
+#: A keep record: three checkpoints kept, the oldest pruned, the job ended.
+KEEP = """{
+ "error": "",
+ "every": 2.0,
+ "files": {
+  "hf/checkpoint-5/model.bin": {
+   "kept_at": 1796676475.262621,
+   "pruned": false,
+   "sig": [
+    9,
+    1765000100000000000,
+    12
+   ]
+  },
+  "step-10.pt": {
+   "kept_at": 1796676475.2610524,
+   "pruned": true,
+   "sig": [
+    7,
+    1765000000123456789,
+    11
+   ],
+   "written_at": 1765000000.5
+  },
+  "step-20.pt": {
+   "kept_at": 1796676475.2633722,
+   "pruned": false,
+   "sig": [
+    8,
+    1765000200000000000,
+    13
+   ],
+   "written_at": 1765000200.0
+  }
+ },
+ "format": "gpumagic-keep",
+ "job": "train",
+ "kept_count": 3,
+ "last": 2,
+ "last_kept": {
+  "at": 1796676475.2633722,
+  "path": "step-20.pt"
+ },
+ "last_look": 1765000300.0,
+ "local": "/tmp/tmpuaunr6ty/kept",
+ "log": "/tmp/tmpuaunr6ty/data/keep/a/train.logs/1796676475260/log",
+ "machine": "a",
+ "path": "ckpt/",
+ "run": 1,
+ "started": 1796676475.2606833,
+ "state": "the job ended",
+ "version": 1
+}"""
+
 
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
@@ -230,3 +288,31 @@ def test_a_record_saved_and_loaded_is_the_same_record(data_dir):
     mover = move.Mover(pid=12, host="laptop", to="b", what="resume", since=3.0)
     mover.save(record_dir("m") / "j.job.mover")
     assert move.Mover.load(record_dir("m") / "j.job.mover") == mover
+
+
+def test_a_keep_record_written_before_the_records_were_typed_loads_and_saves_the_same(data_dir):
+    path = _put("a", "train.json", KEEP)
+    rec = keep.record_of("a", "train")
+    assert rec is not None and (rec.job, rec.run, rec.path, rec.every, rec.last, rec.state, rec.kept_count) == (
+        "train", 1, "ckpt/", 2.0, 2, "the job ended", 3)
+    assert rec.last_kept == keep.LastKept("step-20.pt", 1796676475.2633722) and rec.last_look == 1765000300.0
+    assert rec.files["step-10.pt"] == keep.KeptFile((7, 1765000000123456789, 11), 1796676475.2610524, True,
+                                                     1765000000.5)
+    assert rec.files["hf/checkpoint-5/model.bin"].written_at is None
+    # what a move and `%gpu jobs` read of it: the newest checkpoint not pruned, by its mtime there
+    assert move.newest_kept(rec) == ("step-20.pt", 1796676475.2633722)
+    assert move.newest_written(rec) == 1765000200.0
+    assert [r.job for r in keep.records("a")] == ["train"] and keep.next_run("a", "train") == 2
+    rec.save(path)  # the same JSON, key for key (a file without written_at keeps none)
+    assert json.loads(path.read_text(encoding="utf-8")) == json.loads(KEEP)
+
+
+def test_a_keep_record_from_before_runs_and_write_times_were_recorded_reads_as_run_1(data_dir):
+    old = json.loads(KEEP)
+    del old["run"]
+    for f in old["files"].values():
+        f.pop("written_at", None)
+    _put("a", "train.json", json.dumps(old))
+    rec = keep.record_of("a", "train")
+    assert rec is not None and rec.run == 1 and keep.next_run("a", "train") == 2
+    assert move.newest_written(rec) == 1796676475.2633722  # its arrival here, as the dict code read it
