@@ -38,7 +38,7 @@ The job's log is kept too, at most every :data:`LOG_EVERY` seconds and at the la
 (``keep/MACHINE/JOB.logs/RUN/log``, :func:`pull_log`): after a move, ``%gpu logs NAME`` on the
 new machine shows it before the new log (:mod:`gpumagic.remote.move`).  With a *fallback*
 (:attr:`Keeper.fallback`, ``--fallback b``), a keeper whose machine has not answered for
-:data:`gpumagic.remote.move.LOST_AFTER` seconds, or answers without the job's process or a GPU it
+:data:`gpumagic.remote.move.reaching.LOST_AFTER` seconds, or answers without the job's process or a GPU it
 could use (:attr:`Keeper.lost_check`), calls it once and stops.
 """
 
@@ -543,11 +543,11 @@ class Keeper:
     def _next_wait(self) -> float:
         """``every``, or sooner when a file written in place will have settled before that,
         or while the machine does not answer (so that its loss is noticed in time)."""
-        from .move import PROBE_EVERY
+        from .move import reaching
 
         wait = self.options.every
         if self.unreachable:
-            wait = min(wait, PROBE_EVERY)
+            wait = min(wait, reaching.PROBE_EVERY)
         if self._seen:
             wait = min(wait, max(self.settle / 2, 0.05))
         return wait
