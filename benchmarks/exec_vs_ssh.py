@@ -10,7 +10,7 @@ as many GPU images ship with conda or pyenv init).  On each it times, N times ea
   * `machine.run(["true"])`                     (a full %%remote cell)
   * `machine.run("echo hi")`                    (the same for `%%remote echo hi`: bash runs the cell)
 each cell both through the per-connection runner (today's path) and with the runner turned
-off (``execution.USE_RUNNER = False``: one exec through the login shell per cell, as before),
+off (``execution.USE_RUNNER = False``: one exec through the login shell per cell),
 then prints medians and the issue's two ratios against their targets.
 Not a test: numbers vary by machine.
 

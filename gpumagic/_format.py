@@ -1,4 +1,4 @@
-"""Plain-text formats shared by every layer (no IPython here): lengths of time."""
+"""Plain-text formats shared by every layer (no IPython here): lengths of time, counts."""
 
 from __future__ import annotations
 
@@ -42,3 +42,19 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "file")`` -> ``"1 file"``,
     ``count(3, "cache", "caches")`` -> ``"3 caches"`` (default plural: ``noun + "s"``)."""
     return f"{n} {noun if n == 1 else (plural or noun + 's')}"
+
+
+def rough_duration(seconds: float) -> str:
+    """A length of time to the unit that matters, for a sentence that says roughly how long:
+    under 10 s to a tenth unless whole (``"3 s"``, ``"0.5 s"``), whole seconds under a minute
+    (``"40 s"``), whole minutes under two hours (``"3 min"``, ``"90 min"``), hours beyond, to a
+    tenth unless whole (``"2 h"``, ``"2.5 h"``).  A negative length reads as 0.  Where the exact
+    length matters, :func:`duration`."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 9.95:
+        return f"{round(seconds, 1):g} s"
+    if seconds < 59.5:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f}".removesuffix(".0") + " h"

@@ -761,7 +761,7 @@ def install_key(target: str, *, key: str | os.PathLike | None = None, port: int 
     Order: check the host key (never trusted silently); try a key login first when
     ``try_key_first`` (then no password is needed); otherwise ask the password once with
     ``password_prompt`` and log in with it; append the key unless already there (creating
-    ``~/.ssh`` 0700 and the file 0600); finally open a fresh connection with only that key
+    ``~/.ssh`` 0700 and the file 0600); finally open a new connection with only that key
     to prove a key login works.
 
     Parameters

@@ -24,6 +24,7 @@ from .remote.jobs import JobOptions
 from .remote.keep import Keepers
 from .remote.kernel import Kernels
 from . import gpu
+from ._format import rough_duration
 from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .errors import RemoteCommandError, UnknownHostKey
 from .remote.execution import RunResult
@@ -754,22 +755,13 @@ def sandbox_session_idle_stop() -> float | None:
     return seconds if seconds > 0 and math.isfinite(seconds) else None
 
 
-def _span(seconds: float) -> str:
-    """``30 min``, ``2 h``, ``45 s``."""
-    if seconds >= 7200 and seconds % 3600 == 0:
-        return f"{seconds / 3600:g} h"
-    if seconds >= 120:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds:g} s"
-
-
 def sessions_left_note(left: Sequence[tuple[str, float | None]], machine: str = "sandbox") -> str:
     """The line a closing sandbox gives about the sessions (``(name, idle_stop)``) it leaves
     running: they outlive it (a later sandbox finds them) and stop after their idle time."""
     where = "the sandbox" if machine == "sandbox" else f"the sandbox {machine}"
     lines = []
     for name, idle in left:
-        when = (f"it stops after {_span(idle)} with no notebook attached and no cell running"
+        when = (f"it stops after {rough_duration(idle)} with no notebook attached and no cell running"
                 if idle else "it runs until stopped")
         lines.append(f"session {name} keeps running on {where}; {when} "
                      f"(`%gpu kernel stop {name}` on a sandbox ends it now)")

@@ -150,7 +150,7 @@ def test_killed_runner_leaves_no_orphan_and_the_next_cell_starts_a_new_one(sshd)
 
 def test_closing_the_connection_stops_a_running_cell_without_a_grace(sshd):
     # With a grace (the default) the cell would outlive the closed connection and be
-    # re-attached (tests/test_resilience.py); with none it is stopped, as before.
+    # re-attached (tests/test_resilience.py); with none it is stopped with the connection.
     m = gpumagic.connect("testgpu")
     token, pattern = unique_tag()
     threading.Timer(1.5, m.connection.close).start()
@@ -163,7 +163,7 @@ def test_closing_the_connection_stops_a_running_cell_without_a_grace(sshd):
 
 def test_a_machine_where_the_runner_cannot_start_runs_cells_the_old_way():
     # A python3 that fails (as a too-old or broken one would): the runner cannot start,
-    # cells still run, each through the login shell as before.
+    # cells still run, each through the login shell (one exec per cell).
     server = make_server("norunner-" + uuid.uuid4().hex[:6])
     home = server.env["HOME"]
     (server.bin / "python3").write_text("#!/bin/sh\necho 'python3: broken' >&2\nexit 1\n", encoding="utf-8")

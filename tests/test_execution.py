@@ -126,7 +126,7 @@ def test_timeout_stops_the_process_and_raises(machine):
 
 
 def test_killed_sshd_child_raises_connection_lost_and_next_cell_reconnects(sshd):
-    # Without a grace: the cell is stopped with its connection, as before (with one it is
+    # Without a grace: the cell is stopped with its connection (with one it is
     # re-attached over a new connection: tests/test_resilience.py).
     m = gpumagic.connect("testgpu")
     pid = session_sshd_pid(m)

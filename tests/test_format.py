@@ -48,3 +48,31 @@ def test_count_says_one_file_and_two_files():
 
     assert [count(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
     assert count(1, "cache", "caches") == "1 cache" and count(3, "cache", "caches") == "3 caches"
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (-1, "0 s"),
+    (0.5, "0.5 s"),              # a sandbox session's idle stop in a test
+    (3, "3 s"),
+    (4, "4 s"),                  # "under 4 s of training lost"
+    (35.4, "35 s"),
+    (180, "3 min"),              # "unreachable 3 min: connection refused"
+    (1800, "30 min"),            # "it stops after 30 min with no notebook attached"
+    (5400, "90 min"),
+    (7200, "2 h"),
+    (9000, "2.5 h"),
+])
+def test_rough_duration_says_how_long_to_the_unit_that_matters(seconds, text):
+    from gpumagic._format import rough_duration
+
+    assert rough_duration(seconds) == text
+
+
+def test_one_rough_duration_format_in_the_package():
+    """The two ``_span`` (machine.py's idle time, move.py's lost line) are one: _format.rough_duration."""
+    from gpumagic import machine
+    from gpumagic._format import rough_duration
+    from gpumagic.remote.move import loss
+
+    assert machine.rough_duration is rough_duration and loss.rough_duration is rough_duration
+    assert not hasattr(machine, "_span") and not hasattr(loss, "_span")

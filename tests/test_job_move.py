@@ -30,6 +30,7 @@ from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server, wait_until
 from linkemu import lose
+from gpumagic._stored import write_json
 from gpumagic.errors import JobError
 from gpumagic.remote import move
 
@@ -192,8 +193,8 @@ def test_a_job_lost_with_its_machine_is_named_and_moved_to_b_with_the_same_resul
     # one case measures the time to "lost" with the defaults; the others are quicker
     defaults = variant == "rename" and files == "kept"
     if not defaults:
-        monkeypatch.setattr(move, "LOST_AFTER", 3.0)
-        monkeypatch.setattr(move, "PROBE_EVERY", 0.5)
+        monkeypatch.setattr(move.reaching, "LOST_AFTER", 3.0)
+        monkeypatch.setattr(move.reaching, "PROBE_EVERY", 0.5)
     from gpumagic.budget.ledger import Ledger, set_prices
     from gpumagic.budget.prices import Prices
 
@@ -319,11 +320,13 @@ def test_resume_on_the_same_machine_after_its_job_process_died(ip, machines, tmp
 
 
 def test_the_resumed_command_fills_the_checkpoint_in_for_bash_and_python():
-    rec = {"command": "cd sub\npython3 train.py --lr 1\n# done\n", "options": {"resume_arg": "--resume {checkpoint}"}}
+    rec = move.StartRecord(machine="a", job="j", command="cd sub\npython3 train.py --lr 1\n# done\n",
+                           options=move.RunOptions(resume_arg="--resume {checkpoint}"))
     out = move.resumed_command(rec, "/w/ckpt/step 20.pt", "--- seam ---")
     assert out.splitlines()[0] == "printf '%s\\n' '--- seam ---'"
     assert "python3 train.py --lr 1 --resume '/w/ckpt/step 20.pt'" in out.splitlines()
-    rec = {"command": "print(1)", "options": {"python": True, "resume_arg": "--resume {checkpoint}"}}
+    rec = move.StartRecord(machine="a", job="j", command="print(1)",
+                           options=move.RunOptions(python=True, resume_arg="--resume {checkpoint}"))
     first = move.resumed_command(rec, "/w/c.pt", "seam").splitlines()[0]
     assert "sys.argv[1:] = ['--resume', '/w/c.pt']" in first and "print('seam'" in first
 
@@ -355,7 +358,7 @@ def after_a_cell(ip) -> str:
 
 def kept_log_has(k, text: str) -> bool:
     try:
-        return text in Path(k.record["log"]).read_text(encoding="utf-8")
+        return text in Path(k.record.log).read_text(encoding="utf-8")
     except OSError:
         return False
 
@@ -372,7 +375,7 @@ def test_fallback_moves_the_run_to_b_by_itself_and_one_log_shows_each_line_once(
     args = "--steps 60 --every 10 --pause 0.2"
     out = start_standby(ip, name, tmp_path / "kept", args)
     assert "standby: if a is lost" in out and "moves to b by itself" in out, out
-    assert move.start_record("a", name)["fallback"] == "b"
+    assert move.start_record("a", name).fallback == "b"
     assert f"job {name}: moves to b by itself if a is lost (--fallback b" in jobs_text(ip, "a")
     k = ip._gpumagic.fleet.get("a").keepers.get(name)
     assert wait_until(lambda: len(k.kept) >= 2 and kept_log_has(k, "step 20 loss"), 60), (k.error, k.looks)
@@ -421,8 +424,8 @@ def test_a_machine_that_comes_back_after_a_standby_move_gets_no_second_copy_and_
 
     from gpumagic.budget.ledger import Ledger
 
-    monkeypatch.setattr(move, "LOST_AFTER", 3.0)
-    monkeypatch.setattr(move, "PROBE_EVERY", 0.5)
+    monkeypatch.setattr(move.reaching, "LOST_AFTER", 3.0)
+    monkeypatch.setattr(move.reaching, "PROBE_EVERY", 0.5)
     servers, proj = machines
     for s in servers.values():
         install_shutdown(s, '#!/bin/sh\necho "$(date +%s) $*" >> "$HOME/shutdown-calls"\n')
@@ -517,7 +520,7 @@ class FakeTarget:
 
 
 def _records(name: str, *, resume_arg: str | None = "--resume {checkpoint}", keep: bool = True,
-             kept: bool = True, cwd: str = "proj", src: str | None = None, tmp: Path) -> dict:
+             kept: bool = True, cwd: str = "proj", src: str | None = None, tmp: Path) -> move.StartRecord:
     """A start record of job ``name`` on machine ``a`` (and its keep record, with one
     checkpoint kept here when ``kept``), as `%%remote --job` leaves them."""
     from gpumagic.remote.keep import record_dir
@@ -528,7 +531,7 @@ def _records(name: str, *, resume_arg: str | None = "--resume {checkpoint}", kee
                        "resume_arg": resume_arg},
            "keep": {"path": "ckpt/", "every": 2.0, "to": str(tmp / "kept"), "last": None, "settle": 10.0} if keep else None,
            "seen_running": None, "moved_to": None, "moved_from": None, "checkpoint": None}
-    move._write(move.start_path("a", name), rec)
+    write_json(move.start_path("a", name), rec)
     if keep:
         (tmp / "kept").mkdir(exist_ok=True)
         files = {}
@@ -571,7 +574,7 @@ def test_a_push_to_a_home_relative_folder_is_the_project_of_a_job_in_it(tmp_path
                                  for w in words))
 
     import shlex
-    assert move._project_folder(M(), "~/abs/sub") == str(proj / "sub")
+    assert move.store._project_folder(M(), "~/abs/sub") == str(proj / "sub")
 
 
 def test_a_resync_of_the_newest_push_writes_no_record(tmp_path):
@@ -586,14 +589,14 @@ def test_a_resync_of_the_newest_push_writes_no_record(tmp_path):
     one.mkdir()
     two.mkdir()
     push(one, "/w/one")
-    path = move.record_dir("a") / "@pushes.json"
+    path = move.store.pushes_path("a")
     before = path.stat()
     push(one, "/w/one")
     after = path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     push(two, "/w/two")
     push(one, "/w/one")
-    assert [p["local"] for p in move._pushes("a")] == [str(two), str(one)]
+    assert [p.local for p in move.store._pushes("a")] == [str(two), str(one)]
 
 
 def test_a_move_with_no_project_folder_known_is_refused_before_anything_is_stopped(tmp_path):
@@ -650,7 +653,7 @@ def test_ctrl_c_while_jobs_waits_on_a_machine_that_does_not_answer_is_one_line(m
         raise KeyboardInterrupt
 
     monkeypatch.setattr(jobs, "list_jobs", refused)
-    monkeypatch.setattr(move.time, "sleep", interrupt)
+    monkeypatch.setattr(move.reaching.time, "sleep", interrupt)
     said = []
 
     class M:
@@ -683,11 +686,11 @@ def test_jobs_on_a_lost_machine_never_says_keeping_and_counts_the_training_lost(
     assert "of training lost" in line and "about 0 s" not in line and " 0 s of" not in line, line
     # 30 s seen alive after the checkpoint, at most 5 s more until the first failed attempt
     assert "under 35 s of training lost" in line or "under 36 s of training lost" in line, line
-    rec = next(r for r in records("a") if r["job"] == "trA")
+    rec = next(r for r in records("a") if r.job == "trA")
     view, live = move.keep_view(rec, lost.get("trA"), live=True)
     text = keep_line(view, live)
     assert "keeping" not in text and "nothing more is kept" in text and "(4 files in " in text, text
-    assert move._lost_span(0.2, None) == "under 1 s" and move._lost_span(0.2, 3) == "under 4 s"
+    assert move.loss._lost_span(0.2, None) == "under 1 s" and move.loss._lost_span(0.2, 3) == "under 4 s"
 
 
 def test_the_keep_folder_of_the_data_folder_is_the_users_alone(tmp_path, data_dir):
@@ -726,7 +729,7 @@ def test_resume_refuses_a_job_that_finished_and_continues_one_that_crashed(tmp_p
 # -- a GPU that vanished, and how each cause of a loss reads ----------------------------------------
 
 #: The stand-in nvidia-smi (it replays the recordings; GPUMAGIC_FAKE_GPU_STATE names the mode).
-FAKE_SMI = Path(move.__file__).parents[1] / "gpu" / "fake" / "nvidia_smi.py"
+FAKE_SMI = Path(move.__file__).parents[2] / "gpu" / "fake" / "nvidia_smi.py"
 
 
 def smi_now(tmp_path: Path, mode: str):
@@ -749,8 +752,8 @@ def test_a_gpu_that_fell_off_the_bus_is_a_loss_and_rows_with_exit_14_are_not(tmp
     limited by CUDA_VISIBLE_DEVICES counts only its GPUs; a job that started with none, none."""
     idle, rc = smi_now(tmp_path, "h200-idle")
     gpus = move.gpus_held(idle)
-    assert rc == 0 and len(gpus) == 1 and gpus[0]["index"] == 0 and gpus[0]["uuid"].startswith("GPU-"), gpus
-    rec = {"gpus": gpus, "options": {"env": {}}}
+    assert rc == 0 and len(gpus) == 1 and gpus[0].index == 0 and gpus[0].uuid.startswith("GPU-"), gpus
+    rec = move.StartRecord(machine="a", job="j", gpus=gpus)
     verdicts = {mode: move.gpu_loss(rec, *smi_now(tmp_path, mode))
                 for mode in ("h200-idle", "h200-load", "inforom", "mismatch", "lost-gpu", "lost-gpu-fields",
                              "no-driver")}
@@ -761,16 +764,18 @@ def test_a_gpu_that_fell_off_the_bus_is_a_loss_and_rows_with_exit_14_are_not(tmp
     assert str(verdicts["lost-gpu-fields"]) == "its GPU fell off the bus: nvidia-smi lists GPU2 as [GPU is lost]"
     assert str(verdicts["no-driver"]).startswith("its GPU is gone: nvidia-smi couldn't communicate with the NVIDIA "
                                                  "driver (exit status 9)"), verdicts["no-driver"]
-    gone = {"gpus": gpus + [{"index": 1, "uuid": "GPU-0000-gone"}], "options": {"env": {}}}
+    gone = move.StartRecord(machine="a", job="j", gpus=gpus + [move.HeldGpu(1, "GPU-0000-gone")])
     assert str(move.gpu_loss(gone, idle, 0)) == "its GPU is gone: nvidia-smi no longer lists GPU1 (GPU-0000-gone)"
     # limited to GPU 0, listed whole: another GPU went; limited to GPU 2: its own went
     for visible, lost in [("0", []), ("2", ["lost-gpu", "lost-gpu-fields"]), ("", []),
-                          (gpus[0]["uuid"][:12], [])]:
-        mine = {"gpus": gpus, "options": {"env": {"CUDA_VISIBLE_DEVICES": visible}}}
+                          (gpus[0].uuid[:12], [])]:
+        mine = move.StartRecord(machine="a", job="j", gpus=gpus,
+                                options=move.RunOptions(env={"CUDA_VISIBLE_DEVICES": visible}))
         got = [m for m in ("lost-gpu", "lost-gpu-fields") if move.gpu_loss(mine, *smi_now(tmp_path, m))]
         assert got == lost, (visible, got)
     for started_with in ([], None):  # no GPU at the start (or not known): never lost so
-        assert move.gpu_loss({"gpus": started_with, "options": {}}, *smi_now(tmp_path, "lost-gpu")) is None
+        rec = move.StartRecord(machine="a", job="j", gpus=started_with)
+        assert move.gpu_loss(rec, *smi_now(tmp_path, "lost-gpu")) is None
 
 
 def test_the_lost_line_reads_naturally_for_each_cause(tmp_path):
@@ -794,7 +799,7 @@ def test_the_lost_line_reads_naturally_for_each_cause(tmp_path):
         line, = [ln for ln in lines if ln.startswith("job trW: lost")]
         heads[cause] = re.sub(r"\d\d:\d\d", "HH:MM", line.split("; last checkpoint")[0])
         assert "; last checkpoint ckpt/step-10.json kept at " in line and "of training lost" in line, line
-        rec = next(r for r in records("a") if r["job"] == "trW")
+        rec = next(r for r in records("a") if r.job == "trW")
         shown = keep_line(*move.keep_view(rec, lost["trW"], live=False))
         assert f"not kept now: the job is lost ({lost['trW']}), nothing more is kept" in shown, shown
     assert heads == {
@@ -816,7 +821,7 @@ def test_jobs_names_a_job_whose_gpu_fell_off_the_bus_and_a_move_stops_it_there_w
     name = f"mv-gpu-{TOKEN}"
     args = "--steps 100 --every 10 --pause 0.2"
     start_job(ip, name, tmp_path / "kept", args)
-    assert move.start_record("a", name)["gpus"][0]["index"] == 0  # what it started with
+    assert move.start_record("a", name).gpus[0].index == 0  # what it started with
     a = ip._gpumagic.fleet.get("a")
     k = a.keepers.get(name)
     assert wait_until(lambda: len(k.kept) >= 1, 60), (k.error, k.looks)
@@ -848,7 +853,7 @@ def test_fallback_moves_a_run_whose_gpu_fell_off_the_bus(ip, machines, tmp_path,
     """The standby's keeper checks the job's GPUs every CHECK_EVERY seconds on a machine that
     answers; a [GPU is lost] row moves the run to B by itself, the job on A stopped (no copy
     left running there)."""
-    monkeypatch.setattr(move, "CHECK_EVERY", 0.5)
+    monkeypatch.setattr(move.standby, "CHECK_EVERY", 0.5)
     servers, proj = machines
     name = f"mv-gpufb-{TOKEN}"
     args = "--steps 60 --every 10 --pause 0.2"
@@ -899,7 +904,7 @@ def test_a_job_moved_with_torchrun_2_runs_two_ranks_on_b_from_the_kept_checkpoin
     result = json.loads((home(servers["b"]) / "work" / "result.json").read_text(encoding="utf-8"))
     assert result == uninterrupted(tmp_path, *args.replace("0.1", "0").split())
     rec = move.start_record("b", name)
-    assert rec["torchrun"]["nproc"] == 2 and rec["command"] == f"!python3 train.py {args}", rec
+    assert rec.torchrun.nproc == 2 and rec.command == f"!python3 train.py {args}", rec
 
 
 def test_a_torchrun_job_keeps_its_layout_when_moved_and_a_bash_script_is_refused_first(ip, machines, tmp_path):
@@ -915,7 +920,7 @@ def test_a_torchrun_job_keeps_its_layout_when_moved_and_a_bash_script_is_refused
     a = ip._gpumagic.fleet.get("a")
     assert wait_until(lambda: "[default1]:step 3 loss" in a.job(name).logs(None), 120), a.job(name).logs(20)
     rec = move.start_record("a", name)
-    assert rec["command"].startswith("!python3 train.py") and rec["torchrun"]["nproc"] == 2, rec
+    assert rec.command.startswith("!python3 train.py") and rec.torchrun.nproc == 2, rec
     with capture_output() as cap:
         ip.run_line_magic("gpu", f"job move {name} --to b --yes --from-start --src {proj}")
     assert f"stopped job {name} on a" in cap.stdout, cap.stdout
@@ -947,8 +952,8 @@ def test_a_restarted_notebook_arms_the_standby_again_and_it_moves_the_run(ip, ma
     B are connected again, the cell after says the standby is armed again, and when A goes the run
     moves to B by itself, from a checkpoint kept before or after the restart, to the result of an
     uninterrupted run."""
-    monkeypatch.setattr(move, "LOST_AFTER", 3.0)
-    monkeypatch.setattr(move, "PROBE_EVERY", 0.5)
+    monkeypatch.setattr(move.reaching, "LOST_AFTER", 3.0)
+    monkeypatch.setattr(move.reaching, "PROBE_EVERY", 0.5)
     servers, proj = machines
     name = f"mv-restart-{TOKEN}"
     args = "--steps 100 --every 10 --pause 0.15"
@@ -1000,7 +1005,7 @@ def test_a_second_move_while_another_notebook_moves_the_job_is_refused_naming_it
         msg = str(e.value)
         assert msg.startswith(f"job trL is being moved already, by another notebook (process {other.pid} on ") and \
             ": a move to c since " in msg and "`%gpu jobs --host c`" in msg and "\n" not in msg, msg
-        assert target.calls == [] and not move.start_record("a", "trL").get("moved_to")
+        assert target.calls == [] and not move.start_record("a", "trL").moved_to
     finally:
         other.communicate("\n", timeout=30)
     move.move(None, target, "trL", rec=rec, how=move.Start(no_src=True))

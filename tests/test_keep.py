@@ -137,7 +137,7 @@ def test_the_jobs_log_is_pulled_with_each_checkpoint(machine, work, tmp_path, mo
     monkeypatch.setattr(keep, "LOG_EVERY", 3600.0)  # only a kept checkpoint pulls it now
     rel, path = work
     job, k = start(machine, jname("logck"), rel, tmp_path, command=LOGGING_JOB, every=0.1, settle=3600)
-    log = Path(k.record["log"])
+    log = Path(k.record.log)
     for n in range(2):
         (path / f"go-{n}").touch()
         assert wait_until(lambda: len(k.kept) == n + 1, 30), (k.error, k.looks)
@@ -179,7 +179,7 @@ def test_a_checkpoint_written_then_renamed_is_kept_at_the_rename(machine, work, 
     assert watchers(path)  # the machine-side watcher of renames runs while the job is kept
     (path / "stop").touch()
     job.wait(timeout=60)
-    assert k.done.wait(30) and k.record["state"] == "the job ended"
+    assert k.done.wait(30) and k.record.state == "the job ended"
     assert wait_until(lambda: not watchers(path), 30), watchers(path)  # and goes with its keeper
 
 
@@ -198,8 +198,10 @@ def test_a_kept_checkpoint_dates_the_training_lost_from_when_the_machine_wrote_i
     rec = json.loads((data_dir / "keep" / machine.name / f"{name}.json").read_text(encoding="utf-8"))
     kept = rec["files"]["model.pt"]
     assert abs(kept["written_at"] - written) < 5 and kept["kept_at"] - kept["written_at"] > 35, kept
-    assert move.newest_written(rec) == kept["written_at"] and move.newest_kept(rec)[1] == kept["kept_at"]
-    line = move.lost_line({"job": name, "machine": machine.name, "keep": True}, kept["kept_at"] + 1,
+    typed = keep.KeepRecord.parse(rec)
+    assert move.newest_written(typed) == kept["written_at"] and move.newest_kept(typed)[1] == kept["kept_at"]
+    line = move.lost_line(move.StartRecord(machine=machine.name, job=name, keep=keep.KeepOptions("ckpt/")),
+                          kept["kept_at"] + 1,
                           move.Loss(next(iter(move.LOSSES))))
     lost = re.search(r"(?:about|under) (\d+) s of training lost", line)
     assert lost and 40 <= int(lost.group(1)) <= 50, line  # from its writing, not its arrival (1 s)
@@ -223,7 +225,7 @@ def test_checkpoints_there_before_the_keeper_are_kept_at_its_first_look_and_the_
     assert wait_until(lambda: len(k.kept) == 6, 30), (k.error, k.looks)
     rec = json.loads((data_dir / "keep" / machine.name / f"{name}.json").read_text(encoding="utf-8"))
     assert rec["last_kept"]["path"] == "step-0.pt"
-    assert move.newest_kept(rec)[0] == "step-0.pt"
+    assert move.newest_kept(keep.KeepRecord.parse(rec))[0] == "step-0.pt"
 
 
 @needs_tmux
@@ -275,7 +277,7 @@ def test_a_copy_read_while_a_new_save_began_is_not_kept(machine, work, tmp_path,
     assert wait_until(lambda: len(k.kept) == 1, 30), (k.error, k.looks, pulls)
     assert len(pulls) == 2  # the first copy was pulled, judged changed, and not kept
     assert (tmp_path / "kept" / "model.pt").read_bytes() == blob(2, 150_000)
-    assert k.record["files"]["model.pt"]["sig"][0] == len(blob(2, 150_000))
+    assert k.record.files["model.pt"].sig[0] == len(blob(2, 150_000))
 
 
 @needs_tmux
@@ -310,7 +312,7 @@ def test_the_settle_rule_judges_by_the_machines_clock_and_the_mtime():
     exactly the listed size, mtime and inode."""
     s = 1_000_000_000
     k = keep.Keeper.__new__(keep.Keeper)
-    k.settle, k.record, k._seen, k._renamed = 10, {"files": {}}, {}, {}
+    k.settle, k.record, k._seen, k._renamed = 10, keep.KeepRecord("m", "j"), {}, {}
     k.since, k._earlier = None, {}  # the same run (a new run leaves out an earlier run's files)
     import threading
 
@@ -327,7 +329,7 @@ def test_the_settle_rule_judges_by_the_machines_clock_and_the_mtime():
     # a keeper started again (the notebook restarted) takes at its first look what had held
     # still for settle already; it used to wait for a second look settle later
     again = keep.Keeper.__new__(keep.Keeper)
-    again.settle, again.record, again._seen, again._renamed, again._lock = 10, {"files": {}}, {}, {}, k._lock
+    again.settle, again.record, again._seen, again._renamed, again._lock = 10, keep.KeepRecord("m", "j"), {}, {}, k._lock
     again.since, again._earlier = None, {}
     restart = keep.Listing(200 * s, "/r", False, {"old.pt": (5, 150 * s, 4), "new.pt": (5, 195 * s, 5)})
     assert again._whole(restart, False) == ["old.pt"]
@@ -337,7 +339,7 @@ def test_the_settle_rule_judges_by_the_machines_clock_and_the_mtime():
     import time as _time
 
     run2 = keep.Keeper.__new__(keep.Keeper)
-    run2.settle, run2.record, run2._seen, run2._renamed, run2._lock = 10, {"files": {}}, {}, {}, k._lock
+    run2.settle, run2.record, run2._seen, run2._renamed, run2._lock = 10, keep.KeepRecord("m", "j"), {}, {}, k._lock
     run2._earlier = {"kept-by-run-1.pt": (5, 150 * s, 6)}
     run2.since = _time.time() - 50  # the run started 50 s before this look, on this clock
     look = keep.Listing(300 * s, "/r", True, {"kept-by-run-1.pt": (5, 150 * s, 6),
@@ -464,7 +466,7 @@ def test_a_second_run_of_a_name_is_a_run_of_its_own(ip, work, tmp_path, monkeypa
     assert not (tmp_path / name / "run-2" / "ckpt" / "step-10.pt").exists()
     rec = json.loads(keep.record_path(m.name, name).read_text(encoding="utf-8"))
     assert rec["run"] == 2 and rec["files"] == {}
-    assert move.newest_kept(rec) is None
+    assert move.newest_kept(keep.KeepRecord.parse(rec)) is None
     # run 1's checkpoints stay where they were, whole
     assert (first / "step-10.pt").read_bytes() == b"run 1, step 10"
     with capture_output() as cap:

@@ -695,7 +695,7 @@ def test_autorun_sends_a_cell_that_begins_with_matplotlib_inline_to_the_session(
     ("%load_ext autoreload\n%autoreload 2\nimport mymodule", True),
     ("%aimport mymodule\nmymodule.f()", True),
     ("%pylab inline", True),
-    ("x = 1\n%gpu status", True),                  # not at the top: as before
+    ("x = 1\n%gpu status", True),                  # not at the top: the cell goes there whole
     ("%gpu status", False),
     ("%gpu kernel autorun off", False),
     ("%config GpuMagics.max_display_bytes = 10", False),

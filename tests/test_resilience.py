@@ -58,7 +58,7 @@ def test_after_an_idle_roam_the_next_cell_runs_on_a_new_connection_with_no_error
     assert m.run("echo first", quiet=True).stdout == "first\n"
     old_runner = execution._runners[m.connection.transport].runners[0].pid
     assert old_runner and Path(f"/proc/{old_runner}").exists()
-    time.sleep(2.5)  # quiet for longer than FRESH: the next cell asks the path first
+    time.sleep(2.5)  # quiet for longer than QUIET_BEFORE_PROBE: the next cell asks the path first
     assert linked.roam() == 1
     start = time.monotonic()
     r = m.run("echo back", quiet=True)
@@ -162,7 +162,7 @@ def test_a_fresh_path_is_not_probed_and_a_quiet_healthy_one_is_kept(make_link):
 
 @pytest.mark.parametrize("runner", [True, False], ids=["runner", "plain-exec"])
 def test_a_roam_during_a_printing_cell_fails_fast_and_leaves_nothing_running(make_link, monkeypatch, runner):
-    """With a grace of 0 (a cell that must not outlive its connection), as before kept cells:
+    """With a grace of 0 (a cell that must not outlive its connection, never kept):
     the cut is noticed within the bound, the cell fails and is stopped over a new connection.
     With a grace (the default) it is re-attached instead: the tests at the end of the file.
     ``plain-exec``: a cell run the old way (a fifth at once, or no python3 on the machine) is
@@ -450,7 +450,7 @@ def test_a_push_cut_by_a_roam_in_its_transfer_reconnects_and_resumes_by_itself(m
     # connection's probe went unanswered for 3 s.  The link emulator runs in this process,
     # beside a 100 Mbit/s push through paramiko and every thread earlier tests left, so the
     # likely cause is its share of the GIL; until it runs in a process of its own, a second
-    # reconnect is accepted when it says so, and everything else is checked as before.
+    # reconnect is accepted when it says so, and everything else is checked as for one.
     why = [r.getMessage() for r in caplog.records if "reconnecting" in r.getMessage()]
     assert 1 <= s.reconnects <= 2 and f"resumed after {s.reconnects} reconnect" in str(s), (str(s), why)
     assert all("did not answer a probe" in w for w in why[1:]), why

@@ -699,7 +699,7 @@ def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_pa
     # (~0.1 s to start it); 400 files are walked sooner than that, so each order is forced:
     # the walk waits for the answer at its first folder, or never looks at it.
     monkeypatch.setattr(sync, "PROGRESS_INTERVAL", 0)
-    real = sync._FirstByte.stop_if_empty
+    real = sync._DestinationEmptyReader.stop_if_empty
 
     def at_each_folder(self):
         if walk == "ends first":
@@ -707,7 +707,7 @@ def test_a_push_into_an_empty_folder_sends_while_it_still_counts(machine, tmp_pa
         self.done.wait()
         real(self)
 
-    monkeypatch.setattr(sync._FirstByte, "stop_if_empty", at_each_folder)
+    monkeypatch.setattr(sync._DestinationEmptyReader, "stop_if_empty", at_each_folder)
     src = tmp_path / "src"
     for i in range(400):
         d = src / f"d{i % 40:02d}"

@@ -57,7 +57,7 @@ missed) and feeds the channel from it without ever letting a stalled channel blo
 When the path dies (:meth:`Connection.in_flight` notices within seconds, or the channel ends)
 the client connects again within the grace and sends the same request with the stdout and
 stderr byte counts it has shown: the new connection's runner follows the spool from there to
-the exit status (:class:`_Kept`, :func:`_reattach`).  The client sends a few bytes ("h")
+the exit status (:class:`_KeptCell`, :func:`_reattach`).  The client sends a few bytes ("h")
 while a kept cell runs; the machine stops a cell whose client it has not heard for its grace,
 and gpumagic stops it over a new connection when the grace is over
 (``exec-stop-kept.py``).  With a grace of 0 a cell is stopped with its connection, as below.
@@ -460,7 +460,7 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     grace : float, optional
         Seconds the command outlives a lost connection (default: :func:`cell_grace`'s, else
         :data:`GRACE`): it runs on, its output kept on the machine, and is re-attached over
-        a new connection, its missed output shown once, in order (see :class:`_Kept`).  0
+        a new connection, its missed output shown once, in order (see :class:`_KeptCell`).  0
         stops it when the connection is lost.
 
     Returns
@@ -489,7 +489,7 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     if runner is not None:
         start = time.monotonic()
         grace = _grace.get() if grace is None else grace
-        kept = _Kept(grace if grace is not None else GRACE, err)
+        kept = _KeptCell(grace if grace is not None else GRACE, err)
         try:
             if kept.grace > 0:
                 code = _run_kept(conn, runner, request, out, err, timeout, start, kept)
@@ -498,7 +498,7 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
                     code = runner.run(conn, request, out, err, timeout, start)
         except _NotStarted:
             code = None  # the runner ended before it started the cell: run it the old way
-        except _Cut as e:
+        except _LostMidCommand as e:
             raise _cut(conn, e, runner.cell_pid or 0, runner.pid or 0) from None
         if code is not None:
             result = RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes,
@@ -532,10 +532,10 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     except KeyboardInterrupt:
         _stop(chan)
         raise
-    except _Cut as e:
+    except _LostMidCommand as e:
         raise _cut(conn, e, marker.pid or 0, 0) from None
     except (paramiko.SSHException, EOFError, OSError) as e:
-        raise _cut(conn, _Cut(conn, e), marker.pid or 0, 0) from None
+        raise _cut(conn, _LostMidCommand(conn, e), marker.pid or 0, 0) from None
     finally:
         chan.close()
     result = RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes, err.nbytes)
@@ -574,7 +574,7 @@ def cell_grace(seconds: float | None):
         _grace.reset(token)
 
 
-class _Kept:
+class _KeptCell:
     """The client's side of a kept cell (issue 28; ``exec-runner.py``'s "K" request): a cell
     that outlives a dead path for :attr:`grace` seconds.
 
@@ -638,7 +638,7 @@ class _Kept:
 
 
 def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream", err: "_Stream",
-              timeout: float | None, start: float, kept: _Kept) -> int:
+              timeout: float | None, start: float, kept: _KeptCell) -> int:
     """Run a kept cell in ``runner``; when its path is lost, re-attach over a new connection
     (:func:`_reattach`) as often as it takes, each within the grace; its exit status.
 
@@ -662,9 +662,10 @@ def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream
             except KeyboardInterrupt:
                 stopped = not runner.dead  # dead: its stop got no answer, the path is gone
                 raise
-            except (_Cut, _NotStarted) as e:
+            except (_LostMidCommand, _NotStarted) as e:
                 # _NotStarted: the runner ended with the request maybe read: its id decides
-                runner = _reattach(conn, kept, e if isinstance(e, _Cut) else _Cut(conn, None), runner)
+                lost = e if isinstance(e, _LostMidCommand) else _LostMidCommand(conn, None)
+                runner = _reattach(conn, kept, lost, runner)
                 continue
             if kept.graced is not None:
                 raise ConnectionLost(
@@ -680,7 +681,7 @@ def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream
         raise
 
 
-def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_Runner":
+def _reattach(conn: Connection, kept: _KeptCell, cut: "_LostMidCommand", old: "_Runner") -> "_Runner":
     """A runner on a new connection for ``kept``, whose path was lost (``cut``): connections
     are tried until the grace, counted from the last packet the old path brought, is over.
 
@@ -713,7 +714,7 @@ def _reattach(conn: Connection, kept: _Kept, cut: "_Cut", old: "_Runner") -> "_R
     return runner
 
 
-def _reattach_within(conn: Connection, kept: _Kept, cut: "_Cut", deadline: float) -> "_Runner":
+def _reattach_within(conn: Connection, kept: _KeptCell, cut: "_LostMidCommand", deadline: float) -> "_Runner":
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -738,14 +739,14 @@ def _reattach_within(conn: Connection, kept: _Kept, cut: "_Cut", deadline: float
         return runner
 
 
-def _grace_ends(conn: Connection, kept: _Kept) -> float:
+def _grace_ends(conn: Connection, kept: _KeptCell) -> float:
     """When ``kept``'s grace is over, were its path dead now: counted from the last packet
     the path brought."""
     path = getattr(conn, "_path", None)
     return (path.heard_at if path is not None else time.monotonic()) + kept.grace
 
 
-def _stop_kept_later(conn: Connection, kept: _Kept) -> None:
+def _stop_kept_later(conn: Connection, kept: _KeptCell) -> None:
     """An interrupt came while ``kept``'s path was dead: stop the cell on the machine as soon
     as a connection can be made (:func:`_stop_kept_when_possible`, on a thread: the
     interrupt is not held up), trying until its grace is over (then the machine has)."""
@@ -815,10 +816,10 @@ def _gone(conn: Connection, chan: paramiko.Channel) -> bool:
 
 
 def _lost(conn: Connection, exc: Exception | None = None) -> ConnectionLost:
-    return _Cut(conn, exc)
+    return _LostMidCommand(conn, exc)
 
 
-class _Cut(ConnectionLost):
+class _LostMidCommand(ConnectionLost):
     """The connection under a running command was lost (``why`` says how); for a cell,
     :func:`_cut` stops what it left on the machine and says so."""
 
@@ -831,7 +832,7 @@ class _Cut(ConnectionLost):
             "run it again: gpumagic reconnects by itself")
 
 
-def _cut(conn: Connection, e: _Cut, pgid: int, runner: int) -> ConnectionLost:
+def _cut(conn: Connection, e: _LostMidCommand, pgid: int, runner: int) -> ConnectionLost:
     """The error of a cell whose connection was lost: its process group ``pgid`` (0: it had
     not said it started) and the runner ``runner`` (0: none) are stopped on the machine over
     a new connection first (:func:`_stop_elsewhere`) when the path went silent, and the
@@ -1112,7 +1113,7 @@ class _Runner:
         #: The kept cell running now (its frames are counted there), None for others; left
         #: set when the runner was given up on with the cell still there (it re-attaches
         #: elsewhere, so the runner, maybe its owner, must not be stopped).
-        self.kept: _Kept | None = None
+        self.kept: _KeptCell | None = None
 
     @property
     def alive(self) -> bool:
@@ -1178,7 +1179,7 @@ class _Runner:
                 pass
 
     def run(self, conn: Connection, request: bytes, out: _Stream, err: _Stream,
-            timeout: float | None, start: float, *, kept: "_Kept | None" = None) -> int:
+            timeout: float | None, start: float, *, kept: "_KeptCell | None" = None) -> int:
         """Run one cell (``request``: :func:`runner_request`); its exit status.  ``kept``: as
         a kept cell (a "K" request; started, or re-attached to when its id is known there).
 

@@ -31,14 +31,14 @@ checkpoints stay on the laptop: a checkpoint is one entry of the folder (a file,
 such as Hugging Face's ``checkpoint-500/``), dated by its newest file's mtime.
 
 What was kept and when is recorded in the laptop's gpumagic data directory
-(``keep/MACHINE/JOB.json`` under :func:`gpumagic.budget.ledger.data_dir`), so that
-``%gpu jobs`` says it after the notebook restarts (:func:`records`).
+(``keep/MACHINE/JOB.json`` under :func:`gpumagic.budget.ledger.data_dir`; a
+:class:`KeepRecord`), so that ``%gpu jobs`` says it after the notebook restarts (:func:`records`).
 
 The job's log is kept too, at most every :data:`LOG_EVERY` seconds and at the last look
 (``keep/MACHINE/JOB.logs/RUN/log``, :func:`pull_log`): after a move, ``%gpu logs NAME`` on the
 new machine shows it before the new log (:mod:`gpumagic.remote.move`).  With a *fallback*
 (:attr:`Keeper.fallback`, ``--fallback b``), a keeper whose machine has not answered for
-:data:`gpumagic.remote.move.LOST_AFTER` seconds, or answers without the job's process or a GPU it
+:data:`gpumagic.remote.move.reaching.LOST_AFTER` seconds, or answers without the job's process or a GPU it
 could use (:attr:`Keeper.lost_check`), calls it once and stops.
 """
 
@@ -54,9 +54,10 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ClassVar
 
-from .._fs import atomic_write, private_dir
+from .._fs import private_dir
+from .._stored import Stored, opt_float
 from ..errors import GpumagicError, JobError, SyncError
 from . import program
 
@@ -150,6 +151,115 @@ RECORD_FORMAT = "gpumagic-keep"
 LOG_EVERY = 5.0
 
 
+@dataclass
+class KeptFile:
+    """A file of the kept folder: its signature on the machine when it was taken (``(size,
+    mtime in ns, inode)``), when it arrived here, when the machine wrote it (this computer's
+    clock; None in a record made before that was recorded), and whether ``--keep-last``
+    removed it since."""
+
+    sig: tuple[int, int, int]
+    kept_at: float = 0.0
+    pruned: bool = False
+    written_at: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KeptFile:
+        size, mtime, inode = (int(x) for x in d.get("sig") or (0, 0, 0))
+        return cls((size, mtime, inode), float(d.get("kept_at") or 0), bool(d.get("pruned")),
+                   opt_float(d.get("written_at")))
+
+    def to_dict(self) -> dict:
+        out: dict = {"sig": list(self.sig), "kept_at": self.kept_at, "pruned": self.pruned}
+        if self.written_at is not None:
+            out["written_at"] = self.written_at
+        return out
+
+
+@dataclass(frozen=True)
+class LastKept:
+    """The newest checkpoint kept (by its mtime there): its path in the folder, and when it arrived."""
+
+    path: str
+    at: float
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> LastKept | None:
+        return None if not d else cls(str(d["path"]), float(d.get("at") or 0))
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "at": self.at}
+
+
+@dataclass
+class KeepRecord(Stored):
+    """What a keeper kept of one run of a job, and how it stands (``keep/MACHINE/JOB.json``).
+
+    Attributes
+    ----------
+    machine, job : str
+    run : int
+        Which start of the job (a record from before runs were numbered: 1).
+    path : str
+        The folder on the machine (``--keep``); ``local``: the folder here.
+    every : float
+        Seconds between looks; ``last``: ``--keep-last``.
+    started : float
+        When the keeper started (laptop epoch seconds).
+    state : str
+        ``keeping``, or why it stopped (``the job ended``, ``the job was lost (...)``).
+    log : str
+        The job's log as kept here.
+    last_kept : LastKept or None
+    kept_count : int
+        Copies kept so far.
+    last_look : float or None
+        The last look that found the job alive.
+    error : str
+        The last look's failure ("" after one that worked).
+    files : dict of str to KeptFile
+        By path in the folder.
+    """
+
+    FORMAT: ClassVar[str] = RECORD_FORMAT
+    VERSION: ClassVar[int] = 1
+
+    machine: str
+    job: str
+    run: int = 1
+    path: str = ""
+    local: str = ""
+    every: float = EVERY
+    last: int | None = None
+    started: float = 0.0
+    state: str = "keeping"
+    log: str = ""
+    last_kept: LastKept | None = None
+    kept_count: int = 0
+    last_look: float | None = None
+    error: str = ""
+    files: dict[str, KeptFile] = field(default_factory=dict)
+    version: int = VERSION
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KeepRecord:
+        return cls(machine=str(d["machine"]), job=str(d["job"]), run=int(d.get("run") or 1),
+                   path=str(d.get("path") or ""), local=str(d.get("local") or ""),
+                   every=float(d.get("every") or 0), last=None if d.get("last") is None else int(d["last"]),
+                   started=float(d.get("started") or 0), state=str(d.get("state") or ""), log=str(d.get("log") or ""),
+                   last_kept=LastKept.from_dict(d.get("last_kept")), kept_count=int(d.get("kept_count") or 0),
+                   last_look=opt_float(d.get("last_look")), error=str(d.get("error") or ""),
+                   files={str(rel): KeptFile.from_dict(f) for rel, f in (d.get("files") or {}).items()})
+
+    def to_dict(self) -> dict:
+        return {"machine": self.machine, "job": self.job, "run": self.run, "path": self.path, "local": self.local,
+                "every": self.every, "last": self.last, "started": self.started, "state": self.state,
+                "log": self.log, "last_kept": None if self.last_kept is None else self.last_kept.to_dict(),
+                "kept_count": self.kept_count, "last_look": self.last_look, "error": self.error,
+                "files": {rel: f.to_dict() for rel, f in self.files.items()}}
+
+
 def record_dir(machine_name: str) -> Path:
     """``keep/MACHINE`` under gpumagic's data directory (the name %-quoted)."""
     from ..budget.ledger import data_dir
@@ -176,18 +286,16 @@ def kept_files(local: str) -> int:
     return count
 
 
-def records(machine_name: str) -> list[dict]:
+def records(machine_name: str) -> list[KeepRecord]:
     """The keep records of jobs of ``machine_name``, oldest start first (unreadable ones left out)."""
     folder = record_dir(machine_name)
-    out = []
-    for p in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-        try:
-            rec = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT:
-            out.append(rec)
-    return sorted(out, key=lambda r: (r.get("started") or 0, r.get("job", "")))
+    found = [KeepRecord.load(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    return sorted((r for r in found if r is not None), key=lambda r: (r.started, r.job))
+
+
+def record_of(machine_name: str, job: str) -> KeepRecord | None:
+    """The keep record of ``job`` on ``machine_name`` (its latest run's), None when there is none."""
+    return KeepRecord.load(record_path(machine_name, job))
 
 
 def record_path(machine_name: str, job: str) -> Path:
@@ -198,11 +306,8 @@ def record_path(machine_name: str, job: str) -> Path:
 def next_run(machine_name: str, job: str) -> int:
     """The number of a new start of ``job`` on ``machine_name``: 1, or one more than the run
     its keep record is of (a record from before runs were numbered counts as run 1)."""
-    try:
-        old = json.loads(record_path(machine_name, job).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 1
-    return int(old.get("run") or 1) + 1 if isinstance(old, dict) else 1
+    old = record_of(machine_name, job)
+    return 1 if old is None else old.run + 1
 
 
 def log_folder(machine_name: str, job: str, started: float) -> Path:
@@ -313,7 +418,7 @@ class Keeper:
         self._watch_chan = None
         self._root: str | None = None
         self._record_path = record_path(machine.name, job)
-        self.record = self._load()
+        self.record: KeepRecord = self._load()
         #: Called once, from the keeper's thread, with why and whether the machine answers,
         #: when the machine is noticed lost
         #: (``--fallback``: :func:`gpumagic.remote.move.arm_fallback`); the keeper stops then.
@@ -328,33 +433,27 @@ class Keeper:
 
     # -- record ---------------------------------------------------------------------------
 
-    def _load(self) -> dict:
+    def _load(self) -> KeepRecord:
         """A new record.  For the same run going on (``run`` None: a resume, a move), the files
         of its earlier record carry over (they are on the laptop already); a new run starts
         with none: an earlier run's checkpoints are never this one's."""
-        files: dict = {}
+        files: dict[str, KeptFile] = {}
         run = self.run
-        try:
-            old = json.loads(self._record_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            old = None
+        old = KeepRecord.load(self._record_path)
         if run is None:
-            run = int(old.get("run") or 1) if isinstance(old, dict) else 1
-            if isinstance(old, dict) and old.get("local") == self.to and isinstance(old.get("files"), dict):
-                files = old["files"]
-        elif isinstance(old, dict) and isinstance(old.get("files"), dict):
+            run = old.run if old is not None else 1
+            if old is not None and old.local == self.to:
+                files = old.files
+        elif old is not None:
             # the files an earlier run kept, as they were: still there unchanged, they are its
-            self._earlier = {rel: tuple(f.get("sig") or ()) for rel, f in old["files"].items()}
+            self._earlier = {rel: f.sig for rel, f in old.files.items()}
         started = time.time()
-        return {"format": RECORD_FORMAT, "version": 1, "machine": self.machine.name, "job": self.job, "run": run,
-                "path": self.options.path, "local": self.to, "every": self.options.every,
-                "last": self.options.last, "started": started, "state": "keeping",
-                "log": os.path.join(log_folder(self.machine.name, self.job, started), "log"),
-                "last_kept": None, "kept_count": 0, "last_look": None, "error": "", "files": files}
+        return KeepRecord(machine=self.machine.name, job=self.job, run=run, path=self.options.path, local=self.to,
+                          every=self.options.every, last=self.options.last, started=started,
+                          log=os.path.join(log_folder(self.machine.name, self.job, started), "log"), files=files)
 
     def _save(self) -> None:
-        private_record_dir(self.machine.name)
-        atomic_write(self._record_path, json.dumps(self.record, indent=1, sort_keys=True))
+        self.record.save(self._record_path)
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -376,8 +475,8 @@ class Keeper:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         with self._lock:
-            if self.record["state"] == "keeping":
-                self.record["state"] = why
+            if self.record.state == "keeping":
+                self.record.state = why
                 with contextlib.suppress(OSError):
                     self._save()
 
@@ -415,13 +514,13 @@ class Keeper:
                             self._lost(str(lost), answers=False)
                             return
                 with self._lock:
-                    if self.record["error"] != self.error:
-                        self.record["error"] = self.error
+                    if self.record.error != self.error:
+                        self.record.error = self.error
                         with contextlib.suppress(OSError):
                             self._save()
                 if ended:
                     with self._lock:
-                        self.record["state"] = "the job ended"
+                        self.record.state = "the job ended"
                         self._save()
                     return
                 self._wake.wait(self._next_wait())
@@ -434,7 +533,7 @@ class Keeper:
         """The machine is lost: stop looking, then call :attr:`fallback` (once)."""
         fallback, self.fallback = self.fallback, None
         with self._lock:
-            self.record["state"] = f"the job was lost ({why})"
+            self.record.state = f"the job was lost ({why})"
             with contextlib.suppress(OSError):
                 self._save()
         self._stop.set()
@@ -444,11 +543,11 @@ class Keeper:
     def _next_wait(self) -> float:
         """``every``, or sooner when a file written in place will have settled before that,
         or while the machine does not answer (so that its loss is noticed in time)."""
-        from .move import PROBE_EVERY
+        from .move import reaching
 
         wait = self.options.every
         if self.unreachable:
-            wait = min(wait, PROBE_EVERY)
+            wait = min(wait, reaching.PROBE_EVERY)
         if self._seen:
             wait = min(wait, max(self.settle / 2, 0.05))
         return wait
@@ -520,7 +619,7 @@ class Keeper:
         note_seen(self.machine.name)
         with self._lock:
             self.looks += 1
-            self.record["last_look"] = time.time()  # on disk too: the job was alive then (%gpu jobs)
+            self.record.last_look = time.time()  # on disk too: the job was alive then (%gpu jobs)
             with contextlib.suppress(OSError):
                 self._save()
         return listing
@@ -540,8 +639,8 @@ class Keeper:
             for rel, sig in listing.files.items():
                 if before_ns is not None and sig[1] < before_ns or self._earlier.get(rel) == sig:
                     continue
-                done = self.record["files"].get(rel)
-                if done is not None and tuple(done["sig"]) == sig:
+                done = self.record.files.get(rel)
+                if done is not None and done.sig == sig:
                     self._seen.pop(rel, None)
                     continue
                 seen = self._seen.get(rel)
@@ -560,7 +659,7 @@ class Keeper:
         there (yet) is no error."""
         self._log_pulled = time.monotonic()
         with contextlib.suppress(SyncError):
-            pull_log(self.machine, self.job, os.path.dirname(self.record["log"]))
+            pull_log(self.machine, self.job, os.path.dirname(self.record.log))
 
     def look(self) -> bool:
         """List the folder, pull what is whole, keep what is still whole after the pull, drop
@@ -631,17 +730,16 @@ class Keeper:
             os.replace(tmp, final)
         now = time.time()
         with self._lock:
-            files = self.record["files"]
-            files[rel] = {"sig": list(sig), "kept_at": now, "pruned": False}
-            if written is not None:
-                files[rel]["written_at"] = min(written, now)  # never after it arrived here
-            last = self.record.get("last_kept") or {}
-            newest = files.get(last.get("path"))
-            if newest is None or newest.get("pruned") or (sig[1], rel) >= (newest["sig"][1], last["path"]):
+            files = self.record.files
+            # written: never after it arrived here
+            files[rel] = KeptFile(sig, now, written_at=None if written is None else min(written, now))
+            last = self.record.last_kept
+            newest = files.get(last.path) if last is not None else None
+            if last is None or newest is None or newest.pruned or (sig[1], rel) >= (newest.sig[1], last.path):
                 # the newest checkpoint by mtime, the one a move takes (not the last one a batch
                 # happened to promote: a look takes several in listing order)
-                self.record["last_kept"] = {"path": rel, "at": now}
-            self.record["kept_count"] += 1
+                self.record.last_kept = LastKept(rel, now)
+            self.record.kept_count += 1
             self._seen.pop(rel, None)
             self._save()
             self.kept.append((rel, now))  # after the record: what `kept` shows, a move finds on disk
@@ -652,20 +750,20 @@ class Keeper:
         if last is None:
             return
         with self._lock:
-            files = self.record["files"]
+            files = self.record.files
             newest: dict[str, int] = {}
             for rel, f in files.items():
-                if not f.get("pruned"):
-                    newest[unit(rel)] = max(newest.get(unit(rel), 0), f["sig"][1])
+                if not f.pruned:
+                    newest[unit(rel)] = max(newest.get(unit(rel), 0), f.sig[1])
             drop = sorted(newest, key=lambda u: (newest[u], u), reverse=True)[last:]
             if not drop:
                 return
             for rel, f in files.items():
-                if unit(rel) in drop and not f.get("pruned"):
+                if unit(rel) in drop and not f.pruned:
                     for base in (self.to, self.stage):
                         with contextlib.suppress(FileNotFoundError):
                             os.remove(os.path.join(base, *rel.split("/")))
-                    f["pruned"] = True
+                    f.pruned = True
             for u in drop:
                 for base in (self.to, self.stage):
                     path = os.path.join(base, u)

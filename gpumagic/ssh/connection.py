@@ -49,7 +49,7 @@ PassphrasePrompt = Callable[[str], str]
 #: Seconds without a packet from the machine after which a path must answer a probe before
 #: something new is sent on it (:meth:`Connection.ensure_alive`), within max(:data:`REQUEST_WAIT`,
 #: 10 RTT).
-FRESH = 2.0
+QUIET_BEFORE_PROBE = 2.0
 #: Fewest seconds a transfer's probe may take before its path counts as dead, max(this, 10 RTT)
 #: (:meth:`Connection.in_flight` ``quick``: a sync, which resumes by itself).
 ALIVE_WAIT = 3.0
@@ -280,13 +280,13 @@ class Connection:
         """Open the connection unless it is up, and make sure the path still carries packets
         before the caller sends something that matters on it (a cell, a session request).
 
-        When nothing came from the machine for :data:`FRESH` seconds (on the monotonic or
+        When nothing came from the machine for :data:`QUIET_BEFORE_PROBE` seconds (on the monotonic or
         the wall clock: a laptop that slept counts), a probe (``keepalive@openssh.com``) must
         be answered within max(:data:`REQUEST_WAIT`, 10 RTT).  Meanwhile, once the probe is
         :data:`SPARE_AFTER` late, a spare connection is opened side by side; when the
         probe's time is up the old path is declared dead and the spare adopted (an open in
         every respect: the reverse tunnels' ``after_open`` hooks run), with no error.  On a
-        fresh path this costs nothing; on a quiet one, one round trip.
+        path heard from recently this costs nothing; on a quiet one, one round trip.
 
         Raises
         ------
@@ -297,7 +297,7 @@ class Connection:
             path, t = self._path, self.transport
             if not self.is_connected or path is None or t is None:
                 return self.ensure_open()
-            if path.quiet() < FRESH or threading.current_thread() is t:
+            if path.quiet() < QUIET_BEFORE_PROBE or threading.current_thread() is t:
                 return self
             head, bound = path.answer_bounds()
             sent = time.monotonic()
@@ -319,11 +319,11 @@ class Connection:
         return path.rtt if path is not None else None
 
     @property
-    def fresh(self) -> bool:
+    def heard_recently(self) -> bool:
         """True when the connection is up and a packet came from the machine within
-        :data:`FRESH` seconds: :meth:`ensure_alive` returns at once, sending nothing."""
+        :data:`QUIET_BEFORE_PROBE` seconds: :meth:`ensure_alive` returns at once, sending nothing."""
         path = self._path
-        return self.is_connected and path is not None and path.quiet() < FRESH
+        return self.is_connected and path is not None and path.quiet() < QUIET_BEFORE_PROBE
 
     def abandoned(self, old: paramiko.Transport) -> None:
         """Run the :attr:`after_abandon` hooks for ``old``, a transport whose path was
@@ -842,7 +842,7 @@ class Connection:
         Raises
         ------
         ConnectionLost
-            When no channel can be opened even on a fresh connection.
+            When no channel can be opened even on a new connection.
         """
         self.ensure_alive()
         t = self.transport

@@ -8,7 +8,7 @@ imports it locally, so a pull writes files with the very same code a push uses o
 remote side.  It must run on any Python 3.6+ and import nothing outside the standard
 library.
 
-Operations (argv after the source; NONCE is a fresh token of the caller's, see below)
+Operations (argv after the source; NONCE is a new token of the caller's, see below)
 -------------------------------------------------------------------------------------
 ``serve NONCE ROOT CWD HASH NAMES [COMPARE]``
     Writes the listing of ROOT (an 8-byte big-endian length, then the records), then reads
@@ -894,7 +894,7 @@ def _unlink_quietly(path):
 
 
 class _Part:
-    """``with _Part(path) as tmp:`` -- TMP is a fresh part name of this writer's own beside
+    """``with _Part(path) as tmp:`` -- TMP is a new part name of this writer's own beside
     PATH; it is renamed onto PATH when the block ends normally, removed when it raises."""
 
     def __init__(self, path):

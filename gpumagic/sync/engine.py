@@ -254,8 +254,8 @@ def agent_command(op: str, nonce: str, *args: str, kept: bool = False) -> str:
     it with :data:`_AGENT_LOADER`; with ``kept`` (this connection kept it already) the
     program only runs the file, and prints :data:`AGENT_MISSING` and exits
     :data:`AGENT_MISSING_EXIT` when it is gone.  Where it cannot be kept (a read-only HOME),
-    the whole program says :data:`AGENT_UNKEPT` and runs the source from its command line,
-    as before.
+    the whole program says :data:`AGENT_UNKEPT` and runs the source from its command line
+    (the whole agent travels on each call).
     """
     digest = agent_digest()
     path = f'"$HOME/.gpumagic/sync_agent_{digest}.py"'
@@ -376,7 +376,7 @@ class _Channel:
                 pipe = execution.start_in_runner(conn, ["/bin/sh", "-c", command], self._got_stdout,
                                                  self._got_stderr, chunk=1 << 20)
             except (paramiko.SSHException, EOFError, OSError):
-                pipe = None  # the runner's channel failed: a channel of its own, as before
+                pipe = None  # the runner's channel failed: the agent gets a channel of its own
             if pipe is not None:
                 self.chan = self.pump = pipe
                 # self.rtt stays None: the runner's channel may have opened beside other
@@ -823,10 +823,10 @@ def open_listing(machine, root: str, *, digests: bool = False,
 
 
 class _Empty(Exception):
-    """The agent said the destination is empty: the local walk stops (see :class:`_FirstByte`)."""
+    """The agent said the destination is empty: the local walk stops (see :class:`_DestinationEmptyReader`)."""
 
 
-class _FirstByte:
+class _DestinationEmptyReader:
     """Reads a push channel's first byte (is the destination empty?) on a thread while the
     local walk goes on: the walk need not wait the ~0.1 s the agent takes to start."""
 
@@ -1636,7 +1636,7 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
         if pushing and names is None and not dry_run:
             # The walk starts at once; when the agent says the destination is empty, it
             # turns into a push that sends each folder's files as soon as they are listed.
-            first = _FirstByte(ch)
+            first = _DestinationEmptyReader(ch)
             try:
                 with _no_cyclic_gc():
                     walk = walk_source(src, rules, digests=checksum, each_dir=first.stop_if_empty)
@@ -1647,7 +1647,7 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                 level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
                 run = _Run(Plan(), summary, progress, counting=walk is None, level=level)
                 with _no_cyclic_gc():
-                    plan = _push_fresh(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
+                    plan = _push_into_empty(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
                 return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
         with _no_cyclic_gc():
             if pushing:
@@ -2152,15 +2152,15 @@ def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry
         raise
 
 
-class _Handed(SourceWalk):
-    """The sink of :func:`_push_fresh`'s walk: records' fields only, until handed off (no
+class _StreamedWalk(SourceWalk):
+    """The sink of :func:`_push_into_empty`'s walk: records' fields only, until handed off (no
     fingerprint rows, no part files)."""
 
     parts = False
     keeps_rows = False
 
 
-def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
+def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
                 run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
     """A push into an empty destination: with nothing there to compare, each folder's files
     go as soon as the walk has listed them, so the machine writes while this side still
@@ -2171,7 +2171,7 @@ def _push_fresh(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreR
     grow meanwhile (``counting``).  ``walked``: the whole tree, when the walk ended before
     the agent said the destination was empty.  Returns the plan carried out (its links and
     dirs)."""
-    walk = _Handed() if walked is None else walked
+    walk = _StreamedWalk() if walked is None else walked
     walk.all_fields()  # a whole walk's plain files are kept as rows (see agent.Listed)
     plan = Plan()
     large: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()

@@ -20,7 +20,7 @@ How it moves bytes
   message is written straight to the local socket (:class:`_Forward`).  No thread is woken
   between the client's request and its answer.  A client that reads slowly gets the rest
   from a worker; the channel window is given back only for bytes the client took.
-* Local -> remote: the serving thread reads the local socket into a buffer it reuses (a fresh
+* Local -> remote: the serving thread reads the local socket into a buffer it reuses (a new
   1 MiB object per read cost ~17 us) and sends; worker threads are reused.
 * Channels ask for a 16 MiB window and 256 KiB - 1 KiB packets (OpenSSH accepts packets up to
   256 KiB; paramiko's default of 32 KiB costs one Python round trip per 32 KiB).  Local
@@ -98,7 +98,7 @@ _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # not on Windows: every write go
 #: request is sent on by the serving thread).
 FIRST_READ = 64 * 1024
 
-#: A reusable read buffer per thread: ``recv(1 MiB)`` would allocate (and map) a fresh
+#: A reusable read buffer per thread: ``recv(1 MiB)`` would allocate (and map) a new
 #: 1 MiB object per call, ~17 us even for a 100-byte request.
 _buffers = threading.local()
 
@@ -928,7 +928,7 @@ class Tunnel(TunnelBase):
         peer = fwd.peer
         origin = (peer[0], peer[1]) if isinstance(peer, tuple) else ("127.0.0.1", 0)
         for attempt in range(2):
-            if not conn.fresh:
+            if not conn.heard_recently:
                 hand_off()  # a probe of the path, or a new connection, may take seconds
             # A path quiet for a while must answer a probe first: after a roam it never
             # would, and the channel would wait ConnectTimeout for nothing; a new connection

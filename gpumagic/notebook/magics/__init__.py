@@ -64,7 +64,7 @@ from .sync import _sync
 from .tunnel import TUNNEL, _tunnel_faults_post_run_cell
 from .wrapup import _wrapup
 
-# Each parser's function, here as before the split (the tests reach them as ``magics._NAME``).
+# Each parser's function is reachable here too (the tests reach them as ``magics._NAME``).
 from .budget import (_budget_estimate, _budget_guard, _budget_history, _budget_meter,  # noqa: F401
                      _budget_notify, _budget_set)
 from .tunnel import (_service_note, _tunnel_close, _tunnel_jupyter, _tunnel_list,  # noqa: F401

@@ -30,7 +30,7 @@ GUARD_ALERT_POLL = 60.0
 
 
 def _budget_ledger(magics: GpuMagics):
-    """The ledger (a fresh object per command, so notes are this command's)."""
+    """The ledger (a new object per command, so notes are this command's)."""
     return Ledger()
 
 

@@ -92,7 +92,7 @@ def _watch(magics: GpuMagics, m, view, every: float, status) -> Watcher:
 
     watcher = Watcher(fetch, view.update, view.finish, interval=every,
                       is_connected=lambda: magics.fleet.machines.get(m.name) is m, previous=status,
-                      stalled=lambda: not m.connection.fresh, on_reconnecting=reconnecting)
+                      stalled=lambda: not m.connection.heard_recently, on_reconnecting=reconnecting)
     return watcher.start()
 
 

@@ -95,7 +95,7 @@ def _remote_job(magics: GpuMagics, args, cell: str):
     print(job_started(job, machine.name))
     if job.keeper is not None:
         print(keep_started(job.keeper))
-    if fallback is not None and not (move.start_record(machine.name, args.job) or {}).get("src"):
+    if fallback is not None and not getattr(move.start_record(machine.name, args.job), "src", None):
         print(f"standby: no project folder is recorded for job {args.job}'s folder (no `%gpu sync` to it): "
               f"its files must be on {fallback} already, for only its checkpoint goes there")
     if fallback is not None:
@@ -217,8 +217,8 @@ def _jobs(magics: GpuMagics, line: str):
     for text in texts:
         print(text)
     for rec in keep_records(machine.name):
-        k = machine.keepers.get(rec.get("job", ""))
-        view, live = move.keep_view(rec, lost.get(rec.get("job", "")), live=k is not None and k.running)
+        k = machine.keepers.get(rec.job)
+        view, live = move.keep_view(rec, lost.get(rec.job), live=k is not None and k.running)
         print(keep_line(view, live=live))
 
 
@@ -366,13 +366,13 @@ def _job_move(magics: GpuMagics, line: str):
     torchrun = _torchrun(args.torchrun)
     rec = move.find_start(name, args.host)
     target = magics.fleet.get(args.to)
-    source = _connected(magics, rec["machine"])
+    source = _connected(magics, rec.machine)
     if source is target:
         raise UsageError(f"job {name} was started on {target.name} already: `%gpu job resume {name}` "
                          "starts it again there")
     how = move.Start(from_start=args.from_start, no_src=args.no_src)
     job = move.move(source, target, name, rec=rec, yes=args.yes, src=args.src, torchrun=torchrun, how=how)
-    print(f"job {name} moved from {rec['machine']} to {target.name} and started there; "
+    print(f"job {name} moved from {rec.machine} to {target.name} and started there; "
           f"`%gpu logs {name} --host {target.name}` shows the seam, `%gpu jobs --host {target.name}` lists it")
     if getattr(job, "keeper", None) is not None:
         print(keep_started(job.keeper))
@@ -390,7 +390,7 @@ def _job_resume(magics: GpuMagics, line: str):
     args = parse(_job_resume, line, "job resume")
     name = _job_name(args.name)
     rec = move.find_start(name, args.host)
-    machine = magics.fleet.get(rec["machine"])
+    machine = magics.fleet.get(rec.machine)
     job = move.move(machine, machine, name, rec=rec, src=args.src, how=move.Start(from_start=args.from_start))
     print(f"job {name} resumed on {machine.name}; `%gpu logs {name} --host {machine.name}` shows the seam")
     if getattr(job, "keeper", None) is not None:

@@ -342,7 +342,7 @@ def _session(magics, fn, line: str) -> Iterator[RemoteKernel]:
 def _restart(magics, line: str):
     with _session(magics, _restart, line) as k:
         k.restart(output=_output(magics))
-    print(f"restarted session {k.name} on {k.machine.name}: a fresh kernel, no variables")
+    print(f"restarted session {k.name} on {k.machine.name}: a new kernel, no variables")
 
 
 @magic_arguments()
@@ -518,7 +518,7 @@ KERNEL = Subcommands("%gpu kernel", {
     "push": (_push, "copy variables from here to the session", "VAR... [-k NAME]"),
     "pull": (_pull, "copy variables from the session to here", "VAR... [-k NAME]"),
     "interrupt": (_interrupt, "interrupt the running cell (variables are kept)", "[NAME]"),
-    "restart": (_restart, "a fresh kernel (variables are lost)", "NAME"),
+    "restart": (_restart, "a new kernel (variables are lost)", "NAME"),
     "stop": (_stop, "stop it and its processes", "NAME"),
     "autorun": (_autorun, "send every following code cell to the session", "on [NAME] | off"),
 }, intro="%gpu kernel: a live Python session on the machine (ipykernel), kept running when this\n"

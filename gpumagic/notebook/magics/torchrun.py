@@ -111,7 +111,7 @@ def logs(magics, args) -> None:
 def kill(magics, machine, name: str, shutdown: bool = False) -> bool:
     """``%gpu kill NAME`` of a torchrun job: end every rank on every machine (``--shutdown``:
     cancel the shutdown armed on every machine instead); False when ``name`` is a plain job (the
-    caller handles it as before)."""
+    caller kills it as one)."""
     job = distributed.find(magics.fleet.get, machine, name)
     if job is None:
         return False

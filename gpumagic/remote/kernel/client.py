@@ -663,7 +663,7 @@ class RemoteKernel:
         tail = next((ln for ln in lines if ln.startswith("Fatal Python error")), lines[-1] if lines else "")
         detail = f"; its log ends: {tail}" if tail else ""
         return KernelError(f"the kernel of session {self.where} died ({how}); its variables are "
-                           f"lost{detail}", f"`%gpu kernel restart {self.name}` starts a fresh one")
+                           f"lost{detail}", f"`%gpu kernel restart {self.name}` starts a new one")
 
     def _sync(self, link: _Link, out: Output, own: str | None = None,
               death_is_news: bool = False, waiter: _Waiter | None = None,
@@ -737,7 +737,7 @@ class RemoteKernel:
             self._op(self._connect(), "interrupt")
 
     def restart(self, *, output: Output | None = None) -> None:
-        """Stop the kernel (all of its processes) and start a fresh one with the same
+        """Stop the kernel (all of its processes) and start a new one with the same
         python, directory and environment; every variable is lost.
 
         Raises
@@ -803,7 +803,7 @@ class RemoteKernel:
     def _listen(self) -> None:
         """While no request holds the session, each comm message at the head of the link's
         queue is dispatched here; anything else waits for the next request, which shows it
-        as before (a thread's print between cells, with its note)."""
+        first, as output that came between cells (a thread's print, with its note)."""
         looked: Message | None = None
         while not self._closed:
             link = self._link

@@ -47,7 +47,7 @@ class KernelInfo:
         Session name; the kernel's ``sys.executable`` on the machine.
     state : str
         ``idle``, ``busy`` (a cell executes), ``starting``, ``dead`` (the kernel exited;
-        ``restart`` starts a fresh one) or ``lost`` (the keeper is gone: machine restarted).
+        ``restart`` starts a new one) or ``lost`` (the keeper is gone: machine restarted).
     since, started : float or None
         Epoch seconds of the last state change and of the kernel's start.
     kernel_pid, keeper_pid, port : int or None

@@ -1,6 +1,6 @@
-# torchrun_stage.sh DIR FILE [FRESH]: write stdin to DIR/FILE (~/-relative DIR and its parent 0700,
+# torchrun_stage.sh DIR FILE [NEW_RUN]: write stdin to DIR/FILE (~/-relative DIR and its parent 0700,
 # the file 0600);
-# with FRESH=1 first remove the previous run's ranks/ and logs/ there.
+# with NEW_RUN=1 (a new run) first remove the previous run's ranks/ and logs/ there.
 d=$1; f=$2
 umask 077  # gpumagic's state is private: folders 0700, files 0600
 # shellcheck disable=SC2088  # a literal "~/" prefix, replaced by $HOME
