@@ -323,3 +323,7 @@ class NotSupported(RentError):
 
 class NoAnswer(RentError):
     """The platform did not answer (timeout, no route): the request may or may not have happened."""
+
+
+class ReleaseRefused(RentError):
+    """``%gpu release`` found results that are only on the machine (or could not check)."""

@@ -37,7 +37,8 @@ def load_spec(name: str) -> OpenAPI:
         import yaml
 
         data = yaml.safe_load(text)
-    return OpenAPI.from_dict(data, config=Config(spec_validator_cls=None))
+    return OpenAPI.from_dict(data, config=Config(spec_validator_cls=None,
+                                                extra_media_type_deserializers={"application/problem+json": json.loads}))
 
 
 class Reply(Exception):
