@@ -258,3 +258,91 @@ def test_keys_go_to_the_keychain_where_keyring_has_one(tmp_path):
         assert ks.get("lambda") == "k-1"
     finally:
         keyring.set_keyring(old)
+
+
+# -- vast.ai ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def vast(tmp_path):
+    from platforms import VastServer
+
+    yield from _checked(VastServer(tmp_path / "vast"))
+
+
+def _vast_renter(tmp_path, server) -> Renter:
+    r = Renter(tmp_path / "data", keys=KeyStore(tmp_path / "data" / "keys", use_keyring=False), poll_s=0.02,
+               wait_s=20)
+    r.configure("vast", base_url=server.url, user=__import__("getpass").getuser())
+    r.keys.set("vast", KEY)
+    return r
+
+
+def test_vast_rent_connect_stop_start_on_a_new_port_release(tmp_path, vast, sshkey):
+    r = _vast_renter(tmp_path, vast)
+    offers = r.offers("vast", max_price=0.3)
+    assert [(o.id, o.gpu, o.vram_gb, o.price_hr) for o in offers] == [("4102", "RTX 3090", 24, 0.221)]
+    inst = r.rent(r.pick("vast:4101"), name="v", public_key=_pub(sshkey), key_path=str(sshkey), disk_gb=40)
+    assert inst.state == "running" and inst.price_hr == 0.402
+    assert _cell(inst, sshkey, "v") == "hello from 42"
+    stopped = r.stop("v")
+    assert stopped.state == "stopped" and stopped.stopped_hr == round(0.15 * 40 / 730, 5)
+    again = r.start("v")
+    assert again.port != inst.port and _cell(again, sshkey, "v") == "hello from 42"
+    r.release("v")
+    assert vast.instances == {} and r.rentals() == []
+    assert [s for s, _ in vast.undocumented] == []
+
+
+def test_vast_an_offer_rented_by_someone_else_meanwhile(tmp_path, vast, sshkey):
+    r = _vast_renter(tmp_path, vast)
+    offer = r.pick(None, provider="vast", gpu="4090")
+    vast.offers[0]["rentable"] = False  # someone else was quicker
+    with pytest.raises(NoOffer) as e:
+        r.rent(offer, name="late", public_key=_pub(sshkey))
+    assert "someone else rented that offer meanwhile" in e.value.hint and vast.instances == {}
+
+
+def test_vast_an_empty_balance_is_said_before_anything_is_rented(tmp_path, vast, sshkey):
+    r = _vast_renter(tmp_path, vast)
+    vast.balance = 0.0
+    with pytest.raises(InsufficientBalance) as e:
+        r.rent(r.pick(None, provider="vast"), name="poor", public_key=_pub(sshkey))
+    assert e.value.message == "vast: the account's balance is 0.00 USD" and vast.instances == {}
+    assert not any(m == "PUT" for m, _ in vast.requests)
+
+
+def test_vast_a_bad_key_is_redacted(tmp_path, vast):
+    from gpumagic.rent.vast import Vast
+
+    with pytest.raises(BadKey) as e:
+        Vast("vk-SECRET-42", base_url=vast.url).balance()
+    assert "vk-SECRET-42" not in str(e.value) and "***" in str(e.value)
+
+
+def test_vast_an_instance_stuck_scheduling_is_reported(tmp_path, vast, sshkey):
+    vast.boot_reads = 10_000
+    r = _vast_renter(tmp_path, vast)
+    r.wait_s = 0.3
+    with pytest.raises(StuckPending) as e:
+        r.rent(r.pick(None, provider="vast"), name="sched", public_key=_pub(sshkey))
+    assert e.value.message == "sched stayed 'scheduling' for 0.3 s (wanted running)"
+
+
+def test_the_stand_ins_refuse_what_the_published_documents_do_not_define(tmp_path, runpod, lam, vast):
+    # the check every other test relies on: an invented field or value is a violation, not a pass
+    import httpx
+
+    c = httpx.Client(headers={"Authorization": f"Bearer {KEY}"})
+    assert c.put(vast.url + "/api/v0/instances/1", json={"state": "paused"}).status_code == 400
+    assert c.post(runpod.rest_url + "/pods", json={"name": "x", "gpuTypeIds": ["NVIDIA GeForce RTX 4090"],
+                                                   "sshPublicKey": "ssh-ed25519 AAAA"}).status_code == 400
+    assert c.post(lam.api_url + "/instance-operations/launch",
+                  json={"region_name": "us-east-1", "instance_type_name": "gpu_1x_a10",
+                        "ssh_key_names": ["a", "b"]}).status_code == 400
+    found = vast.violations + runpod.violations + lam.violations
+    assert ["state: 'paused' is not one of" in v for v in vast.violations] == [True]
+    assert len(runpod.violations) == 1 and len(lam.violations) == 1 and "ssh_key_names" in lam.violations[0]
+    for s in (vast, runpod, lam):
+        s.violations.clear()
+    assert len(found) == 3

@@ -1,7 +1,7 @@
-"""Renting machines by API: offers, rent, stop, start, release (RunPod, Lambda Cloud).
+"""Renting machines by API: offers, rent, stop, start, release (RunPod, Lambda Cloud, vast.ai).
 
 :mod:`.base` is the interface and its errors, :mod:`.http` the one HTTP door (pacing, 429,
-key redaction), :mod:`.runpod` and :mod:`.lambdacloud` the platforms, :mod:`.keystore` the API
+key redaction), :mod:`.runpod`, :mod:`.lambdacloud` and :mod:`.vast` the platforms, :mod:`.keystore` the API
 keys, :mod:`.rentals` the named rentals and their life cycle.  Needs the ``[rent]`` extra
 (httpx, keyring).
 """

@@ -22,7 +22,7 @@ from .keystore import KeyStore
 RENTALS_FORMAT = "gpumagic-rentals"
 RENTALS_VERSION = 1
 #: Providers gpumagic can rent from, name -> (module, class).
-PROVIDERS = {"runpod": ("runpod", "RunPod"), "lambda": ("lambdacloud", "LambdaCloud")}
+PROVIDERS = {"runpod": ("runpod", "RunPod"), "lambda": ("lambdacloud", "LambdaCloud"), "vast": ("vast", "Vast")}
 #: Seconds a rent or start waits for ``running``, and between two reads of the state.
 WAIT_S = 900.0
 POLL_S = 5.0
@@ -105,7 +105,7 @@ def parse_offer_ref(ref: str) -> tuple[str, str]:
     if not sep or provider not in PROVIDERS or not offer:
         raise ConfigError(f"{ref!r} is not an offer", "give it as `%gpu offers` shows it: PROVIDER:OFFER "
                                                        "(runpod:NVIDIA GeForce RTX 4090/secure, "
-                                                       "lambda:gpu_1x_a10@us-east-1)")
+                                                       "lambda:gpu_1x_a10@us-east-1, vast:12345)")
     return provider, offer
 
 
@@ -187,7 +187,7 @@ class Renter:
         if not names:
             from .base import BadKey
 
-            raise BadKey("no provider has an API key yet", "run `%gpu provider login runpod` (or lambda) first")
+            raise BadKey("no provider has an API key yet", "run `%gpu provider login runpod` (or lambda, vast) first")
         found: list[Offer] = []
         for n in names:
             found += self.provider(n).offers(**filters)

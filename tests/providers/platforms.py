@@ -277,3 +277,115 @@ class LambdaServer(SpecServer):
         super().close()
         for b in self.boxes.values():
             b.stop()
+
+
+class VastServer(SpecServer):
+    """vast.ai: ``/api/...`` validated against ``vast-openapi.yaml`` (server ``https://console.vast.ai``).
+
+    An instance is ``scheduling`` (``actual_status`` null) for ``boot_reads`` reads, then
+    ``running`` with ``ssh_host``/``ssh_port``; a stop stops its sshd, a start gives a new port."""
+
+    def __init__(self, base: Path, *, boot_reads: int = 1, **kw):
+        super().__init__([("/api", "https://console.vast.ai", "/api", load_spec("vast-openapi.yaml"))], **kw)
+        self.base = Path(base)
+        self.boot_reads = boot_reads
+        self.balance = 12.5
+        self.ssh_keys: list[dict] = []
+        self.offers = [
+            {"id": 4101, "gpu_name": "RTX 4090", "num_gpus": 1, "gpu_ram": 24564, "dph_total": 0.402, "min_bid": 0.21,
+             "storage_cost": 0.15, "geolocation": "Sweden, SE", "verified": True, "rentable": True},
+            {"id": 4102, "gpu_name": "RTX 3090", "num_gpus": 1, "gpu_ram": 24576, "dph_total": 0.221, "min_bid": 0.12,
+             "storage_cost": 0.10, "geolocation": "Texas, US", "verified": True, "rentable": True},
+        ]
+        self.instances: dict[int, dict] = {}
+        self.boxes: dict[int, _Box] = {}
+        self._reads: dict[int, int] = {}
+        self._ids = itertools.count(91001)
+
+    def unauthorized(self, token):
+        return Reply(401, {"success": False, "error": "invalid_api_key", "msg": f"Invalid api key {token}"})
+
+    def rate_limited(self):
+        return Reply(429, {"detail": "API requests too frequent"}, {"Retry-After": str(self.retry_after)})
+
+    def bad_request(self, text):
+        return {"success": False, "error": "invalid_args", "msg": text}
+
+    def route(self, method, path, query, body, token):
+        if path == "/v0/bundles":
+            offers = [o for o in self.offers if o["rentable"]]
+            if "dph_total" in body:
+                offers = [o for o in offers if o["dph_total"] <= body["dph_total"]["lte"]]
+            return 200, {"offers": offers}
+        if path == "/v0/users/current":
+            return 200, {"id": 7, "email": "student@example.com", "balance": self.balance}
+        if path == "/v0/ssh" and method == "GET":
+            return 200, [{"id": k["id"], "user_id": 7, "key": k["key"]} for k in self.ssh_keys]
+        if path == "/v0/ssh" and method == "POST":
+            k = {"id": len(self.ssh_keys) + 1, "key": body["ssh_key"]}
+            self.ssh_keys.append(k)
+            return 200, {"success": True, "key": {"id": k["id"], "user_id": 7, "public_key": k["key"]}}
+        if path.startswith("/v0/asks/"):
+            return self._rent(int(path.rsplit("/", 1)[1]), body)
+        if path == "/v1/instances":
+            return 200, {"success": True, "instances_found": len(self.instances),
+                         "instances": [self._read(i) for i in self.instances.values()]}
+        if path.startswith("/v0/instances/"):
+            iid = int(path.rsplit("/", 1)[1])
+            inst = self.instances.get(iid)
+            if inst is None:
+                raise Reply(404 if method != "GET" else 400, {"success": False, "error": "no_such_instance",
+                                                               "msg": f"instance {iid} not found"})
+            if method == "GET":
+                return 200, {"instances": self._read(inst)}
+            if method == "DELETE":
+                del self.instances[iid]
+                self.boxes[iid].stop()
+                return 200, {"success": True}
+            if body.get("state") == "stopped":
+                inst["intended_status"], inst["actual_status"] = "stopped", "exited"
+                self.boxes[iid].stop()
+            elif body.get("state") == "running":
+                inst["intended_status"], inst["actual_status"] = "running", None
+                self._reads[iid] = 0
+                self.boxes[iid].server.port = 0
+                self.boxes[iid].start(free_port())
+            return 200, {"success": True}
+        raise Reply(404, None)
+
+    def _rent(self, ask, body):
+        offer = next((o for o in self.offers if o["id"] == ask), None)
+        if offer is None or not offer["rentable"]:
+            raise Reply(410, {"success": False, "error": "no_such_ask", "msg": f"ask {ask} is no longer available",
+                              "ask_id": ask})
+        iid = next(self._ids)
+        box = _Box(self.base, f"vast-{iid}")
+        for k in self.ssh_keys:
+            box.server.authorize(k["key"])
+        box.start(free_port())
+        self.boxes[iid] = box
+        offer["rentable"] = False
+        self.instances[iid] = {"id": iid, "label": body.get("label"), "actual_status": None,
+                               "intended_status": "running", "gpu_name": offer["gpu_name"],
+                               "dph_total": offer["dph_total"], "num_gpus": offer["num_gpus"],
+                               "storage_total_cost": round(offer["storage_cost"] * body.get("disk", 10) / 730, 5),
+                               "image_uuid": body["image"]}
+        self._reads[iid] = 0
+        return 200, {"success": True, "new_contract": iid}
+
+    def _read(self, inst):
+        out = dict(inst)
+        if inst["intended_status"] == "running" and inst["actual_status"] is None:
+            n = self._reads[inst["id"]]
+            self._reads[inst["id"]] = n + 1
+            if n >= self.boot_reads:
+                inst["actual_status"] = out["actual_status"] = "running"
+        if out["actual_status"] == "running":
+            s = self.boxes[inst["id"]].server
+            out["ssh_host"], out["ssh_port"] = s.host, s.port
+        return out
+
+    def close(self):
+        super().close()
+        for b in self.boxes.values():
+            b.stop()

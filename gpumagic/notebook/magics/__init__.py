@@ -103,7 +103,7 @@ SUBCOMMANDS = Subcommands("%gpu", {
     "proxy": (PROXY, "lend this computer's proxy to the machine: on [--local 7890] [--persist], off"),
     "mirrors": (_mirrors, "use a pip, Hugging Face or conda mirror on the machine: pip|hf|conda [NAME], off"),
     "wrapup": (_wrapup, "before releasing: pull results, list/--clean caches, image size, what runs"),
-    "offers": (_offers, "machines to rent now (RunPod, Lambda), cheapest first: price, price while stopped"),
+    "offers": (_offers, "machines to rent now (RunPod, Lambda, vast.ai), cheapest first: price, price while stopped"),
     "rent": (_rent, "rent a machine, wait until it runs, and connect to it"),
     "stop": (_stop, "stop a rental (its disk is kept and billed; the GPU is not)"),
     "start": (_start, "start a stopped rental and connect at its new address"),

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ...rent import Instance, Offer, Renter
     from . import GpuMagics
 
-PROVIDER_NAMES = ("runpod", "lambda")
+PROVIDER_NAMES = ("runpod", "lambda", "vast")
 ROWS = number(1, 10**6, integer=True, what="a number of rows")
 
 
@@ -279,8 +279,8 @@ def _provider_list(magics: GpuMagics, line: str):
 
 PROVIDER = Subcommands("%gpu provider", {
     "login": (_provider_login, "store a platform's API key (asked without echo, checked, kept in the keychain)",
-              "runpod|lambda"),
-    "logout": (_provider_logout, "forget a platform's API key", "runpod|lambda"),
+              "runpod|lambda|vast"),
+    "logout": (_provider_logout, "forget a platform's API key", "runpod|lambda|vast"),
 }, intro="%gpu provider: the API keys of the platforms gpumagic rents from.",
    outro="`%gpu provider SUB -h` shows each one's options.",
    default=(_provider_list, "which platforms have a key", ""))
