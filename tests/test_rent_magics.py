@@ -120,6 +120,8 @@ def test_lambda_rent_a_cell_no_stop_and_release(shell, lam, capsys):
     with pytest.raises(NotSupported) as e:
         gpu(shell, "stop lm1")
     assert "release" in e.value.hint
+    shell.run_cell_magic("remote", "", "echo still-connected")  # the refused stop closed nothing
+    assert "still-connected" in capsys.readouterr().out
     gpu(shell, "release lm1 --yes")
     assert [i["status"] for i in lam.instances.values()] == ["terminated"]
 
@@ -133,3 +135,22 @@ def test_errors_are_one_line_each_that_say_what_to_do(shell, runpod, capsys):
     with pytest.raises(RateLimited) as e:
         gpu(shell, "offers")
     assert str(e.value) == "runpod: rate-limited (429 Too Many Requests)\n  hint: wait 40 s and run it again"
+
+
+def test_a_rental_whose_sshd_answers_late_is_connected_once_it_does(shell, runpod, capsys, monkeypatch):
+    from gpumagic.errors import ConnectionRefused
+
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
+    fleet = shell._gpumagic.fleet
+    real, tries = fleet.connect, []
+
+    def late(target, **options):  # the platform says running before its sshd listens
+        tries.append(target)
+        if len(tries) < 3:
+            raise ConnectionRefused(f"connection refused by {target}", "")
+        return real(target, **options)
+
+    monkeypatch.setattr(fleet, "connect", late)
+    gpu(shell, f"rent --gpu 4090 --name late1 -i {shell.sshkey}")
+    assert len(tries) == 3 and len(set(tries)) == 1 and "connected to late1" in capsys.readouterr().out
+    gpu(shell, "release late1 --yes")

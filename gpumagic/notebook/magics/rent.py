@@ -123,11 +123,29 @@ def _record_price(name: str, inst: Instance, offer: Offer) -> None:
     set_prices(Ledger(), name, Prices(rate=rate, currency="USD", platform=inst.provider), started_at=time.time())
 
 
+#: Seconds an instance the platform reads as running gets for its sshd to answer.
+SSHD_WAIT_S = 120.0
+
+
 def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | None = None) -> None:
+    """Connect to a rental that the platform reads as running.  Its sshd may start a little
+    later than the API says "running": a refused or unanswered connection is tried again, every
+    poll interval, for :data:`SSHD_WAIT_S`."""
+    from ...errors import ConnectionRefused, ConnectTimeout
+
     start = time.monotonic()
-    m = magics.fleet.connect(f"{inst.user}@{inst.host}:{inst.port}", key=key or None, name=name, cwd=cwd,
-                             trust_new_host=True)
-    m.connect()
+    target = f"{inst.user}@{inst.host}:{inst.port}"
+    while True:
+        try:
+            m = magics.fleet.connect(target, key=key or None, name=name, cwd=cwd, trust_new_host=True)
+            m.connect()
+            break
+        except (ConnectionRefused, ConnectTimeout) as e:
+            if time.monotonic() - start >= SSHD_WAIT_S:
+                e.hint = (f"{name} is running (and billed) but its sshd does not answer at {target}: "
+                          f"`%gpu connect {target} --name {name}` later, or `%gpu release {name}`")
+                raise
+            time.sleep(renter(magics).poll_s)
     for note in m.connection.notes:
         print(note)
     print(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "
@@ -140,7 +158,9 @@ def _stop(magics: GpuMagics, line: str):
     """Stop a rental: its disk is kept (and billed, see `%gpu rentals`), the GPU is not."""
     args = parse(_stop, line, "stop")
     r = renter(magics)
-    r.record(args.name)
+    p = r.provider(r.record(args.name).provider)
+    if not p.can_stop:
+        p.stop("")  # raises NotSupported, before the connection is closed
     if args.name in magics.fleet.machines:
         magics.fleet.disconnect(args.name)
     inst = r.stop(args.name, progress=print)
