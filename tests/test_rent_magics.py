@@ -110,6 +110,8 @@ def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pu
     from gpumagic.budget import Ledger
 
     assert Ledger().machine("rp1").prices.rate == 0.34  # the platform's price, in the ledger
+    stored = [Ledger().path, shell._gpumagic.renter.path]
+    assert all("good-key" not in Path(f).read_text(encoding="utf-8") for f in stored)  # the key is in neither
 
 
 def test_lambda_rent_a_cell_no_stop_and_release(shell, lam, capsys):
@@ -154,3 +156,14 @@ def test_a_rental_whose_sshd_answers_late_is_connected_once_it_does(shell, runpo
     gpu(shell, f"rent --gpu 4090 --name late1 -i {shell.sshkey}")
     assert len(tries) == 3 and len(set(tries)) == 1 and "connected to late1" in capsys.readouterr().out
     gpu(shell, "release late1 --yes")
+
+
+def test_offers_of_every_platform_leave_out_one_that_fails_and_say_so(shell, runpod, lam, capsys):
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url}")
+    gpu(shell, f"provider login lambda --base-url {lam.api_url}")
+    lam.keys = {"another-key"}  # the Lambda key was revoked meanwhile
+    capsys.readouterr()
+    gpu(shell, "offers --gpu 4090")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("left out: lambda refused the API key (401: API key *** is invalid")
+    assert out[1].startswith("OFFER") and len(out) == 4  # RunPod's two 4090 offers

@@ -182,15 +182,30 @@ class Renter:
 
     # -- offers ------------------------------------------------------------------------
 
-    def offers(self, provider: str | None = None, **filters) -> list[Offer]:
+    def offers(self, provider: str | None = None, *, skipped: list | None = None, **filters) -> list[Offer]:
+        """Offers of ``provider``, or of every provider with a key, cheapest first.
+
+        Across providers, one that fails (a revoked key, a 429) is left out and its error
+        appended to ``skipped`` (when given; else raised); all failing raises the first error.
+        """
         names = [provider] if provider else self.configured()
         if not names:
             from .base import BadKey
 
             raise BadKey("no provider has an API key yet", "run `%gpu provider login runpod` (or lambda, vast) first")
         found: list[Offer] = []
+        errors: list[RentError] = []
         for n in names:
-            found += self.provider(n).offers(**filters)
+            try:
+                found += self.provider(n).offers(**filters)
+            except RentError as e:
+                if provider or skipped is None:
+                    raise
+                errors.append(e)
+        if errors and len(errors) == len(names):
+            raise errors[0]
+        if skipped is not None:
+            skipped.extend(errors)
         return sorted(found, key=lambda o: (o.price_hr, o.provider, o.gpu))
 
     def pick(self, ref: str | None, *, provider: str | None = None, **filters) -> Offer:

@@ -74,7 +74,10 @@ def _offers(magics: GpuMagics, line: str):
     """Offers to rent now, cheapest first: the price per hour, the disk's price per hour while
     stopped (50 GB; "no stop" where the platform can only terminate), interruptible or not."""
     args = parse(_offers, line, "offers")
-    found = renter(magics).offers(args.provider, **_filters(args))
+    skipped: list = []
+    found = renter(magics).offers(args.provider, skipped=skipped, **_filters(args))
+    for e in skipped:
+        print(f"left out: {e.message} ({e.hint})")
     if not found:
         print("no offer fits; ask for less (--gpu, --vram, --max-price, --region)")
     else:
