@@ -280,3 +280,50 @@ class RemoteKernelError(GpumagicError):
 def _remote_kernel_error(ename: str, evalue: str, traceback: list[str], where: str) -> RemoteKernelError:
     """Unpickle a :class:`RemoteKernelError` (its class may be made by ``named``)."""
     return RemoteKernelError.named(ename, evalue, traceback, where)
+
+
+# -- renting machines by API (gpumagic.rent) ------------------------------------------------
+
+
+class RentError(GpumagicError):
+    """A rental platform refused or failed a request (the key is never in the text)."""
+
+
+class BadKey(RentError):
+    """The API key is missing, wrong or revoked (HTTP 401/403)."""
+
+
+class RateLimited(RentError):
+    """The platform answered 429 Too Many Requests."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after: float | None = None):
+        super().__init__(message, hint)
+        self.retry_after = retry_after
+
+
+class NoOffer(RentError):
+    """No offer fits (GPU, memory, price, region), or the one named is gone."""
+
+
+class InsufficientBalance(RentError):
+    """The account has too little credit for the rental."""
+
+
+class CreateTimeout(RentError):
+    """A create got no answer; gpumagic looked for the instance and made no second one."""
+
+
+class StuckPending(RentError):
+    """The instance did not reach ``running`` in time."""
+
+
+class NotSupported(RentError):
+    """The platform cannot do this (Lambda has no stop)."""
+
+
+class NoAnswer(RentError):
+    """The platform did not answer (timeout, no route): the request may or may not have happened."""
+
+
+class ReleaseRefused(RentError):
+    """``%gpu release`` found results that are only on the machine (or could not check)."""

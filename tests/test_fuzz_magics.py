@@ -101,6 +101,7 @@ def _specs():
     from gpumagic.notebook.magics import jobs as jobs_magics
     from gpumagic.notebook.magics import kernel as kernel_magics
     from gpumagic.notebook.magics import net as net_magics
+    from gpumagic.notebook.magics import rent as rent_magics
 
     m = magics
     return {
@@ -149,6 +150,17 @@ def _specs():
         # that does not exist) go through the same dispatcher and option checks.
         "kernel list": dict(cmd="kernel list", fn=kernel_magics._list),
         "kernel stop": dict(cmd="kernel stop", fn=kernel_magics._stop, positional=[["nosuch", "a"]]),
+        # no platform has a key in the fuzz's data dir (and no keychain is read): refused behind the parser
+        "offers": dict(cmd="offers", fn=rent_magics._offers),
+        "rent": dict(cmd="rent", fn=rent_magics._rent, always=["--name"]),
+        "stop": dict(cmd="stop", fn=rent_magics._stop, positional=[["nosuch", "r1"]]),
+        "start": dict(cmd="start", fn=rent_magics._start, positional=[["nosuch", "r1"]]),
+        "release": dict(cmd="release", fn=rent_magics._release, positional=[["nosuch", "r1"]]),
+        "rentals": dict(cmd="rentals", fn=rent_magics._rentals),
+        "provider login": dict(cmd="provider login", fn=rent_magics._provider_login,
+                               positional=[["runpod", "lambda"]]),
+        "provider logout": dict(cmd="provider logout", fn=rent_magics._provider_logout,
+                                positional=[["runpod", "lambda"]]),
         "%%remote": dict(cmd="%%remote", fn=m.GpuMagics.remote, exclude=KEEP_OPTIONS),
         # a job whose checkpoints are kept (a keeper thread per drawn job, stopped at the end)
         "%%remote --keep": dict(cmd="%%remote", fn=m.GpuMagics.remote, always=["--job", "--keep"],
@@ -220,9 +232,13 @@ def fuzz(_ipython, tmp_path_factory):
     os.environ["GPUMAGIC_DATA_DIR"] = str(base / "data")
     getpass.getpass = lambda prompt="": ""
     _ipython._gpumagic.fleet.close_all()
+    from gpumagic.rent import KeyStore, Renter
+
+    _ipython._gpumagic.renter = Renter(keys=KeyStore(base / "data" / "keys", use_keyring=False))
     try:
         yield _ipython, server, remote_dir
     finally:
+        _ipython._gpumagic.renter = None
         getpass.getpass = saved["getpass"]
         os.chdir(saved["cwd"])
         if saved["data"] is None:

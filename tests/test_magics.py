@@ -436,7 +436,7 @@ def test_every_out_option_refuses_a_name_that_is_not_a_variable(ip, line):
 
 def test_dash_h_of_every_subcommand_prints_help_and_returns_none(ip, capsys):
     for name in SUBCOMMANDS:
-        if name in ("budget", "tunnel", "kernel", "proxy", "job"):  # groups: their -h lists their sub-commands
+        if name in ("budget", "tunnel", "kernel", "proxy", "job", "provider"):  # groups: their -h lists their sub-commands
             continue
         assert ip.run_line_magic("gpu", f"{name} -h") is None
         assert capsys.readouterr().out.startswith(f"usage: %gpu {name}"), name

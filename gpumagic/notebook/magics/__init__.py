@@ -5,7 +5,7 @@ parser, a row of the table :data:`SUBCOMMANDS` (a :class:`._args.Subcommands`, a
 ``magic_cmd.py``); it parses (:func:`._args.parse`), calls the plain-Python API, and
 displays.  The functions live one module per group: :mod:`.connect`, :mod:`.keys`,
 :mod:`.gpu`, :mod:`.sync`, :mod:`.jobs`, :mod:`.torchrun`, :mod:`.kernel`, :mod:`.budget`,
-:mod:`.tunnel`, :mod:`.net`, :mod:`.wrapup`; options several magics share are in :mod:`._args`, the
+:mod:`.tunnel`, :mod:`.net`, :mod:`.wrapup`, :mod:`.rent`; options several magics share are in :mod:`._args`, the
 output cap in :mod:`._output`.  Bad arguments raise exactly ``UsageError``; everything else
 is a ``GpumagicError`` whose ``_render_traceback_`` shows a short message instead of a
 traceback.
@@ -60,6 +60,7 @@ from .gpu import _doctor, _fit, _status
 from .jobs import JOB, _attach, _jobs, _kill, _logs, _moves_post_run_cell, _remote_job, keep_given
 from .keys import _add_host, _install_key, _keygen, show_public_key
 from .net import PROXY, _mirrors
+from .rent import PROVIDER, _offers, _release, _rent, _rentals, _start, _stop
 from .sync import _sync
 from .tunnel import TUNNEL, _tunnel_faults_post_run_cell
 from .wrapup import _wrapup
@@ -102,6 +103,13 @@ SUBCOMMANDS = Subcommands("%gpu", {
     "proxy": (PROXY, "lend this computer's proxy to the machine: on [--local 7890] [--persist], off"),
     "mirrors": (_mirrors, "use a pip, Hugging Face or conda mirror on the machine: pip|hf|conda [NAME], off"),
     "wrapup": (_wrapup, "before releasing: pull results, list/--clean caches, image size, what runs"),
+    "offers": (_offers, "machines to rent now (RunPod, Lambda, vast.ai), cheapest first: price, price while stopped"),
+    "rent": (_rent, "rent a machine, wait until it runs, and connect to it"),
+    "stop": (_stop, "stop a rental (its disk is kept and billed; the GPU is not)"),
+    "start": (_start, "start a stopped rental and connect at its new address"),
+    "release": (_release, "terminate a rental, after checking no results are only on it"),
+    "rentals": (_rentals, "every machine of every platform with a key: state, price now, price stopped"),
+    "provider": (PROVIDER, "the platforms' API keys: login (kept in the keychain), logout"),
 }, intro="gpumagic: run cells on a rented GPU machine over SSH.\n\n"
          "  %%remote [--python] ...  run the cell on the machine (see %%remote?)",
    outro="`%gpu NAME -h` (or `%gpu help NAME`) shows a sub-command's options.")

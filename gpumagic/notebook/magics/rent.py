@@ -1,0 +1,309 @@
+"""``%gpu offers``, ``rent``, ``stop``, ``start``, ``release``, ``rentals``, ``provider``.
+
+Each parses, calls :class:`gpumagic.rent.Renter` (the plain-Python API), and prints; the
+connection after a rent or a start is ``%gpu connect``'s (:meth:`Fleet.connect`) with the
+address the platform's API gives, read again after every start.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from ...errors import ReleaseRefused, RentError
+from .. import display
+from ._args import GB, MONEY, PORT, Subcommands, number, out_arg, parse
+
+if TYPE_CHECKING:
+    from ...rent import Instance, Offer, Renter
+    from . import GpuMagics
+
+PROVIDER_NAMES = ("runpod", "lambda", "vast")
+ROWS = number(1, 10**6, integer=True, what="a number of rows")
+
+
+def renter(magics: GpuMagics) -> Renter:
+    """The notebook's :class:`Renter` (made on first use; a test or script may set its own)."""
+    r = getattr(magics, "renter", None)
+    if r is None:
+        from ...rent import Renter
+
+        r = magics.renter = Renter()
+    return r
+
+
+def _filters(args) -> dict:
+    return dict(gpu=args.gpu, vram_gb=args.vram, max_price=args.max_price, region=args.region,
+                interruptible=True if args.interruptible else None)
+
+
+def _offer_filters(fn):
+    for dec in reversed([
+        argument("--provider", choices=PROVIDER_NAMES, help="only this platform (default: every one with a key)"),
+        argument("--gpu", help="GPU model, any part of its name (4090, H100)"),
+        argument("--vram", type=GB, metavar="GB", help="at least this much memory per GPU"),
+        argument("--max-price", type=MONEY, metavar="PER_HOUR", help="at most this price per hour (USD)"),
+        argument("--region", help="region or cloud (any part of its name)"),
+        argument("--interruptible", action="store_true", help="only interruptible (spot) offers"),
+    ]):
+        fn = dec(fn)
+    return fn
+
+
+def _money(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}" if v < 1 else f"{v:.2f}"
+
+
+def offers_table(offers: list[Offer]) -> str:
+    """Text table of offers, as ``%gpu offers`` prints it (already sorted, cheapest first)."""
+    rows = [("OFFER", "GPU", "N", "VRAM", "USD/H", "STOPPED/H", "INTERRUPTIBLE")]
+    for o in offers:
+        rows.append((f"{o.provider}:{o.id}", o.gpu, str(o.gpus), f"{o.vram_gb} GB" if o.vram_gb else "?",
+                     _money(o.price_hr), "no stop" if o.stopped_hr is None else _money(o.stopped_hr),
+                     "yes" if o.interruptible else "no"))
+    return display.text_table(rows)
+
+
+@magic_arguments()
+@_offer_filters
+@argument("--limit", type=ROWS, default=20, metavar="N", help="show the N cheapest (default 20)")
+@out_arg("the list of Offer")
+def _offers(magics: GpuMagics, line: str):
+    """Offers to rent now, cheapest first: the price per hour, the disk's price per hour while
+    stopped (50 GB; "no stop" where the platform can only terminate), interruptible or not."""
+    args = parse(_offers, line, "offers")
+    skipped: list = []
+    found = renter(magics).offers(args.provider, skipped=skipped, **_filters(args))
+    for e in skipped:
+        print(f"left out: {e.message} ({e.hint})")
+    if not found:
+        print("no offer fits; ask for less (--gpu, --vram, --max-price, --region)")
+    else:
+        print(offers_table(found[:args.limit]))
+        if len(found) > args.limit:
+            print(f"({len(found) - args.limit} more: --limit {len(found)})")
+    if args.out:
+        magics.shell.user_ns[args.out] = found
+
+
+@magic_arguments()
+@argument("offer", nargs="?", help="PROVIDER:OFFER as `%%gpu offers` shows it (default: the cheapest that fits)")
+@_offer_filters
+@argument("--name", required=True, help="the machine's name in gpumagic and on the platform")
+@argument("--disk", type=GB, default=50, metavar="GB", help="disk kept while stopped (RunPod's volume; default 50)")
+@argument("--image", help="container image (RunPod; default a PyTorch image)")
+@argument("-i", "--key", metavar="KEYFILE", help="SSH private key (default ~/.ssh/id_ed25519; its .pub is given "
+                                                 "to the platform)")
+@argument("--cwd", metavar="DIR", help="working directory for this machine's cells")
+def _rent(magics: GpuMagics, line: str):
+    """Rent a machine, wait until it runs, and connect to it as `%gpu connect` does.
+
+    The platform's API gives the SSH address; the host key is trusted on first contact (no
+    platform here publishes it) and checked on every later one.  The ledger records the
+    price the platform reports, for `%gpu budget`."""
+    args = parse(_rent, line, "rent")
+    from ...keys import default_key_path, read_public_key
+
+    r = renter(magics)
+    key = str(args.key or default_key_path())
+    public_key = read_public_key(key)
+    offer = r.pick(args.offer, provider=args.provider, **_filters(args))
+    print(f"renting {offer.provider}:{offer.id} ({offer.gpu}, {_money(offer.price_hr)} USD/h) as {args.name}")
+    inst = r.rent(offer, name=args.name, public_key=public_key, key_path=key, disk_gb=int(args.disk),
+                  image=args.image, progress=print)
+    _record_price(args.name, inst, offer)
+    _connect(magics, args.name, inst, key, cwd=args.cwd or magics.default_cwd)
+
+
+def _record_price(name: str, inst: Instance, offer: Offer) -> None:
+    """The price the platform reports, in the ledger (``%gpu budget`` meters from now)."""
+    from ...budget import Ledger, Prices
+    from ...budget.ledger import set_prices
+
+    rate = inst.price_hr if inst.price_hr is not None else offer.price_hr
+    set_prices(Ledger(), name, Prices(rate=rate, currency="USD", platform=inst.provider), started_at=time.time())
+
+
+#: Seconds an instance the platform reads as running gets for its sshd to answer.
+SSHD_WAIT_S = 120.0
+
+
+def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | None = None) -> None:
+    """Connect to a rental that the platform reads as running.  Its sshd may start a little
+    later than the API says "running": a refused or unanswered connection is tried again, every
+    poll interval, for :data:`SSHD_WAIT_S`."""
+    from ...errors import ConnectionRefused, ConnectTimeout
+
+    start = time.monotonic()
+    target = f"{inst.user}@{inst.host}:{inst.port}"
+    while True:
+        try:
+            m = magics.fleet.connect(target, key=key or None, name=name, cwd=cwd, trust_new_host=True)
+            m.connect()
+            break
+        except (ConnectionRefused, ConnectTimeout) as e:
+            if time.monotonic() - start >= SSHD_WAIT_S:
+                e.hint = (f"{name} is running (and billed) but its sshd does not answer at {target}: "
+                          f"`%gpu connect {target} --name {name}` later, or `%gpu release {name}`")
+                raise
+            time.sleep(renter(magics).poll_s)
+    for note in m.connection.notes:
+        print(note)
+    print(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "
+          f"%%remote cells run there")
+
+
+@magic_arguments()
+@argument("name", help="the rental's name (`%%gpu rentals`)")
+def _stop(magics: GpuMagics, line: str):
+    """Stop a rental: its disk is kept (and billed, see `%gpu rentals`), the GPU is not."""
+    args = parse(_stop, line, "stop")
+    r = renter(magics)
+    p = r.provider(r.record(args.name).provider)
+    if not p.can_stop:
+        p.stop("")  # raises NotSupported, before the connection is closed
+    if args.name in magics.fleet.machines:
+        magics.fleet.disconnect(args.name)
+    inst = r.stop(args.name, progress=print)
+    cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} USD/h while stopped"
+    print(f"{args.name} is stopped{cost} (`%gpu start {args.name}` resumes it, `%gpu release {args.name}` ends it)")
+
+
+@magic_arguments()
+@argument("name", help="the rental's name (`%%gpu rentals`)")
+@argument("--cwd", metavar="DIR", help="working directory for this machine's cells")
+def _start(magics: GpuMagics, line: str):
+    """Start a stopped rental, wait until it runs, and connect at the address it has now
+    (a platform may give a new port on every start)."""
+    args = parse(_start, line, "start")
+    r = renter(magics)
+    rec = r.record(args.name)
+    inst = r.start(args.name, progress=print)
+    _connect(magics, args.name, inst, rec.key, cwd=args.cwd or magics.default_cwd)
+
+
+@magic_arguments()
+@argument("name", help="the rental's name (`%%gpu rentals`)")
+@argument("--yes", action="store_true", help="release even if results may be only on the machine")
+def _release(magics: GpuMagics, line: str):
+    """Release (terminate) a rental: the machine and its disk are gone, billing ends.
+
+    First the wrap-up check (`%gpu wrapup`'s): while a results folder it knows has files
+    only on the machine -- or none was ever named, or the machine cannot be reached -- the
+    release is refused, unless --yes."""
+    args = parse(_release, line, "release")
+    r = renter(magics)
+    r.record(args.name)
+    if not args.yes:
+        _check_results(magics, args.name)
+    r.release(args.name)
+    if args.name in magics.fleet.machines:
+        magics.fleet.disconnect(args.name)
+    print(f"{args.name} is released: the platform has terminated it and its disk")
+
+
+def _check_results(magics: GpuMagics, name: str) -> None:
+    """Refuse (ReleaseRefused) unless the wrap-up check finds every named results folder pulled."""
+    from ... import wrapup
+
+    m = magics.fleet.machines.get(name)
+    if m is None:
+        raise ReleaseRefused(f"{name} is not connected, so what is only on it cannot be checked",
+                             f"`%gpu start {name}` or `%gpu connect`, pull what you need, then release; "
+                             f"or `%gpu release {name} --yes`")
+    report = wrapup.wrapup(m, pull=False)
+    if not report.pulls:
+        raise ReleaseRefused(f"no results folder of {name} was ever checked",
+                             f"`%gpu wrapup --pull :runs/ ./runs/ --host {name}` pulls one (and remembers it); "
+                             f"or `%gpu release {name} --yes`")
+    left = [(p.src, len(p.pending)) for p in report.pulls if p.pending]
+    failed = [p.src for p in report.pulls if p.error]
+    if left or failed:
+        what = ", ".join([f"{n} file(s) in {src}" for src, n in left] + [f"{src} (unreadable)" for src in failed])
+        raise ReleaseRefused(f"{name} still holds results not pulled: {what}",
+                             f"`%gpu wrapup --host {name}` pulls them; or `%gpu release {name} --yes`")
+
+
+def rentals_table(rows) -> str:
+    """Text table of ``Renter.rentals()``."""
+    table = [("NAME", "PROVIDER", "STATE", "USD/H NOW", "STOPPED/H", "ADDRESS", "ID")]
+    for name, inst in rows:
+        now = inst.price_hr if inst.state in ("running", "pending") else inst.stopped_hr
+        address = f"{inst.host}:{inst.port}" if inst.host else "-"
+        table.append((name, inst.provider, inst.raw_state or inst.state, _money(now),
+                      "no stop" if inst.stopped_hr is None else _money(inst.stopped_hr), address, inst.id))
+    return display.text_table(table)
+
+
+@magic_arguments()
+@out_arg("the list of (name, Instance)")
+def _rentals(magics: GpuMagics, line: str):
+    """Every instance of every platform with a key: its state, its price now, its price while stopped."""
+    args = parse(_rentals, line, "rentals")
+    rows = renter(magics).rentals()
+    print(rentals_table(rows) if rows else "no instances on any platform with a key")
+    stray = [inst for name, inst in rows if name == "-"]
+    if stray:
+        print(f"{len(stray)} instance(s) not rented by gpumagic here (NAME -): they bill too")
+    if args.out:
+        magics.shell.user_ns[args.out] = rows
+
+
+# -- %gpu provider ----------------------------------------------------------------------------
+
+
+@magic_arguments()
+@argument("provider", choices=PROVIDER_NAMES)
+@argument("--base-url", metavar="URL", help="the API's root (default: the platform's)")
+@argument("--catalog-url", metavar="URL", help="RunPod: the v2 catalog's root (default https://api.runpod.io)")
+@argument("--user", help="SSH user on its machines (default: root on RunPod, ubuntu on Lambda)")
+@argument("--ssh-port", type=PORT, help="Lambda: the SSH port of its machines (default 22)")
+def _provider_login(magics: GpuMagics, line: str):
+    """Store a platform's API key: asked here without echo (never on the command line),
+    checked with one API call, kept in the OS keychain or a 0600 file."""
+    args = parse(_provider_login, line, "provider login")
+    from ...rent.keystore import ask_key
+
+    r = renter(magics)
+    r.configure(args.provider, base_url=args.base_url, catalog_url=args.catalog_url, user=args.user,
+                ssh_port=args.ssh_port)
+    try:
+        key = ask_key(args.provider).strip()
+    except (EOFError, OSError):
+        key = ""
+    if not key:
+        raise RentError(f"no key was entered for {args.provider}",
+                        f"run `%gpu provider login {args.provider}` in a notebook and paste the key")
+    where = r.login(args.provider, key)
+    print(f"{args.provider}: the key works; kept in {where}")
+
+
+@magic_arguments()
+@argument("provider", choices=PROVIDER_NAMES)
+def _provider_logout(magics: GpuMagics, line: str):
+    """Forget a platform's API key."""
+    args = parse(_provider_logout, line, "provider logout")
+    gone = renter(magics).keys.delete(args.provider)
+    print(f"{args.provider}: key removed" if gone else f"{args.provider} had no key stored")
+
+
+@magic_arguments()
+def _provider_list(magics: GpuMagics, line: str):
+    """Which platforms have a key, and where keys are kept."""
+    parse(_provider_list, line, "provider")
+    r = renter(magics)
+    have = set(r.configured())
+    for name in PROVIDER_NAMES:
+        print(f"{name}: {'key stored' if name in have else 'no key (`%gpu provider login ' + name + '`)'}")
+    print(f"keys are kept in {r.keys.where}")
+
+
+PROVIDER = Subcommands("%gpu provider", {
+    "login": (_provider_login, "store a platform's API key (asked without echo, checked, kept in the keychain)",
+              "runpod|lambda|vast"),
+    "logout": (_provider_logout, "forget a platform's API key", "runpod|lambda|vast"),
+}, intro="%gpu provider: the API keys of the platforms gpumagic rents from.",
+   outro="`%gpu provider SUB -h` shows each one's options.",
+   default=(_provider_list, "which platforms have a key", ""))

@@ -1,0 +1,169 @@
+"""%gpu provider login, offers, rent, stop, start, release, rentals: driven through a real
+InteractiveShell against the RunPod and Lambda stand-ins (tests/providers/), each "created"
+instance a real sshd."""
+
+from __future__ import annotations
+
+import getpass
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "providers"))
+
+from gpumagic.errors import BadKey, NoOffer, NotSupported, RateLimited, ReleaseRefused  # noqa: E402
+from gpumagic.keys import keygen  # noqa: E402
+from gpumagic.rent import KeyStore, Renter  # noqa: E402
+
+from platforms import LambdaServer, RunPodServer  # noqa: E402
+
+USER = getpass.getuser()
+
+
+@pytest.fixture
+def runpod(tmp_path):
+    s = RunPodServer(tmp_path / "runpod")
+    yield s
+    s.close()
+    assert s.violations == []
+
+
+@pytest.fixture
+def lam(tmp_path):
+    s = LambdaServer(tmp_path / "lambda")
+    yield s
+    s.close()
+    assert s.violations == []
+
+
+@pytest.fixture
+def shell(ip, tmp_path, monkeypatch):
+    """``ip`` with a Renter of its own (data under tmp_path, no keychain, quick polls), the key
+    prompt answering what ``shell.typed`` holds, and an SSH key pair."""
+    monkeypatch.chdir(tmp_path)
+    ip._gpumagic.renter = Renter(tmp_path / "data", keys=KeyStore(tmp_path / "data" / "keys", use_keyring=False),
+                                 poll_s=0.02, wait_s=20)
+    typed = {"key": "good-key"}
+    monkeypatch.setattr("gpumagic.rent.keystore.getpass.getpass", lambda prompt="": typed["key"])
+    ip.typed = typed
+    ip.sshkey = tmp_path / "id_ed25519"
+    keygen(ip.sshkey)
+    yield ip
+    ip._gpumagic.renter = None
+    ip._gpumagic.fleet.close_all()
+
+
+def gpu(ip, line):
+    return ip.run_line_magic("gpu", line)
+
+
+def test_login_checks_the_key_and_a_bad_one_is_not_stored_nor_shown(shell, runpod, capsys):
+    shell.typed["key"] = "sk-WRONG-987654"
+    with pytest.raises(BadKey) as e:
+        gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url}")
+    assert "sk-WRONG-987654" not in str(e.value) and "%gpu provider login runpod" in e.value.hint
+    assert shell._gpumagic.renter.keys.get("runpod") is None
+    shell.typed["key"] = "good-key"
+    gpu(shell, "provider login runpod")
+    out = capsys.readouterr().out
+    assert "runpod: the key works; kept in" in out and "good-key" not in out
+    gpu(shell, "provider")
+    assert "runpod: key stored" in capsys.readouterr().out
+    assert "good-key" not in "".join(str(h) for h in shell.history_manager.input_hist_raw)
+
+
+def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pulled(shell, runpod, capsys):
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
+    capsys.readouterr()
+    gpu(shell, "offers --gpu 4090")
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:2] == ["runpod:NVIDIA", "GeForce"] and "0.340" in out[1] and "community" in out[1]
+    gpu(shell, f"rent --gpu 4090 --max-price 0.5 --name rp1 -i {shell.sshkey}")
+    out = capsys.readouterr().out
+    assert "renting runpod:NVIDIA GeForce RTX 4090/community (RTX 4090, 0.340 USD/h) as rp1" in out
+    assert "connected to rp1 (" in out
+    first_port = shell._gpumagic.fleet.get("rp1").spec.port
+    shell.run_cell_magic("remote", "", "mkdir -p runs && echo 0.93 > runs/acc.txt && echo cell-ran")
+    assert "cell-ran" in capsys.readouterr().out
+    with pytest.raises(ReleaseRefused) as e:
+        gpu(shell, "release rp1")
+    assert "no results folder of rp1 was ever checked" in e.value.message
+    gpu(shell, "wrapup --pull :runs/ ./runs/ --no-pull --host rp1")
+    with pytest.raises(ReleaseRefused) as e:
+        gpu(shell, "release rp1")
+    assert e.value.message == "rp1 still holds results not pulled: 1 file(s) in :runs/"
+    gpu(shell, "stop rp1")
+    assert "rp1 is stopped; its disk costs 0.014 USD/h while stopped" in capsys.readouterr().out
+    gpu(shell, "rentals")
+    assert "EXITED" in capsys.readouterr().out
+    gpu(shell, "start rp1")
+    assert shell._gpumagic.fleet.get("rp1").spec.port != first_port
+    gpu(shell, "wrapup --host rp1")
+    assert (Path("runs") / "acc.txt").read_text(encoding="utf-8") == "0.93\n"
+    capsys.readouterr()
+    gpu(shell, "release rp1")
+    assert "rp1 is released" in capsys.readouterr().out
+    assert list(runpod.pods.values())[0]["desiredStatus"] == "TERMINATED" and len(runpod.pods) == 1
+    gpu(shell, "rentals")
+    assert "no instances" in capsys.readouterr().out
+    from gpumagic.budget import Ledger
+
+    assert Ledger().machine("rp1").prices.rate == 0.34  # the platform's price, in the ledger
+    stored = [Ledger().path, shell._gpumagic.renter.path]
+    assert all("good-key" not in Path(f).read_text(encoding="utf-8") for f in stored)  # the key is in neither
+
+
+def test_lambda_rent_a_cell_no_stop_and_release(shell, lam, capsys):
+    gpu(shell, f"provider login lambda --base-url {lam.api_url} --user {USER} --ssh-port {lam.ssh_port}")
+    gpu(shell, f"rent lambda:gpu_1x_a10@us-east-1 --name lm1 -i {shell.sshkey}")
+    shell.run_cell_magic("remote", "", "echo on-lambda")
+    assert "on-lambda" in capsys.readouterr().out
+    with pytest.raises(NotSupported) as e:
+        gpu(shell, "stop lm1")
+    assert "release" in e.value.hint
+    shell.run_cell_magic("remote", "", "echo still-connected")  # the refused stop closed nothing
+    assert "still-connected" in capsys.readouterr().out
+    gpu(shell, "release lm1 --yes")
+    assert [i["status"] for i in lam.instances.values()] == ["terminated"]
+
+
+def test_errors_are_one_line_each_that_say_what_to_do(shell, runpod, capsys):
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url}")
+    with pytest.raises(NoOffer) as e:
+        gpu(shell, f"rent --gpu h100 --max-price 1 --name x -i {shell.sshkey}")
+    assert "\n" not in e.value.message and "--max-price" in e.value.hint
+    runpod.too_many, runpod.retry_after = 10, 40  # longer than gpumagic waits by itself
+    with pytest.raises(RateLimited) as e:
+        gpu(shell, "offers")
+    assert str(e.value) == "runpod: rate-limited (429 Too Many Requests)\n  hint: wait 40 s and run it again"
+
+
+def test_a_rental_whose_sshd_answers_late_is_connected_once_it_does(shell, runpod, capsys, monkeypatch):
+    from gpumagic.errors import ConnectionRefused
+
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
+    fleet = shell._gpumagic.fleet
+    real, tries = fleet.connect, []
+
+    def late(target, **options):  # the platform says running before its sshd listens
+        tries.append(target)
+        if len(tries) < 3:
+            raise ConnectionRefused(f"connection refused by {target}", "")
+        return real(target, **options)
+
+    monkeypatch.setattr(fleet, "connect", late)
+    gpu(shell, f"rent --gpu 4090 --name late1 -i {shell.sshkey}")
+    assert len(tries) == 3 and len(set(tries)) == 1 and "connected to late1" in capsys.readouterr().out
+    gpu(shell, "release late1 --yes")
+
+
+def test_offers_of_every_platform_leave_out_one_that_fails_and_say_so(shell, runpod, lam, capsys):
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url}")
+    gpu(shell, f"provider login lambda --base-url {lam.api_url}")
+    lam.keys = {"another-key"}  # the Lambda key was revoked meanwhile
+    capsys.readouterr()
+    gpu(shell, "offers --gpu 4090")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("left out: lambda refused the API key (401: API key *** is invalid")
+    assert out[1].startswith("OFFER") and len(out) == 4  # RunPod's two 4090 offers
