@@ -35,7 +35,7 @@ class Command:
     @property
     def anchor(self) -> str:
         """The reference section's id: ``magic-gpu-kernel-start``."""
-        words = self.name.replace("%", " ").replace("[", " ").replace("]", " ").replace("|", " ").split()
+        words = self.name.replace("%", " ").replace("[", " ").replace("]", " ").replace("|", " ").replace("(", " ").replace(")", " ").split()
         return "magic-" + "-".join(w.strip("-").lower() for w in words if w.strip("-"))
 
 
@@ -67,7 +67,7 @@ def commands() -> list[Command]:
 
     def walk(table, words: list[str]) -> None:
         if table.default is not None:
-            usage = f" {table.default.usage}" if table.default.usage else ""
+            usage = _default_usage(table)
             # a line that starts with an option goes to the default row: its own -h
             out.append(Command(f"%gpu {' '.join(words)}{usage}", " ".join(words + ["--host", "_", "-h"])))
         for name, row in table.rows.items():
@@ -86,6 +86,12 @@ def commands() -> list[Command]:
 
     walk(magics.SUBCOMMANDS, [])
     return out
+
+
+def _default_usage(table) -> str:
+    """What follows the words of a table's default row in its name: its usage (``[--host
+    NAME]``), or, where it takes none, a note that tells it from the table (``%gpu provider``)."""
+    return f" {table.default.usage}" if table.default.usage else " (no sub-command)"
 
 
 #: A word that a table's ``other`` row accepts, to reach its help.
@@ -132,7 +138,7 @@ def summaries() -> dict[str, str]:
 
     def walk(table, words):
         if table.default is not None:
-            usage = f" {table.default.usage}" if table.default.usage else ""
+            usage = _default_usage(table)
             found[f"%gpu {' '.join(words)}{usage}"] = table.default.summary
         for name, row in table.rows.items():
             found[f"%gpu {' '.join(words + [name])}"] = row.summary
