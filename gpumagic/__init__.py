@@ -70,9 +70,10 @@ def start_distributed(machines, name, script, **options):
     TypeError
         A keyword that names no option.
     """
-    from .remote import distributed
+    from .remote import distributed, move
 
-    return distributed.start(machines, name, script, *distributed.split_options(options))
+    return distributed.start(machines, name, script, *distributed.split_options(options),
+                             record=move.record_torchrun)
 
 
 _SUBMODULES = ("budget", "gpu", "keys", "notebook", "remote", "ssh", "sync", "tunnel")

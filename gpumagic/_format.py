@@ -1,4 +1,4 @@
-"""Plain-text formats shared by every layer (no IPython here): lengths of time."""
+"""Plain-text formats shared by every layer (no IPython here): lengths of time, sizes, counts."""
 
 from __future__ import annotations
 
@@ -42,3 +42,14 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "file")`` -> ``"1 file"``,
     ``count(3, "cache", "caches")`` -> ``"3 caches"`` (default plural: ``noun + "s"``)."""
     return f"{n} {noun if n == 1 else (plural or noun + 's')}"
+
+
+def format_bytes(n: float) -> str:
+    """A size in binary units, as ``ls -h`` and ``du -h`` print it: ``1536`` -> ``"1.5 KiB"``,
+    ``200`` -> ``"200 B"``, ``14 * 2**30`` -> ``"14.0 GiB"`` (one decimal from KiB on)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
