@@ -17,6 +17,7 @@ from typing import Iterator, MutableMapping
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..._format import format_bytes
 from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, RemoteValue, check_name,
                               list_kernels)
 from .. import display
@@ -410,7 +411,7 @@ def _pull(magics, line: str):
 
 
 def _sizes(sizes: dict, values: dict) -> str:
-    return ", ".join(f"{n} ({type(values[n]).__name__}, {display.format_bytes(s)})"
+    return ", ".join(f"{n} ({type(values[n]).__name__}, {format_bytes(s)})"
                      for n, s in sizes.items())
 
 
