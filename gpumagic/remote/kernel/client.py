@@ -359,7 +359,8 @@ class RemoteKernel:
         ----------
         code : str
         output : Output, optional
-            Where output goes (default: rich display in IPython, else print).
+            Where output goes (default: :attr:`default_output`'s: the notebook's display for a
+            machine connected in one, else printed).
         silent, store_history, allow_stdin, user_expressions
             As in Jupyter's ``execute_request``.
         timeout : float, optional
