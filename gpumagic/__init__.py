@@ -14,10 +14,12 @@ IPython / Jupyter::
     nvidia-smi
 """
 
+import functools as _functools
 import logging as _logging
 
+from . import machine as _machine
 from .errors import GpumagicError
-from .machine import Machine, connect
+from .machine import Machine
 from .remote.keep import KeepOptions
 
 __version__ = "0.1.0"
@@ -27,6 +29,34 @@ __version__ = "0.1.0"
 _logging.getLogger("gpumagic").addHandler(_logging.NullHandler())
 __all__ = ["connect", "current_machine", "Machine", "GpumagicError", "KeepOptions", "start_distributed",
            "load_ipython_extension", "__version__"]
+
+
+@_functools.wraps(_machine.connect)
+def connect(*args, **kwargs) -> Machine:
+    machine = _machine.connect(*args, **kwargs)
+    _sessions_display_here(machine)
+    return machine
+
+
+def _sessions_display_here(machine: Machine) -> None:
+    """In IPython (a notebook), a machine connected from Python shows its sessions' rich output
+    there (figures, tables, widgets), as one connected by ``%gpu connect`` does: this package's
+    top hands the notebook's output in (``machine.kernels.output``); below it nothing looks
+    for IPython.  Elsewhere the output stays printed."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    magics = getattr(shell, "_gpumagic", None)
+    if magics is not None:  # the loaded extension's: its widgets' bridges live with the notebook
+        machine.kernels.output = magics._kernel_output
+    else:
+        from .notebook.magics.kernel import NotebookOutput
+
+        machine.kernels.output = NotebookOutput
 
 
 def current_machine(name=None):
@@ -70,9 +100,10 @@ def start_distributed(machines, name, script, **options):
     TypeError
         A keyword that names no option.
     """
-    from .remote import distributed
+    from .remote import distributed, move
 
-    return distributed.start(machines, name, script, *distributed.split_options(options))
+    return distributed.start(machines, name, script, *distributed.split_options(options),
+                             record=move.record_torchrun)
 
 
 _SUBMODULES = ("budget", "gpu", "keys", "notebook", "remote", "ssh", "sync", "tunnel")

@@ -1,4 +1,4 @@
-"""Plain-text formats shared by every layer (no IPython here): lengths of time, counts."""
+"""Plain-text formats shared by every layer (no IPython here): lengths of time, sizes, counts."""
 
 from __future__ import annotations
 
@@ -58,3 +58,14 @@ def rough_duration(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f}".removesuffix(".0") + " h"
+
+
+def format_bytes(n: float) -> str:
+    """A size in binary units, as ``ls -h`` and ``du -h`` print it: ``1536`` -> ``"1.5 KiB"``,
+    ``200`` -> ``"200 B"``, ``14 * 2**30`` -> ``"14.0 GiB"`` (one decimal from KiB on)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

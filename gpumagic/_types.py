@@ -60,7 +60,8 @@ class MachineLike(Protocol):
             env: Mapping[str, str] | None = None, timeout: float | None = None,
             check: bool = False, quiet: bool = False,
             stdout: Callable[[str], None] | None = None,
-            stderr: Callable[[str], None] | None = None, capture: bool = True) -> RunResult:
+            stderr: Callable[[str], None] | None = None, capture: bool = True,
+            grace: float | None = None, interrupt_wait: float | None = None) -> RunResult:
         """A command or cell, output streamed (:meth:`gpumagic.machine.Machine.run`)."""
         ...
 

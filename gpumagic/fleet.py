@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from typing import TYPE_CHECKING, Callable
 
 from .errors import NotConnected
 from .machine import Machine, connect
+
+if TYPE_CHECKING:
+    from .remote.kernel import Output
 
 
 class Fleet:
@@ -20,13 +24,15 @@ class Fleet:
     ``close_all`` runs when the interpreter exits (stopping a sandbox sshd too).
     """
 
-    def __init__(self):
+    def __init__(self, kernel_output: Callable[[], Output] | None = None):
         self.machines: dict[str, Machine] = {}
+        #: Makes the output of a session call that names none, for each machine connected
+        #: here (the magics hand in the notebook's display); None: each machine's own (printed).
+        self.kernel_output = kernel_output
         self.default: str | None = None
         #: How to connect again to a machine that was disconnected (a sandbox is not a target).
         self._again: dict[str, str] = {}
-        ref = weakref.ref(self)
-        atexit.register(lambda: (s := ref()) is not None and s.close_all())
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def connect(self, target: str | None = None, **options) -> Machine:
         """Connect (see :func:`gpumagic.connect`) and make the machine the default.
@@ -39,11 +45,11 @@ class Fleet:
             was = "sandbox (stopped)" if old.sandbox is not None else old.spec.address
             old.close()
             m.connection.notes.append(f"replaced the earlier {m.name}: {was}")
-        self.machines[m.name] = m
-        self.default = m.name
-        return m
+        return self.add(m)
 
     def add(self, machine: Machine) -> Machine:
+        if self.kernel_output is not None:
+            machine.kernels.output = self.kernel_output
         self.machines[machine.name] = machine
         self.default = machine.name
         return machine
@@ -88,3 +94,11 @@ class Fleet:
                 pass
         self.machines.clear()
         self.default = None
+
+
+def _close_at_exit(ref: "weakref.ref[Fleet]") -> None:
+    """Close a fleet's machines when the interpreter exits (stopping a sandbox sshd too),
+    unless the fleet is gone already."""
+    fleet = ref()
+    if fleet is not None:
+        fleet.close_all()

@@ -676,13 +676,13 @@ def authorize_key(connection: Connection, public_key: str) -> str:
     GpumagicError
         When the remote shell cannot write the file (its stderr in the message).
     """
-    from .remote import program
+    from .remote.execution import run_program
 
     _key_type_and_blob(public_key)
     line = public_key.strip()
     if "\n" in line or "\r" in line:
         raise ConfigError("the public key spans several lines", "give one .pub line")
-    r = program.run(connection, AUTHORIZE, line, timeout=60)
+    r = run_program(connection, AUTHORIZE, line, timeout=60)
     state = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     if r.exit_code != 0 or state not in ("added", "present"):
         raise GpumagicError(f"could not update ~/.ssh/authorized_keys on {connection.spec.address}: "

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from .remote import execution, jobs
+from .remote import execution, jobs, move
 from .remote.distributed import TorchrunOptions
 from .remote.jobs import JobOptions
 from .remote.keep import Keepers
@@ -38,6 +38,30 @@ if TYPE_CHECKING:
     from .remote.kernel import RemoteKernel
     from .budget.shutdown import ShutdownPlan
     from .sync.engine import SyncOptions, SyncSummary
+
+
+class _MoveReach:
+    """What a job's keeper tells :mod:`gpumagic.remote.move` (:class:`gpumagic.remote.keep.Reach`):
+    when the machine answered or did not, what a move keeps again; and whether it is lost."""
+
+    @property
+    def probe_every(self) -> float:
+        return move.PROBE_EVERY
+
+    def unreachable(self, error: Exception) -> bool:
+        return isinstance(error, move.UNREACHABLE)
+
+    def started(self, machine_name: str, job: str, options: KeepOptions, local: str) -> None:
+        move.record_keep(machine_name, job, options, local)
+
+    def seen(self, machine_name: str) -> None:
+        move.note_seen(machine_name)
+
+    def failed(self, machine_name: str, error: Exception, at: float) -> None:
+        move.note_failed(machine_name, move.why(error), at)
+
+    def lost(self, machine_name: str) -> object | None:
+        return move.lost_for(machine_name)
 
 
 class Machine:
@@ -80,7 +104,7 @@ class Machine:
         #: Local port forwards over this machine's connection (closed with it).
         self.tunnels = TunnelManager(self.connection)
         #: Jobs whose checkpoints are kept on this computer (``keep=``), stopped with it.
-        self.keepers = Keepers()
+        self.keepers = Keepers(_MoveReach())
         #: The live Python sessions this process has used here (they keep running on the
         #: machine when it is closed).
         self.kernels = Kernels(self)
@@ -156,9 +180,7 @@ class Machine:
                                              "start a new one: `%gpu connect --sandbox` "
                                              "(gpumagic.connect(sandbox=True))")
             if left:
-                from .remote.kernel.outputs import default_output
-
-                default_output().note(sessions_left_note(left, self.name))
+                self.kernels.output().note(sessions_left_note(left, self.name))
 
     def __enter__(self) -> "Machine":
         return self.connect()
@@ -192,7 +214,8 @@ class Machine:
             env: Mapping[str, str] | None = None, timeout: float | None = None,
             check: bool = False, quiet: bool = False,
             stdout: Callable[[str], None] | None = None,
-            stderr: Callable[[str], None] | None = None, capture: bool | int = True) -> RunResult:
+            stderr: Callable[[str], None] | None = None, capture: bool | int = True,
+            grace: float | None = None, interrupt_wait: float | None = None) -> RunResult:
         """Run a command or a cell on the machine, streaming its output.
 
         Parameters
@@ -204,6 +227,12 @@ class Machine:
             Run ``command`` with the remote ``python3 -u``.
         cwd, env, timeout, capture
             See :func:`gpumagic.remote.execution.run` (timeout in seconds).
+        grace : float, optional
+            Seconds the command outlives a lost connection, re-attached over a new one
+            (default: :data:`gpumagic.remote.execution.GRACE`; 0: stopped when it is lost).
+        interrupt_wait : float, optional
+            Seconds an interrupted command gets between SIGINT and SIGTERM (default:
+            :data:`gpumagic.remote.execution.INTERRUPT_WAIT`).
         check : bool
             Raise :class:`RemoteCommandError` on a non-zero exit.
         quiet : bool
@@ -230,7 +259,7 @@ class Machine:
         full_env = {**self.environment(), **(env or {})}
         result = execution.run(self.connection, argv, cwd=cwd if cwd is not None else self.cwd,
                                env=full_env, stdout=stdout, stderr=stderr, timeout=timeout,
-                               capture=capture)
+                               capture=capture, grace=grace, interrupt_wait=interrupt_wait)
         if result.exit_code == execution.CWD_MISSING and result.stderr.startswith("gpumagic: cannot enter"):
             where = cwd if cwd is not None else self.cwd
             raise RemoteCommandError(
@@ -376,7 +405,8 @@ class Machine:
             run = torchrun if isinstance(torchrun, TorchrunOptions) else TorchrunOptions(nproc=torchrun)
             if torchrun_args is not None:
                 run = dataclasses.replace(run, torchrun_args=torchrun_args)
-            return distributed.start([self], name, command, options, run)  # type: ignore[return-value]
+            return distributed.start([self], name, command, options, run,  # type: ignore[return-value]
+                                     record=move.record_torchrun)
         if torchrun_args is not None:
             raise TypeError("torchrun_args is for a torchrun job: give torchrun=N too")
         keep_run, since = 1, time.time()
@@ -387,6 +417,7 @@ class Machine:
             keep_run = next_run(self.name, name)  # each start is a run of its own: its checkpoints apart
             keep.make_local_folder(name, keep_run)  # refused here, before anything starts there
         job = jobs.start(self, name, command, options, tool_dirs=self.tool_dirs)
+        move.record_start(self, name, command, options)  # what a later move or resume starts again
         if keep is not None:
             cwd = options.cwd if options.cwd is not None else (self.cwd or "")
             # run 2 on: what an earlier run left in the folder on the machine is not this run's

@@ -5,7 +5,7 @@ things, through the public APIs of the other modules:
 
 1. **Results not pulled yet.**  For each ``(remote, local)`` pair -- given, or remembered
    from the last wrapup of the same machine (``wrapup.json`` in the user data directory,
-   :func:`gpumagic.budget.data_dir`) -- a dry-run pull (:meth:`Machine.pull` with
+   :func:`gpumagic.paths.data_dir`) -- a dry-run pull (:meth:`Machine.pull` with
    ``dry_run=True, update=True``: files missing locally or newer on the machine, compared by
    size and modification time as ``rsync -a`` does) lists what the local copy lacks, then
    the same pull without ``dry_run`` fetches it.  A newer local file is never replaced.
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING
 
+from ._format import format_bytes
 from .errors import GpumagicError, WrapupError
+from .paths import data_dir
 
 if TYPE_CHECKING:
     from ._types import MachineLike
@@ -48,8 +50,6 @@ def program_source() -> str:
 
 
 def _store_path():
-    from .budget.ledger import data_dir
-
     return data_dir() / "wrapup.json"
 
 
@@ -242,8 +242,6 @@ def what_runs(machine: MachineLike, answer: dict) -> tuple[list[str], list[str]]
 
 def confirm_text(caches: list[Cache]) -> str:
     """The one confirmation ``clean`` asks: every cache it would remove, with its size."""
-    from .notebook.display import format_bytes
-
     lines = ["remove these caches (nothing else is touched)?"]
     for c in caches:
         lines.append(f"  {format_bytes(c.bytes):>10}  {c.label}")
@@ -321,8 +319,6 @@ def wrapup(machine: MachineLike, pulls: list[tuple[str, str]] | None = None, *, 
 
 def report_text(r: WrapupReport) -> str:
     """The report as plain text, in the order of the steps."""
-    from .notebook.display import format_bytes
-
     lines = [f"wrapup of {r.machine}:"]
     if not r.pulls:
         lines.append("results: none named; `%gpu wrapup --pull :runs/ ./runs/` checks and pulls a folder "

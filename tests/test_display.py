@@ -70,11 +70,13 @@ def test_an_alert_is_first_once_per_job_even_when_its_start_was_not_read_yet():
     # written (None), `%gpu jobs` then read it, and the alert was shown twice
     from gpumagic.notebook import display
 
-    name = f"first-alert-{id(object())}"
-    assert display.first_alert(name, None, "nan")
-    assert not display.first_alert(name, 1000.0, "nan")  # the same job, its start now known
-    assert not display.first_alert(name, None, "nan")
-    assert display.first_alert(name, 1000.0, "oom")  # another kind: its own first time
+    shown: dict = {}  # the notebook's (GpuMagics.state.alerts_shown)
+    name = "first-alert"
+    assert display.first_alert(shown, name, None, "nan")
+    assert not display.first_alert(shown, name, 1000.0, "nan")  # the same job, its start now known
+    assert not display.first_alert(shown, name, None, "nan")
+    assert display.first_alert(shown, name, 1000.0, "oom")  # another kind: its own first time
     other = f"{name}-b"
-    assert display.first_alert(other, 1000.0, "nan") and not display.first_alert(other, 1000.0, "nan")
-    assert display.first_alert(other, 2000.0, "nan")  # started again under that name: a new job
+    assert display.first_alert(shown, other, 1000.0, "nan") and not display.first_alert(shown, other, 1000.0, "nan")
+    assert display.first_alert(shown, other, 2000.0, "nan")  # started again under that name: a new job
+    assert display.first_alert({}, name, None, "nan")  # another notebook: its own first time

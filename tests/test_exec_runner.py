@@ -154,8 +154,8 @@ def test_closing_the_connection_stops_a_running_cell_without_a_grace(sshd):
     m = gpumagic.connect("testgpu")
     token, pattern = unique_tag()
     threading.Timer(1.5, m.connection.close).start()
-    with pytest.raises(ConnectionLost), execution.cell_grace(0):
-        m.run(f"sleep 120 & wait # {token}", quiet=True)
+    with pytest.raises(ConnectionLost):
+        m.run(f"sleep 120 & wait # {token}", quiet=True, grace=0)
     with gpumagic.connect("testgpu") as other:
         assert wait_no_process(other, pattern)
     m.close()
@@ -174,7 +174,7 @@ def test_a_machine_where_the_runner_cannot_start_runs_cells_the_old_way():
         with gpumagic.Machine(server.spec()) as m:
             r = m.run('echo "$GM_FROM_BASHRC"; echo e >&2; exit 4', quiet=True)
             assert (r.stdout, r.stderr, r.exit_code) == ("bashrc-value\n", "e\n", 4)
-            assert execution._runners[m.connection.transport].failed  # not retried
+            assert m.connection.runners[m.connection.transport].failed  # not retried
             before = rc_runs(home)
             assert m.run(["echo", "ok"], quiet=True).stdout == "ok\n"
             assert rc_runs(home) > before  # the old way: the login shell ran again

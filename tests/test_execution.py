@@ -132,8 +132,8 @@ def test_killed_sshd_child_raises_connection_lost_and_next_cell_reconnects(sshd)
     pid = session_sshd_pid(m)
     token, pattern = unique_tag()
     threading.Timer(1, os.kill, (pid, signal.SIGKILL)).start()
-    with pytest.raises(ConnectionLost) as e, execution.cell_grace(0):
-        m.run(f"sleep 120 & wait # {token}", quiet=True)
+    with pytest.raises(ConnectionLost) as e:
+        m.run(f"sleep 120 & wait # {token}", quiet=True, grace=0)
     assert "lost the connection" in e.value.message and "again" in e.value.hint
     assert m.run(["echo", "reconnected"], quiet=True).stdout == "reconnected\n"
     assert m.connection.opened_count == 2
@@ -307,12 +307,14 @@ def test_sandbox_relative_cwd_is_inside_the_sandbox_home(ip):
 
 def test_the_grace_of_a_cell_comes_from_its_line_then_from_config(ip, monkeypatch):
     # %%remote --grace S, else %config GpuMagics.grace (default 600 s), reach the cell's run
-    # (the cell lives through a lost connection that long: tests/test_resilience.py)
+    # as its parameter (the cell lives through a lost connection that long:
+    # tests/test_resilience.py), and %config GpuMagics.interrupt_wait beside it
     seen = []
     real = execution.run
 
     def spy(*args, **kwargs):
-        seen.append(execution._grace.get())
+        seen.append(kwargs["grace"])
+        assert kwargs["interrupt_wait"] == execution.INTERRUPT_WAIT
         return real(*args, **kwargs)
 
     monkeypatch.setattr(execution, "run", spy)
@@ -326,4 +328,3 @@ def test_the_grace_of_a_cell_comes_from_its_line_then_from_config(ip, monkeypatc
     finally:
         ip.run_line_magic("config", "GpuMagics.grace = 600")
     assert seen == [3.0, 120.0, 600.0, 0.0]
-    assert execution._grace.get() is None  # only for the cell

@@ -132,11 +132,11 @@ def test_a_child_that_left_the_cells_group_is_stopped_too_without_the_interrupt_
     started = tmp_path / "started"
     interrupt_when(started)
     began = time.monotonic()
-    with pytest.raises(KeyboardInterrupt), execution.cell_interrupt_wait(60):
+    with pytest.raises(KeyboardInterrupt):
         machine.run(f"setsid {SLEEPER} 204 {token} &\n"
                     f"setsid sh -c \"{SLEEPER} 205 {token} &\"\n"
                     f"touch {started}\n"
-                    "wait", quiet=True)
+                    "wait", quiet=True, interrupt_wait=60)
     assert time.monotonic() - began < 30  # far from the 60 s wait
     assert wait_no_process(machine, pattern)
 
@@ -144,8 +144,8 @@ def test_a_child_that_left_the_cells_group_is_stopped_too_without_the_interrupt_
 def test_a_program_that_goes_on_after_sigint_gets_sigterm_after_the_wait(machine, tmp_path):
     log = tmp_path / "signals"
     interrupt_when(log, "started")
-    with pytest.raises(KeyboardInterrupt), execution.cell_interrupt_wait(1):
-        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True, interrupt_wait=1)
     assert log.read_text(encoding="utf-8") == "started\nSIGINT\nSIGTERM\n"
 
 
@@ -164,9 +164,9 @@ def test_a_second_interrupt_sends_the_next_signal_at_once(machine, tmp_path):
 
     threading.Thread(target=stop_button, daemon=True).start()
     began = time.monotonic()
-    with pytest.raises(KeyboardInterrupt), execution.cell_interrupt_wait(300):
+    with pytest.raises(KeyboardInterrupt):
         machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, stdout=said.append,
-                    stderr=said.append)
+                    stderr=said.append, interrupt_wait=300)
     assert log.read_text(encoding="utf-8") == "started\nSIGINT\nSIGTERM\n"
     assert time.monotonic() - began < 120  # not the 300 s wait
     # while it waited, one line said what comes next and how to hurry it
@@ -175,8 +175,8 @@ def test_a_second_interrupt_sends_the_next_signal_at_once(machine, tmp_path):
 
 def test_a_timeout_stops_with_sigint_first(machine, tmp_path):
     log = tmp_path / "signals"
-    with pytest.raises(RemoteTimeout), execution.cell_interrupt_wait(1):
-        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True, timeout=3)
+    with pytest.raises(RemoteTimeout):
+        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True, timeout=3, interrupt_wait=1)
     assert log.read_text(encoding="utf-8") == "started\nSIGINT\nSIGTERM\n"
 
 
@@ -186,8 +186,8 @@ def test_without_the_runner_an_interrupt_sends_sigint_first_too(machine, tmp_pat
     monkeypatch.setattr(execution, "USE_RUNNER", False)
     log = tmp_path / "signals"
     interrupt_when(log, "started")
-    with pytest.raises(KeyboardInterrupt), execution.cell_interrupt_wait(1):
-        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        machine.run(SIGNAL_LOGGER.format(log=str(log)), python=True, quiet=True, interrupt_wait=1)
     deadline = time.monotonic() + 15  # the watchdog goes on after the cell's channel closed
     while log.read_text(encoding="utf-8").count("\n") < 3 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -21,7 +21,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, install_shutdown, make_server
-from gpumagic.remote import execution, jobs, program
+from gpumagic.remote import jobs, program
 from gpumagic.notebook.display import job_alert, jobs_table
 from gpumagic.errors import ConnectionLost, JobError, RemoteTimeout
 from gpumagic.remote.jobs import Alert, classify, parse_listing, parse_stop_on, scan_alerts
@@ -590,8 +590,8 @@ def test_dropped_connection_while_following_without_a_grace_leaves_the_job_runni
     def out(text):
         machine.connection.transport.sock.close()
 
-    with execution.cell_grace(0), pytest.raises(ConnectionLost) as e:
-        job.follow(out=out)
+    with pytest.raises(ConnectionLost) as e:
+        job.follow(out=out, grace=0)
     assert "the job keeps running there" in str(e.value) and "%gpu attach" in e.value.hint
     assert job.info().state == "running"  # the next call reconnected by itself
     assert job.wait(timeout=30).state_text == "exited 0"

@@ -182,6 +182,26 @@ def test_a_plot_comes_back_as_png_and_a_dataframe_as_html_in_the_executed_notebo
     assert [o.get("text") for o in nb.cells[5].outputs] == ["new\n"]
 
 
+def test_a_machine_connected_from_python_in_a_notebook_displays_its_sessions_there(ip, m):
+    # outputs.py no longer looks for IPython: the package's connect hands the notebook's
+    # output in (the magics' own, with their comm bridges), as %gpu connect's fleet does
+    from gpumagic.notebook.magics.kernel import NotebookOutput
+
+    out = m.kernels.output()
+    assert isinstance(out, NotebookOutput) and out.bridges is ip._gpumagic.state.bridges
+    ip.run_line_magic("gpu", "connect testgpu")
+    assert ip._gpumagic.fleet.get("testgpu").kernels.output().bridges is ip._gpumagic.state.bridges
+
+
+def test_a_kernels_output_is_printed_where_nothing_handed_one_in(sshd):
+    from gpumagic.machine import connect
+    from gpumagic.remote.kernel import TextOutput
+
+    with connect("testgpu") as machine:  # the Machine's own connect: no notebook handed in
+        assert isinstance(machine.kernels.output(), TextOutput)
+        assert isinstance(machine.kernels.handle("plain").default_output(), TextOutput)
+
+
 # -- case 3 -------------------------------------------------------------------------------
 
 

@@ -56,7 +56,7 @@ def test_after_an_idle_roam_the_next_cell_runs_on_a_new_connection_with_no_error
     linked = make_link(rtt_ms=40)
     m = linked.machine
     assert m.run("echo first", quiet=True).stdout == "first\n"
-    old_runner = execution._runners[m.connection.transport].runners[0].pid
+    old_runner = m.connection.runners[m.connection.transport].runners[0].pid
     assert old_runner and Path(f"/proc/{old_runner}").exists()
     time.sleep(2.5)  # quiet for longer than QUIET_BEFORE_PROBE: the next cell asks the path first
     assert linked.roam() == 1
@@ -181,8 +181,8 @@ def test_a_roam_during_a_printing_cell_fails_fast_and_leaves_nothing_running(mak
         roamed.append(time.monotonic())
 
     threading.Thread(target=roam_after_line_3, daemon=True).start()
-    with pytest.raises(ConnectionLost) as e, execution.cell_grace(0):
-        m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
+    with pytest.raises(ConnectionLost) as e:
+        m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out, grace=0)
     noticed = time.monotonic() - roamed[0]
     assert noticed < RUNNING_BOUND, noticed
     msg = e.value.message
@@ -225,8 +225,8 @@ def test_a_frozen_path_is_not_mistaken_for_a_finished_cell(make_link):
 
     threading.Thread(target=hold_after_line_2, daemon=True).start()
     try:
-        with pytest.raises(ConnectionLost) as e, execution.cell_grace(0):  # no re-attach
-            m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
+        with pytest.raises(ConnectionLost) as e:  # grace 0: no re-attach
+            m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out, grace=0)
         assert "while the cell ran" in e.value.message
         lines = out.lines()
         assert len(lines) < 100 and lines == [f"line {i}" for i in range(1, len(lines) + 1)]
@@ -698,8 +698,8 @@ def test_past_a_short_grace_the_cell_is_stopped_and_the_message_names_the_grace(
         linked.roam()
 
     threading.Thread(target=roam_after_line_3, daemon=True).start()
-    with pytest.raises(ConnectionLost) as e, execution.cell_grace(3):
-        m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out)
+    with pytest.raises(ConnectionLost) as e:
+        m.run(f"for i in $(seq 1 100); do echo line $i; sleep 0.3; done # {token}", stdout=out, grace=3)
     assert "grace of 3 s" in e.value.message, e.value.message
     assert "--grace" in e.value.hint
     assert wait_until(lambda: running_here(pattern) == [], 10)
@@ -715,8 +715,7 @@ def _cell_on_a_thread(m, command: str, grace: float, **streams):
 
     def cell() -> None:
         try:
-            with execution.cell_grace(grace):
-                results.append(m.run(command, **streams))
+            results.append(m.run(command, grace=grace, **streams))
         except BaseException as e:  # noqa: BLE001 - looked at by the test
             raised.append(e)
 
@@ -852,7 +851,7 @@ def test_a_connection_holds_one_runner_per_cell_at_once_up_to_its_cap(link, monk
     the old way; an idle extra past SPARE_IDLE is closed at the next take, the first kept."""
     m = link.machine
     m.run("true", quiet=True)
-    pool = execution._runners[m.connection.transport]
+    pool = m.connection.runners[m.connection.transport]
     assert len(pool.runners) == 1
     for _ in range(3):
         m.run("true", quiet=True)
@@ -970,7 +969,7 @@ def test_grace_on_a_cell_you_wait_for_reaches_its_run(ip, link, monkeypatch):
     real = m.run
 
     def run(*a, **k):
-        seen.append(execution._grace.get())
+        seen.append(k["grace"])
         return real(*a, **k)
 
     monkeypatch.setattr(m, "run", run)

@@ -381,7 +381,7 @@ def test_over_loopback_auto_sends_uncompressed_and_says_why(machine, tmp_path, c
     _decided_by_the_round_trip(s)
     assert any(r.getMessage() == f"sync with {machine.name}: {s.compression}" for r in caplog.records)
     assert (tmp_path / "remote" / "log.csv").read_bytes() == (src / "log.csv").read_bytes()
-    from gpumagic.notebook.display import format_bytes
+    from gpumagic._format import format_bytes
 
     # what was sent, as it went (compressed where the round trip was measured slow: under load)
     sent = format_bytes(s.bytes_sent) + ("" if s.wire_bytes is None else f", {format_bytes(s.wire_bytes)}")
@@ -446,7 +446,7 @@ def test_push_of_a_csv_sends_at_most_40_percent(link, tmp_path):
     assert s.compression.startswith(f"{agent.codec_name(TOP)} (auto: a round trip takes")
     assert s.wire_bytes <= 0.4 * len(data)
     assert c.up_bytes <= 0.4 * len(data) + 2 * PER_CHANNEL, (c.up_bytes, s.wire_bytes)
-    from gpumagic.notebook.display import format_bytes
+    from gpumagic._format import format_bytes
 
     assert f"1 file, {format_bytes(len(data))}, {format_bytes(s.wire_bytes)} sent" in str(s)
 
@@ -654,7 +654,7 @@ def test_the_magic_takes_compress_and_no_compress():
 
 def test_summary_without_compression_reads_as_before(tmp_path):
     s = sync.SyncSummary("push", "a", "m:b", files_sent=2, bytes_sent=2_000_000)
-    from gpumagic.notebook.display import format_bytes
+    from gpumagic._format import format_bytes
 
     assert str(s).startswith(f"push a -> m:b: 2 files, {format_bytes(2_000_000)} sent, 0 unchanged")
     s.wire_bytes = 700_000

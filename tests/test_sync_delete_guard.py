@@ -217,9 +217,9 @@ def test_a_file_where_a_folder_of_results_is_keeps_the_folder(machine, tmp_path,
     s = machine.push(f"{proj}/", str(dest))
     assert (dest / "results" / "model.pt").read_text(encoding="utf-8") == "weights"
     assert s.kept_dirs == ["results"]
-    from gpumagic.notebook.display import sync_summary_text
+    from gpumagic.sync.engine import summary_text
 
-    assert "kept 1 folder where the source has a file of that name (it holds files" in sync_summary_text(s)
+    assert "kept 1 folder where the source has a file of that name (it holds files" in summary_text(s)
     (proj / ".gpuignore").write_text("*.pt\n", encoding="utf-8")
     s = machine.push(f"{proj}/", str(dest), delete=True)
     assert (dest / "results" / "model.pt").read_text(encoding="utf-8") == "weights" and s.kept_dirs == ["results"]

@@ -580,12 +580,12 @@ def test_push_from_windows_keeps_machine_modes_and_picks_new_ones_by_content(mac
 
 
 def test_pull_onto_windows_names_the_symlinks_it_cannot_make_in_one_line(machine, ntfs):
-    from gpumagic.notebook.display import sync_summary_text
+    from gpumagic.sync.engine import summary_text
 
     _remote(machine, "rm -rf ln && mkdir -p ln/ckpt && echo w > ln/ckpt/3.pt && ln -s ckpt/3.pt ln/latest.pt")
     dst = ntfs[1] / "ln"
     summary = machine.pull(":ln/", f"{dst}/")
     assert summary.links_refused == {"latest.pt": "ckpt/3.pt"} and summary.links == 0
     assert (dst / "ckpt" / "3.pt").read_text(encoding="utf-8") == "w\n" and not os.path.lexists(dst / "latest.pt")
-    lines = [ln for ln in sync_summary_text(summary).splitlines() if "symlink" in ln]
+    lines = [ln for ln in summary_text(summary).splitlines() if "symlink" in ln]
     assert len(lines) == 1 and "latest.pt -> ckpt/3.pt" in lines[0] and "Developer Mode" in lines[0]

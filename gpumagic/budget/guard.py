@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..remote import program
+from ..remote.execution import run_program
 from .ledger import GuardRecord, Ledger, MachineRecord, prices_of, record_rental
 from .prices import (MAX_SPAN_S, BudgetError, MeterReading, guard_limit_in, is_number, meter,
                      platforms)
@@ -230,7 +231,7 @@ def guard_program() -> str:
 
 
 def _ctl(machine: MachineLike, *args, stdin: bytes | None = None):
-    return program.run(machine.connection, "budget-guard-ctl.sh", *args, stdin=stdin, timeout=60)
+    return run_program(machine.connection, "budget-guard-ctl.sh", *args, stdin=stdin, timeout=60)
 
 
 def read_status(machine: MachineLike) -> tuple[Clock, GuardStatus]:

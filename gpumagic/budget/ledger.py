@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 from .._fs import atomic_write, private_dir
 from ..errors import ConfigError, LedgerError  # noqa: F401 (LedgerError: its old home)
+from ..paths import data_dir
 from .prices import (MAX_AMOUNT, MAX_SPAN_S, BudgetError, MeterReading, Prices, is_number, meter,
                      price_changes, seconds_to_midnight, spent)
 
@@ -34,16 +35,6 @@ LEDGER_FORMAT = "gpumagic-ledger"
 LEDGER_VERSION = 1
 #: Two readings of the machine's start time closer than this (seconds) are the same rental.
 SAME_START = 120
-
-
-def data_dir() -> Path:
-    """Where gpumagic keeps local data: ``$GPUMAGIC_DATA_DIR``, else platformdirs' user data dir."""
-    env = os.environ.get("GPUMAGIC_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("gpumagic", appauthor=False))
 
 
 # -- records ------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, NotifyError  # noqa: F401 (NotifyError: its old home)
 from ..remote import program
+from ..remote.execution import run_program
 from .guard import read_status
 from .ledger import Ledger
 from .prices import limit_deadline, spent
@@ -186,7 +187,7 @@ def _json_line(text: str) -> dict:
 def _run_program(machine: MachineLike, name: str, *args: str, payload: dict, timeout: float) -> dict:
     """Run machine-side program ``name`` with ``args``, ``payload`` as JSON on its stdin (where
     credentials travel), and return the JSON line it answers with."""
-    r = program.run(machine.connection, name, *args, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
+    r = run_program(machine.connection, name, *args, stdin=json.dumps(payload).encode("utf-8"), timeout=timeout)
     out = _json_line(r.stdout)
     if out:
         return out
@@ -204,7 +205,7 @@ def _run_program(machine: MachineLike, name: str, *args: str, payload: dict, tim
 
 def read_config(machine: MachineLike) -> dict | None:
     """The settings on the machine (``None`` when notifications are not set up)."""
-    r = program.run(machine.connection, "budget-notify.sh", "config", timeout=30)
+    r = run_program(machine.connection, "budget-notify.sh", "config", timeout=30)
     if r.exit_code != 0 or not r.stdout.strip():
         return None
     try:
@@ -345,7 +346,7 @@ def notify_command(event: str, *, log: str | None = None, background: bool = Tru
 def log_tail(machine: MachineLike, lines: int = 5) -> tuple[list[str], int]:
     """The last lines of the machine's notify log and the number of messages waiting in its
     outbox."""
-    r = program.run(machine.connection, "budget-notify.sh", "log", int(lines), timeout=30)
+    r = run_program(machine.connection, "budget-notify.sh", "log", int(lines), timeout=30)
     out = r.stdout.splitlines()
     waiting = 0
     if out and out[-1].startswith("outbox "):

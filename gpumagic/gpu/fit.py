@@ -69,6 +69,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .._format import format_bytes
 from ..errors import ConfigError
 
 GIB = 1 << 30
@@ -775,11 +776,6 @@ def check(est: Estimate, target: Target | None) -> FitReport:
 
 
 # -- rendering (text and HTML) -----------------------------------------------------------------
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in GiB with one decimal (MiB below 1 GiB)."""
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
 def _smallest_fitting(report: FitReport) -> str:

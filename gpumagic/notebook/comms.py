@@ -24,26 +24,27 @@ come back with the saved widget state of the notebook, not live.
 from __future__ import annotations
 
 import weakref
-from typing import Any
-
-#: Each session's bridge, by the session (gone with it).
-_BRIDGES: "weakref.WeakKeyDictionary[Any, CommBridge]" = weakref.WeakKeyDictionary()
+from typing import Any, Callable, MutableMapping
 
 
-def bridge(kernel) -> "CommBridge":
-    """The bridge of ``kernel`` (a :class:`gpumagic.remote.kernel.RemoteKernel`): one per
-    session for this process's life, since its widgets outlive the cell that made them."""
-    b = _BRIDGES.get(kernel)
+def bridge(bridges: MutableMapping[Any, "CommBridge"], kernel, new_output: Callable[[], Any]) -> "CommBridge":
+    """The bridge of ``kernel`` (a :class:`gpumagic.remote.kernel.RemoteKernel`) in
+    ``bridges`` (the notebook's, by session: a ``weakref.WeakKeyDictionary``), made on first
+    use: one per session for the notebook's life, since its widgets outlive the cell that made
+    them.  ``new_output()`` makes the output that shows what the session does in answer to the
+    front end (the magics' ``NotebookOutput``)."""
+    b = bridges.get(kernel)
     if b is None:
-        b = _BRIDGES[kernel] = CommBridge(kernel)
+        b = bridges[kernel] = CommBridge(kernel, new_output)
     return b
 
 
 class CommBridge:
     """The twins of one session's comms in this kernel (see the module docstring)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, new_output: Callable[[], Any]):
         self._kernel = weakref.ref(kernel)
+        self._new_output = new_output
         self.comms: dict[str, Any] = {}
 
     def from_session(self, kind: str, content: dict, metadata: dict, buffers: list) -> None:
@@ -81,9 +82,7 @@ class CommBridge:
         kernel = self._kernel()
         if kernel is None:
             return
-        from .magics.kernel import NotebookOutput
-
-        out = NotebookOutput()
+        out = self._new_output()
         try:
             kernel.comm_send(comm_id, (msg.get("content") or {}).get("data") or {},
                              buffers=[bytes(b) for b in msg.get("buffers") or []], msg_type=kind,

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .._format import count, duration
+from .._format import duration, format_bytes
 from ..gpu.doctor import DoctorReport, Level
 from ..gpu.smi import Gpu, GpuStatus, known
 
@@ -197,19 +197,6 @@ def doctor_html(report: DoctorReport) -> str:
 def render_doctor(report: DoctorReport) -> Rendered:
     """The doctor's table as text/plain and text/html."""
     return Rendered(doctor_text(report), doctor_html(report))
-# -- shared formatting ---------------------------------------------------------------------
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units, as ``ls -h`` and ``du -h`` print)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 # -- sync ------------------------------------------------------------------------------
 
 
@@ -278,75 +265,6 @@ def render_sync_bar(p, failed: bool = False) -> Rendered:
     return Rendered(sync_bar_text(p, failed), sync_bar_html(p, failed))
 
 
-def _paths(label: str, paths: list[str], limit: int = 20) -> list[str]:
-    if not paths:
-        return []
-    lines = [f"{label} ({len(paths)}):"] + [f"  {p}" for p in paths[:limit]]
-    if len(paths) > limit:
-        lines.append(f"  ... and {len(paths) - limit} more")
-    return lines
-
-
-def sync_summary_text(s) -> str:
-    """The summary of a :class:`gpumagic.sync.SyncSummary`: one line, then the paths deleted
-    (or, for a dry run, those that would be sent and deleted)."""
-    arrow = f"{s.source} -> {s.destination}"
-    if s.dry_run:
-        head = (f"dry run, nothing changed: {arrow}: would send {count(len(s.would_send), 'file')}, "
-                f"delete {len(s.deleted)}, {s.skipped} unchanged")
-        lines = [head] + _paths("would send", s.would_send) + _paths("would delete", s.deleted)
-        return "\n".join(lines + _kept_dirs(s) + _unreadable(s))
-    wire = getattr(s, "wire_bytes", None)  # compressed: what the data took on the wire
-    sent = (f"{format_bytes(s.bytes_sent)}, {format_bytes(wire)} sent" if wire is not None
-            else f"{format_bytes(s.bytes_sent)} sent")
-    head = (f"{s.direction} {arrow}: {count(s.files_sent, 'file')}, {sent}"
-            + (f" (+{format_bytes(s.bytes_resumed)} resumed)" if s.bytes_resumed else "")
-            + f", {s.skipped} unchanged"
-            + (f", {len(s.deleted)} deleted" if s.deleted else "")
-            + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
-            + (f", resumed after {count(s.reconnects, 'reconnect')}" if getattr(s, "reconnects", 0) else "")
-            + f" in {duration(s.seconds)}")
-    return "\n".join([head] + _paths("deleted", s.deleted) + _kept_dirs(s) + _unreadable(s) + _laptop_notes(s))
-
-
-def _kept_dirs(s) -> list[str]:
-    """Folders at the destination a file of the source would have replaced, kept: they hold files."""
-    kept = getattr(s, "kept_dirs", None) or []
-    if not kept:
-        return []
-    return [f"kept {count(len(kept), 'folder')} where the source has a file of that name (it holds "
-            "files; the file was not sent: move the folder away, or sync with --delete, which replaces "
-            "it unless the ignore rules protect a file in it): "
-            + ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")]
-
-
-def _unreadable(s) -> list[str]:
-    """Source entries left out: unreadable (an error, rsync's 23), vanished while the sync
-    ran (a warning, rsync's "file has vanished", its 24), special files (rsync -a's
-    "skipping non-regular file")."""
-    vanished = getattr(s, "vanished", None) or {}
-    specials = getattr(s, "specials", None) or {}
-    return (_paths("could not read, not synced", [f"{p}: {why}" for p, why in s.unreadable.items()])
-            + _paths("file has vanished, not synced", list(vanished))
-            + _paths("skipping non-regular file", [f"{p} ({what})" for p, what in specials.items()]))
-
-
-def _laptop_notes(s) -> list[str]:
-    """What this computer's folder could not hold as the machine has it: one line each."""
-    out = []
-    refused = getattr(s, "links_refused", None) or {}
-    if refused:
-        shown = ", ".join(f"{p} -> {t}" for p, t in list(refused.items())[:5])
-        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
-        out.append(f"{count(len(refused), 'symlink')} not made here, this computer refused them: {shown}{more} "
-                   "(Windows makes symlinks with Developer Mode on, or as administrator; then sync again)")
-    renamed = getattr(s, "renamed", None) or {}
-    if renamed:
-        out += _paths("written under another name (this folder ignores case)",
-                      [f"{p} -> {q}" for p, q in renamed.items()])
-    return out
-
-
 # -- jobs (%%remote --job, %gpu jobs/logs/attach/kill) --------------------------------------
 
 
@@ -367,19 +285,18 @@ def _local_time(epoch: float | None) -> str:
     return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
-#: Alerts already shown in this kernel: (job name, alert kind) -> the start times of the jobs
-#: of that name it was shown for (None: not known when shown).  Each is shown once, the first
-#: time a command meets it; after that the job's row carries it.
-_ALERTS_SHOWN: dict[tuple[str, str], set[float | None]] = {}
-
-
-def first_alert(job_name: str, started: float | None, kind: str) -> bool:
+def first_alert(shown_before: dict[tuple[str, str], set[float | None]], job_name: str,
+                started: float | None, kind: str) -> bool:
     """True the first time the alert ``kind`` of the job ``job_name`` started at ``started``
     (epoch seconds; a job started again under the same name is a new job) is offered in this
-    kernel, then False: an alert box is shown once, with its job, not under every later
+    notebook, then False: an alert box is shown once, with its job, not under every later
     ``%gpu jobs``.  A start time not known on one of the two occasions (a job that ended before
-    its start was read) is the same job, not a new one."""
-    shown = _ALERTS_SHOWN.setdefault((job_name, kind), set())
+    its start was read) is the same job, not a new one.
+
+    ``shown_before`` is the notebook's memory of the alerts shown (its
+    ``GpuMagics.state.alerts_shown``): (job name, alert kind) -> the start times of the jobs
+    of that name it was shown for (None: not known when shown); this call adds to it."""
+    shown = shown_before.setdefault((job_name, kind), set())
     if shown and (started is None or None in shown or started in shown):
         return False
     shown.add(started)

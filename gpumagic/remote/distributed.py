@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import JobError
 from . import jobs, program
+from .execution import run_program
 from .execution import cell_bytes, cell_text
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ _PREFIX_RE = re.compile(r"^\[default(\d+)\]:(.*)$")
 
 
 def _prun(machine: MachineLike, name: str, *args, **kw):
-    return program.run(machine.connection, name, *args, **kw)
+    return run_program(machine.connection, name, *args, **kw)
 
 
 def folder(name: str) -> str:
@@ -521,7 +522,9 @@ def command(name: str, *, python: str, nproc: int, nnodes: int, endpoint: str = 
 
 
 def start(machines: Sequence[MachineLike], name: str, script: str,
-          job: jobs.JobOptions = jobs.JobOptions(), torchrun: TorchrunOptions = TorchrunOptions()) -> DistributedJob:
+          job: jobs.JobOptions = jobs.JobOptions(), torchrun: TorchrunOptions = TorchrunOptions(), *,
+          record: Callable[[Sequence[MachineLike], str, str, int | str, list[str]], None] | None = None
+          ) -> DistributedJob:
     """Start ``script`` under torchrun on every machine of ``machines``; returns at once.
 
     Parameters
@@ -539,6 +542,10 @@ def start(machines: Sequence[MachineLike], name: str, script: str,
     torchrun : TorchrunOptions
         Processes per machine (``auto``: the visible GPUs, see :func:`preflight`), torchrun's
         own options, the data folder that must be the same everywhere, the rendezvous.
+    record : callable, optional
+        Called once every rank started, with ``(machines, name, script, nproc, torchrun
+        args)``: what a later move starts again (the machine and the magics hand in
+        :func:`gpumagic.remote.move.record_torchrun`).
 
     ``job.then_shutdown``
         Minutes after which *every* machine of the run shuts down once the run has succeeded:
@@ -606,9 +613,8 @@ def start(machines: Sequence[MachineLike], name: str, script: str,
             except Exception:
                 pass
         raise
-    from .move import record_torchrun
-
-    record_torchrun(machines, name, script, torchrun.nproc, extra)  # what a move starts again
+    if record is not None:
+        record(machines, name, script, torchrun.nproc, extra)  # what a move starts again
     return DistributedJob(name, parts, nproc=plan.nproc, plan=plan)
 
 

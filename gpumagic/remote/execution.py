@@ -35,7 +35,7 @@ unguarded; ``SHLVL`` is set so that the cell's own ``bash -c`` does not source i
 A stop request (interrupt, timeout) does what a terminal's Ctrl-C does first: SIGINT to the
 cell's processes, so the program's ``except KeyboardInterrupt:`` and ``finally:`` run (a
 checkpoint saved on Ctrl-C is saved) and what they print is shown; SIGTERM follows
-:func:`cell_interrupt_wait` seconds later (:data:`INTERRUPT_WAIT`; at once once the cell's own
+:func:`run`'s ``interrupt_wait`` seconds later (:data:`INTERRUPT_WAIT`; at once once the cell's own
 process ended and only what it started is left), SIGKILL :data:`KILL_GRACE` seconds after
 that; a second interrupt sends the next signal at once.  The cell's processes are its process
 group and every process that carries its mark (``GPUMAGIC_CELL`` in its environment), also
@@ -49,7 +49,7 @@ those, or every cell where the runner cannot start (no usable Python 3), runs th
 below.
 
 Kept cells (issue 28): a cell run through the runner with a grace (:data:`GRACE`, 600 s by
-default; :func:`cell_grace`, ``%%remote --grace``) outlives a dead path.  Its request ("K")
+default; :func:`run`'s ``grace``, ``%%remote --grace``) outlives a dead path.  Its request ("K")
 carries an id that the machine claims with ``mkdir`` (``~/.gpumagic/cells/ID``), so a request
 sent again never starts it twice; the runner keeps its output there (bounded by
 :data:`SPOOL_BYTES`: past it the oldest part goes, and the client says how many bytes it
@@ -85,8 +85,6 @@ whole and invalid bytes never raise.
 from __future__ import annotations
 
 import codecs
-import contextlib
-import contextvars
 import logging
 import re
 import secrets
@@ -95,7 +93,6 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -120,12 +117,10 @@ MAX_INLINE = 120 * 1024
 #: Seconds between SIGTERM and SIGKILL when a cell is stopped.
 KILL_GRACE = 1.0
 #: Seconds an interrupted cell gets after SIGINT (its handler saving a checkpoint) before
-#: SIGTERM, by default (:func:`cell_interrupt_wait`; ``%config GpuMagics.interrupt_wait``).
+#: SIGTERM, by default (:func:`run`'s ``interrupt_wait``; ``%config GpuMagics.interrupt_wait``).
 INTERRUPT_WAIT = 10.0
 #: Seconds after its SIGINT a cell still running is told of what comes next (one line).
 STOP_NOTE_AFTER = 1.0
-_interrupt_wait: "contextvars.ContextVar[float | None]" = contextvars.ContextVar(
-    "gpumagic_interrupt_wait", default=None)
 #: The wrapper's exit status when the working directory does not exist (stderr says which).
 CWD_MISSING = 97
 
@@ -144,8 +139,6 @@ REATTACH_NOTE_AFTER = 1.0
 #: Most bytes of a kept cell's output the machine holds for a client that is away; past
 #: it the oldest part is dropped, and the client says how many bytes it missed.
 SPOOL_BYTES = 64 << 20
-#: The grace of the cells run in this context (:func:`cell_grace`); None: :data:`GRACE`.
-_grace: "contextvars.ContextVar[float | None]" = contextvars.ContextVar("gpumagic_cell_grace", default=None)
 #: The stopper of a kept cell by its id (``gpumagic/remote/programs/exec-stop-kept.py``).
 STOP_KEPT_PROGRAM = "exec-stop-kept.py"
 
@@ -310,14 +303,15 @@ def export_lines(env: Mapping[str, str | None]) -> tuple[list[str], dict[str, st
 
 
 def build_program(argv: Sequence[str], *, cwd: str | None = None,
-                  env: Mapping[str, str | None] | None = None, nonce: str) -> bytes:
+                  env: Mapping[str, str | None] | None = None, nonce: str,
+                  interrupt_wait: float | None = None) -> bytes:
     """The program a cell runs as (see the module docstring): the wrapper
     ``exec-cell.sh`` around ``argv``, all of it arguments of the wrapper.
 
     ``env`` values of ``None`` unset that variable.  Names that are shell variable names are
     exported by the shell, so no value is ever in a process's argv; other names (bash's
     exported functions, ``BASH_FUNC_f%%``) can only be passed by ``env(1)``, on its command
-    line for the instant before it runs ``argv``.
+    line for the instant before it runs ``argv``.  ``interrupt_wait``: as :func:`run`'s.
     """
     cmd = list(argv)
     check_text(cwd or "", "the working directory", by_line=False)
@@ -326,7 +320,7 @@ def build_program(argv: Sequence[str], *, cwd: str | None = None,
         unset = [a for k, v in rest.items() if v is None for a in ("-u", k)]
         cmd = ["env", *unset, "--", *(f"{k}={v}" for k, v in rest.items() if v is not None), *cmd]
     entries = [k if v is None else f"{k}={v}" for k, v in shell]
-    return program(_program.command(CELL_PROGRAM, cwd or "", f"{interrupt_wait():g}/{KILL_GRACE:g}", CWD_MISSING, len(entries),
+    return program(_program.command(CELL_PROGRAM, cwd or "", f"{_wait(interrupt_wait):g}/{KILL_GRACE:g}", CWD_MISSING, len(entries),
                                     *entries, *cmd), nonce)
 
 
@@ -433,7 +427,8 @@ class _MarkerFilter:
 def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
         env: Mapping[str, str | None] | None = None, stdout: Sink | None = None,
         stderr: Sink | None = None, capture: bool | int = True, timeout: float | None = None,
-        check: bool = False, grace: float | None = None) -> RunResult:
+        check: bool = False, grace: float | None = None,
+        interrupt_wait: float | None = None) -> RunResult:
     """Run ``argv`` on the machine and stream its output.
 
     Parameters
@@ -458,10 +453,13 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     check : bool
         Raise :class:`RemoteCommandError` on a non-zero exit.
     grace : float, optional
-        Seconds the command outlives a lost connection (default: :func:`cell_grace`'s, else
-        :data:`GRACE`): it runs on, its output kept on the machine, and is re-attached over
-        a new connection, its missed output shown once, in order (see :class:`_KeptCell`).  0
-        stops it when the connection is lost.
+        Seconds the command outlives a lost connection (default: :data:`GRACE`): it runs on,
+        its output kept on the machine, and is re-attached over a new connection, its missed
+        output shown once, in order (see :class:`_KeptCell`).  0 stops it when the connection is
+        lost.  ``%%remote --grace`` and ``%config GpuMagics.grace`` hand it in.
+    interrupt_wait : float, optional
+        Seconds an interrupted command gets between SIGINT and SIGTERM (default:
+        :data:`INTERRUPT_WAIT`; ``%config GpuMagics.interrupt_wait``).
 
     Returns
     -------
@@ -488,14 +486,13 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     runner = _take_runner(conn) if USE_RUNNER else None
     if runner is not None:
         start = time.monotonic()
-        grace = _grace.get() if grace is None else grace
         kept = _KeptCell(grace if grace is not None else GRACE, err)
         try:
             if kept.grace > 0:
-                code = _run_kept(conn, runner, request, out, err, timeout, start, kept)
+                code = _run_kept(conn, runner, request, out, err, timeout, start, kept, interrupt_wait)
             else:
                 with conn.in_flight():
-                    code = runner.run(conn, request, out, err, timeout, start)
+                    code = runner.run(conn, request, out, err, timeout, start, interrupt_wait=interrupt_wait)
         except _NotStarted:
             code = None  # the runner ended before it started the cell: run it the old way
         except _LostMidCommand as e:
@@ -508,7 +505,7 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
                                          stdout=result.stdout, stderr=result.stderr)
             return result
     nonce = secrets.token_hex(6)
-    script = build_program(argv, cwd=cwd, env=env, nonce=nonce)
+    script = build_program(argv, cwd=cwd, env=env, nonce=nonce, interrupt_wait=interrupt_wait)
     chan = conn.open_session()
     marker = _MarkerFilter(nonce)
     start = time.monotonic()
@@ -545,33 +542,9 @@ def run(conn: Connection, argv: Sequence[str] | str, *, cwd: str | None = None,
     return result
 
 
-@contextlib.contextmanager
-def cell_interrupt_wait(seconds: float | None):
-    """Give the cells of this block ``seconds`` between SIGINT and SIGTERM when interrupted
-    (None: :data:`INTERRUPT_WAIT`): how ``%config GpuMagics.interrupt_wait`` reaches them."""
-    token = _interrupt_wait.set(seconds)
-    try:
-        yield
-    finally:
-        _interrupt_wait.reset(token)
-
-
-def interrupt_wait() -> float:
-    """Seconds between SIGINT and SIGTERM for a cell stopped now."""
-    wait = _interrupt_wait.get()
-    return INTERRUPT_WAIT if wait is None else max(0.0, float(wait))
-
-
-@contextlib.contextmanager
-def cell_grace(seconds: float | None):
-    """Run the cells of this block (:func:`run`, so ``Machine.run``) with a grace of
-    ``seconds`` (None: :data:`GRACE`): how ``%%remote --grace`` and ``%config
-    GpuMagics.grace`` reach them."""
-    token = _grace.set(seconds)
-    try:
-        yield
-    finally:
-        _grace.reset(token)
+def _wait(interrupt_wait: float | None) -> float:
+    """Seconds between SIGINT and SIGTERM for a cell stopped now (None: :data:`INTERRUPT_WAIT`)."""
+    return INTERRUPT_WAIT if interrupt_wait is None else max(0.0, float(interrupt_wait))
 
 
 class _KeptCell:
@@ -638,7 +611,7 @@ class _KeptCell:
 
 
 def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream", err: "_Stream",
-              timeout: float | None, start: float, kept: _KeptCell) -> int:
+              timeout: float | None, start: float, kept: _KeptCell, interrupt_wait: float | None) -> int:
     """Run a kept cell in ``runner``; when its path is lost, re-attach over a new connection
     (:func:`_reattach`) as often as it takes, each within the grace; its exit status.
 
@@ -658,7 +631,7 @@ def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream
         while True:
             try:
                 with conn.in_flight():
-                    code = runner.run(conn, request, out, err, timeout, start, kept=kept)
+                    code = runner.run(conn, request, out, err, timeout, start, kept=kept, interrupt_wait=interrupt_wait)
             except KeyboardInterrupt:
                 stopped = not runner.dead  # dead: its stop got no answer, the path is gone
                 raise
@@ -762,7 +735,7 @@ def _stop_kept_when_possible(conn: Connection, ident: str, deadline: float) -> N
     dead one is left for a new connection within max(3 s, 10 RTT)."""
     while time.monotonic() < deadline:
         try:
-            _program.run(conn, STOP_KEPT_PROGRAM, KILL_GRACE, ident, timeout=KILL_GRACE + 10)
+            run_program(conn, STOP_KEPT_PROGRAM, KILL_GRACE, ident, timeout=KILL_GRACE + 10)
             return
         except Exception:  # noqa: BLE001 - tried again until the grace is over
             time.sleep(1.0)
@@ -865,9 +838,9 @@ def _stop_elsewhere(conn: Connection, pgid: int, runner: int, *, kept: str | Non
         try:
             conn.ensure_open()
             if kept is not None:
-                r = _program.run(conn, STOP_KEPT_PROGRAM, KILL_GRACE, kept, timeout=KILL_GRACE + 10)
+                r = run_program(conn, STOP_KEPT_PROGRAM, KILL_GRACE, kept, timeout=KILL_GRACE + 10)
             else:
-                r = _program.run(conn, STOP_PROGRAM, KILL_GRACE, pgid, runner,
+                r = run_program(conn, STOP_PROGRAM, KILL_GRACE, pgid, runner,
                                  timeout=KILL_GRACE + 10)
             said.append(r.stdout.strip())
         except Exception as e:  # noqa: BLE001 - told in the message
@@ -938,7 +911,7 @@ class _Pool:
     def take(self, new: bool) -> "tuple[_Runner | None, list[_Runner]]":
         """An idle runner marked busy (a started one first), else a new one (``new``) while
         fewer than :data:`MAX_RUNNERS`; and the idle extras to close (past :data:`SPARE_IDLE`).
-        Called with ``_runners_lock`` held."""
+        Called with the connection's ``runners_lock`` held."""
         self.runners = [r for r in self.runners if not (r.dead or (r.ready and not r.alive))]
         idle = sorted((r for r in self.runners if not r.busy), key=lambda r: (r.ready, r.used))
         runner = idle.pop() if idle else None
@@ -954,15 +927,10 @@ class _Pool:
         return runner, stale
 
     def drop(self, runner: "_Runner") -> None:
-        """Close ``runner`` and forget it (called with ``_runners_lock`` held)."""
+        """Close ``runner`` and forget it (called with the connection's ``runners_lock`` held)."""
         runner.discard()
         if runner in self.runners:
             self.runners.remove(runner)
-
-
-#: The runners of each SSH transport.
-_runners: "weakref.WeakKeyDictionary[paramiko.Transport, _Pool]" = weakref.WeakKeyDictionary()
-_runners_lock = threading.Lock()
 
 
 class _NotStarted(Exception):
@@ -1011,8 +979,8 @@ def _take_runner(conn: Connection, *, new: bool = True) -> "_Runner | None":
         return None
     if _stop_abandoned_runner not in conn.after_abandon:
         conn.after_abandon.append(_stop_abandoned_runner)
-    with _runners_lock:
-        pool = _runners.setdefault(transport, _Pool())
+    with conn.runners_lock:
+        pool = conn.runners.setdefault(transport, _Pool())
         if pool.failed:
             return None
         runner, stale = pool.take(new)
@@ -1027,10 +995,10 @@ def _take_runner(conn: Connection, *, new: bool = True) -> "_Runner | None":
     except (paramiko.SSHException, EOFError, OSError, RemoteCommandError):
         pass
     except BaseException:
-        with _runners_lock:
+        with conn.runners_lock:
             pool.drop(runner)
         raise
-    with _runners_lock:
+    with conn.runners_lock:
         pool.drop(runner)
         # the first runner could not start (no Python 3, a refused login...): the old way
         # from now on; a later one (a channel refused past MaxSessions): this cell only
@@ -1043,11 +1011,11 @@ def _stop_abandoned_runner(conn: Connection, transport: paramiko.Transport) -> N
     machine over the new connection (its sshd keeps the old connection, and the runners with
     it, for hours); a cell one ran is stopped by its watchdog.  A runner that started or
     follows a kept cell is left alone: the cell re-attaches."""
-    with _runners_lock:
-        pool = _runners.pop(transport, None)
+    with conn.runners_lock:
+        pool = conn.runners.pop(transport, None)
     for runner in pool.runners if pool is not None else []:
         if runner.pid and runner.kept is None:
-            _program.run(conn, STOP_PROGRAM, KILL_GRACE, runner.cell_pid or 0, runner.pid,
+            run_program(conn, STOP_PROGRAM, KILL_GRACE, runner.cell_pid or 0, runner.pid,
                          timeout=KILL_GRACE + 10)
 
 
@@ -1059,8 +1027,8 @@ def prestart_runner(conn: Connection) -> None:
     if not USE_RUNNER or conn.transport is None:
         return
     transport = conn.transport
-    with _runners_lock:
-        pool = _runners.setdefault(transport, _Pool())
+    with conn.runners_lock:
+        pool = conn.runners.setdefault(transport, _Pool())
         if pool.failed or any(not r.dead for r in pool.runners):
             return
         runner = _Runner()
@@ -1068,7 +1036,7 @@ def prestart_runner(conn: Connection) -> None:
     try:
         runner.begin(conn)
     except BaseException as e:
-        with _runners_lock:
+        with conn.runners_lock:
             pool.drop(runner)
         if not isinstance(e, Exception):
             raise
@@ -1179,7 +1147,8 @@ class _Runner:
                 pass
 
     def run(self, conn: Connection, request: bytes, out: _Stream, err: _Stream,
-            timeout: float | None, start: float, *, kept: "_KeptCell | None" = None) -> int:
+            timeout: float | None, start: float, *, kept: "_KeptCell | None" = None,
+            interrupt_wait: float | None = None) -> int:
         """Run one cell (``request``: :func:`runner_request`); its exit status.  ``kept``: as
         a kept cell (a "K" request; started, or re-attached to when its id is known there).
 
@@ -1207,14 +1176,14 @@ class _Runner:
             self._ack()
             return code
         except _Timeout:
-            done = self._stop(conn, out, err)
+            done = self._stop(conn, out, err, interrupt_wait)
             self._ack()
             raise RemoteTimeout(
                 f"the command ran past its timeout of {timeout:g} s and was stopped",
                 "raise --timeout, or run it as a job (%%remote --job) if it is meant to run long",
             )
         except KeyboardInterrupt:
-            done = self._stop(conn, out, err)
+            done = self._stop(conn, out, err, interrupt_wait)
             self._ack()
             raise
         except (paramiko.SSHException, EOFError, OSError) as e:
@@ -1306,13 +1275,13 @@ class _Runner:
             except OSError:
                 pass  # swept on the machine later
 
-    def _stop(self, conn: Connection, out: _Stream, err: _Stream) -> bool:
+    def _stop(self, conn: Connection, out: _Stream, err: _Stream, interrupt_wait: float | None) -> bool:
         """Stop the cell as a terminal's Ctrl-C does, then harder (the runner's "S": SIGINT,
-        SIGTERM :func:`interrupt_wait` s later, SIGKILL :data:`KILL_GRACE` s after that), showing
+        SIGTERM ``interrupt_wait`` s later (:func:`_wait`), SIGKILL :data:`KILL_GRACE` s after that), showing
         what it prints meanwhile (its handler's, its ``finally:``'s); a further Ctrl-C here
         sends the next signal at once.  Drained to its exit status; True when the runner is
         ready for the next cell."""
-        wait = interrupt_wait()
+        wait = _wait(interrupt_wait)
         stop = f"{wait:g}".encode()
         out.capture = err.capture = False
         sent = 0
@@ -1518,6 +1487,20 @@ def exec_simple(conn: Connection, command: str, *, stdin: bytes | None = None,
     return RunResult(out.text, err.text, code, time.monotonic() - start, out.nbytes, err.nbytes)
 
 
+def run_program(conn: Connection, name: str, *args: object, stdin: bytes | None = None,
+                timeout: float | None = 60) -> RunResult:
+    """Run the machine-side program ``name`` (``gpumagic/remote/programs/NAME``: see
+    :mod:`gpumagic.remote.program`) with ``args`` and wait for it (one round trip; two with
+    ``stdin``).  Returns its :class:`RunResult` (a non-zero exit status is not raised).
+
+    Raises
+    ------
+    ConnectionLost, RemoteTimeout
+        As :func:`exec_simple`.
+    """
+    return exec_simple(conn, _program.command(name, *args), stdin=stdin, timeout=timeout)
+
+
 def start_program(chan: paramiko.Channel, command: str, *, timeout: float | None = 60) -> None:
     """Start the ``/bin/sh`` command line ``command`` on the session channel ``chan``, the
     way every gpumagic command starts (see the module docstring), and return once
@@ -1624,7 +1607,7 @@ def read_environment(conn: Connection, timeout: float = 15) -> tuple[dict[str, s
     lines (``HF_ENDPOINT`` from ``%gpu mirrors hf``), read in the same round trip.
     """
     try:
-        r = _program.run(conn, LOGIN_ENV_PROGRAM, _ENV_MARK, _SETTINGS_MARK, timeout=timeout)
+        r = run_program(conn, LOGIN_ENV_PROGRAM, _ENV_MARK, _SETTINGS_MARK, timeout=timeout)
     except RemoteTimeout:
         return {}, {}
     settings: dict[str, str] = {}

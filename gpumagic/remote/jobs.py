@@ -482,7 +482,8 @@ class Job:
         return r.stdout
 
     def follow(self, out: Callable[[str], None] | None = None,
-               alert: Callable[[Alert], None] | None = None, lines: int | None = 100) -> JobInfo:
+               alert: Callable[[Alert], None] | None = None, lines: int | None = 100, *,
+               grace: float | None = None) -> JobInfo:
         """Print the log (the last ``lines`` lines) and everything appended until the job ends.
 
         Parameters
@@ -496,6 +497,9 @@ class Job:
             began).
         lines : int or None
             Earlier lines to show first (None: the whole log).
+        grace : float, optional
+            Seconds the follow outlives a lost connection, re-attached over a new one (as a
+            cell's: :meth:`gpumagic.Machine.run`); 0: it stops when the connection is lost.
 
         Returns
         -------
@@ -526,7 +530,7 @@ class Job:
         try:
             r = self.machine.run(["/bin/sh", "-c", program.command(
                 "job-follow.sh", self.name, "all" if lines is None else int(lines), 1)],
-                                 quiet=True, stdout=sink, capture=False, cwd="")
+                                 quiet=True, stdout=sink, capture=False, cwd="", grace=grace)
         except ConnectionLost as e:
             raise ConnectionLost(
                 f"lost the connection to {self.machine.name} while following job {self.name}; "
@@ -743,9 +747,6 @@ def start(machine: MachineLike, name: str, command: str, options: JobOptions = J
     if res["status"] != "ok":
         raise JobError(f"could not start job {name!r} on {machine.name}: {res['detail'] or r.stderr.strip()}",
                        "check the remote HOME is writable (`df -h ~`)")
-    from .move import record_start
-
-    record_start(machine, name, command, options)  # what a later move or resume starts again
     note = ""
     if res["runner"] == "nohup":
         why = f" (tmux failed: {res['tmux_error']})" if res["tmux_error"] else f" (searched {searched})"

@@ -31,7 +31,7 @@ checkpoints stay on the laptop: a checkpoint is one entry of the folder (a file,
 such as Hugging Face's ``checkpoint-500/``), dated by its newest file's mtime.
 
 What was kept and when is recorded in the laptop's gpumagic data directory
-(``keep/MACHINE/JOB.json`` under :func:`gpumagic.budget.ledger.data_dir`; a
+(``keep/MACHINE/JOB.json`` under :func:`gpumagic.paths.data_dir`; a
 :class:`KeepRecord`), so that ``%gpu jobs`` says it after the notebook restarts (:func:`records`).
 
 The job's log is kept too, at most every :data:`LOG_EVERY` seconds and at the last look
@@ -54,7 +54,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 from .._fs import private_dir
 from .._stored import Stored, opt_float
@@ -262,7 +262,7 @@ class KeepRecord(Stored):
 
 def record_dir(machine_name: str) -> Path:
     """``keep/MACHINE`` under gpumagic's data directory (the name %-quoted)."""
-    from ..budget.ledger import data_dir
+    from ..paths import data_dir
 
     return data_dir() / "keep" / urllib.parse.quote(machine_name, safe="")
 
@@ -365,6 +365,37 @@ def unit(rel: str) -> str:
     return rel.split("/", 1)[0]
 
 
+class Reach(Protocol):
+    """What a keeper tells, and asks of, the record of when each machine was last reached and
+    of what a move starts again (:mod:`gpumagic.remote.move` keeps both; the machine hands
+    it in as :class:`Keepers`' ``reach``, so that this module imports nothing above it)."""
+
+    @property
+    def probe_every(self) -> float:
+        """Seconds between looks while the machine does not answer (its loss noticed in time)."""
+        ...
+
+    def unreachable(self, error: Exception) -> bool:
+        """Whether ``error`` says the machine was not reached (refused, timed out, lost)."""
+        ...
+
+    def started(self, machine_name: str, job: str, options: KeepOptions, local: str) -> None:
+        """A keeper started: what a move keeps again."""
+        ...
+
+    def seen(self, machine_name: str) -> None:
+        """The machine answered a look now."""
+        ...
+
+    def failed(self, machine_name: str, error: Exception, at: float) -> None:
+        """A look begun at ``at`` (epoch seconds) did not reach the machine."""
+        ...
+
+    def lost(self, machine_name: str) -> object | None:
+        """Why the machine counts as lost now (a truthy value that reads as text), or None."""
+        ...
+
+
 class Keeper:
     """Keeps one job's checkpoint folder on the laptop while the notebook runs (see the module).
 
@@ -377,6 +408,8 @@ class Keeper:
         The job's working directory as given to :func:`gpumagic.remote.jobs.start` ("" for
         the login directory).
     options : KeepOptions
+    reach : Reach
+        Told of each look, asked whether the machine is lost (:class:`Reach`).
 
     Attributes
     ----------
@@ -388,9 +421,10 @@ class Keeper:
         The last look's failure ("" after a look that worked); the keeper tries again.
     """
 
-    def __init__(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions,
+    def __init__(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions, reach: Reach,
                  run: int | None = None, since: float | None = None):
         self.machine, self.job, self.cwd, self.options = machine, job, cwd, options
+        self.reach = reach
         #: The run it keeps: a number for a new start of the job (:func:`next_run`), None for
         #: the same run going on (a resume, a move, a standby armed again)
         self.run = run
@@ -458,11 +492,9 @@ class Keeper:
     # -- life cycle -----------------------------------------------------------------------
 
     def start(self) -> "Keeper":
-        from .move import record_keep
-
         os.makedirs(self.stage, exist_ok=True)
         self._save()
-        record_keep(self.machine.name, self.job, self.options, self.to)  # what a move keeps again
+        self.reach.started(self.machine.name, self.job, self.options, self.to)  # what a move keeps again
         self._thread.start()
         return self
 
@@ -485,8 +517,6 @@ class Keeper:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def _loop(self) -> None:
-        from . import move
-
         try:
             while not self._stop.is_set():
                 ended = False
@@ -506,10 +536,10 @@ class Keeper:
                             return
                 except Exception as e:  # the connection went, a disk filled: said, then tried again
                     self.error = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
-                    if isinstance(e, move.UNREACHABLE):  # %gpu jobs counts the machine lost from these
+                    if self.reach.unreachable(e):  # %gpu jobs counts the machine lost from these
                         self.unreachable = True
-                        move.note_failed(self.machine.name, move.why(e), begun)
-                        lost = move.lost_for(self.machine.name) if self.fallback is not None else None
+                        self.reach.failed(self.machine.name, e, begun)
+                        lost = self.reach.lost(self.machine.name) if self.fallback is not None else None
                         if lost:
                             self._lost(str(lost), answers=False)
                             return
@@ -543,11 +573,9 @@ class Keeper:
     def _next_wait(self) -> float:
         """``every``, or sooner when a file written in place will have settled before that,
         or while the machine does not answer (so that its loss is noticed in time)."""
-        from .move import reaching
-
         wait = self.options.every
         if self.unreachable:
-            wait = min(wait, reaching.PROBE_EVERY)
+            wait = min(wait, self.reach.probe_every)
         if self._seen:
             wait = min(wait, max(self.settle / 2, 0.05))
         return wait
@@ -614,9 +642,7 @@ class Keeper:
                                 f"{r.stderr.strip() or r.stdout.strip()}", "it is tried again at the next look")
         listing = parse_listing(r.stdout)
         self._root = listing.root
-        from .move import note_seen
-
-        note_seen(self.machine.name)
+        self.reach.seen(self.machine.name)
         with self._lock:
             self.looks += 1
             self.record.last_look = time.time()  # on disk too: the job was alive then (%gpu jobs)
@@ -779,10 +805,12 @@ def _remove_empty_dirs(top: str) -> None:
 
 
 class Keepers:
-    """The keepers of one machine (:attr:`gpumagic.machine.Machine.keepers`): job name -> Keeper."""
+    """The keepers of one machine (:attr:`gpumagic.machine.Machine.keepers`): job name -> Keeper.
+    ``reach``: what each keeper tells of the machine's answers (:class:`Reach`)."""
 
-    def __init__(self):
+    def __init__(self, reach: Reach):
         self.by_job: dict[str, Keeper] = {}
+        self.reach = reach
 
     def start(self, machine: MachineLike, job: str, cwd: str, options: KeepOptions,
               run: int | None = None, since: float | None = None) -> Keeper:
@@ -792,7 +820,7 @@ class Keepers:
         old = self.by_job.pop(job, None)
         if old is not None:
             old.stop("a new job of that name started")
-        k = self.by_job[job] = Keeper(machine, job, cwd, options, run, since).start()
+        k = self.by_job[job] = Keeper(machine, job, cwd, options, self.reach, run, since).start()
         return k
 
     def get(self, job: str) -> Keeper | None:

@@ -7,8 +7,9 @@ machine's ``/bin/sh`` after the shared library ``lib.sh`` (zombie-aware ``gm_ali
 ``gm_find`` for tools outside a non-login PATH, ``gm_python``) with its arguments as ``$1``,
 ``$2``, ...; a Python program (``NAME.py``) runs under the machine's ``python3`` with its
 arguments in ``sys.argv[1:]``.  The command travels to ``/bin/sh`` on the channel's stdin
-(:func:`gpumagic.remote.execution.exec_simple`), so no login shell (fish, tcsh) re-reads it,
-and arguments are quoted for ``/bin/sh`` alone.  Arguments are visible in the machine's
+(:func:`gpumagic.remote.execution.run_program`, :func:`~gpumagic.remote.execution.exec_simple`),
+so no login shell (fish, tcsh) re-reads it, and arguments are quoted for ``/bin/sh`` alone.
+This module is the programs' text only; running them is :mod:`gpumagic.remote.execution`'s.  Arguments are visible in the machine's
 ``/proc/PID/cmdline``: secrets go through ``stdin``, never as arguments.
 """
 
@@ -51,18 +52,3 @@ def command(name: str, *args: object) -> str:
     if name.endswith(".sh"):
         return f"{lib}\nset -- {quoted}\n{source(name)}"
     raise ValueError(f"program {name!r} is neither .sh nor .py")
-
-
-def run(conn, name: str, *args: object, stdin: bytes | None = None, timeout: float | None = 60):
-    """Run program ``name`` with ``args`` on the machine and wait for it (one round trip; two
-    with ``stdin``).  Returns :class:`gpumagic.remote.execution.RunResult` (exit status
-    included: a non-zero status is not raised).
-
-    Raises
-    ------
-    ConnectionLost, RemoteTimeout
-        As :func:`gpumagic.remote.execution.exec_simple`.
-    """
-    from .execution import exec_simple
-
-    return exec_simple(conn, command(name, *args), stdin=stdin, timeout=timeout)

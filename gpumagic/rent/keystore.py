@@ -48,7 +48,7 @@ class KeyStore:
 
     def __init__(self, directory: str | os.PathLike | None = None, *, use_keyring: bool | None = None):
         if directory is None:
-            from ..budget.ledger import data_dir
+            from ..paths import data_dir
 
             directory = data_dir() / "keys"
         self.dir = Path(directory)

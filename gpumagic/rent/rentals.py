@@ -29,7 +29,7 @@ POLL_S = 5.0
 
 
 def _data_dir() -> Path:
-    from ..budget.ledger import data_dir
+    from ..paths import data_dir
 
     return data_dir()
 

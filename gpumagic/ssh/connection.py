@@ -21,9 +21,10 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import paramiko
 
@@ -227,6 +228,14 @@ class Connection:
         #: Content hashes of programs that this connection has kept on the machine (the sync
         #: agent): sent whole once, then run from there.  Emptied at each (re-)open.
         self.kept_programs: set[str] = set()
+        #: The cell runners of each transport (:mod:`gpumagic.remote.execution`'s pools, one
+        #: per transport: a runner lives on the path that started it), under :attr:`runners_lock`.
+        self.runners: "weakref.WeakKeyDictionary[paramiko.Transport, Any]" = weakref.WeakKeyDictionary()
+        self.runners_lock = threading.Lock()
+        #: The sync agents started on each transport and not known to have ended: their nonces
+        #: (:func:`gpumagic.sync.engine.stop_cut_agents`), under :attr:`agents_lock`.
+        self.agents: dict[paramiko.Transport, set[str]] = {}
+        self.agents_lock = threading.Lock()
         #: Messages for the user from the last open (e.g. a host key that was trusted).
         self.notes: list[str] = []
         #: (message, hint) when this connection must not open again (a stopped sandbox).

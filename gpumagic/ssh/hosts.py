@@ -267,9 +267,9 @@ def default_identity_files(home: str | os.PathLike | None = None) -> list[str]:
 # -- a pasted ``ssh ...`` command line ---------------------------------------------------
 
 #: ssh(1) options that take an argument (OpenSSH 9.2 ``getopt`` string, ``ssh.c``).
-_SSH_OPTS_WITH_ARG = set("BbcDEeFIiJLlmOopQRSWw")
+_SSH_OPTS_WITH_ARG = frozenset("BbcDEeFIiJLlmOopQRSWw")
 #: ssh(1) options without an argument.
-_SSH_FLAGS = set("246AaCfGgKkMNnPqsTtVvXxYy")
+_SSH_FLAGS = frozenset("246AaCfGgKkMNnPqsTtVvXxYy")
 
 #: ``-o`` keywords gpumagic honours, lower case -> canonical ssh_config spelling.
 HONOURED_KEYWORDS = {k.lower(): k for k in (

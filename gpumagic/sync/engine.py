@@ -35,7 +35,6 @@ import stat
 import struct
 import threading
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Callable, Iterable
 import paramiko
 
 from . import agent, laptop
-from .._format import duration
+from .._format import count, duration, format_bytes
 from .._options import Options
 from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
 from ..remote import execution
@@ -168,9 +167,76 @@ class SyncSummary:
     reconnects: int = 0
 
     def __str__(self) -> str:
-        from ..notebook.display import sync_summary_text
+        return summary_text(self)
 
-        return sync_summary_text(self)
+
+def _paths(label: str, paths: list[str], limit: int = 20) -> list[str]:
+    if not paths:
+        return []
+    lines = [f"{label} ({len(paths)}):"] + [f"  {p}" for p in paths[:limit]]
+    if len(paths) > limit:
+        lines.append(f"  ... and {len(paths) - limit} more")
+    return lines
+
+
+def summary_text(s: SyncSummary) -> str:
+    """The summary of a :class:`gpumagic.sync.SyncSummary`: one line, then the paths deleted
+    (or, for a dry run, those that would be sent and deleted)."""
+    arrow = f"{s.source} -> {s.destination}"
+    if s.dry_run:
+        head = (f"dry run, nothing changed: {arrow}: would send {count(len(s.would_send), 'file')}, "
+                f"delete {len(s.deleted)}, {s.skipped} unchanged")
+        lines = [head] + _paths("would send", s.would_send) + _paths("would delete", s.deleted)
+        return "\n".join(lines + _kept_dirs(s) + _unreadable(s))
+    wire = getattr(s, "wire_bytes", None)  # compressed: what the data took on the wire
+    sent = (f"{format_bytes(s.bytes_sent)}, {format_bytes(wire)} sent" if wire is not None
+            else f"{format_bytes(s.bytes_sent)} sent")
+    head = (f"{s.direction} {arrow}: {count(s.files_sent, 'file')}, {sent}"
+            + (f" (+{format_bytes(s.bytes_resumed)} resumed)" if s.bytes_resumed else "")
+            + f", {s.skipped} unchanged"
+            + (f", {len(s.deleted)} deleted" if s.deleted else "")
+            + (f", {len(s.newer)} newer at destination kept" if s.newer else "")
+            + (f", resumed after {count(s.reconnects, 'reconnect')}" if getattr(s, "reconnects", 0) else "")
+            + f" in {duration(s.seconds)}")
+    return "\n".join([head] + _paths("deleted", s.deleted) + _kept_dirs(s) + _unreadable(s) + _laptop_notes(s))
+
+
+def _kept_dirs(s) -> list[str]:
+    """Folders at the destination a file of the source would have replaced, kept: they hold files."""
+    kept = getattr(s, "kept_dirs", None) or []
+    if not kept:
+        return []
+    return [f"kept {count(len(kept), 'folder')} where the source has a file of that name (it holds "
+            "files; the file was not sent: move the folder away, or sync with --delete, which replaces "
+            "it unless the ignore rules protect a file in it): "
+            + ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")]
+
+
+def _unreadable(s) -> list[str]:
+    """Source entries left out: unreadable (an error, rsync's 23), vanished while the sync
+    ran (a warning, rsync's "file has vanished", its 24), special files (rsync -a's
+    "skipping non-regular file")."""
+    vanished = getattr(s, "vanished", None) or {}
+    specials = getattr(s, "specials", None) or {}
+    return (_paths("could not read, not synced", [f"{p}: {why}" for p, why in s.unreadable.items()])
+            + _paths("file has vanished, not synced", list(vanished))
+            + _paths("skipping non-regular file", [f"{p} ({what})" for p, what in specials.items()]))
+
+
+def _laptop_notes(s) -> list[str]:
+    """What this computer's folder could not hold as the machine has it: one line each."""
+    out = []
+    refused = getattr(s, "links_refused", None) or {}
+    if refused:
+        shown = ", ".join(f"{p} -> {t}" for p, t in list(refused.items())[:5])
+        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
+        out.append(f"{count(len(refused), 'symlink')} not made here, this computer refused them: {shown}{more} "
+                   "(Windows makes symlinks with Developer Mode on, or as administrator; then sync again)")
+    renamed = getattr(s, "renamed", None) or {}
+    if renamed:
+        out += _paths("written under another name (this folder ignores case)",
+                      [f"{p} -> {q}" for p, q in renamed.items()])
+    return out
 
 
 @dataclass
@@ -681,18 +747,12 @@ class _Channel:
 
 # -- agents a cut connection left on the machine -------------------------------------------
 
-#: The agents started and not known to have ended, by connection and transport: their
-#: nonces (see :func:`stop_cut_agents`).
-_agents: "weakref.WeakKeyDictionary[object, dict[paramiko.Transport, set[str]]]" = weakref.WeakKeyDictionary()
-_agents_lock = threading.Lock()
-
-
 def _started(conn, nonce: str) -> paramiko.Transport | None:
     """Note that an agent started with ``nonce`` runs on ``conn``'s transport; that transport."""
     t = conn.transport
     if t is not None:
-        with _agents_lock:
-            _agents.setdefault(conn, {}).setdefault(t, set()).add(nonce)
+        with conn.agents_lock:  # (see :func:`stop_cut_agents`)
+            conn.agents.setdefault(t, set()).add(nonce)
     return t
 
 
@@ -703,12 +763,12 @@ def _ended(conn, t: paramiko.Transport, nonce: str, exited: bool) -> None:
     its part file) would run on for hours."""
     if not (exited or t.is_active()):
         return
-    with _agents_lock:
-        nonces = _agents.get(conn, {}).get(t)
+    with conn.agents_lock:
+        nonces = conn.agents.get(t)
         if nonces is not None:
             nonces.discard(nonce)
             if not nonces:
-                del _agents[conn][t]
+                del conn.agents[t]
 
 
 def stop_cut_agents(machine) -> int:
@@ -725,8 +785,8 @@ def stop_cut_agents(machine) -> int:
         The connection was lost again (the agents stay noted).
     """
     conn = machine.connection
-    with _agents_lock:
-        mine = _agents.get(conn, {})
+    with conn.agents_lock:
+        mine = conn.agents
         dead = {t: mine.pop(t) for t in list(mine) if t is not conn.transport and not t.is_active()}
     if not dead:
         return 0
@@ -741,9 +801,9 @@ def stop_cut_agents(machine) -> int:
         finally:
             ch.close()
     except (ConnectionLost, KeyboardInterrupt):
-        with _agents_lock:  # tried again at the next reconnect, or by the next sync
+        with conn.agents_lock:  # tried again at the next reconnect, or by the next sync
             for t, nonces in dead.items():
-                _agents.setdefault(conn, {}).setdefault(t, set()).update(nonces)
+                conn.agents.setdefault(t, set()).update(nonces)
         raise
     except (GpumagicError, ValueError) as e:  # the resume works without it, only slower
         log.warning("sync with %s: could not stop the agents of a cut connection: %s", machine.name, e)
@@ -766,10 +826,10 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
     path = rec.get("path", "?")
     mount = rec.get("mount")
     on = f" on {where}" if where else ""
-    at = f" (mount {mount}" + (f", {_fmt_bytes(rec['free'])} free)" if "free" in rec else ")") if mount else ""
+    at = f" (mount {mount}" + (f", {format_bytes(rec['free'])} free)" if "free" in rec else ")") if mount else ""
     code = rec.get("errno", "")
     if code in ("ENOSPC", "EDQUOT"):
-        removed = f"; its partial copy ({_fmt_bytes(rec['removed'])}) was removed, so the space is free again" \
+        removed = f"; its partial copy ({format_bytes(rec['removed'])}) was removed, so the space is free again" \
             if rec.get("removed") else ""
         return SyncDiskFull(f"disk full{on} writing {path}{at}{removed}",
                             f"free space on {mount or 'that disk'} (old checkpoints?) or sync elsewhere, then "
@@ -794,12 +854,6 @@ def agent_error(rec: dict, where: str, doing: str = "writing") -> Exception:
                          "drop a trailing / to copy a file itself, or check the path")
     return SyncError(f"sync failed{on} at {path}{at}: {rec.get('error')}",
                      "run the sync again; completed files are kept")
-
-
-def _fmt_bytes(n: float) -> str:
-    from ..notebook.display import format_bytes
-
-    return format_bytes(n)
 
 
 #: The hint of every lost connection during a sync.
@@ -1044,11 +1098,11 @@ def _round_trip(machine) -> float:
 def _retuned(machine, what: str, z: agent.ZWriter) -> None:
     """Log the level changes of a push's compressor (the link or the compressor was slower)."""
     for at, level in z.changes:
-        log.info("sync with %s: %s: %s from %s on (%s)", machine.name, what, agent.codec_name(level), _fmt_bytes(at),
+        log.info("sync with %s: %s: %s from %s on (%s)", machine.name, what, agent.codec_name(level), format_bytes(at),
                  "the link waited for the compressor" if level < z.top else "the compressor waited for the link")
     for at, codec in z.trials:
         log.info("sync with %s: %s: %s from %s on (a trial of both made it smaller)", machine.name, what, codec,
-                 _fmt_bytes(at))
+                 format_bytes(at))
 
 
 class _Direct:
@@ -1701,7 +1755,7 @@ def _guard_delete(machine, pushing: bool, sides: "_Sides", plan: Plan, options: 
         here = os.path.realpath(root)
         home = here == os.path.realpath(os.path.expanduser("~"))
         try:
-            from ..budget.ledger import data_dir
+            from ..paths import data_dir
 
             mine = os.path.realpath(data_dir())
             if here == mine or here.startswith(mine + os.sep):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 from ..errors import GpumagicError, TunnelError
 from .forward import Tunnel
+from .ports import is_loopback, machine_is_this_computer
 from .reverse import ReverseTunnel
 from .services import stop_remote_service
 
@@ -159,27 +158,3 @@ class TunnelManager:
 
     def __len__(self) -> int:
         return len(self.tunnels)
-
-
-def is_loopback(host: str) -> bool:
-    """True for a name or address that means "this computer" to whoever connects to it
-    (``localhost``, 127.0.0.0/8, ``::1``, and 0.0.0.0 / ``::``, which Linux connects to
-    as loopback)."""
-    host = host.strip("[]").lower()
-    if host in ("localhost", "localhost.localdomain", "ip6-localhost") or host.endswith(".localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return ip.is_loopback or ip.is_unspecified
-
-
-def machine_is_this_computer(connection) -> bool:
-    """True when the machine's SSH address is this computer's loopback (the sandbox, a
-    local test server) with no ProxyJump: its ``localhost`` is then ours too.  (An
-    ``ssh -L`` forward to another computer looks the same; treating it as here only moves
-    a tunnel to another local port.)"""
-    spec = connection.spec
-    return not spec.proxy_jump and is_loopback(spec.hostname)
-

@@ -1,4 +1,5 @@
-"""Local ports for tunnels: checking a wanted one, and binding one on 127.0.0.1.
+"""Local ports for tunnels: checking a wanted one, binding one on 127.0.0.1, and telling
+loopback addresses (a machine that is this computer: the loop guard's question).
 
 A tunnel listens on ``127.0.0.1`` only, never on all interfaces.  A wanted port that is
 taken moves the tunnel to one of the next ports, else to any free one; the caller says which
@@ -8,6 +9,7 @@ ports must never be used (see :meth:`gpumagic.tunnel.manager.TunnelManager.open`
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import sys
 
@@ -82,3 +84,25 @@ def _ipv6_loopback_taken(port: int) -> bool:
     finally:
         s.close()
 
+
+def is_loopback(host: str) -> bool:
+    """True for a name or address that means "this computer" to whoever connects to it
+    (``localhost``, 127.0.0.0/8, ``::1``, and 0.0.0.0 / ``::``, which Linux connects to
+    as loopback)."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def machine_is_this_computer(connection) -> bool:
+    """True when the machine's SSH address is this computer's loopback (the sandbox, a
+    local test server) with no ProxyJump: its ``localhost`` is then ours too.  (An
+    ``ssh -L`` forward to another computer looks the same; treating it as here only moves
+    a tunnel to another local port.)"""
+    spec = connection.spec
+    return not spec.proxy_jump and is_loopback(spec.hostname)

@@ -50,9 +50,10 @@ import threading
 import paramiko
 
 from ..errors import ConnectionLost, GpumagicError, TunnelError
-from ..remote import program
+from ..remote.execution import run_program
 from ..ssh._paramiko import close_without_eof, send_eof, sendall_ordered, transport_dropped
 from .forward import CHUNK, TunnelBase, _Workers
+from .ports import is_loopback, machine_is_this_computer
 
 #: The only address a reverse tunnel listens on, on the machine.
 LISTEN_HOST = "127.0.0.1"
@@ -72,7 +73,7 @@ FORBIDDEN_HINT = ("where you administer the machine: `AllowTcpForwarding yes` in
 def listening_addresses(connection, port: int) -> list[str] | None:
     """The addresses that listen on TCP ``port`` on the machine (one round trip); None when
     the machine cannot tell (no ``/proc/net/tcp``: not Linux)."""
-    r = program.run(connection, LISTENERS_PROGRAM, port, timeout=connection.spec.connect_timeout)
+    r = run_program(connection, LISTENERS_PROGRAM, port, timeout=connection.spec.connect_timeout)
     lines = r.stdout.split()
     if r.exit_code != 0 or "noproc" in lines:
         return None
@@ -170,8 +171,6 @@ class ReverseTunnel(TunnelBase):
             return self
         if self._state != "new":
             raise TunnelError(f"{self.label} was closed", "open a new one")
-        from .manager import is_loopback, machine_is_this_computer
-
         port = self.wanted_port
         if (machine_is_this_computer(self.connection) and is_loopback(self.local_host)
                 and port == self.local_port):
@@ -229,8 +228,6 @@ class ReverseTunnel(TunnelBase):
 
     def _check_loopback_only(self) -> None:
         """Close the listener and raise when the machine's sshd bound it beyond loopback."""
-        from .manager import is_loopback
-
         port = self.remote_port
         assert port is not None
         listening = listening_addresses(self.connection, port)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import GpumagicError, TunnelError
 from ..remote import program
+from ..remote.execution import run_program
 from .ports import check_local_port
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ def stop_remote_service(connection, service: RemoteService) -> None:
     data server too), and remove its record (``tunnel-stop-service.sh``); a service gpumagic
     did not start is left alone."""
     if service.ours:
-        program.run(connection, "tunnel-stop-service.sh", int(service.pid), timeout=30)
+        run_program(connection, "tunnel-stop-service.sh", int(service.pid), timeout=30)
 
 
 def open_service_tunnel(machine: MachineLike, start: Callable[[], RemoteService], *, local_port: int | None,

@@ -40,7 +40,9 @@ move NAME`` arrives.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -50,14 +52,14 @@ from traitlets import Float, Int, Unicode
 from ...errors import Interrupted, RemoteCommandError
 from ...gpu.doctor import failure_hint
 from ...fleet import Fleet
-from ...remote.execution import INTERRUPT_WAIT, cell_grace, cell_interrupt_wait
+from ...remote.execution import INTERRUPT_WAIT
 from ._args import (GB, GRACE_S, LIMIT, LINES, LOCAL_PORT, MINUTES, MONEY, PORT, TIMEOUT_S, Subcommands, checkpoint_args,
-                    env_pairs, host_arg, number, out_arg, parse, returns_after_help, split_args)
+                    env_pairs, host_arg, keep_given, number, out_arg, parse, returns_after_help, split_args)
 from ._output import OutputCap
 from .budget import BUDGET, GUARD_ALERT_POLL, _budget_post_run_cell, budget_alert_hook
 from .connect import _cd, _connect, _disconnect, _forget, _hosts, hosts_table, split_pasted_ssh
 from .gpu import _doctor, _fit, _status
-from .jobs import JOB, _attach, _jobs, _kill, _logs, _moves_post_run_cell, _remote_job, keep_given
+from .jobs import JOB, _attach, _jobs, _kill, _logs, _moves_post_run_cell, _remote_job
 from .keys import _add_host, _install_key, _keygen, show_public_key
 from .net import PROXY, _mirrors
 from .rent import PROVIDER, _offers, _release, _rent, _rentals, _start, _stop
@@ -115,6 +117,23 @@ SUBCOMMANDS = Subcommands("%gpu", {
    outro="`%gpu NAME -h` (or `%gpu help NAME`) shows a sub-command's options.")
 
 
+@dataclass
+class NotebookState:
+    """What this notebook remembers between cells (one per :class:`GpuMagics`, so a second
+    notebook, a reload of the extension and each test start empty)."""
+
+    #: What happened to jobs in the background (a move by ``--fallback``, a machine cleaned
+    #: after a move), said after the next cell (:mod:`.jobs`).
+    job_events: list[str] = field(default_factory=list)
+    #: The budget alerts already shown, by machine (:func:`.budget.budget_alert_hook`).
+    budget_seen: dict = field(default_factory=dict)
+    #: Job alerts already shown: (job name, alert kind) -> the start times of the jobs of that
+    #: name it was shown for (:func:`gpumagic.notebook.display.first_alert`).
+    alerts_shown: dict[tuple[str, str], set[float | None]] = field(default_factory=dict)
+    #: Each session's comm bridge (:mod:`gpumagic.notebook.comms`), by the session, gone with it.
+    bridges: "weakref.WeakKeyDictionary[Any, Any]" = field(default_factory=weakref.WeakKeyDictionary)
+
+
 @magics_class
 class GpuMagics(Magics):
     """``%gpu`` and ``%%remote``: run notebook cells on a rented GPU machine over SSH."""
@@ -161,7 +180,10 @@ class GpuMagics(Magics):
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
-        self.fleet = Fleet()
+        #: What this notebook remembers between cells.
+        self.state = NotebookState()
+        # a session of a machine connected here displays its rich output in this notebook
+        self.fleet = Fleet(kernel_output=self._kernel_output)
         #: machine name -> running ``%gpu status --watch`` (a gpu.Watcher)
         self.status_watchers: dict = {}
         #: True once :meth:`close` ran (the extension was unloaded)
@@ -173,6 +195,13 @@ class GpuMagics(Magics):
                          _moves_post_run_cell(self)):
                 shell.events.register("post_run_cell", hook)
                 self._hooks.append(("post_run_cell", hook))
+
+    def _kernel_output(self):
+        """The output of a session call that names none (``m.kernel().execute(...)``):
+        displayed in this notebook, as ``%%remote --kernel`` does."""
+        from .kernel import NotebookOutput
+
+        return NotebookOutput(bridges=self.state.bridges)
 
     def close(self) -> None:
         """Unregister the post-cell hooks, stop ``--watch`` threads, close every connection.
@@ -277,13 +306,13 @@ class GpuMagics(Magics):
         machine = self.fleet.get(args.host)
         echo = OutputCap(self.max_display_bytes)
         try:
-            with cell_grace(self.grace if args.grace is None else args.grace), \
-                    cell_interrupt_wait(self.interrupt_wait):
-                # kept whole only for --out; else the last 64 KiB of each stream (the error's
-                # and the failure hint's), so a cell printing gigabytes costs no memory here
-                result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
-                                     timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr,
-                                     capture=True if args.out else UNKEPT_TAIL)
+            # kept whole only for --out; else the last 64 KiB of each stream (the error's
+            # and the failure hint's), so a cell printing gigabytes costs no memory here
+            result = machine.run(cell, python=args.python, cwd=args.cwd, env=env_pairs(args.env),
+                                 timeout=args.timeout, stdout=echo.stdout, stderr=echo.stderr,
+                                 capture=True if args.out else UNKEPT_TAIL,
+                                 grace=self.grace if args.grace is None else args.grace,
+                                 interrupt_wait=self.interrupt_wait)
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; the cell's processes on {machine.name} were stopped") from None
         echo.finish()

@@ -26,6 +26,10 @@ from IPython.core.magic_arguments import argument
 
 from ... import localpath
 from ...budget.prices import MAX_AMOUNT, MAX_GB, MAX_RATE
+from ...errors import JobError
+from ...remote.jobs import JobOptions, parse_stop_on
+from ...remote.keep import KeepOptions
+from ...sync.engine import SyncOptions
 
 
 def split_args(line: str, *, windows: bool | None = None) -> list[str]:
@@ -399,3 +403,57 @@ def parse(fn, line: str, name: str | None = None, *, cell: bool = False) -> argp
             raise UsageError(f"argument {'/'.join(action.option_strings)}: expected one value, not '--'")
     check_out(getattr(args, "out", None))
     return args
+
+
+# -- the options of a job and of a sync, read by one machine's magics and by torchrun's -------
+
+
+#: The ``--keep`` options (``%%remote --job NAME --keep DIR ...``): option -> attribute.
+_KEEP_OPTIONS = {"--keep-every": "keep_every", "--keep-to": "keep_to", "--keep-last": "keep_last",
+                 "--keep-settle": "keep_settle"}
+
+
+def keep_given(args) -> bool:
+    """Whether the line gave ``--keep`` or one of its options (``--fallback`` among them)."""
+    return getattr(args, "keep", None) is not None or getattr(args, "fallback", None) is not None or any(
+        getattr(args, a, None) is not None for a in _KEEP_OPTIONS.values())
+
+
+def keep_options(args) -> KeepOptions | None:
+    """The :class:`KeepOptions` of the ``--keep`` options (None without ``--keep``); raises
+    exactly ``UsageError`` for an option of ``--keep`` without it, or a bad value."""
+    if args.keep is None:
+        given = [o for o, a in _KEEP_OPTIONS.items() if getattr(args, a) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} need --keep DIR (e.g. --keep ckpt/)")
+        return None
+    options = {k: v for k, v in (("every", args.keep_every), ("to", args.keep_to), ("last", args.keep_last),
+                                 ("settle", args.keep_settle)) if v is not None}
+    try:
+        return KeepOptions(args.keep, **options)
+    except JobError as e:
+        raise UsageError(f"{e.message}; {e.hint}") from None
+
+
+def job_options(args, **changes) -> JobOptions:
+    """The :class:`JobOptions` of ``%%remote --job``'s options (``changes`` on top); raises
+    exactly ``UsageError`` for a bad ``--stop-on`` or ``--env``."""
+    try:
+        stop_on = parse_stop_on(args.stop_on)
+    except Exception as e:
+        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
+    resume_arg = getattr(args, "resume_arg", None)
+    if resume_arg is not None and not resume_arg.strip():
+        raise UsageError('--resume-arg is empty: give the words that continue from a checkpoint, '
+                         'e.g. --resume-arg "--resume {checkpoint}"')
+    return JobOptions(python=args.python, cwd=args.cwd, env=env_pairs(args.env), stop_on=stop_on,
+                      then_shutdown=args.then_shutdown, alerts=not args.no_alerts,
+                      resume_arg=resume_arg).with_(**changes)
+
+
+def sync_options(args) -> SyncOptions:
+    """The :class:`gpumagic.sync.engine.SyncOptions` of ``%gpu sync``'s flags."""
+    return SyncOptions(delete=args.delete, exclude=tuple(args.exclude), ignore_files=args.ignore_files,
+                            dry_run=args.dry_run, checksum=args.checksum, update=args.update,
+                            compress=args.compress, rename_clashes=bool(getattr(args, "rename_clashes", False)),
+                            max_delete=0 if getattr(args, "yes", False) else None)

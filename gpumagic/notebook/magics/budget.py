@@ -189,7 +189,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     grace = _usage(budget.parse_duration, args.grace)
     status = m.budget_guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
-    magics._budget_seen = {}
+    magics.state.budget_seen.clear()
     note = (f"armed on {m.name}; its log: {guard_log_path(m)} there; "
             "`%gpu budget guard --cancel` disarms it")
     if m.is_this_computer:
@@ -338,9 +338,7 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None,
     ledger = budget.Ledger()
     if not magics.fleet.machines or not ledger.path.exists():
         return shown
-    seen = getattr(magics, "_budget_seen", None)
-    if seen is None:
-        seen = magics._budget_seen = {}
+    seen = magics.state.budget_seen
     for name, m in list(magics.fleet.machines.items()):
         reading, crossed = budget.check_alerts(ledger, name, now=now)
         if crossed:

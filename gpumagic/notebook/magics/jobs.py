@@ -10,14 +10,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
 
-from ...errors import Interrupted, JobError, NotConnected
+from ...errors import Interrupted, NotConnected
 from ...remote import move
 from ...remote.keep import KeepOptions, records as keep_records
-from ...remote.jobs import NAME_RE, JobOptions, parse_stop_on, scan_alerts
+from ...remote.jobs import NAME_RE, scan_alerts
 from .. import display
 from ..display import (SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table, keep_line,
                        keep_started)
-from ._args import LINES, Subcommands, env_pairs, host_arg, number, parse
+from ._args import LINES, Subcommands, host_arg, job_options, keep_options, number, parse
 
 if TYPE_CHECKING:
     from . import GpuMagics
@@ -27,49 +27,6 @@ def _job_name(name: str) -> str:
     if not NAME_RE.fullmatch(name):
         raise UsageError(f"{name!r} is not a job name: use letters, digits, '-' and '_' (see `%gpu jobs`)")
     return name
-
-
-#: The ``--keep`` options (``%%remote --job NAME --keep DIR ...``): option -> attribute.
-_KEEP_OPTIONS = {"--keep-every": "keep_every", "--keep-to": "keep_to", "--keep-last": "keep_last",
-                 "--keep-settle": "keep_settle"}
-
-
-def keep_given(args) -> bool:
-    """Whether the line gave ``--keep`` or one of its options (``--fallback`` among them)."""
-    return getattr(args, "keep", None) is not None or getattr(args, "fallback", None) is not None or any(
-        getattr(args, a, None) is not None for a in _KEEP_OPTIONS.values())
-
-
-def keep_options(args) -> KeepOptions | None:
-    """The :class:`KeepOptions` of the ``--keep`` options (None without ``--keep``); raises
-    exactly ``UsageError`` for an option of ``--keep`` without it, or a bad value."""
-    if args.keep is None:
-        given = [o for o, a in _KEEP_OPTIONS.items() if getattr(args, a) is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} need --keep DIR (e.g. --keep ckpt/)")
-        return None
-    options = {k: v for k, v in (("every", args.keep_every), ("to", args.keep_to), ("last", args.keep_last),
-                                 ("settle", args.keep_settle)) if v is not None}
-    try:
-        return KeepOptions(args.keep, **options)
-    except JobError as e:
-        raise UsageError(f"{e.message}; {e.hint}") from None
-
-
-def job_options(args, **changes) -> JobOptions:
-    """The :class:`JobOptions` of ``%%remote --job``'s options (``changes`` on top); raises
-    exactly ``UsageError`` for a bad ``--stop-on`` or ``--env``."""
-    try:
-        stop_on = parse_stop_on(args.stop_on)
-    except Exception as e:
-        raise UsageError(f"--stop-on {args.stop_on!r}: {getattr(e, 'hint', e)}") from None
-    resume_arg = getattr(args, "resume_arg", None)
-    if resume_arg is not None and not resume_arg.strip():
-        raise UsageError('--resume-arg is empty: give the words that continue from a checkpoint, '
-                         'e.g. --resume-arg "--resume {checkpoint}"')
-    return JobOptions(python=args.python, cwd=args.cwd, env=env_pairs(args.env), stop_on=stop_on,
-                      then_shutdown=args.then_shutdown, alerts=not args.no_alerts,
-                      resume_arg=resume_arg).with_(**changes)
 
 
 def _remote_job(magics: GpuMagics, args, cell: str):
@@ -130,10 +87,7 @@ def _fallback(magics: GpuMagics, args, keep: KeepOptions | None, here: str) -> s
 def _events(magics: GpuMagics) -> list[str]:
     """What happened to jobs in the background (a move by --fallback, a machine cleaned after a
     move), said after the next cell (:func:`_moves_post_run_cell`)."""
-    events = getattr(magics, "_job_events", None)
-    if events is None:
-        events = magics._job_events = []
-    return events
+    return magics.state.job_events
 
 
 def _moves_post_run_cell(magics: GpuMagics):
@@ -184,10 +138,10 @@ def _moves_post_run_cell(magics: GpuMagics):
 CLEAN_WAIT = 10.0
 
 
-def _show_alerts(info, alerts=None) -> None:
+def _show_alerts(magics: GpuMagics, info, alerts=None) -> None:
     seen = set()
     for a in (info.alerts if alerts is None else alerts):
-        if a.kind not in seen and display.first_alert(info.name, info.started, a.kind):
+        if a.kind not in seen and display.first_alert(magics.state.alerts_shown, info.name, info.started, a.kind):
             seen.add(a.kind)
             ipy_display(job_alert(info.name, a, stopped=(info.killed == a.kind)))
 
@@ -212,7 +166,7 @@ def _jobs(magics: GpuMagics, line: str):
     else:
         ipy_display(jobs_table(found, machine.name))
         for info in found:
-            _show_alerts(info)
+            _show_alerts(magics, info)
     texts, lost = move.lost_report(machine.name, found, gpu=move.gpu_losses(machine, found))
     for text in texts:
         print(text)
@@ -242,7 +196,7 @@ def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -
     seen: set[str] = set()
 
     def alert(a):
-        if a.kind not in seen and display.first_alert(name, before.started, a.kind):  # once per kind
+        if a.kind not in seen and display.first_alert(magics.state.alerts_shown, name, before.started, a.kind):  # once per kind
             seen.add(a.kind)
             ipy_display(job_alert(name, a, stopped=a.kind in before.stop_on))
 
@@ -278,7 +232,7 @@ def _logs(magics: GpuMagics, line: str):
     print(text, end="" if text.endswith("\n") or not text else "\n")
     info = job.info()
     if info.alerts_enabled:
-        _show_alerts(info, scan_alerts(text.splitlines()))
+        _show_alerts(magics, info, scan_alerts(text.splitlines()))
 
 
 @magic_arguments()

@@ -11,11 +11,13 @@ import contextlib
 import html
 import sys
 import time
-from typing import Iterator
+import weakref
+from typing import Iterator, MutableMapping
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..._format import format_bytes
 from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, RemoteValue, check_name,
                               list_kernels)
 from .. import display
@@ -35,8 +37,11 @@ class NotebookOutput(Output):
     """
 
     def __init__(self, limit: int | None = None, cell_result: bool = False,
-                 image_limit: int | None = None):
+                 image_limit: int | None = None, *, bridges: MutableMapping | None = None):
         self.cap = OutputCap(limit, kept="the text", image_limit=image_limit)
+        #: The notebook's comm bridges, by session (``GpuMagics.state.bridges``); None: this
+        #: output's own (its widgets then live only as long as it does).
+        self.bridges: MutableMapping = weakref.WeakKeyDictionary() if bridges is None else bridges
         #: Show the cell's value (its execute_result) as this notebook cell's own result
         #: (``%%remote --kernel``), rather than as a display.
         self.cell_result = cell_result
@@ -89,7 +94,8 @@ class NotebookOutput(Output):
     def comm(self, kernel, kind, content, metadata, buffers) -> None:
         from .. import comms
 
-        comms.bridge(kernel).from_session(kind, content, metadata, buffers)
+        comms.bridge(self.bridges, kernel, lambda: NotebookOutput(bridges=self.bridges)).from_session(
+            kind, content, metadata, buffers)
 
     def request_id(self) -> str | None:
         # the message of this notebook's that runs the cell: what a widget's Output there
@@ -106,7 +112,8 @@ class NotebookOutput(Output):
 
 
 def _output(magics, cell_result: bool = False) -> NotebookOutput:
-    return NotebookOutput(magics.max_display_bytes, cell_result, image_limit=magics.max_image_bytes)
+    return NotebookOutput(magics.max_display_bytes, cell_result, image_limit=magics.max_image_bytes,
+                          bridges=magics.state.bridges)
 
 
 def _get(magics, host: str | None, name: str | None, *, start: bool = False,
@@ -404,7 +411,7 @@ def _pull(magics, line: str):
 
 
 def _sizes(sizes: dict, values: dict) -> str:
-    return ", ".join(f"{n} ({type(values[n]).__name__}, {display.format_bytes(s)})"
+    return ", ".join(f"{n} ({type(values[n]).__name__}, {format_bytes(s)})"
                      for n, s in sizes.items())
 
 

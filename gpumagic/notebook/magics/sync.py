@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ...errors import ConfigError, Interrupted, SyncIncomplete
 from ...sync import engine as sync
 from .. import widgets
-from ._args import host_arg, parse
+from ._args import host_arg, parse, sync_options
 
 if TYPE_CHECKING:
     from . import GpuMagics
@@ -90,11 +90,3 @@ def _sync(magics: GpuMagics, line: str):
 INTERRUPTED = ("the sync was interrupted and stopped, here and on the machine; every file that "
                "arrived is whole, and a file of 8 MiB or more keeps its part: the same %gpu sync "
                "goes on from there")
-
-
-def sync_options(args) -> sync.SyncOptions:
-    """The :class:`gpumagic.sync.engine.SyncOptions` of ``%gpu sync``'s flags."""
-    return sync.SyncOptions(delete=args.delete, exclude=tuple(args.exclude), ignore_files=args.ignore_files,
-                            dry_run=args.dry_run, checksum=args.checksum, update=args.update,
-                            compress=args.compress, rename_clashes=bool(getattr(args, "rename_clashes", False)),
-                            max_delete=0 if getattr(args, "yes", False) else None)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from ...remote import distributed
+from ...remote import distributed, move
 from ...remote.jobs import NAME_RE
+from ._args import job_options, keep_given, sync_options
 
 
 def _hosts(magics, text: str | None, default_host: str | None = None) -> list:
@@ -42,8 +43,6 @@ def remote_cell(magics, args, cell: str):
                          "it runs until it ends; `%gpu kill NAME` stops it")
     if args.host and args.hosts:
         raise UsageError("--host and --hosts both name machines; use --hosts a,b alone")
-    from .jobs import job_options, keep_given
-
     if keep_given(args):
         raise UsageError("--keep works with a job on one machine, not yet with --torchrun, --hosts or "
                          "--each: pull the checkpoints with `%gpu sync` instead")
@@ -83,7 +82,7 @@ def remote_cell(magics, args, cell: str):
         raise UsageError("--same-dir-hash needs --same-dir PATH (the data folder to compare)")
     run = distributed.TorchrunOptions(nproc=nproc, torchrun_args=torchrun_args, same_dir=args.same_dir,
                                       same_dir_hash=args.same_dir_hash)
-    job = distributed.start(machines, args.job, cell, options.with_(python=False), run)
+    job = distributed.start(machines, args.job, cell, options.with_(python=False), run, record=move.record_torchrun)
     world = job.nproc * len(job.parts)
     where = ", ".join(job.hosts)
     ep = f", rendezvous at {job.plan.endpoint}" if job.plan and job.plan.endpoint else ""
@@ -159,8 +158,6 @@ def sync_from_all(magics, args) -> None:
     if not magics.fleet.machines:
         raise UsageError("no machine is connected; `%gpu connect NAME` first")
     import os
-
-    from .sync import sync_options
 
     options = sync_options(args)
     for name, m in magics.fleet.machines.items():

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as _show
 
-from ..._format import count
+from ..._format import count, format_bytes
 from ...fleet import Fleet
 from ...tunnel import ReverseTunnel
 from .. import display
@@ -172,10 +172,10 @@ def _tunnel_close(magics: GpuMagics, line: str):
     for t in closed:
         if isinstance(t, ReverseTunnel):
             print(f"closed reverse tunnel {t.id} (the machine's {t.listen} -> this computer's {t.target}); "
-                  f"{count(t.connections_total, 'connection')}, {display.format_bytes(t.bytes_up)} up")
+                  f"{count(t.connections_total, 'connection')}, {format_bytes(t.bytes_up)} up")
         else:
             print(f"closed tunnel {t.local_port} -> {t.target} ({t.name}); "
-                  f"{count(t.connections_total, 'connection')}, {display.format_bytes(t.bytes_down)} down")
+                  f"{count(t.connections_total, 'connection')}, {format_bytes(t.bytes_down)} down")
         if args.stop and getattr(t, "service", None) is not None:
             print(f"  stopped its server on the machine (pid {t.service.pid})" if t.service.ours
                   else "  its server was not started by gpumagic; left running")

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 
 from ...errors import (GpumagicError, Interrupted, KernelConnectionLost, KernelError,
@@ -70,10 +70,15 @@ class RemoteKernel:
     machine : Machine
     name : str
         Session name (letters, digits, ``-``, ``_``).
+    default_output : callable, optional
+        Makes the :class:`Output` of a call that names none (default: printed,
+        :class:`TextOutput`); the notebook's magics hand in theirs through ``machine.kernels``.
     """
 
-    def __init__(self, machine: MachineLike, name: str):
+    def __init__(self, machine: MachineLike, name: str,
+                 default_output: Callable[[], Output] = default_output):
         self.machine = machine
+        self.default_output = default_output
         self.name = check_name(name)
         self.session_id = uuid.uuid4().hex
         self.python: str | None = None
@@ -146,7 +151,7 @@ class RemoteKernel:
         answer = self._launch(py, cwd, env)
         if answer.get("status") == "no-ipykernel" and install:
             where = answer.get("python") or py
-            out = output or default_output()
+            out = output or self.default_output()
             out.note(f"installing ipykernel into {where} on {self.machine.name} ...")
             r = self.machine.run([where, "-m", "pip", "install", "ipykernel"],
                                  stdout=lambda t: out.stream("stdout", t),
@@ -354,7 +359,8 @@ class RemoteKernel:
         ----------
         code : str
         output : Output, optional
-            Where output goes (default: rich display in IPython, else print).
+            Where output goes (default: :attr:`default_output`'s: the notebook's display for a
+            machine connected in one, else printed).
         silent, store_history, allow_stdin, user_expressions
             As in Jupyter's ``execute_request``.
         timeout : float, optional
@@ -384,7 +390,7 @@ class RemoteKernel:
         RemoteTimeout
         """
         with self._lock:
-            out = output or default_output()
+            out = output or self.default_output()
             link = self._connect()
             if self._welcome.get("state") == "dead":
                 self._catch_up(link, out)
@@ -451,7 +457,7 @@ class RemoteKernel:
         what it sends in answer, so an Output widget there captures that output here.
         """
         with self._lock:
-            out = output or default_output()
+            out = output or self.default_output()
             link = self._connect()
             rid = self._send(link, "shell", msg_type, {"comm_id": comm_id, "data": data},
                              msg_id=msg_id, buffers=buffers)
@@ -707,7 +713,7 @@ class RemoteKernel:
         KernelError, KernelConnectionLost
         """
         with self._lock:
-            out = output or default_output()
+            out = output or self.default_output()
             link = self._connect()
             try:
                 sync = self._sync(link, out)
@@ -746,7 +752,7 @@ class RemoteKernel:
             When the new kernel does not start.
         """
         with self._lock:
-            out = output or default_output()
+            out = output or self.default_output()
             link = self._connect()
             self._catch_up(link, out, death_is_news=True)
             self._op(link, "restart")

@@ -84,12 +84,9 @@ class _Quiet(Output):
 
 
 def default_output() -> Output:
-    """Rich display when running inside IPython (a notebook), text otherwise."""
-    ipython = sys.modules.get("IPython")
-    if ipython is not None and ipython.get_ipython() is not None:
-        from ...notebook.magics.kernel import NotebookOutput
-
-        return NotebookOutput()
+    """Where a session's output goes when its caller names none: printed.  The notebook's
+    magics hand in their own (:attr:`gpumagic.remote.kernel.Kernels.output`), so that a machine
+    connected by ``%gpu connect`` displays its sessions' rich output in the notebook."""
     return TextOutput()
 
 

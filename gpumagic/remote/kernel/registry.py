@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ...errors import KernelError
 from .client import RemoteKernel
 from .info import DEFAULT_NAME, check_name, list_kernels
+from .outputs import Output, default_output
 
 if TYPE_CHECKING:
     from ..._types import MachineLike
@@ -21,6 +22,9 @@ class Kernels:
 
     def __init__(self, machine: MachineLike):
         self.machine = machine
+        #: Makes the output of a call that names none: printed by default; the notebook's
+        #: magics set theirs (rich display in the notebook) when the machine joins their fleet.
+        self.output: Callable[[], Output] = default_output
         self.handles: dict[str, RemoteKernel] = {}
         #: The session used last: what ``%%remote --kernel`` without a name means.
         self.last: str | None = None
@@ -30,7 +34,7 @@ class Kernels:
     def handle(self, name: str) -> RemoteKernel:
         k = self.handles.get(name)
         if k is None:
-            k = self.handles[name] = RemoteKernel(self.machine, name)
+            k = self.handles[name] = RemoteKernel(self.machine, name, lambda: self.output())
         return k
 
     def resolve(self, name: str | None) -> str:

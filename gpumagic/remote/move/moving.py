@@ -57,7 +57,7 @@ def find_start(job: str, machine_name: str | None = None) -> StartRecord:
             raise JobError(f"no record here of a job {job!r} started on {machine_name}",
                            "move or resume a job started with `%%remote --job NAME` from this computer")
         return rec
-    from ...budget.ledger import data_dir
+    from ...paths import data_dir
 
     base = data_dir() / "keep"
     found = [r for p in (sorted(base.glob(f"*/{job}.job.json")) if base.is_dir() else ())
