@@ -75,8 +75,9 @@ class Machine:
         Name used by ``%%remote --host NAME`` (default: the alias typed).
     cwd : str, optional
         Working directory for cells (absolute, ``~/...``, or relative to the remote ``$HOME``).
-    trust_new_host : bool
-        Add an unknown host key to known_hosts instead of refusing (never for a changed key).
+    trust_new_host : bool or str
+        Add an unknown host key to known_hosts instead of refusing (never for a changed key); a
+        ``"SHA256:..."`` fingerprint: only a key that has it.
     """
 
     #: False: a rented machine, not this computer (see :class:`SandboxMachine`).
@@ -86,7 +87,7 @@ class Machine:
     session_idle_stop: float | None = None
 
     def __init__(self, spec: HostSpec, *, name: str | None = None, cwd: str | None = None,
-                 trust_new_host: bool = False, home: str | None = None,
+                 trust_new_host: bool | str = False, home: str | None = None,
                  passphrase_prompt: PassphrasePrompt = _default_prompt, sandbox=None):
         self.spec = spec
         self.name = name or spec.alias
@@ -828,7 +829,7 @@ def check_machine_name(name: str) -> str:
 
 def connect(target: str | None = None, *, port: int | None = None, key: str | None = None,
             jump: str | None = None, user: str | None = None, name: str | None = None,
-            cwd: str | None = None, trust_new_host: bool = False, sandbox: bool = False,
+            cwd: str | None = None, trust_new_host: bool | str = False, sandbox: bool = False,
             home: str | None = None, lazy: bool = False, fake_gpu: str | None = None,
             passphrase_prompt: PassphrasePrompt = _default_prompt) -> Machine:
     """Connect to a machine and return it.
@@ -846,8 +847,9 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
         The machine's name in gpumagic (default: ``target``).
     cwd : str, optional
         Working directory for cells.
-    trust_new_host : bool
-        Add an unknown host's key to known_hosts (prints its SHA256 fingerprint).
+    trust_new_host : bool or str
+        Add an unknown host's key to known_hosts (prints its SHA256 fingerprint); a
+        ``"SHA256:..."`` fingerprint: only a key that has it.
     sandbox : bool
         Start the local sandbox sshd and connect to it (``target`` is ignored).
     fake_gpu : str, optional

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "providers"))
 
-from gpumagic.errors import BadKey, NoOffer, NotSupported, RateLimited, ReleaseRefused  # noqa: E402
+from gpumagic.errors import BadKey, NoOffer, NotSupported, RateLimited, ReleaseRefused, UnknownHostKey  # noqa: E402
 from gpumagic.keys import keygen  # noqa: E402
 from gpumagic.rent import KeyStore, Renter  # noqa: E402
 
@@ -79,10 +79,19 @@ def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pu
     gpu(shell, "offers --gpu 4090")
     out = capsys.readouterr().out.splitlines()
     assert out[1].split()[:2] == ["runpod:NVIDIA", "GeForce"] and "0.340" in out[1] and "community" in out[1]
-    gpu(shell, f"rent --gpu 4090 --max-price 0.5 --name rp1 -i {shell.sshkey}")
+    # no platform publishes its machines' host keys: the new one is refused as `%gpu connect`
+    # refuses an unknown host, the rental stays (billed), and `start --trust-new-host` connects
+    with pytest.raises(UnknownHostKey) as refused:
+        gpu(shell, f"rent --gpu 4090 --max-price 0.5 --name rp1 -i {shell.sshkey}")
     out = capsys.readouterr().out
     assert "renting runpod:NVIDIA GeForce RTX 4090/community (RTX 4090, 0.340 USD/h) as rp1" in out
-    assert "connected to rp1 (" in out
+    box = list(runpod.boxes.values())[0].server
+    assert refused.value.fingerprint == box.host_key_fingerprint
+    assert refused.value.hint.startswith(f"rp1 is running (and billed); if {box.host_key_fingerprint} is the key")
+    assert "`%gpu start rp1 --trust-new-host` connects" in refused.value.hint
+    gpu(shell, "start rp1 --trust-new-host")
+    assert "connected to rp1 (" in capsys.readouterr().out
+    assert len(runpod.pods) == 1  # connected to the one made, not a second
     first_port = shell._gpumagic.fleet.get("rp1").spec.port
     shell.run_cell_magic("remote", "", "mkdir -p runs && echo 0.93 > runs/acc.txt && echo cell-ran")
     assert "cell-ran" in capsys.readouterr().out
@@ -97,7 +106,7 @@ def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pu
     assert "rp1 is stopped; its disk costs 0.014 USD/h while stopped" in capsys.readouterr().out
     gpu(shell, "rentals")
     assert "EXITED" in capsys.readouterr().out
-    gpu(shell, "start rp1")
+    gpu(shell, "start rp1")  # a new port: the key trusted for rp1 is trusted there
     assert shell._gpumagic.fleet.get("rp1").spec.port != first_port
     gpu(shell, "wrapup --host rp1")
     assert (Path("runs") / "acc.txt").read_text(encoding="utf-8") == "0.93\n"
@@ -116,7 +125,7 @@ def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pu
 
 def test_lambda_rent_a_cell_no_stop_and_release(shell, lam, capsys):
     gpu(shell, f"provider login lambda --base-url {lam.api_url} --user {USER} --ssh-port {lam.ssh_port}")
-    gpu(shell, f"rent lambda:gpu_1x_a10@us-east-1 --name lm1 -i {shell.sshkey}")
+    gpu(shell, f"rent lambda:gpu_1x_a10@us-east-1 --name lm1 -i {shell.sshkey} --trust-new-host")
     shell.run_cell_magic("remote", "", "echo on-lambda")
     assert "on-lambda" in capsys.readouterr().out
     with pytest.raises(NotSupported) as e:
@@ -153,7 +162,7 @@ def test_a_rental_whose_sshd_answers_late_is_connected_once_it_does(shell, runpo
         return real(target, **options)
 
     monkeypatch.setattr(fleet, "connect", late)
-    gpu(shell, f"rent --gpu 4090 --name late1 -i {shell.sshkey}")
+    gpu(shell, f"rent --gpu 4090 --name late1 -i {shell.sshkey} --trust-new-host")
     assert len(tries) == 3 and len(set(tries)) == 1 and "connected to late1" in capsys.readouterr().out
     gpu(shell, "release late1 --yes")
 
@@ -167,3 +176,24 @@ def test_offers_of_every_platform_leave_out_one_that_fails_and_say_so(shell, run
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("left out: lambda refused the API key (401: API key *** is invalid")
     assert out[1].startswith("OFFER") and len(out) == 4  # RunPod's two 4090 offers
+
+
+def test_a_start_that_brings_another_host_key_is_refused(shell, runpod, capsys):
+    from gpumagic.ssh.sandbox import make_keypair
+
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
+    gpu(shell, f"rent --gpu 4090 --name rk1 -i {shell.sshkey} --trust-new-host")
+    box = list(runpod.boxes.values())[0].server
+    trusted = box.host_key_fingerprint
+    assert shell._gpumagic.renter.record("rk1").host_key == trusted
+    gpu(shell, "stop rk1")
+    for f in (box.host_key, Path(str(box.host_key) + ".pub")):  # the machine was rebuilt
+        f.unlink()
+    make_keypair(box.host_key, "rebuilt")
+    with pytest.raises(UnknownHostKey) as e:
+        gpu(shell, "start rk1")
+    assert f"is not the {trusted} expected" in e.value.message and "\n" not in e.value.message
+    assert e.value.fingerprint == box.host_key_fingerprint != trusted
+    gpu(shell, "start rk1 --trust-new-host")  # the user compared it with the platform's console
+    assert shell._gpumagic.renter.record("rk1").host_key == box.host_key_fingerprint
+    gpu(shell, "release rk1 --yes")

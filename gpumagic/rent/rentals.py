@@ -38,7 +38,8 @@ def _data_dir() -> Path:
 class RentalRecord:
     """One rental by name: ``provider``, ``instance_id``, the ``offer`` id, ``price_hr`` at
     rent time (USD per hour), ``created`` (epoch seconds), ``key`` (the private key file the
-    machine is reached with)."""
+    machine is reached with), ``host_key`` (the SHA256 fingerprint of the host key the user
+    trusted for it: after a start moves it to a new port, only that key is trusted there)."""
 
     provider: str
     instance_id: str
@@ -46,6 +47,7 @@ class RentalRecord:
     price_hr: float | None = None
     created: float = 0.0
     key: str = ""
+    host_key: str = ""
 
     @classmethod
     def from_dict(cls, d: dict) -> "RentalRecord":
@@ -248,6 +250,13 @@ class Renter:
             known = ", ".join(sorted(f.rentals)) or "none"
             raise ConfigError(f"no rental named {name!r} (rentals: {known})", "`%gpu rentals` lists them")
         return f.rentals[name]
+
+    def note_host_key(self, name: str, fingerprint: str) -> None:
+        """Record the host key fingerprint the machine ``name`` was reached with."""
+        f = self.load()
+        if name in f.rentals and f.rentals[name].host_key != fingerprint:
+            f.rentals[name].host_key = fingerprint
+            f.save(self.path)
 
     def rent(self, offer: Offer, *, name: str, public_key: str, key_path: str = "", disk_gb: int = 50,
              image: str | None = None, progress: Callable[[str], None] = lambda _line: None) -> Instance:

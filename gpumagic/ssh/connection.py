@@ -191,9 +191,11 @@ class Connection:
     ----------
     spec : HostSpec
         Where and how to connect (see :func:`gpumagic.ssh.hosts.resolve`).
-    trust_new_host : bool
-        Add an unknown host's key to known_hosts (OpenSSH format) instead of refusing.
-        A *changed* key is always refused.
+    trust_new_host : bool or str
+        Add an unknown host's key to known_hosts (OpenSSH format) instead of refusing; a
+        ``"SHA256:..."`` fingerprint trusts only a key that has it (one a platform publishes,
+        or the key a rental showed at its address before a restart moved it).  A *changed*
+        key is always refused.
     passphrase_prompt : callable
         ``prompt(path) -> str`` for encrypted keys; default asks with ``getpass``.
     home : str, optional
@@ -204,7 +206,7 @@ class Connection:
     Use as a context manager, or call :meth:`open` / :meth:`close` (safe to call twice).
     """
 
-    def __init__(self, spec: HostSpec, *, trust_new_host: bool = False,
+    def __init__(self, spec: HostSpec, *, trust_new_host: bool | str = False,
                  passphrase_prompt: PassphrasePrompt = _default_prompt,
                  home: str | None = None, use_agent: bool = True,
                  via: "Connection | None" = None):
@@ -572,12 +574,21 @@ class Connection:
                 "otherwise someone may be intercepting the connection",
                 host=name, fingerprint=fp,
             )
-        if self.trust_new_host:
+        expected = self.trust_new_host if isinstance(self.trust_new_host, str) else None
+        if self.trust_new_host is True or fp == expected:
             known_hosts.add(spec.known_hosts, spec.hostname, spec.port, key)
             self.notes.append(f"trusted new host {known_hosts.known_name(spec.hostname, spec.port)}: "
                               f"added its {key.get_name()} "
                               f"key {fp} to {spec.known_hosts}")
             return
+        if expected is not None:
+            raise UnknownHostKey(
+                f"{name} is not a known host, and its {key.get_name()} key {fp} is not the {expected} "
+                f"expected{notes}; refusing to connect",
+                "someone may be intercepting the connection, or the machine was rebuilt: compare the key "
+                "with what its platform shows before trusting it (--trust-new-host)",
+                host=name, fingerprint=fp,
+            )
         raise UnknownHostKey(
             f"{name} is not a known host; its {key.get_name()} key fingerprint is {fp}{notes}",
             f"if that matches your machine, connect again with --trust-new-host "

@@ -97,12 +97,16 @@ def _offers(magics: GpuMagics, line: str):
 @argument("-i", "--key", metavar="KEYFILE", help="SSH private key (default ~/.ssh/id_ed25519; its .pub is given "
                                                  "to the platform)")
 @argument("--cwd", metavar="DIR", help="working directory for this machine's cells")
+@argument("--trust-new-host", action="store_true",
+          help="trust the new machine's host key (else it is shown, and refused as `%%gpu connect` does)")
 def _rent(magics: GpuMagics, line: str):
     """Rent a machine, wait until it runs, and connect to it as `%gpu connect` does.
 
-    The platform's API gives the SSH address; the host key is trusted on first contact (no
-    platform here publishes it) and checked on every later one.  The ledger records the
-    price the platform reports, for `%gpu budget`."""
+    The platform's API gives the SSH address.  No platform here publishes its machines' host
+    keys, so the new machine's key is refused, with its fingerprint, as `%gpu connect` refuses
+    an unknown host, unless --trust-new-host; the key trusted is recorded, and after a
+    `%gpu start` moves the machine to a new port only that key is trusted there.  The ledger
+    records the price the platform reports, for `%gpu budget`."""
     args = parse(_rent, line, "rent")
     from ...keys import default_key_path, read_public_key
 
@@ -114,7 +118,7 @@ def _rent(magics: GpuMagics, line: str):
     inst = r.rent(offer, name=args.name, public_key=public_key, key_path=key, disk_gb=int(args.disk),
                   image=args.image, progress=print)
     _record_price(args.name, inst, offer)
-    _connect(magics, args.name, inst, key, cwd=args.cwd or magics.default_cwd)
+    _connect(magics, args.name, inst, key, cwd=args.cwd or magics.default_cwd, trust=args.trust_new_host)
 
 
 def _record_price(name: str, inst: Instance, offer: Offer) -> None:
@@ -130,17 +134,23 @@ def _record_price(name: str, inst: Instance, offer: Offer) -> None:
 SSHD_WAIT_S = 120.0
 
 
-def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | None = None) -> None:
+def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | None = None,
+             trust: bool = False) -> None:
     """Connect to a rental that the platform reads as running.  Its sshd may start a little
     later than the API says "running": a refused or unanswered connection is tried again, every
-    poll interval, for :data:`SSHD_WAIT_S`."""
-    from ...errors import ConnectionRefused, ConnectTimeout
+    poll interval, for :data:`SSHD_WAIT_S`.  An unknown host key is trusted with ``trust``, or
+    when it is the key recorded for this rental (a start moved it to a new port); the key it
+    was reached with is recorded."""
+    from ...errors import ConnectionRefused, ConnectTimeout, UnknownHostKey
+    from ...ssh.known_hosts import fingerprint
 
+    r = renter(magics)
     start = time.monotonic()
     target = f"{inst.user}@{inst.host}:{inst.port}"
+    trusted: bool | str = True if trust else (r.record(name).host_key or False)
     while True:
         try:
-            m = magics.fleet.connect(target, key=key or None, name=name, cwd=cwd, trust_new_host=True)
+            m = magics.fleet.connect(target, key=key or None, name=name, cwd=cwd, trust_new_host=trusted)
             m.connect()
             break
         except (ConnectionRefused, ConnectTimeout) as e:
@@ -148,7 +158,14 @@ def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | 
                 e.hint = (f"{name} is running (and billed) but its sshd does not answer at {target}: "
                           f"`%gpu connect {target} --name {name}` later, or `%gpu release {name}`")
                 raise
-            time.sleep(renter(magics).poll_s)
+            time.sleep(r.poll_s)
+        except UnknownHostKey as e:
+            e.hint = (f"{name} is running (and billed); if {e.fingerprint} is the key its platform shows, "
+                      f"`%gpu start {name} --trust-new-host` connects, else `%gpu release {name}`")
+            raise
+    transport = m.connection.transport
+    if transport is not None:
+        r.note_host_key(name, fingerprint(transport.get_remote_server_key()))
     for note in m.connection.notes:
         print(note)
     print(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "
@@ -174,14 +191,19 @@ def _stop(magics: GpuMagics, line: str):
 @magic_arguments()
 @argument("name", help="the rental's name (`%%gpu rentals`)")
 @argument("--cwd", metavar="DIR", help="working directory for this machine's cells")
+@argument("--trust-new-host", action="store_true",
+          help="trust its host key even if it is not the one trusted for it before (a rebuilt machine)")
 def _start(magics: GpuMagics, line: str):
     """Start a stopped rental, wait until it runs, and connect at the address it has now
-    (a platform may give a new port on every start)."""
+    (a platform may give a new port on every start): there, the host key trusted for it
+    before is trusted, and another one refused unless --trust-new-host."""
     args = parse(_start, line, "start")
     r = renter(magics)
     rec = r.record(args.name)
-    inst = r.start(args.name, progress=print)
-    _connect(magics, args.name, inst, rec.key, cwd=args.cwd or magics.default_cwd)
+    inst = r.status(args.name)
+    if inst.state != "running" or not inst.host:  # (a running one is connected to as it is)
+        inst = r.start(args.name, progress=print)
+    _connect(magics, args.name, inst, rec.key, cwd=args.cwd or magics.default_cwd, trust=args.trust_new_host)
 
 
 @magic_arguments()
