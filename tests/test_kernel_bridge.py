@@ -21,6 +21,7 @@ from jupyter_client import KernelManager
 
 from gpumagic.__main__ import main as gpumagic_main
 
+from conftest import wait_until
 
 PY = sys.executable
 TIMEOUT = 60
@@ -159,3 +160,158 @@ def test_install_sandbox_and_a_host_that_cannot_name_a_kernelspec(jupyter_dirs, 
     capsys.readouterr()
     assert gpumagic_main(["kernel", "install", "@@@"]) == 1
     assert "'@@@' cannot name a kernelspec" in capsys.readouterr().err
+
+
+# -- the bridge -----------------------------------------------------------------------------
+
+
+CELLS = [
+    "x = 41",
+    "print(x + 1)",
+    "x * 2",
+    "import sys; print('warn', file=sys.stderr)",
+    "1 / 0",
+    "from IPython.display import display, Markdown\ndisplay(Markdown('**hi**'))",
+]
+
+
+def test_execute_gives_what_a_local_ipykernel_gives(jupyter_dirs, sshd):
+    name = install("kb1")
+    bridge, local = Frontend(name), Frontend("python3")
+    try:
+        info = bridge.kc.kernel_info(reply=True, timeout=TIMEOUT)["content"]
+        assert info["language_info"]["name"] == "python" and info["implementation"] == "ipython"
+        for code in CELLS:
+            (r1, o1), (r2, o2) = bridge.run(code), local.run(code)
+            assert summary(o1) == summary(o2), code
+            assert r1["content"]["status"] == r2["content"]["status"]
+            assert r1["content"]["execution_count"] == r2["content"]["execution_count"], code
+        # complete, inspect, is_complete, history go to the machine's kernel
+        c = bridge.kc.complete("import o", reply=True, timeout=TIMEOUT)["content"]
+        assert "os" in c["matches"]
+        i = bridge.kc.inspect("len", reply=True, timeout=TIMEOUT)["content"]
+        assert i["found"] and "Return the number of items" in i["data"]["text/plain"]
+        assert bridge.reply(bridge.kc.is_complete("for i in x:"))["content"]["status"] == "incomplete"
+        h = bridge.kc.history(hist_access_type="tail", n=3, reply=True, timeout=TIMEOUT)["content"]
+        assert h["status"] == "ok"
+    finally:
+        bridge.close()
+        local.close()
+        stop_session("kb1")
+
+
+def test_a_killed_bridge_leaves_the_cell_running_and_the_next_one_delivers_its_output_once(jupyter_dirs, sshd):
+    name = install("kb2")
+    fe = Frontend(name)
+    try:
+        fe.run("x = 'kept'")
+        code = "import time\nfor i in range(12):\n    print(f'line {i}', flush=True)\n    time.sleep(0.25)"
+        msg_id = fe.kc.execute(code)
+        seen: list[str] = []
+        deadline = time.monotonic() + TIMEOUT
+        while not any("line 3" in t for t in seen) and time.monotonic() < deadline:
+            msg = fe.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen.append(msg["content"]["text"])
+        os.kill(fe.pid, signal.SIGKILL)  # the front end's kernel process dies mid-cell
+        fe.km.provisioner.process.wait(10)
+        fe.kc.stop_channels()
+        time.sleep(1.0)  # lines printed while nothing is attached
+        fe2 = Frontend(name, flush=False)  # a front end that shows what comes from the start
+        try:
+            rest = fe2.iopub_until_idle(msg_id)
+            seen += [m["content"]["text"] for m in rest if m["msg_type"] == "stream"]
+            lines = "".join(seen).splitlines()
+            assert lines == [f"line {i}" for i in range(12)]
+            _, out = fe2.run("print(x)")
+            assert summary(out) == [("stream", "stdout", "kept\n")]
+        finally:
+            fe2.close()
+    finally:
+        stop_session("kb2")
+
+
+def test_interrupt_reaches_a_busy_loop_and_restart_gives_a_new_namespace(jupyter_dirs, sshd):
+    name = install("kb3")
+    fe = Frontend(name)
+    try:
+        fe.run("y = 5")
+        msg_id = fe.kc.execute("while True:\n    pass")
+        time.sleep(1.0)
+        fe.km.interrupt_kernel()
+        out = fe.iopub_until_idle(msg_id)
+        assert [m["content"]["ename"] for m in out if m["msg_type"] == "error"] == ["KeyboardInterrupt"]
+        assert fe.reply(msg_id)["content"]["status"] == "error"
+        _, out = fe.run("print(y)")
+        assert summary(out) == [("stream", "stdout", "5\n")]
+        fe.km.restart_kernel()
+        # a new client, as a front end reconnects after a restart (ZeroMQ's SUB socket does not
+        # subscribe again to the new kernel process's iopub; the bridge holds iopub until one does)
+        fe.kc.stop_channels()
+        fe.kc = fe.km.client()
+        fe.kc.start_channels()
+        fe.kc.wait_for_ready(timeout=TIMEOUT)
+        _, out = fe.run("print('y' in globals())")
+        assert summary(out) == [("stream", "stdout", "False\n")]
+    finally:
+        fe.close()
+        stop_session("kb3")
+
+
+def test_input_reaches_the_front_end_and_its_answer_the_machine(jupyter_dirs, sshd):
+    name = install("kb4")
+    fe = Frontend(name)
+    try:
+        msg_id = fe.kc.execute("name = input('who? ')\nprint('hello', name)", allow_stdin=True)
+        req = fe.kc.get_stdin_msg(timeout=TIMEOUT)
+        assert req["msg_type"] == "input_request" and req["content"]["prompt"] == "who? "
+        assert req["parent_header"]["msg_id"] == msg_id
+        fe.kc.input("ada")
+        out = fe.iopub_until_idle(msg_id)
+        assert ("stream", "stdout", "hello ada\n") in summary(out)
+    finally:
+        fe.close()
+        stop_session("kb4")
+
+
+def test_a_front_ends_shutdown_detaches(jupyter_dirs, sshd):
+    name = install("kb5")
+    fe = Frontend(name)
+    try:
+        fe.run("z = 7")
+        fe.close()  # a front end's shutdown: the session is kept
+        assert wait_until(lambda: not fe.km.has_kernel, 10)
+        fe = Frontend(name)
+        _, out = fe.run("print(z)")
+        assert summary(out) == [("stream", "stdout", "7\n")]
+    finally:
+        fe.close()
+        stop_session("kb5")
+
+
+def test_a_roam_mid_cell_is_made_good_by_itself_every_line_once_and_no_error(jupyter_dirs, make_link, client_home):
+    linked = make_link(rtt_ms=40, connect=False)
+    config = client_home / ".ssh" / "config"
+    config.write_text(config.read_text(encoding="utf-8") + "\n" + linked.ssh_config_block("kbroam"), encoding="utf-8")
+    assert gpumagic_main(["kernel", "install", "kbroam", "--name", "kb6", "--python", PY]) == 0
+    fe = Frontend("gpumagic-kbroam-kb6")
+    try:
+        fe.run("x = 1")
+        code = "import time\nfor i in range(16):\n    print(f'line {i}', flush=True)\n    time.sleep(0.25)"
+        msg_id = fe.kc.execute(code)
+        roamed: list[int] = []
+
+        def roam_after_line_2(msg):
+            if not roamed and msg["msg_type"] == "stream" and "line 2" in msg["content"]["text"]:
+                roamed.append(linked.roam())
+
+        out = fe.iopub_until_idle(msg_id, on_msg=roam_after_line_2)
+        assert roamed == [1]
+        assert "".join(r[2] for r in summary(out) if r[0] == "stream").splitlines() == [f"line {i}" for i in range(16)]
+        assert [m for m in out if m["msg_type"] == "error"] == []
+        assert fe.reply(msg_id)["content"]["status"] == "ok"
+        _, out = fe.run("print(x)")
+        assert summary(out) == [("stream", "stdout", "1\n")]
+    finally:
+        fe.close()
+        gpumagic_main(["kernel", "stop", "kbroam", "--name", "kb6"])
