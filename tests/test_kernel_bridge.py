@@ -274,11 +274,18 @@ def test_input_reaches_the_front_end_and_its_answer_the_machine(jupyter_dirs, ss
         stop_session("kb4")
 
 
-def test_a_front_ends_shutdown_detaches(jupyter_dirs, sshd):
+def test_a_front_ends_shutdown_detaches_and_gpu_magics_run_on_the_laptop(jupyter_dirs, sshd):
     name = install("kb5")
     fe = Frontend(name)
     try:
         fe.run("z = 7")
+        reply, out = fe.run("%gpu kernel list")
+        assert reply["content"]["status"] == "ok"
+        text = "".join(r[2] for r in summary(out) if r[0] == "stream") + "".join(
+            str(r[1]) for r in summary(out) if r[0] == "display_data")
+        assert "kb5" in text
+        reply, out = fe.run("%gpu nosuchsub")
+        assert reply["content"]["status"] == "error"
         fe.close()  # a front end's shutdown: the session is kept
         assert wait_until(lambda: not fe.km.has_kernel, 10)
         fe = Frontend(name)

@@ -23,6 +23,12 @@ sandbox it stops by itself after 30 minutes with nothing attached and no cell ru
 ``gpumagic kernel stop HOST`` stops the session.  "Restart kernel" restarts the kernel on
 the machine: a fresh namespace.
 
+``%gpu`` magics
+---------------
+A cell whose lines are all ``%gpu ...`` line magics (``%gpu status``, ``%gpu sync``,
+``%gpu tunnel``, ``%gpu kernel list``...) runs on the laptop, in the bridge, against this
+machine (:mod:`.local`); any other cell runs on the machine, ``!cmd`` and ``%timeit`` too.
+
 Layering: the bridge is a front-end-side program beside :mod:`gpumagic.notebook`; it uses
 :mod:`gpumagic.remote.kernel` and :mod:`gpumagic.machine`, and nothing below it imports it.
 """

@@ -16,6 +16,8 @@ What the bridge answers itself (the rest is the kernel's):
 ``shutdown_request``
     Detach: the bridge exits, the session runs on (``gpumagic kernel stop HOST`` stops it).
     With ``restart``, the keeper restarts the kernel first (a fresh namespace).
+``execute_request`` of a cell made only of ``%gpu`` line magics
+    Run here, on the laptop (:mod:`.local`).
 
 Threads: the main one owns every front-end socket (ZeroMQ sockets are not thread-safe); one
 reads the session (connecting, and after a lost path connecting again) and hands each
@@ -123,6 +125,9 @@ class Bridge:
         #: Why the machine cannot be reached (answered to each request), or None.
         self.failed: GpumagicError | None = None
         self.retry = threading.Event()
+        #: Local cells (``%gpu`` magics) waiting for the machine's cells before them.
+        self.local_queue: collections.deque = collections.deque()
+        self.local = None
         self.execution_count = 0
         #: A restart asked by the front end: (idents, header, deadline), answered once done.
         self.restarting: tuple | None = None
@@ -216,6 +221,13 @@ class Bridge:
         if ch == "control" and kind == "shutdown_request":
             self.shutdown_request(idents, header, json.loads(parts[3]))
             return
+        if ch == "shell" and kind == "execute_request":
+            from . import local
+
+            content = json.loads(parts[3])
+            if local.handles(content.get("code", "")):
+                self.local_queue.append((idents, header, content))
+                return
         if self.failed is not None and ch == "shell":
             self.answer_failed(idents, header, kind, json.loads(parts[3]))
             return
@@ -386,6 +398,17 @@ class Bridge:
         if handed and self.relay is not None:
             self.relay.ack()
 
+    def run_local_cells(self) -> None:
+        """Run the waiting ``%gpu`` cells once no cell of this front end's is queued on the
+        machine (in order with them)."""
+        from . import local
+
+        while self.local_queue and (self.relay is None or not self.relay.pending):
+            idents, header, content = self.local_queue.popleft()
+            if self.local is None:
+                self.local = local.LocalMagics(self)
+            self.local.execute(idents, header, content)
+
     def serve(self) -> int:
         zmq = self.zmq
         threading.Thread(target=self.heartbeat, daemon=True, name="gpumagic-bridge-hb").start()
@@ -411,6 +434,7 @@ class Bridge:
                 else:
                     self.recv_request(by_sock[s])
             self.drain_inbox()
+            self.run_local_cells()
             if self.restarting is not None and time.monotonic() > self.restarting[2]:
                 self.finish_restart()
         self.close()
