@@ -322,3 +322,29 @@ def test_a_roam_mid_cell_is_made_good_by_itself_every_line_once_and_no_error(jup
     finally:
         fe.close()
         gpumagic_main(["kernel", "stop", "kbroam", "--name", "kb6"])
+
+
+def test_comm_messages_go_both_ways_and_do_not_hold_the_next_cell(jupyter_dirs, sshd):
+    name = install("kb7")
+    fe = Frontend(name)
+    try:
+        reply, _ = fe.run("def echo(comm, open_msg):\n"
+                          "    comm.on_msg(lambda m: comm.send({'echo': m['content']['data']['v'] * 2}))\n"
+                          "get_ipython().kernel.comm_manager.register_target('echo', echo)")
+        assert reply["content"]["status"] == "ok"
+        s = fe.kc.session
+        fe.kc.shell_channel.send(s.msg("comm_open", {"comm_id": "c1", "target_name": "echo", "data": {}}))
+        fe.kc.shell_channel.send(s.msg("comm_msg", {"comm_id": "c1", "data": {"v": 21}}))
+        deadline = time.monotonic() + TIMEOUT
+        got = None
+        while got is None and time.monotonic() < deadline:
+            msg = fe.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == "c1":
+                got = msg["content"]["data"]
+        assert got == {"echo": 42}
+        # no reply comes to a comm message: a %gpu cell after it does not wait for one
+        reply, _ = fe.run("%gpu kernel list")
+        assert reply["content"]["status"] == "ok"
+    finally:
+        fe.close()
+        stop_session("kb7")

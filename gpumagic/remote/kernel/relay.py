@@ -77,7 +77,7 @@ class Relay:
         channel ``ch`` (shell, stdin, control); queued while no path is open."""
         meta = {"op": "send", "ch": ch, "ack": self.kernel._last_seq}
         with self._lock:
-            if ch == "shell" and msg_id:
+            if ch == "shell" and msg_id and _expects_reply(parts[0]):
                 self.pending[msg_id] = parts
             link = self.kernel._link
             if link is None or link.lost is not None or link.closed:
@@ -185,3 +185,14 @@ class Relay:
     def close(self) -> None:
         """Acknowledge what was handed on and close the path; the session runs on."""
         self.kernel.close()
+
+
+def _expects_reply(header: bytes) -> bool:
+    """Whether a shell request gets a reply (``*_request``; comm_open, comm_msg and
+    comm_close get none)."""
+    import json
+
+    try:
+        return str(json.loads(header).get("msg_type", "")).endswith("_request")
+    except (ValueError, AttributeError):
+        return False
