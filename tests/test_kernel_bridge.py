@@ -348,3 +348,22 @@ def test_comm_messages_go_both_ways_and_do_not_hold_the_next_cell(jupyter_dirs, 
     finally:
         fe.close()
         stop_session("kb7")
+
+
+def test_the_sandbox_kernelspec_runs_a_cell_on_the_sandbox_and_kernel_stop_ends_the_session(jupyter_dirs, monkeypatch):
+    from gpumagic.ssh import sandbox
+
+    monkeypatch.setenv("GPUMAGIC_SANDBOX_IDLE_STOP", "60")  # none outlives the test by long
+    assert gpumagic_main(["kernel", "install", "--sandbox", "--name", "kb8", "--python", PY]) == 0
+    fe = Frontend("gpumagic-sandbox-kb8")
+    folder = sandbox.sandbox_home() / ".gpumagic" / "kernels" / "kb8"
+    try:
+        _, out = fe.run("import os; print(os.environ['HOME'])")
+        assert summary(out) == [("stream", "stdout", f"{sandbox.sandbox_home()}\n")]
+        assert (folder / "state.json").exists()
+        fe.close()  # detach: the bridge's sandbox sshd ends with it, the session does not
+        assert (folder / "state.json").exists()
+    finally:
+        fe.close()
+        assert gpumagic_main(["kernel", "stop", "--sandbox", "--name", "kb8"]) == 0
+    assert not folder.exists()
