@@ -367,3 +367,71 @@ def test_the_sandbox_kernelspec_runs_a_cell_on_the_sandbox_and_kernel_stop_ends_
         fe.close()
         assert gpumagic_main(["kernel", "stop", "--sandbox", "--name", "kb8"]) == 0
     assert not folder.exists()
+
+
+# -- a tutorial's cells under the bridge and under a local ipykernel -------------------------
+
+
+def _session_cells(tutorial: Path) -> list[str]:
+    """The bodies of the tutorial's ``%%remote --kernel`` cells: what ran in its session."""
+    import nbformat
+
+    nb = nbformat.read(tutorial, as_version=4)
+    head = "%%remote --kernel\n"
+    return [c.source[len(head):] for c in nb.cells if c.cell_type == "code" and c.source.startswith(head)]
+
+
+def _kept(outputs: list) -> list[tuple]:
+    """What to compare of a cell's outputs: type, stream name and its text's last line (tqdm's
+    bar before it holds rates that differ run to run), text/plain, the MIME types, error name."""
+    rows = []
+    for o in outputs:
+        if o.output_type == "stream":
+            rows.append((o.output_type, o.name, o.text.rstrip("\n").split("\r")[-1].splitlines()[-1]
+                         if o.name == "stdout" else "training: 100%" in o.text))
+        elif o.output_type in ("execute_result", "display_data"):
+            plain = o.data.get("text/plain", "")
+            rows.append((o.output_type, sorted(o.data), "" if plain.startswith("<Figure") else plain))
+        elif o.output_type == "error":
+            rows.append((o.output_type, o.ename))
+    return rows
+
+
+#: What kernel_startup.py does to a session's tqdm.auto, for a local ipykernel.
+TEXT_TQDM = ("import sys, types, tqdm.std\n"
+             "m = types.ModuleType('tqdm.autonotebook'); m.tqdm, m.trange = tqdm.std.tqdm, tqdm.std.trange\n"
+             "sys.modules['tqdm.autonotebook'] = m")
+
+
+def test_tutorial_07s_session_cells_under_nbclient_give_what_a_local_ipykernel_gives(jupyter_dirs, tmp_path, sshd):
+    import nbformat
+    from nbclient import NotebookClient
+
+    from gpumagic.__main__ import join_streams
+
+    cells = _session_cells(Path(__file__).resolve().parent.parent / "example-notebooks" / "07-remote-python-session.ipynb")
+    assert len(cells) >= 4
+    cells.append("undefined_name")  # and an error, as a notebook shows it
+    name = install("kb9")
+    runs = {}
+    try:
+        for kernel in (name, "python3"):
+            nb = nbformat.v4.new_notebook()
+            nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+            if kernel == "python3":  # the session's start-up rule (kernel_startup.py): tqdm.auto's text bar
+                nb.cells.insert(0, nbformat.v4.new_code_cell(TEXT_TQDM))
+            if kernel == name:
+                nb.cells.append(nbformat.v4.new_code_cell("%gpu kernel list"))
+            NotebookClient(nb, timeout=120, kernel_name=kernel, allow_errors=True,
+                           resources={"metadata": {"path": str(tmp_path)}}).execute()
+            runs[kernel] = nb
+    finally:
+        stop_session("kb9")
+    bridge, local = runs[name], runs["python3"]
+    local.cells = local.cells[1:]
+    for b, lo in zip(bridge.cells, local.cells):
+        assert _kept(join_streams(b.outputs)) == _kept(join_streams(lo.outputs)), b.source
+        assert b.execution_count == lo.execution_count - 1  # (the local run's first cell is TEXT_TQDM)
+    assert any("image/png" in o.get("data", {}) for c in bridge.cells for o in c.outputs)
+    magic = bridge.cells[-1].outputs
+    assert magic and not any(o.output_type == "error" for o in magic)
