@@ -435,3 +435,21 @@ def test_tutorial_07s_session_cells_under_nbclient_give_what_a_local_ipykernel_g
     assert any("image/png" in o.get("data", {}) for c in bridge.cells for o in c.outputs)
     magic = bridge.cells[-1].outputs
     assert magic and not any(o.output_type == "error" for o in magic)
+
+
+def test_a_session_stopped_under_an_attached_bridge_is_started_again_only_by_the_next_cell(jupyter_dirs, sshd):
+    name = install("kb10")
+    fe = Frontend(name)
+    folder = Path(sshd.env["HOME"]) / ".gpumagic" / "kernels" / "kb10"
+    try:
+        fe.run("x = 1")
+        stop_session("kb10")
+        assert not folder.exists()
+        time.sleep(2.0)  # the bridge heard of it: it starts nothing by itself
+        assert not folder.exists()
+        _, out = fe.run("print('x' in globals())")
+        assert summary(out) == [("stream", "stdout", "False\n")]
+        assert folder.exists()
+    finally:
+        fe.close()
+        stop_session("kb10")

@@ -125,6 +125,8 @@ class Bridge:
         #: Why the machine cannot be reached (answered to each request), or None.
         self.failed: GpumagicError | None = None
         self.retry = threading.Event()
+        #: The session went away (stopped): none is started until the front end asks again.
+        self.gone = False
         #: Local cells (``%gpu`` magics) waiting for the machine's cells before them.
         self.local_queue: collections.deque = collections.deque()
         self.local = None
@@ -231,6 +233,8 @@ class Bridge:
         if self.failed is not None and ch == "shell":
             self.answer_failed(idents, header, kind, json.loads(parts[3]))
             return
+        if self.gone:
+            self.retry.set()  # the session was stopped: this request starts a new one
         with self.lock:
             if self.relay is None:  # the machine is being reached: sent once it is
                 self.early.append((ch, [*parts, *buffers], msg_id if ch == "shell" else None))
@@ -292,12 +296,23 @@ class Bridge:
         k = self.machine.kernels.handle(self.options.session)
         with self.lock:
             if self.relay is None:
-                self.relay = Relay(k)
+                self.relay = Relay(k, self.cursor_file())
                 for ch, parts, msg_id in self.early:
                     self.relay.send(ch, parts, msg_id)
                 self.early = []
-        k.ensure(python=self.options.python)
-        self.relay.connect()
+        self.relay.ensure(python=self.options.python)
+
+    def cursor_file(self) -> str:
+        """Where this computer's bridges to the session keep what they handed on (the
+        Jupyter runtime directory, which holds the connection files too)."""
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        from .spec import _slug
+
+        where = os.path.join(jupyter_runtime_dir(), "gpumagic-bridge")
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        host = "sandbox" if self.options.sandbox else _slug(self.options.host or "")
+        return os.path.join(where, f"{host}-{self.options.session}.cursor")
 
     def remote_loop(self) -> None:
         wake = self.ctx.socket(self.zmq.PAIR)
@@ -306,6 +321,11 @@ class Bridge:
         try:
             while not self.stop.is_set():
                 if self.relay is None or not self.relay.connected:
+                    if self.gone:  # stopped: a new session only when the front end asks again
+                        self.retry.wait()
+                        self.retry.clear()
+                        self.gone = False
+                        continue
                     if not self._attach(wake):
                         continue
                 self._in_flight(flight)
@@ -362,7 +382,8 @@ class Bridge:
         """The session's keeper went away (stopped, the machine restarted): a new session
         is started for the next requests, and the front end told."""
         log.warning("the session went away: %s", why)
-        self.inbox.append(("note", f"[gpumagic: {why}; a new session is started]\n"))
+        self.gone = True
+        self.inbox.append(("note", f"[gpumagic: {why}; the next cell starts a new session]\n"))
         wake.send(b"")
         if self.relay is not None:
             self.relay.kernel._link = None

@@ -29,8 +29,9 @@ class Relay:
     ``next()`` is called from one thread; ``send()``, ``op()`` and ``delivered()`` from any.
     """
 
-    def __init__(self, kernel: RemoteKernel):
+    def __init__(self, kernel: RemoteKernel, cursor_file: str | None = None):
         self.kernel = kernel
+        self.cursor = _Cursor(cursor_file) if cursor_file else None
         self._lock = threading.Lock()
         #: Shell requests sent whose reply has not come: msg_id -> (channel, parts); those of
         #: which nothing came are sent again after a reconnect.
@@ -49,6 +50,14 @@ class Relay:
         link = self.kernel._link
         return link is not None and link.lost is None and not link.closed
 
+    def ensure(self, **options) -> dict:
+        """Connect to the session, starting it first when it does not run (``options``:
+        see :meth:`RemoteKernel.start`); a new session's messages are numbered from 1 again,
+        so the cursor starts over.  Returns the keeper's welcome."""
+        if self.kernel.ensure(**options) is not None:  # started: a new journal
+            self.received = 0
+        return self.connect()
+
     def connect(self) -> dict:
         """Open the path to the keeper (after a loss: again, sending again what had no
         answer); returns the keeper's welcome (``state``, ``last``, ``acked``...).
@@ -62,6 +71,8 @@ class Relay:
         """
         k = self.kernel
         link = k._connect()
+        if self.cursor is not None:  # what an earlier relay here handed on is not again
+            self.received = max(self.received, self.cursor.load(_keeper_id(k.keeper_state)))
         with self._lock:
             queued, self._queued = self._queued, []
             resend = [(m, p) for m, p in self.pending.items() if m not in self._seen]
@@ -153,6 +164,8 @@ class Relay:
         """Message ``seq`` reached the front end: a new path (or a new relay) starts after it."""
         k = self.kernel
         k._last_seq = max(k._last_seq, seq)
+        if self.cursor is not None:
+            self.cursor.save(_keeper_id(k.keeper_state), seq)
 
     def ack(self) -> None:
         """Tell the keeper what was handed on (so a later client starts after it)."""
@@ -196,3 +209,34 @@ def _expects_reply(header: bytes) -> bool:
         return str(json.loads(header).get("msg_type", "")).endswith("_request")
     except (ValueError, AttributeError):
         return False
+
+
+def _keeper_id(state: dict) -> str:
+    """What names one keeper (one journal): its pid and port."""
+    return f"{state.get('keeper_pid')}:{state.get('port')}"
+
+
+class _Cursor:
+    """The last message this computer handed on, kept in a small file (0600) written right
+    after each one: a relay killed with SIGKILL before it acknowledged them to the keeper
+    (which the keeper's journal then replays) leaves the next relay here knowing not to
+    hand them on twice.  One line, ``KEEPER SEQ``, rewritten in place by one ``pwrite``."""
+
+    def __init__(self, path: str):
+        import os
+
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def load(self, keeper: str) -> int:
+        import os
+
+        words = os.pread(self.fd, 200, 0).decode("ascii", "replace").split()
+        if len(words) == 2 and words[0] == keeper and words[1].isdigit():
+            return int(words[1])
+        return 0
+
+    def save(self, keeper: str, seq: int) -> None:
+        import os
+
+        os.pwrite(self.fd, f"{keeper} {seq:020d}\n".encode(), 0)
