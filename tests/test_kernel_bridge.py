@@ -274,7 +274,7 @@ def test_input_reaches_the_front_end_and_its_answer_the_machine(jupyter_dirs, ss
         stop_session("kb4")
 
 
-def test_a_front_ends_shutdown_detaches_and_gpu_magics_run_on_the_laptop(jupyter_dirs, sshd):
+def test_a_front_ends_shutdown_detaches_leaving_a_running_cell_and_gpu_magics_run_on_the_laptop(jupyter_dirs, sshd):
     name = install("kb5")
     fe = Frontend(name)
     try:
@@ -286,9 +286,21 @@ def test_a_front_ends_shutdown_detaches_and_gpu_magics_run_on_the_laptop(jupyter
         assert "kb5" in text
         reply, out = fe.run("%gpu nosuchsub")
         assert reply["content"]["status"] == "error"
-        fe.close()  # a front end's shutdown: the session is kept
+        # a front end's shutdown (jupyter_client interrupts first, then asks to shut down)
+        # while a cell runs: the session and the cell are kept
+        msg_id = fe.kc.execute("import time\nfor i in range(6):\n    print(f'n {i}', flush=True)\n    time.sleep(0.3)")
+        seen: list[str] = []
+        while not seen:
+            msg = fe.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen.append(msg["content"]["text"])
+        fe.close()
         assert wait_until(lambda: not fe.km.has_kernel, 10)
-        fe = Frontend(name)
+        fe = Frontend(name, flush=False)
+        rest = fe.iopub_until_idle(msg_id)
+        assert [m for m in rest if m["msg_type"] == "error"] == []
+        assert "".join(seen + [m["content"]["text"] for m in rest if m["msg_type"] == "stream"]) == \
+            "".join(f"n {i}\n" for i in range(6))
         _, out = fe.run("print(z)")
         assert summary(out) == [("stream", "stdout", "7\n")]
     finally:

@@ -27,7 +27,9 @@ message over through an ``inproc`` pair; one echoes heartbeats.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -46,6 +48,10 @@ log = logging.getLogger("gpumagic.kernel_bridge")
 DELIM = b"<IDS|MSG>"
 #: How many request ids the bridge remembers to route their replies (oldest forgotten first).
 IDENTS_KEPT = 2000
+#: Seconds an interrupt_request waits before it is sent on: jupyter_client's shutdown_kernel
+#: (and so jupyter_server's, JupyterLab's "Shut Down Kernel") interrupts the kernel, then asks it
+#: to shut down; under the detach rule that shutdown must not stop the running cell.
+INTERRUPT_GRACE = 0.5
 #: Seconds a restart asked by the front end may take before the bridge replies anyway.
 RESTART_WAIT = 60.0
 #: What ``kernel_info_reply`` says while the machine cannot be reached (the machine's kernel
@@ -133,6 +139,8 @@ class Bridge:
         self.execution_count = 0
         #: A restart asked by the front end: (idents, header, deadline), answered once done.
         self.restarting: tuple | None = None
+        #: When the front end's interrupt goes to the machine (monotonic), or None.
+        self.interrupt_at: float | None = None
         #: A front end has subscribed to iopub: the session's messages may go out.
         self.subscribed = False
 
@@ -215,9 +223,9 @@ class Bridge:
         if ch == "shell":
             self.last_shell = idents
         if ch == "control" and kind == "interrupt_request":
-            with self.lock:
-                if self.relay is not None:
-                    self.relay.op("interrupt")
+            # sent on after INTERRUPT_GRACE, unless a shutdown comes first (jupyter_client's
+            # shutdown_kernel interrupts first: a detach must leave the running cell alone)
+            self.interrupt_at = time.monotonic() + INTERRUPT_GRACE
             self.reply(ch, idents, header, "interrupt_reply", {"status": "ok"})
             return
         if ch == "control" and kind == "shutdown_request":
@@ -265,7 +273,15 @@ class Bridge:
                        {"status": "error", "ename": type(self.failed).__name__, "evalue": str(self.failed)})
         self.publish("status", {"execution_state": "idle"}, header)
 
+    def send_interrupt(self) -> None:
+        """The front end's interrupt, once its grace passed: SIGINT on the machine."""
+        self.interrupt_at = None
+        with self.lock:
+            if self.relay is not None:
+                self.relay.op("interrupt")
+
     def shutdown_request(self, idents, header, content: dict) -> None:
+        self.interrupt_at = None  # the interrupt before a shutdown: not the cell's end
         if content.get("restart") and self.relay is not None:
             self.relay.op("restart")
             self.restarting = (idents, header, time.monotonic() + RESTART_WAIT)
@@ -442,7 +458,7 @@ class Bridge:
         poller.register(self.wake_recv, zmq.POLLIN)
         poller.register(self.iopub, zmq.POLLIN)
         while not self.stop.is_set():
-            for s, _ in poller.poll(200):
+            for s, _ in poller.poll(50 if self.interrupt_at is not None else 200):
                 if s is self.iopub:
                     while self.iopub.poll(0):
                         if self.iopub.recv()[:1] == b"\x01":
@@ -455,6 +471,8 @@ class Bridge:
                 else:
                     self.recv_request(by_sock[s])
             self.drain_inbox()
+            if self.interrupt_at is not None and time.monotonic() >= self.interrupt_at:
+                self.send_interrupt()
             self.run_local_cells()
             if self.restarting is not None and time.monotonic() > self.restarting[2]:
                 self.finish_restart()
@@ -471,7 +489,10 @@ class Bridge:
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
         if self.machine is not None:
-            self.machine.close()
+            # (a sandbox says on stdout which sessions it leaves running: the front end's
+            # kernel log is no place for it, and detaching leaves them by design)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                self.machine.close()
         for s in [*self.socks.values(), self.iopub, self.wake_recv]:
             s.close(linger=1000)
 
@@ -489,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--session", default=DEFAULT_NAME, help="the session's name on the machine")
     p.add_argument("--python", help="the machine's Python to start the session with")
     args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("GPUMAGIC_BRIDGE_LOG", "WARNING").upper(),
-                        format="[gpumagic bridge %(levelname)s] %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[gpumagic bridge %(levelname)s] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("GPUMAGIC_BRIDGE_LOG", "WARNING").upper())
     # as ipykernel: Ctrl-C in the terminal that started the front end does not end the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     bridge = Bridge(args.connection_file, BridgeOptions(args.host, args.sandbox, args.session, args.python))

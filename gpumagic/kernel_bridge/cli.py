@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..remote.kernel import DEFAULT_NAME
 from . import spec
@@ -20,7 +21,8 @@ def add_parser(sub) -> None:
     where.add_argument("--sandbox", action="store_true", help="the local sandbox machine (nothing rented)")
     i.add_argument("--name", default=DEFAULT_NAME, metavar="SESSION",
                    help=f"the session on the machine (default: {DEFAULT_NAME}, the one %%gpu kernel uses)")
-    i.add_argument("--python", metavar="PATH", help="the machine's Python for the session (default: python3 there)")
+    i.add_argument("--python", metavar="PATH", help="the machine's Python for the session (default: python3 there; "
+                   "with --sandbox, this Python)")
     i.add_argument("--display-name", help="the name shown in the kernel list")
     i.add_argument("--sys-prefix", action="store_true",
                    help="install into this environment's share/jupyter, not the user's data directory")
@@ -40,8 +42,10 @@ def add_parser(sub) -> None:
 
 
 def _install(args: argparse.Namespace) -> int:
+    # the sandbox is this computer: its session runs with this Python (which has ipykernel)
+    python = args.python or (sys.executable if args.sandbox else None)
     bs = spec.BridgeSpec(host=spec.SANDBOX if args.sandbox else args.host, session=args.name,
-                         python=args.python, sandbox=args.sandbox, display_name=args.display_name)
+                         python=python, sandbox=args.sandbox, display_name=args.display_name)
     path = spec.install(bs, sys_prefix=args.sys_prefix)
     print(f"installed kernelspec {bs.kernel_name} ({bs.to_json()['display_name']}) in {path}")
     print("pick it in your front end's kernel list; its shutdown detaches, "
