@@ -465,3 +465,26 @@ def test_a_session_stopped_under_an_attached_bridge_is_started_again_only_by_the
     finally:
         fe.close()
         stop_session("kb10")
+
+
+# -- tutorial 11 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["11-kernel-from-the-list.ipynb", "zh-CN/11-kernel-from-the-list.ipynb"])
+def test_tutorial_11_closes_the_notebook_mid_cell_and_the_reopened_one_shows_the_rest_once(executed, name):
+    nb = executed[name]
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"]
+
+    def text(cell):
+        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+    assert "installed kernelspec gpumagic-sandbox (Python 3 on sandbox (gpumagic))" in text(code[0])
+    before, after = text(code[2]), text(code[3])
+    assert before.endswith("-- the notebook was closed mid-cell --\n")
+    steps = [ln for ln in (before + after).splitlines() if ln.startswith("step ")]
+    assert steps == [f"step {i}" for i in range(8)]  # each once, in order, across the close
+    assert after.endswith("\n42\n")
+    assert "main *" in text(code[4])  # %gpu kernel list ran on the laptop
+    assert "stopped session main on sandbox" in text(code[5])
+    assert "removed kernelspec gpumagic-sandbox" in text(code[5])

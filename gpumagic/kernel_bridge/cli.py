@@ -48,8 +48,8 @@ def _install(args: argparse.Namespace) -> int:
                          python=python, sandbox=args.sandbox, display_name=args.display_name)
     path = spec.install(bs, sys_prefix=args.sys_prefix)
     print(f"installed kernelspec {bs.kernel_name} ({bs.to_json()['display_name']}) in {path}")
-    print("pick it in your front end's kernel list; its shutdown detaches, "
-          f"`gpumagic kernel stop {'--sandbox' if args.sandbox else args.host}` stops the session")
+    stop = spec.Installed(bs.kernel_name, "", bs.host, bs.session, path, bs.sandbox).stop_command
+    print(f"pick it in your front end's kernel list; its shutdown detaches, `{stop}` stops the session")
     return 0
 
 
@@ -67,7 +67,7 @@ def _list(args: argparse.Namespace) -> int:
 def _uninstall(args: argparse.Namespace) -> int:
     k = spec.uninstall(args.kernel)
     print(f"removed kernelspec {k.name} ({k.path}); the session {k.session} on {k.host} is not touched "
-          f"(`gpumagic kernel stop {k.host}` stops it)")
+          f"(`{k.stop_command}` stops it)")
     return 0
 
 

@@ -134,6 +134,13 @@ class Installed:
     host: str
     session: str
     path: str
+    sandbox: bool = False
+
+    @property
+    def stop_command(self) -> str:
+        """The command that stops its session."""
+        where = "--sandbox" if self.sandbox else self.host
+        return f"gpumagic kernel stop {where}" + ("" if self.session == DEFAULT_NAME else f" --name {self.session}")
 
 
 def installed() -> list[Installed]:
@@ -149,7 +156,8 @@ def installed() -> list[Installed]:
             continue
         meta = (spec.metadata or {}).get("gpumagic")
         if isinstance(meta, dict):
-            out.append(Installed(name, spec.display_name, str(meta.get("host")), str(meta.get("session")), path))
+            out.append(Installed(name, spec.display_name, str(meta.get("host")), str(meta.get("session")), path,
+                                 bool(meta.get("sandbox"))))
     return out
 
 
