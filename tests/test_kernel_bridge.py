@@ -488,3 +488,23 @@ def test_tutorial_11_closes_the_notebook_mid_cell_and_the_reopened_one_shows_the
     assert "main *" in text(code[4])  # %gpu kernel list ran on the laptop
     assert "stopped session main on sandbox" in text(code[5])
     assert "removed kernelspec gpumagic-sandbox" in text(code[5])
+
+
+def test_a_machine_that_cannot_be_reached_gives_a_ready_kernel_whose_cells_say_why(jupyter_dirs, client_home):
+    from gpumagic.ssh.sandbox import free_port
+
+    config = client_home / ".ssh" / "config"
+    config.write_text(config.read_text(encoding="utf-8") + f"\nHost kbdown\n  HostName 127.0.0.1\n  Port {free_port()}\n",
+                      encoding="utf-8")
+    assert gpumagic_main(["kernel", "install", "kbdown"]) == 0
+    fe = Frontend("gpumagic-kbdown")  # ready: the editor is not left waiting for a kernel
+    try:
+        reply, out = fe.run("1 + 1")
+        assert reply["content"]["status"] == "error"
+        (err,) = [m["content"] for m in out if m["msg_type"] == "error"]
+        assert err["ename"] == "ConnectionRefused"
+        assert err["evalue"].startswith("cannot reach kbdown: connection refused by 127.0.0.1:")
+        assert err["traceback"] == [f"ConnectionRefused: {err['evalue']}"]  # what to do, not a traceback
+        assert "\n  hint: check the port" in err["evalue"]
+    finally:
+        fe.close(now=True)

@@ -262,10 +262,12 @@ class Bridge:
             self.reply("shell", idents, header, "kernel_info_reply", FALLBACK_INFO)
         elif kind == "execute_request":
             err = self.failed
-            tb = [f"{type(err).__name__}: {err}"]
-            self.publish("error", {"ename": type(err).__name__, "evalue": str(err), "traceback": tb}, header)
+            where = "the sandbox" if self.options.sandbox else self.options.host
+            evalue = f"cannot reach {where}: {err}"
+            tb = [f"{type(err).__name__}: {evalue}"]
+            self.publish("error", {"ename": type(err).__name__, "evalue": evalue, "traceback": tb}, header)
             self.reply("shell", idents, header, "execute_reply",
-                       {"status": "error", "ename": type(err).__name__, "evalue": str(err), "traceback": tb,
+                       {"status": "error", "ename": type(err).__name__, "evalue": evalue, "traceback": tb,
                         "execution_count": self.execution_count})
             self.retry.set()
         else:
