@@ -194,6 +194,10 @@ def test_execute_gives_what_a_local_ipykernel_gives(jupyter_dirs, sshd):
         assert bridge.reply(bridge.kc.is_complete("for i in x:"))["content"]["status"] == "incomplete"
         h = bridge.kc.history(hist_access_type="tail", n=3, reply=True, timeout=TIMEOUT)["content"]
         assert h["status"] == "ok"
+        # the heartbeat channel is answered (what a front end that watches it sees alive)
+        if not bridge.kc.hb_channel.is_alive():
+            bridge.kc.hb_channel.start()
+        assert wait_until(bridge.kc.hb_channel.is_beating, 10)
     finally:
         bridge.close()
         local.close()
