@@ -12,8 +12,9 @@ from . import spec
 
 def add_parser(sub) -> None:
     k = sub.add_parser("kernel", help="the machine's live session as a Jupyter kernel (kernelspecs)",
-                       description="Put a machine's live session (%%gpu kernel) in your front end's "
-                                   "kernel list: JupyterLab, Notebook, VS Code. " + spec.SHUTDOWN_RULE + ".")
+                       description="Put a machine's live session (%gpu kernel) in your front end's "
+                                   "kernel list: JupyterLab, Notebook, VS Code. Shutdown rule: "
+                                   + spec.SHUTDOWN_RULE + ".")
     ks = k.add_subparsers(dest="kernel_cmd", required=True)
     i = ks.add_parser("install", help="write a kernelspec gpumagic-HOST", allow_abbrev=False)
     where = i.add_mutually_exclusive_group(required=True)
