@@ -1,4 +1,5 @@
-"""Command line: ``python -m gpumagic sandbox`` and ``python -m gpumagic run-notebook``."""
+"""Command line: ``python -m gpumagic sandbox``, ``python -m gpumagic run-notebook`` and
+``python -m gpumagic kernel ...`` (:mod:`gpumagic.kernel_bridge.cli`)."""
 
 from __future__ import annotations
 
@@ -251,6 +252,9 @@ def main(argv=None) -> int:
                    help="where the executed copy is written (default: build/executed)")
     r.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     r.set_defaults(func=_run_notebook)
+    from .kernel_bridge import cli as kernel_cli
+
+    kernel_cli.add_parser(sub)
     args = p.parse_args(argv)
     try:
         return args.func(args)

@@ -6,6 +6,9 @@ except in cells tagged ``raises-exception``; a screenshot lands in ``build/brows
 saved, executed notebooks are reopened in a JupyterLab that has no kernel ("No Kernel"), as a
 classmate without the environment would, and every saved output must render from the file.
 
+The machine's session as a kernel in the list (issue 47): its kernelspec's card is in the launcher,
+and a notebook using it runs its cells on the machine.
+
 Widgets made on the machine (issue 32, the comm bridge): a remote ``IntSlider`` renders in the
 page, dragging it with the mouse to 7 makes the machine's value 7, a ``tqdm.notebook`` bar there
 reaches 100 %, and the notebook saved with its widget state reopens showing both.
@@ -596,3 +599,62 @@ def test_a_slider_made_on_the_machine_is_dragged_in_the_browser_and_saved_with_t
     assert "jupyter-widgets-disconnected" in reopened_classes  # the file's state, not a live comm
     assert "100%" in reopened_bar and "5/5" in reopened_bar, reopened_bar
     print(f"slider readouts as it was dragged (then arrow keys): {readouts}; session stopped: {stopped}")
+
+
+# -- the machine's session as a kernel picked from the list (issue 47) -----------------------
+
+BRIDGE_SESSION = "browserkb"
+BRIDGE_NB = "bridge.ipynb"
+BRIDGE_DISPLAY = f"Python 3 on testgpu:{BRIDGE_SESSION} (gpumagic)"
+
+
+@pytest.fixture(scope="module")
+def bridge_lab(sshd, tmp_path_factory):
+    """A JupyterLab whose kernel list holds the kernelspec of the test machine's session
+    ``browserkb`` (in a Jupyter data dir of its own), serving a notebook that uses it."""
+    from gpumagic.__main__ import main as gpumagic_main
+
+    root, data = tmp_path_factory.mktemp("lab-bridge"), tmp_path_factory.mktemp("lab-bridge-data")
+    saved = {k: os.environ.get(k) for k in ("JUPYTER_DATA_DIR", "JUPYTER_PATH")}
+    os.environ["JUPYTER_DATA_DIR"] = os.environ["JUPYTER_PATH"] = str(data)
+    try:
+        assert gpumagic_main(["kernel", "install", "testgpu", "--name", BRIDGE_SESSION, "--python", sys.executable]) == 0
+        nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+            "name": f"gpumagic-testgpu-{BRIDGE_SESSION}", "display_name": BRIDGE_DISPLAY, "language": "python"}})
+        nb.cells = [nbformat.v4.new_code_cell(s) for s in [
+            "import os\nprint('HOME', os.environ['HOME'])",
+            "import time\nfor i in range(6):\n    print(f'line {i}', flush=True)\n    time.sleep(0.3)",
+        ]]
+        nbformat.write(nb, root / BRIDGE_NB)
+        server = Lab(root, tmp_path_factory.mktemp("lab-bridge-state"))
+        try:
+            yield server
+        finally:
+            server.stop()
+            gpumagic_main(["kernel", "stop", "testgpu", "--name", BRIDGE_SESSION])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.timeout(600)
+def test_the_sessions_kernel_is_in_the_launcher_and_its_cells_run_on_the_machine(bridge_lab, browser, sshd):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"http://127.0.0.1:{bridge_lab.port}/lab?reset&token={bridge_lab.token}")
+        page.locator(".jp-LauncherCard", has_text=BRIDGE_DISPLAY).first.wait_for(timeout=120_000)
+        _open(page, bridge_lab, BRIDGE_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        for i in range(2):
+            _run_cell(page, i)
+        home = _cell(page, 0).locator(".jp-OutputArea-output").inner_text()
+        assert home.strip() == f"HOME {sshd.env['HOME']}"  # the machine's, not this process's
+        lines = _cell(page, 1).locator(".jp-OutputArea-output").inner_text().split()
+        assert " ".join(lines) == " ".join(f"line {i}" for i in range(6))
+    finally:
+        _screenshot(page, "bridge-kernel")
+        page.close()
+

@@ -179,7 +179,7 @@ LAYERS = (
     ("session", ("gpumagic.machine", "gpumagic.fleet", "gpumagic.wrapup", "gpumagic.keys")),
     ("notebook", ("gpumagic.notebook",)),  # display, widgets, links, comms: no magics
     ("magics", ("gpumagic.notebook.magics",)),
-    ("top", ("gpumagic", "gpumagic.__main__")),
+    ("top", ("gpumagic", "gpumagic.__main__", "gpumagic.kernel_bridge")),  # the kernel bridge: a front end's kernel
 )
 
 

@@ -85,6 +85,8 @@ class RemoteKernel:
         #: The kernel's working directory on the machine (from its state, once connected).
         self.cwd: str | None = None
         self._link: _Link | None = None
+        #: The keeper's ``state.json`` as read at the last connect (its pid and port name it).
+        self.keeper_state: dict = {}
         self._last_seq = 0          # the last message shown by this process
         self._acked = 0
         self._ack_time = 0.0
@@ -252,7 +254,7 @@ class RemoteKernel:
         if r.exit_code != 0 or not sep:
             raise KernelError(f"no session {self.name!r} on {self.machine.name}",
                               f"start it: `%gpu kernel start {self.name}` (machine.kernel({self.name!r}))")
-        state = json.loads(state_text)
+        state = self.keeper_state = json.loads(state_text)
         self.python, self.cwd = state.get("python"), state.get("cwd")
         try:
             link = _Link(self.machine, int(state["port"]), token.strip(), self._last_seq)
