@@ -234,11 +234,11 @@ def fuzz(_ipython, tmp_path_factory):
     _ipython._gpumagic.fleet.close_all()
     from gpumagic.rent import KeyStore, Renter
 
-    _ipython._gpumagic.renter = Renter(keys=KeyStore(base / "data" / "keys", use_keyring=False))
+    _ipython._gpumagic.state.renter = Renter(keys=KeyStore(base / "data" / "keys", use_keyring=False))
     try:
         yield _ipython, server, remote_dir
     finally:
-        _ipython._gpumagic.renter = None
+        _ipython._gpumagic.state.renter = None
         getpass.getpass = saved["getpass"]
         os.chdir(saved["cwd"])
         if saved["data"] is None:

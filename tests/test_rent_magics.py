@@ -42,7 +42,7 @@ def shell(ip, tmp_path, monkeypatch):
     """``ip`` with a Renter of its own (data under tmp_path, no keychain, quick polls), the key
     prompt answering what ``shell.typed`` holds, and an SSH key pair."""
     monkeypatch.chdir(tmp_path)
-    ip._gpumagic.renter = Renter(tmp_path / "data", keys=KeyStore(tmp_path / "data" / "keys", use_keyring=False),
+    ip._gpumagic.state.renter = Renter(tmp_path / "data", keys=KeyStore(tmp_path / "data" / "keys", use_keyring=False),
                                  poll_s=0.02, wait_s=20)
     typed = {"key": "good-key"}
     monkeypatch.setattr("gpumagic.rent.keystore.getpass.getpass", lambda prompt="": typed["key"])
@@ -50,7 +50,7 @@ def shell(ip, tmp_path, monkeypatch):
     ip.sshkey = tmp_path / "id_ed25519"
     keygen(ip.sshkey)
     yield ip
-    ip._gpumagic.renter = None
+    ip._gpumagic.state.renter = None
     ip._gpumagic.fleet.close_all()
 
 
@@ -63,7 +63,7 @@ def test_login_checks_the_key_and_a_bad_one_is_not_stored_nor_shown(shell, runpo
     with pytest.raises(BadKey) as e:
         gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url}")
     assert "sk-WRONG-987654" not in str(e.value) and "%gpu provider login runpod" in e.value.hint
-    assert shell._gpumagic.renter.keys.get("runpod") is None
+    assert shell._gpumagic.state.renter.keys.get("runpod") is None
     shell.typed["key"] = "good-key"
     gpu(shell, "provider login runpod")
     out = capsys.readouterr().out
@@ -119,7 +119,7 @@ def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pu
     from gpumagic.budget import Ledger
 
     assert Ledger().machine("rp1").prices.rate == 0.34  # the platform's price, in the ledger
-    stored = [Ledger().path, shell._gpumagic.renter.path]
+    stored = [Ledger().path, shell._gpumagic.state.renter.path]
     assert all("good-key" not in Path(f).read_text(encoding="utf-8") for f in stored)  # the key is in neither
 
 
@@ -185,7 +185,7 @@ def test_a_start_that_brings_another_host_key_is_refused(shell, runpod, capsys):
     gpu(shell, f"rent --gpu 4090 --name rk1 -i {shell.sshkey} --trust-new-host")
     box = list(runpod.boxes.values())[0].server
     trusted = box.host_key_fingerprint
-    assert shell._gpumagic.renter.record("rk1").host_key == trusted
+    assert shell._gpumagic.state.renter.record("rk1").host_key == trusted
     gpu(shell, "stop rk1")
     for f in (box.host_key, Path(str(box.host_key) + ".pub")):  # the machine was rebuilt
         f.unlink()
@@ -195,5 +195,5 @@ def test_a_start_that_brings_another_host_key_is_refused(shell, runpod, capsys):
     assert f"is not the {trusted} expected" in e.value.message and "\n" not in e.value.message
     assert e.value.fingerprint == box.host_key_fingerprint != trusted
     gpu(shell, "start rk1 --trust-new-host")  # the user compared it with the platform's console
-    assert shell._gpumagic.renter.record("rk1").host_key == box.host_key_fingerprint
+    assert shell._gpumagic.state.renter.record("rk1").host_key == box.host_key_fingerprint
     gpu(shell, "release rk1 --yes")

@@ -132,6 +132,8 @@ class NotebookState:
     alerts_shown: dict[tuple[str, str], set[float | None]] = field(default_factory=dict)
     #: Each session's comm bridge (:mod:`gpumagic.notebook.comms`), by the session, gone with it.
     bridges: "weakref.WeakKeyDictionary[Any, Any]" = field(default_factory=weakref.WeakKeyDictionary)
+    #: The rentals of the platforms' APIs (:func:`.rent.renter`; None until first used).
+    renter: Any = None
 
 
 @magics_class

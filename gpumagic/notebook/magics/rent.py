@@ -25,12 +25,13 @@ ROWS = number(1, 10**6, integer=True, what="a number of rows")
 
 
 def renter(magics: GpuMagics) -> Renter:
-    """The notebook's :class:`Renter` (made on first use; a test or script may set its own)."""
-    r = getattr(magics, "renter", None)
+    """The notebook's :class:`Renter` (``magics.state.renter``: made on first use; a test or
+    script may set its own)."""
+    r = magics.state.renter
     if r is None:
         from ...rent import Renter
 
-        r = magics.renter = Renter()
+        r = magics.state.renter = Renter()
     return r
 
 
