@@ -216,11 +216,16 @@ def _keeper_id(state: dict) -> str:
     return f"{state.get('keeper_pid')}:{state.get('port')}"
 
 
+#: Characters of the cursor file's line (before its newline): ``KEEPER SEQ`` and spaces.
+_CURSOR_WIDTH = 80
+
+
 class _Cursor:
     """The last message this computer handed on, kept in a small file (0600) written right
     after each one: a relay killed with SIGKILL before it acknowledged them to the keeper
     (which the keeper's journal then replays) leaves the next relay here knowing not to
-    hand them on twice.  One line, ``KEEPER SEQ``, rewritten in place by one ``pwrite``."""
+    hand them on twice.  One line, ``KEEPER SEQ`` padded to a fixed width, rewritten in place by
+    one ``write`` at its start (never a shorter line over a longer one)."""
 
     def __init__(self, path: str):
         import os
@@ -231,7 +236,8 @@ class _Cursor:
     def load(self, keeper: str) -> int:
         import os
 
-        words = os.pread(self.fd, 200, 0).decode("ascii", "replace").split()
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        words = os.read(self.fd, 200).decode("ascii", "replace").split()
         if len(words) == 2 and words[0] == keeper and words[1].isdigit():
             return int(words[1])
         return 0
@@ -239,4 +245,5 @@ class _Cursor:
     def save(self, keeper: str, seq: int) -> None:
         import os
 
-        os.pwrite(self.fd, f"{keeper} {seq:020d}\n".encode(), 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)  # (lseek and write: Windows has no pwrite)
+        os.write(self.fd, f"{keeper} {seq:020d}".ljust(_CURSOR_WIDTH).encode() + b"\n")
