@@ -512,3 +512,36 @@ def test_a_machine_that_cannot_be_reached_gives_a_ready_kernel_whose_cells_say_w
         assert "\n  hint: check the port" in err["evalue"]
     finally:
         fe.close(now=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_bridge_whose_front_end_was_killed_detaches_and_ends(jupyter_dirs, sshd):
+    # a front end killed with SIGKILL never sends shutdown_request: the bridge notices that
+    # its parent is gone (as ipykernel's parent poller does) and ends; the session runs on
+    import subprocess
+
+    name = install("kbparent")
+    front = subprocess.Popen(
+        [PY, "-c", "import time\nfrom jupyter_client import KernelManager\n"
+                   f"km = KernelManager(kernel_name={name!r})\nkm.start_kernel()\n"
+                   "kc = km.client()\nkc.start_channels()\nkc.wait_for_ready(timeout=60)\n"
+                   "print(km.provisioner.process.pid, flush=True)\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, encoding="utf-8")
+    try:
+        bridge = int(front.stdout.readline())
+        assert _running(bridge)
+        front.kill()
+        front.wait()
+        assert wait_until(lambda: not _running(bridge), 15)
+    finally:
+        front.kill()
+        stop_session("kbparent")

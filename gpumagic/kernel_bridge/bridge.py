@@ -123,6 +123,9 @@ class Bridge:
         self.idents: collections.OrderedDict = collections.OrderedDict()
         self.last_shell: list[bytes] | None = None
         self.stop = threading.Event()
+        #: The front end that started this process: when it is gone (killed, crashed), so is
+        #: the bridge, as ipykernel's parent poller does (POSIX; the session runs on).
+        self.parent = os.getppid() if os.name == "posix" else None
         self.relay: Relay | None = None
         #: Requests that came before the session was reached (sent through the relay once made).
         self.early: list[tuple[str, list[bytes], str | None]] = []
@@ -478,6 +481,9 @@ class Bridge:
             self.run_local_cells()
             if self.restarting is not None and time.monotonic() > self.restarting[2]:
                 self.finish_restart()
+            if self.parent not in (None, 1) and os.getppid() != self.parent:
+                log.info("the front end that started this kernel is gone: detaching")
+                break
         self.close()
         return 0
 
