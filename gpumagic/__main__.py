@@ -8,8 +8,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -17,8 +19,6 @@ from .errors import GpumagicError
 
 
 def _sandbox(args) -> int:
-    import signal
-
     from .ssh.sandbox import Sandbox
 
     def stop(signum, frame):  # a closed terminal or `kill` stops the sandbox like Ctrl-C
@@ -74,6 +74,9 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
     # last status message) goes to a log, as a Jupyter server keeps it out of the notebook;
     # it is shown only when the kernel died.
     log = os.path.join(sockets, "kernel.log")
+    # nbclient's SIGINT handler stays installed when the kernel fails to start: Ctrl-C in the
+    # caller would do nothing afterwards; the caller's own handler is put back at the end
+    ctrl_c = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
         with open(log, "wb") as stderr:
             client.execute(stderr=stderr)
@@ -87,6 +90,8 @@ def run_notebook(path: str | Path, output_dir: str | Path, timeout: int = 600,
         last = _tail(log)
         raise DeadKernelError(f"{e}; its last words: {last}" if last else str(e)) from None
     finally:
+        if ctrl_c is not None and signal.getsignal(signal.SIGINT) is not ctrl_c:
+            signal.signal(signal.SIGINT, ctrl_c)
         for cell in nb.cells:
             if cell.get("outputs"):
                 cell.outputs = join_streams(cell.outputs)

@@ -10,13 +10,28 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from gpumagic.ssh.sandbox import SshServer
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises_keyboard_interrupt():
+    """Each test leaves Ctrl-C as Python's default: a KeyboardInterrupt.  An asyncio loop run
+    in this worker (nbclient's, in the tests that run a notebook here) installs its own SIGINT
+    handler and does not take it back when a kernel fails to start; a later test that
+    interrupts (``_thread.interrupt_main``, ``os.kill(SIGINT)``) then waited for its 180 s
+    timeout (CI, 2026-12-07: test_interrupt and test_resilience, on one worker)."""
+    yield
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _TMP = tempfile.mkdtemp(prefix="gpumagic-tests-")
 CLIENT_HOME = Path(_TMP) / "client-home"

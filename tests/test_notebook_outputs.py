@@ -290,3 +290,22 @@ def test_tutorial_10_lends_the_stand_in_proxy_sets_mirrors_and_undoes_both(execu
     assert "100.100.100.200\n169.254.169.254\n" in text('%%remote\necho "$no_proxy"')
     assert "HF_ENDPOINT = https://hf-mirror.com\n" in text("%%remote --python\nimport os")
     assert text("%%remote\nenv | grep") == "no proxy variable left\nHF_ENDPOINT=[]\n"
+
+
+def test_run_notebook_leaves_ctrl_c_as_it_found_it_when_the_kernel_cannot_start(tmp_path):
+    # nbclient installs a SIGINT handler of its event loop and keeps it when the kernel fails
+    # to start: Ctrl-C in the caller (a test's interrupt, a script) then did nothing at all
+    import signal
+
+    import nbformat
+    from jupyter_client.kernelspec import NoSuchKernel
+
+    from gpumagic.__main__ import run_notebook
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("1 + 1"))
+    nbformat.write(nb, tmp_path / "k.ipynb")
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(NoSuchKernel):
+        run_notebook(tmp_path / "k.ipynb", tmp_path / "out", kernel_name="gpumagic-no-such-kernel")
+    assert signal.getsignal(signal.SIGINT) is before
