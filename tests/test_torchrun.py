@@ -380,10 +380,15 @@ def test_alerts_and_stop_on_name_the_rank_and_machine(a, b, pair, monkeypatch):
 
 def test_failure_notification_names_the_rank_and_machine(a, b, pair, monkeypatch):
     job = gpumagic.start_distributed([a, b], "boom3", ALLREDUCE, nproc=2, env={"BOOM": "3"})
-    assert job.wait(timeout=300).startswith("failed: rank 3 on trb")
-    title, text, details = _notify_message(pair[1].env["HOME"], "boom3", "trb", monkeypatch)
-    assert title == "job boom3 failed (rank 3 on trb)"
-    assert text.startswith("job boom3 failed (rank 3 on trb) on trb: rank 3 on trb failed first, exit code 1")
+    said = job.wait(timeout=300)
+    # c10d's rendezvous gives the node ranks in the order the machines joined: ranks 2 and 3
+    # are on either machine, and the message names the one they were on
+    where = job.ranks()[3][0].machine.name
+    assert where in ("tra", "trb") and said.startswith(f"failed: rank 3 on {where}"), said
+    home = pair[("tra", "trb").index(where)].env["HOME"]
+    title, text, details = _notify_message(home, "boom3", where, monkeypatch)
+    assert title == f"job boom3 failed (rank 3 on {where})"
+    assert text.startswith(f"job boom3 failed (rank 3 on {where}) on {where}: rank 3 on {where} failed first, exit code 1")
     assert "[default" not in text  # torchrun's local prefixes are relabelled with global ranks
 
 
