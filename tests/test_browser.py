@@ -499,7 +499,25 @@ def _drag_slider_to(page, slider, value: int) -> list[str]:
             break
         handle.press("ArrowRight" if now < value else "ArrowLeft")
         seen.append(readout.inner_text().strip())
+    _wait_kernel_quiet(page)
     return seen
+
+
+def _wait_kernel_quiet(page, quiet_ms: int = 1000, timeout: float = 60) -> None:
+    """Wait until the status bar has said Idle for ``quiet_ms`` on end.  ipywidgets sends one
+    update at a time and keeps the newest value until the kernel is idle after the last one
+    (its ``msg_throttle``): a readout shows 7 at once, while the 7 itself leaves the page only
+    when the 6 before it was answered.  A cell run before then can overtake it, with a local
+    kernel too; a person looking at the slider waits that long without noticing."""
+    page.evaluate("() => { delete window.__gmIdleSince; }")
+    page.wait_for_function(
+        """(quiet) => {
+            const idle = document.body.innerText.includes('| Idle');
+            const now = performance.now();
+            if (!idle) { delete window.__gmIdleSince; return false; }
+            if (window.__gmIdleSince === undefined) window.__gmIdleSince = now;
+            return now - window.__gmIdleSince >= quiet;
+        }""", arg=quiet_ms, polling=100, timeout=timeout * 1000)
 
 
 def _stop_session(sshd) -> None:

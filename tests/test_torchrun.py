@@ -357,22 +357,27 @@ def _notify_message(home: str, name: str, machine: str, monkeypatch):
 def test_alerts_and_stop_on_name_the_rank_and_machine(a, b, pair, monkeypatch):
     job = gpumagic.start_distributed([a, b], "nan3", NAN_ON_RANK_3, nproc=2, stop_on="nan")
     try:
-        def b_info():
-            return next(i for i in b.jobs() if i.name == "nan3")
+        # c10d gives the node ranks in the order the machines joined: rank 3 is on either one
+        assert wait_until(lambda: len(job.ranks()) == 4, 300), [j.logs(None) for j in job.parts]
+        where = job.ranks()[3][0].machine.name
+        m = (a, b)[("tra", "trb").index(where)]
 
-        assert wait_until(lambda: b_info().state == "killed", 300), [j.logs(None) for j in job.parts]
-        assert job.ranks()[3][0].machine.name == "trb"  # c10d put rank 3 on b
-        info = b_info()
-        assert info.state_text == "killed (nan, rank 3 on trb)"
-        assert [al.label for al in info.alerts if al.kind == "nan"] == ["NaN/inf loss from rank 3 on trb"]
+        def info_on_m():
+            return next(i for i in m.jobs() if i.name == "nan3")
+
+        assert wait_until(lambda: info_on_m().state == "killed", 300), [j.logs(None) for j in job.parts]
+        info = info_on_m()
+        assert info.state_text == f"killed (nan, rank 3 on {where})"
+        assert [al.label for al in info.alerts if al.kind == "nan"] == [f"NaN/inf loss from rank 3 on {where}"]
         seen = []
-        b.job("nan3").follow(out=lambda t: None, alert=seen.append, lines=None)
-        assert [al.where for al in seen if al.kind == "nan"] == ["rank 3 on trb"]
-        # the notification sent from b when its part ended
-        title, text, details = _notify_message(pair[1].env["HOME"], "nan3", "trb", monkeypatch)
-        assert title == "job nan3 stopped (nan, rank 3 on trb)"
-        assert "stopped by --stop-on nan from rank 3 on trb at: [rank 3]:step 2 loss nan" in text
-        assert details["rank"] == "rank 3 on trb"
+        m.job("nan3").follow(out=lambda t: None, alert=seen.append, lines=None)
+        assert [al.where for al in seen if al.kind == "nan"] == [f"rank 3 on {where}"]
+        # the notification sent from that machine when its part ended
+        home = pair[("tra", "trb").index(where)].env["HOME"]
+        title, text, details = _notify_message(home, "nan3", where, monkeypatch)
+        assert title == f"job nan3 stopped (nan, rank 3 on {where})"
+        assert f"stopped by --stop-on nan from rank 3 on {where} at: [rank 3]:step 2 loss nan" in text
+        assert details["rank"] == f"rank 3 on {where}"
     finally:
         job.kill()
     assert procs("torchrun/nan3/") == []
