@@ -208,7 +208,7 @@ def test_a_kernels_output_is_printed_where_nothing_handed_one_in(sshd):
 def test_output_printed_while_disconnected_is_shown_once_in_order_on_attach(m, monkeypatch):
     # A running cell reconnects by itself now (tests/test_resilience.py); without that,
     # the cell's error and then `attach` must still show every line once, in order.
-    monkeypatch.setattr(gk.client, "RECONNECTS", 0)
+    monkeypatch.setattr(gk.client, "RECONNECT", gk.client.RECONNECT.but(times=0))
     k = start(m, "c3")
     try:
         sshd_pid = session_sshd_pid(m)

@@ -353,6 +353,56 @@ class _Quiet(Output):
         pass
 
 
+class _Noted(_Quiet):
+    """A session's output, stdout and gpumagic's own lines kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.notes: list[str] = []
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+def test_a_session_cell_whose_link_went_says_it_reconnects_then_goes_on(make_link):
+    """As a %%remote cell does (the reconnect policy is one): a live-session cell whose path is
+    held says within seconds that it reconnects and how much grace is left; once the link is
+    back it goes on, every line once, and says so."""
+    linked = make_link(rtt_ms=40)
+    m = linked.machine
+    name = "says" + uuid.uuid4().hex[:6]
+    k = m.kernel(name, python=sys.executable)
+    out = _Noted()
+    done: list = []
+    try:
+        assert k.execute("import time", output=_Quiet()).ok
+        t = threading.Thread(target=lambda: done.append(k.execute(
+            "for i in range(1, 41):\n    print('line', i, flush=True)\n    time.sleep(0.3)", output=out)),
+            daemon=True)
+        t.start()
+        assert wait_until(lambda: "line 2\n" in out.text, 30)
+        linked.hold()
+        held = time.monotonic()
+        try:
+            assert wait_until(lambda: any("reconnecting to" in n for n in out.notes), 30), out.notes
+            print(f"hold -> 'reconnecting' shown {time.monotonic() - held:.2f} s")
+        finally:
+            linked.release()
+        t.join(120)
+        assert done and done[0].ok, done
+        assert out.text.splitlines() == [f"line {i}" for i in range(1, 41)]
+        said = [n for n in out.notes if "reconnect" in n]
+        assert len(said) == 2, out.notes
+        assert said[0].startswith(f"[gpumagic: reconnecting to {m.name} (") and "; grace left 9 min" in said[0], said
+        assert said[1] == f"[gpumagic: reconnected to {m.name}; the cell's output goes on]"
+    finally:
+        try:
+            k.stop()
+        except Exception:
+            pass
+        _stop_keepers(linked.server, name)
+
+
 def _stop_keepers(server, name: str) -> None:
     state = Path(server.env["HOME"]) / ".gpumagic" / "kernels" / name / "state.json"
     try:

@@ -101,8 +101,9 @@ import paramiko
 from ..ssh._paramiko import send_eof, sendall_ordered
 from ..ssh.connection import Connection
 from ..ssh.pump import ChannelPump
+from ..ssh.reconnect import RECONNECT, GaveUp, Reconnects
 from .._format import duration
-from ..errors import ConnectionLost, GpumagicError, RemoteCommandError, RemoteTimeout
+from ..errors import ConnectionLost, RemoteCommandError, RemoteTimeout
 from . import program as _program
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,8 @@ STOP_PROGRAM = "exec-stop-cell.sh"
 #: Seconds a running cell outlives a dead path (a roam, a blink, a laptop asleep) by default:
 #: it runs on, its output kept on the machine, and the client re-attaches on a new connection
 #: (see "Kept cells" in the module docstring).  0: the cell is stopped when its path is lost.
-GRACE = 600.0
-#: Seconds a kept cell seeks a new connection before it says so (a roam takes one connect).
-REATTACH_NOTE_AFTER = 1.0
+#: A new connection is sought as :mod:`gpumagic.ssh.reconnect` says, within it.
+GRACE = RECONNECT.grace
 #: Most bytes of a kept cell's output the machine holds for a client that is away; past
 #: it the oldest part is dropped, and the client says how many bytes it missed.
 SPOOL_BYTES = 64 << 20
@@ -655,8 +655,9 @@ def _run_kept(conn: Connection, runner: "_Runner", request: bytes, out: "_Stream
 
 
 def _reattach(conn: Connection, kept: _KeptCell, cut: "_LostMidCommand", old: "_Runner") -> "_Runner":
-    """A runner on a new connection for ``kept``, whose path was lost (``cut``): connections
-    are tried until the grace, counted from the last packet the old path brought, is over.
+    """A runner on a new connection for ``kept``, whose path was lost (``cut``), sought as
+    :mod:`gpumagic.ssh.reconnect` says, within the cell's grace counted from the last packet
+    the old path brought.  A wait longer than a connect is said in the cell's output.
 
     Raises
     ------
@@ -665,58 +666,34 @@ def _reattach(conn: Connection, kept: _KeptCell, cut: "_LostMidCommand", old: "_
         if one comes within :data:`STOP_WAIT` s (the machine stops it by itself too).
     """
     old.discard()
-    deadline = kept.ends = _grace_ends(conn, kept)
-    # a roam is over in a connect; a machine that went is said within REATTACH_NOTE_AFTER s
-    # (nothing was shown for the whole grace)
-    said = threading.Event()
 
-    def say() -> None:
-        said.set()
+    def say(left: float) -> None:
         kept.say(f"\n[gpumagic: reconnecting to {conn.spec.alias} ({cut.why}); grace left "
-                  f"{duration(deadline - time.monotonic())}, the cell runs on there meanwhile]\n")
+                 f"{duration(left)}, the cell runs on there meanwhile]\n")
 
-    timer = threading.Timer(REATTACH_NOTE_AFTER, say)
-    timer.daemon = True
-    timer.start()
+    seeking = Reconnects(conn, RECONNECT.but(grace=kept.grace), say)
+    kept.ends = seeking.deadline()
     try:
-        runner = _reattach_within(conn, kept, cut, deadline)
-    finally:
-        timer.cancel()
-    if said.is_set():
+        runner = seeking.again(lambda: _take_runner(conn), deadline=kept.ends)
+    except GaveUp:
+        fate = _stop_elsewhere(conn, 0, 0, kept=kept.id)
+        raise ConnectionLost(
+            f"lost the connection to {conn.spec.address} while the cell ran ({cut.why}) and "
+            f"got no new one within its grace of {kept.grace:g} s; {fate}",
+            "run the cell again (raise the grace with %%remote --grace S or %config "
+            "GpuMagics.grace = S; %%remote --job survives a closed laptop)") from None
+    kept.reconnects += 1
+    kept.ends = None
+    log.info("gpumagic: re-attaching cell %s after: %s", kept.id, cut.why)
+    if seeking.said:
         kept.say(f"[gpumagic: reconnected to {conn.spec.alias}; the cell's output goes on]\n")
     return runner
-
-
-def _reattach_within(conn: Connection, kept: _KeptCell, cut: "_LostMidCommand", deadline: float) -> "_Runner":
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            fate = _stop_elsewhere(conn, 0, 0, kept=kept.id)
-            raise ConnectionLost(
-                f"lost the connection to {conn.spec.address} while the cell ran ({cut.why}) and "
-                f"got no new one within its grace of {kept.grace:g} s; {fate}",
-                "run the cell again (raise the grace with %%remote --grace S or %config "
-                "GpuMagics.grace = S; %%remote --job survives a closed laptop)")
-        try:
-            conn.ensure_open()
-            runner = _take_runner(conn)
-        except (GpumagicError, paramiko.SSHException, EOFError, OSError):
-            time.sleep(min(1.0, max(0.0, left)))
-            continue
-        if runner is None:  # the new connection runs MAX_RUNNERS cells already
-            time.sleep(min(0.2, max(0.0, left)))
-            continue
-        kept.reconnects += 1
-        kept.ends = None
-        log.info("gpumagic: re-attaching cell %s after: %s", kept.id, cut.why)
-        return runner
 
 
 def _grace_ends(conn: Connection, kept: _KeptCell) -> float:
     """When ``kept``'s grace is over, were its path dead now: counted from the last packet
     the path brought."""
-    path = getattr(conn, "_path", None)
-    return (path.heard_at if path is not None else time.monotonic()) + kept.grace
+    return conn.last_heard() + kept.grace
 
 
 def _stop_kept_later(conn: Connection, kept: _KeptCell) -> None:

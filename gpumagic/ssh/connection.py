@@ -336,6 +336,12 @@ class Connection:
         path = self._path
         return self.is_connected and path is not None and path.quiet() < QUIET_BEFORE_PROBE
 
+    def last_heard(self) -> float:
+        """When the path last brought a packet (``time.monotonic()``; now, before the first
+        path): where a reconnect's grace starts (:mod:`gpumagic.ssh.reconnect`)."""
+        path = self._path
+        return path.heard_at if path is not None else time.monotonic()
+
     def abandoned(self, old: paramiko.Transport) -> None:
         """Run the :attr:`after_abandon` hooks for ``old``, a transport whose path was
         declared dead (by :meth:`ensure_alive`, or by the watch of :meth:`in_flight`, for

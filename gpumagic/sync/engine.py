@@ -45,8 +45,9 @@ import paramiko
 from . import agent, laptop
 from .._format import count, duration, format_bytes
 from .._options import Options
-from ..errors import ConnectionLost, ConnectionRefused, ConnectTimeout, GpumagicError, HostNotFound, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
+from ..errors import ConnectionLost, GpumagicError, SyncDiskFull, SyncError, SyncIncomplete, SyncPermissionDenied
 from ..remote import execution
+from ..ssh import reconnect
 from ..remote.execution import RunnerPipe, start_program
 from ..ssh._paramiko import send_eof
 from ..ssh.pump import ChannelPump
@@ -1361,7 +1362,7 @@ class SyncOptions(Options):
         :data:`MAX_DELETE`; 0: no bound (``%gpu sync --yes``).
     grace : float, optional
         Seconds a sync whose connection was lost keeps trying to connect again, then
-        resumes by itself (at most :data:`MAX_RECONNECTS` times); None: :data:`RESUME_GRACE`;
+        resumes by itself (at most 5 times: :data:`RECONNECT`); None: its grace, 10 min;
         0: never, the sync raises :class:`~gpumagic.errors.ConnectionLost` at once.
     """
 
@@ -1502,31 +1503,33 @@ class _Sides:
     single_source: bool = False  # the source is one file (``source_root``)
 
 
-#: Seconds a sync cut by a lost connection keeps trying to connect again before it gives up
-#: (issue 28's grace; ``SyncOptions.grace`` for one sync, 0: never).
-RESUME_GRACE = 600.0
-#: Reconnects one sync makes at most (each followed by a resume).
-MAX_RECONNECTS = 5
-#: Seconds between two failed connection attempts at first (doubled each time, to 5 s).
-RECONNECT_PAUSE = 0.5
+#: How a sync cut by a lost connection seeks a new one (:mod:`gpumagic.ssh.reconnect`): for
+#: its grace (issue 28's; ``SyncOptions.grace`` for one sync, 0: never), at most 5 times, the
+#: bar saying so before each try.
+RECONNECT = reconnect.RECONNECT.but(times=5, say_after=0)
 #: The :class:`_Run` objects of the sync attempt running on this thread (see :func:`_sync`).
 _attempt = threading.local()
 
 
 def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
           progress: ProgressCallback | None) -> SyncSummary:
-    """:func:`_sync_once`, again after each lost connection: a new one is made (for up to
-    ``options.grace`` seconds, :data:`MAX_RECONNECTS` times), the agents the cut one left
+    """:func:`_sync_once`, again after each lost connection: a new one is sought as
+    :data:`RECONNECT` says (``options.grace`` for the grace), the agents the cut one left
     are stopped (:func:`stop_cut_agents`), and the sync runs again, which resumes: complete
     files are unchanged now, a large file's part is taken over.  The dead path is noticed
     by the connection's probing (``in_flight(quick=True)``: within max(3 s, 10 RTT) once it
     is quiet), not by ServerAliveInterval.  The summary counts the whole sync."""
     conn = machine.connection
-    grace = RESUME_GRACE if options.grace is None else options.grace
+    policy = RECONNECT if options.grace is None else RECONNECT.but(grace=options.grace)
     start = time.monotonic()
     shown = _Resumed(progress, start) if progress is not None else None
+
+    def say(left: float) -> None:
+        if shown is not None:
+            shown.reconnecting(f"reconnecting to {machine.name} (grace left {duration(left)})")
+
+    seeking = reconnect.Reconnects(conn, policy, say)
     cut: list[_Run] = []
-    reconnects = 0
     while True:
         _attempt.runs = runs = []
         try:
@@ -1534,54 +1537,27 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
                 stop_cut_agents(machine)  # after a reconnect: their parts become the resume's
                 summary = _sync_once(direction, machine, src, dst, options, shown)
         except ConnectionLost as e:
-            if grace <= 0:
+            if policy.grace <= 0:
                 raise
-            if reconnects >= MAX_RECONNECTS:
-                raise ConnectionLost(f"{e.message} (after {reconnects} reconnects)", RESUME_HINT) from None
             cut += runs
             if shown is not None:
                 shown.cut(runs)
-            reconnects += 1
-            log.info("sync with %s: %s; reconnecting (%d)", machine.name, e.message, reconnects)
-            _reconnect(machine, e, grace, shown.reconnecting if shown is not None else None)
+            log.info("sync with %s: %s; reconnecting (%d)", machine.name, e.message, seeking.count + 1)
+            try:
+                seeking.again(lambda: True)
+            except reconnect.GaveUp as gave_up:
+                if gave_up.out_of == "times":
+                    raise ConnectionLost(f"{e.message} (after {seeking.count} reconnects)", RESUME_HINT) from None
+                raise ConnectionLost(f"{e.message}; no new connection within {policy.grace:g} s: {gave_up.last}",
+                                     RESUME_HINT) from None
             continue
         except SyncIncomplete as e:
             if e.summary is not None:
-                _add_up(e.summary, cut, runs, reconnects, start)
+                _add_up(e.summary, cut, runs, seeking.count, start)
             raise
         finally:
             _attempt.runs = None
-        return _add_up(summary, cut, runs, reconnects, start)
-
-
-def _reconnect(machine, cause: ConnectionLost, grace: float,
-               say: Callable[[str], None] | None = None) -> None:
-    """A new connection for a sync that ``cause`` cut, trying for up to ``grace`` seconds
-    (Ctrl-C stops it at once).  ``say`` gets ``reconnecting to HOST (grace left T)`` before
-    each try (the bar shows it), as a cell's output says it.
-
-    Raises
-    ------
-    ConnectionLost
-        None could be made (the machine refuses, or cannot be reached): ``cause``, with why.
-    """
-    conn = machine.connection
-    deadline = time.monotonic() + grace
-    pause = RECONNECT_PAUSE
-    while True:
-        if say is not None:
-            say(f"reconnecting to {machine.name} (grace left {duration(deadline - time.monotonic())})")
-        try:
-            conn.ensure_alive()
-            return
-        except (ConnectionLost, ConnectionRefused, ConnectTimeout, HostNotFound) as e:
-            last = e
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ConnectionLost(f"{cause.message}; no new connection within {grace:g} s: {last.message}",
-                                 RESUME_HINT) from None
-        time.sleep(min(pause, left))
-        pause = min(2 * pause, 5.0)
+        return _add_up(summary, cut, runs, seeking.count, start)
 
 
 def _add_up(summary: SyncSummary, cut: list[_Run], last: list[_Run], reconnects: int,

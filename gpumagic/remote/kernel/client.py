@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from ...errors import (GpumagicError, Interrupted, KernelConnectionLost, KernelError,
                        RemoteKernelError, RemoteTimeout)
+from ..._format import duration
+from ...ssh import reconnect
 from . import wire
 from .info import KERNELS_DIR, KernelInfo, check_name, list_kernels
 from .link import Message, _Link, _Lost, _programs_tar, _q
@@ -32,9 +34,10 @@ ACK_INTERVAL = 0.5
 #: Seconds after a cell ends before what it showed is acknowledged (unless a request
 #: carries the acknowledgement first).
 ACK_DELAY = 0.2
-#: Times a running cell's connection may be lost and made again while it is followed: the
-#: keeper keeps its output, which is shown once, in order, after each reconnect.
-RECONNECTS = 3
+#: How a running cell's new connection is sought when its path is lost while it is followed
+#: (:mod:`gpumagic.ssh.reconnect`): within the grace, at most 3 times a cell.  The keeper
+#: keeps its output, which is shown once, in order, after each reconnect.
+RECONNECT = reconnect.RECONNECT.but(times=3)
 #: Seconds a widget's message (a slider moved) is followed for what the session shows in answer.
 COMM_WAIT = 30.0
 #: Jupyter messaging protocol version spoken.
@@ -474,30 +477,38 @@ class RemoteKernel:
                 capture: bool, deadline: float | None) -> _Link:
         """Show the cell's output until its reply and idle (:meth:`_pump`).  When the SSH
         connection is lost meanwhile (a roam: noticed within seconds, the cell being in
-        flight), connect again, up to :data:`RECONNECTS` times, and go on: the keeper
-        replays what came meanwhile, shown once, in order.  Returns the link in use.
+        flight), connect again as :data:`RECONNECT` says, and go on: the keeper replays what
+        came meanwhile, shown once, in order.  Returns the link in use.
 
         Raises
         ------
         KernelConnectionLost
-            No new connection could be made, or the request had not reached the session
-            (the kernel is idle and knows nothing of it: run it again).
+            No new connection could be made within the grace (or the cell had its
+            reconnects), or the request had not reached the session (the kernel is idle and
+            knows nothing of it: run it again).
         """
-        for attempt in range(RECONNECTS + 1):
+        lost: KernelConnectionLost | None = None
+
+        def say(left: float) -> None:
+            out.note(f"[gpumagic: reconnecting to {self.machine.name} ({lost.message if lost else ''}); "
+                     f"grace left {duration(left)}, the session runs on there meanwhile]")
+
+        seeking = reconnect.Reconnects(self.machine.connection, RECONNECT, say)
+        while True:
             try:
                 self._pump(link, out, own=waiter.msg_id, waiter=waiter, result=result,
                            capture=capture, deadline=deadline)
                 return link
             except KernelConnectionLost as e:
-                if attempt == RECONNECTS:
-                    raise
                 lost = e
             try:
-                link = self._connect()
+                link = seeking.again(self._connect)
             except KernelError:
                 raise
-            except GpumagicError:  # no new connection either: the loss is the news
-                raise lost from None
+            except (reconnect.GaveUp, GpumagicError):  # no new connection: the loss is the news
+                raise lost from None  # (set: the only way here)
+            if seeking.said:
+                out.note(f"[gpumagic: reconnected to {self.machine.name}; the cell's output goes on]")
             sync = self._sync(link, out, own=waiter.msg_id, waiter=waiter, result=result,
                               capture=capture)
             if waiter.done:
@@ -510,7 +521,6 @@ class RemoteKernel:
                 except _Lost:
                     self._lost()
                 self.resent += 1
-        return link
 
     def _interrupt_and_wait(self, link, out, waiter, result, capture) -> bool:
         """Interrupt the kernel, then show output until the cell's reply (True) or until

@@ -12,15 +12,18 @@ once).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
-from ...errors import GpumagicError, KernelConnectionLost, KernelError
+from ...errors import KernelConnectionLost
+from ...ssh import reconnect
 from .client import RemoteKernel
 from .link import Message, _Lost
 
-#: Seconds between attempts to connect again after the path was lost (doubling up to the last).
-RETRY_WAITS = (0.5, 1.0, 2.0, 4.0)
+#: How a bridge seeks a new connection after its path was lost (:mod:`gpumagic.ssh.reconnect`):
+#: as long as its front end lives, 0.5 s between tries at first, doubled up to 4 s.
+RECONNECT = reconnect.RECONNECT.but(grace=math.inf, max_pause=4.0)
 
 
 class Relay:
@@ -174,26 +177,24 @@ class Relay:
             self.kernel._ack(link, force=True)
 
     def reconnect(self, stop: threading.Event) -> dict:
-        """Connect again after a loss, waiting :data:`RETRY_WAITS` between attempts, until it
-        works or ``stop`` is set.
+        """Connect again after a loss, as :data:`RECONNECT` says, until it works or ``stop``
+        is set; returns the keeper's welcome.
 
         Raises
         ------
         KernelError
             The session is gone.
+        GpumagicError
+            ``stop`` was set, or the new connection failed in a way another try cannot mend
+            (the bridge tries again when the front end next asks).
         """
-        attempt = 0
-        while True:
-            try:
-                welcome = self.connect()
-                self.reconnects += 1
-                return welcome
-            except KernelError:
-                raise
-            except GpumagicError:
-                if stop.wait(RETRY_WAITS[min(attempt, len(RETRY_WAITS) - 1)]):
-                    raise
-                attempt += 1
+        try:
+            welcome = reconnect.Reconnects(self.kernel.machine.connection, RECONNECT).again(self.connect, stop=stop)
+        except reconnect.GaveUp as e:
+            raise KernelConnectionLost(f"stopped while connecting to {self.kernel.machine.name} again "
+                                       f"({e.last or e.out_of})", "the next request connects again") from None
+        self.reconnects += 1
+        return welcome
 
     def close(self) -> None:
         """Acknowledge what was handed on and close the path; the session runs on."""
