@@ -321,9 +321,15 @@ def _stop_watchers(shell) -> None:
 
 
 def session_sshd_pid(machine) -> int:
-    """PID of the sshd process serving ``machine``'s connection (the cell shell's grandparent),
-    for injecting faults: SIGSTOP it (peer stops answering) or SIGKILL it (connection drops)."""
-    return int(machine.run("cut -d' ' -f4 /proc/$PPID/stat", quiet=True).stdout)
+    """PID of the sshd process serving ``machine``'s connection, for injecting faults:
+    SIGSTOP it (peer stops answering) or SIGKILL it (connection drops).  It is the cell
+    shell's nearest ancestor named sshd (or sshd-session): its grandparent when the cell ran
+    in the connection's runner, its parent when it ran as a plain exec (a runner that could
+    not start under load).  The grandparent of a plain exec is the listening sshd as a plain
+    user: killing that cut nothing, and a test's transfer then ended whole."""
+    return int(machine.run(
+        "p=$PPID; while [ \"$p\" -gt 1 ]; do case $(cat /proc/$p/comm) in sshd*) echo $p; exit 0;; esac; "
+        "p=$(cut -d' ' -f4 /proc/$p/stat); done; exit 1", quiet=True).stdout)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
