@@ -363,7 +363,7 @@ class Budget:
     """What one machine costs and the guard that stops paying for it (:attr:`Machine.budget
     <gpumagic.Machine.budget>`): its prices in the ledger (:meth:`set`), the meter
     (:meth:`meter`), and the guard on the machine (:meth:`guard`, :meth:`cancel_guard`,
-    :meth:`guard_status`).  ``ledger``: the :class:`~gpumagic.budget.ledger.Ledger` to read
+    :meth:`guard_status`, :meth:`guard_log`).  ``ledger``: the :class:`~gpumagic.budget.ledger.Ledger` to read
     and write (default: the user's).
 
     Parameters
@@ -410,6 +410,10 @@ class Budget:
     def guard_status(self) -> GuardStatus:
         """The guard's status on the machine (one round trip)."""
         return read_status(self.machine)[1]
+
+    def guard_log(self) -> str:
+        """Where the guard's log is on the machine (``~/`` for the remote home; no round trip)."""
+        return guard_log_path(self.machine)
 
 
 # -- a job that moved (gpumagic.remote.move) ---------------------------------------------

@@ -16,7 +16,6 @@ from ... import budget
 from ..._format import duration
 from ...budget import MAX_AMOUNT, PRICE_OPTIONS, Ledger
 from ...budget import notify as notifymod
-from ...budget.guard import guard_log_path
 from ..display import SANDBOX_SHUTDOWN_NOTE, AlertView, EstimateView, GuardView, HistoryView, MeterView
 from ._args import GB, LIMIT, MONEY, Subcommands, host_arg, number, parse
 
@@ -186,7 +185,7 @@ def _budget_guard(magics: GpuMagics, line: str):
     status = m.budget.guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
     magics.state.budget_seen.clear()
-    note = (f"armed on {m.name}; its log: {guard_log_path(m)} there; "
+    note = (f"armed on {m.name}; its log: {m.budget.guard_log()} there; "
             "`%gpu budget guard --cancel` disarms it")
     if m.is_this_computer:
         note += f"\n{SANDBOX_SHUTDOWN_NOTE}"
