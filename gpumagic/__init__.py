@@ -20,6 +20,7 @@ import logging as _logging
 from . import machine as _machine
 from .errors import GpumagicError
 from .machine import Machine
+from .remote.distributed import split_options as _split_options
 from .remote.keep import KeepOptions
 
 __version__ = "0.1.0"
@@ -100,10 +101,7 @@ def start_distributed(machines, name, script, **options):
     TypeError
         A keyword that names no option.
     """
-    from .remote import distributed, move
-
-    return distributed.start(machines, name, script, *distributed.split_options(options),
-                             record=move.record_torchrun)
+    return _machine.start_distributed(machines, name, script, *_split_options(options))
 
 
 _SUBMODULES = ("budget", "gpu", "keys", "notebook", "remote", "ssh", "sync", "tunnel")

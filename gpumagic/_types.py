@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from .machine import Machine
     from .remote.execution import RunResult
     from .remote.jobs import Job, JobInfo, JobOptions
+    from .remote.environment import Environment
+    from .remote.keep import Keepers
     from .ssh.connection import Connection
     from .tunnel import TunnelManager
 
@@ -35,8 +37,13 @@ class MachineLike(Protocol):
         The SSH connection (for :mod:`gpumagic.remote.program` and the channel-level modules).
     tool_dirs : tuple of str
         Directories searched for tmux (then setsid/nohup) after the remote ``PATH``.
+    env : Environment
+        What its cells, sessions and jobs start with (the login shell's differences,
+        gpumagic's settings there, the proxy's variables).
     tunnels : TunnelManager
-        Its local port forwards.
+        Its tunnels.
+    keepers : Keepers
+        The keepers of its jobs' checkpoints running in this process.
     is_this_computer : bool
         True for the sandbox, whose files and processes are this computer's own (so, for
         example, ``%gpu wrapup`` does not report system-wide caches there).
@@ -50,7 +57,9 @@ class MachineLike(Protocol):
     cwd: str | None
     connection: Connection
     tool_dirs: tuple[str, ...]
+    env: Environment
     tunnels: TunnelManager
+    keepers: Keepers
     session_idle_stop: float | None
 
     @property
@@ -67,15 +76,6 @@ class MachineLike(Protocol):
 
     def exec(self, command: str, *, stdin: bytes | None = None, timeout: float | None = 60) -> RunResult:
         """A short ``/bin/sh`` command line, output captured (:meth:`gpumagic.machine.Machine.exec`)."""
-        ...
-
-    def login_env(self) -> dict[str, str | None]:
-        """The login environment's differences (:meth:`gpumagic.machine.Machine.login_env`)."""
-        ...
-
-    def environment(self) -> dict[str, str | None]:
-        """What cells, sessions and jobs start with: the login differences, gpumagic's
-        settings, the proxy (:meth:`gpumagic.machine.Machine.environment`)."""
         ...
 
     def shutdown_plan(self) -> ShutdownPlan:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .errors import NotConnected
 from .machine import Machine, connect
+from .remote.move import StartRecord, find_start
 
 if TYPE_CHECKING:
     from .remote.kernel import Output
@@ -85,6 +86,19 @@ class Fleet:
         if self.default == m.name:
             self.default = next(reversed(self.machines), None) if self.machines else None
         return m
+
+    def job_record(self, job: str, started_on: str | None = None) -> StartRecord:
+        """What this computer recorded of the start of detached job ``job`` on machine
+        ``started_on`` (default: the newest record of any machine's that was not moved away;
+        its ``machine`` names where it runs), for a move or resume
+        (:meth:`gpumagic.remote.move.Moves.take`); the machine need not be connected.
+
+        Raises
+        ------
+        JobError
+            When no record of that job is here.
+        """
+        return find_start(job, started_on)
 
     def close_all(self) -> None:
         for m in list(self.machines.values()):

@@ -18,25 +18,32 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from .remote import execution, jobs, move
-from .remote.distributed import TorchrunOptions
-from .remote.jobs import JobOptions
-from .remote.keep import Keepers
-from .remote.kernel import Kernels
 from . import gpu
 from ._format import rough_duration
-from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
-from .errors import RemoteCommandError, UnknownHostKey
+from .budget.guard import Budget
+from .budget.shutdown import ShutdownPlan, find_shutdown
+from .errors import ConfigError, JobError, RemoteCommandError, UnknownHostKey
+from .net import Net
+from .net.standin import StandInNet
+from .remote import distributed, execution, jobs, move
+from .remote.distributed import TorchrunOptions
+from .remote.environment import Environment
 from .remote.execution import RunResult
+from .remote.jobs import JobOptions
+from .remote.keep import Keepers, next_run
+from .remote.kernel import Kernels
+from .ssh.connection import Connection, PassphrasePrompt, _default_prompt
 from .ssh.hosts import HostSpec, is_ssh_command, resolve, resolve_ssh_command
-from .tunnel import ReverseTunnel, Tunnel, TunnelManager
+from .ssh.sandbox import Sandbox
+from .sync import engine as sync
+from .sync.plan import parse_endpoint
+from .tunnel import Tunnel, TunnelManager
 
 if TYPE_CHECKING:
-    from .net.proxy import Proxy
+    from .remote.distributed import DistributedJob
     from .remote.jobs import Job, JobInfo
     from .remote.keep import KeepOptions
     from .remote.kernel import RemoteKernel
-    from .budget.shutdown import ShutdownPlan
     from .sync.engine import SyncOptions, SyncSummary
 
 
@@ -67,6 +74,12 @@ class _MoveReach:
 class Machine:
     """One remote machine reached over SSH.
 
+    The verbs are methods (:meth:`run`, :meth:`push`, :meth:`start_job`, :meth:`kernel`,
+    :meth:`tunnel`...); each other capability is an object on it: :attr:`env` (what cells
+    start with), :attr:`tunnels`, :attr:`net` (proxy, mirrors, reachability), :attr:`budget`
+    (prices, meter, guard), :attr:`kernels`, :attr:`keepers`, :attr:`moves` (jobs lost, moved,
+    resumed).
+
     Parameters
     ----------
     spec : HostSpec
@@ -95,61 +108,26 @@ class Machine:
         self.sandbox = sandbox
         self.connection = Connection(spec, trust_new_host=trust_new_host, home=home,
                                      passphrase_prompt=passphrase_prompt)
-        self._login_env: tuple[int, dict, dict] | None = None
-        #: The laptop's proxy lent to this machine (``%gpu proxy on``), or None.
-        self.proxy: Proxy | None = None
+        #: The machine's way out: the proxy lent to it, mirrors, what it can reach.
+        self.net: Net = Net(self)
+        #: The environment new cells, sessions and jobs start with (the login shell's,
+        #: gpumagic's settings there, the proxy's variables while :attr:`net` lends it).
+        self.env = Environment(self.connection, lambda: self.net.environment())
+        #: Its prices and meter in the ledger, and the guard that shuts it down.
+        self.budget = Budget(self)
         #: Directories searched for tmux (then setsid/nohup) after the remote PATH.
         self.tool_dirs: tuple[str, ...] = jobs.TOOL_DIRS
         #: One-time notes already shown for this machine (e.g. the nohup fallback).
         self.notes_shown: set[str] = set()
-        #: Local port forwards over this machine's connection (closed with it).
-        self.tunnels = TunnelManager(self.connection)
+        #: Its tunnels, local and reverse (closed with it), and TensorBoard or Jupyter through them.
+        self.tunnels = TunnelManager(self)
         #: Jobs whose checkpoints are kept on this computer (``keep=``), stopped with it.
         self.keepers = Keepers(_MoveReach())
+        #: Its jobs as this computer's records know them: lost, moved here or away, standbys.
+        self.moves = move.Moves(self)
         #: The live Python sessions this process has used here (they keep running on the
         #: machine when it is closed).
         self.kernels = Kernels(self)
-
-    def login_env(self) -> dict[str, str | None]:
-        """Environment differences of an interactive ``ssh host`` login, read once per connection.
-
-        See :func:`gpumagic.remote.execution.read_environment`.
-        """
-        return self._read_environment()[1]
-
-    def settings_env(self) -> dict[str, str]:
-        """gpumagic's own settings for every cell, session and job on this machine
-        (``~/.gpumagic/env`` there: ``HF_ENDPOINT`` from ``%gpu mirrors hf``), read with
-        :meth:`login_env`."""
-        return self._read_environment()[2]
-
-    def _read_environment(self) -> tuple[int, dict, dict]:
-        self.connection.ensure_alive()  # before every cell: a dead path is left here
-        opened = self.connection.opened_count
-        if self._login_env is None or self._login_env[0] != opened:
-            execution.prestart_runner(self.connection)  # starts while the probe runs
-            self._login_env = (opened, *execution.read_environment(self.connection))
-        return self._login_env
-
-    def forget_environment(self) -> None:
-        """Read the login environment and the settings again before the next cell (after a
-        change to the machine's dotfiles or ``~/.gpumagic/env``)."""
-        self._login_env = None
-
-    def environment(self) -> dict[str, str | None]:
-        """The environment that cells, sessions and jobs start with, beyond the exec
-        environment (``None``: unset), in this order, later ones winning: the login
-        shell's differences (:meth:`login_env`), gpumagic's settings on the machine
-        (:meth:`settings_env`), the proxy's variables while ``%gpu proxy on``
-        (:meth:`gpumagic.net.proxy.Proxy.environment`).  A running session keeps the
-        environment it started with."""
-        env: dict[str, str | None] = {**self.login_env(), **self.settings_env()}
-        if self.proxy is not None and self.proxy.tunnel.stopped:
-            self.proxy = None  # its tunnel was closed (`%gpu tunnel close R...`): the variables go too
-        if self.proxy is not None:
-            self.proxy.follow_move(self)
-            env.update(self.proxy.environment())
-        return env
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -170,7 +148,7 @@ class Machine:
         """
         self.keepers.close()
         self.tunnels.close_all(stop_service=self.sandbox is not None)
-        self.proxy = None
+        self.net.close()
         self.kernels.close()
         self.connection.close()
         if self.sandbox is not None:
@@ -257,7 +235,7 @@ class Machine:
         if not quiet:
             stdout = stdout or _echo(sys.stdout)
             stderr = stderr or _echo(sys.stderr)
-        full_env = {**self.environment(), **(env or {})}
+        full_env = {**self.env.current(), **(env or {})}
         result = execution.run(self.connection, argv, cwd=cwd if cwd is not None else self.cwd,
                                env=full_env, stdout=stdout, stderr=stderr, timeout=timeout,
                                capture=capture, grace=grace, interrupt_wait=interrupt_wait)
@@ -328,26 +306,18 @@ class Machine:
         ConfigError
             When ``dst`` names another machine (``OTHER:path``).
         """
-        from .sync import engine as sync
-        from .remote.move import note_push
-
         summary = sync.push(self, src, self._remote_path(dst), options, **shortcuts)
-        note_push(self.name, src, summary)  # a job started in that folder can be moved with it
+        move.note_push(self.name, src, summary)  # a job started in that folder can be moved with it
         return summary
 
     def pull(self, src: str, dst: str, options: "SyncOptions | None" = None, **shortcuts) -> "SyncSummary":
         """Copy a tree or file from this machine (``src``: ``path``, ``:path`` or
         ``NAME:path``) to a local path; options as for :meth:`push` (and ``rename_clashes``);
         see :func:`gpumagic.sync.pull`."""
-        from .sync import engine as sync
-
         return sync.pull(self, self._remote_path(src), dst, options, **shortcuts)
 
     def _remote_path(self, text: str) -> str:
         """A path on this machine from ``path``, ``:path`` or ``NAME:path`` (``%gpu sync``'s forms)."""
-        from .errors import ConfigError
-        from .sync.plan import parse_endpoint
-
         end = parse_endpoint(text)
         if end.host is None:
             return text
@@ -396,24 +366,17 @@ class Machine:
         torchrun_args = shortcuts.pop("torchrun_args", None)
         options = (options or JobOptions()).with_(**shortcuts)
         if torchrun is not None and keep is not None:
-            from .errors import JobError
-
             raise JobError("--keep works with a job on one machine, not yet with --torchrun",
                            "start it without --keep and pull the checkpoints with `%gpu sync`")
         if torchrun is not None:
-            from .remote import distributed
-
             run = torchrun if isinstance(torchrun, TorchrunOptions) else TorchrunOptions(nproc=torchrun)
             if torchrun_args is not None:
                 run = dataclasses.replace(run, torchrun_args=torchrun_args)
-            return distributed.start([self], name, command, options, run,  # type: ignore[return-value]
-                                     record=move.record_torchrun)
+            return start_distributed([self], name, command, options, run)  # type: ignore[return-value]
         if torchrun_args is not None:
             raise TypeError("torchrun_args is for a torchrun job: give torchrun=N too")
         keep_run, since = 1, time.time()
         if keep is not None:
-            from .remote.keep import next_run
-
             jobs.check_name(name)
             keep_run = next_run(self.name, name)  # each start is a run of its own: its checkpoints apart
             keep.make_local_folder(name, keep_run)  # refused here, before anything starts there
@@ -452,14 +415,12 @@ class Machine:
         """
         return self.kernels.get(name, start=start, python=python, cwd=cwd, env=env, install=install)
 
-    # -- budget (see gpumagic/budget/) -------------------------------------------------
+    # -- what the capability modules ask (the sandbox answers with stand-ins) -----------
 
     def shutdown_plan(self) -> "ShutdownPlan":
         """How this machine can power itself off (one round trip): the command, or why none
         can run, with what to do instead; see :func:`gpumagic.budget.shutdown.find_shutdown`.
         The budget guard and ``--then-shutdown`` jobs arm what this returns."""
-        from .budget.shutdown import find_shutdown
-
         return find_shutdown(self)
 
     def scratch_dir(self) -> str | None:
@@ -467,52 +428,6 @@ class Machine:
         programs that must end with it (an absolute path); ``None`` on a rented machine, whose
         programs outlive the connection (see :class:`SandboxMachine`)."""
         return None
-
-    def budget_set(self, rate: float, *, ledger=None, limit: float | None = None,
-                   alerts=None, started_at: float | None = None, **prices):
-        """Store this machine's prices (per hour; see :class:`gpumagic.budget.Prices` for
-        ``currency``, ``billing``, ``storage_gb``/``storage_rate``/``storage_per``, ``ip_rate``,
-        ``image_*``, ``platform``), an optional ``limit``, ``alerts`` thresholds and billing
-        start (epoch s; default: the machine's start).  Returns the ledger record
-        (:class:`gpumagic.budget.MachineRecord`)."""
-        from .budget import Ledger, Prices, set_prices
-
-        return set_prices(ledger or Ledger(), self.name, Prices(rate=rate, **prices),
-                          limit=limit, alerts=alerts, started_at=started_at)
-
-    def budget_meter(self, *, ledger=None):
-        """Read the meter: spent, rate, limit, next billing boundary, guard (one round trip).
-
-        Returns a :class:`gpumagic.budget.MeterReading`."""
-        from .budget import Ledger, read_meter
-
-        return read_meter(self, ledger or Ledger())
-
-    def budget_guard(self, *, idle: float | None = None, at_limit: bool = False,
-                     deadline: float | None = None, grace: float = 600, poll: float = 30,
-                     ledger=None, plan=None):
-        """Arm the remote guard: shut down after ``idle`` seconds of measured GPU idleness, at
-        the budget limit, or at epoch ``deadline``; warn ``grace`` seconds before.
-
-        Raises :class:`gpumagic.budget.BudgetError` where no shutdown command can run."""
-        from .budget import Ledger
-        from .budget.guard import arm_machine_guard
-
-        return arm_machine_guard(self, ledger or Ledger(), idle_s=idle, at_limit=at_limit,
-                                 deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
-
-    def budget_guard_cancel(self, *, ledger=None):
-        """Disarm the remote guard; returns its status after."""
-        from .budget import Ledger
-        from .budget.guard import disarm_machine_guard
-
-        return disarm_machine_guard(self, ledger or Ledger())
-
-    def budget_guard_status(self):
-        """The remote guard's status (:class:`gpumagic.budget.GuardStatus`)."""
-        from .budget import read_status
-
-        return read_status(self)[1]
 
     # -- tunnels ----------------------------------------------------------------------
 
@@ -547,157 +462,6 @@ class Machine:
         return self.tunnels.open(remote_port, local_port=local_port, remote_host=remote_host,
                                  name=name, path=path)
 
-    def reverse_tunnel(self, local_port: int, *, remote_port: int | None = None,
-                       name: str = "") -> ReverseTunnel:
-        """Make the machine's ``127.0.0.1:remote_port`` reach this computer's
-        ``127.0.0.1:local_port`` (like ``ssh -N -R P:127.0.0.1:L``), started and listed in
-        :attr:`tunnels`; it listens again after a reconnect.
-
-        Parameters
-        ----------
-        local_port : int
-            Port on this computer (a local proxy's, 7890).
-        remote_port : int, optional
-            Port on the machine's 127.0.0.1 (default: the same number; when that one is
-            taken there, one the server picks: ``tunnel.remote_port``, ``tunnel.moved_from``).
-            A port given here that is taken is refused.
-        name : str
-            Label for listings.
-
-        Returns
-        -------
-        ReverseTunnel
-            Already listening on the machine's loopback only; ``with`` closes it.  An open
-            one to the same local port is returned as it is, unless another
-            ``remote_port`` is asked for.
-
-        Raises
-        ------
-        TunnelError
-            Refused by the server, with why (taken, AllowTcpForwarding, GatewayPorts yes).
-        ConnectionLost
-        """
-        return self.tunnels.open_reverse(local_port, remote_port=remote_port, name=name)
-
-    # -- the machine's way out (gpumagic/net/) ---------------------------------------------
-
-    def proxy_on(self, local_port: int = 7890, *, remote_port: int | None = None,
-                 persist: bool = False) -> "Proxy":
-        """Lend this computer's proxy (Clash, v2rayN on 127.0.0.1:``local_port``) to the
-        machine: a reverse tunnel, and ``http_proxy``/``https_proxy``/``all_proxy`` (and upper
-        case) with a ``no_proxy`` that keeps the machine's mirrors and metadata endpoints
-        direct, in every cell, session and job started after it; see
-        :func:`gpumagic.net.proxy.turn_on`.
-
-        Parameters
-        ----------
-        local_port : int
-            The proxy's port on this computer.
-        remote_port : int, optional
-            Port on the machine's 127.0.0.1 (default: the same; another if taken).
-        persist : bool
-            Also write the variables into the login shell's start-up file on the machine
-            (a marked block that :meth:`proxy_off` removes), for terminals opened there.
-
-        Raises
-        ------
-        GpumagicError, TunnelError
-        """
-        from .net.proxy import turn_on
-
-        return turn_on(self, local_port, remote_port=remote_port, persist=persist)
-
-    def proxy_off(self):
-        """Undo :meth:`proxy_on`: close the tunnel, new cells get no proxy variable, and a
-        persisted block is removed (also one an earlier session left); returns
-        :class:`gpumagic.net.proxy.ProxyOff`."""
-        from .net.proxy import turn_off
-
-        return turn_off(self)
-
-    def mirrors(self, kind: str, name: str | None = None):
-        """Make this machine use a well-known mirror (``%gpu mirrors``): ``kind`` ``pip``
-        (``pip config --user``), ``hf`` (``HF_ENDPOINT`` for new cells, sessions and jobs) or
-        ``conda`` (``~/.condarc``); ``name`` from ``gpumagic/net/mirrors.json`` (default: the
-        kind's first).  Returns the change (:class:`gpumagic.net.mirrors.MirrorChange`:
-        ``.before``, ``.after``, ``.text``); :meth:`mirrors_off` undoes it.
-
-        Raises
-        ------
-        ConfigError
-            An unknown kind or mirror name (naming those that exist).
-        """
-        from .net.mirrors import set_mirror
-
-        return set_mirror(self, kind, name)
-
-    def mirrors_off(self, kind: str):
-        """Undo :meth:`mirrors` for ``kind``: what was there before comes back."""
-        from .net.mirrors import unset_mirror
-
-        return unset_mirror(self, kind)
-
-    def net_targets(self) -> list:
-        """What :meth:`net_doctor` measures by default: the upstreams (PyPI, the PyTorch
-        wheel index, Hugging Face, GitHub, conda-forge), the mirrors this machine uses and
-        each kind's default mirror (one round trip to read which are in use)."""
-        from .net.doctor import machine_targets
-
-        return machine_targets(self)
-
-    def net_doctor(self, targets=None, *, timeout: float | None = None, read_time: float | None = None):
-        """What the machine can reach, how fast, and what to do (``%gpu doctor --net``): each
-        target's time to first byte and throughput, measured from the machine at once
-        within ``timeout`` (s, default 4) plus ``read_time`` (s, default 2); see
-        :func:`gpumagic.net.doctor.run`.
-
-        Parameters
-        ----------
-        targets : list of gpumagic.net.catalog.Target, optional
-            What to measure (default: :meth:`net_targets`).
-
-        Returns
-        -------
-        gpumagic.net.doctor.NetReport
-            ``.text`` one line per target with its verdict and hint; ``.results``.
-        """
-        from .net import doctor
-
-        return doctor.run(self, targets, timeout=doctor.TIMEOUT if timeout is None else timeout,
-                          read_time=doctor.READ_TIME if read_time is None else read_time)
-
-    def tensorboard(self, logdir: str = "runs", *, local_port: int | None = 6006) -> Tunnel:
-        """Open TensorBoard on ``logdir`` through a tunnel, starting it on the machine if no
-        TensorBoard serves that directory yet (bound to the machine's 127.0.0.1).
-
-        Returns
-        -------
-        Tunnel
-            ``.url`` opens TensorBoard; ``.service`` tells its remote port and pid.
-
-        Raises
-        ------
-        TunnelError
-            TensorBoard missing on the machine (the hint has the pip command) or not starting.
-        """
-        from .tunnel.services import open_service_tunnel, start_tensorboard
-
-        return open_service_tunnel(self, lambda: start_tensorboard(self, logdir), local_port=local_port,
-                                   name=f"tensorboard {logdir}")
-
-    def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
-        """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
-        bound to the machine's 127.0.0.1, when none runs); ``.url`` includes the token.
-
-        Raises
-        ------
-        TunnelError
-            Jupyter missing on the machine (the hint has the pip command) or not starting.
-        """
-        from .tunnel.services import open_service_tunnel, start_jupyter
-
-        return open_service_tunnel(self, lambda: start_jupyter(self), local_port=local_port, name="jupyter")
-
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "not connected"
         return f"<Machine {self.name} {self.spec.user}@{self.spec.address} {state}>"
@@ -724,14 +488,13 @@ class SandboxMachine(Machine):
         #: for a later sandbox (a later notebook) to find, as on a rented machine; but no
         #: release ends them on this computer, so they end themselves.
         self.session_idle_stop = sandbox_session_idle_stop()
-        #: The stand-in sites of :meth:`net_targets` (started on first use, stopped by close).
-        self._internet: dict = {}
+        #: As a rented machine's, but ``%gpu doctor --net`` measures stand-ins for the
+        #: internet on this computer (:class:`gpumagic.net.standin.StandInNet`).
+        self.net = StandInNet(self)
 
     def shutdown_plan(self) -> "ShutdownPlan":
         """The sandbox's stand-in ``shutdown -h now`` (see
         :meth:`gpumagic.ssh.sandbox.Sandbox.shutdown_stand_in`); no round trip."""
-        from .budget.shutdown import ShutdownPlan
-
         if self.sandbox is None:
             return ShutdownPlan(None, "the sandbox was stopped when it was closed")
         return ShutdownPlan(f"{shlex.quote(str(self.sandbox.shutdown_stand_in()))} -h now")
@@ -740,30 +503,19 @@ class SandboxMachine(Machine):
         """The sandbox's temporary folder (removed when the sandbox stops)."""
         return None if self.sandbox is None else str(self.sandbox.server.dir)
 
-    def net_targets(self) -> list:
-        """Stand-ins for the internet, on this computer (:mod:`gpumagic.net.standin`), named
-        as the real targets are: a fast pypi.org and conda-forge, a slow PyTorch wheel
-        index and GitHub, a huggingface.co that never answers and a fast hf-mirror.com; so
-        ``%gpu doctor --net`` shows each verdict and nothing leaves the computer."""
-        from .net.catalog import Target, mirror
-        from .net.standin import StandInSite
 
-        if not self._internet:
-            self._internet = {k: StandInSite(k).start() for k in ("fast", "slow", "silent")}
-        site = {k: s.url for k, s in self._internet.items()}
-        hf = mirror("hf")
-        return [Target("pypi.org", site["fast"] + "simple/torch/", "pip"),
-                Target("download.pytorch.org", site["slow"] + "whl/torch/"),
-                Target("huggingface.co", site["silent"] + "gpt2/resolve/main/vocab.json", "hf"),
-                Target("github.com", site["slow"] + "pytorch/pytorch/archive/v2.0.0.tar.gz"),
-                Target("conda-forge", site["fast"] + "conda-forge/noarch/repodata.json", "conda"),
-                Target(hf.host, site["fast"] + "gpt2/resolve/main/vocab.json", "hf", hf.name)]
+def start_distributed(machines: Sequence[Machine], name: str, command: str, options: JobOptions,
+                      run: TorchrunOptions) -> "DistributedJob":
+    """Start ``command`` under PyTorch's torchrun on every machine of ``machines`` (the first
+    holds the rendezvous endpoint), recorded here for a later move or resume; see
+    :func:`gpumagic.remote.distributed.start`.
 
-    def close(self) -> None:
-        for s in self._internet.values():
-            s.stop()
-        self._internet = {}
-        super().close()
+    Raises
+    ------
+    JobError
+        The preflight refused (a table of what differs per host), or a bad name or nproc.
+    """
+    return distributed.start(list(machines), name, command, options, run, record=move.record_torchrun)
 
 
 #: Seconds a sandbox's session is kept with no notebook attached and no cell running.
@@ -816,8 +568,6 @@ def check_machine_name(name: str) -> str:
     """Return ``name`` if it can name a machine (``%gpu connect --name``), else raise
     :class:`~gpumagic.errors.ConfigError`: at most :data:`MAX_NAME` characters, no NUL byte,
     no line break."""
-    from .errors import ConfigError
-
     bad = (f"is {len(name)} characters long (at most {MAX_NAME})" if len(name) > MAX_NAME else
            "holds a NUL byte (\\0)" if "\0" in name else
            "holds a line break" if any(c in name for c in "\r\n") else "")
@@ -869,8 +619,6 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
         check_machine_name(name)
     sb = None
     if sandbox:
-        from .ssh.sandbox import Sandbox
-
         # A sandbox named other than "sandbox" gets a home of its own (two sandboxes stand
         # for two machines, as in tutorial 08); the default one keeps the shared home.
         sb = Sandbox(fake_gpu=fake_gpu, home_name=name if name and name != "sandbox" else None).start()
@@ -879,8 +627,6 @@ def connect(target: str | None = None, *, port: int | None = None, key: str | No
         cwd = cwd or "~"  # the sandbox's own HOME, not the directory sshd starts in
     else:
         if not target:
-            from .errors import ConfigError
-
             raise ConfigError("no machine given", "name a ~/.ssh/config alias or user@host[:port]")
         notes: list[str] = []
         if is_ssh_command(target):

@@ -155,7 +155,7 @@ def _():
     mm.run("from torch.utils.tensorboard import SummaryWriter\nw = SummaryWriter('/tmp/e2e-runs')\n"
            "[w.add_scalar('loss', 1.0 / (i + 1), i) for i in range(20)]\nw.close()", python=True,
            quiet=True, check=True)
-    tb = mm.tensorboard("/tmp/e2e-runs")
+    tb = mm.tunnels.tensorboard("/tmp/e2e-runs")
     deadline = time.monotonic() + 60
     body = ""
     while time.monotonic() < deadline:

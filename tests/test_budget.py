@@ -478,15 +478,15 @@ def guards(tmp_path_factory):
         # never a real shutdown: the command found must be this server's stand-in
         assert plan.command == expected, plan
         if alias == "g-limit":
-            m.budget_set(360, currency="CNY", limit=11, started_at=time.time() - 100, ledger=ledger)
-            status = m.budget_guard(at_limit=True, grace=30, poll=POLL, ledger=ledger, plan=plan)
+            m.budget.set(360, currency="CNY", limit=11, started_at=time.time() - 100, ledger=ledger)
+            status = m.budget.guard(at_limit=True, grace=30, poll=POLL, ledger=ledger, plan=plan)
         else:
-            status = m.budget_guard(idle=IDLE, grace=30, poll=POLL, ledger=ledger, plan=plan)
+            status = m.budget.guard(idle=IDLE, grace=30, poll=POLL, ledger=ledger, plan=plan)
         out[alias] = Guarded(alias, server, m, status, time.time())
     yield out
     for g in out.values():
         try:
-            g.machine.budget_guard_cancel(ledger=ledger)
+            g.machine.budget.cancel_guard(ledger=ledger)
         finally:
             g.machine.close()
             g.server.stop()
@@ -519,12 +519,12 @@ def test_guard_refuses_where_no_shutdown_can_run_and_says_how_to_stop(tmp_path):
     try:
         with gpumagic.connect("g-noroot") as m:
             with pytest.raises(budget.BudgetError) as e:
-                m.budget_guard(idle=60, ledger=Ledger(tmp_path / "l.json"))
+                m.budget.guard(idle=60, ledger=Ledger(tmp_path / "l.json"))
             assert "no shutdown command can run" in str(e.value)
             assert e.value.hint.startswith("not root, and `sudo -n true` failed (sudo: a password is required), "
                                            "so no shutdown command can run")
             assert "console" in e.value.hint
-            assert m.budget_guard_status().state == "none"
+            assert m.budget.guard_status().state == "none"
     finally:
         server.stop()
 
@@ -743,8 +743,8 @@ def test_meter_default_start_is_when_the_machine_started(budget_ip, tmp_path):
     ip, server = budget_ip
     m = ip._gpumagic.fleet.get()
     ledger = Ledger(tmp_path / "own.json")
-    m.budget_set(1.0, ledger=ledger)
-    r = m.budget_meter(ledger=ledger)
+    m.budget.set(1.0, ledger=ledger)
+    r = m.budget.meter(ledger=ledger)
     # the test server is this computer: PID 1's start, from /proc as proc(5) describes it
     btime = next(int(ln.split()[1]) for ln in open("/proc/stat", encoding="utf-8") if ln.startswith("btime"))
     ticks = int(open("/proc/1/stat", encoding="utf-8").read().rsplit(")", 1)[1].split()[19])
@@ -825,9 +825,9 @@ def test_refusal_names_the_platforms_way_to_stop(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
     try:
         with gpumagic.connect("g-noroot-vast") as m:
-            m.budget_set(0.4, platform="vastai", ledger=ledger)
+            m.budget.set(0.4, platform="vastai", ledger=ledger)
             with pytest.raises(budget.BudgetError) as e:
-                m.budget_guard(idle=60, ledger=ledger)
+                m.budget.guard(idle=60, ledger=ledger)
             assert "On vast.ai: `vastai stop instance ID`" in e.value.hint
     finally:
         server.stop()
@@ -856,7 +856,7 @@ def test_guard_at_limit_ahead_calls_shutdown_once_at_the_limit(guards):
     # not before the limit (the stand-in's clock has whole seconds, the limit is ~LIMIT_AHEAD s)
     assert called - g.armed_at >= LIMIT_AHEAD - 3
     assert g.calls[0].split()[1:] == ["-h", "now"]
-    status = g.machine.budget_guard_status()
+    status = g.machine.budget.guard_status()
     assert status.state == "fired" and not status.alive
     log = g.log()
     assert log.index("WARNING: shutting down in") < log.index("SHUTDOWN: budget limit reached")
@@ -888,12 +888,12 @@ def test_guard_idle_window_with_0_percent_and_no_jobs_calls_shutdown_after_the_w
 def test_guard_idle_window_never_calls_shutdown_when_not_measurably_idle(guards, alias, reading):
     g = guards[alias]
     _wait(lambda: time.time() > g.armed_at + IDLE + POLL + 1, timeout=IDLE + 60)
-    status = g.machine.budget_guard_status()
+    status = g.machine.budget.guard_status()
     assert g.calls == []
     assert status.state == "armed" and status.alive
     assert status.idle.startswith(reading)
     assert status.checks >= IDLE // POLL // 2  # it kept measuring for the whole window
     assert status.fire_at is None
     print(f"\n{alias}: {status.checks} checks over {time.time() - g.armed_at:.0f} s, never idle: {status.idle}")
-    cancelled = g.machine.budget_guard_cancel(ledger=Ledger(g.server.dir / "l.json"))
+    cancelled = g.machine.budget.cancel_guard(ledger=Ledger(g.server.dir / "l.json"))
     assert cancelled.state == "cancelled" and not cancelled.alive

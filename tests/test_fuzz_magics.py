@@ -250,7 +250,7 @@ def fuzz(_ipython, tmp_path_factory):
             try:
                 if m.is_connected:
                     m.tunnels.close_all(stop_service=True)
-                    m.budget_guard_cancel()
+                    m.budget.cancel_guard()
                     notify.disable(m)  # stops a spending watcher a drawn line armed
             except GpumagicError:
                 pass

@@ -72,6 +72,54 @@ def test_machine_like_names_what_the_capability_modules_use():
         assert hasattr(Machine, n), n
 
 
+#: The most public methods (properties counted) ``Machine`` may have: the verbs; every other
+#: capability is an object on it (``m.env``, ``m.tunnels``, ``m.net``, ``m.budget``...).
+MOST_MACHINE_METHODS = 20
+
+
+def _public_methods(cls) -> list[str]:
+    """The public functions and properties of ``cls`` and its gpumagic bases."""
+    names = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        names |= {n for n, v in vars(klass).items()
+                  if not n.startswith("_") and (callable(v) or isinstance(v, (property, staticmethod, classmethod)))}
+    return sorted(names)
+
+
+def test_machine_keeps_the_verbs_and_its_capabilities_are_objects_on_it():
+    # issue 45 item 6: a flat facade of prefixed method groups (budget_*, proxy_*, net_*)
+    # grows with every feature; a capability is one object with its own small class
+    from gpumagic.budget import Budget
+    from gpumagic.machine import Machine, SandboxMachine
+    from gpumagic.net import Net
+    from gpumagic.remote.environment import Environment
+    from gpumagic.tunnel import TunnelManager
+
+    for cls in (Machine, SandboxMachine):
+        methods = _public_methods(cls)
+        assert len(methods) <= MOST_MACHINE_METHODS, methods
+        assert not [n for n in methods if n.startswith(("budget_", "proxy_", "net_", "mirrors"))], methods
+    assert "is_connected" in _public_methods(Machine)  # a property counts
+    m = gpumagic.connect("u@127.0.0.1:2222", lazy=True)  # never opened
+    assert (type(m.env), type(m.net), type(m.budget), type(m.tunnels)) == (Environment, Net, Budget, TunnelManager)
+    m.close()
+
+
+#: Modules the magics reach only through ``Machine``/``Fleet`` and the objects on them (issue 45).
+BEHIND_THE_MACHINE = ("gpumagic.remote.move", "gpumagic.budget.prices")
+
+
+def test_the_magics_import_neither_the_move_package_nor_the_prices_module():
+    graph = _import_graph()
+    reached = [f"{name} -> {target} (line {line})" for name, targets in graph.items()
+               if _layer(name) == _layer("gpumagic.notebook.magics")
+               for target, line in targets.items()
+               if any(target == b or target.startswith(b + ".") for b in BEHIND_THE_MACHINE)]
+    assert reached == []
+
+
 def test_the_docs_layout_names_every_module_and_folder():
     # The docs' layout page (docs/how-it-works/layout.md, linked from the README) is how a
     # newcomer finds each idea: a module or folder added, moved or renamed must show there.

@@ -433,7 +433,7 @@ def test_a_machine_that_comes_back_after_a_standby_move_gets_no_second_copy_and_
     with capture_output():
         ip.run_line_magic("gpu", "budget guard --deadline +3h --host a")
     a = ip._gpumagic.fleet.get("a")
-    assert a.budget_guard_status().state == "armed"
+    assert a.budget.guard_status().state == "armed"
     try:
         start_standby(ip, name, tmp_path / "kept", "--steps 1000000 --every 10 --pause 0.05", "--then-shutdown 5")
         k = a.keepers.get(name)
@@ -448,7 +448,7 @@ def test_a_machine_that_comes_back_after_a_standby_move_gets_no_second_copy_and_
         assert "moved to b by itself" in said and "armed the guard of a on b too (deadline " in said, said
         info = b.job(name).info()
         assert info.running and info.shutdown_state == "armed", info  # --then-shutdown came along
-        assert b.budget_guard_status().state == "armed"
+        assert b.budget.guard_status().state == "armed"
         ledger = Ledger()
         ga, gb = ledger.machine("a").guard, ledger.machine("b").guard
         assert abs((ga.armed_at + ga.deadline_in) - (gb.armed_at + gb.deadline_in)) < 5  # the same deadline
@@ -462,15 +462,15 @@ def test_a_machine_that_comes_back_after_a_standby_move_gets_no_second_copy_and_
         assert "a is back: its budget guard was disarmed" in said, said
         a = ip._gpumagic.fleet.get("a")
         assert a.job(name).info().state_text == "killed (moved)"
-        assert a.budget_guard_status().state != "armed" and Ledger().machine("a").guard is None
+        assert a.budget.guard_status().state != "armed" and Ledger().machine("a").guard is None
         assert move.pending_cleanups("a") == []
         assert "a is back" not in after_a_cell(ip)  # once
         assert [j.name for j in a.jobs() if j.name == name and j.running] == []  # no second copy started
-        assert b.job(name).info().running and b.budget_guard_status().state == "armed"
+        assert b.job(name).info().running and b.budget.guard_status().state == "armed"
     finally:
         for n in ("a", "b"):
             with contextlib.suppress(Exception):
-                ip._gpumagic.fleet.get(n).budget_guard_cancel()
+                ip._gpumagic.fleet.get(n).budget.cancel_guard()
         with contextlib.suppress(Exception):
             ip._gpumagic.fleet.get("b").job(name).kill()
 

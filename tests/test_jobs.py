@@ -746,7 +746,7 @@ def test_two_concurrent_starts_of_one_name_start_one_job_and_the_other_is_told_a
     machines = [gpumagic.connect("testgpu"), gpumagic.connect("testgpu")]
     try:
         for m in machines:
-            m.login_env()  # read once beforehand, so both starts reach the machine together
+            m.env.login()  # read once beforehand, so both starts reach the machine together
         for round_ in range(5):
             barrier = threading.Barrier(2)
             results: list = [None, None]

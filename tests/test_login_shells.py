@@ -153,7 +153,7 @@ def test_sync_push_and_pull_round_trip(shell_machine, tmp_path):
 @pytest.mark.parametrize("shell_machine", ["fish"], indirect=True)  # one slow start is enough
 def test_jupyter_tunnel_starts_and_stops(shell_machine):
     m, _, name = shell_machine
-    t = m.jupyter(local_port=0)
+    t = m.tunnels.jupyter(local_port=0)
     pid = t.service.pid
     try:
         token = re.search(r"\?token=(\w+)$", t.url).group(1)

@@ -54,30 +54,30 @@ def test_every_mirror_in_the_data_file_names_its_source_and_ships_with_the_packa
 
 def test_pip_mirror_is_set_per_user_shown_and_off_puts_back_what_was_there(m, mirrored):
     conf = mirrored.dir / "home" / ".config" / "pip" / "pip.conf"
-    change = m.mirrors("pip", "tuna")
+    change = m.net.mirrors("pip", "tuna")
     assert change.before == "(not set)" and change.after == "https://pypi.tuna.tsinghua.edu.cn/simple"
     assert pip_index(m) == "https://pypi.tuna.tsinghua.edu.cn/simple"  # pip itself agrees
     assert change.file == str(conf) and change.text.splitlines()[-1] == "  undo: `%gpu mirrors pip off`"
-    undo = m.mirrors_off("pip")
+    undo = m.net.mirrors_off("pip")
     assert undo.before == "https://pypi.tuna.tsinghua.edu.cn/simple" and undo.after == "(not set)"
 
     # a value of the user's own comes back after off
     conf.write_text("[global]\nindex-url = https://pypi.example.org/simple\n", encoding="utf-8")
-    assert m.mirrors("pip", "aliyun").before == "https://pypi.example.org/simple"
-    assert m.mirrors_off("pip").after == "https://pypi.example.org/simple"
+    assert m.net.mirrors("pip", "aliyun").before == "https://pypi.example.org/simple"
+    assert m.net.mirrors_off("pip").after == "https://pypi.example.org/simple"
     assert pip_index(m, user_only=True) == "https://pypi.example.org/simple"
     conf.unlink()
 
 
 def test_hf_mirror_is_seen_by_huggingface_hub_in_a_session_started_after_it_and_off_removes_it(m):
-    change = m.mirrors("hf")
+    change = m.net.mirrors("hf")
     assert change.after == "https://hf-mirror.com" and "`%gpu kernel stop NAME`" in change.note
     assert m.run("echo $HF_ENDPOINT", quiet=True).stdout == "https://hf-mirror.com\n"
     k = m.kernel("hf")
     try:
         out = k.execute("from huggingface_hub import constants; print(constants.ENDPOINT)", output=None)
         assert out.stdout.strip() == "https://hf-mirror.com"
-        m.mirrors_off("hf")
+        m.net.mirrors_off("hf")
         assert m.run("echo \"[$HF_ENDPOINT]\"", quiet=True).stdout == "[]\n"
         k.stop()
         k = m.kernel("hf")  # a session started after off
@@ -91,18 +91,18 @@ def test_conda_mirror_writes_condarc_that_yaml_reads_and_off_restores_the_file(m
     rc = mirrored.dir / "home" / ".condarc"
     original = "channels:\n  - defaults\ndefault_channels:\n  - https://repo.example.org/pkgs/main\nssl_verify: true\n"
     rc.write_text(original, encoding="utf-8")
-    change = m.mirrors("conda", "tuna")
+    change = m.net.mirrors("conda", "tuna")
     data = yaml.safe_load(rc.read_text(encoding="utf-8"))
     assert data["channel_alias"] == "https://mirrors.tuna.tsinghua.edu.cn/anaconda/cloud"
     assert data["default_channels"] == ["https://mirrors.tuna.tsinghua.edu.cn/anaconda/pkgs/main",
                                         "https://mirrors.tuna.tsinghua.edu.cn/anaconda/pkgs/r"]
     assert data["channels"] == ["defaults"] and data["ssl_verify"] is True
     assert change.before == "https://repo.example.org/pkgs/main"
-    m.mirrors_off("conda")
+    m.net.mirrors_off("conda")
     assert yaml.safe_load(rc.read_text(encoding="utf-8")) == yaml.safe_load(original)
     rc.unlink()
-    m.mirrors("conda")
-    m.mirrors_off("conda")
+    m.net.mirrors("conda")
+    m.net.mirrors_off("conda")
     assert not rc.exists()  # there was none before
 
 

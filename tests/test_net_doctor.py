@@ -1,4 +1,4 @@
-"""``%gpu doctor --net`` (``machine.net_doctor``): verdicts and hints from recorded
+"""``%gpu doctor --net`` (``machine.net.doctor``): verdicts and hints from recorded
 measurements, and the check itself from the test sshd against stand-in sites on this
 computer (one fast, one slow, one that never answers): nothing leaves the computer."""
 
@@ -86,7 +86,7 @@ def test_doctor_net_from_the_machine_gives_each_verdict_and_is_bounded_by_its_ti
                Target("pypi.org", sites["slow"].url, "pip")]
     timeout, read = 1.5, 0.5
     start = time.monotonic()
-    report = machine.net_doctor(targets, timeout=timeout, read_time=read)
+    report = machine.net.doctor(targets, timeout=timeout, read_time=read)
     wall = time.monotonic() - start
     hf, mirror, pypi = report.results
     assert hf.status == "timeout" and sites["silent"].requests == 1

@@ -611,7 +611,7 @@ def test_guard_call_site_says_when_the_shutdown_failed(hook, monkeypatch, tmp_pa
         assert len(hook.posts) == 2 and set(events) == {"shutdown", "guard"}
         assert events["guard"]["text"] == ("sandbox: the guard could not shut down (exit code 3): "
                                            "stop the instance yourself")
-        assert m.budget_guard_status().state == "failed"
+        assert m.budget.guard_status().state == "failed"
         assert "notify: sent guard by json webhook" in Path(guard_log_path(m)).read_text(encoding="utf-8")
     finally:
         m.close()

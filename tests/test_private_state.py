@@ -45,8 +45,8 @@ def test_every_directory_and_file_gpumagic_wrote_is_private(tmp_path, monkeypatc
             (tmp_path / "src" / "f.txt").write_text("data", encoding="utf-8")
             m.push(str(tmp_path / "src") + "/", "~/private-sync/")
             m.pull("~/private-sync/", str(tmp_path / "back") + "/")
-            m.budget_set(2.5, currency="CNY")
-            t = m.jupyter(local_port=0)
+            m.budget.set(2.5, currency="CNY")
+            t = m.tunnels.jupyter(local_port=0)
             log = Path(t.service.log)
             m.tunnels.close(t.local_port, stop_service=True)
             home = m.sandbox.home
@@ -89,12 +89,12 @@ def test_the_budget_guard_and_jobs_on_a_rented_machine_keep_a_private_state_dir(
             plan = find_shutdown(m)
             assert plan.command == expected, plan  # never a real one
             ledger = Ledger(tmp_path / "ledger.json")
-            m.budget_set(1, currency="CNY", ledger=ledger)
-            m.budget_guard(idle=3600, poll=1, ledger=ledger, plan=plan)
+            m.budget.set(1, currency="CNY", ledger=ledger)
+            m.budget.guard(idle=3600, poll=1, ledger=ledger, plan=plan)
             job = m.start_job("private-guard", "echo hi", env={"TOKEN": "t"})
             assert job.wait(timeout=60).state_text == "exited 0"
             time.sleep(2)  # a few polls: the guard rewrites its state file
-            m.budget_guard_cancel(ledger=ledger)
+            m.budget.cancel_guard(ledger=ledger)
         finally:
             m.close()
             server.stop()

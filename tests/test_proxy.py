@@ -1,4 +1,4 @@
-"""``%gpu proxy on|off`` (``machine.proxy_on``) against a real sshd, with a stand-in proxy on
+"""``%gpu proxy on|off`` (``machine.net.proxy_on``) against a real sshd, with a stand-in proxy on
 this computer that counts requests (:class:`gpumagic.net.standin.StandInProxy`).
 
 Nothing leaves this computer: the sites the machine asks for (``example.test``,
@@ -108,7 +108,7 @@ def m(proxied):
 
     machine = gpumagic.connect("proxied")
     yield machine
-    machine.proxy_off()
+    machine.net.proxy_off()
     machine.close()
 
 
@@ -124,7 +124,7 @@ def test_curl_and_pip_download_go_through_the_proxy_and_no_proxy_hosts_do_not(m,
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text(f"[global]\nindex-url = http://127.0.0.2:{mirror.port}/simple\n", encoding="utf-8")
     try:
-        p = m.proxy_on(standin.port)
+        p = m.net.proxy_on(standin.port)
         env = remote_env(m)
         for var in ALL_VARS[:6]:
             assert env[var] == p.url == f"http://127.0.0.1:{p.tunnel.remote_port}"
@@ -158,7 +158,7 @@ def test_curl_and_pip_download_go_through_the_proxy_and_no_proxy_hosts_do_not(m,
 
 
 def test_a_job_started_after_it_gets_the_proxy(m, standin):
-    p = m.proxy_on(standin.port)
+    p = m.net.proxy_on(standin.port)
     job = m.start_job("proxied-env", "curl -sS http://example.test/job; echo \"https_proxy=$https_proxy\"")
     try:
         assert job.wait(timeout=60).exit_code == 0
@@ -171,19 +171,19 @@ def test_a_job_started_after_it_gets_the_proxy(m, standin):
 
 
 def test_the_proxy_comes_back_after_a_reconnect(m, standin):
-    m.proxy_on(standin.port)
+    m.net.proxy_on(standin.port)
     assert m.run("curl -sS http://example.test/1", quiet=True).exit_code == 0
     os.kill(session_sshd_pid(m), signal.SIGKILL)  # the connection drops
     assert wait_until(lambda: not m.is_connected, 10)
     r = m.run("curl -sS http://example.test/2", quiet=True)  # reconnects, the tunnel listens again
     assert r.stdout == StandInProxy.page("example.test").decode(), r.stderr
     assert standin.requests["example.test"] == 2
-    assert m.proxy.tunnel.reconnects == 1
+    assert m.net.proxy.tunnel.reconnects == 1
 
 
 def test_off_leaves_no_variable_behind_in_new_cells(m, standin):
-    m.proxy_on(standin.port)
-    off = m.proxy_off()
+    m.net.proxy_on(standin.port)
+    off = m.net.proxy_off()
     assert off.tunnel is not None and off.removed == []
     env = remote_env(m)
     assert [v for v in ALL_VARS if v in env] == []
@@ -194,9 +194,9 @@ def test_off_leaves_no_variable_behind_in_new_cells(m, standin):
 
 
 def test_closing_the_proxys_tunnel_drops_its_variables(m, standin):
-    p = m.proxy_on(standin.port)
+    p = m.net.proxy_on(standin.port)
     m.tunnels.close_reverse(p.tunnel.id)
-    assert "https_proxy" not in remote_env(m) and m.proxy is None
+    assert "https_proxy" not in remote_env(m) and m.net.proxy is None
 
 
 def test_persist_writes_a_marked_block_that_off_removes(m, standin, proxied):
@@ -204,13 +204,13 @@ def test_persist_writes_a_marked_block_that_off_removes(m, standin, proxied):
     rc.write_text("# the user's own\nexport MINE=1\n", encoding="utf-8")
     before = rc.read_bytes()
     login_shell = os.path.basename(m.run("echo $SHELL", quiet=True).stdout.strip())
-    p = m.proxy_on(standin.port, persist=True)
+    p = m.net.proxy_on(standin.port, persist=True)
     written = p.persisted
     if login_shell == "bash":
         assert written == str(rc)
     text = open(written, encoding="utf-8").read()
     assert "# >>> gpumagic proxy >>>" in text and f"https_proxy='{p.url}'" in text
-    assert m.proxy_off().removed == [written]
+    assert m.net.proxy_off().removed == [written]
     assert rc.read_bytes() == before
     if written != str(rc):
         assert "gpumagic proxy" not in open(written, encoding="utf-8").read() if os.path.exists(written) else True
@@ -222,9 +222,9 @@ def test_nothing_listening_on_the_local_port_is_a_one_line_error(m):
     port = s.getsockname()[1]
     s.close()
     with pytest.raises(GpumagicError) as e:
-        m.proxy_on(port)
+        m.net.proxy_on(port)
     assert str(e.value).splitlines()[0].startswith(f"nothing accepts connections on this computer's 127.0.0.1:{port}")
-    assert "Clash" in e.value.hint and m.proxy is None
+    assert "Clash" in e.value.hint and m.net.proxy is None
 
 
 def test_gpu_proxy_on_and_off(ip, proxied, standin, capsys):
@@ -233,7 +233,7 @@ def test_gpu_proxy_on_and_off(ip, proxied, standin, capsys):
     ip.run_line_magic("gpu", f"proxy on --local {standin.port}")
     out = capsys.readouterr().out
     m = ip._gpumagic.fleet.get(None)
-    url = m.proxy.url
+    url = m.net.proxy.url
     assert out.startswith(f"proxy on for proxied: the machine's {url[7:]} -> this computer's 127.0.0.1:{standin.port}")
     assert f"= {url} in new cells, sessions and jobs" in out and "%gpu kernel stop NAME" in out
     ip.run_line_magic("gpu", "tunnel list")

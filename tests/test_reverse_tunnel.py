@@ -1,4 +1,4 @@
-"""Reverse tunnels (``machine.reverse_tunnel``, ``%gpu tunnel --reverse``) against the real
+"""Reverse tunnels (``machine.tunnels.open_reverse``, ``%gpu tunnel --reverse``) against the real
 test sshd: the machine's 127.0.0.1:P reaches this computer's 127.0.0.1:L (ssh -R).
 
 The test sshd runs on this computer, so the machine's loopback is this computer's too: the
@@ -92,7 +92,7 @@ def machine_client(machine, port: int, n: int) -> tuple[str, str, int]:
 
 def test_reverse_tunnel_carries_50_mb_both_ways_unchanged(machine, echo):
     n = 50 * 1000 * 1000
-    with machine.reverse_tunnel(echo.port, remote_port=free_port(), name="echo") as t:
+    with machine.tunnels.open_reverse(echo.port, remote_port=free_port(), name="echo") as t:
         sent, got, count = machine_client(machine, t.remote_port, n)
         assert count == n and got == sent
         assert t.bytes_up == n and t.bytes_down == n  # up: this computer -> the machine
@@ -102,7 +102,7 @@ def test_reverse_tunnel_carries_50_mb_both_ways_unchanged(machine, echo):
 
 def test_reverse_tunnel_listens_on_the_machines_loopback_only(machine, echo):
     port = free_port()
-    with machine.reverse_tunnel(echo.port, remote_port=port) as t:
+    with machine.tunnels.open_reverse(echo.port, remote_port=port) as t:
         assert t.remote_port == port and t.listen == f"127.0.0.1:{port}"
         assert listening_addresses(machine.connection, port) == ["127.0.0.1"]
     assert listening_addresses(machine.connection, port) == []  # stopped: nothing listens
@@ -110,15 +110,15 @@ def test_reverse_tunnel_listens_on_the_machines_loopback_only(machine, echo):
 
 def test_second_reverse_of_the_same_machine_port_says_it_is_taken(machine, echo):
     port = free_port()
-    first = machine.reverse_tunnel(echo.port, remote_port=port, name="first")
+    first = machine.tunnels.open_reverse(echo.port, remote_port=port, name="first")
     try:
         with pytest.raises(TunnelError) as e:
-            machine.reverse_tunnel(echo.port + 1 if echo.port < 65535 else 1024, remote_port=port)
+            machine.tunnels.open_reverse(echo.port + 1 if echo.port < 65535 else 1024, remote_port=port)
         assert str(e.value).splitlines()[0] == (
             f"port {port} on the machine is taken by gpumagic's reverse tunnel R{port} "
             f"(-> this computer's 127.0.0.1:{echo.port}, first)")
         # the same tunnel asked again is the same one
-        assert machine.reverse_tunnel(echo.port) is first
+        assert machine.tunnels.open_reverse(echo.port) is first
     finally:
         machine.tunnels.close_all()
 
@@ -128,10 +128,10 @@ def test_a_port_another_program_holds_is_taken_and_the_default_moves(machine, ec
     port = holder.getsockname()[1]
     try:
         with pytest.raises(TunnelError) as e:
-            machine.reverse_tunnel(echo.port, remote_port=port)
+            machine.tunnels.open_reverse(echo.port, remote_port=port)
         assert f"port {port} on the machine is taken (something listens on 127.0.0.1)" in str(e.value)
         # The default port (the local one) is this computer's own port here: it moves.
-        with machine.reverse_tunnel(echo.port) as t:
+        with machine.tunnels.open_reverse(echo.port) as t:
             assert t.moved_from == echo.port and t.remote_port != echo.port
             assert "is this computer's port" in t.moved_reason
             assert machine_client(machine, t.remote_port, 1000)[2] == 1000
@@ -155,7 +155,7 @@ def test_a_server_that_forbids_forwarding_gives_the_one_line_reason(noforward, e
     with gpumagic.connect("noforward") as m:
         port = free_port()
         with pytest.raises(TunnelError) as e:
-            m.reverse_tunnel(echo.port, remote_port=port)
+            m.tunnels.open_reverse(echo.port, remote_port=port)
         assert str(e.value).splitlines()[0] == (
             f"the machine refused to listen on 127.0.0.1:{port}: {FORBIDDEN}")
         assert "AllowTcpForwarding yes" in e.value.hint
@@ -171,7 +171,7 @@ def test_a_server_with_gateway_ports_yes_is_refused_and_left_not_listening(echo)
         with gpumagic.connect("gatewayports") as m:
             port = free_port()
             with pytest.raises(TunnelError) as e:
-                m.reverse_tunnel(echo.port, remote_port=port)
+                m.tunnels.open_reverse(echo.port, remote_port=port)
             first = str(e.value).splitlines()[0]
             assert re.fullmatch(rf"the machine's sshd listened on 0\.0\.0\.0:{port}(, \[::\]:{port})?, not on "
                                 rf"127\.0\.0\.1 only \(sshd_config GatewayPorts yes\): this computer's port "
@@ -183,7 +183,7 @@ def test_a_server_with_gateway_ports_yes_is_refused_and_left_not_listening(echo)
 
 def test_reverse_tunnel_listens_again_after_a_reconnect(machine, echo):
     port = free_port()
-    with machine.reverse_tunnel(echo.port, remote_port=port) as t:
+    with machine.tunnels.open_reverse(echo.port, remote_port=port) as t:
         assert machine_client(machine, port, 1000)[2] == 1000
         os.kill(session_sshd_pid(machine), signal.SIGKILL)  # the connection drops
         assert wait_until(lambda: not machine.is_connected, 10)
@@ -194,7 +194,7 @@ def test_reverse_tunnel_listens_again_after_a_reconnect(machine, echo):
 
 def test_nothing_listening_on_this_computer_is_a_fault_raised_by_check(machine):
     local = free_port()  # nothing listens there
-    t = machine.reverse_tunnel(local, remote_port=free_port())
+    t = machine.tunnels.open_reverse(local, remote_port=free_port())
     r = machine.run(["python3", "-c", "import socket, sys; s = socket.create_connection(('127.0.0.1', "
                      f"{t.remote_port})); print(repr(s.recv(10)))"], quiet=True)
     assert r.stdout.strip() == "b''"  # the machine's client sees the connection closed

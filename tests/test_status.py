@@ -50,7 +50,7 @@ def _count_runner_cells(monkeypatch) -> list:
 
 def test_status_on_h200_load_in_one_round_trip(machine, set_gpu):
     set_gpu("h200-load")
-    machine.login_env()  # read once per connection (the PATH nvidia-smi is looked up in)
+    machine.env.login()  # read once per connection (the PATH nvidia-smi is looked up in)
     opened = _count_channels(machine)
     status = machine.gpu_status()
     assert len(opened) == 1
@@ -213,7 +213,7 @@ def test_watch_stops_on_disconnect_saying_so(kernel_ip):
 def test_doctor_expect_a100_on_h200_load_fails_naming_both_in_one_round_trip(machine, set_gpu,
                                                                             monkeypatch):
     set_gpu("h200-load")
-    machine.login_env()  # read once per connection by every run()
+    machine.env.login()  # read once per connection by every run()
     opened, cells = _count_channels(machine), _count_runner_cells(monkeypatch)
     report = machine.doctor(expect_gpu="A100")
     assert len(opened) + len(cells) == 1

@@ -692,7 +692,7 @@ def test_tensorboard_missing_on_machine_names_the_pip_command(tmp_path):
     try:
         with gpumagic.connect("notensorboard") as m:
             with pytest.raises(TunnelError) as info:
-                m.tensorboard()
+                m.tunnels.tensorboard()
         assert "TensorBoard is not installed" in info.value.message
         # one line a user can act on (it printed a literal \n between %%remote and the command)
         hint = info.value.hint
@@ -706,7 +706,7 @@ def test_jupyter_tunnel_url_carries_the_token_and_stop_ends_the_server(machine):
     import json
     import urllib.error
 
-    t = machine.jupyter(local_port=0)
+    t = machine.tunnels.jupyter(local_port=0)
     pid = t.service.pid
     try:
         token = re.search(r"\?token=(\w+)$", t.url)
@@ -716,7 +716,7 @@ def test_jupyter_tunnel_url_carries_the_token_and_stop_ends_the_server(machine):
         with pytest.raises(urllib.error.HTTPError) as denied:
             fetch(base)
         assert denied.value.code == 403
-        assert machine.jupyter(local_port=0) is t  # found running: reused, not started twice
+        assert machine.tunnels.jupyter(local_port=0) is t  # found running: reused, not started twice
         assert t.service.pid == pid and t.service.started
     finally:
         machine.tunnels.close(t.local_port, stop_service=True)
@@ -827,7 +827,7 @@ def test_bad_arguments_start_no_server_on_the_machine(ip, sshd):
         with pytest.raises(UsageError) as e:
             ip.run_line_magic("gpu", line)
         assert type(e.value) is UsageError, line
-    for start in (lambda: m.jupyter(local_port=70000), lambda: m.tensorboard(local_port=-1)):
+    for start in (lambda: m.tunnels.jupyter(local_port=70000), lambda: m.tunnels.tensorboard(local_port=-1)):
         with pytest.raises(TunnelError, match="is not a port number"):
             start()
     assert _service_logs(sshd) == before  # nothing was started
@@ -845,7 +845,7 @@ def test_server_started_for_a_tunnel_that_cannot_open_is_stopped_again(machine, 
 
     monkeypatch.setattr(TunnelManager, "open", refuse)
     with pytest.raises(TunnelError, match="no local port"):
-        machine.jupyter(local_port=0)
+        machine.tunnels.jupyter(local_port=0)
     assert len(_service_logs(sshd) - before) == 1  # it was started...
     assert wait_until(lambda: _running_jupyters(machine) == 0, 20)  # ...and stopped again
 
@@ -924,7 +924,7 @@ def test_tensorboard_logdir_with_quotes_spaces_and_dollar_is_the_directory_it_se
 
     logdir = "it's a $HOME `id` dir"  # an argument of tunnel-service.py, never program text
     cwd = Path(machine.run("pwd", quiet=True).stdout.strip())  # the machine's HOME: this user's
-    t = machine.tensorboard(logdir, local_port=0)
+    t = machine.tunnels.tensorboard(logdir, local_port=0)
     pid = t.service.pid
     try:
         assert (cwd / logdir).is_dir()

@@ -93,8 +93,8 @@ def main(work: Path) -> dict:
         back = work / "back"
         seen["pulled"] = sorted(p.relative_to(back).as_posix() for p in back.rglob("*") if p.is_file())
         seen["pulled_result"] = (back / "result.txt").read_text(encoding="utf-8")
-        m.budget_set(2.5, currency="CNY")
-        reading = m.budget_meter()
+        m.budget.set(2.5, currency="CNY")
+        reading = m.budget.meter()
         seen["budget_rate"] = reading.prices.rate
         seen["rentals"] = len(json.loads((Path(os.environ["GPUMAGIC_DATA_DIR"]) / "ledger.json").read_text(encoding="utf-8"))["machines"]["testgpu"]["sessions"])
         ledger = Path(os.environ["GPUMAGIC_DATA_DIR"]) / "ledger.json"

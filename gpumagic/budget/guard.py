@@ -8,8 +8,8 @@ so it works with the laptop closed.  The programs are files in ``gpumagic/remote
 
 :func:`arm_guard`, :func:`cancel_guard` and :func:`read_status` act on the machine alone;
 :func:`read_meter`, :func:`arm_machine_guard` and :func:`disarm_machine_guard` also read and
-record the machine's prices, limit and rentals in the :class:`~gpumagic.budget.ledger.Ledger`.
-How the machine is stopped comes from :meth:`gpumagic.machine.Machine.shutdown_plan` (the
+record the machine's prices, limit and rentals in the :class:`~gpumagic.budget.ledger.Ledger`;
+:class:`Budget` is all of it for one machine (``machine.budget``).  How the machine is stopped comes from :meth:`gpumagic.machine.Machine.shutdown_plan` (the
 sandbox, which is this computer, answers with a stand-in).
 """
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from ..errors import ConfigError
 from ..remote import program
 from ..remote.execution import run_program
-from .ledger import GuardRecord, Ledger, MachineRecord, prices_of, record_rental
-from .prices import (MAX_SPAN_S, BudgetError, MeterReading, guard_limit_in, is_number, meter,
+from .ledger import GuardRecord, Ledger, MachineRecord, prices_of, record_rental, set_prices
+from .prices import (MAX_SPAN_S, BudgetError, MeterReading, Prices, guard_limit_in, is_number, meter,
                      platforms)
 
 if TYPE_CHECKING:
@@ -357,6 +357,63 @@ def disarm_machine_guard(machine: MachineLike, ledger: Ledger) -> GuardStatus:
         if machine.name in machines:
             machines[machine.name].guard = None
     return status
+
+
+class Budget:
+    """What one machine costs and the guard that stops paying for it (:attr:`Machine.budget
+    <gpumagic.Machine.budget>`): its prices in the ledger (:meth:`set`), the meter
+    (:meth:`meter`), and the guard on the machine (:meth:`guard`, :meth:`cancel_guard`,
+    :meth:`guard_status`, :meth:`guard_log`).  ``ledger``: the :class:`~gpumagic.budget.ledger.Ledger` to read
+    and write (default: the user's).
+
+    Parameters
+    ----------
+    machine : MachineLike
+        The machine (its name keys the ledger's record).
+    """
+
+    def __init__(self, machine: MachineLike):
+        self.machine = machine
+
+    def set(self, rate: float, *, ledger: Ledger | None = None, limit: float | None = None,
+            alerts=None, started_at: float | None = None, **prices) -> MachineRecord:
+        """Store this machine's prices (per hour; see :class:`gpumagic.budget.Prices` for
+        ``currency``, ``billing``, ``storage_gb``/``storage_rate``/``storage_per``, ``ip_rate``,
+        ``image_*``, ``platform``), an optional ``limit``, ``alerts`` thresholds and billing
+        start (epoch s; default: the machine's start).  Returns the ledger record."""
+        return set_prices(ledger or Ledger(), self.machine.name, Prices(rate=rate, **prices),
+                          limit=limit, alerts=alerts, started_at=started_at)
+
+    def meter(self, *, ledger: Ledger | None = None) -> MeterReading:
+        """Read the meter: spent, rate, limit, next billing boundary, guard (one round trip;
+        see :func:`read_meter`)."""
+        return read_meter(self.machine, ledger or Ledger())
+
+    def guard(self, *, idle: float | None = None, at_limit: bool = False, deadline: float | None = None,
+              grace: float = 600, poll: float = 30, ledger: Ledger | None = None, plan=None) -> GuardStatus:
+        """Arm the guard on the machine: shut down after ``idle`` seconds of measured GPU
+        idleness, at the budget limit, or at epoch ``deadline``; warn ``grace`` seconds before
+        (see :func:`arm_machine_guard`).
+
+        Raises
+        ------
+        BudgetError
+            Where no shutdown command can run (and as :func:`arm_machine_guard`).
+        """
+        return arm_machine_guard(self.machine, ledger or Ledger(), idle_s=idle, at_limit=at_limit,
+                                 deadline=deadline, grace_s=grace, poll_s=poll, plan=plan)
+
+    def cancel_guard(self, *, ledger: Ledger | None = None) -> GuardStatus:
+        """Disarm the guard; returns its status after."""
+        return disarm_machine_guard(self.machine, ledger or Ledger())
+
+    def guard_status(self) -> GuardStatus:
+        """The guard's status on the machine (one round trip)."""
+        return read_status(self.machine)[1]
+
+    def guard_log(self) -> str:
+        """Where the guard's log is on the machine (``~/`` for the remote home; no round trip)."""
+        return guard_log_path(self.machine)
 
 
 # -- a job that moved (gpumagic.remote.move) ---------------------------------------------

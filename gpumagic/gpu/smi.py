@@ -607,7 +607,7 @@ def query_status(machine: MachineLike, *, cuda_version: str | Unknown | None = N
     """
     # The login PATH (read once per connection): where ~/.bashrc or /etc/profile put
     # nvidia-smi, as over `ssh host`.
-    login_path = machine.login_env().get("PATH") or ""
+    login_path = machine.env.login().get("PATH") or ""
     command = sections_command(status_sections(with_version=cuda_version is None), login_path)
     r = machine.exec(command, timeout=timeout)
     return status_from_sections(split_sections(r.stdout), host=machine.name,

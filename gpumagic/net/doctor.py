@@ -218,12 +218,12 @@ def machine_targets(machine) -> list[Target]:
     """:func:`default_targets` with the mirrors ``machine`` uses (one round trip)."""
     from . import settings
 
-    return default_targets(configured_mirrors(settings.run(machine, "read"), machine.environment()))
+    return default_targets(configured_mirrors(settings.run(machine, "read"), machine.env.current()))
 
 
 def run(machine, targets: list[Target] | None = None, *, timeout: float = TIMEOUT,
         read_time: float = READ_TIME, max_bytes: int = MAX_BYTES) -> NetReport:
-    """Measure ``targets`` (default: :meth:`machine.net_targets`) from ``machine`` (one
+    """Measure ``targets`` (default: :meth:`machine.net.targets() <gpumagic.net.Net.targets>`) from ``machine`` (one
     round trip, at most ``timeout + read_time`` seconds there).
 
     Raises
@@ -231,7 +231,7 @@ def run(machine, targets: list[Target] | None = None, *, timeout: float = TIMEOU
     GpumagicError
         The machine has no Python 3, or the check gave no answer.
     """
-    targets = list(targets if targets is not None else machine.net_targets())
+    targets = list(targets if targets is not None else machine.net.targets())
     spec = json.dumps([{"name": t.name, "url": t.url} for t in targets])
     r = machine.run(["python3", "-c", program.source(PROGRAM), spec, str(timeout), str(read_time),
                      str(max_bytes)], quiet=True, timeout=timeout + read_time + 30)

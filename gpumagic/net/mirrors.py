@@ -4,7 +4,7 @@ show the change, undo it.
 * pip: ``global.index-url`` per user, through the machine's own ``pip config --user`` (the
   per-user ``pip.conf`` where that pip has no ``config`` command);
 * Hugging Face: ``HF_ENDPOINT`` in ``~/.gpumagic/env`` on the machine, which every cell,
-  session and job gets before anything runs (:meth:`gpumagic.machine.Machine.environment`):
+  session and job gets before anything runs (:meth:`gpumagic.remote.environment.Environment.current`):
   ``huggingface_hub`` reads it once, when it is imported, so setting it later inside a
   notebook does nothing;
 * conda: ``default_channels`` and ``channel_alias`` in ``~/.condarc`` (a marked block; the
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from . import catalog, settings
 from .catalog import Mirror
+from .doctor import configured_mirrors
 
 
 @dataclass
@@ -96,9 +97,9 @@ def set_mirror(machine, kind: str, name: str | None = None) -> MirrorChange:
         note = "" if r.get("pip_config") else "this pip has no `pip config`: wrote the per-user pip.conf"
         return MirrorChange(kind, m, "pip's global.index-url", r["file"], _shown(r["before"]), _shown(r["after"]), note)
     if kind == "hf":
-        before = machine.environment().get("HF_ENDPOINT")
+        before = machine.env.current().get("HF_ENDPOINT")
         r = settings.run(machine, "env-set", "HF_ENDPOINT", m.url)
-        machine.forget_environment()
+        machine.env.forget()
         return MirrorChange(kind, m, "HF_ENDPOINT", r["file"], _shown(r["before"] or before), m.url, _HF_NOTE)
     r = settings.run(machine, "conda-set", m.url)
     return MirrorChange(kind, m, "~/.condarc channels", r["file"], _shown(r["before"]), _shown(r["after"]))
@@ -115,8 +116,8 @@ def unset_mirror(machine, kind: str) -> MirrorChange:
                             _shown(r["after"]), r.get("note", ""))
     if kind == "hf":
         r = settings.run(machine, "env-unset", "HF_ENDPOINT")
-        machine.forget_environment()
-        after = machine.environment().get("HF_ENDPOINT")  # the user's own, if any
+        machine.env.forget()
+        after = machine.env.current().get("HF_ENDPOINT")  # the user's own, if any
         note = "" if r["before"] else "gpumagic had not set HF_ENDPOINT on this machine"
         return MirrorChange(kind, None, "HF_ENDPOINT", r["file"], _shown(r["before"]), _shown(after), note)
     r = settings.run(machine, "conda-off")
@@ -127,7 +128,5 @@ def unset_mirror(machine, kind: str) -> MirrorChange:
 def in_use(machine) -> dict[str, str]:
     """What each kind uses on the machine now (kind -> URL, "(not set)" for the default);
     one round trip."""
-    from .doctor import configured_mirrors
-
-    found = configured_mirrors(settings.run(machine, "read"), machine.environment())
+    found = configured_mirrors(settings.run(machine, "read"), machine.env.current())
     return {k: found.get(k, "(not set: the upstream)") for k in catalog.KINDS}

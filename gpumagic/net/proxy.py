@@ -11,8 +11,8 @@ The variables are ``http_proxy``, ``https_proxy``, ``all_proxy`` and their upper
 (curl reads only the lower-case ``http_proxy``; other tools read either), all
 ``http://127.0.0.1:P`` (Clash's and v2rayN's "mixed" and HTTP ports speak HTTP proxying,
 CONNECT included; a ``socks5://`` all_proxy would break ``requests`` without PySocks), and
-``no_proxy``/``NO_PROXY``.  They live on the laptop (:attr:`gpumagic.machine.Machine.proxy`),
-added by :meth:`gpumagic.machine.Machine.environment`, because they are only true while the
+``no_proxy``/``NO_PROXY``.  They live on the laptop (:attr:`gpumagic.net.Net.proxy`),
+added by :meth:`gpumagic.remote.environment.Environment.current`, because they are only true while the
 tunnel is: nothing is written on the machine unless asked (``persist``: a marked block in the
 login shell's start-up file, so terminals opened there get it too; ``off`` removes it, also
 one left by an earlier notebook session).  A session started before ``on`` keeps its own
@@ -119,7 +119,7 @@ def write_block(machine, proxy: Proxy) -> str:
     pairs = [f"{k}={v}" for k, v in proxy.environment().items() if v is not None]
     path = settings.run(machine, "block-set", *pairs)["file"]
     proxy._persisted_url = proxy.url
-    machine.forget_environment()
+    machine.env.forget()
     return path
 
 
@@ -138,15 +138,15 @@ def turn_on(machine, local_port: int = DEFAULT_LOCAL_PORT, *, remote_port: int |
     """
     check_local_proxy(local_port)
     found = settings.run(machine, "read")
-    env = {**machine.login_env(), **machine.settings_env()}  # the machine's own, without ours
+    env = {**machine.env.login(), **machine.env.settings()}  # the machine's own, without ours
     configured = [*found.get("pip_urls", []), *found.get("conda_urls", []),
                   *(u for u in (env.get("HF_ENDPOINT"), found.get("env", {}).get("HF_ENDPOINT")) if u)]
     existing = env.get("no_proxy") or env.get("NO_PROXY")
-    if machine.proxy is not None:
+    if machine.net.proxy is not None:
         turn_off(machine, remove_blocks=False)
-    tunnel = machine.reverse_tunnel(local_port, remote_port=remote_port, name="proxy")
+    tunnel = machine.tunnels.open_reverse(local_port, remote_port=remote_port, name="proxy")
     proxy = Proxy(tunnel, no_proxy_hosts(existing, configured))
-    machine.proxy = proxy
+    machine.net.proxy = proxy
     if persist:
         proxy.persisted = write_block(machine, proxy)
     return proxy
@@ -165,7 +165,7 @@ def turn_off(machine, *, remove_blocks: bool = True) -> ProxyOff:
     """Stop lending the proxy: close the tunnel, drop the variables (new cells get none),
     and remove the persisted block from every start-up file that has one (one round trip;
     also a block an earlier notebook session left)."""
-    proxy, machine.proxy = machine.proxy, None
+    proxy, machine.net.proxy = machine.net.proxy, None
     tunnel = None
     if proxy is not None:
         tunnel = proxy.tunnel
@@ -177,5 +177,5 @@ def turn_off(machine, *, remove_blocks: bool = True) -> ProxyOff:
     if remove_blocks:
         removed = settings.run(machine, "block-remove")["removed"]
         if removed:
-            machine.forget_environment()
+            machine.env.forget()
     return ProxyOff(tunnel, removed)

@@ -8,6 +8,8 @@ resolves a name or reaches another computer.
 * :class:`StandInSite` is a web server on 127.0.0.1 of one of three kinds, for
   ``%gpu doctor --net``: ``fast`` (serves a few MB at once), ``slow`` (a trickle), ``silent``
   (accepts, then never answers).
+* :class:`StandInNet` is the sandbox's :class:`gpumagic.net.Net`: its default targets are
+  stand-in sites named as the real ones.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import collections
 import socket
 import socketserver
 import threading
+
+from . import Net
+from .catalog import Target, mirror
 
 _MAX_HEADER = 64 * 1024
 
@@ -240,3 +245,36 @@ class StandInSite:
                     sent += piece
             except OSError:
                 pass
+
+
+class StandInNet(Net):
+    """The sandbox's way out (:attr:`SandboxMachine.net <gpumagic.machine.SandboxMachine>`):
+    as :class:`gpumagic.net.Net`, but what :meth:`doctor` measures by default are stand-ins
+    for the internet on this computer (:class:`StandInSite`, started on first use, stopped
+    by :meth:`close`), so ``%gpu doctor --net`` shows each verdict and nothing leaves the
+    computer."""
+
+    def __init__(self, machine):
+        super().__init__(machine)
+        self._sites: dict[str, StandInSite] = {}
+
+    def targets(self) -> list[Target]:
+        """Named as the real targets are: a fast pypi.org and conda-forge, a slow PyTorch
+        wheel index and GitHub, a huggingface.co that never answers and a fast hf-mirror.com."""
+        if not self._sites:
+            self._sites = {k: StandInSite(k).start() for k in ("fast", "slow", "silent")}
+        site = {k: s.url for k, s in self._sites.items()}
+        hf = mirror("hf")
+        return [Target("pypi.org", site["fast"] + "simple/torch/", "pip"),
+                Target("download.pytorch.org", site["slow"] + "whl/torch/"),
+                Target("huggingface.co", site["silent"] + "gpt2/resolve/main/vocab.json", "hf"),
+                Target("github.com", site["slow"] + "pytorch/pytorch/archive/v2.0.0.tar.gz"),
+                Target("conda-forge", site["fast"] + "conda-forge/noarch/repodata.json", "conda"),
+                Target(hf.host, site["fast"] + "gpt2/resolve/main/vocab.json", "hf", hf.name)]
+
+    def close(self) -> None:
+        """Stop the stand-in sites and forget the proxy."""
+        for s in self._sites.values():
+            s.stop()
+        self._sites = {}
+        super().close()

@@ -724,7 +724,7 @@ def start(machine: MachineLike, name: str, command: str, options: JobOptions = J
     cwd = options.cwd
     work = check_text(cwd if cwd is not None else (machine.cwd or ""), "the working directory", by_line=False)
     # Names that are not shell variable names (exported bash functions) are left out.
-    lines, _ = export_lines({**machine.environment(), **(options.env or {})})
+    lines, _ = export_lines({**machine.env.current(), **(options.env or {})})
     # The launcher receives the job's programs, patterns and environment as shell variables
     # set before it (the program travels on stdin: no value is in an argv, none is exported).
     given = {"RUN": job_file("run.sh"), "KILL": job_file("kill.sh"), "WATCH": job_file("watch.sh"),

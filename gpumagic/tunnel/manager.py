@@ -1,26 +1,35 @@
-"""The tunnels of one machine, and the loop guard for a machine that is this computer."""
+"""The tunnels of one machine (``machine.tunnels``), and the loop guard for a machine that is
+this computer."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ..errors import GpumagicError, TunnelError
 from .forward import Tunnel
 from .ports import is_loopback, machine_is_this_computer
 from .reverse import ReverseTunnel
-from .services import stop_remote_service
+from .services import open_service_tunnel, start_jupyter, start_tensorboard, stop_remote_service
+
+if TYPE_CHECKING:
+    from .._types import MachineLike
 
 
 class TunnelManager:
     """The tunnels of one machine: local forwards by local port (the ID shown by ``%gpu
-    tunnel list``), reverse ones (:attr:`reverse`) by the machine's port (ID ``R`` and it).
+    tunnel list``), reverse ones (:attr:`reverse`) by the machine's port (ID ``R`` and it),
+    and the TensorBoard and Jupyter servers reached through them (:meth:`tensorboard`,
+    :meth:`jupyter`).
 
     Parameters
     ----------
-    connection : Connection
-        The machine's connection that new tunnels forward over.
+    machine : MachineLike
+        The machine; new tunnels forward over its connection.
     """
 
-    def __init__(self, connection):
-        self.connection = connection
+    def __init__(self, machine: MachineLike):
+        self.machine = machine
+        self.connection = machine.connection
         self.tunnels: dict[int, Tunnel] = {}
         #: Reverse tunnels (``ssh -R``) by ID (``R7890``).
         self.reverse: dict[str, ReverseTunnel] = {}
@@ -60,16 +69,34 @@ class TunnelManager:
 
     def open_reverse(self, local_port: int, *, remote_port: int | None = None,
                      name: str = "") -> ReverseTunnel:
-        """Start a :class:`ReverseTunnel` (the machine's 127.0.0.1:``remote_port`` -> this
-        computer's 127.0.0.1:``local_port``) and keep it listed.
+        """Make the machine's ``127.0.0.1:remote_port`` reach this computer's
+        ``127.0.0.1:local_port`` (like ``ssh -N -R P:127.0.0.1:L``): a started
+        :class:`ReverseTunnel`, kept listed; it listens again after a reconnect.
 
-        An open reverse tunnel to the same local port is returned instead of a new one, unless
-        another ``remote_port`` is asked for than the one it has.  A machine port held by
-        another of these tunnels is taken (refused when asked for, else the new one moves).
+        Parameters
+        ----------
+        local_port : int
+            Port on this computer (a local proxy's, 7890).
+        remote_port : int, optional
+            Port on the machine's 127.0.0.1 (default: the same number; when that one is
+            taken there, one the server picks: ``tunnel.remote_port``, ``tunnel.moved_from``).
+            A port given here that is taken is refused, also one held by another of these
+            tunnels (one not given moves).
+        name : str
+            Label for listings.
+
+        Returns
+        -------
+        ReverseTunnel
+            Already listening on the machine's loopback only; ``with`` closes it.  An open
+            one to the same local port is returned as it is, unless another
+            ``remote_port`` is asked for than the one it has.
 
         Raises
         ------
-        TunnelError, ConnectionLost
+        TunnelError
+            Refused by the server, with why (taken, AllowTcpForwarding, GatewayPorts yes).
+        ConnectionLost
         """
         for r in self.reverse_tunnels():
             if r.local_port == int(local_port) and remote_port in (None, r.remote_port):
@@ -80,6 +107,35 @@ class TunnelManager:
                           taken=taken).start()
         self.reverse[r.id] = r
         return r
+
+    def tensorboard(self, logdir: str = "runs", *, local_port: int | None = 6006) -> Tunnel:
+        """Open TensorBoard on ``logdir`` through a tunnel, starting it on the machine if no
+        TensorBoard serves that directory yet (bound to the machine's 127.0.0.1).
+
+        Returns
+        -------
+        Tunnel
+            ``.url`` opens TensorBoard; ``.service`` tells its remote port and pid.
+
+        Raises
+        ------
+        TunnelError
+            TensorBoard missing on the machine (the hint has the pip command) or not starting.
+        """
+        return open_service_tunnel(self.machine, lambda: start_tensorboard(self.machine, logdir),
+                                   local_port=local_port, name=f"tensorboard {logdir}")
+
+    def jupyter(self, *, local_port: int | None = 8888) -> Tunnel:
+        """Open the machine's Jupyter server through a tunnel (starting JupyterLab detached,
+        bound to the machine's 127.0.0.1, when none runs); ``.url`` includes the token.
+
+        Raises
+        ------
+        TunnelError
+            Jupyter missing on the machine (the hint has the pip command) or not starting.
+        """
+        return open_service_tunnel(self.machine, lambda: start_jupyter(self.machine), local_port=local_port,
+                                   name="jupyter")
 
     def reverse_tunnels(self) -> list[ReverseTunnel]:
         """The open reverse tunnels (one stopped directly leaves the list); their IDs follow a

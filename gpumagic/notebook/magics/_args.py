@@ -25,7 +25,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
 from ... import localpath
-from ...budget.prices import MAX_AMOUNT, MAX_GB, MAX_RATE
+from ...budget import MAX_AMOUNT, MAX_GB, MAX_RATE, parse_duration
 from ...errors import JobError
 from ...remote.jobs import JobOptions, parse_stop_on
 from ...remote.keep import KeepOptions
@@ -211,7 +211,7 @@ def number(lo: float, hi: float, *, integer: bool = False, above: bool = False, 
         What the number is, for the message ("seconds", "a port").
     durations : bool
         Seconds, also written with units: ``30s``, ``5m``, ``1h30m``, ``1d``
-        (:func:`gpumagic.budget.prices.parse_duration`).
+        (:func:`gpumagic.budget.parse_duration`).
     """
     kind = "a whole number" if integer else "a finite number"
     span = (f"above {_fmt_bound(lo)}, at most {_fmt_bound(hi)}" if above
@@ -224,8 +224,6 @@ def number(lo: float, hi: float, *, integer: bool = False, above: bool = False, 
         s = text.strip()
         pattern = _INTEGER if integer else _DECIMAL
         if durations and not pattern.fullmatch(s):
-            from ...budget.prices import parse_duration
-
             try:
                 s = repr(parse_duration(s))
             except ValueError:

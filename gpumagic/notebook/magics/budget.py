@@ -14,10 +14,8 @@ from IPython.display import display as _show
 
 from ... import budget
 from ..._format import duration
-from ...budget import Ledger
+from ...budget import MAX_AMOUNT, PRICE_OPTIONS, Ledger
 from ...budget import notify as notifymod
-from ...budget.guard import guard_log_path
-from ...budget.prices import MAX_AMOUNT
 from ..display import SANDBOX_SHUTDOWN_NOTE, AlertView, EstimateView, GuardView, HistoryView, MeterView
 from ._args import GB, LIMIT, MONEY, Subcommands, host_arg, number, parse
 
@@ -62,7 +60,7 @@ def _budget_meter(magics: GpuMagics, line: str):
     """Show the meter: spent so far, rate, limit, next billing boundary, the guard."""
     args = parse(_budget_meter, line, "budget")
     ledger = _budget_ledger(magics)
-    reading = magics.fleet.get(args.host).budget_meter(ledger=ledger)
+    reading = magics.fleet.get(args.host).budget.meter(ledger=ledger)
     _budget_notes(ledger)
     _show(MeterView(reading))
     for msg in _crossed(reading):
@@ -90,9 +88,6 @@ def _budget_set(magics: GpuMagics, line: str):
     # `--started-at -2h` reads naturally; argparse would take -2h for an option
     line = re.sub(r"(--started-at)\s+(-\S+)", r"\1=\2", line)
     args = parse(_budget_set, line, "budget set")
-    from ...budget import notify
-    from ...budget.prices import PRICE_OPTIONS
-
     name = args.host or magics.fleet.get(None).name
     ledger = _budget_ledger(magics)
     started = _usage(budget.parse_time, args.started_at, time.time(), future=False) if args.started_at else None
@@ -115,10 +110,10 @@ def _budget_set(magics: GpuMagics, line: str):
         print(f"{preset['name']}: data disk {preset['data_disk'] or '-'}; to stop: {preset['stop']}")
     m = magics.fleet.machines.get(name)
     if m is not None and m.is_connected:  # record the rental now, so alerts can fire after any cell
-        for msg in _crossed(m.budget_meter(ledger=ledger), name):
+        for msg in _crossed(m.budget.meter(ledger=ledger), name):
             _show(AlertView(msg))
-        if notify.read_config(m) is not None:  # re-arm the machine's spending alerts
-            notify.schedule_thresholds(m, ledger)
+        if notifymod.read_config(m) is not None:  # re-arm the machine's spending alerts
+            notifymod.schedule_thresholds(m, ledger)
 
 
 @magic_arguments()
@@ -177,20 +172,20 @@ def _budget_guard(magics: GpuMagics, line: str):
     m = magics.fleet.get(args.host)
     ledger = _budget_ledger(magics)
     if args.cancel:
-        status = m.budget_guard_cancel(ledger=ledger)
+        status = m.budget.cancel_guard(ledger=ledger)
         _budget_notes(ledger)
         print(f"{m.name}: guard disarmed" if status.state != "armed" else f"{m.name}: guard still running!")
         return
     if not (args.idle or args.at_limit or args.deadline):
-        _show(GuardView(m.budget_guard_status()))
+        _show(GuardView(m.budget.guard_status()))
         return
     idle = _usage(budget.parse_duration, args.idle) if args.idle else None
     deadline = _usage(budget.parse_time, args.deadline, time.time(), future=True) if args.deadline else None
     grace = _usage(budget.parse_duration, args.grace)
-    status = m.budget_guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
+    status = m.budget.guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
     magics.state.budget_seen.clear()
-    note = (f"armed on {m.name}; its log: {guard_log_path(m)} there; "
+    note = (f"armed on {m.name}; its log: {m.budget.guard_log()} there; "
             "`%gpu budget guard --cancel` disarms it")
     if m.is_this_computer:
         note += f"\n{SANDBOX_SHUTDOWN_NOTE}"
@@ -347,7 +342,7 @@ def budget_alert_hook(magics: GpuMagics, *, now: float | None = None,
         last = seen.get(name, (0.0, ""))
         if rec is not None and rec.guard is not None and m.is_connected and clock() - last[0] >= poll:
             try:
-                status = m.budget_guard_status()
+                status = m.budget.guard_status()
             except Exception:  # a hook must never break the user's cell
                 status = None
             warning = status.warning if status else ""

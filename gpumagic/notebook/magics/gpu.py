@@ -121,7 +121,7 @@ def _doctor(magics: GpuMagics, line: str):
         return doctor_hosts(magics, args)
     m = magics.fleet.get(args.host)
     if args.net:
-        report = m.net_doctor()
+        report = m.net.doctor()
         print(report.text)
         if args.out:
             magics.shell.user_ns[args.out] = report

@@ -11,8 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
 
 from ...errors import Interrupted, NotConnected
-from ...remote import move
-from ...remote.keep import KeepOptions, records as keep_records
+from ...remote.keep import KeepOptions
 from ...remote.jobs import NAME_RE, scan_alerts
 from .. import display
 from ..display import (SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table, keep_line,
@@ -44,19 +43,18 @@ def _remote_job(magics: GpuMagics, args, cell: str):
     fallback = _fallback(magics, args, keep, machine.name)
     job = machine.start_job(args.job, cell, options, keep=keep)
     if fallback is not None and job.keeper is not None:
-        move.update_start(machine.name, args.job, fallback=fallback)
-        move.arm_fallback(job.keeper, args.job, lambda: magics.fleet.get(fallback), _events(magics).append)
+        machine.moves.standby(args.job, fallback, lambda: magics.fleet.get(fallback), _events(magics).append)
     if job.note and job.runner not in machine.notes_shown:
         machine.notes_shown.add(job.runner)
         print(job.note)
     print(job_started(job, machine.name))
     if job.keeper is not None:
         print(keep_started(job.keeper))
-    if fallback is not None and not getattr(move.start_record(machine.name, args.job), "src", None):
+    if fallback is not None and not getattr(machine.moves.record(args.job), "src", None):
         print(f"standby: no project folder is recorded for job {args.job}'s folder (no `%gpu sync` to it): "
               f"its files must be on {fallback} already, for only its checkpoint goes there")
     if fallback is not None:
-        print(f"standby: if {machine.name} is lost (no answer for {move.LOST_AFTER:g} s, or the job's process "
+        print(f"standby: if {machine.name} is lost (no answer for {machine.moves.lost_after:g} s, or the job's process "
               f"gone), job {args.job} moves to {fallback} by itself, while this notebook runs")
     if args.then_shutdown is not None and machine.is_this_computer:
         print(SANDBOX_SHUTDOWN_NOTE)
@@ -93,18 +91,16 @@ def _events(magics: GpuMagics) -> list[str]:
 def _moves_post_run_cell(magics: GpuMagics):
     """After each cell: arm again the standbys (``--fallback``) of jobs whose machine and fallback
     are both connected but whose keeper does not run here (the notebook restarted:
-    :func:`gpumagic.remote.move.rearm_fallbacks`), say what the standby keepers did, and see to the
+    :meth:`gpumagic.remote.move.Moves.rearm`), say what the standby keepers did, and see to the
     machines that jobs moved away from once they are connected again
-    (:func:`gpumagic.remote.move.clean_after_move`: in a thread, waited for a few seconds)."""
+    (:meth:`gpumagic.remote.move.Moves.clean_up`: in a thread, waited for a few seconds)."""
     import threading
 
     tried: dict[str, tuple[int, int, float]] = {}  # machine -> (id, opened_count, when) of the last try
 
     def clean(m) -> None:
         try:
-            move.clean_after_move(m, _events(magics).append)
-        except move.UNREACHABLE:  # it did not answer after all: tried again later
-            pass
+            m.moves.clean_up(_events(magics).append)  # False: it did not answer after all (tried again later)
         except Exception as e:  # tried again at a later connect
             _events(magics).append(f"gpumagic: could not see to the jobs that moved away from {m.name}: "
                                    f"{getattr(e, 'message', None) or e} (tried again when it is connected again)")
@@ -115,12 +111,12 @@ def _moves_post_run_cell(magics: GpuMagics):
         threads = []
         for name, m in list(magics.fleet.machines.items()):
             # a --fallback armed before the notebook restarted (or before m was connected anew)
-            move.rearm_fallbacks(m, magics.fleet.machines.get, _events(magics).append)
-            if not m.is_connected or not move.pending_cleanups(name):
+            m.moves.rearm(magics.fleet.machines.get, _events(magics).append)
+            if not m.is_connected or not m.moves.cleanups_pending():
                 continue
             key = (id(m), m.connection.opened_count)
             last = tried.get(name)
-            if last is not None and last[:2] == key and time.monotonic() - last[2] < move.LOST_AFTER:
+            if last is not None and last[:2] == key and time.monotonic() - last[2] < m.moves.lost_after:
                 continue
             tried[name] = (*key, time.monotonic())
             t = threading.Thread(target=clean, args=(m,), daemon=True, name=f"gpumagic-clean-{name}")
@@ -156,42 +152,37 @@ def _jobs(magics: GpuMagics, line: str):
 
         return jobs_all(magics)
     machine = magics.fleet.get(args.host)
-    if move.start_records(machine.name):  # jobs recorded here: a machine that is gone is said so
-        found = move.list_or_lost(machine)
-    else:
-        found = machine.jobs()
-    if isinstance(found, move.Unreachable):
+    found = machine.moves.jobs()  # jobs recorded here: a machine that is gone is said so
+    if not isinstance(found, list):  # the verdict on a machine that did not answer
         print(f"{machine.name} has not answered since {time.strftime('%H:%M:%S', time.localtime(found.since))} "
               f"({found.why}); its jobs as recorded on this computer:")
     else:
         ipy_display(jobs_table(found, machine.name))
         for info in found:
             _show_alerts(magics, info)
-    texts, lost = move.lost_report(machine.name, found, gpu=move.gpu_losses(machine, found))
+    texts, lost = machine.moves.lost_report(found)
     for text in texts:
         print(text)
-    for rec in keep_records(machine.name):
-        k = machine.keepers.get(rec.job)
-        view, live = move.keep_view(rec, lost.get(rec.job), live=k is not None and k.running)
+    for view, live in machine.moves.kept(lost):
         print(keep_line(view, live=live))
 
 
-def _with_earlier(machine_name: str, name: str, text: str, lines: int | None) -> str:
+def _with_earlier(machine, name: str, text: str, lines: int | None) -> str:
     """``text`` (the last ``lines`` lines of the job's log there) after the logs kept here of
     its runs before a move or resume, so that ``lines`` lines (None: all) of one log show."""
     count = len(text.splitlines())
     if lines is not None and count >= lines:
         return text
-    return move.earlier_log(machine_name, name, None if lines is None else lines - count) + text
+    return machine.moves.earlier_log(name, None if lines is None else lines - count) + text
 
 
 def _follow(magics: GpuMagics, name: str, host: str | None, lines: int | None) -> None:
     machine = magics.fleet.get(host)
     job = machine.job(_job_name(name))
     before = job.info()
-    if move.earlier_log(machine.name, name, 1):  # a moved job: its runs before first, as one log
+    if machine.moves.earlier_log(name, 1):  # a moved job: its runs before first, as one log
         shown = job.logs(lines)
-        print(move.earlier_log(machine.name, name, None if lines is None else max(0, lines - len(shown.splitlines()))),
+        print(machine.moves.earlier_log(name, None if lines is None else max(0, lines - len(shown.splitlines()))),
               end="")
     seen: set[str] = set()
 
@@ -228,7 +219,7 @@ def _logs(magics: GpuMagics, line: str):
     machine = magics.fleet.get(args.host)
     job = machine.job(_job_name(args.name))
     text = job.logs(lines)
-    text = _with_earlier(machine.name, args.name, text, lines)
+    text = _with_earlier(machine, args.name, text, lines)
     print(text, end="" if text.endswith("\n") or not text else "\n")
     info = job.info()
     if info.alerts_enabled:
@@ -318,14 +309,14 @@ def _job_move(magics: GpuMagics, line: str):
     args = parse(_job_move, line, "job move")
     name = _job_name(args.name)
     torchrun = _torchrun(args.torchrun)
-    rec = move.find_start(name, args.host)
+    rec = magics.fleet.job_record(name, args.host)
     target = magics.fleet.get(args.to)
     source = _connected(magics, rec.machine)
     if source is target:
         raise UsageError(f"job {name} was started on {target.name} already: `%gpu job resume {name}` "
                          "starts it again there")
-    how = move.Start(from_start=args.from_start, no_src=args.no_src)
-    job = move.move(source, target, name, rec=rec, yes=args.yes, src=args.src, torchrun=torchrun, how=how)
+    job = target.moves.take(name, rec, source=source, yes=args.yes, src=args.src, torchrun=torchrun,
+                            from_start=args.from_start, no_src=args.no_src)
     print(f"job {name} moved from {rec.machine} to {target.name} and started there; "
           f"`%gpu logs {name} --host {target.name}` shows the seam, `%gpu jobs --host {target.name}` lists it")
     if getattr(job, "keeper", None) is not None:
@@ -343,9 +334,9 @@ def _job_resume(magics: GpuMagics, line: str):
     kept here, as `%gpu job move` does."""
     args = parse(_job_resume, line, "job resume")
     name = _job_name(args.name)
-    rec = move.find_start(name, args.host)
+    rec = magics.fleet.job_record(name, args.host)
     machine = magics.fleet.get(rec.machine)
-    job = move.move(machine, machine, name, rec=rec, src=args.src, how=move.Start(from_start=args.from_start))
+    job = machine.moves.take(name, rec, source=machine, src=args.src, from_start=args.from_start)
     print(f"job {name} resumed on {machine.name}; `%gpu logs {name} --host {machine.name}` shows the seam")
     if getattr(job, "keeper", None) is not None:
         print(keep_started(job.keeper))

@@ -9,6 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ...errors import ConfigError
+from ...net import catalog
 from ...net import proxy as netproxy
 from ._args import PORT, Subcommands, host_arg, out_arg, parse
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 def _proxy_on(magics: GpuMagics, line: str):
     args = parse(_proxy_on, line, "proxy on")
     m = magics.fleet.get(args.host)
-    p = m.proxy_on(args.local, remote_port=args.remote_port, persist=args.persist)
+    p = m.net.proxy_on(args.local, remote_port=args.remote_port, persist=args.persist)
     print(proxy_text(p, m.name))
     if args.out:
         magics.shell.user_ns[args.out] = p
@@ -40,7 +41,7 @@ def _proxy_on(magics: GpuMagics, line: str):
 def _proxy_off(magics: GpuMagics, line: str):
     args = parse(_proxy_off, line, "proxy off")
     m = magics.fleet.get(args.host)
-    off = m.proxy_off()
+    off = m.net.proxy_off()
     said = []
     if off.tunnel is not None:
         said.append(f"proxy off for {m.name}: closed reverse tunnel {off.tunnel.id}; new cells, sessions "
@@ -56,7 +57,7 @@ def _proxy_off(magics: GpuMagics, line: str):
 def _proxy_show(magics: GpuMagics, line: str):
     args = parse(_proxy_show, line, "proxy")
     m = magics.fleet.get(args.host)
-    print(proxy_text(m.proxy, m.name) if m.proxy is not None else
+    print(proxy_text(m.net.proxy, m.name) if m.net.proxy is not None else
           f"no proxy on for {m.name}; `%gpu proxy on [--local 7890]` lends this computer's")
 
 
@@ -95,8 +96,6 @@ def proxy_text(p: netproxy.Proxy, machine: str) -> str:
 def _mirrors(magics: GpuMagics, line: str):
     """Set a well-known mirror for pip, Hugging Face or conda on the machine, show the change,
     undo it with `off` (the list lives in gpumagic/net/mirrors.json, each with its source)."""
-    from ...net import catalog, mirrors
-
     args = parse(_mirrors, line, "mirrors")
     words = args.words
     if len(words) > 2:
@@ -105,7 +104,7 @@ def _mirrors(magics: GpuMagics, line: str):
         raise UsageError(f"`%gpu mirrors {words[0]}`: give pip, hf or conda (or off)")
     m = magics.fleet.get(args.host)
     if not words:
-        used = mirrors.in_use(m)
+        used = m.net.mirrors_in_use()
         rows = []
         for kind, what in catalog.KINDS.items():
             known = ", ".join(x.name for x in catalog.mirrors(kind))
@@ -114,15 +113,15 @@ def _mirrors(magics: GpuMagics, line: str):
               + "\n".join(rows))
         return
     if words == ["off"]:
-        changes = [m.mirrors_off(kind) for kind in catalog.KINDS]
+        changes = [m.net.mirrors_off(kind) for kind in catalog.KINDS]
         print("\n".join(c.text for c in changes))
         result = changes
     elif len(words) == 2 and words[1] == "off":
-        result = m.mirrors_off(words[0])
+        result = m.net.mirrors_off(words[0])
         print(result.text)
     else:
         try:
-            result = m.mirrors(words[0], words[1] if len(words) == 2 else None)
+            result = m.net.mirrors(words[0], words[1] if len(words) == 2 else None)
         except ConfigError as e:  # an unknown mirror name is bad input
             raise UsageError(e.message + (f"; {e.hint}" if e.hint else "")) from None
         print(result.text)

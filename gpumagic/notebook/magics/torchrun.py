@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from ...remote import distributed, move
+from ...machine import start_distributed
+from ...remote import distributed
 from ...remote.jobs import NAME_RE
 from ._args import job_options, keep_given, sync_options
 
@@ -82,7 +83,7 @@ def remote_cell(magics, args, cell: str):
         raise UsageError("--same-dir-hash needs --same-dir PATH (the data folder to compare)")
     run = distributed.TorchrunOptions(nproc=nproc, torchrun_args=torchrun_args, same_dir=args.same_dir,
                                       same_dir_hash=args.same_dir_hash)
-    job = distributed.start(machines, args.job, cell, options.with_(python=False), run, record=move.record_torchrun)
+    job = start_distributed(machines, args.job, cell, options.with_(python=False), run)
     world = job.nproc * len(job.parts)
     where = ", ".join(job.hosts)
     ep = f", rendezvous at {job.plan.endpoint}" if job.plan and job.plan.endpoint else ""

@@ -71,7 +71,7 @@ def _tunnel_reverse(magics: GpuMagics, line: str):
     args = parse(_tunnel_reverse, line, "tunnel --reverse")
     m = magics.fleet.get(args.host)
     before = list(m.tunnels.reverse_tunnels())
-    t = m.reverse_tunnel(args.local_port, remote_port=args.remote_port, name=args.name)
+    t = m.tunnels.open_reverse(args.local_port, remote_port=args.remote_port, name=args.name)
     if any(t is b for b in before):
         note = f"a reverse tunnel to this computer's {t.target} is already open (the same one)"
     elif t.moved_from is not None:
@@ -114,10 +114,10 @@ def _service_subcommand(what: str, local_port: int, open_service, *options):
 
 
 _tunnel_tensorboard = _service_subcommand(
-    "TensorBoard", 6006, lambda m, args: m.tensorboard(args.logdir, local_port=args.local_port),
+    "TensorBoard", 6006, lambda m, args: m.tunnels.tensorboard(args.logdir, local_port=args.local_port),
     argument("--logdir", default="runs", metavar="DIR",
              help="event files directory on the machine (default: runs, relative to the cell directory)"))
-_tunnel_jupyter = _service_subcommand("Jupyter", 8888, lambda m, args: m.jupyter(local_port=args.local_port))
+_tunnel_jupyter = _service_subcommand("Jupyter", 8888, lambda m, args: m.tunnels.jupyter(local_port=args.local_port))
 
 
 def _service_note(what: str, machine: str, service) -> str:

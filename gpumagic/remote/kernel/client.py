@@ -201,7 +201,7 @@ class RemoteKernel:
     def _launch(self, python: str, cwd: str | None, env: Mapping[str, str] | None) -> dict:
         digest, tar = _programs_tar()
         progs = f"$HOME/{KERNELS_DIR}/.programs/{digest}"
-        full_env = {**self.machine.environment(), **(env or {})}
+        full_env = {**self.machine.env.current(), **(env or {})}
         full_env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         unset = [a for k, v in full_env.items() if v is None for a in ("-u", k)]
         assigns = [f"{k}={v}" for k, v in full_env.items() if v is not None]

@@ -520,7 +520,7 @@ def _follow_rules(source_name: str, target: MachineLike, say: Callable[[str], No
             note_last_seen(ledger, source_name, last)
         rec = ledger.machine(target.name)
         if rec is not None and rec.prices is not None:
-            target.budget_meter(ledger=ledger)  # its rental starts in the ledger now
+            target.budget.meter(ledger=ledger)  # its rental starts in the ledger now
         budget_guard.carry_guard(ledger, source_name, target, say)
     except Exception as e:  # the move is done; what follows it is said, never raised
         say(f"the budget rules of {source_name} did not follow the job to {target.name}: "

@@ -326,7 +326,7 @@ def gpu_status(machine: MachineLike):
     ``kind``) and nvidia-smi's exit status."""
     from ...gpu import smi
 
-    login_path = machine.login_env().get("PATH") or ""
+    login_path = machine.env.login().get("PATH") or ""
     r = machine.exec(smi.sections_command(["gpus=" + ",".join(GPU_FIELDS)], login_path), timeout=smi.SMI_TIMEOUT + 30)
     sections = smi.split_sections(r.stdout)
     rc = sections["gpus"].rc if "gpus" in sections else -1
