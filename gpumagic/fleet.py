@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .errors import NotConnected
 from .machine import Machine, connect
-from .remote.move import StartRecord, find_start
+from .remote.move import Start, StartRecord, check_move, find_start
 
 if TYPE_CHECKING:
     from .remote.kernel import Output
@@ -99,6 +99,20 @@ class Fleet:
             When no record of that job is here.
         """
         return find_start(job, started_on)
+
+    def check_move(self, job: str, rec: StartRecord, to: str, *, yes: bool = False, src: str | None = None,
+                   torchrun: int | str | None = None, from_start: bool = False, no_src: bool = False) -> None:
+        """What a move of ``job`` (started as ``rec`` says) to a machine named ``to`` would
+        refuse, checked before that machine exists (one yet to be rented): it reads only
+        (:func:`gpumagic.remote.move.check_move`).
+
+        Raises
+        ------
+        JobError
+            As the move would (one line that says what to do).
+        """
+        check_move(self.machines.get(rec.machine), to, job, rec=rec, yes=yes, src=src, torchrun=torchrun,
+                   how=Start(from_start=from_start, no_src=no_src))
 
     def close_all(self) -> None:
         for m in list(self.machines.values()):

@@ -9,7 +9,8 @@ keys, :mod:`.rentals` the named rentals and their life cycle.  Needs the ``[rent
 from .base import (BadKey, CreateTimeout, Instance, InsufficientBalance, NoOffer, NotSupported, Offer, Provider,
                    RateLimited, RentError, StuckPending)
 from .keystore import KeyStore
-from .rentals import PROVIDERS, Renter
+from .rentals import PROVIDERS, NewRental, Renter, is_new_rental, parse_new_rental
 
 __all__ = ["BadKey", "CreateTimeout", "Instance", "InsufficientBalance", "NoOffer", "NotSupported", "Offer",
-           "Provider", "RateLimited", "RentError", "StuckPending", "KeyStore", "PROVIDERS", "Renter"]
+           "Provider", "RateLimited", "RentError", "StuckPending", "KeyStore", "PROVIDERS", "NewRental", "Renter",
+           "is_new_rental", "parse_new_rental"]

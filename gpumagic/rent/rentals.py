@@ -111,6 +111,82 @@ def parse_offer_ref(ref: str) -> tuple[str, str]:
     return provider, offer
 
 
+#: What a machine a job left becomes once the job runs on a new rental (``old=``).
+OLD_RENTAL = ("stop", "release", "keep")
+
+
+@dataclass(frozen=True)
+class NewRental:
+    """A machine yet to be rented, as ``%gpu job move --to`` and ``--fallback`` name it:
+    ``new:PROVIDER[,gpu=G][,vram=GB][,max-price=USD][,region=R][,interruptible][,name=N]
+    [,old=stop|release|keep][,trust-new-host]`` -- the cheapest offer of PROVIDER that fits,
+    rented under ``name`` (default: the job's name and the provider's), and what becomes of the
+    rental the job left (default ``stop``: the GPU's bill ends, the disk is kept)."""
+
+    provider: str
+    gpu: str | None = None
+    vram_gb: float | None = None
+    max_price: float | None = None
+    region: str | None = None
+    interruptible: bool | None = None
+    name: str | None = None
+    old: str = "stop"
+    trust_new_host: bool = False
+
+    @property
+    def filters(self) -> dict:
+        """The offer filters, as :meth:`Renter.pick` takes them."""
+        return dict(gpu=self.gpu, vram_gb=self.vram_gb, max_price=self.max_price, region=self.region,
+                    interruptible=self.interruptible)
+
+    def machine_name(self, job: str) -> str:
+        return self.name or f"{job}-{self.provider}"
+
+
+def is_new_rental(text: str | None) -> bool:
+    """Whether a ``--to``/``--fallback`` value names a machine yet to be rented."""
+    return bool(text) and str(text).startswith("new:")
+
+
+def parse_new_rental(text: str) -> NewRental:
+    """``new:vast,max-price=1.5,old=release`` -> :class:`NewRental`.
+
+    Raises
+    ------
+    ConfigError
+        Not that form, an unknown provider or key, or a value that is not a number where one
+        is needed (one line, with the form)."""
+    form = ("new:PROVIDER[,gpu=G][,vram=GB][,max-price=USD][,region=R][,interruptible][,name=N]"
+            "[,old=stop|release|keep][,trust-new-host]")
+    head, *items = str(text).split(",")
+    provider = head[4:] if head.startswith("new:") else ""
+    if provider not in PROVIDERS:
+        raise ConfigError(f"{text!r}: {'no provider named ' + repr(provider) if provider else 'not a new rental'} "
+                          f"(providers: {', '.join(PROVIDERS)})", f"write it as {form}")
+    fields: dict = {"provider": provider}
+    numbers = {"vram": "vram_gb", "max-price": "max_price"}
+    words = {"gpu": "gpu", "region": "region", "name": "name", "old": "old"}
+    for item in items:
+        key, sep, value = item.strip().partition("=")
+        if not sep and key in ("interruptible", "trust-new-host"):
+            fields[key.replace("-", "_")] = True
+        elif sep and key in numbers:
+            try:
+                number = float(value)
+            except ValueError:
+                number = -1.0
+            if not number > 0:
+                raise ConfigError(f"{text!r}: {key}={value!r} is not a positive number", f"write it as {form}")
+            fields[numbers[key]] = number
+        elif sep and key in words and value:
+            fields[words[key]] = value
+        else:
+            raise ConfigError(f"{text!r}: {item.strip()!r} is not one of its parts", f"write it as {form}")
+    if fields.get("old", "stop") not in OLD_RENTAL:
+        raise ConfigError(f"{text!r}: old={fields['old']} is none of {', '.join(OLD_RENTAL)}", f"write it as {form}")
+    return NewRental(**fields)
+
+
 class Renter:
     """Rentals across providers, for the magics and scripts.
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -10,13 +11,15 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display as ipy_display
 
-from ...errors import Interrupted, NotConnected
+from ...errors import ConfigError, Interrupted, NotConnected
 from ...remote.keep import KeepOptions
 from ...remote.jobs import NAME_RE, scan_alerts
+from ...rent.rentals import OLD_RENTAL, is_new_rental, parse_new_rental
 from .. import display
 from ..display import (SANDBOX_SHUTDOWN_NOTE, job_alert, job_ended, job_started, jobs_table, keep_line,
                        keep_started)
-from ._args import LINES, Subcommands, host_arg, job_options, keep_options, number, parse
+from ._args import GB, LINES, MONEY, Subcommands, host_arg, job_options, keep_options, number, parse
+from .rent import leave_old_rental, rent_and_connect, renter
 
 if TYPE_CHECKING:
     from . import GpuMagics
@@ -43,7 +46,8 @@ def _remote_job(magics: GpuMagics, args, cell: str):
     fallback = _fallback(magics, args, keep, machine.name)
     job = machine.start_job(args.job, cell, options, keep=keep)
     if fallback is not None and job.keeper is not None:
-        machine.moves.standby(args.job, fallback, lambda: magics.fleet.get(fallback), _events(magics).append)
+        machine.moves.standby(args.job, fallback, _fallback_target(magics, fallback, args.job, machine.name),
+                              _events(magics).append)
     if job.note and job.runner not in machine.notes_shown:
         machine.notes_shown.add(job.runner)
         print(job.note)
@@ -72,7 +76,14 @@ def _fallback(magics: GpuMagics, args, keep: KeepOptions | None, here: str) -> s
                          "kept here (e.g. --keep ckpt/ --resume-arg \"--resume {checkpoint}\")")
     if name == here:
         raise UsageError(f"--fallback {name}: the job starts on {here} itself; name another connected machine")
-    if name not in magics.fleet.machines:
+    if is_new_rental(name):
+        spec = parse_new_rental(name)
+        if not spec.trust_new_host:
+            raise UsageError(f"--fallback {name}: the standby rents and connects while nobody watches, and no "
+                             "platform publishes its machines' host keys: add ,trust-new-host to trust the new "
+                             "machine's key (it is recorded)")
+        renter(magics).provider(spec.provider)  # a key is stored for it (else: a one-line error now, not then)
+    elif name not in magics.fleet.machines:
         known = ", ".join(sorted(m for m in magics.fleet.machines if m != here)) or "none"
         raise UsageError(f"--fallback {name}: no machine of that name is connected (others connected: {known}); "
                          f"`%gpu connect ALIAS --name {name}` first")
@@ -80,6 +91,34 @@ def _fallback(magics: GpuMagics, args, keep: KeepOptions | None, here: str) -> s
         raise UsageError(f"--fallback {name} needs --resume-arg: the job continues there from its newest "
                          'checkpoint (e.g. --resume-arg "--resume {checkpoint}")')
     return name
+
+
+def _fallback_target(magics: GpuMagics, fallback: str, job: str, here: str):
+    """What the standby of ``job`` calls when ``here`` is lost: the connected fallback machine,
+    or (``new:PROVIDER...``) one rented then, after which the rental the job left is stopped,
+    released or kept as the spec says (it is lost: its disk keeps what was there)."""
+    if not is_new_rental(fallback):
+        return lambda: magics.fleet.get(fallback)
+    spec = parse_new_rental(fallback)
+
+    def rent():
+        say = _events(magics).append
+        m = rent_and_connect(magics, spec.machine_name(job), provider=spec.provider, filters=spec.filters,
+                             key=_rental_key(magics, here), trust=True, say=lambda line: None)
+        say(f"job {job}: {here} was lost; rented {m.name} ({fallback.split(',')[0]}) for it")
+        leave_old_rental(magics, here, spec.old, say=lambda line: say(f"job {job}: {line}"))
+        return m
+
+    return rent
+
+
+def _rental_key(magics: GpuMagics, name: str) -> str | None:
+    """The SSH key the rental ``name`` was reached with (a new rental for its job gets the same
+    one); None (the default key) when ``name`` is no rental of gpumagic's."""
+    try:
+        return renter(magics).record(name).key or None
+    except ConfigError:
+        return None
 
 
 def _events(magics: GpuMagics) -> list[str]:
@@ -111,7 +150,9 @@ def _moves_post_run_cell(magics: GpuMagics):
         threads = []
         for name, m in list(magics.fleet.machines.items()):
             # a --fallback armed before the notebook restarted (or before m was connected anew)
-            m.moves.rearm(magics.fleet.machines.get, _events(magics).append)
+            m.moves.rearm(magics.fleet.machines.get, _events(magics).append,
+                          renting=lambda fallback, job, m=m: None if not is_new_rental(fallback) else
+                          _fallback_target(magics, fallback, job, m.name))
             if not m.is_connected or not m.moves.cleanups_pending():
                 continue
             key = (id(m), m.connection.opened_count)
@@ -292,7 +333,18 @@ _STARTED_ON_ARG = host_arg("the machine it was started on (default: the one this
 
 @magic_arguments()
 @argument("name", help="the job (see `%%gpu jobs`)")
-@argument("--to", metavar="MACHINE", required=True, help="the connected machine to continue it on")
+@argument("--to", metavar="MACHINE", required=True,
+          help="the connected machine to continue it on, or new:PROVIDER to rent one: the cheapest offer "
+               "that fits --gpu, --vram and --max-price (see --old)")
+@argument("--gpu", help="with --to new:PROVIDER: GPU model, any part of its name (4090, H100)")
+@argument("--vram", type=GB, metavar="GB", help="with --to new:PROVIDER: at least this much memory per GPU")
+@argument("--max-price", type=MONEY, metavar="PER_HOUR", help="with --to new:PROVIDER: at most this price per hour (USD)")
+@argument("--name-new", metavar="NAME", help="with --to new:PROVIDER: the new machine's name (default JOB-PROVIDER)")
+@argument("--old", choices=OLD_RENTAL,
+          help="with --to new:PROVIDER: what becomes of the rental the job left: stop (the default: the GPU's bill "
+               "ends, the disk is kept), release (after the wrap-up check) or keep")
+@argument("--trust-new-host", action="store_true",
+          help="with --to new:PROVIDER: trust the new machine's host key (no platform publishes them)")
 @argument("--yes", action="store_true",
           help="the job still runs where it is: stop it there (after a last checkpoint pull), then move it")
 @_SRC_ARG
@@ -310,7 +362,19 @@ def _job_move(magics: GpuMagics, line: str):
     name = _job_name(args.name)
     torchrun = _torchrun(args.torchrun)
     rec = magics.fleet.job_record(name, args.host)
-    target = magics.fleet.get(args.to)
+    spec = _new_rental(args)
+    if spec is not None:
+        new = spec.machine_name(name)
+        if new in magics.fleet.machines:
+            raise UsageError(f"--to {args.to}: a machine named {new} is connected already; "
+                             "--name-new NAME names the new one")
+        # what the move would refuse, refused before anything is rented
+        magics.fleet.check_move(name, rec, new, yes=args.yes, src=args.src, torchrun=torchrun,
+                                from_start=args.from_start, no_src=args.no_src)
+        target = rent_and_connect(magics, new, provider=spec.provider, filters=spec.filters,
+                                  key=_rental_key(magics, rec.machine), trust=spec.trust_new_host)
+    else:
+        target = magics.fleet.get(args.to)
     source = _connected(magics, rec.machine)
     if source is target:
         raise UsageError(f"job {name} was started on {target.name} already: `%gpu job resume {name}` "
@@ -321,6 +385,23 @@ def _job_move(magics: GpuMagics, line: str):
           f"`%gpu logs {name} --host {target.name}` shows the seam, `%gpu jobs --host {target.name}` lists it")
     if getattr(job, "keeper", None) is not None:
         print(keep_started(job.keeper))
+    if spec is not None:
+        leave_old_rental(magics, rec.machine, spec.old)
+
+
+def _new_rental(args):
+    """``--to new:PROVIDER...`` with the flags that refine it, or None for a connected machine."""
+    refined = dict(gpu=args.gpu, vram_gb=args.vram, max_price=args.max_price, name=args.name_new, old=args.old,
+                   trust_new_host=args.trust_new_host or None)
+    if not is_new_rental(args.to):
+        given = [f for f, v in (("--gpu", args.gpu), ("--vram", args.vram), ("--max-price", args.max_price),
+                                ("--name-new", args.name_new), ("--old", args.old),
+                                ("--trust-new-host", args.trust_new_host)) if v]
+        if given:
+            raise UsageError(f"{', '.join(given)} go with --to new:PROVIDER (a machine to rent), not with a "
+                             f"connected machine ({args.to})")
+        return None
+    return dataclasses.replace(parse_new_rental(args.to), **{k: v for k, v in refined.items() if v is not None})
 
 
 @magic_arguments()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ...errors import ReleaseRefused, RentError
+from ...errors import ConfigError, GpumagicError, ReleaseRefused, RentError
 from .. import display
 from ._args import GB, MONEY, PORT, Subcommands, number, out_arg, parse
 
@@ -109,17 +109,66 @@ def _rent(magics: GpuMagics, line: str):
     `%gpu start` moves the machine to a new port only that key is trusted there.  The ledger
     records the price the platform reports, for `%gpu budget`."""
     args = parse(_rent, line, "rent")
+    rent_and_connect(magics, args.name, offer_ref=args.offer, provider=args.provider, filters=_filters(args),
+                     key=args.key, disk_gb=int(args.disk), image=args.image, cwd=args.cwd,
+                     trust=args.trust_new_host)
+
+
+def rent_and_connect(magics: GpuMagics, name: str, *, offer_ref: str | None = None, provider: str | None = None,
+                     filters: dict | None = None, key: str | None = None, disk_gb: int = 50,
+                     image: str | None = None, cwd: str | None = None, trust: bool = False,
+                     say=print):
+    """``%gpu rent``'s work, also for a job moved to a new rental (``%gpu job move --to
+    new:P``, ``--fallback new:P``): pick the offer (``offer_ref``, else the cheapest that fits
+    ``filters`` on ``provider``), rent it as ``name``, wait until it runs, record its price,
+    connect (:func:`_connect`).  Returns the connected :class:`~gpumagic.machine.Machine`."""
     from ...keys import default_key_path, read_public_key
 
     r = renter(magics)
-    key = str(args.key or default_key_path())
+    key = str(key or default_key_path())
     public_key = read_public_key(key)
-    offer = r.pick(args.offer, provider=args.provider, **_filters(args))
-    print(f"renting {offer.provider}:{offer.id} ({offer.gpu}, {_money(offer.price_hr)} USD/h) as {args.name}")
-    inst = r.rent(offer, name=args.name, public_key=public_key, key_path=key, disk_gb=int(args.disk),
-                  image=args.image, progress=print)
-    _record_price(args.name, inst, offer)
-    _connect(magics, args.name, inst, key, cwd=args.cwd or magics.default_cwd, trust=args.trust_new_host)
+    offer = r.pick(offer_ref, provider=provider, **(filters or {}))
+    say(f"renting {offer.provider}:{offer.id} ({offer.gpu}, {_money(offer.price_hr)} USD/h) as {name}")
+    inst = r.rent(offer, name=name, public_key=public_key, key_path=key, disk_gb=disk_gb,
+                  image=image, progress=say)
+    _record_price(name, inst, offer)
+    return _connect(magics, name, inst, key, cwd=cwd or magics.default_cwd, trust=trust, say=say)
+
+
+def leave_old_rental(magics: GpuMagics, name: str, how: str, say=print) -> None:
+    """What becomes of the rental ``name`` that a job moved away from (``how``: ``stop``,
+    ``release`` or ``keep``); a machine that is no rental of gpumagic's is left as it is, and
+    so is one whose platform cannot do it (said, with what the user can do)."""
+    r = renter(magics)
+    try:
+        rec = r.record(name)
+    except ConfigError:
+        if how != "keep":
+            say(f"{name} is not a machine gpumagic rented: it is left as it is")
+        return
+    if how == "keep":
+        say(f"{name} is kept as it is (and billed as {rec.provider} bills it); `%gpu stop {name}` or "
+            f"`%gpu release {name}` when its files are no longer needed")
+        return
+    try:
+        if how == "release":
+            _check_results(magics, name)
+            r.release(name)
+            say(f"{name} is released: the platform has terminated it and its disk")
+        else:
+            p = r.provider(rec.provider)
+            if not p.can_stop:
+                say(f"{name} is left running: {rec.provider} cannot stop a machine, only release it; "
+                    f"`%gpu release {name}` once its results are pulled")
+                return
+            inst = r.stop(name, progress=say)
+            cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} USD/h while stopped"
+            say(f"{name} is stopped{cost} (`%gpu release {name}` ends it)")
+    except GpumagicError as e:  # the check could not reach it, or the platform refused
+        say(f"{name} was not {'released' if how == 'release' else 'stopped'}: {e.message} ({e.hint})")
+        return
+    if name in magics.fleet.machines:
+        magics.fleet.disconnect(name)
 
 
 def _record_price(name: str, inst: Instance, offer: Offer) -> None:
@@ -136,12 +185,12 @@ SSHD_WAIT_S = 120.0
 
 
 def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | None = None,
-             trust: bool = False) -> None:
+             trust: bool = False, say=print):
     """Connect to a rental that the platform reads as running.  Its sshd may start a little
     later than the API says "running": a refused or unanswered connection is tried again, every
     poll interval, for :data:`SSHD_WAIT_S`.  An unknown host key is trusted with ``trust``, or
     when it is the key recorded for this rental (a start moved it to a new port); the key it
-    was reached with is recorded."""
+    was reached with is recorded.  Returns the machine."""
     from ...errors import ConnectionRefused, ConnectTimeout, UnknownHostKey
     from ...ssh.known_hosts import fingerprint
 
@@ -168,9 +217,10 @@ def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | 
     if transport is not None:
         r.note_host_key(name, fingerprint(transport.get_remote_server_key()))
     for note in m.connection.notes:
-        print(note)
-    print(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "
-          f"%%remote cells run there")
+        say(note)
+    say(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "
+        f"%%remote cells run there")
+    return m
 
 
 @magic_arguments()

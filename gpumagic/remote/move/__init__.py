@@ -37,7 +37,7 @@ from ..keep import records as keep_records
 from . import reaching
 from .loss import (GPU_GONE_RE, LOSSES, Loss, gpu_loss, gpu_losses, gpu_lost, job_gone, keep_view, lost_for, lost_line,
                    lost_lines, lost_report, newest_kept, newest_written)
-from .moving import (MOVER_FORMAT, Mover, Start, earlier_log, find_start, move, move_lock, record_torchrun,
+from .moving import (MOVER_FORMAT, Mover, Start, check_move, earlier_log, find_start, move, move_lock, record_torchrun,
                      resumed_command, torchrun_form, torchrun_script)
 from .reaching import (REACH_FORMAT, UNREACHABLE, ReachRecord, Unreachable, list_or_lost, note_failed, note_seen,
                        reach, why)
@@ -55,7 +55,7 @@ __all__ = [
     "CHECK_EVERY", "GPU_FIELDS", "GPU_GONE_RE", "LOSSES", "LOST_AFTER", "MOVER_FORMAT", "PROBE_EVERY", "PUSHES_FORMAT",
     "PUSHES_KEPT", "REACH_FORMAT", "START_FORMAT", "UNREACHABLE", "GpuGone", "HeldGpu", "Loss", "Mover", "Push",
     "Moves", "Pushes", "ReachRecord", "RunOptions", "Start", "StartRecord", "TorchrunLayout", "Unreachable", "abs_dirs",
-    "arm_fallback", "clean_after_move", "earlier_log", "find_start", "gpu_loss", "gpu_losses", "gpu_lost",
+    "arm_fallback", "check_move", "clean_after_move", "earlier_log", "find_start", "gpu_loss", "gpu_losses", "gpu_lost",
     "gpu_status", "gpus_held", "job_gone", "job_options", "keep_view", "list_or_lost", "lost_for", "lost_line",
     "lost_lines", "lost_report", "move", "move_lock", "newest_kept", "newest_written", "note_failed", "note_push",
     "note_seen", "pending_cleanups", "project_folder_here", "reach", "rearm_fallbacks", "record_keep",
@@ -131,10 +131,12 @@ class Moves:
         if keeper is not None:
             arm_fallback(keeper, job, target, say)
 
-    def rearm(self, connected: Callable[[str], MachineLike | None], say: Callable[[str], None]) -> list[str]:
+    def rearm(self, connected: Callable[[str], MachineLike | None], say: Callable[[str], None],
+              renting: Callable[[str, str], Callable[[], MachineLike] | None] | None = None) -> list[str]:
         """Arm again the standbys whose keeper does not run in this process
-        (:func:`rearm_fallbacks`); returns the jobs armed again."""
-        return rearm_fallbacks(self.machine, connected, say)
+        (:func:`rearm_fallbacks`; ``renting``: for a fallback yet to be rented); returns the
+        jobs armed again."""
+        return rearm_fallbacks(self.machine, connected, say, renting)
 
     def cleanups_pending(self) -> bool:
         """Whether jobs moved away from this machine still run there as far as is known

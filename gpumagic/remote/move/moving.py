@@ -164,14 +164,14 @@ def _check_source(source: MachineLike | None, rec: StartRecord, yes: bool, same:
     return True, _final_log(source, rec)
 
 
-def _preflight(target: MachineLike, rec: StartRecord, src: str | None, how: Start) -> str | None:
+def _preflight(target_name: str, rec: StartRecord, src: str | None, how: Start) -> str | None:
     """Everything a move checks before it stops anything (one-line errors that say what to do):
     that the job can continue from a checkpoint kept here (a resume argument, ``--keep``, a
     checkpoint kept) unless ``how.from_start``; that the project folder is known (``src``, or
     recorded) for a move to another machine unless ``how.no_src``.  Returns the project folder."""
-    name, same = rec.job, rec.machine == target.name
+    name, same = rec.job, rec.machine == target_name
     verb = "resume" if same else "move"
-    again = f"`%gpu job {verb} {name}{'' if same else ' --to ' + target.name} --from-start`"
+    again = f"`%gpu job {verb} {name}{'' if same else ' --to ' + target_name} --from-start`"
     if src is not None and not os.path.isdir(src):
         raise JobError(f"--src {src}: no such folder here", "name the job's project folder on this computer")
     if not how.from_start:
@@ -187,7 +187,7 @@ def _preflight(target: MachineLike, rec: StartRecord, src: str | None, how: Star
             raise JobError(f"no checkpoint of job {name} is kept here yet; {again} starts it again from the beginning")
     if src is None and not same and not how.no_src:
         raise JobError(f"no project folder is recorded for job {name} (no `%gpu sync` to its folder {rec.cwd or '~'} "
-                       f"here), so its files would be missing on {target.name}: pass --src DIR to push it, or "
+                       f"here), so its files would be missing on {target_name}: pass --src DIR to push it, or "
                        "--no-src if they are there already")
     return src
 
@@ -277,6 +277,41 @@ def move(source: MachineLike | None, target: MachineLike, name: str, *, rec: Sta
         return _move(source, target, name, current or rec, yes, src, torchrun, how, say)
 
 
+def check_move(source: MachineLike | None, target_name: str, name: str, *, rec: StartRecord, yes: bool = False,
+               src: str | None = None, torchrun: int | str | None = None, how: Start = Start()) -> None:
+    """What :func:`move` would refuse, checked before there is a target (one that is yet to be
+    rented, named ``target_name``), so that no machine is rented for a move that cannot go: the
+    job moved already, nothing to continue from, no project folder known, a command torchrun
+    cannot run, or (without ``yes``) a job still running on a ``source`` that answers.  Reads
+    only; stops nothing.
+
+    Raises
+    ------
+    JobError
+        As :func:`move` would, with the same words.
+    """
+    from ..jobs import list_jobs
+
+    current = start_record(rec.machine, name) or rec
+    if current.moved_to:
+        raise JobError(f"job {name} was moved from {rec.machine} to {current.moved_to} already; "
+                       f"`%gpu jobs --host {current.moved_to}` lists it there")
+    src = src or current.src or project_folder_here(current.machine, current.cwd)
+    _preflight(target_name, current, src, how)
+    if torchrun is not None or current.torchrun is not None:
+        torchrun_form(current)
+    if yes or source is None:
+        return
+    try:
+        found = list_jobs(source, only=name)
+    except UNREACHABLE:
+        return  # a lost machine: the move goes on without it
+    info = found[0] if found else None
+    if info is not None and info.running and gpu_lost(source, current) is None:
+        raise JobError(f"job {name} is still running on {source.name}: pass --yes to stop it there "
+                       f"(after a last checkpoint pull) and move it")
+
+
 def _move(source: MachineLike | None, target: MachineLike, name: str, rec: StartRecord, yes: bool, src: str | None,
           torchrun: int | str | None, how: Start, say: Callable[[str], None]) -> Job:
     same = source is target
@@ -286,7 +321,7 @@ def _move(source: MachineLike | None, target: MachineLike, name: str, rec: Start
             how = Start(from_start=True, no_src=how.no_src)
     ran = rec.torchrun
     layout = torchrun if torchrun is not None else (ran.nproc if ran else None)
-    _preflight(target, rec, src, how)
+    _preflight(target.name, rec, src, how)
     form = torchrun_form(rec) if layout is not None else None  # refused here, before anything is stopped
     reached, last_log = _check_source(source, rec, yes, same, say)
     keep = rec.keep

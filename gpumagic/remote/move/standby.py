@@ -72,7 +72,8 @@ def _connected(connected: Callable[[str], MachineLike | None], name: str) -> Mac
 
 
 def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike | None],
-                    say: Callable[[str], None]) -> list[str]:
+                    say: Callable[[str], None],
+                    renting: Callable[[str, str], Callable[[], MachineLike] | None] | None = None) -> list[str]:
     """Arm again the standby of each job of ``machine`` started with ``--fallback`` whose keeper
     is not running in this process (the notebook restarted, or ``machine`` was connected anew):
     where the job was not moved and is not known to have ended (by a listing, or its keeper's
@@ -80,7 +81,9 @@ def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike
     connected here (``connected(name)``, None otherwise), its keeper starts again with the
     ``--keep`` options of its start record (what it kept before carries over) and the fallback
     armed, checking the job at its first look (:func:`arm_fallback`).  No round trip here: the
-    keeper's thread looks.  Returns the jobs armed again."""
+    keeper's thread looks.  ``renting(fallback, job)``: for a fallback that is a machine yet to be
+    rented (``new:PROVIDER...``), what rents and connects it when the job moves (None: it is a
+    connected machine's name).  Returns the jobs armed again."""
     armed: list[str] = []
     standbys = [r for r in start_records(machine.name) if r.fallback and r.keep]
     if not standbys:  # after every cell, for every machine: most have none
@@ -88,8 +91,9 @@ def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike
     ended = {r.job for r in keep_records(machine.name) if r.state == "the job ended"}
     for rec in standbys:
         name, fallback, keep = rec.job, rec.fallback or "", rec.keep
+        rent = renting(fallback, name) if renting is not None else None
         if (rec.moved_to or rec.ended or name in ended
-                or machine.keepers.get(name) is not None or connected(fallback) is None):
+                or machine.keepers.get(name) is not None or (rent is None and connected(fallback) is None)):
             continue
         try:
             k = machine.keepers.start(machine, name, rec.cwd, keep)
@@ -98,7 +102,7 @@ def rearm_fallbacks(machine: MachineLike, connected: Callable[[str], MachineLike
             say(f"job {name}: its standby (--fallback {fallback}) could not be armed again: "
                 f"{getattr(e, 'message', None) or e}; `%gpu job move {name} --to {fallback}` moves it by hand")
             continue
-        arm_fallback(k, name, functools.partial(_connected, connected, fallback), say, check_first=True)
+        arm_fallback(k, name, rent or functools.partial(_connected, connected, fallback), say, check_first=True)
         armed.append(name)
         say(f"job {name}: its standby is armed again: it moves to {fallback} by itself if {machine.name} is lost "
             f"(--fallback {fallback}), and its checkpoints are kept here again")
