@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from IPython.core.error import UsageError
 from jupyter_client import KernelManager
 
 from gpumagic.__main__ import main as gpumagic_main
+from gpumagic.errors import GpumagicError
 
 from conftest import wait_until
 
@@ -160,6 +162,67 @@ def test_install_sandbox_and_a_host_that_cannot_name_a_kernelspec(jupyter_dirs, 
     capsys.readouterr()
     assert gpumagic_main(["kernel", "install", "@@@"]) == 1
     assert "'@@@' cannot name a kernelspec" in capsys.readouterr().err
+
+
+def _spec_json(jupyter_dirs: Path, name: str) -> dict:
+    return json.loads((jupyter_dirs / "kernels" / name / "kernel.json").read_text(encoding="utf-8"))
+
+
+def test_gpu_kernel_install_writes_for_the_connected_machine_what_the_cli_writes(ip, jupyter_dirs, capsys, sshd,
+                                                                                tmp_path, monkeypatch):
+    ip.run_line_magic("gpu", "connect testgpu --name box")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", f"kernel install --name kb-m --python {PY}")
+    said = capsys.readouterr().out
+    assert said.startswith("installed kernelspec gpumagic-testgpu-kb-m (Python 3 on testgpu:kb-m (gpumagic)) in ")
+    assert "`gpumagic kernel stop testgpu --name kb-m` stops the session" in said
+    by_magic = _spec_json(jupyter_dirs, "gpumagic-testgpu-kb-m")
+    assert by_magic["argv"][-6:] == ["--host", "testgpu", "--session", "kb-m", "--python", PY]
+    ip.run_line_magic("gpu", "kernel list --kernelspecs")
+    listed = capsys.readouterr().out
+    assert gpumagic_main(["kernel", "list"]) == 0
+    assert listed == capsys.readouterr().out and listed.startswith("gpumagic-testgpu-kb-m  ")
+    # without KERNELSPEC: the current machine's session --name
+    ip.run_line_magic("gpu", "kernel uninstall --name kb-m")
+    assert capsys.readouterr().out.startswith("removed kernelspec gpumagic-testgpu-kb-m (")
+    assert not (jupyter_dirs / "kernels" / "gpumagic-testgpu-kb-m").exists()
+    assert gpumagic_main(["kernel", "install", "testgpu", "--name", "kb-m", "--python", PY]) == 0
+    assert _spec_json(jupyter_dirs, "gpumagic-testgpu-kb-m") == by_magic  # the same code path
+    # HOST: a connected machine's name (as the bridge can reach it), else the text given
+    ip.run_line_magic("gpu", "kernel install box --display-name 'my box'")
+    assert _spec_json(jupyter_dirs, "gpumagic-testgpu")["display_name"] == "my box"
+    with monkeypatch.context() as mp:  # --sys-prefix: this environment's, here not the venv's
+        mp.setattr(sys, "prefix", str(tmp_path / "env"))
+        ip.run_line_magic("gpu", "kernel install root@203.0.113.10:41022 --sys-prefix")
+    assert (tmp_path / "env" / "share" / "jupyter" / "kernels" / "gpumagic-root-203.0.113.10-41022").is_dir()
+    ip.run_line_magic("gpu", "kernel uninstall testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "kernel list --kernelspecs")
+    assert capsys.readouterr().out.splitlines() == ["gpumagic-testgpu-kb-m  Python 3 on testgpu:kb-m (gpumagic)  "
+                                                    f"(testgpu:kb-m)  {jupyter_dirs / 'kernels' / 'gpumagic-testgpu-kb-m'}"]
+
+
+def test_gpu_kernel_install_refuses_what_a_kernelspec_cannot_reach_and_takes_the_sandbox(ip, jupyter_dirs, sshd):
+    # connected by options ~/.ssh/config does not hold: no name reaches it, the line says how to make one
+    ip.run_line_magic("gpu", f"connect {sshd.user}@{sshd.host} -p {sshd.port} -i {sshd.client_key} --name raw")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "kernel install")
+    assert type(e.value) is UsageError and str(e.value).startswith(
+        "raw was connected with options ~/.ssh/config does not hold") and "--save NAME" in str(e.value)
+    for line, says in [("kernel install --name ../x", "cannot name a session"),
+                       ("kernel install testgpu --sandbox", "give either HOST or --sandbox, not both"),
+                       ("kernel list --kernelspecs --host raw", "leave out --host")]:
+        with pytest.raises(UsageError) as e:
+            ip.run_line_magic("gpu", line)
+        assert says in str(e.value), line
+    assert not (jupyter_dirs / "kernels").exists()  # nothing written by a refused line
+    ip.run_line_magic("gpu", "kernel install --sandbox")
+    spec = _spec_json(jupyter_dirs, "gpumagic-sandbox")
+    assert spec["argv"][-5:] == ["--sandbox", "--session", "main", "--python", PY]
+    ip._gpumagic.fleet.close_all()
+    with pytest.raises(GpumagicError) as e:
+        ip.run_line_magic("gpu", "kernel install")
+    assert "no machine is connected" in str(e.value)
 
 
 # -- the bridge -----------------------------------------------------------------------------
