@@ -7,7 +7,8 @@ saved, executed notebooks are reopened in a JupyterLab that has no kernel ("No K
 classmate without the environment would, and every saved output must render from the file.
 
 The machine's session as a kernel in the list (issue 47): its kernelspec's card is in the launcher,
-and a notebook using it runs its cells on the machine.
+a notebook using it runs its cells on the machine, a slider made there is dragged and its value
+reaches the machine, and the toolbar's interrupt stops a busy loop there.
 
 Widgets made on the machine (issue 32, the comm bridge): a remote ``IntSlider`` renders in the
 page, dragging it with the mouse to 7 makes the machine's value 7, a ``tqdm.notebook`` bar there
@@ -642,6 +643,10 @@ def bridge_lab(sshd, tmp_path_factory):
         nb.cells = [nbformat.v4.new_code_cell(s) for s in [
             "import os\nprint('HOME', os.environ['HOME'])",
             "import time\nfor i in range(6):\n    print(f'line {i}', flush=True)\n    time.sleep(0.3)",
+            "import ipywidgets\ns = ipywidgets.IntSlider(3)\ns",
+            "print(s.value)",
+            "n = 0\nprint('looping', flush=True)\nwhile True:\n    n += 1",
+            "print('kept', n > 0, s.value)",
         ]]
         nbformat.write(nb, root / BRIDGE_NB)
         server = Lab(root, tmp_path_factory.mktemp("lab-bridge-state"))
@@ -676,3 +681,44 @@ def test_the_sessions_kernel_is_in_the_launcher_and_its_cells_run_on_the_machine
         _screenshot(page, "bridge-kernel")
         page.close()
 
+
+
+@pytest.mark.timeout(600)
+def test_a_slider_made_on_the_machine_moves_in_a_notebook_of_the_sessions_kernel_and_interrupt_reaches_a_loop(
+        bridge_lab, browser):
+    # the comms go through the bridge both ways: the page's widget manager renders the
+    # machine's IntSlider, the drag's comm_msg reaches the machine; the toolbar's interrupt
+    # (interrupt_mode "message": an interrupt_request on the control channel) stops a busy loop
+    # there, and the session keeps its variables
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        _open(page, bridge_lab, BRIDGE_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        _run_cell(page, 2)
+        slider = _cell(page, 2).locator(".jp-OutputArea-output .widget-slider")
+        slider.locator(".noUi-handle").wait_for(timeout=60_000)
+        first = slider.locator(".widget-readout").inner_text().strip()
+        readouts = _drag_slider_to(page, slider, 7)
+        _run_cell(page, 3)  # print(s.value) on the machine
+        printed = _cell(page, 3).locator(".jp-OutputArea-output").inner_text().strip()
+        body = page.evaluate("() => document.body.innerText")
+        _cell(page, 4).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_function("e => e.innerText.includes('looping')", arg=_cell(page, 4).element_handle(),
+                               timeout=60_000)
+        busy = _cell(page, 4).locator(".jp-InputPrompt").inner_text().strip()
+        page.locator(f"{PANEL} .jp-Toolbar-item[data-jp-item-name='interrupt']").click()
+        page.wait_for_function(
+            "e => /^\\[\\d+\\]:$/.test(e.querySelector('.jp-InputPrompt').textContent.trim())",
+            arg=_cell(page, 4).element_handle(), timeout=60_000)
+        stopped = _cell(page, 4).locator(".jp-OutputArea").inner_text()
+        _run_cell(page, 5)
+        kept = _cell(page, 5).locator(".jp-OutputArea-output").inner_text().strip()
+    finally:
+        _screenshot(page, "bridge-kernel-widgets")
+        page.close()
+    assert "Error displaying widget" not in body
+    assert first == "3" and readouts[-1] == "7", (first, readouts)
+    assert printed == "7", (printed, readouts)
+    assert busy == "[*]:" and "KeyboardInterrupt" in stopped, (busy, stopped)
+    assert kept == "kept True 7"
