@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -625,6 +626,7 @@ def test_a_slider_made_on_the_machine_is_dragged_in_the_browser_and_saved_with_t
 BRIDGE_SESSION = "browserkb"
 BRIDGE_NB = "bridge.ipynb"
 BRIDGE_DISPLAY = f"Python 3 on testgpu:{BRIDGE_SESSION} (gpumagic)"
+NO_AUTOSAVE = {"@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False}}
 
 
 @pytest.fixture(scope="module")
@@ -647,9 +649,13 @@ def bridge_lab(sshd, tmp_path_factory):
             "print(s.value)",
             "n = 0\nprint('looping', flush=True)\nwhile True:\n    n += 1",
             "print('kept', n > 0, s.value)",
+            "import time\nfor i in range(20):\n    print(f'tick {i}', flush=True)\n    time.sleep(1)",
+            "%gpu kernel attach",
         ]]
         nbformat.write(nb, root / BRIDGE_NB)
-        server = Lab(root, tmp_path_factory.mktemp("lab-bridge-state"))
+        # no autosave: what the reloaded page shows of the old cell is what the file held before
+        # it ran (a save while it ran would show its lines up to then there, from the file)
+        server = Lab(root, tmp_path_factory.mktemp("lab-bridge-state"), settings_more=NO_AUTOSAVE)
         try:
             yield server
         finally:
@@ -722,3 +728,37 @@ def test_a_slider_made_on_the_machine_moves_in_a_notebook_of_the_sessions_kernel
     assert printed == "7", (printed, readouts)
     assert busy == "[*]:" and "KeyboardInterrupt" in stopped, (busy, stopped)
     assert kept == "kept True 7"
+
+
+@pytest.mark.timeout(600)
+def test_a_page_reloaded_while_a_20_s_cell_prints_gets_its_whole_output_once_from_gpu_kernel_attach(
+        bridge_lab, browser):
+    # JupyterLab shows output only for requests its page sent: after a reload, the old cell's
+    # output (which goes on) is dropped by the page, and `%gpu kernel attach` shows it in its
+    # own cell, from the first line, once, following it to its end (gpumagic/kernel_bridge/bridge.py)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    ticks = [f"tick {i}" for i in range(20)]
+    try:
+        _open(page, bridge_lab, BRIDGE_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        _cell(page, 6).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_function("e => e.innerText.includes('tick 1')", arg=_cell(page, 6).element_handle(),
+                               timeout=60_000)
+        page.reload()
+        page.wait_for_selector(f"{PANEL} .jp-CodeCell .jp-InputPrompt", timeout=120_000)
+        # the page connects while the cell runs, and knows the kernel is busy
+        page.get_by_text(f"{BRIDGE_DISPLAY} | Busy").wait_for(timeout=120_000)
+        old_after_reload = _cell(page, 6).locator(".jp-OutputArea").inner_text()
+        _run_cell(page, 7)  # returns once it ended: with the old cell
+        shown = _cell(page, 7).locator(".jp-OutputArea").inner_text()
+        old_at_end = _cell(page, 6).locator(".jp-OutputArea").inner_text()
+        body = page.evaluate("() => document.body.innerText")
+    finally:
+        _screenshot(page, "bridge-kernel-reloaded")
+        page.close()
+    assert "tick" not in old_after_reload and old_at_end == old_after_reload  # the page drops its messages
+    lines = [ln.strip() for ln in shown.splitlines() if ln.strip()]
+    assert re.fullmatch(r"\[gpumagic: In \[\d+\] is running: its output from the first line\]", lines[0]), lines[0]
+    assert lines[1:] == ticks, shown  # from the first line, then followed to the end
+    assert [body.count(t + "\n") + body.endswith(t) for t in ticks] == [1] * 20, body  # no line twice on the page

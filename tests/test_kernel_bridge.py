@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 from jupyter_client import KernelManager
+from jupyter_client.session import Session
 
 from gpumagic.__main__ import main as gpumagic_main
 from gpumagic.errors import GpumagicError
@@ -296,6 +297,61 @@ def test_a_killed_bridge_leaves_the_cell_running_and_the_next_one_delivers_its_o
             fe2.close()
     finally:
         stop_session("kb2")
+
+
+def test_after_a_reload_gpu_kernel_attach_shows_the_running_cells_output_from_its_first_line_once(jupyter_dirs, sshd):
+    # a reloaded JupyterLab page is a new client of the same bridge (a new session id): the
+    # old cell's output, which it drops, is shown in its cell `%gpu kernel attach`
+    name = install("kb-re")
+    fe = Frontend(name)
+    page = None
+    try:
+        fe.run("x = 5")
+        code = "import time\nfor i in range(8):\n    print(f'r {i}', flush=True)\n    time.sleep(0.4)"
+        msg_id = fe.kc.execute(code)
+        before: list[str] = []
+        while len(before) < 2:
+            msg = fe.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                before.append(msg["content"]["text"])
+        page = fe.km.client(session=Session(key=fe.km.session.key))
+        page.start_channels()
+        assert page.session.session != fe.kc.session.session
+        # as JupyterLab, nothing before the kernel_info_reply, which the bridge gives while the
+        # machine's kernel runs the cell (the attach below then finds it running)
+        info = page.kernel_info(reply=True, timeout=TIMEOUT)["content"]
+        assert info["language_info"]["name"] == "python" and info["implementation"] == "ipython"
+        attach_id = page.execute("%gpu kernel attach")
+        shown, ended_first = [], None
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            msg = page.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            parent = msg["parent_header"].get("msg_id")
+            if parent == msg_id and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                ended_first = len(shown)  # the old cell's end, seen by the page too
+            if parent != attach_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+            if msg["msg_type"] == "stream":
+                shown.append((msg["content"]["name"], msg["content"]["text"]))
+        reply = page.get_shell_msg(timeout=TIMEOUT)
+        assert reply["parent_header"]["msg_id"] == attach_id and reply["content"]["status"] == "ok"
+        assert shown[0] == ("stderr", "[gpumagic: In [2] is running: its output from the first line]\n")
+        assert "".join(t for n, t in shown[1:] if n == "stdout") == "".join(f"r {i}\n" for i in range(8))
+        assert [n for n, _ in shown[1:]] == ["stdout"] * (len(shown) - 1)
+        assert ended_first == len(shown)  # it followed the cell to its end, and ended with it
+        # once the cell ended: its whole output again, said so; the session and x are there
+        _, out = fe.run("%gpu kernel attach")
+        rows = summary(out)
+        assert rows[0] == ("stream", "stderr", "[gpumagic: In [2] ended: its output from the first line]\n")
+        assert "".join(r[2] for r in rows[1:]) == "".join(f"r {i}\n" for i in range(8))
+        assert summary(fe.run("print(x)")[1]) == [("stream", "stdout", "5\n")]
+    finally:
+        if page is not None:
+            page.stop_channels()
+        fe.close()
+        stop_session("kb-re")
 
 
 def test_interrupt_reaches_a_busy_loop_and_restart_gives_a_new_namespace(jupyter_dirs, sshd):
