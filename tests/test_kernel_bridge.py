@@ -220,6 +220,15 @@ def test_gpu_kernel_install_refuses_what_a_kernelspec_cannot_reach_and_takes_the
     ip.run_line_magic("gpu", "kernel install --sandbox")
     spec = _spec_json(jupyter_dirs, "gpumagic-sandbox")
     assert spec["argv"][-5:] == ["--sandbox", "--session", "main", "--python", PY]
+    # a connected sandbox is the sandbox kernelspec; one with a home of its own has none
+    ip.run_line_magic("gpu", "connect --sandbox")
+    ip.run_line_magic("gpu", "kernel install --name kb-sb")
+    assert _spec_json(jupyter_dirs, "gpumagic-sandbox-kb-sb")["argv"][-5:] == ["--sandbox", "--session", "kb-sb",
+                                                                               "--python", PY]
+    ip.run_line_magic("gpu", "connect --sandbox --name other")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "kernel install")
+    assert str(e.value).startswith("other is a sandbox with a home of its own")
     ip._gpumagic.fleet.close_all()
     with pytest.raises(GpumagicError) as e:
         ip.run_line_magic("gpu", "kernel install")
@@ -306,6 +315,9 @@ def test_after_a_reload_gpu_kernel_attach_shows_the_running_cells_output_from_it
     fe = Frontend(name)
     page = None
     try:
+        _, out = fe.run("%gpu kernel attach")
+        assert summary(out) == [("stream", "stderr", "[gpumagic: no cell of session kb-re has run since this "
+                                                     "kernel started]\n")]
         fe.run("x = 5")
         code = "import time\nfor i in range(8):\n    print(f'r {i}', flush=True)\n    time.sleep(0.4)"
         msg_id = fe.kc.execute(code)
@@ -352,6 +364,19 @@ def test_after_a_reload_gpu_kernel_attach_shows_the_running_cells_output_from_it
             page.stop_channels()
         fe.close()
         stop_session("kb-re")
+
+
+def test_a_cells_kept_output_drops_its_oldest_beyond_the_limit_and_a_clear_output_empties_it(monkeypatch):
+    from gpumagic.kernel_bridge import bridge
+
+    monkeypatch.setattr(bridge, "CELL_OUTPUT_KEPT", 100)
+    cell = bridge.CellRecord(3)
+    for i in range(10):  # 50 bytes of JSON each
+        cell.add("stream", {"name": "stdout", "text": f"line {i:02d} ".ljust(20, ".")}, {})
+    assert [o[1]["text"][:7] for o in cell.outputs] == ["line 08", "line 09"]
+    assert (cell.size, cell.dropped) == (100, 8)
+    cell.add("clear_output", {"wait": False}, {})
+    assert (list(cell.outputs), cell.size, cell.dropped) == ([], 0, 0)
 
 
 def test_interrupt_reaches_a_busy_loop_and_restart_gives_a_new_namespace(jupyter_dirs, sshd):
