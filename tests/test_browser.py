@@ -7,7 +7,8 @@ saved, executed notebooks are reopened in a JupyterLab that has no kernel ("No K
 classmate without the environment would, and every saved output must render from the file.
 
 The machine's session as a kernel in the list (issue 47): its kernelspec's card is in the launcher,
-and a notebook using it runs its cells on the machine.
+a notebook using it runs its cells on the machine, a slider made there is dragged and its value
+reaches the machine, and the toolbar's interrupt stops a busy loop there.
 
 Widgets made on the machine (issue 32, the comm bridge): a remote ``IntSlider`` renders in the
 page, dragging it with the mouse to 7 makes the machine's value 7, a ``tqdm.notebook`` bar there
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -624,6 +626,7 @@ def test_a_slider_made_on_the_machine_is_dragged_in_the_browser_and_saved_with_t
 BRIDGE_SESSION = "browserkb"
 BRIDGE_NB = "bridge.ipynb"
 BRIDGE_DISPLAY = f"Python 3 on testgpu:{BRIDGE_SESSION} (gpumagic)"
+NO_AUTOSAVE = {"@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False}}
 
 
 @pytest.fixture(scope="module")
@@ -642,9 +645,17 @@ def bridge_lab(sshd, tmp_path_factory):
         nb.cells = [nbformat.v4.new_code_cell(s) for s in [
             "import os\nprint('HOME', os.environ['HOME'])",
             "import time\nfor i in range(6):\n    print(f'line {i}', flush=True)\n    time.sleep(0.3)",
+            "import ipywidgets\ns = ipywidgets.IntSlider(3)\ns",
+            "print(s.value)",
+            "n = 0\nprint('looping', flush=True)\nwhile True:\n    n += 1",
+            "print('kept', n > 0, s.value)",
+            "import time\nfor i in range(20):\n    print(f'tick {i}', flush=True)\n    time.sleep(1)",
+            "%gpu kernel attach",
         ]]
         nbformat.write(nb, root / BRIDGE_NB)
-        server = Lab(root, tmp_path_factory.mktemp("lab-bridge-state"))
+        # no autosave: what the reloaded page shows of the old cell is what the file held before
+        # it ran (a save while it ran would show its lines up to then there, from the file)
+        server = Lab(root, tmp_path_factory.mktemp("lab-bridge-state"), settings_more=NO_AUTOSAVE)
         try:
             yield server
         finally:
@@ -676,3 +687,78 @@ def test_the_sessions_kernel_is_in_the_launcher_and_its_cells_run_on_the_machine
         _screenshot(page, "bridge-kernel")
         page.close()
 
+
+
+@pytest.mark.timeout(600)
+def test_a_slider_made_on_the_machine_moves_in_a_notebook_of_the_sessions_kernel_and_interrupt_reaches_a_loop(
+        bridge_lab, browser):
+    # the comms go through the bridge both ways: the page's widget manager renders the
+    # machine's IntSlider, the drag's comm_msg reaches the machine; the toolbar's interrupt
+    # (interrupt_mode "message": an interrupt_request on the control channel) stops a busy loop
+    # there, and the session keeps its variables
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        _open(page, bridge_lab, BRIDGE_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        _run_cell(page, 2)
+        slider = _cell(page, 2).locator(".jp-OutputArea-output .widget-slider")
+        slider.locator(".noUi-handle").wait_for(timeout=60_000)
+        first = slider.locator(".widget-readout").inner_text().strip()
+        readouts = _drag_slider_to(page, slider, 7)
+        _run_cell(page, 3)  # print(s.value) on the machine
+        printed = _cell(page, 3).locator(".jp-OutputArea-output").inner_text().strip()
+        body = page.evaluate("() => document.body.innerText")
+        _cell(page, 4).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_function("e => e.innerText.includes('looping')", arg=_cell(page, 4).element_handle(),
+                               timeout=60_000)
+        busy = _cell(page, 4).locator(".jp-InputPrompt").inner_text().strip()
+        page.locator(f"{PANEL} .jp-Toolbar-item[data-jp-item-name='interrupt']").click()
+        page.wait_for_function(
+            "e => /^\\[\\d+\\]:$/.test(e.querySelector('.jp-InputPrompt').textContent.trim())",
+            arg=_cell(page, 4).element_handle(), timeout=60_000)
+        stopped = _cell(page, 4).locator(".jp-OutputArea").inner_text()
+        _run_cell(page, 5)
+        kept = _cell(page, 5).locator(".jp-OutputArea-output").inner_text().strip()
+    finally:
+        _screenshot(page, "bridge-kernel-widgets")
+        page.close()
+    assert "Error displaying widget" not in body
+    assert first == "3" and readouts[-1] == "7", (first, readouts)
+    assert printed == "7", (printed, readouts)
+    assert busy == "[*]:" and "KeyboardInterrupt" in stopped, (busy, stopped)
+    assert kept == "kept True 7"
+
+
+@pytest.mark.timeout(600)
+def test_a_page_reloaded_while_a_20_s_cell_prints_gets_its_whole_output_once_from_gpu_kernel_attach(
+        bridge_lab, browser):
+    # JupyterLab shows output only for requests its page sent: after a reload, the old cell's
+    # output (which goes on) is dropped by the page, and `%gpu kernel attach` shows it in its
+    # own cell, from the first line, once, following it to its end (gpumagic/kernel_bridge/bridge.py)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    ticks = [f"tick {i}" for i in range(20)]
+    try:
+        _open(page, bridge_lab, BRIDGE_NB)
+        page.get_by_text("| Idle").wait_for(timeout=120_000)
+        _cell(page, 6).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_function("e => e.innerText.includes('tick 1')", arg=_cell(page, 6).element_handle(),
+                               timeout=60_000)
+        page.reload()
+        page.wait_for_selector(f"{PANEL} .jp-CodeCell .jp-InputPrompt", timeout=120_000)
+        # the page connects while the cell runs, and knows the kernel is busy
+        page.get_by_text(f"{BRIDGE_DISPLAY} | Busy").wait_for(timeout=120_000)
+        old_after_reload = _cell(page, 6).locator(".jp-OutputArea").inner_text()
+        _run_cell(page, 7)  # returns once it ended: with the old cell
+        shown = _cell(page, 7).locator(".jp-OutputArea").inner_text()
+        old_at_end = _cell(page, 6).locator(".jp-OutputArea").inner_text()
+        body = page.evaluate("() => document.body.innerText")
+    finally:
+        _screenshot(page, "bridge-kernel-reloaded")
+        page.close()
+    assert "tick" not in old_after_reload and old_at_end == old_after_reload  # the page drops its messages
+    lines = [ln.strip() for ln in shown.splitlines() if ln.strip()]
+    assert re.fullmatch(r"\[gpumagic: In \[\d+\] is running: its output from the first line\]", lines[0]), lines[0]
+    assert lines[1:] == ticks, shown  # from the first line, then followed to the end
+    assert [body.count(t + "\n") + body.endswith(t) for t in ticks] == [1] * 20, body  # no line twice on the page

@@ -224,7 +224,8 @@ LAYERS = (
                       "gpumagic.remote.kernel", "gpumagic.rent")),
     ("jobs", ("gpumagic.remote.jobs", "gpumagic.remote.keep", "gpumagic.remote.move",
               "gpumagic.remote.distributed")),  # jobs keep their checkpoints with sync, guard with budget
-    ("session", ("gpumagic.machine", "gpumagic.fleet", "gpumagic.wrapup", "gpumagic.keys")),
+    ("session", ("gpumagic.machine", "gpumagic.fleet", "gpumagic.wrapup", "gpumagic.keys",
+                 "gpumagic.kernel_bridge.spec")),  # kernelspecs: files here, for the CLI and %gpu kernel install
     ("notebook", ("gpumagic.notebook",)),  # display, widgets, links, comms: no magics
     ("magics", ("gpumagic.notebook.magics",)),
     ("top", ("gpumagic", "gpumagic.__main__", "gpumagic.kernel_bridge")),  # the kernel bridge: a front end's kernel

@@ -17,9 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from IPython.core.error import UsageError
 from jupyter_client import KernelManager
+from jupyter_client.session import Session
 
 from gpumagic.__main__ import main as gpumagic_main
+from gpumagic.errors import GpumagicError
 
 from conftest import wait_until
 
@@ -162,6 +165,76 @@ def test_install_sandbox_and_a_host_that_cannot_name_a_kernelspec(jupyter_dirs, 
     assert "'@@@' cannot name a kernelspec" in capsys.readouterr().err
 
 
+def _spec_json(jupyter_dirs: Path, name: str) -> dict:
+    return json.loads((jupyter_dirs / "kernels" / name / "kernel.json").read_text(encoding="utf-8"))
+
+
+def test_gpu_kernel_install_writes_for_the_connected_machine_what_the_cli_writes(ip, jupyter_dirs, capsys, sshd,
+                                                                                tmp_path, monkeypatch):
+    ip.run_line_magic("gpu", "connect testgpu --name box")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", f"kernel install --name kb-m --python {PY}")
+    said = capsys.readouterr().out
+    assert said.startswith("installed kernelspec gpumagic-testgpu-kb-m (Python 3 on testgpu:kb-m (gpumagic)) in ")
+    assert "`gpumagic kernel stop testgpu --name kb-m` stops the session" in said
+    by_magic = _spec_json(jupyter_dirs, "gpumagic-testgpu-kb-m")
+    assert by_magic["argv"][-6:] == ["--host", "testgpu", "--session", "kb-m", "--python", PY]
+    ip.run_line_magic("gpu", "kernel list --kernelspecs")
+    listed = capsys.readouterr().out
+    assert gpumagic_main(["kernel", "list"]) == 0
+    assert listed == capsys.readouterr().out and listed.startswith("gpumagic-testgpu-kb-m  ")
+    # without KERNELSPEC: the current machine's session --name
+    ip.run_line_magic("gpu", "kernel uninstall --name kb-m")
+    assert capsys.readouterr().out.startswith("removed kernelspec gpumagic-testgpu-kb-m (")
+    assert not (jupyter_dirs / "kernels" / "gpumagic-testgpu-kb-m").exists()
+    assert gpumagic_main(["kernel", "install", "testgpu", "--name", "kb-m", "--python", PY]) == 0
+    assert _spec_json(jupyter_dirs, "gpumagic-testgpu-kb-m") == by_magic  # the same code path
+    # HOST: a connected machine's name (as the bridge can reach it), else the text given
+    ip.run_line_magic("gpu", "kernel install box --display-name 'my box'")
+    assert _spec_json(jupyter_dirs, "gpumagic-testgpu")["display_name"] == "my box"
+    with monkeypatch.context() as mp:  # --sys-prefix: this environment's, here not the venv's
+        mp.setattr(sys, "prefix", str(tmp_path / "env"))
+        ip.run_line_magic("gpu", "kernel install root@203.0.113.10:41022 --sys-prefix")
+    assert (tmp_path / "env" / "share" / "jupyter" / "kernels" / "gpumagic-root-203.0.113.10-41022").is_dir()
+    ip.run_line_magic("gpu", "kernel uninstall testgpu")
+    capsys.readouterr()
+    ip.run_line_magic("gpu", "kernel list --kernelspecs")
+    assert capsys.readouterr().out.splitlines() == ["gpumagic-testgpu-kb-m  Python 3 on testgpu:kb-m (gpumagic)  "
+                                                    f"(testgpu:kb-m)  {jupyter_dirs / 'kernels' / 'gpumagic-testgpu-kb-m'}"]
+
+
+def test_gpu_kernel_install_refuses_what_a_kernelspec_cannot_reach_and_takes_the_sandbox(ip, jupyter_dirs, sshd):
+    # connected by options ~/.ssh/config does not hold: no name reaches it, the line says how to make one
+    ip.run_line_magic("gpu", f"connect {sshd.user}@{sshd.host} -p {sshd.port} -i {sshd.client_key} --name raw")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "kernel install")
+    assert type(e.value) is UsageError and str(e.value).startswith(
+        "raw was connected with options ~/.ssh/config does not hold") and "--save NAME" in str(e.value)
+    for line, says in [("kernel install --name ../x", "cannot name a session"),
+                       ("kernel install testgpu --sandbox", "give either HOST or --sandbox, not both"),
+                       ("kernel list --kernelspecs --host raw", "leave out --host")]:
+        with pytest.raises(UsageError) as e:
+            ip.run_line_magic("gpu", line)
+        assert says in str(e.value), line
+    assert not (jupyter_dirs / "kernels").exists()  # nothing written by a refused line
+    ip.run_line_magic("gpu", "kernel install --sandbox")
+    spec = _spec_json(jupyter_dirs, "gpumagic-sandbox")
+    assert spec["argv"][-5:] == ["--sandbox", "--session", "main", "--python", PY]
+    # a connected sandbox is the sandbox kernelspec; one with a home of its own has none
+    ip.run_line_magic("gpu", "connect --sandbox")
+    ip.run_line_magic("gpu", "kernel install --name kb-sb")
+    assert _spec_json(jupyter_dirs, "gpumagic-sandbox-kb-sb")["argv"][-5:] == ["--sandbox", "--session", "kb-sb",
+                                                                               "--python", PY]
+    ip.run_line_magic("gpu", "connect --sandbox --name other")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("gpu", "kernel install")
+    assert str(e.value).startswith("other is a sandbox with a home of its own")
+    ip._gpumagic.fleet.close_all()
+    with pytest.raises(GpumagicError) as e:
+        ip.run_line_magic("gpu", "kernel install")
+    assert "no machine is connected" in str(e.value)
+
+
 # -- the bridge -----------------------------------------------------------------------------
 
 
@@ -233,6 +306,77 @@ def test_a_killed_bridge_leaves_the_cell_running_and_the_next_one_delivers_its_o
             fe2.close()
     finally:
         stop_session("kb2")
+
+
+def test_after_a_reload_gpu_kernel_attach_shows_the_running_cells_output_from_its_first_line_once(jupyter_dirs, sshd):
+    # a reloaded JupyterLab page is a new client of the same bridge (a new session id): the
+    # old cell's output, which it drops, is shown in its cell `%gpu kernel attach`
+    name = install("kb-re")
+    fe = Frontend(name)
+    page = None
+    try:
+        _, out = fe.run("%gpu kernel attach")
+        assert summary(out) == [("stream", "stderr", "[gpumagic: no cell of session kb-re has run since this "
+                                                     "kernel started]\n")]
+        fe.run("x = 5")
+        code = "import time\nfor i in range(8):\n    print(f'r {i}', flush=True)\n    time.sleep(0.4)"
+        msg_id = fe.kc.execute(code)
+        before: list[str] = []
+        while len(before) < 2:
+            msg = fe.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                before.append(msg["content"]["text"])
+        page = fe.km.client(session=Session(key=fe.km.session.key))
+        page.start_channels()
+        assert page.session.session != fe.kc.session.session
+        # as JupyterLab, nothing before the kernel_info_reply, which the bridge gives while the
+        # machine's kernel runs the cell (the attach below then finds it running)
+        info = page.kernel_info(reply=True, timeout=TIMEOUT)["content"]
+        assert info["language_info"]["name"] == "python" and info["implementation"] == "ipython"
+        attach_id = page.execute("%gpu kernel attach")
+        shown, ended_first = [], None
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            msg = page.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            parent = msg["parent_header"].get("msg_id")
+            if parent == msg_id and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                ended_first = len(shown)  # the old cell's end, seen by the page too
+            if parent != attach_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+            if msg["msg_type"] == "stream":
+                shown.append((msg["content"]["name"], msg["content"]["text"]))
+        reply = page.get_shell_msg(timeout=TIMEOUT)
+        assert reply["parent_header"]["msg_id"] == attach_id and reply["content"]["status"] == "ok"
+        assert shown[0] == ("stderr", "[gpumagic: In [2] is running: its output from the first line]\n")
+        assert "".join(t for n, t in shown[1:] if n == "stdout") == "".join(f"r {i}\n" for i in range(8))
+        assert [n for n, _ in shown[1:]] == ["stdout"] * (len(shown) - 1)
+        assert ended_first == len(shown)  # it followed the cell to its end, and ended with it
+        # once the cell ended: its whole output again, said so; the session and x are there
+        _, out = fe.run("%gpu kernel attach")
+        rows = summary(out)
+        assert rows[0] == ("stream", "stderr", "[gpumagic: In [2] ended: its output from the first line]\n")
+        assert "".join(r[2] for r in rows[1:]) == "".join(f"r {i}\n" for i in range(8))
+        assert summary(fe.run("print(x)")[1]) == [("stream", "stdout", "5\n")]
+    finally:
+        if page is not None:
+            page.stop_channels()
+        fe.close()
+        stop_session("kb-re")
+
+
+def test_a_cells_kept_output_drops_its_oldest_beyond_the_limit_and_a_clear_output_empties_it(monkeypatch):
+    from gpumagic.kernel_bridge import bridge
+
+    monkeypatch.setattr(bridge, "CELL_OUTPUT_KEPT", 100)
+    cell = bridge.CellRecord(3)
+    for i in range(10):  # 50 bytes of JSON each
+        cell.add("stream", {"name": "stdout", "text": f"line {i:02d} ".ljust(20, ".")}, {})
+    assert [o[1]["text"][:7] for o in cell.outputs] == ["line 08", "line 09"]
+    assert (cell.size, cell.dropped) == (100, 8)
+    cell.add("clear_output", {"wait": False}, {})
+    assert (list(cell.outputs), cell.size, cell.dropped) == ([], 0, 0)
 
 
 def test_interrupt_reaches_a_busy_loop_and_restart_gives_a_new_namespace(jupyter_dirs, sshd):

@@ -31,7 +31,8 @@ def test_unknown_subcommand_is_a_usage_error_naming_the_valid_ones(ip):
 #: ``%gpu LINE`` -> the whole message: the table's name for it, the valid names in table order.
 UNKNOWN = {
     "kernel frobnicate": "unknown sub-command 'frobnicate' of %gpu kernel; valid: start, list, attach, push, pull, "
-                         "interrupt, restart, stop, autorun; `%gpu kernel help` says what each does",
+                         "interrupt, restart, stop, autorun, install, uninstall; `%gpu kernel help` says what each "
+                         "does",
     "budget sett --rate 1": "unknown sub-command 'sett' of %gpu budget (did you mean set?); valid: set, estimate, "
                             "history, guard, notify, none (the meter); `%gpu budget help` says what each does",
     "tunnel tensorbord": "unknown sub-command 'tensorbord' of %gpu tunnel (did you mean tensorboard?); valid: "

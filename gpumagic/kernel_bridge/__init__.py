@@ -28,6 +28,9 @@ the machine: a fresh namespace.
 A cell whose lines are all ``%gpu ...`` line magics (``%gpu status``, ``%gpu sync``,
 ``%gpu tunnel``, ``%gpu kernel list``...) runs on the laptop, in the bridge, against this
 machine (:mod:`.local`); any other cell runs on the machine, ``!cmd`` and ``%timeit`` too.
+A cell ``%gpu kernel attach`` shows the running cell's output from its first line, then
+follows it (:meth:`.bridge.Bridge.attach_cell`): what a JupyterLab page reloaded mid-cell
+needs, since it renders no output of a request it did not send itself.
 
 Layering: the bridge is a front-end-side program beside :mod:`gpumagic.notebook`; it uses
 :mod:`gpumagic.remote.kernel` and :mod:`gpumagic.machine`, and nothing below it imports it.

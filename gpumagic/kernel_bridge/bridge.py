@@ -11,6 +11,10 @@ machine's kernel's own, and ``kernel_info_reply`` carries its language info.
 
 What the bridge answers itself (the rest is the kernel's):
 
+``kernel_info_request`` on shell while the machine runs a cell of this bridge's
+    The machine's kernel's last reply (its own comes only after the cell): a page reloaded
+    mid-cell connects at once.
+
 ``interrupt_request`` (control; the kernelspec's ``interrupt_mode`` is ``message``)
     SIGINT to the kernel's process group on the machine (the keeper's ``interrupt``).
 ``shutdown_request``
@@ -18,6 +22,25 @@ What the bridge answers itself (the rest is the kernel's):
     With ``restart``, the keeper restarts the kernel first (a fresh namespace).
 ``execute_request`` of a cell made only of ``%gpu`` line magics
     Run here, on the laptop (:mod:`.local`).
+``execute_request`` of a cell ``%gpu kernel attach``
+    The output of the machine's running cell (or of its last one) from its first line, then
+    what follows until it ends, shown in this cell (:meth:`Bridge.attach_cell`): after the
+    front end's page was reloaded, the old cell's output has nowhere else to go.
+
+After a reload
+--------------
+JupyterLab (4.x) shows a message's output only in a cell whose request that page sent: a
+``KernelConnection`` feeds an output area through the future of its own ``execute_request``
+(``@jupyterlab/services`` ``src/kernel/default.ts``, ``_handleMessage``: an iopub message whose
+``parent_header.msg_id`` names no future of the page's goes only to the ``iopubMessage``
+signal, which the notebook does not render).  A reloaded page has no futures, and a new client
+id (``clientId = options.clientId ?? UUID.uuid4()``, not kept across a reload), so
+jupyter_server does not hand it what it buffered while no page was connected either: its
+buffer is keyed by ``kernel_id:session_id`` and dropped for another session id
+(``services/kernels/connection/channels.py`` ``connect``; ``kernelmanager.py``
+``get_buffer``).  The running cell's output keeps coming from the bridge, and the page drops
+it; nothing a kernel sends can name the old cell again.  So the bridge keeps each cell's
+output as it went out (:class:`CellRecord`), and a cell ``%gpu kernel attach`` shows it.
 
 Threads: the main one owns every front-end socket (ZeroMQ sockets are not thread-safe); one
 reads the session (connecting, and after a lost path connecting again) and hands each
@@ -37,7 +60,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import GpumagicError, KernelConnectionLost, KernelError
 from ..remote.kernel import DEFAULT_NAME, wire
@@ -52,6 +75,13 @@ IDENTS_KEPT = 2000
 #: (and so jupyter_server's, JupyterLab's "Shut Down Kernel") interrupts the kernel, then asks it
 #: to shut down; under the detach rule that shutdown must not stop the running cell.
 INTERRUPT_GRACE = 0.5
+#: The machine's cells whose output the bridge keeps for ``%gpu kernel attach`` (newest).
+CELLS_KEPT = 8
+#: Bytes of one cell's output kept (its oldest outputs go first beyond it; a clear_output
+#: empties it).
+CELL_OUTPUT_KEPT = 16 * 2**20
+#: The iopub messages that are a cell's output.
+OUTPUTS = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
 #: Seconds a restart asked by the front end may take before the bridge replies anyway.
 RESTART_WAIT = 60.0
 #: What ``kernel_info_reply`` says while the machine cannot be reached (the machine's kernel
@@ -76,6 +106,41 @@ class BridgeOptions:
     sandbox: bool = False
     session: str = DEFAULT_NAME
     python: str | None = None
+
+
+@dataclass
+class CellRecord:
+    """One machine cell's output as the bridge handed it on, for ``%gpu kernel attach``."""
+
+    #: Its execution count (None: it began before this bridge, which saw only its end).
+    count: int | None = None
+    outputs: collections.deque = field(default_factory=collections.deque)
+    size: int = 0
+    #: Outputs left out: the oldest, beyond :data:`CELL_OUTPUT_KEPT`.
+    dropped: int = 0
+    done: bool = False
+
+    def add(self, kind: str, content: dict, metadata: dict) -> None:
+        if kind == "clear_output":
+            self.outputs.clear()
+            self.size = self.dropped = 0
+            return
+        size = len(json.dumps(content, default=str))
+        self.outputs.append((kind, content, metadata, size))
+        self.size += size
+        while self.size > CELL_OUTPUT_KEPT and len(self.outputs) > 1:
+            self.size -= self.outputs.popleft()[3]
+            self.dropped += 1
+
+
+@dataclass
+class Follower:
+    """A ``%gpu kernel attach`` cell that shows machine cells' output until they end."""
+
+    idents: list
+    header: dict
+    cells: set
+    count: int
 
 
 def _no_passphrase(path: str) -> str:
@@ -146,6 +211,13 @@ class Bridge:
         self.interrupt_at: float | None = None
         #: A front end has subscribed to iopub: the session's messages may go out.
         self.subscribed = False
+        #: The machine's cells' output as it went out, by execute request id, oldest first.
+        self.cells: collections.OrderedDict[str, CellRecord] = collections.OrderedDict()
+        #: ``%gpu kernel attach`` cells still following a running cell.
+        self.followers: list[Follower] = []
+        #: The machine's kernel's last kernel_info_reply: what a kernel_info_request that comes
+        #: while it runs a cell is answered with here.
+        self.kernel_info: dict | None = None
 
     # -- the front end's side ------------------------------------------------------------
 
@@ -168,8 +240,11 @@ class Bridge:
         kind, pid = msg.msg_type, msg.parent_id
         if kind in ("execute_input", "execute_reply") and isinstance(msg.content.get("execution_count"), int):
             self.execution_count = msg.content["execution_count"]
+        if kind == "kernel_info_reply" and msg.content.get("status", "ok") == "ok":
+            self.kernel_info = msg.content
         if msg.ch == "iopub":
             self.iopub.send_multipart([f"kernel.gpumagic.{kind}".encode(), *frames])
+            self.record(kind, pid, msg)
         elif msg.ch in ("shell", "control"):
             idents = self.idents.pop(pid, None) if kind.endswith("_reply") else self.idents.get(pid)
             if idents is not None:  # else: a request of an earlier bridge's, or of another client
@@ -179,9 +254,78 @@ class Bridge:
             if idents is not None:
                 self.socks["stdin"].send_multipart([*idents, *frames])
 
+    # -- %gpu kernel attach: a cell's output shown again ----------------------------------
+
+    def record(self, kind: str, pid: str | None, msg) -> None:
+        """Keep what a machine cell's request ``pid`` output (and show it to the attach cells
+        following it); its idle status ends it."""
+        if not pid or (msg.parent or {}).get("msg_type") != "execute_request":
+            return
+        cell = self.cells.get(pid)
+        if cell is None:
+            if kind not in ("execute_input", *OUTPUTS, "clear_output"):
+                return
+            cell = self.cells[pid] = CellRecord()
+            while len(self.cells) > CELLS_KEPT:
+                self.cells.popitem(last=False)
+        if kind == "execute_input":
+            cell.count = msg.content.get("execution_count")
+        elif kind == "status" and msg.content.get("execution_state") == "idle":
+            cell.done = True
+            self.release_followers()
+        elif kind in OUTPUTS or kind == "clear_output":
+            cell.add(kind, msg.content, msg.metadata)
+            for f in self.followers:
+                if pid in f.cells:
+                    self.publish(kind, msg.content, f.header, msg.metadata)
+
+    def attach_cell(self, idents: list[bytes], header: dict, content: dict) -> None:
+        """A cell ``%gpu kernel attach``: the output of the machine's cells still running (or
+        of the last one, ended) from their first line, once, after one line that says whose it
+        is; then what they output until they end, when this cell ends too."""
+        count = self.execution_count
+        self.publish("status", {"execution_state": "busy"}, header)
+        self.publish("execute_input", {"code": content.get("code", ""), "execution_count": count}, header)
+        running = [pid for pid, c in self.cells.items() if not c.done]
+        shown = running or list(self.cells)[-1:]
+        if not shown:
+            self.publish("stream", {"name": "stderr", "text": f"[gpumagic: no cell of session "
+                                    f"{self.options.session} has run since this kernel started]\n"}, header)
+        for pid in shown:
+            c = self.cells[pid]
+            which = f"In [{c.count}]" if c.count is not None else "a cell started before this kernel process"
+            state = "ended" if c.done else "is running"
+            more = f"; its {c.dropped} oldest outputs were left out (over {CELL_OUTPUT_KEPT >> 20} MiB)" if c.dropped else ""
+            self.publish("stream", {"name": "stderr", "text": f"[gpumagic: {which} {state}: its output from the "
+                                    f"first line{'' if c.count is not None else ' this kernel saw'}{more}]\n"}, header)
+            for kind, out, md, _ in c.outputs:
+                self.publish(kind, out, header, md)
+        if running:
+            self.followers.append(Follower(idents, header, set(running), count))
+        else:
+            self._end_attach(idents, header, count)
+
+    def end_cells(self) -> None:
+        """The session's kernel died or was stopped: no cell of it runs on."""
+        for c in self.cells.values():
+            c.done = True
+        self.release_followers()
+
+    def release_followers(self) -> None:
+        for f in [f for f in self.followers if all(self.cells.get(p) is None or self.cells[p].done for p in f.cells)]:
+            self.followers.remove(f)
+            self._end_attach(f.idents, f.header, f.count)
+
+    def _end_attach(self, idents: list[bytes], header: dict, count: int) -> None:
+        self.reply("shell", idents, header, "execute_reply",
+                   {"status": "ok", "execution_count": count, "user_expressions": {}, "payload": []})
+        self.publish("status", {"execution_state": "idle"}, header)
+
     def keeper_event(self, ev: dict) -> None:
         event = ev.get("event")
         log.info("session event: %s", event)
+        if event == "restarted":
+            self.end_cells()  # a cell that ran is gone with its kernel
         if event == "restarted" and self.restarting is not None:
             self.finish_restart()
         elif event in ("died", "stopped"):
@@ -189,6 +333,7 @@ class Bridge:
                    "stopped": "the session was stopped"}[event]
             self.publish("stream", {"name": "stderr", "text": f"[gpumagic: {why}]\n"}, None)
             self.abandon_pending(why)
+            self.end_cells()
 
     def abandon_pending(self, why: str) -> None:
         """Answer this front end's requests that the machine will never answer (its kernel
@@ -238,9 +383,24 @@ class Bridge:
             from . import local
 
             content = json.loads(parts[3])
+            if local.attaches(content.get("code", ""), self.options.session):
+                self.attach_cell(idents, header, content)
+                return
             if local.handles(content.get("code", "")):
                 self.local_queue.append((idents, header, content))
                 return
+        # (a copy: the session's thread changes it; list() of a dict's values runs under the GIL)
+        pending = list(self.relay.pending.values()) if self.relay is not None else []
+        if ch == "shell" and kind == "kernel_info_request" and self.kernel_info is not None and pending:
+            # the machine's kernel answers it only after the cell it runs: a page reloaded
+            # meanwhile (JupyterLab sends nothing before this reply) could not run `%gpu kernel
+            # attach` until then.  Busy, as the machine is, said for the request it runs
+            # (JupyterLab ignores a status whose parent is a kernel_info_request, jupyter_server's
+            # untracked_message_types); that request's idle says when it is not.
+            running = json.loads(pending[0][0])
+            self.reply("shell", idents, header, "kernel_info_reply", self.kernel_info)
+            self.publish("status", {"execution_state": "busy"}, running)
+            return
         if self.failed is not None and ch == "shell":
             self.answer_failed(idents, header, kind, json.loads(parts[3]))
             return
@@ -430,6 +590,7 @@ class Bridge:
             if isinstance(item, tuple):
                 if item[0] == "abandon":
                     self.abandon_pending(item[1])
+                    self.end_cells()
                 else:
                     self.publish("stream", {"name": "stderr", "text": item[1]}, None)
                 continue

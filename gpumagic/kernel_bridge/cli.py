@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..remote.kernel import DEFAULT_NAME
 from . import spec
@@ -43,32 +42,19 @@ def add_parser(sub) -> None:
 
 
 def _install(args: argparse.Namespace) -> int:
-    # the sandbox is this computer: its session runs with this Python (which has ipykernel)
-    python = args.python or (sys.executable if args.sandbox else None)
     bs = spec.BridgeSpec(host=spec.SANDBOX if args.sandbox else args.host, session=args.name,
-                         python=python, sandbox=args.sandbox, display_name=args.display_name)
-    path = spec.install(bs, sys_prefix=args.sys_prefix)
-    print(f"installed kernelspec {bs.kernel_name} ({bs.to_json()['display_name']}) in {path}")
-    stop = spec.Installed(bs.kernel_name, "", bs.host, bs.session, path, bs.sandbox).stop_command
-    print(f"pick it in your front end's kernel list; its shutdown detaches, `{stop}` stops the session")
+                         python=args.python, sandbox=args.sandbox, display_name=args.display_name)
+    print(spec.installed_text(bs, spec.install(bs, sys_prefix=args.sys_prefix)))
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    found = spec.installed()
-    if not found:
-        print("no gpumagic kernelspec is installed (`gpumagic kernel install HOST` adds one)")
-        return 0
-    width = max(len(k.name) for k in found)
-    for k in found:
-        print(f"{k.name:<{width}}  {k.display_name}  ({k.host}:{k.session})  {k.path}")
+    print(spec.listing())
     return 0
 
 
 def _uninstall(args: argparse.Namespace) -> int:
-    k = spec.uninstall(args.kernel)
-    print(f"removed kernelspec {k.name} ({k.path}); the session {k.session} on {k.host} is not touched "
-          f"(`{k.stop_command}` stops it)")
+    print(spec.uninstalled_text(spec.uninstall(args.kernel)))
     return 0
 
 

@@ -30,6 +30,14 @@ def handles(code: str) -> bool:
     return bool(lines) and all(ln == "%gpu" or ln.startswith("%gpu ") for ln in lines)
 
 
+def attaches(code: str, session: str) -> bool:
+    """Whether the cell is ``%gpu kernel attach`` (or ``... attach SESSION`` for the bridge's
+    own session): the bridge shows its running cell's output there (``Bridge.attach_cell``)."""
+    lines = gpu_lines(code)
+    words = lines[0].split() if len(lines) == 1 else []
+    return words[:3] == ["%gpu", "kernel", "attach"] and words[3:] in ([], [session])
+
+
 class _Stream:
     """A file-like whose writes are the cell's ``stream`` messages."""
 

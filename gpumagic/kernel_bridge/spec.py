@@ -24,9 +24,13 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GpumagicError
 from ..remote.kernel import DEFAULT_NAME, check_name
+
+if TYPE_CHECKING:
+    from ..ssh.hosts import HostSpec
 
 #: What a front end's "shut down kernel" does, written into every kernelspec's metadata.
 SHUTDOWN_RULE = ("detach: the front end's shutdown ends this bridge, never the session on the "
@@ -49,6 +53,11 @@ class BridgeSpec:
     python: str | None = None
     sandbox: bool = False
     display_name: str | None = None
+
+    def __post_init__(self) -> None:
+        # the sandbox is this computer: its session runs with this Python (which has ipykernel)
+        if self.sandbox and not self.python:
+            self.python = sys.executable
 
     @property
     def kernel_name(self) -> str:
@@ -79,6 +88,33 @@ class BridgeSpec:
                          "gpumagic": {"host": self.host, "session": self.session, "python": self.python,
                                       "sandbox": self.sandbox, "shutdown": SHUTDOWN_RULE}},
         }
+
+
+def host_of(hs: HostSpec, home: str | None = None) -> str | None:
+    """The text a kernelspec's bridge can reach the machine of ``hs`` by (``--host``, given to
+    ``gpumagic.connect``), or None when there is none.
+
+    The bridge knows a machine only by that text: an alias of ``~/.ssh/config`` or
+    ``user@host[:port]``, resolved with ``~/.ssh/config`` as ``ssh`` does.  A machine connected
+    with options the config does not hold (``-i KEY``, ``-J``) resolves otherwise from any
+    text: None.  The alias typed comes first, then ``user@alias:port``, then
+    ``user@hostname:port``: the first that resolves to ``hs``'s address, user, keys and jump
+    hosts.
+    """
+    from ..ssh.hosts import resolve
+
+    def same(text: str) -> bool:
+        try:
+            other = resolve(text, home=home)
+        except GpumagicError:
+            return False
+        return all(getattr(other, f) == getattr(hs, f)
+                   for f in ("hostname", "port", "user", "identity_files", "proxy_jump"))
+
+    port = "" if hs.port == 22 else f":{hs.port}"
+    host = f"[{hs.hostname}]" if ":" in hs.hostname else hs.hostname
+    return next((t for t in dict.fromkeys((hs.alias, f"{hs.user}@{hs.alias}{port}", f"{hs.user}@{host}{port}"))
+                 if same(t)), None)
 
 
 def _slug(text: str) -> str:
@@ -125,6 +161,13 @@ def install(spec: BridgeSpec, *, sys_prefix: bool = False) -> str:
     return dest
 
 
+def installed_text(spec: BridgeSpec, path: str) -> str:
+    """What ``gpumagic kernel install`` and ``%gpu kernel install`` say after :func:`install`."""
+    stop = Installed(spec.kernel_name, "", spec.host, spec.session, path, spec.sandbox).stop_command
+    return (f"installed kernelspec {spec.kernel_name} ({spec.to_json()['display_name']}) in {path}\n"
+            f"pick it in your front end's kernel list; its shutdown detaches, `{stop}` stops the session")
+
+
 @dataclass
 class Installed:
     """One gpumagic kernelspec found by jupyter_client."""
@@ -161,6 +204,16 @@ def installed() -> list[Installed]:
     return out
 
 
+def listing() -> str:
+    """What ``gpumagic kernel list`` and ``%gpu kernel list --kernelspecs`` print: one line per
+    installed gpumagic kernelspec (name, display name, ``host:session``, folder)."""
+    found = installed()
+    if not found:
+        return "no gpumagic kernelspec is installed (`gpumagic kernel install HOST` adds one)"
+    width = max(len(k.name) for k in found)
+    return "\n".join(f"{k.name:<{width}}  {k.display_name}  ({k.host}:{k.session})  {k.path}" for k in found)
+
+
 def find(name_or_host: str) -> Installed:
     """The installed gpumagic kernelspec named ``name_or_host`` (``gpumagic-HOST``, or just
     ``HOST``).
@@ -188,3 +241,9 @@ def uninstall(name_or_host: str) -> Installed:
     k = find(name_or_host)
     _manager().remove_kernel_spec(k.name)
     return k
+
+
+def uninstalled_text(k: Installed) -> str:
+    """What ``gpumagic kernel uninstall`` and ``%gpu kernel uninstall`` say after :func:`uninstall`."""
+    return (f"removed kernelspec {k.name} ({k.path}); the session {k.session} on {k.host} is not touched "
+            f"(`{k.stop_command}` stops it)")

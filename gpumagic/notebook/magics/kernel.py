@@ -20,6 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..._format import format_bytes
 from ...remote.kernel import (DEFAULT_NAME, KernelError, Output, RemoteKernel, RemoteValue, check_name,
                               list_kernels)
+from ...kernel_bridge import spec as kernelspec
 from .. import display
 from ._args import Subcommands, env_pairs, host_arg, parse
 from ._output import OutputCap
@@ -271,9 +272,16 @@ def _start(magics, line: str):
 
 
 @magic_arguments()
+@argument("--kernelspecs", action="store_true",
+          help="list the gpumagic kernelspecs installed on this computer instead (`%%gpu kernel install`)")
 @host_arg()
 def _list(magics, line: str):
     args = parse(_list, line, "kernel list")
+    if args.kernelspecs:
+        if args.host is not None:
+            raise UsageError("--kernelspecs lists every machine's kernelspecs: leave out --host")
+        print(kernelspec.listing())
+        return
     m = magics.fleet.get(args.host)
     kernels = list_kernels(m)
     from IPython.display import display as ipy_display
@@ -517,10 +525,82 @@ def _autorun(magics, line: str):
           "`%gpu kernel autorun off` ends it")
 
 
+# -- kernelspecs: the session in a front end's kernel list (gpumagic.kernel_bridge) ------------
+
+
+def kernelspec_args(fn):
+    """``[HOST]``, ``--sandbox`` and ``--name SESSION``: the session a kernelspec picks."""
+    host = argument("target", nargs="?", metavar="HOST",
+                    help="a connected machine's name, a ~/.ssh/config alias or user@host[:port] "
+                         "(default: the current machine)")
+    sandbox = argument("--sandbox", action="store_true",
+                       help="the local sandbox machine (as `%%gpu connect --sandbox`; nothing rented)")
+    name = argument("--name", default=DEFAULT_NAME, metavar="SESSION",
+                    help=f"the session on the machine (default: {DEFAULT_NAME}, as for `%%gpu kernel start`)")
+    return host(sandbox(name(fn)))
+
+
+def _kernelspec_host(magics, args) -> tuple[str, bool]:
+    """``(host, sandbox)`` for :class:`gpumagic.kernel_bridge.spec.BridgeSpec` from ``HOST`` /
+    ``--sandbox``: a connected machine (the current one by default) as the bridge can reach
+    it, or the text given, as ``gpumagic kernel install`` takes it."""
+    if args.sandbox:
+        if args.target:
+            raise UsageError(f"give either HOST or --sandbox, not both ({args.target!r})")
+        return kernelspec.SANDBOX, True
+    if args.target and args.target not in magics.fleet.machines:
+        return args.target, False
+    m = magics.fleet.get(args.target)
+    if m.sandbox is not None:
+        from ...ssh.sandbox import sandbox_home
+
+        if m.sandbox.home != sandbox_home():
+            raise UsageError(f"{m.name} is a sandbox with a home of its own (--name {m.name}); a kernelspec "
+                             "reaches only the default sandbox: `%gpu kernel install --sandbox`")
+        return kernelspec.SANDBOX, True
+    host = kernelspec.host_of(m.spec)
+    if host is None:
+        raise UsageError(f"{m.name} was connected with options ~/.ssh/config does not hold (-i, -J, -l or -p), "
+                         "and a kernelspec reaches a machine by a name alone: run your `%gpu connect` line again "
+                         "with --save NAME (it writes a Host block to ~/.ssh/config), then `%gpu kernel install`")
+    return host, False
+
+
+@magic_arguments()
+@kernelspec_args
+@argument("--python", metavar="PATH", help="the machine's Python for the session (default: python3 there; "
+          "on the sandbox, this Python)")
+@argument("--display-name", help="the name shown in the kernel list (default: Python 3 on HOST (gpumagic))")
+@argument("--sys-prefix", action="store_true",
+          help="install into this environment's share/jupyter, not the user's data directory")
+def _install(magics, line: str):
+    args = parse(_install, line, "kernel install")
+    session = _name(args.name)
+    host, sandbox = _kernelspec_host(magics, args)
+    spec = kernelspec.BridgeSpec(host=host, session=session or DEFAULT_NAME, python=args.python,
+                                 sandbox=sandbox, display_name=args.display_name)
+    print(kernelspec.installed_text(spec, kernelspec.install(spec, sys_prefix=args.sys_prefix)))
+
+
+@magic_arguments()
+@argument("kernel", nargs="?", metavar="KERNELSPEC",
+          help="gpumagic-HOST, or HOST (default: the kernelspec of the current machine's session --name)")
+@argument("--name", default=DEFAULT_NAME, metavar="SESSION",
+          help=f"without KERNELSPEC: the session whose kernelspec goes (default: {DEFAULT_NAME})")
+def _uninstall(magics, line: str):
+    args = parse(_uninstall, line, "kernel uninstall")
+    name = args.kernel
+    if name is None:
+        args.target, args.sandbox = None, False
+        host, sandbox = _kernelspec_host(magics, args)
+        name = kernelspec.BridgeSpec(host=host, session=_name(args.name) or DEFAULT_NAME, sandbox=sandbox).kernel_name
+    print(kernelspec.uninstalled_text(kernelspec.uninstall(name)))
+
+
 #: ``%gpu kernel SUB``: name -> (function, summary, usage).
 KERNEL = Subcommands("%gpu kernel", {
     "start": (_start, "start one (or say it runs)", "[NAME] [--python PATH] [--cwd DIR] [--env K=V] [--install]"),
-    "list": (_list, "name, python, state (idle / busy since), GPU memory"),
+    "list": (_list, "name, python, state (idle / busy since), GPU memory", "[--kernelspecs]"),
     "attach": (_attach, "show what it printed while you were away, then follow", "[NAME]"),
     "push": (_push, "copy variables from here to the session", "VAR... [-k NAME]"),
     "pull": (_pull, "copy variables from the session to here", "VAR... [-k NAME]"),
@@ -528,6 +608,9 @@ KERNEL = Subcommands("%gpu kernel", {
     "restart": (_restart, "a new kernel (variables are lost)", "NAME"),
     "stop": (_stop, "stop it and its processes", "NAME"),
     "autorun": (_autorun, "send every following code cell to the session", "on [NAME] | off"),
+    "install": (_install, "a kernelspec: the session in JupyterLab's kernel list",
+                "[HOST] [--name SESSION] [--python PATH]"),
+    "uninstall": (_uninstall, "remove that kernelspec (the session runs on)", "[KERNELSPEC]"),
 }, intro="%gpu kernel: a live Python session on the machine (ipykernel), kept running when this\n"
          "notebook closes; variables persist between cells.",
    outro="%%remote --kernel [NAME] runs one cell there (default: the session used last, or the\n"
