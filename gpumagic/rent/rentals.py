@@ -9,11 +9,12 @@ Provider settings that are not secret (a base URL, the SSH user) are in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import ConfigError, GpumagicError
 from .base import Instance, NoOffer, Offer, Provider, RentError, StuckPending, offer_matches
@@ -138,15 +139,27 @@ class Renter:
     def load(self) -> RentalsFile:
         return RentalsFile.load(self.path)
 
+    @contextlib.contextmanager
+    def update(self) -> Iterator[RentalsFile]:
+        """``rentals.json`` read, changed by the caller, and written back, under the lock file
+        ``rentals.json.lock`` (the budget ledger's lock: :func:`gpumagic._fs.locked`), so two
+        notebooks renting at once never lose each other's record."""
+        from .._fs import locked, private_dir
+
+        private_dir(self.dir)
+        with locked(self.path.with_name(self.path.name + ".lock")):
+            f = self.load()
+            yield f
+            f.save(self.path)
+
     def configure(self, provider: str, **settings) -> None:
         """Store non-secret settings for ``provider`` (``base_url=...``); ``None`` keeps a value."""
         _check_provider(provider)
-        f = self.load()
-        s = f.providers.setdefault(provider, ProviderSettings())
-        for k, v in settings.items():
-            if v is not None:
-                setattr(s, k, v)
-        f.save(self.path)
+        with self.update() as f:
+            s = f.providers.setdefault(provider, ProviderSettings())
+            for k, v in settings.items():
+                if v is not None:
+                    setattr(s, k, v)
         self._providers.pop(provider, None)
 
     def provider(self, name: str, key: str | None = None) -> Provider:
@@ -253,10 +266,9 @@ class Renter:
 
     def note_host_key(self, name: str, fingerprint: str) -> None:
         """Record the host key fingerprint the machine ``name`` was reached with."""
-        f = self.load()
-        if name in f.rentals and f.rentals[name].host_key != fingerprint:
-            f.rentals[name].host_key = fingerprint
-            f.save(self.path)
+        with self.update() as f:
+            if name in f.rentals:
+                f.rentals[name].host_key = fingerprint
 
     def rent(self, offer: Offer, *, name: str, public_key: str, key_path: str = "", disk_gb: int = 50,
              image: str | None = None, progress: Callable[[str], None] = lambda _line: None) -> Instance:
@@ -271,10 +283,9 @@ class Renter:
                               f"pick another --name, or `%gpu release {name}` first")
         p = self.provider(offer.provider)
         inst = p.create(offer, name=name, public_key=public_key, disk_gb=disk_gb, image=image)
-        f = self.load()
-        f.rentals[name] = RentalRecord(offer.provider, inst.id, offer.id, inst.price_hr or offer.price_hr,
-                                       time.time(), key_path)
-        f.save(self.path)
+        with self.update() as f:
+            f.rentals[name] = RentalRecord(offer.provider, inst.id, offer.id, inst.price_hr or offer.price_hr,
+                                           time.time(), key_path)
         progress(f"{name}: {offer.provider} instance {inst.id} created ({inst.raw_state or inst.state})")
         return self.wait(name, "running", progress=progress)
 
@@ -326,9 +337,8 @@ class Renter:
         except RentError as e:
             if getattr(e, "status", None) != 404:
                 raise
-        f = self.load()
-        f.rentals.pop(name, None)
-        f.save(self.path)
+        with self.update() as f:
+            f.rentals.pop(name, None)
 
     def status(self, name: str) -> Instance:
         rec = self.record(name)
