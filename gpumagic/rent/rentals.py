@@ -40,7 +40,10 @@ class RentalRecord:
     """One rental by name: ``provider``, ``instance_id``, the ``offer`` id, ``price_hr`` at
     rent time (USD per hour), ``created`` (epoch seconds), ``key`` (the private key file the
     machine is reached with), ``host_key`` (the SHA256 fingerprint of the host key the user
-    trusted for it: after a start moves it to a new port, only that key is trusted there)."""
+    trusted for it: after a start moves it to a new port, only that key is trusted there),
+    ``stop_action`` (what the budget guard does to end its bill from the machine: ``stop``, or
+    ``release``) and ``key_on_machine`` (the user agreed to place their API key on the machine
+    for that: ``%gpu budget guard --with-my-key``)."""
 
     provider: str
     instance_id: str
@@ -49,6 +52,8 @@ class RentalRecord:
     created: float = 0.0
     key: str = ""
     host_key: str = ""
+    stop_action: str = "stop"
+    key_on_machine: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "RentalRecord":
@@ -269,6 +274,19 @@ class Renter:
         with self.update() as f:
             if name in f.rentals:
                 f.rentals[name].host_key = fingerprint
+
+    def guard_choice(self, name: str, *, release: bool | None = None, with_my_key: bool | None = None) -> RentalRecord:
+        """Record how the guard of ``name`` ends its bill: ``release`` instead of stop, and
+        whether the user's key may be placed on the machine (``None`` keeps a choice)."""
+        with self.update() as f:
+            if name not in f.rentals:
+                raise ConfigError(f"no rental named {name!r}", "`%gpu rentals` lists them")
+            rec = f.rentals[name]
+            if release is not None:
+                rec.stop_action = "release" if release else "stop"
+            if with_my_key is not None:
+                rec.key_on_machine = with_my_key
+        return rec
 
     def rent(self, offer: Offer, *, name: str, public_key: str, key_path: str = "", disk_gb: int = 50,
              image: str | None = None, progress: Callable[[str], None] = lambda _line: None) -> Instance:
