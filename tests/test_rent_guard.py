@@ -240,3 +240,23 @@ def test_the_program_finds_the_injected_key_where_the_platforms_images_export_it
     assert _check(tmp_path, "", {}) == "nokey RUNPOD_API_KEY"
     (tmp_path / "bill" / "key").write_text("users-key\n", encoding="utf-8")
     assert _check(tmp_path, "", {}, key_file=True).endswith(f" your_key_({tmp_path / 'bill' / 'key'})")
+
+
+def test_an_image_that_hides_the_injected_key_is_one_line_then_with_my_key_stops_with_yours(
+        request, tmp_path, vast, sshkey):
+    g = _rented(request, tmp_path, vast, "vast", sshkey, "vast:4101", base_url=vast.url)
+    g.m.close()
+    g.box.server.env.pop("CONTAINER_API_KEY")  # an image that exports it nowhere SSH sessions see
+    g.box.stop()
+    g.box.start(g.box.server.port)
+    g.m = gpumagic.connect(f"{USER}@{g.inst.host}:{g.inst.port}", key=str(sshkey), name="g1", trust_new_host=True)
+    g.m.rental = RentalStop(g.r, "g1")
+    with pytest.raises(BudgetError) as e:
+        g.m.budget_guard(idle=60, ledger=g.ledger)
+    assert e.value.message.startswith("g1: CONTAINER_API_KEY is not on the machine") and "\n" not in e.value.message
+    assert e.value.hint.startswith("add --with-my-key to place your vast key there instead")
+    g.r.guard_choice("g1", with_my_key=True)
+    g.m.budget_guard(idle=1, grace=0, poll=1, ledger=g.ledger)
+    g.m.close()
+    assert wait_until(lambda: "confirmed through the API" in g.guard_file("log"), EVENT_S), g.guard_file("log")
+    assert vast.stops == [(g.inst.id, "stop", "account")]
