@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int | None = None,
@@ -67,3 +69,27 @@ def private_dir(path: str | os.PathLike) -> Path:
     if st.st_mode & 0o077 and st.st_uid == getuid():  # another user's directory: not ours to change
         os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
     return path
+
+
+@contextlib.contextmanager
+def locked(lock_path: str | os.PathLike, unwritable=None) -> Iterator[None]:
+    """Hold the lock file ``lock_path`` exclusively (waiting for it) for the block: the lock
+    of every read-modify-write of a file two notebooks may change at once (the budget ledger,
+    ``rentals.json``).
+
+    filelock takes it with ``flock`` on POSIX and ``msvcrt.locking`` on Windows, so two
+    notebooks writing at once on either never lose a record.  ``unwritable`` turns an
+    ``OSError`` taking it (a read-only folder) into the caller's error (called with it)."""
+    import filelock
+
+    lock = filelock.FileLock(os.fspath(lock_path), mode=0o600)
+    try:
+        lock.acquire()
+    except OSError as e:
+        if unwritable is None:
+            raise
+        raise unwritable(e) from None
+    try:
+        yield
+    finally:
+        lock.release()

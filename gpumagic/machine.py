@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .remote.jobs import Job, JobInfo
     from .remote.keep import KeepOptions
     from .remote.kernel import RemoteKernel
+    from .rent.billstop import RentalStop
     from .sync.engine import SyncOptions, SyncSummary
 
 
@@ -128,6 +129,10 @@ class Machine:
         #: The live Python sessions this process has used here (they keep running on the
         #: machine when it is closed).
         self.kernels = Kernels(self)
+        #: The rental this machine is (:class:`gpumagic.rent.billstop.RentalStop`, set by
+        #: ``%gpu rent`` and ``%gpu start``), or None: its guard stops the bill through the
+        #: platform's API instead of shutting down.
+        self.rental: RentalStop | None = None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -420,7 +425,12 @@ class Machine:
     def shutdown_plan(self) -> "ShutdownPlan":
         """How this machine can power itself off (one round trip): the command, or why none
         can run, with what to do instead; see :func:`gpumagic.budget.shutdown.find_shutdown`.
-        The budget guard and ``--then-shutdown`` jobs arm what this returns."""
+        For a rental (:attr:`rental`), the stop of its bill through the platform's API, sent
+        from the machine (:meth:`gpumagic.rent.billstop.RentalStop.plan`: it raises
+        :class:`gpumagic.errors.BudgetError` where that cannot be).  The budget guard and
+        ``--then-shutdown`` jobs arm what this returns."""
+        if self.rental is not None:
+            return self.rental.plan(self)
         return find_shutdown(self)
 
     def scratch_dir(self) -> str | None:

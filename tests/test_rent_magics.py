@@ -12,6 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "providers"))
 
+from IPython.core.error import UsageError  # noqa: E402
+
 from gpumagic.errors import BadKey, NoOffer, NotSupported, RateLimited, ReleaseRefused, UnknownHostKey  # noqa: E402
 from gpumagic.keys import keygen  # noqa: E402
 from gpumagic.rent import KeyStore, Renter  # noqa: E402
@@ -197,3 +199,51 @@ def test_a_start_that_brings_another_host_key_is_refused(shell, runpod, capsys):
     gpu(shell, "start rk1 --trust-new-host")  # the user compared it with the platform's console
     assert shell._gpumagic.state.renter.record("rk1").host_key == box.host_key_fingerprint
     gpu(shell, "release rk1 --yes")
+
+
+def test_the_guard_of_a_rental_stops_its_bill_and_the_notebook_reads_stopped_through_the_api(shell, runpod, capsys):
+    from gpumagic.errors import BudgetError
+    from conftest import wait_until
+
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
+    gpu(shell, f"rent --gpu 4090 --name rg1 -i {shell.sshkey} --trust-new-host")
+    capsys.readouterr()
+    m = shell._gpumagic.fleet.get("rg1")
+    m.rental, rental = None, m.rental  # as a machine connected by `%gpu connect`, not rented here
+    with pytest.raises(UsageError) as e:
+        gpu(shell, "budget guard --idle 1s --with-my-key")
+    assert str(e.value) == "--release and --with-my-key are for a rental (`%gpu rent`); rg1 is not one"
+    m.rental = rental
+    gpu(shell, "budget guard --idle 1s --grace 0s --poll 1")
+    out = capsys.readouterr().out
+    assert "it ends the bill with the runpod API's stop, sent from rg1 itself (the laptop may be closed)" in out
+    assert "your runpod API key" not in out  # RunPod injects a pod-scoped key: the user's stays here
+    box = list(runpod.boxes.values())[0]
+    assert not (box.home / ".gpumagic" / "bill" / "key").exists()
+    shell._gpumagic.fleet.get("rg1").close()  # the laptop's link is cut
+    assert wait_until(lambda: runpod.stops, 90)
+    assert runpod.stops == [(list(runpod.pods)[0], "stop", "instance")]
+    gpu(shell, "budget guard --host rg1")
+    assert capsys.readouterr().out == ("rg1: stopped (EXITED), as the runpod API reads it now: its GPU is no "
+                                       "longer billed; `%gpu start rg1` resumes it\n")
+    gpu(shell, "rentals")
+    assert "EXITED" in capsys.readouterr().out
+    with pytest.raises(BudgetError) as e:  # nothing is armed on a stopped machine
+        gpu(shell, "budget guard --idle 1s --host rg1")
+    assert e.value.message == "rg1 is stopped (EXITED) as the runpod API reads it: there is nothing to guard"
+    gpu(shell, "release rg1 --yes")
+
+
+def test_with_my_key_places_the_key_says_where_and_cancel_removes_it(shell, runpod, capsys):
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
+    gpu(shell, f"rent --gpu 4090 --name rk2 -i {shell.sshkey} --trust-new-host")
+    capsys.readouterr()
+    gpu(shell, "budget guard --idle 1h --with-my-key")
+    out = capsys.readouterr().out
+    assert ("your runpod API key is stored on rk2 in ~/.gpumagic/bill/key (0600), for the guard to stop it from "
+            "there; `%gpu budget guard --cancel` removes it") in out
+    key = list(runpod.boxes.values())[0].home / ".gpumagic" / "bill" / "key"
+    assert key.read_text(encoding="utf-8") == "good-key\n" and key.stat().st_mode & 0o777 == 0o600
+    gpu(shell, "budget guard --cancel")
+    assert "your API key was removed from rk2" in capsys.readouterr().out and not key.exists()
+    gpu(shell, "release rk2 --yes")

@@ -346,3 +346,28 @@ def test_the_stand_ins_refuse_what_the_published_documents_do_not_define(tmp_pat
     for s in (vast, runpod, lam):
         s.violations.clear()
     assert len(found) == 3
+
+
+_WRITER = """
+import sys, time
+from gpumagic.rent import KeyStore, Renter
+from gpumagic.rent.rentals import RentalRecord
+r = Renter(sys.argv[1], keys=KeyStore(sys.argv[1] + "/keys", use_keyring=False))
+while not __import__("os").path.exists(sys.argv[3]):  # both start writing at once
+    time.sleep(0.001)
+for i in range(40):
+    with r.update() as f:
+        f.rentals[f"{sys.argv[2]}{i}"] = RentalRecord("runpod", f"{sys.argv[2]}-{i}")
+"""
+
+
+def test_two_notebooks_recording_rentals_at_once_lose_no_record(tmp_path):
+    import subprocess
+
+    data, go = tmp_path / "data", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(data), who, str(go)]) for who in ("a", "b")]
+    go.touch()
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    names = set(Renter(data, keys=KeyStore(data / "keys", use_keyring=False)).load().rentals)
+    assert names == {f"{who}{i}" for who in "ab" for i in range(40)}  # 80: each read-modify-write locked
+    assert (data / "rentals.json.lock").exists()

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
-from .._fs import atomic_write, private_dir
+from .._fs import atomic_write, locked, private_dir
 from ..errors import ConfigError, LedgerError  # noqa: F401 (LedgerError: its old home)
 from ..paths import data_dir
 from .prices import (MAX_AMOUNT, MAX_SPAN_S, BudgetError, MeterReading, Prices, is_number, meter,
@@ -406,26 +406,11 @@ def record_problem(rec) -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def _locked(lock_path: Path, unwritable=None):
-    """Hold the ledger's lock file ``lock_path`` exclusively (waiting for it) for the block.
-
-    filelock takes it with ``flock`` on POSIX and ``msvcrt.locking`` on Windows, so two
-    notebooks recording at once on either never lose a record.  ``unwritable`` turns an
-    ``OSError`` taking it (a read-only folder) into gpumagic's error."""
-    import filelock
-
-    lock = filelock.FileLock(os.fspath(lock_path), mode=0o600)
-    try:
-        lock.acquire()
-    except OSError as e:
-        if unwritable is None:
-            raise
-        raise unwritable(e) from None
-    try:
-        yield
-    finally:
-        lock.release()
+    """The ledger's lock file ``lock_path``, held for the block (:func:`gpumagic._fs.locked`:
+    flock on POSIX, msvcrt.locking on Windows), so two notebooks recording at once never lose
+    a record."""
+    return locked(lock_path, unwritable)
 
 
 

@@ -78,6 +78,39 @@ class Instance:
         return self.state == "running" and bool(self.host) and bool(self.port)
 
 
+@dataclass(frozen=True)
+class SelfStop:
+    """How an instance ends its own bill through the platform's API, from the machine itself
+    (the budget guard's stop on a rental; see :mod:`gpumagic.rent.billstop`).
+
+    Attributes
+    ----------
+    method, path : str
+        The one request that stops (or releases) the instance, under the API's base URL.
+    body : dict or None
+        Its JSON body.
+    status_path : str
+        ``GET`` of the instance now, to confirm.
+    field : tuple of str
+        Where the state is in that answer (keys, outermost first).
+    done : tuple of str
+        The values of ``field`` that mean the bill stopped (a 404 there: the instance is gone).
+    action : str
+        ``stop`` or ``release``.
+    spacing_s : float
+        Least seconds between two requests (the platform's rate limit).
+    """
+
+    method: str
+    path: str
+    body: dict | None
+    status_path: str
+    field: tuple[str, ...]
+    done: tuple[str, ...]
+    action: str = "stop"
+    spacing_s: float = 0.0
+
+
 class Provider(ABC):
     """What gpumagic needs of a rental platform.  Every method makes API calls; none waits
     for a state (the waiting is :mod:`.rentals`' job)."""
@@ -88,6 +121,31 @@ class Provider(ABC):
     can_stop: bool = True
     #: Which API (and version) the module was written against, for the docs and errors.
     api_version: str = ""
+    #: The environment variables the platform puts into each instance: an API key scoped to
+    #: that instance, and the instance's own id ("": it injects none, e.g. Lambda).
+    instance_key_env: str = ""
+    instance_id_env: str = ""
+    #: Files the platform's images export those variables to for SSH sessions (their
+    #: ``NAME=VALUE`` or ``export NAME="VALUE"`` lines), read after the program's own
+    #: environment and before PID 1's (``/proc/1/environ``).
+    instance_env_files: tuple[str, ...] = ()
+
+    @property
+    def base_url(self) -> str:
+        """The API's root that :meth:`self_stop`'s paths hang from."""
+        return self.api.base_url  # type: ignore[attr-defined]
+
+    def self_stop(self, instance_id: str, *, release: bool = False) -> SelfStop:
+        """The request that stops (``release``: terminates) ``instance_id`` and the read that
+        confirms it, for the machine to send itself.
+
+        Raises
+        ------
+        NotSupported
+            A stop where the platform can only terminate.
+        """
+        raise NotSupported(f"{self.name} cannot stop an instance, only terminate it",
+                           "add --release: the guard then releases it (its disk is lost)")
 
     @abstractmethod
     def offers(self, *, gpu: str | None = None, vram_gb: float | None = None, max_price: float | None = None,

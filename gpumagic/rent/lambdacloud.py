@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from .base import (CreateTimeout, InsufficientBalance, Instance, NoOffer, Offer, Provider, RentError,
-                   offer_matches)
+                   SelfStop, offer_matches)
 from .http import Api, NoAnswer
 
 API_VERSION = "Lambda Cloud API v1 (openapi 1.5.3)"
@@ -123,6 +123,16 @@ class LambdaCloud(Provider):
 
     def release(self, instance_id: str) -> None:
         self.api.request("POST", "/instance-operations/terminate", json={"instance_ids": [instance_id]})
+
+    def self_stop(self, instance_id: str, *, release: bool = False) -> SelfStop:
+        """Lambda has no stop, and puts no key on its machines (its Cloud API documentation
+        names none): only a terminate, sent with the user's own key where they agreed to
+        place it there; confirmed by ``status`` (``terminating``, ``terminated``)."""
+        if not release:
+            return super().self_stop(instance_id, release=release)
+        return SelfStop("POST", "/instance-operations/terminate", {"instance_ids": [instance_id]},
+                        f"/instances/{instance_id}", ("data", "status"), ("terminating", "terminated"), "release",
+                        spacing_s=SPACING[""])
 
     def _instance(self, i: dict) -> Instance:
         state = _STATES.get(i.get("status", ""), "pending")

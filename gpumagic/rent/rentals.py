@@ -9,11 +9,12 @@ Provider settings that are not secret (a base URL, the SSH user) are in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import ConfigError, GpumagicError
 from .base import Instance, NoOffer, Offer, Provider, RentError, StuckPending, offer_matches
@@ -39,7 +40,10 @@ class RentalRecord:
     """One rental by name: ``provider``, ``instance_id``, the ``offer`` id, ``price_hr`` at
     rent time (USD per hour), ``created`` (epoch seconds), ``key`` (the private key file the
     machine is reached with), ``host_key`` (the SHA256 fingerprint of the host key the user
-    trusted for it: after a start moves it to a new port, only that key is trusted there)."""
+    trusted for it: after a start moves it to a new port, only that key is trusted there),
+    ``stop_action`` (what the budget guard does to end its bill from the machine: ``stop``, or
+    ``release``) and ``key_on_machine`` (the user agreed to place their API key on the machine
+    for that: ``%gpu budget guard --with-my-key``)."""
 
     provider: str
     instance_id: str
@@ -48,6 +52,8 @@ class RentalRecord:
     created: float = 0.0
     key: str = ""
     host_key: str = ""
+    stop_action: str = "stop"
+    key_on_machine: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "RentalRecord":
@@ -214,15 +220,27 @@ class Renter:
     def load(self) -> RentalsFile:
         return RentalsFile.load(self.path)
 
+    @contextlib.contextmanager
+    def update(self) -> Iterator[RentalsFile]:
+        """``rentals.json`` read, changed by the caller, and written back, under the lock file
+        ``rentals.json.lock`` (the budget ledger's lock: :func:`gpumagic._fs.locked`), so two
+        notebooks renting at once never lose each other's record."""
+        from .._fs import locked, private_dir
+
+        private_dir(self.dir)
+        with locked(self.path.with_name(self.path.name + ".lock")):
+            f = self.load()
+            yield f
+            f.save(self.path)
+
     def configure(self, provider: str, **settings) -> None:
         """Store non-secret settings for ``provider`` (``base_url=...``); ``None`` keeps a value."""
         _check_provider(provider)
-        f = self.load()
-        s = f.providers.setdefault(provider, ProviderSettings())
-        for k, v in settings.items():
-            if v is not None:
-                setattr(s, k, v)
-        f.save(self.path)
+        with self.update() as f:
+            s = f.providers.setdefault(provider, ProviderSettings())
+            for k, v in settings.items():
+                if v is not None:
+                    setattr(s, k, v)
         self._providers.pop(provider, None)
 
     def provider(self, name: str, key: str | None = None) -> Provider:
@@ -329,10 +347,22 @@ class Renter:
 
     def note_host_key(self, name: str, fingerprint: str) -> None:
         """Record the host key fingerprint the machine ``name`` was reached with."""
-        f = self.load()
-        if name in f.rentals and f.rentals[name].host_key != fingerprint:
-            f.rentals[name].host_key = fingerprint
-            f.save(self.path)
+        with self.update() as f:
+            if name in f.rentals:
+                f.rentals[name].host_key = fingerprint
+
+    def guard_choice(self, name: str, *, release: bool | None = None, with_my_key: bool | None = None) -> RentalRecord:
+        """Record how the guard of ``name`` ends its bill: ``release`` instead of stop, and
+        whether the user's key may be placed on the machine (``None`` keeps a choice)."""
+        with self.update() as f:
+            if name not in f.rentals:
+                raise ConfigError(f"no rental named {name!r}", "`%gpu rentals` lists them")
+            rec = f.rentals[name]
+            if release is not None:
+                rec.stop_action = "release" if release else "stop"
+            if with_my_key is not None:
+                rec.key_on_machine = with_my_key
+        return rec
 
     def rent(self, offer: Offer, *, name: str, public_key: str, key_path: str = "", disk_gb: int = 50,
              image: str | None = None, progress: Callable[[str], None] = lambda _line: None) -> Instance:
@@ -347,10 +377,9 @@ class Renter:
                               f"pick another --name, or `%gpu release {name}` first")
         p = self.provider(offer.provider)
         inst = p.create(offer, name=name, public_key=public_key, disk_gb=disk_gb, image=image)
-        f = self.load()
-        f.rentals[name] = RentalRecord(offer.provider, inst.id, offer.id, inst.price_hr or offer.price_hr,
-                                       time.time(), key_path)
-        f.save(self.path)
+        with self.update() as f:
+            f.rentals[name] = RentalRecord(offer.provider, inst.id, offer.id, inst.price_hr or offer.price_hr,
+                                           time.time(), key_path)
         progress(f"{name}: {offer.provider} instance {inst.id} created ({inst.raw_state or inst.state})")
         return self.wait(name, "running", progress=progress)
 
@@ -402,9 +431,8 @@ class Renter:
         except RentError as e:
             if getattr(e, "status", None) != 404:
                 raise
-        f = self.load()
-        f.rentals.pop(name, None)
-        f.save(self.path)
+        with self.update() as f:
+            f.rentals.pop(name, None)
 
     def status(self, name: str) -> Instance:
         rec = self.record(name)

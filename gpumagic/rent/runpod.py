@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import (InsufficientBalance, Instance, NoOffer, Offer, Provider, RentError, offer_matches)
+from .base import (InsufficientBalance, Instance, NoOffer, Offer, Provider, RentError, SelfStop, offer_matches)
 from .http import Api, NoAnswer
 
 API_VERSION = "RunPod REST API v1 (openapi 0.1.0) + v2 catalog (2.0.0, beta)"
@@ -49,6 +49,16 @@ class RunPod(Provider):
     name = "runpod"
     can_stop = True
     api_version = API_VERSION
+    # docs.runpod.io "Environment variables" (github.com/runpod/docs
+    # pods/templates/environment-variables.mdx, commit e979ee42 of 2026-07-20): "RUNPOD_POD_ID:
+    # Unique Pod identifier", "RUNPOD_API_KEY: Pod-scoped API key"; "Manage Pods" shows
+    # `runpodctl stop pod $RUNPOD_POD_ID` run inside the pod.  RunPod's images export the
+    # RUNPOD_ variables for SSH sessions to /etc/rp_environment (serverless/development/
+    # dual-mode-worker.mdx shows the start script's `printenv | grep -E '^RUNPOD_' ... >>
+    # /etc/rp_environment`).  The stop is REST v1's POST /pods/{podId}/stop with that key.
+    instance_key_env = "RUNPOD_API_KEY"
+    instance_id_env = "RUNPOD_POD_ID"
+    instance_env_files = ("/etc/rp_environment",)
 
     def __init__(self, key: str, *, base_url: str = REST_URL, catalog_url: str = CATALOG_URL,
                  timeout: float = 30.0, user: str = "root", **api):
@@ -122,6 +132,15 @@ class RunPod(Provider):
 
     def release(self, instance_id: str) -> None:
         self.api.request("DELETE", f"/pods/{instance_id}")
+
+    def self_stop(self, instance_id: str, *, release: bool = False) -> SelfStop:
+        """``POST /pods/{podId}/stop`` (or ``DELETE /pods/{podId}``), confirmed by the pod's
+        ``desiredStatus``."""
+        if release:
+            return SelfStop("DELETE", f"/pods/{instance_id}", None, f"/pods/{instance_id}", ("desiredStatus",),
+                            ("TERMINATED",), "release")
+        return SelfStop("POST", f"/pods/{instance_id}/stop", None, f"/pods/{instance_id}", ("desiredStatus",),
+                        ("EXITED", "TERMINATED"))
 
     def _instance(self, pod: dict) -> Instance:
         raw = pod.get("desiredStatus") or ""

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from .base import (CreateTimeout, InsufficientBalance, Instance, NoOffer, Offer, Provider, RentError,
-                   offer_matches)
+                   SelfStop, offer_matches)
 from .http import Api, NoAnswer
 
 API_VERSION = "vast.ai API (openapi 1.0.0, vast-ai/docs e758d35; vast-cli 5567983)"
@@ -42,6 +42,17 @@ class Vast(Provider):
     name = "vast"
     can_stop = True
     api_version = API_VERSION
+    # docs.vast.ai "Docker Execution Environment" (github.com/vast-ai/docs
+    # guides/instances/docker-environment.mdx, commit 1ee047d of 2026-04-28): every instance
+    # gets CONTAINER_API_KEY ("per-instance API key for CLI commands from inside the
+    # container") and CONTAINER_ID; `vastai stop instance $CONTAINER_ID --api-key
+    # $CONTAINER_API_KEY` works from inside; SSH sessions see them where the image exports
+    # them to /etc/environment ("handled automatically in the entrypoint of images published
+    # by Vast.ai").  api-reference/hello-world.mdx: the key "can only start, stop, or destroy
+    # that specific instance" (and read it: `vastai show instance`).
+    instance_key_env = "CONTAINER_API_KEY"
+    instance_id_env = "CONTAINER_ID"
+    instance_env_files = ("/etc/environment",)
 
     def __init__(self, key: str, *, base_url: str = BASE_URL, timeout: float = 30.0, user: str = "root", **api):
         self.api = Api(self.name, base_url, key, timeout=timeout, error_text=_error_text, **api)
@@ -119,6 +130,14 @@ class Vast(Provider):
 
     def release(self, instance_id: str) -> None:
         self.api.request("DELETE", f"/api/v0/instances/{instance_id}")
+
+    def self_stop(self, instance_id: str, *, release: bool = False) -> SelfStop:
+        """vast-cli's ``stop instance`` (``PUT /api/v0/instances/{id}`` with ``state``) or
+        ``destroy instance`` (``DELETE``); confirmed by ``intended_status`` of ``GET``."""
+        path = f"/api/v0/instances/{instance_id}"
+        if release:
+            return SelfStop("DELETE", path, None, path, ("instances", "intended_status"), (), "release")
+        return SelfStop("PUT", path, {"state": "stopped"}, path, ("instances", "intended_status"), ("stopped",))
 
     def _instance(self, i: dict) -> Instance:
         actual, intended = i.get("actual_status") or "", i.get("intended_status") or ""

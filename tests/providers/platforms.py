@@ -37,12 +37,16 @@ _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stand-in-sshd")
 
 
 class _Box:
-    """One instance's sshd."""
+    """One instance's sshd, with a GPU (the replaying nvidia-smi, idle) and the variables the
+    platform injects into its instances (``env``).  A platform puts them in the container's
+    environment and its images export them to SSH sessions (vast.ai: /etc/environment; RunPod:
+    /etc/rp_environment); here sshd's ``SetEnv`` puts them in every session's environment."""
 
-    def __init__(self, base: Path, name: str, host: str = "127.0.0.1", port: int = 0):
-        home = base / name / "home"
-        home.mkdir(parents=True, exist_ok=True)
-        self.server = SshServer(base / name, env={"HOME": str(home)}, alias=name)
+    def __init__(self, base: Path, name: str, host: str = "127.0.0.1", port: int = 0, env: dict | None = None):
+        self.home = base / name / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.server = SshServer(base / name, env={"HOME": str(self.home), **(env or {})}, alias=name,
+                                fake_gpu="h200-idle")
         self.server.host = host
         self.server.port = port
 
@@ -54,7 +58,29 @@ class _Box:
         self.server.stop()
 
 
-class RunPodServer(SpecServer):
+class _InstanceKeys:
+    """A key per instance that the stand-in injects into it, good for that instance's own
+    requests only (vast.ai's CONTAINER_API_KEY, RunPod's pod-scoped RUNPOD_API_KEY), and a count
+    of the stops and releases each instance was sent, with which kind of key."""
+
+    def _init_instance_keys(self):
+        self.instance_keys: dict[str, str] = {}   # key -> instance id
+        self.stops: list[tuple[str, str, str]] = []  # (instance id, "stop"|"release", "instance"|"account")
+
+    def _new_instance_key(self, iid) -> str:
+        key = f"inst-{uuid.uuid4().hex}"
+        self.instance_keys[key] = str(iid)
+        return key
+
+    def _own(self, token, path, prefix) -> bool:
+        iid = self.instance_keys.get(token)
+        return iid is not None and (path == f"{prefix}{iid}" or path.startswith(f"{prefix}{iid}/"))
+
+    def _count(self, iid, action, token) -> None:
+        self.stops.append((str(iid), action, "instance" if token in self.instance_keys else "account"))
+
+
+class RunPodServer(_InstanceKeys, SpecServer):
     allowed_undocumented = (401, 429)  # v1 lists 401 only for stop/start/delete; 429 nowhere
 
     def __init__(self, base: Path, *, boot_reads: int = 1, **kw):
@@ -68,6 +94,10 @@ class RunPodServer(SpecServer):
         self._reads: dict[str, int] = {}
         self.balance_left = True
         self.gpus = [dict(g) for g in GPUS]
+        self._init_instance_keys()
+
+    def authorized(self, token, method, path):
+        return token in self.keys or self._own(token, path, "/pods/")
 
     @property
     def rest_url(self) -> str:
@@ -101,10 +131,12 @@ class RunPodServer(SpecServer):
             if len(parts) == 2 and method == "GET":
                 return 200, self._read(pod)
             if len(parts) == 2 and method == "DELETE":
+                self._count(pod["id"], "release", token)
                 pod["desiredStatus"] = "TERMINATED"
                 self.boxes[pod["id"]].stop()
                 return 204, None
             if parts[2:] == ["stop"]:
+                self._count(pod["id"], "stop", token)
                 pod["desiredStatus"] = "EXITED"
                 pod["publicIp"], pod["portMappings"] = None, None
                 self.boxes[pod["id"]].stop()
@@ -128,7 +160,7 @@ class RunPodServer(SpecServer):
                                        "requested specifications."})
         pid = uuid.uuid4().hex[:14]
         cloud = body.get("cloudType", "SECURE").lower()
-        box = _Box(self.base, f"pod-{pid}")
+        box = _Box(self.base, f"pod-{pid}", env={"RUNPOD_POD_ID": pid, "RUNPOD_API_KEY": self._new_instance_key(pid)})
         box.server.authorize(body["env"]["PUBLIC_KEY"])
         box.start(free_port())
         self.boxes[pid] = box
@@ -159,7 +191,9 @@ class RunPodServer(SpecServer):
             b.stop()
 
 
-class LambdaServer(SpecServer):
+class LambdaServer(_InstanceKeys, SpecServer):
+    """Lambda injects no key into its instances: only account keys are accepted."""
+
     def __init__(self, base: Path, *, boot_reads: int = 1, limits=None, **kw):
         super().__init__([("/api/v1", "https://cloud.lambdalabs.com", "/api/v1", load_spec("lambda-openapi.yaml"))],
                          limits={"": 1.0, "/instance-operations/launch": 10.0} if limits is None else limits, **kw)
@@ -171,6 +205,7 @@ class LambdaServer(SpecServer):
         self.instances: dict[str, dict] = {}
         self.boxes: dict[str, _Box] = {}
         self._reads: dict[str, int] = {}
+        self._init_instance_keys()
         self.capacity = {"gpu_1x_a10": ["us-east-1"], "gpu_1x_h100_pcie": ["us-west-1"], "gpu_8x_a100": []}
         self.account_active = True
 
@@ -232,6 +267,7 @@ class LambdaServer(SpecServer):
                 i = self.instances.get(iid)
                 if i is None:
                     raise self._err(404, "global/object-does-not-exist", f"Instance {iid} not found")
+                self._count(iid, "release", token)
                 i["status"] = "terminated"
                 self.boxes[iid].stop()
                 done.append(self._read(i))
@@ -279,7 +315,7 @@ class LambdaServer(SpecServer):
             b.stop()
 
 
-class VastServer(SpecServer):
+class VastServer(_InstanceKeys, SpecServer):
     """vast.ai: ``/api/...`` validated against ``vast-openapi.yaml`` (server ``https://console.vast.ai``).
 
     An instance is ``scheduling`` (``actual_status`` null) for ``boot_reads`` reads, then
@@ -301,6 +337,10 @@ class VastServer(SpecServer):
         self.boxes: dict[int, _Box] = {}
         self._reads: dict[int, int] = {}
         self._ids = itertools.count(91001)
+        self._init_instance_keys()
+
+    def authorized(self, token, method, path):
+        return token in self.keys or self._own(token, path, "/v0/instances/")
 
     def unauthorized(self, token):
         return Reply(401, {"success": False, "error": "invalid_api_key", "msg": f"Invalid api key {token}"})
@@ -339,10 +379,12 @@ class VastServer(SpecServer):
             if method == "GET":
                 return 200, {"instances": self._read(inst)}
             if method == "DELETE":
+                self._count(iid, "release", token)
                 del self.instances[iid]
                 self.boxes[iid].stop()
                 return 200, {"success": True}
             if body.get("state") == "stopped":
+                self._count(iid, "stop", token)
                 inst["intended_status"], inst["actual_status"] = "stopped", "exited"
                 self.boxes[iid].stop()
             elif body.get("state") == "running":
@@ -359,7 +401,7 @@ class VastServer(SpecServer):
             raise Reply(410, {"success": False, "error": "no_such_ask", "msg": f"ask {ask} is no longer available",
                               "ask_id": ask})
         iid = next(self._ids)
-        box = _Box(self.base, f"vast-{iid}")
+        box = _Box(self.base, f"vast-{iid}", env={"CONTAINER_ID": str(iid), "CONTAINER_API_KEY": self._new_instance_key(iid)})
         for k in self.ssh_keys:
             box.server.authorize(k["key"])
         box.start(free_port())

@@ -164,29 +164,60 @@ def _budget_history(magics: GpuMagics, line: str):
 @argument("--deadline", metavar="TIME", help="shut down at this time (HH:MM, +3h, ISO time)")
 @argument("--grace", metavar="DURATION", default="10m", help="warn this long before (default 10m)")
 @argument("--poll", metavar="SECONDS", type=number(1, 3600, what="seconds"), default=30, help="seconds between checks (default 30)")
+@argument("--release", action="store_true",
+          help="a rental: release it (instance and disk deleted) instead of stopping it; the only way on Lambda")
+@argument("--with-my-key", action="store_true",
+          help="a rental: place your API key for its platform on the machine (0600) for the guard; "
+               "needed on Lambda, which injects none")
 @argument("--cancel", action="store_true", help="disarm the guard")
 @host_arg()
 def _budget_guard(magics: GpuMagics, line: str):
-    """Arm a watchdog ON the machine (works with the laptop closed) that shuts it down."""
+    """Arm a watchdog ON the machine (works with the laptop closed) that shuts it down.
+
+    On a rental (`%gpu rent`), it stops the bill instead: it calls the platform's API from the
+    machine to stop the instance (vast.ai and RunPod, with the key they inject into it), or to
+    release it (--release; on Lambda also --with-my-key), then reads that the instance is
+    stopped.  Idle means: no GPU use, no cell, job or busy session running; an SSH login alone
+    does not count."""
     args = parse(_budget_guard, line, "budget guard")
     m = magics.fleet.get(args.host)
     ledger = _budget_ledger(magics)
+    rental = m.rental
+    if (args.release or args.with_my_key) and rental is None:
+        raise UsageError(f"--release and --with-my-key are for a rental (`%gpu rent`); {m.name} is not one")
     if args.cancel:
         status = m.budget.cancel_guard(ledger=ledger)
         _budget_notes(ledger)
         print(f"{m.name}: guard disarmed" if status.state != "armed" else f"{m.name}: guard still running!")
+        if rental is not None and rental.forget_key(m):
+            rental.renter.guard_choice(rental.name, with_my_key=False)
+            print(f"your API key was removed from {m.name}")
         return
     if not (args.idle or args.at_limit or args.deadline):
+        if rental is not None and _rental_stopped(rental):
+            return
         _show(GuardView(m.budget.guard_status()))
         return
     idle = _usage(budget.parse_duration, args.idle) if args.idle else None
     deadline = _usage(budget.parse_time, args.deadline, time.time(), future=True) if args.deadline else None
     grace = _usage(budget.parse_duration, args.grace)
+    if rental is not None:
+        inst = rental.renter.status(rental.name)
+        if inst.state != "running":
+            raise budget.BudgetError(f"{rental.name} is {inst.state} ({inst.raw_state}) as the {inst.provider} API "
+                                     "reads it: there is nothing to guard", f"`%gpu start {rental.name}` first")
+        rental.renter.guard_choice(rental.name, release=args.release, with_my_key=args.with_my_key)
     status = m.budget.guard(idle=idle, at_limit=args.at_limit, deadline=deadline, grace=grace,
                             poll=args.poll, ledger=ledger)
     magics.state.budget_seen.clear()
     note = (f"armed on {m.name}; its log: {m.budget.guard_log()} there; "
             "`%gpu budget guard --cancel` disarms it")
+    if rental is not None:
+        rec = rental.renter.record(rental.name)
+        note += (f"\nit ends the bill with the {rec.provider} API's {rec.stop_action}, sent from {m.name} itself "
+                 "(the laptop may be closed), not with a shutdown")
+        if rec.key_on_machine:
+            note += "\n" + rental.key_statement()
     if m.is_this_computer:
         note += f"\n{SANDBOX_SHUTDOWN_NOTE}"
     if idle is not None and not status.idle.startswith(("idle", "busy")):
@@ -194,6 +225,20 @@ def _budget_guard(magics: GpuMagics, line: str):
                  "fire until it can (an unreadable GPU never counts as idle)")
     _budget_notes(ledger)
     _show(GuardView(status, note=note))
+
+
+def _rental_stopped(rental) -> bool:
+    """Say so, and return True, when the platform's API reads the rental stopped or gone (its
+    guard, or someone, ended the bill: the machine cannot be asked then)."""
+    inst = rental.renter.status(rental.name)
+    if inst.state not in ("stopped", "terminated"):
+        return False
+    rec = rental.renter.record(rental.name)
+    then = (f"`%gpu start {rental.name}` resumes it" if inst.state == "stopped"
+            else f"`%gpu release {rental.name}` forgets it")
+    print(f"{rental.name}: {inst.state} ({inst.raw_state}), as the {rec.provider} API reads it now: "
+          f"its GPU is no longer billed; {then}")
+    return True
 
 
 # -- notify ---------------------------------------------------------------------------------

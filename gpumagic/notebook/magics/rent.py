@@ -216,6 +216,9 @@ def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | 
     transport = m.connection.transport
     if transport is not None:
         r.note_host_key(name, fingerprint(transport.get_remote_server_key()))
+    from ...rent.billstop import RentalStop
+
+    m.rental = RentalStop(r, name)  # its guard and --then-shutdown stop the bill through the API
     for note in m.connection.notes:
         say(note)
     say(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "

@@ -16,8 +16,10 @@
 # `nvidia-smi --help-query-gpu` / `--help-query-compute-apps`) both succeed, every value is a
 # plain number, every GPU's utilisation is below idle_util %, GPU memory not held by a visible
 # process is at most busy_mem_mib (memory used by processes we cannot see, e.g. another
-# container's, means busy), and no gpumagic job runs (a job runs while its JOBS_DIR/NAME/pid is
-# alive and its exit_code is absent).  Anything else -- nvidia-smi failing, `[N/A]`, no GPU
+# container's, means busy), no gpumagic job runs (a job runs while its JOBS_DIR/NAME/pid is
+# alive and its exit_code is absent), no %%remote cell runs (~/.gpumagic/running, kept by
+# exec-runner.py), and no live session (%gpu kernel) is executing a cell.  An SSH login
+# alone is not measured: it keeps nothing alive.  Anything else -- nvidia-smi failing, `[N/A]`, no GPU
 # listed, one GPU of several lost -- is *not* idle.  Exit status 14 ("infoROM is corrupted",
 # nvidia-smi(1)) with valid rows is measured like 0: the warning line it prints is skipped.
 #
@@ -71,6 +73,17 @@ measure() {
     case "$p" in ''|*[!0-9]*) continue ;; esac
     if gm_alive "$p"; then
       echo "busy gpumagic job $(basename "$d") is running (pid $p)"; return
+    fi
+  done
+  # a %%remote cell running: exec-runner.py keeps RUNNING/RUNNERPID-CELLPID while it runs (a
+  # file whose runner or cell is gone is left from a killed runner: not counted)
+  for f in "${JOBS_DIR%/jobs}/running"/*; do
+    [ -f "$f" ] || continue
+    b=${f##*/}; r=${b%%-*}; c=${b#*-}
+    case "$r" in ''|*[!0-9]*) continue ;; esac
+    case "$c" in ''|*[!0-9]*) continue ;; esac
+    if gm_alive "$r" && gm_alive "$c"; then
+      echo "busy a gpumagic cell is running (pid $c)"; return
     fi
   done
   # a live Python session (%gpu kernel) executing a cell: its keeper keeps a `busy` file

@@ -92,6 +92,9 @@ MISSING = int(sys.argv[2])
 SPOOL = int(sys.argv[3]) if len(sys.argv) > 3 else 64 << 20
 SEGMENTS = 4
 CELLS = os.path.join(os.environ.get("HOME") or "/", ".gpumagic", "cells")
+#: While a cell runs, the empty file RUNNING/RUNNERPID-CELLPID says so: the budget guard's idle
+#: measure (budget-guard.sh) reads it, since a cell that only uses the CPU is not idle either.
+RUNNING = os.path.join(os.environ.get("HOME") or "/", ".gpumagic", "running")
 #: Seconds without progress after which a stalled channel stops holding a kept cell back...
 STALL = 2.0
 #: ...and the bytes the channel may lag behind the spool while it moves.
@@ -113,6 +116,22 @@ def private_dirs(path):
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
+
+
+def running(pid, on):
+    """Make (``on``) or remove the file that says the cell ``pid`` runs (see RUNNING)."""
+    path = os.path.join(RUNNING, "%d-%d" % (os.getpid(), pid))
+    try:
+        if not on:
+            os.unlink(path)
+            return
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        except FileNotFoundError:
+            private_dirs(RUNNING)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    except OSError:
+        pass
 
 
 def marked(mark):
@@ -600,6 +619,7 @@ class Cell(Stoppable):
             return
         self.pid = self.proc.pid
         os.write(wd, b"+%d %s\n" % (self.pid, self.mark))
+        running(self.pid, True)
         emit(b"P", b"%d" % self.pid)
         self.fds = {self.proc.stdout.fileno(): b"O", self.proc.stderr.fileno(): b"E"}
         if piped:
@@ -668,6 +688,7 @@ class Cell(Stoppable):
             return None
         if not hasattr(os, "waitid"):
             os.write(self.wd, b"-%d\n" % self.pid)
+        running(self.pid, False)
         self.proc.stdout.close()
         self.proc.stderr.close()
         self.close_input()
