@@ -34,12 +34,19 @@ class Offer:
     gpus : int
     vram_gb : int or None
         Memory of one GPU, GB.
-    price_hr : float
-        Price per hour while running, USD.
+    price_hr : float or None
+        Price per hour while running, in ``currency``; ``None`` where the platform's list of
+        offers gives no price (AutoDL prices a container when it places it, within the
+        ``price_cap`` sent with the create).
     stopped_hr : float or None
-        Price per hour while stopped (disk kept), USD; ``None`` where it cannot be stopped.
+        Price per hour while stopped (disk kept); ``None`` where it cannot be stopped.
     interruptible : bool
     region : str
+    currency : str
+        ``USD``, or the platform's own (``CNY`` on AutoDL); never converted.
+    price_cap : float or None
+        The most per hour the platform may charge, sent with the create where the platform
+        prices on placement (``--max-price``); ``None`` for no cap of gpumagic's.
     """
 
     provider: str
@@ -47,10 +54,12 @@ class Offer:
     gpu: str
     gpus: int
     vram_gb: int | None
-    price_hr: float
+    price_hr: float | None
     stopped_hr: float | None
     interruptible: bool
     region: str = ""
+    currency: str = "USD"
+    price_cap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,8 @@ class Instance:
     """An instance as the platform's API reads now.
 
     ``state`` is one of :data:`STATES`; ``host``/``port`` are ``None`` until the platform
-    has assigned them (read again after every start: a port may change).
+    has assigned them (read again after every start: a port may change).  ``stopped_at``
+    (epoch seconds) is when it stopped, where the platform says.
     """
 
     provider: str
@@ -72,6 +82,8 @@ class Instance:
     port: int | None = None
     user: str = "root"
     gpu: str = ""
+    currency: str = "USD"
+    stopped_at: float | None = None
 
     @property
     def ssh_ready(self) -> bool:
@@ -119,6 +131,14 @@ class Provider(ABC):
     name: str = ""
     #: Whether a stopped instance keeps its disk and can be started again.
     can_stop: bool = True
+    #: Whether a stopped instance can be started again (AutoDL's elastic containers cannot).
+    can_start: bool = True
+    #: A shell command that ends the instance's bill from inside it, with no key (AutoDL: the
+    #: container ends with its ``cmd``); None: only the API can (:meth:`self_stop`).
+    end_inside: str | None = None
+    #: Days the platform keeps a stopped instance's data before it releases it (``None``: no
+    #: such limit known); ``%gpu rentals`` warns when one is near.
+    keeps_stopped_days: float | None = None
     #: Which API (and version) the module was written against, for the docs and errors.
     api_version: str = ""
     #: The environment variables the platform puts into each instance: an API key scoped to
@@ -186,12 +206,13 @@ class Provider(ABC):
 def offer_matches(o: Offer, *, gpu: str | None, vram_gb: float | None, max_price: float | None,
                   region: str | None, interruptible: bool | None) -> bool:
     """The filters of ``%gpu offers``: ``gpu`` as a case-blind substring of the model
-    (``4090``), at least ``vram_gb`` per GPU, at most ``max_price`` per hour."""
+    (``4090``), at least ``vram_gb`` per GPU, at most ``max_price`` per hour (an offer with no
+    price passes: its platform is given the cap with the create)."""
     if gpu and gpu.lower().replace(" ", "") not in o.gpu.lower().replace(" ", ""):
         return False
     if vram_gb is not None and (o.vram_gb is None or o.vram_gb < vram_gb):
         return False
-    if max_price is not None and o.price_hr > max_price:
+    if max_price is not None and o.price_hr is not None and o.price_hr > max_price:
         return False
     if region and region.lower() not in o.region.lower():
         return False

@@ -13,7 +13,9 @@ Credentials, by platform (see each provider's ``instance_key_env`` for the docum
 - RunPod: the pod-scoped key it injects (``RUNPOD_API_KEY``, ``RUNPOD_POD_ID``);
 - Lambda: none is injected, and there is no stop: only a release (``--release``) with the
   user's own key placed on the machine by explicit consent (``--with-my-key``), in
-  ``BILL_DIR/key``, 0600, removed by ``%gpu budget guard --cancel``.
+  ``BILL_DIR/key``, 0600, removed by ``%gpu budget guard --cancel``;
+- AutoDL (elastic deployment): no request at all: a container lives as long as its ``cmd``,
+  so the guard ends the ``cmd`` (the provider's ``end_inside``).
 
 ``--with-my-key`` also serves an image of vast.ai or RunPod whose SSH sessions cannot see the
 injected key.
@@ -102,6 +104,14 @@ class RentalStop:
         """
         from ..budget.shutdown import ShutdownPlan
 
+        rec = self.renter.record(self.name)
+        inside = self.renter.provider(rec.provider).end_inside
+        if inside is not None:
+            if rec.stop_action == "release":
+                raise BudgetError(f"{self.name}: the guard ends an {rec.provider} container from inside (its cmd "
+                                  "ends, so does the bill); a release needs the API",
+                                  f"arm it without --release, and `%gpu release {self.name}` from the notebook")
+            return ShutdownPlan(inside)
         config, key = self.settings()
         payload = json.dumps({"program": program.source(PROGRAM), "config": config, "key": key})
         r = run_program(machine.connection, PROGRAM, "install", BILL_DIR, stdin=payload.encode(), timeout=60)

@@ -51,6 +51,8 @@ class Api:
         servers stand in for the platform).
     key : str
         The API key (sent as ``Authorization: Bearer KEY``).
+    auth_scheme : str
+        The word before the key in ``Authorization`` (``""``: the key alone, as AutoDL wants).
     spacing : dict
         ``{path prefix or "": seconds}``: the least time between two requests (``""``: all
         requests; a longer prefix wins) -- a platform's published rate limit kept on our side.
@@ -62,7 +64,8 @@ class Api:
 
     def __init__(self, provider: str, base_url: str, key: str, *, spacing: dict[str, float] | None = None,
                  timeout: float = 30.0, error_text: Callable[[int, Any], tuple[str, str]] | None = None,
-                 retries_429: int = RETRIES_429, sleep: Callable[[float], None] = time.sleep):
+                 retries_429: int = RETRIES_429, sleep: Callable[[float], None] = time.sleep,
+                 auth_scheme: str = "Bearer"):
         if not key:
             raise BadKey(f"no API key for {provider}", f"run `%gpu provider login {provider}` first")
         self.provider = provider
@@ -76,7 +79,8 @@ class Api:
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
         httpx = _httpx()
-        self._client = httpx.Client(headers={"Authorization": f"Bearer {key}", "Accept": "application/json"},
+        self._client = httpx.Client(headers={"Authorization": f"{auth_scheme} {key}".strip(),
+                                             "Accept": "application/json"},
                                     timeout=timeout)
         #: Requests sent (method, path), for tests and the report.
         self.sent: list[tuple[str, str]] = []

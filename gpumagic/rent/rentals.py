@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -23,7 +23,8 @@ from .keystore import KeyStore
 RENTALS_FORMAT = "gpumagic-rentals"
 RENTALS_VERSION = 1
 #: Providers gpumagic can rent from, name -> (module, class).
-PROVIDERS = {"runpod": ("runpod", "RunPod"), "lambda": ("lambdacloud", "LambdaCloud"), "vast": ("vast", "Vast")}
+PROVIDERS = {"runpod": ("runpod", "RunPod"), "lambda": ("lambdacloud", "LambdaCloud"), "vast": ("vast", "Vast"),
+             "autodl": ("autodl", "AutoDL")}
 #: Seconds a rent or start waits for ``running``, and between two reads of the state.
 WAIT_S = 900.0
 POLL_S = 5.0
@@ -113,7 +114,8 @@ def parse_offer_ref(ref: str) -> tuple[str, str]:
     if not sep or provider not in PROVIDERS or not offer:
         raise ConfigError(f"{ref!r} is not an offer", "give it as `%gpu offers` shows it: PROVIDER:OFFER "
                                                        "(runpod:NVIDIA GeForce RTX 4090/secure, "
-                                                       "lambda:gpu_1x_a10@us-east-1, vast:12345)")
+                                                       "lambda:gpu_1x_a10@us-east-1, vast:12345, "
+                                                       "autodl:RTX 4090@westDC2)")
     return provider, offer
 
 
@@ -288,7 +290,7 @@ class Renter:
         if not names:
             from .base import BadKey
 
-            raise BadKey("no provider has an API key yet", "run `%gpu provider login runpod` (or lambda, vast) first")
+            raise BadKey("no provider has an API key yet", "run `%gpu provider login runpod` (or lambda, vast, autodl) first")
         found: list[Offer] = []
         errors: list[RentError] = []
         for n in names:
@@ -302,7 +304,7 @@ class Renter:
             raise errors[0]
         if skipped is not None:
             skipped.extend(errors)
-        return sorted(found, key=lambda o: (o.price_hr, o.provider, o.gpu))
+        return sorted(found, key=_by_price)
 
     def pick(self, ref: str | None, *, provider: str | None = None, **filters) -> Offer:
         """The offer ``ref`` names (``provider:offer``), or the cheapest that fits ``filters``.
@@ -317,6 +319,8 @@ class Renter:
             unpriced = {k: v for k, v in filters.items() if k != "max_price"}
             for o in self.provider(pname).offers(**unpriced):
                 if o.id == oid:
+                    if o.price_hr is None:  # priced on placement: the cap goes with the create
+                        return replace(o, price_cap=filters.get("max_price"))
                     if filters.get("max_price") is not None and o.price_hr > filters["max_price"]:
                         raise NoOffer(f"{ref} costs {o.price_hr:.2f}/h, above --max-price {filters['max_price']:g}",
                                       "raise --max-price, or pick a cheaper one from `%gpu offers`")
@@ -328,7 +332,7 @@ class Renter:
         cap = filters.get("max_price")
         if cap is not None:
             above = self.offers(provider, **{k: v for k, v in filters.items() if k != "max_price"})
-            if above:
+            if above and above[0].price_hr is not None:
                 return _raise(NoOffer(f"no offer under {cap:g}/h fits (the cheapest that fits: {above[0].provider}:"
                                       f"{above[0].id} at {above[0].price_hr:.2f}/h)",
                                       "raise --max-price, or ask for less (--gpu, --vram)"))
@@ -447,6 +451,11 @@ class Renter:
             for inst in self.provider(pname).instances():
                 rows.append((by_id.get((pname, inst.id), "-"), inst))
         return rows
+
+
+def _by_price(o: Offer):
+    """Cheapest first; offers the platform prices only on placement last."""
+    return (o.price_hr is None, o.price_hr or 0.0, o.provider, o.gpu)
 
 
 def _raise(e: GpumagicError):

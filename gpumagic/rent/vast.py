@@ -95,7 +95,7 @@ class Vast(Provider):
                                       "add credit in the vast.ai console (Billing), then run it again")
         self._ensure_key(public_key)
         body: dict = {"image": image or DEFAULT_IMAGE, "label": name, "disk": float(disk_gb), "runtype": "ssh"}
-        if offer.interruptible:
+        if offer.interruptible and offer.price_hr is not None:
             body["price"] = round(offer.price_hr, 4)
         try:
             answer = self.api.request("PUT", f"/api/v0/asks/{offer.id}", json=body)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ...rent import Instance, Offer, Renter
     from . import GpuMagics
 
-PROVIDER_NAMES = ("runpod", "lambda", "vast")
+PROVIDER_NAMES = ("runpod", "lambda", "vast", "autodl")
 ROWS = number(1, 10**6, integer=True, what="a number of rows")
 
 
@@ -53,8 +53,10 @@ def _offer_filters(fn):
     return fn
 
 
-def _money(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}" if v < 1 else f"{v:.2f}"
+def _money(v: float | None, currency: str = "USD") -> str:
+    """A price; in a currency other than USD (AutoDL's CNY) the currency follows it."""
+    text = "-" if v is None else f"{v:.3f}" if v < 1 else f"{v:.2f}"
+    return text if currency == "USD" or v is None else f"{text} {currency}"
 
 
 def offers_table(offers: list[Offer]) -> str:
@@ -62,7 +64,8 @@ def offers_table(offers: list[Offer]) -> str:
     rows = [("OFFER", "GPU", "N", "VRAM", "USD/H", "STOPPED/H", "INTERRUPTIBLE")]
     for o in offers:
         rows.append((f"{o.provider}:{o.id}", o.gpu, str(o.gpus), f"{o.vram_gb} GB" if o.vram_gb else "?",
-                     _money(o.price_hr), "no stop" if o.stopped_hr is None else _money(o.stopped_hr),
+                     _money(o.price_hr, o.currency),
+                     "no stop" if o.stopped_hr is None else _money(o.stopped_hr, o.currency),
                      "yes" if o.interruptible else "no"))
     return display.text_table(rows)
 
@@ -73,7 +76,9 @@ def offers_table(offers: list[Offer]) -> str:
 @out_arg("the list of Offer")
 def _offers(magics: GpuMagics, line: str):
     """Offers to rent now, cheapest first: the price per hour, the disk's price per hour while
-    stopped (50 GB; "no stop" where the platform can only terminate), interruptible or not."""
+    stopped (50 GB; "no stop" where the platform can only terminate), interruptible or not.
+    AutoDL's stock gives no price ("-"): it prices a container when it places it, at most
+    --max-price (read in CNY there), and bills in CNY."""
     args = parse(_offers, line, "offers")
     skipped: list = []
     found = renter(magics).offers(args.provider, skipped=skipped, **_filters(args))
@@ -94,7 +99,8 @@ def _offers(magics: GpuMagics, line: str):
 @_offer_filters
 @argument("--name", required=True, help="the machine's name in gpumagic and on the platform")
 @argument("--disk", type=GB, default=50, metavar="GB", help="disk kept while stopped (RunPod's volume; default 50)")
-@argument("--image", help="container image (RunPod; default a PyTorch image)")
+@argument("--image", help="container image (default a PyTorch image); on AutoDL an image UUID (image-... of "
+                           "your saved images, base-image-... of its public ones)")
 @argument("-i", "--key", metavar="KEYFILE", help="SSH private key (default ~/.ssh/id_ed25519; its .pub is given "
                                                  "to the platform)")
 @argument("--cwd", metavar="DIR", help="working directory for this machine's cells")
@@ -128,7 +134,11 @@ def rent_and_connect(magics: GpuMagics, name: str, *, offer_ref: str | None = No
     key = str(key or default_key_path())
     public_key = read_public_key(key)
     offer = r.pick(offer_ref, provider=provider, **(filters or {}))
-    say(f"renting {offer.provider}:{offer.id} ({offer.gpu}, {_money(offer.price_hr)} USD/h) as {name}")
+    price = (f"{_money(offer.price_hr)} USD/h" if offer.price_hr is not None and offer.currency == "USD"
+             else f"{_money(offer.price_hr, offer.currency)}/h" if offer.price_hr is not None
+             else f"priced when placed, at most {_money(offer.price_cap, offer.currency)}/h"
+             if offer.price_cap is not None else "priced when placed")
+    say(f"renting {offer.provider}:{offer.id} ({offer.gpu}, {price}) as {name}")
     inst = r.rent(offer, name=name, public_key=public_key, key_path=key, disk_gb=disk_gb,
                   image=image, progress=say)
     _record_price(name, inst, offer)
@@ -162,7 +172,8 @@ def leave_old_rental(magics: GpuMagics, name: str, how: str, say=print) -> None:
                     f"`%gpu release {name}` once its results are pulled")
                 return
             inst = r.stop(name, progress=say)
-            cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} USD/h while stopped"
+            per_hour = "USD/h" if inst.currency == "USD" else f"{inst.currency}/h"
+            cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} {per_hour} while stopped"
             say(f"{name} is stopped{cost} (`%gpu release {name}` ends it)")
     except GpumagicError as e:  # the check could not reach it, or the platform refused
         say(f"{name} was not {'released' if how == 'release' else 'stopped'}: {e.message} ({e.hint})")
@@ -177,7 +188,10 @@ def _record_price(name: str, inst: Instance, offer: Offer) -> None:
     from ...budget.ledger import set_prices
 
     rate = inst.price_hr if inst.price_hr is not None else offer.price_hr
-    set_prices(Ledger(), name, Prices(rate=rate, currency="USD", platform=inst.provider), started_at=time.time())
+    if rate is None:  # (a platform that never said its price: nothing to meter)
+        return
+    set_prices(Ledger(), name, Prices(rate=rate, currency=inst.currency, platform=inst.provider),
+               started_at=time.time())
 
 
 #: Seconds an instance the platform reads as running gets for its sshd to answer.
@@ -238,6 +252,10 @@ def _stop(magics: GpuMagics, line: str):
     if args.name in magics.fleet.machines:
         magics.fleet.disconnect(args.name)
     inst = r.stop(args.name, progress=print)
+    if not p.can_start:
+        print(f"{args.name} is stopped, and no longer billed; {p.name} cannot start it again: "
+              f"`%gpu release {args.name}` deletes it, `%gpu rent` makes a new one")
+        return
     cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} USD/h while stopped"
     print(f"{args.name} is stopped{cost} (`%gpu start {args.name}` resumes it, `%gpu release {args.name}` ends it)")
 
@@ -308,18 +326,47 @@ def rentals_table(rows) -> str:
     for name, inst in rows:
         now = inst.price_hr if inst.state in ("running", "pending") else inst.stopped_hr
         address = f"{inst.host}:{inst.port}" if inst.host else "-"
-        table.append((name, inst.provider, inst.raw_state or inst.state, _money(now),
-                      "no stop" if inst.stopped_hr is None else _money(inst.stopped_hr), address, inst.id))
+        table.append((name, inst.provider, inst.raw_state or inst.state, _money(now, inst.currency),
+                      "no stop" if inst.stopped_hr is None else _money(inst.stopped_hr, inst.currency), address,
+                      inst.id))
     return display.text_table(table)
+
+
+#: Days before a platform's release of a stopped instance from which `%gpu rentals` warns.
+RELEASE_WARN_DAYS = 2.0
+
+
+def release_warnings(rows, keeps: dict, now: float | None = None) -> list[str]:
+    """One line per stopped instance whose platform releases it within
+    :data:`RELEASE_WARN_DAYS` (``keeps``: provider -> days it keeps a stopped one)."""
+    now = time.time() if now is None else now
+    out = []
+    for name, inst in rows:
+        days = keeps.get(inst.provider)
+        if inst.state != "stopped" or days is None or inst.stopped_at is None:
+            continue
+        left = days - (now - inst.stopped_at) / 86400
+        if left <= RELEASE_WARN_DAYS:
+            when = f"in {left:.1f} days" if left > 0 else "any time now"
+            out.append(f"warning: {name} ({inst.provider} {inst.id}) has been stopped "
+                       f"{(now - inst.stopped_at) / 86400:.1f} days; {inst.provider} keeps a stopped one "
+                       f"{days:g} days, so its data goes {when}")
+    return out
 
 
 @magic_arguments()
 @out_arg("the list of (name, Instance)")
 def _rentals(magics: GpuMagics, line: str):
-    """Every instance of every platform with a key: its state, its price now, its price while stopped."""
+    """Every instance of every platform with a key: its state, its price now, its price while stopped.
+    Warns when a stopped instance is near the day its platform releases it (AutoDL keeps a
+    stopped elastic container 7 days)."""
     args = parse(_rentals, line, "rentals")
     rows = renter(magics).rentals()
     print(rentals_table(rows) if rows else "no instances on any platform with a key")
+    r = renter(magics)
+    keeps = {p: r.provider(p).keeps_stopped_days for p in {inst.provider for _, inst in rows}}
+    for line in release_warnings(rows, {p: d for p, d in keeps.items() if d is not None}):
+        print(line)
     stray = [inst for name, inst in rows if name == "-"]
     if stray:
         print(f"{len(stray)} instance(s) not rented by gpumagic here (NAME -): they bill too")
@@ -334,7 +381,7 @@ def _rentals(magics: GpuMagics, line: str):
 @argument("provider", choices=PROVIDER_NAMES)
 @argument("--base-url", metavar="URL", help="the API's root (default: the platform's)")
 @argument("--catalog-url", metavar="URL", help="RunPod: the v2 catalog's root (default https://api.runpod.io)")
-@argument("--user", help="SSH user on its machines (default: root on RunPod, ubuntu on Lambda)")
+@argument("--user", help="SSH user on its machines (default: root on RunPod, vast.ai and AutoDL, ubuntu on Lambda)")
 @argument("--ssh-port", type=PORT, help="Lambda: the SSH port of its machines (default 22)")
 def _provider_login(magics: GpuMagics, line: str):
     """Store a platform's API key: asked here without echo (never on the command line),
@@ -378,8 +425,8 @@ def _provider_list(magics: GpuMagics, line: str):
 
 PROVIDER = Subcommands("%gpu provider", {
     "login": (_provider_login, "store a platform's API key (asked without echo, checked, kept in the keychain)",
-              "runpod|lambda|vast"),
-    "logout": (_provider_logout, "forget a platform's API key", "runpod|lambda|vast"),
+              "runpod|lambda|vast|autodl"),
+    "logout": (_provider_logout, "forget a platform's API key", "runpod|lambda|vast|autodl"),
 }, intro="%gpu provider: the API keys of the platforms gpumagic rents from.",
    outro="`%gpu provider SUB -h` shows each one's options.",
    default=(_provider_list, "which platforms have a key", ""))
