@@ -388,20 +388,31 @@ class _Channel:
     data has the connection's keepalive behind it (or, where it sends none, a probe of the
     server after :data:`PROBE_AFTER` idle seconds), and the wait for the marker has
     :data:`START_TIMEOUT`.  A connection that drops raises :class:`ConnectionLost`.
+
+    Made in two phases: the constructor only records what to run (no I/O), :meth:`start`
+    starts the agent; :meth:`open` does both.
     """
+
+    @classmethod
+    def open(cls, machine, op: str, *args: str) -> "_Channel":
+        """A channel with the agent's ``op`` started on it (see :meth:`start`)."""
+        ch = cls(machine, op, *args)
+        ch.start()
+        return ch
 
     def __init__(self, machine, op: str, *args: str):
         self.machine = machine
         self.op = op
+        #: The agent operation's arguments (see :func:`agent_command`).
+        self.args = args
         #: Closed by this side (:meth:`close`): a failing send is no news then.
         self.closed_here = False
         #: What the agent does to its files, for error messages ("reading": it sends them).
         self.doing = "reading" if op == "get" else "writing"
-        nonce = self.nonce = os.urandom(8).hex()
-        self.marker = agent.MARKER_PREFIX + nonce.encode() + b"\n"
+        self.nonce = os.urandom(8).hex()
+        self.marker = agent.MARKER_PREFIX + self.nonce.encode() + b"\n"
         #: The transport the agent was started on (see :func:`_started`), once it was.
         self._running: paramiko.Transport | None = None
-        conn = machine.connection
         #: The agent's hash, and whether this channel ran the copy kept on the machine
         #: (known once the connection it starts on is: see :meth:`_command`).
         self.digest = agent_digest()
@@ -423,17 +434,34 @@ class _Channel:
         self.listed = 0
         self.on_listed: Callable[[int], None] | None = None
         self._listed_told = 0
+        #: The thread that started the channel (see :meth:`start`).
         self._owner = threading.get_ident()
         #: A ``serve`` channel's first byte (its root is empty; its agent reads xz frames)
         #: and its listing, when :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
         self.reads = 0  # the codecs the agent reads beyond zlib (agent.READS_XZ | READS_BZ2)
         self.early: Listing | None = None
-        self.started = time.monotonic()
+        self.started = 0.0  # (time.monotonic() at start)
         #: Moves the agent's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
         self.pump: ChannelPump | RunnerPipe
         #: The agent's channel, or its pipe in the runner.
         self.chan: paramiko.Channel | RunnerPipe
+
+    def start(self) -> None:
+        """Start the agent: in the cell runner (a ``serve``, where it is up and free), else
+        on a channel of its own through the login shell.
+
+        Raises
+        ------
+        SyncError
+            The login shell did not start it within :data:`START_TIMEOUT` s.
+        ConnectionLost
+            The connection failed meanwhile.
+        """
+        machine, op, args, nonce = self.machine, self.op, self.args, self.nonce
+        conn = machine.connection
+        self._owner = threading.get_ident()
+        self.started = time.monotonic()
         command: str | None = None
         if op == "serve":
             try:
@@ -792,7 +820,7 @@ def stop_cut_agents(machine) -> int:
         return 0
     stopped = 0
     try:
-        ch = _Channel(machine, "stop", ".", "", *sorted(set().union(*dead.values())))
+        ch = _Channel.open(machine, "stop", ".", "", *sorted(set().union(*dead.values())))
         try:
             line = ch.readline()
             if ch.finish() != 0 or not line.startswith(b"STOPPED "):
@@ -872,7 +900,7 @@ def open_listing(machine, root: str, *, digests: bool = False,
     """Start the agent's ``serve`` operation on ``root``: it lists the tree at once, then
     waits on the same channel for one command (see :mod:`gpumagic.sync.agent`).  With
     ``compare``, read it with :func:`read_listing` given the local tree."""
-    return _Channel(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
+    return _Channel.open(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
                     json.dumps(names) if names is not None else "-", "1" if compare else "0")
 
 
@@ -1176,7 +1204,7 @@ class _Run:
     """
 
     def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None,
-                 counting: bool = False, level: int = 0):
+                 counting: bool = False, level: int = 0, attempt: list[_Run] | None = None):
         self.plan = plan
         #: Top level of the file streams: 0 as they are, zlib's 1-9, xz's above (see
         #: :func:`decide_compression`).
@@ -1194,9 +1222,8 @@ class _Run:
         #: The files counted sent (a file of the tar once it is in the stream: when the
         #: connection is cut, the last ones may not have arrived, and are sent again).
         self.names: set[str] = set()
-        runs = getattr(_attempt, "runs", None)
-        if runs is not None:  # a resume after a reconnect adds up what each attempt did
-            runs.append(self)
+        if attempt is not None:  # a resume after a reconnect adds up what each attempt did
+            attempt.append(self)
         self.tick(force=True)
 
     def grow(self, files: int, nbytes: int, counting: bool = True) -> None:
@@ -1509,8 +1536,6 @@ RESUME_GRACE = 600.0
 MAX_RECONNECTS = 5
 #: Seconds between two failed connection attempts at first (doubled each time, to 5 s).
 RECONNECT_PAUSE = 0.5
-#: The :class:`_Run` objects of the sync attempt running on this thread (see :func:`_sync`).
-_attempt = threading.local()
 
 
 def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
@@ -1528,11 +1553,11 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
     cut: list[_Run] = []
     reconnects = 0
     while True:
-        _attempt.runs = runs = []
+        runs: list[_Run] = []  # this attempt's (see _add_up)
         try:
             with conn.in_flight(quick=True):
                 stop_cut_agents(machine)  # after a reconnect: their parts become the resume's
-                summary = _sync_once(direction, machine, src, dst, options, shown)
+                summary = _sync_once(direction, machine, src, dst, options, shown, runs)
         except ConnectionLost as e:
             if grace <= 0:
                 raise
@@ -1549,8 +1574,6 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
             if e.summary is not None:
                 _add_up(e.summary, cut, runs, reconnects, start)
             raise
-        finally:
-            _attempt.runs = None
         return _add_up(summary, cut, runs, reconnects, start)
 
 
@@ -1641,9 +1664,11 @@ class _Resumed:
 
 
 def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions,
-               progress: ProgressCallback | None) -> SyncSummary:
+               progress: ProgressCallback | None, attempt: list[_Run] | None = None) -> SyncSummary:
     """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
-    sides (the remote one on the channel that then carries the small files), plan, copy."""
+    sides (the remote one on the channel that then carries the small files), plan, copy.
+    ``attempt`` collects the :class:`_Run` objects made (what :func:`_sync` adds up when
+    this attempt is cut)."""
     delete, checksum, dry_run, compress = options.delete, options.checksum, options.dry_run, options.compress
     start = time.monotonic()
     pushing = direction == "push"
@@ -1699,7 +1724,7 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             if first.wait() and _is_empty(early_listing(ch)):
                 summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
                 level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
-                run = _Run(Plan(), summary, progress, counting=walk is None, level=level)
+                run = _Run(Plan(), summary, progress, counting=walk is None, level=level, attempt=attempt)
                 with _no_cyclic_gc():
                     plan = _push_into_empty(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
                 return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
@@ -1732,9 +1757,9 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             summary.seconds = time.monotonic() - start
             return summary
         if pushing:
-            run = _push_files(machine, ch, src, sides, plan, summary, progress, compress)
+            run = _push_files(machine, ch, src, sides, plan, summary, progress, compress, attempt)
         else:
-            run = _pull_files(machine, ch, src, sides, plan, summary, progress, compress)
+            run = _pull_files(machine, ch, src, sides, plan, summary, progress, compress, attempt)
     finally:
         ch.close()
     return _complete(_finished(summary, plan, run, start),
@@ -1930,7 +1955,8 @@ def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
 
 
 def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None, compress: bool | None = None) -> _Run | None:
+                progress: ProgressCallback | None, compress: bool | None = None,
+                attempt: list[_Run] | None = None) -> _Run | None:
     """Send what the plan says; ``None`` when there was nothing to do."""
     remote, dst_root = sides.dest, sides.dst_root
     grown = _grown(plan, remote.entries)
@@ -1948,7 +1974,7 @@ def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     level = 0
     if large or small:
         level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
-    run = _Run(plan, summary, progress, level=level)
+    run = _Run(plan, summary, progress, level=level, attempt=attempt)
     if large and small:
         _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)
     else:
@@ -1988,7 +2014,8 @@ def _grown(plan: Plan, dest: dict[str, Entry]) -> dict[str, int]:
 
 
 def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None, compress: bool | None = None) -> _Run:
+                progress: ProgressCallback | None, compress: bool | None = None,
+                attempt: list[_Run] | None = None) -> _Run:
     """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
     local, dst_root, single = sides.dest, sides.dst_root, sides.listed
     grown = _grown(plan, local.entries)
@@ -2002,7 +2029,7 @@ def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, su
     level = 0
     if plan.send:
         level, summary.compression = decide_compression(machine, compress, ch.rtt)
-    run = _Run(plan, summary, progress, level=level)
+    run = _Run(plan, summary, progress, level=level, attempt=attempt)
     resumed = {e.path for e in large}
     clean = [p for p, target in local.parts.items() if target not in resumed]
     _restamp_parents(plan, sides.source, clean)
@@ -2311,7 +2338,7 @@ def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: 
             mode = laptop.mode_by_content(f.read(2))
             f.seek(0)
         whole = agent.hash_file(f, offset) if offset else None
-        ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
+        ch = _Channel.open(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
                       str(e.mtime_ns), "%o" % mode, str(offset), whole.hexdigest() if whole else "-",
                       str(run.level))
         if channels is not None:
@@ -2474,7 +2501,7 @@ def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remo
             have = _copy_grown(path, f, e.size)
         have = min(have, e.size)
         digest = agent.hash_file(f, have).hexdigest() if have else "-"
-        ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest,
+        ch = _Channel.open(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest,
                       str(run.level))
         if channels is not None:
             channels.append(ch)
