@@ -1726,7 +1726,8 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                 level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
                 run = _Run(Plan(), summary, progress, counting=walk is None, level=level, attempt=attempt)
                 with _no_cyclic_gc():
-                    plan = _push_into_empty(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
+                    plan = _stream_into_empty(LocalSide(machine, src), RemoteSide(machine, ch, dst_root), rules, run,
+                                              walk, modes=fs.modes)
                 return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
         with _no_cyclic_gc():
             if pushing:
@@ -1756,10 +1757,17 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             summary.would_send = [e.path for e in plan.send]
             summary.seconds = time.monotonic() - start
             return summary
+        source: Side
+        destination: Side
         if pushing:
-            run = _push_files(machine, ch, src, sides, plan, summary, progress, compress, attempt)
+            source, destination = LocalSide(machine, src), RemoteSide(machine, ch, sides.dst_root)
+        elif sides.listed:  # one file, fetched from its folder (the listing's channel has ended)
+            source = RemoteSide(machine, ch, posixpath.dirname(src) or ".", ended=True,
+                                names={rel: posixpath.basename(src) for rel in sides.source})
+            destination = LocalSide(machine, sides.dst_root)
         else:
-            run = _pull_files(machine, ch, src, sides, plan, summary, progress, compress, attempt)
+            source, destination = RemoteSide(machine, ch, src, sides.remote_of), LocalSide(machine, sides.dst_root)
+        run = carry_out(source, destination, plan, sides, summary, progress, compress, attempt)
     finally:
         ch.close()
     return _complete(_finished(summary, plan, run, start),
@@ -1954,37 +1962,403 @@ def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
     return out, {local: remote for remote, local in names.items()}
 
 
-def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None, compress: bool | None = None,
-                attempt: list[_Run] | None = None) -> _Run | None:
-    """Send what the plan says; ``None`` when there was nothing to do."""
-    remote, dst_root = sides.dest, sides.dst_root
-    grown = _grown(plan, remote.entries)
-    large = [e for e in plan.send if e.size >= LARGE_FILE or e.path in grown]
-    small = [e for e in plan.send if e.size < LARGE_FILE and e.path not in grown]
-    resumed = {e.path for e in large}
-    clean = [p for p, target in remote.parts.items() if target not in resumed]
+# -- the two sides ---------------------------------------------------------------------
+#
+# A sync moves files from a source side to a destination side: this computer's folder
+# (:class:`LocalSide`) or the machine's (:class:`RemoteSide`).  Both have the same methods,
+# in the roles of mutagen's ``Endpoint``: a source ``supply``-s bytes (and says when it
+# has nothing more to supply on the listing's channel), a destination ``stage``-s (what
+# goes before the files: removals, abandoned parts, folders), writes the small files
+# (``write_small``, one tar stream) and the large ones (``write_large``, each on its own
+# channel, resumed), and ``finish``-es (links, metadata, the folders' mtimes, last).  The
+# agent runs the machine's half of each (``recv``/``send`` on the ``serve`` channel,
+# ``put``/``get`` on a large file's); this computer's half runs here, with the agent's own
+# functions.  :func:`carry_out` is the one sequence of a push and a pull: the sides swapped.
+
+
+class LocalSide:
+    """This computer's end of a sync: ``root`` here (a folder, or one source file)."""
+
+    where = "this computer"
+
+    def __init__(self, machine, root: str):
+        self.machine = machine
+        self.root = root
+        self._path_of: Callable[[str], str] | None = None
+
+    # -- as the source --------------------------------------------------------------------
+
+    def supply(self, rel: str, size: int) -> tuple[bytes | None, list | None]:
+        """The first ``size`` bytes of the file ``rel`` (a small one, for the tar) and None;
+        or None and why it is left out (see :func:`_read_source`)."""
+        if self._path_of is None:  # (whether the root is a file is asked once)
+            self._path_of = _local_paths(self.root)
+        return _read_source(self._path_of(rel), size)
+
+    def open(self, rel: str):
+        """The file ``rel`` opened for reading (a large file), or raises OSError."""
+        return _open_source(_local_path(self.root, rel))
+
+    def supplied(self) -> None:
+        """Nothing more goes through the listing's channel from here (it is the machine's)."""
+
+    # -- as the destination ---------------------------------------------------------------
+
+    #: The codecs this side reads beyond zlib (what :func:`decide_compression` asks).
+    reads = agent.READS_XZ | agent.READS_BZ2
+
+    def needs_tar(self, plan: Plan, small: list[Entry], clean: list[str]) -> bool:
+        """Whether :meth:`write_small` has anything to do: here, only the small files go in
+        a tar (removals, folders, links and metadata are done here)."""
+        return bool(small)
+
+    @contextlib.contextmanager
+    def writing(self, source: "RemoteSide"):
+        """Errors of this computer's writes, as the sync's errors."""
+        try:
+            yield
+        except OSError as exc:
+            raise agent_error(agent.error_record(exc), "this computer") from None
+        except agent.Damaged as exc:
+            raise SyncError(f"refused the file stream from {self.machine.name}: {exc}; that file was not written",
+                            "run the sync again; if it repeats, sync with --no-compress") from None
+        except agent.AgentError as exc:
+            raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
+
+    def stage(self, plan: Plan, clean: list[str]) -> None:
+        """Before the files: abandoned part files and removed paths go, folders are made."""
+        agent.remove_abandoned([_local_path(self.root, p) for p in clean])
+        for rel in plan.removals:
+            agent.remove(_local_path(self.root, rel))
+        os.makedirs(self.root, exist_ok=True)
+        for e in plan.dirs:
+            if e.path != ".":  # the root is made above (a link to a folder stays a link: followed)
+                agent.make_dir(_local_path(self.root, e.path), e.mode)
+
+    def write_small(self, source: "RemoteSide", run: _Run, plan: Plan, small: list[Entry],
+                    clean: list[str], before_end: Callable[[], None] | None = None) -> None:
+        """The tar of ``small`` that ``source`` supplies, extracted via temp names; then
+        ``before_end`` (the large files beside the tar)."""
+        ch = source.ch
+        stream = source.supply(small, run.level)
+        try:
+            agent.extract(self.root, stream, on_file=run.file_done, on_bytes=run.add_bytes,
+                          allowed={e.path for e in small})
+            rest = stream.read()  # the tar's last zero block, then the files left out, if any
+        except agent.AgentError as exc:
+            raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
+                            "run the sync again; if it repeats, check the machine") from None
+        except EOFError as exc:
+            if ch.finish() != 0:
+                raise ch.failure() from None
+            raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
+                            "run the sync again: files already complete are kept") from None
+        if isinstance(stream, agent.ZReader):
+            run.add_wire(stream.wire)
+        if ch.finish() != 0:
+            raise ch.failure(rest)
+        sizes = {e.path: e.size for e in small}
+        for rel, why in _skipped(rest).items():
+            if rel in sizes:
+                run.skip(rel, sizes[rel], why)
+        if before_end is not None:
+            before_end()
+
+    def write_large(self, source: "RemoteSide", run: _Run, e: Entry, offset: int,
+                    channels: list | None = None) -> None:
+        """Fetch one file on its own channel (``get``), continuing an abandoned local part
+        when the source's first bytes hash the same (the part says how many: ``offset``,
+        the listing's, is not needed here); a resumed file is checked against the sha256 of
+        the source that follows its bytes before it is renamed (see ``get`` in
+        :mod:`gpumagic.sync.agent`)."""
+        machine = self.machine
+        path = _local_path(self.root, e.path)
+        f, have, tmp, token = agent.take_part(path)
+        try:
+            if not have:
+                have = _copy_grown(path, f, e.size)
+            have = min(have, e.size)
+            digest = agent.hash_file(f, have).hexdigest() if have else "-"
+            ch = _Channel.open(machine, "get", source.root, machine.cwd or "", source.name(e.path), str(e.size),
+                               str(have), digest, str(run.level))
+            if channels is not None:
+                channels.append(ch)
+            try:
+                line = ch.readline()
+                if line.startswith(agent.SKIPPED):  # it vanished or cannot be read there: the rest goes on
+                    ch.finish()
+                    run.skip(e.path, e.size, json.loads(line[len(agent.SKIPPED):]))
+                    return
+                if not line.startswith(b"OFFSET "):
+                    raise ch.failure(line)
+                kept = int(line.split()[1])
+                if kept not in (0, have):
+                    raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
+                                    "run the sync again; if it repeats, report it with this message")
+                f.truncate(kept)
+                f.seek(kept)
+                run.add_bytes(kept, resumed=True, path=e.path)
+                want = None
+                stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
+                try:
+                    try:
+                        agent.write_rest(f, stream, e.size - kept, path,
+                                         on_bytes=lambda n: run.add_bytes(n, path=e.path))
+                    except OSError as exc:
+                        agent.drop_part(f, tmp, exc)
+                        raise
+                    if kept:
+                        want = agent.read_exact(stream, 64).decode("ascii", "replace")
+                        if len(want) < 64:
+                            raise EOFError(f"the stream ended before the sha256 of {e.path}")
+                    if isinstance(stream, agent.ZReader):
+                        run.add_wire(stream.wire)
+                except EOFError:
+                    exc = ch.failure()
+                    rec = ch.record()
+                    if rec is not None and rec.get("errno") == "CHANGED":  # it shrank there: left out
+                        run.skip(e.path, 0, ["CHANGED", f"shrank below its listed {e.size} bytes while it was read"])
+                        return
+                    raise exc from None
+                if ch.finish() != 0:
+                    raise ch.failure()
+            finally:
+                ch.close()
+            agent.finish_part(f, tmp, path, e.size, e.mode, e.mtime_ns, want)
+            run.file_done(e.path)
+        finally:
+            agent.leave_part(f, tmp)  # a part not renamed is kept for a resume
+            agent.release(token)
+
+    def written(self) -> None:
+        """Nothing more goes through the listing's channel to here (it is the machine's)."""
+
+    def finish(self, plan: Plan, summary: SyncSummary) -> None:
+        """After the files: links, metadata, then the folders' modes and mtimes."""
+        for e in plan.links:
+            _make_link_here(summary, _local_path(self.root, e.path), e)
+        for rel, mode, mtime in plan.meta:
+            agent.set_meta(_local_path(self.root, rel), mode, mtime, ns=True)
+        agent.stamp_dirs([(_local_path(self.root, e.path), e.mode, e.mtime_ns) for e in plan.dirs], ns=True)
+
+
+class RemoteSide:
+    """The machine's end of a sync: ``root`` there, and the ``serve`` channel ``ch`` that
+    listed it and carries the small files' tar.  ``names``: the machine's path of a file
+    whose local name differs (a pull's renamed clash, its one file)."""
+
+    def __init__(self, machine, ch: _Channel, root: str, names: dict[str, str] | None = None,
+                 ended: bool = False):
+        self.machine = machine
+        self.ch = ch
+        self.root = root
+        self.names = names or {}
+        #: The ``serve`` channel's agent has exited (stdin closed, status read).
+        self.ended = ended
+
+    @property
+    def where(self) -> str:
+        return self.machine.name
+
+    def name(self, rel: str) -> str:
+        """The machine's path (under :attr:`root`) of the file ``rel``."""
+        return self.names.get(rel, rel)
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.ch.close_stdin()
+            self.ch.finish()
+
+    # -- as the source --------------------------------------------------------------------
+
+    def supply(self, small: list[Entry], level: int) -> "_Channel | agent.ZReader":
+        """Ask the ``serve`` agent for a tar of ``small`` (its ``send``); the stream to read it
+        from (decompressed at ``level`` > 0)."""
+        head = _json_bytes({"op": "send", "paths": [e.path for e in small],
+                            **({"z": level} if level else {})})
+        self.ch.doing = "reading"
+        self.ch.send(struct.pack(">I", len(head)) + head)
+        self.ch.close_stdin()
+        self.ended = True  # (its exit status is read after the tar)
+        return agent.ZReader(self.ch) if level else self.ch
+
+    def supplied(self) -> None:
+        """Nothing more is asked of the ``serve`` agent: it ends now."""
+        self._end()
+
+    # -- as the destination ---------------------------------------------------------------
+
+    @property
+    def reads(self) -> int:
+        """The codecs the agent reads beyond zlib (from the ``serve`` channel's first byte)."""
+        return self.ch.reads
+
+    def needs_tar(self, plan: Plan, small: list[Entry], clean: list[str]) -> bool:
+        """Whether :meth:`write_small` has anything to do: the ``recv`` command carries the
+        removals, abandoned parts, folders, links and metadata too."""
+        return bool(small or plan.links or plan.dirs or plan.meta or plan.removals or clean)
+
+    def writing(self, source: LocalSide):
+        """The agent names its own errors (see :meth:`_Channel.failure`)."""
+        return contextlib.nullcontext()
+
+    def stage(self, plan: Plan, clean: list[str]) -> None:
+        """Nothing ahead of the files: the ``recv`` command carries the removals and the
+        abandoned parts, and its tar the folders, ahead of its files."""
+
+    def write_small(self, source: LocalSide, run: _Run, plan: Plan, small: list[Entry],
+                    clean: list[str], before_end: Callable[[], None] | None = None) -> None:
+        """Send the ``recv`` command and the tar stream on the ``serve`` channel; wait for
+        the result.  ``clean``: abandoned part files to remove; ``before_end``: called
+        before the tar's end (the large files beside it: folders are stamped after them)."""
+        self.ended = True
+        try:
+            tar = _TarSender(self.ch, run, source, plan.removals, plan.meta, clean)
+            tar.folders(plan.dirs)  # every folder before the first file (removals came first)
+            for e in small:
+                tar.file(e.path, e.size, e.mode, e.mtime_ns)
+            tar.finish(plan.links, before_end)
+        except KeyboardInterrupt:
+            self.ch.close()
+            raise
+
+    def write_large(self, source: LocalSide, run: _Run, e: Entry, offset: int,
+                    channels: list | None = None) -> None:
+        """Send one file on its own channel (``put``), continuing an abandoned part there
+        whose first ``offset`` bytes match (the listing's); a resumed file is followed by
+        the sha256 of the whole, which the agent checks the part against before renaming
+        it."""
+        machine = self.machine
+        offset = offset if 0 < offset <= e.size else 0
+        try:
+            f = source.open(e.path)
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                f.close()
+                run.skip(e.path, e.size, ["EISDIR", "became a folder after it was listed"])
+                return
+        except OSError as exc:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
+            run.skip(e.path, e.size, agent.skip_reason(exc))
+            return
+        with f:
+            mode = e.mode
+            if mode == laptop.BY_CONTENT:
+                mode = laptop.mode_by_content(f.read(2))
+                f.seek(0)
+            whole = agent.hash_file(f, offset) if offset else None
+            ch = _Channel.open(machine, "put", self.root, machine.cwd or "", e.path, str(e.size),
+                               str(e.mtime_ns), "%o" % mode, str(offset), whole.hexdigest() if whole else "-",
+                               str(run.level))
+            if channels is not None:
+                channels.append(ch)
+            try:
+                line = ch.readline()
+                if not line.startswith(b"OFFSET "):
+                    raise ch.failure(line + ch.read())
+                kept = int(line.split()[1])
+                if kept not in (0, offset):
+                    raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
+                                    "run the sync again; if it repeats, report it with this message")
+                run.add_bytes(kept, resumed=True, path=e.path)
+                whole = whole if kept else None
+                f.seek(kept)
+                left = e.size - kept
+                out: _Channel | agent.ZWriter = ch
+                if run.level:
+                    out = agent.ZWriter(_Direct(ch), run.level)
+                send = out.send if isinstance(out, _Channel) else out.write
+                while left > 0:
+                    try:
+                        b = f.read(min(1 << 20, left))
+                    except OSError as exc:
+                        b, why = b"", agent.skip_reason(exc)
+                    else:
+                        why = ["CHANGED", f"shrank from {e.size} to {e.size - left} bytes while it was read"]
+                    if not b:
+                        # closed before its end: the machine keeps the part, never the file's name
+                        ch.close()
+                        run.skip(e.path, left, why)  # the bytes sent stay counted as sent
+                        return
+                    if whole is not None:
+                        whole.update(b)
+                    send(b)
+                    left -= len(b)
+                    run.add_bytes(len(b), path=e.path)
+                if whole is not None:
+                    send(whole.hexdigest().encode())
+                if isinstance(out, agent.ZWriter):
+                    out.flush()
+                    run.add_wire(out.wire)
+                    _retuned(machine, e.path, out)
+                ch.close_stdin()
+                reply = ch.read()
+                if ch.finish() != 0:
+                    raise ch.failure(reply)
+                run.file_done(e.path)
+            finally:
+                ch.close()
+
+    def written(self) -> None:
+        """Nothing more goes to the ``serve`` agent: it ends now."""
+        self._end()
+
+    def finish(self, plan: Plan, summary: SyncSummary) -> None:
+        """Nothing after the files: the agent stamped the folders at the tar's end."""
+
+
+Side = LocalSide | RemoteSide
+
+
+def carry_out(source: Side, destination: Side, plan: Plan, sides: _Sides, summary: SyncSummary,
+             progress: ProgressCallback | None, compress: bool | None,
+             attempt: list[_Run] | None = None) -> _Run | None:
+    """Carry out ``plan`` from ``source`` to ``destination`` (one is this computer, the other
+    the machine): a push and a pull are this one sequence with the sides swapped.
+
+    Files of :data:`LARGE_FILE` bytes or more (and those whose destination may hold their
+    first bytes, a pull's renamed ones, a pull of one file) go each on its own channel,
+    resumed; the rest in one tar stream on the listing's channel, beside them.  ``sides``:
+    both listings (the destination's parts decide what is resumed and what is cleaned).
+    ``attempt`` collects the :class:`_Run` made.  None when a push has nothing to do."""
+    remote = destination if isinstance(destination, RemoteSide) else source
+    assert isinstance(remote, RemoteSide)
+    grown = _grown(plan, sides.dest.entries)
+    alone = {e.path for e in plan.send if e.size >= LARGE_FILE or sides.listed or e.path in grown
+             or e.path in sides.remote_of}  # (fetched one by one: the tar names each file as the machine does)
+    large = [e for e in plan.send if e.path in alone]
+    small = [e for e in plan.send if e.path not in alone]
+    clean = [p for p, target in sides.dest.parts.items() if target not in alone]
     _restamp_parents(plan, sides.source, clean)
-    offsets = {e.path: remote.partials.get(e.path, 0) or grown.get(e.path, 0) for e in large}
-    rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
-    if not (large or rest):
-        ch.close_stdin()
-        ch.finish()
-        return None
+    offsets = {e.path: sides.dest.partials.get(e.path, 0) or grown.get(e.path, 0) for e in large}
+    tar = destination.needs_tar(plan, small, clean)
+    if not small:
+        source.supplied()
+    if not (large or tar) and isinstance(destination, RemoteSide):
+        destination.written()
+        return None  # nothing at all to do (a no-change push): no run, no progress
     level = 0
     if large or small:
-        level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
+        level, summary.compression = decide_compression(remote.machine, compress, remote.ch.rtt,
+                                                        destination.reads)
     run = _Run(plan, summary, progress, level=level, attempt=attempt)
-    if large and small:
-        _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)
-    else:
-        for e in large:
-            _push_large(machine, run, src, dst_root, e, offsets[e.path])
-        if rest:
-            _push_tar(ch, run, src, plan, small, clean)
+    with destination.writing(source):
+        destination.stage(plan, clean)
+        if large and small:
+            # Large files on a worker thread while the tar of small files streams: a
+            # many-small-files tar is bound by file creation, not the network, so the large
+            # files' bytes flow meanwhile.  The tar ends (and the folders are stamped, last)
+            # only after the large files are in place, so their mtimes stay right.
+            _beside_the_tar(run, large,
+                            lambda e, chs: destination.write_large(source, run, e, offsets[e.path], chs),
+                            lambda wait: destination.write_small(source, run, plan, small, clean, before_end=wait))
         else:
-            ch.close_stdin()
-            ch.finish()
+            for e in large:
+                destination.write_large(source, run, e, offsets[e.path])
+            if tar:
+                destination.write_small(source, run, plan, small, clean)
+            else:
+                destination.written()
+        destination.finish(plan, summary)
     return run
 
 
@@ -2013,60 +2387,6 @@ def _grown(plan: Plan, dest: dict[str, Entry]) -> dict[str, int]:
     return out
 
 
-def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None, compress: bool | None = None,
-                attempt: list[_Run] | None = None) -> _Run:
-    """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
-    local, dst_root, single = sides.dest, sides.dst_root, sides.listed
-    grown = _grown(plan, local.entries)
-    renamed = sides.remote_of  # fetched one by one: the tar names each file as the machine does
-    large = [e for e in plan.send if e.size >= LARGE_FILE or single or e.path in grown or e.path in renamed]
-    small = [e for e in plan.send if e.size < LARGE_FILE and not single and e.path not in grown
-             and e.path not in renamed]
-    if not small and not single:
-        ch.close_stdin()
-        ch.finish()
-    level = 0
-    if plan.send:
-        level, summary.compression = decide_compression(machine, compress, ch.rtt)
-    run = _Run(plan, summary, progress, level=level, attempt=attempt)
-    resumed = {e.path for e in large}
-    clean = [p for p, target in local.parts.items() if target not in resumed]
-    _restamp_parents(plan, sides.source, clean)
-    try:
-        agent.remove_abandoned([_local_path(dst_root, p) for p in clean])
-        for rel in plan.removals:
-            agent.remove(_local_path(dst_root, rel))
-        os.makedirs(dst_root, exist_ok=True)
-        for e in plan.dirs:
-            if e.path != ".":  # the root is made above (a link to a folder stays a link: followed)
-                agent.make_dir(_local_path(dst_root, e.path), e.mode)
-        if single:
-            for e in large:
-                _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
-                            posixpath.basename(src))
-        elif small and large:
-            _pull_overlapped(machine, ch, run, src, dst_root, small, large, renamed)
-        else:
-            if small:
-                _pull_tar(ch, run, dst_root, small)
-            for e in large:
-                _pull_large(machine, run, src, dst_root, e, renamed.get(e.path, e.path))
-        for e in plan.links:
-            _make_link_here(summary, _local_path(dst_root, e.path), e)
-        for rel, mode, mtime in plan.meta:
-            agent.set_meta(_local_path(dst_root, rel), mode, mtime, ns=True)
-        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs], ns=True)
-    except OSError as exc:
-        raise agent_error(agent.error_record(exc), "this computer") from None
-    except agent.Damaged as exc:
-        raise SyncError(f"refused the file stream from {machine.name}: {exc}; that file was not written",
-                        "run the sync again; if it repeats, sync with --no-compress") from None
-    except agent.AgentError as exc:
-        raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
-    return run
-
-
 def _make_link_here(summary: SyncSummary, path: str, e: Entry) -> None:
     """Make a pulled symlink; where this computer cannot make one (Windows without Developer
     Mode or admin rights: EPERM/ERROR_PRIVILEGE_NOT_HELD; FAT, exFAT: EOPNOTSUPP), record it
@@ -2078,20 +2398,6 @@ def _make_link_here(summary: SyncSummary, path: str, e: Entry) -> None:
                 and getattr(exc, "winerror", None) != 1314:
             raise
         summary.links_refused[e.path] = e.target
-
-
-def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
-                     small: list[Entry], large: list[Entry], renamed: dict[str, str] | None = None) -> None:
-    """Large files on a worker thread (each on its own channel) while the tar of small files
-    streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
-    def stream(wait_for_large: Callable[[], None]) -> None:
-        _pull_tar(ch, run, dst_root, small)
-        wait_for_large()
-
-    renamed = renamed or {}
-    _beside_the_tar(run, large,
-                    lambda e, chs: _pull_large(machine, run, src, dst_root, e, renamed.get(e.path, e.path), chs),
-                    stream)
 
 
 class _Channels(list):
@@ -2148,20 +2454,6 @@ def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
     return d or ".", n
 
 
-def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str, plan: Plan,
-                     small: list[Entry], large: list[Entry], offsets: dict[str, int],
-                     clean: list[str]) -> None:
-    """Large files on a worker thread while the tar of small files streams.
-
-    The remote side of a many-small-files tar is bound by file creation, not the network,
-    so the large files' bytes flow meanwhile.  The tar ends (and the agent stamps the
-    directories, last) only after the large files are in place, so their mtimes stay right.
-    """
-    _beside_the_tar(run, large,
-                    lambda e, chs: _push_large(machine, run, src, dst_root, e, offsets[e.path], chs),
-                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_end=wait))
-
-
 class _TarSender:
     """The ``recv`` command on a ``serve`` channel and its tar stream: directories first
     (:meth:`folders`), then small files one by one (each read whole), then links, then the
@@ -2173,20 +2465,19 @@ class _TarSender:
     without a journal").  ``removals``, ``meta``, ``clean``: see ``apply_push`` in
     :mod:`gpumagic.sync.agent`."""
 
-    def __init__(self, ch: "_Channel", run: _Run, src: str, removals: Iterable[str] = (),
+    def __init__(self, ch: "_Channel", run: _Run, source: LocalSide, removals: Iterable[str] = (),
                  meta: Iterable[tuple[str, int, int]] = (), clean: Iterable[str] = ()):
-        self.ch, self.run = ch, run
+        self.ch, self.run, self.source = ch, run, source
         self.sink: _TarSink | agent.ZWriter = _TarSink(ch)
         if run.level:  # frames of their own size go straight to the channel
             self.sink = agent.ZWriter(_Direct(ch), run.level)
-        self.path_of = _local_paths(src)
         head = _json_bytes({"op": "recv", "delete": list(removals),
                             "meta": [[p, m, t] for p, m, t in meta], "clean": list(clean),
                             **({"z": run.level} if run.level else {})})
         ch.send(struct.pack(">I", len(head)) + head)
 
     def file(self, rel: str, size: int, mode: int, mtime_ns: int) -> None:
-        data, why = _read_source(self.path_of(rel), size)
+        data, why = self.source.supply(rel, size)
         if data is None:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
             self.run.skip(rel, size, why)
             return
@@ -2218,32 +2509,17 @@ class _TarSender:
             raise self.ch.failure(reply)
 
 
-def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
-              clean: list[str] = (), before_end: Callable[[], None] | None = None) -> None:
-    """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the
-    result.  ``clean``: abandoned part files to remove."""
-    try:
-        tar = _TarSender(ch, run, src, plan.removals, plan.meta, clean)
-        tar.folders(plan.dirs)  # every folder before the first file (removals came first)
-        for e in small:
-            tar.file(e.path, e.size, e.mode, e.mtime_ns)
-        tar.finish(plan.links, before_end)
-    except KeyboardInterrupt:
-        ch.close()
-        raise
-
-
 class _StreamedWalk(SourceWalk):
-    """The sink of :func:`_push_into_empty`'s walk: records' fields only, until handed off (no
+    """The sink of :func:`_stream_into_empty`'s walk: records' fields only, until handed off (no
     fingerprint rows, no part files)."""
 
     parts = False
     keeps_rows = False
 
 
-def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
-                run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
-    """A push into an empty destination: with nothing there to compare, each folder's files
+def _stream_into_empty(source: LocalSide, destination: RemoteSide, rules: IgnoreRules,
+                       run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
+    """A push into an empty destination (``destination``, whose agent said so): with nothing there to compare, each folder's files
     go as soon as the walk has listed them, so the machine writes while this side still
     walks (rsync's incremental recursion).  The folders the walk has found go ahead of the
     files of each batch (a folder's subfolders are made before its files, as rsync's receiver
@@ -2252,6 +2528,7 @@ def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: Ig
     grow meanwhile (``counting``).  ``walked``: the whole tree, when the walk ended before
     the agent said the destination was empty.  Returns the plan carried out (its links and
     dirs)."""
+    ch, src = destination.ch, source.root
     walk = _StreamedWalk() if walked is None else walked
     walk.all_fields()  # a whole walk's plain files are kept as rows (see agent.Listed)
     plan = Plan()
@@ -2259,7 +2536,7 @@ def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: Ig
 
     def stream(wait_for_large: Callable[[], None]) -> None:
         try:
-            tar = _TarSender(ch, run, src)
+            tar = _TarSender(ch, run, source)
 
             def hand_off(counting: bool = True) -> None:
                 # what the walk added since the last call: its folders (the subfolders of
@@ -2303,7 +2580,7 @@ def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: Ig
 
     try:
         _beside_the_tar(run, iter(large.get, None),
-                        lambda e, chs: _push_large(machine, run, src, dst_root, e, 0, chs), stream)
+                        lambda e, chs: destination.write_large(source, run, e, 0, chs), stream)
     except KeyboardInterrupt:
         ch.close()
         raise
@@ -2314,81 +2591,6 @@ def _json_bytes(obj) -> bytes:
     """JSON as ASCII: names that are not UTF-8 travel as ``\\udcXX`` escapes and come back
     as the same bytes through ``surrogateescape``."""
     return json.dumps(obj, ensure_ascii=True).encode("ascii")
-
-
-def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int,
-                channels: list | None = None) -> None:
-    """Send one file on its own channel, continuing an abandoned remote part whose first
-    ``partial`` bytes match; a resumed file is followed by the sha256 of the whole, which
-    the agent checks the part against before renaming it."""
-    path = _local_path(src, e.path)
-    offset = partial if 0 < partial <= e.size else 0
-    try:
-        f = _open_source(path)
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            f.close()
-            run.skip(e.path, e.size, ["EISDIR", "became a folder after it was listed"])
-            return
-    except OSError as exc:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
-        run.skip(e.path, e.size, agent.skip_reason(exc))
-        return
-    with f:
-        mode = e.mode
-        if mode == laptop.BY_CONTENT:
-            mode = laptop.mode_by_content(f.read(2))
-            f.seek(0)
-        whole = agent.hash_file(f, offset) if offset else None
-        ch = _Channel.open(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
-                      str(e.mtime_ns), "%o" % mode, str(offset), whole.hexdigest() if whole else "-",
-                      str(run.level))
-        if channels is not None:
-            channels.append(ch)
-        try:
-            line = ch.readline()
-            if not line.startswith(b"OFFSET "):
-                raise ch.failure(line + ch.read())
-            kept = int(line.split()[1])
-            if kept not in (0, offset):
-                raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
-                                "run the sync again; if it repeats, report it with this message")
-            run.add_bytes(kept, resumed=True, path=e.path)
-            whole = whole if kept else None
-            f.seek(kept)
-            left = e.size - kept
-            out: _Channel | agent.ZWriter = ch
-            if run.level:
-                out = agent.ZWriter(_Direct(ch), run.level)
-            send = out.send if isinstance(out, _Channel) else out.write
-            while left > 0:
-                try:
-                    b = f.read(min(1 << 20, left))
-                except OSError as exc:
-                    b, why = b"", agent.skip_reason(exc)
-                else:
-                    why = ["CHANGED", f"shrank from {e.size} to {e.size - left} bytes while it was read"]
-                if not b:
-                    # closed before its end: the machine keeps the part, never the file's name
-                    ch.close()
-                    run.skip(e.path, left, why)  # the bytes sent stay counted as sent
-                    return
-                if whole is not None:
-                    whole.update(b)
-                send(b)
-                left -= len(b)
-                run.add_bytes(len(b), path=e.path)
-            if whole is not None:
-                send(whole.hexdigest().encode())
-            if isinstance(out, agent.ZWriter):
-                out.flush()
-                run.add_wire(out.wire)
-                _retuned(machine, e.path, out)
-            ch.close_stdin()
-            reply = ch.read()
-            if ch.finish() != 0:
-                raise ch.failure(reply)
-            run.file_done(e.path)
-        finally:
-            ch.close()
 
 
 def pull(machine, src: str, dst: str, options: SyncOptions | None = None, *,
@@ -2428,36 +2630,6 @@ def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing
         raise agent_error(agent.error_record(exc), "this computer", "reading") from None
 
 
-def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
-    """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
-    head = _json_bytes({"op": "send", "paths": [e.path for e in small],
-                        **({"z": run.level} if run.level else {})})
-    ch.doing = "reading"
-    ch.send(struct.pack(">I", len(head)) + head)
-    ch.close_stdin()
-    stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
-    try:
-        agent.extract(dst_root, stream, on_file=run.file_done, on_bytes=run.add_bytes,
-                      allowed={e.path for e in small})
-        rest = stream.read()  # the tar's last zero block, then the files left out, if any
-    except agent.AgentError as exc:
-        raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
-                        "run the sync again; if it repeats, check the machine") from None
-    except EOFError as exc:
-        if ch.finish() != 0:
-            raise ch.failure() from None
-        raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
-                        "run the sync again: files already complete are kept") from None
-    if isinstance(stream, agent.ZReader):
-        run.add_wire(stream.wire)
-    if ch.finish() != 0:
-        raise ch.failure(rest)
-    sizes = {e.path: e.size for e in small}
-    for rel, why in _skipped(rest).items():
-        if rel in sizes:
-            run.skip(rel, sizes[rel], why)
-
-
 def _skipped(rest: bytes) -> dict:
     """The files a ``send`` tar left out (see :func:`gpumagic.sync.agent.send_tar`): rel ->
     ``[errno name, reason]``; ``{}`` when none."""
@@ -2486,68 +2658,3 @@ def _copy_grown(path: str, f, size: int) -> int:
         f.seek(0)
         f.truncate(0)
         return 0
-
-
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str,
-                channels: list | None = None) -> None:
-    """Fetch one file on its own channel, continuing an abandoned local part when the
-    source's first bytes hash the same; a resumed file is checked against the sha256 of
-    the source that follows its bytes before it is renamed (see ``get`` in
-    :mod:`gpumagic.sync.agent`)."""
-    path = _local_path(dst_root, e.path)
-    f, have, tmp, token = agent.take_part(path)
-    try:
-        if not have:
-            have = _copy_grown(path, f, e.size)
-        have = min(have, e.size)
-        digest = agent.hash_file(f, have).hexdigest() if have else "-"
-        ch = _Channel.open(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest,
-                      str(run.level))
-        if channels is not None:
-            channels.append(ch)
-        try:
-            line = ch.readline()
-            if line.startswith(agent.SKIPPED):  # it vanished or cannot be read there: the rest goes on
-                ch.finish()
-                run.skip(e.path, e.size, json.loads(line[len(agent.SKIPPED):]))
-                return
-            if not line.startswith(b"OFFSET "):
-                raise ch.failure(line)
-            kept = int(line.split()[1])
-            if kept not in (0, have):
-                raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
-                                "run the sync again; if it repeats, report it with this message")
-            f.truncate(kept)
-            f.seek(kept)
-            run.add_bytes(kept, resumed=True, path=e.path)
-            want = None
-            stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
-            try:
-                try:
-                    agent.write_rest(f, stream, e.size - kept, path,
-                                     on_bytes=lambda n: run.add_bytes(n, path=e.path))
-                except OSError as exc:
-                    agent.drop_part(f, tmp, exc)
-                    raise
-                if kept:
-                    want = agent.read_exact(stream, 64).decode("ascii", "replace")
-                    if len(want) < 64:
-                        raise EOFError(f"the stream ended before the sha256 of {e.path}")
-                if isinstance(stream, agent.ZReader):
-                    run.add_wire(stream.wire)
-            except EOFError:
-                exc = ch.failure()
-                rec = ch.record()
-                if rec is not None and rec.get("errno") == "CHANGED":  # it shrank there: left out
-                    run.skip(e.path, 0, ["CHANGED", f"shrank below its listed {e.size} bytes while it was read"])
-                    return
-                raise exc from None
-            if ch.finish() != 0:
-                raise ch.failure()
-        finally:
-            ch.close()
-        agent.finish_part(f, tmp, path, e.size, e.mode, e.mtime_ns, want)
-        run.file_done(e.path)
-    finally:
-        agent.leave_part(f, tmp)  # a part not renamed is kept for a resume
-        agent.release(token)
