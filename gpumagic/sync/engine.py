@@ -1703,9 +1703,13 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
             names = [name]
         ch = open_listing(machine, dst_root, digests=checksum, names=names, compare=names is None)
+        source: Side = LocalSide(machine, src, sends=True, one=names[0] if names else None)
+        destination: Side = RemoteSide(machine, ch, dst_root)
     else:
         ch = open_listing(machine, src, digests=checksum)
         ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
+        source = RemoteSide(machine, ch, src)
+        destination = LocalSide(machine, destination_root(src, dst, dst_join=os.path.join), sends=False, asked=dst)
     listing = None
     if progress is not None:
         where = remote_root(machine, dst_root if pushing else src)
@@ -1726,14 +1730,10 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                 level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
                 run = _Run(Plan(), summary, progress, counting=walk is None, level=level, attempt=attempt)
                 with _no_cyclic_gc():
-                    plan = _stream_into_empty(LocalSide(machine, src), RemoteSide(machine, ch, dst_root), rules, run,
-                                              walk, modes=fs.modes)
+                    plan = _stream_into_empty(source, destination, rules, run, walk, modes=fs.modes)
                 return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
         with _no_cyclic_gc():
-            if pushing:
-                sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum, walk, fs)
-            else:
-                sides = _pull_sides(machine, ch, src, dst, rules, checksum, fs, options.rename_clashes)
+            sides = _list_sides(source, destination, rules, checksum, fs, walk, options.rename_clashes)
             if sides.same is not None:  # both trees give the same rows: nothing differs
                 plan = Plan(unchanged=sides.same)
             else:
@@ -1757,16 +1757,6 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             summary.would_send = [e.path for e in plan.send]
             summary.seconds = time.monotonic() - start
             return summary
-        source: Side
-        destination: Side
-        if pushing:
-            source, destination = LocalSide(machine, src), RemoteSide(machine, ch, sides.dst_root)
-        elif sides.listed:  # one file, fetched from its folder (the listing's channel has ended)
-            source = RemoteSide(machine, ch, posixpath.dirname(src) or ".", ended=True,
-                                names={rel: posixpath.basename(src) for rel in sides.source})
-            destination = LocalSide(machine, sides.dst_root)
-        else:
-            source, destination = RemoteSide(machine, ch, src, sides.remote_of), LocalSide(machine, sides.dst_root)
         run = carry_out(source, destination, plan, sides, summary, progress, compress, attempt)
     finally:
         ch.close()
@@ -1860,83 +1850,34 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
-                rules: IgnoreRules, checksum: bool, walk: SourceWalk | None = None,
-                fs: LocalFs = LocalFs()) -> _Sides:
-    # The local walk runs while the remote one does (``walk``: already made).
-    dest_name = f"{machine.name}:{remote_root(machine, dst_root)}"
-    if names is None:
-        if walk is None:
-            walk = walk_source(src, rules, digests=checksum)
-        remote = read_listing(ch, walk)
-        if remote is None:
-            return _Sides({}, Listing(), {}, src, dest_name, dst_root, same=walk.unchanged,
-                          source_root=os.path.abspath(src),
-                          vanished={rel: text for kind, rel, text in walk.left_out if kind == "v"},
-                          specials={rel: text for kind, rel, text in walk.left_out if kind == "s"})
-        local = walk.listing()
-        src_entries = local.entries
-    else:
-        local = walk_local(src, None, digests=checksum)
-        src_entries = _resolve_single_file(local, names[0])
-        remote = read_listing(ch)
-    assert remote is not None
-    if remote.root is not None and remote.root.kind != "d":
-        raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
-                        "choose another destination, or remove that file first")
-    if fs.folds:  # A.txt here is the machine's a.txt: compared with it, never sent beside it
-        src_entries = laptop.respelled(src_entries, remote.entries, fs)
-    if not fs.modes:  # no modes here: the machine's are kept, new ones chosen by content
-        src_entries = laptop.machine_modes(src_entries, remote.entries)
-    return _Sides(src_entries, remote, local.errors, src, dest_name, dst_root, vanished=local.vanished,
-                  specials=local.specials, source_root=os.path.abspath(src), single_source=names is not None)
-
-
-def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
-                checksum: bool, fs: LocalFs = LocalFs(), rename_clashes: bool = False) -> _Sides:
-    # Listed while the remote side lists (assuming SRC is a directory, the usual case).
-    dst_root = destination_root(src, dst, dst_join=os.path.join)
-    try:
-        local = _local_listing(dst_root, checksum, None)
-        refused = None
-    except SyncError as exc:  # DST is a file: fine when SRC is one too (known below)
-        local, refused = Listing(), exc
-    remote = read_listing(ch)
-    assert remote is not None
-    if "." in remote.specials:
-        _refuse_special(remote_root(machine, src), _SPECIAL_MODES.get(remote.specials["."], 0), machine.name)
-    if remote.root is None:
-        raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
-                        f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
-    single = remote.root.kind != "d"
-    if single:
-        # One file: fetched with `get` (resumable) from its directory.
-        ch.close_stdin()
-        ch.finish()
-        name = posixpath.basename(src)
-        if dst.endswith(tuple(local_seps())) or os.path.isdir(dst):
-            dst_root = dst
-        else:
-            dst_root, name = os.path.split(dst)
-            dst_root = dst_root or "."
-        src_entries = _resolve_single_file(remote, name)
-        local = _local_listing(dst_root, checksum, [name])
-    else:
-        if refused is not None:
-            raise refused
-        src_entries = filter_listing(remote, rules).entries
-    if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
-        raise SyncError(f"{dst_root} exists and is not a directory",
-                        "choose another destination, or remove that file first")
-    remote_of: dict[str, str] = {}
-    local_entries = local.entries
-    if fs.folds:
-        src_entries, remote_of = _clashes_here(machine, src_entries, dst_root, fs, rename_clashes)
-        local_entries = laptop.respelled(local.entries, src_entries, fs)
-    local = Listing(local_entries, local.partials, local.parts, local.ignore_texts, local.errors)
-    return _Sides(src_entries, local, remote.errors, f"{machine.name}:{remote_root(machine, src)}",
-                  dst_root, dst_root, listed=single, remote_of=remote_of, vanished=remote.vanished,
-                  specials=remote.specials, source_root=remote_root(machine, src), single_source=single)
+def _list_sides(source: "Side", destination: "Side", rules: IgnoreRules, checksum: bool, fs: LocalFs,
+                walk: SourceWalk | None = None, rename_clashes: bool = False) -> _Sides:
+    """Both ends listed, for the plan: this computer's first, while the machine walks its own
+    (its agent started when its channel opened), then the machine's, from that channel (for
+    a push, only when the fingerprints of the two trees differ: else :attr:`_Sides.same`).
+    Then the source says what it holds, the destination checks its root, and this computer's
+    folder says what it makes of the machine's names (:meth:`LocalSide.fold`)."""
+    here = source if isinstance(source, LocalSide) else destination
+    there = destination if here is source else source
+    assert isinstance(here, LocalSide) and isinstance(there, RemoteSide)
+    mine = here.scan(checksum, rules, walk)
+    theirs = there.scan(checksum, rules, mine)
+    if theirs is None:  # the same fingerprint: both trees give the same rows
+        assert isinstance(mine, SourceWalk)
+        return _Sides({}, Listing(), {}, source.label, destination.label, destination.root, same=mine.unchanged,
+                      source_root=source.path,
+                      vanished={rel: text for kind, rel, text in mine.left_out if kind == "v"},
+                      specials={rel: text for kind, rel, text in mine.left_out if kind == "s"})
+    if isinstance(mine, SourceWalk):
+        mine = mine.listing()
+    listed, dest = (mine, theirs) if here is source else (theirs, mine)
+    entries, single = source.entries(listed, rules, destination)
+    dest = destination.check(dest, single, checksum)
+    entries, dest, remote_of = here.fold(entries, dest, fs, rename_clashes)
+    there.names.update(remote_of)
+    return _Sides(entries, dest, listed.errors, source.label, destination.label, destination.root,
+                  listed=there.ended, remote_of=remote_of, vanished=listed.vanished, specials=listed.specials,
+                  source_root=source.path, single_source=single)
 
 
 def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
@@ -1977,14 +1918,101 @@ def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
 
 
 class LocalSide:
-    """This computer's end of a sync: ``root`` here (a folder, or one source file)."""
+    """This computer's end of a sync: ``root`` here (a folder, or one source file).
+
+    ``sends``: whether it is the source.  ``one``: the name of the one file a sync copies,
+    at its destination (a push of one file: the name rsync's rule gives it there).
+    ``asked``: the destination as written (a pull: where its one file goes is known once
+    the machine has listed it)."""
 
     where = "this computer"
 
-    def __init__(self, machine, root: str):
+    def __init__(self, machine, root: str, *, sends: bool, one: str | None = None, asked: str = ""):
         self.machine = machine
         self.root = root
+        self.sends = sends
+        self.one = one
+        self.asked = asked
+        #: Why this destination cannot take a folder (it is a file), noted by :meth:`scan`.
+        self.refused: SyncError | None = None
         self._path_of: Callable[[str], str] | None = None
+
+    @property
+    def label(self) -> str:
+        """The root as the summary names it (as written)."""
+        return self.root
+
+    @property
+    def path(self) -> str:
+        """The root as an error names it (absolute)."""
+        return os.path.abspath(self.root)
+
+    def scan(self, checksum: bool, rules: IgnoreRules, walk: SourceWalk | None = None) -> SourceWalk | Listing:
+        """This computer's listing, made while the machine walks its own.  The source's: its
+        walk (``walk``: made already), whose fingerprint the machine compares with its own,
+        or its one file.  The destination's: with its part files; a root that is a file is
+        noted (:attr:`refused`: an error only when the source is a folder)."""
+        if self.sends:
+            if self.one is not None:
+                return walk_local(self.root, None, digests=checksum)
+            return walk if walk is not None else walk_source(self.root, rules, digests=checksum)
+        try:
+            return _local_listing(self.root, checksum, None)
+        except SyncError as exc:  # a file: fine when the source is one too (known below)
+            self.refused = exc
+            return Listing()
+
+    def entries(self, listing: Listing, rules: IgnoreRules, destination: "RemoteSide") -> tuple[dict[str, Entry], bool]:
+        """The source's entries (its one file under its name at the destination), and
+        whether it is one file."""
+        if self.one is not None:
+            return _resolve_single_file(listing, self.one), True
+        return listing.entries, False
+
+    def one_file(self, name: str) -> str:
+        """The destination of one file called ``name``, as rsync decides: into the folder
+        written when it ends in a separator or is a folder, else that path is the file's
+        (:attr:`root` becomes its folder); the file's name here."""
+        if self.asked.endswith(tuple(local_seps())) or os.path.isdir(self.asked):
+            self.root = self.asked
+        else:
+            root, name = os.path.split(self.asked)
+            self.root = root or "."
+        self.one = name
+        return name
+
+    def check(self, listing: Listing, single: bool, checksum: bool) -> Listing:
+        """The destination's listing once the source's is known: for one file, that file's
+        (it may go into a folder other than the one listed); a root that is not a folder is
+        refused."""
+        if single:
+            listing = _local_listing(self.root, checksum, [self.one] if self.one is not None else None)
+        elif self.refused is not None:
+            raise self.refused
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise SyncError(f"{self.root} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        return listing
+
+    def fold(self, source: dict[str, Entry], dest: Listing, fs: LocalFs,
+             rename_clashes: bool) -> tuple[dict[str, Entry], Listing, dict[str, str]]:
+        """What this computer's folder makes of the machine's names (``fs``: case, Unicode
+        normalisation, modes): the source's entries, the destination's listing, and the
+        machine's path of each file renamed here (local path -> machine path).  Sending: a
+        name here that the machine spells otherwise is compared with it, never sent beside
+        it, and without modes here the machine's are kept.  Receiving: names that would be
+        one file here are refused, or renamed (``rename_clashes``)."""
+        if self.sends:
+            if fs.folds:  # A.txt here is the machine's a.txt: compared with it, never sent beside it
+                source = laptop.respelled(source, dest.entries, fs)
+            if not fs.modes:  # no modes here: the machine's are kept, new ones chosen by content
+                source = laptop.machine_modes(source, dest.entries)
+            return source, dest, {}
+        if not fs.folds:
+            return source, dest, {}
+        source, remote_of = _clashes_here(self.machine, source, self.root, fs, rename_clashes)
+        entries = laptop.respelled(dest.entries, source, fs)
+        return source, Listing(entries, dest.partials, dest.parts, dest.ignore_texts, dest.errors), remote_of
 
     # -- as the source --------------------------------------------------------------------
 
@@ -2079,7 +2107,7 @@ class LocalSide:
                 have = _copy_grown(path, f, e.size)
             have = min(have, e.size)
             digest = agent.hash_file(f, have).hexdigest() if have else "-"
-            ch = _Channel.open(machine, "get", source.root, machine.cwd or "", source.name(e.path), str(e.size),
+            ch = _Channel.open(machine, "get", source.base, machine.cwd or "", source.path_of(e.path), str(e.size),
                                str(have), digest, str(run.level))
             if channels is not None:
                 channels.append(ch)
@@ -2144,25 +2172,65 @@ class LocalSide:
 
 class RemoteSide:
     """The machine's end of a sync: ``root`` there, and the ``serve`` channel ``ch`` that
-    listed it and carries the small files' tar.  ``names``: the machine's path of a file
-    whose local name differs (a pull's renamed clash, its one file)."""
+    lists it and carries the small files' tar."""
 
-    def __init__(self, machine, ch: _Channel, root: str, names: dict[str, str] | None = None,
-                 ended: bool = False):
+    def __init__(self, machine, ch: _Channel, root: str):
         self.machine = machine
         self.ch = ch
         self.root = root
-        self.names = names or {}
+        #: The folder a large file's ``get`` reads from, and the machine's path there of a
+        #: file whose name here differs (a pull's renamed clash, its one file).
+        self.base = root
+        self.names: dict[str, str] = {}
         #: The ``serve`` channel's agent has exited (stdin closed, status read).
-        self.ended = ended
+        self.ended = False
 
     @property
     def where(self) -> str:
         return self.machine.name
 
-    def name(self, rel: str) -> str:
-        """The machine's path (under :attr:`root`) of the file ``rel``."""
+    @property
+    def label(self) -> str:
+        """The root as the summary names it (``NAME:/abs/path``)."""
+        return f"{self.machine.name}:{self.path}"
+
+    @property
+    def path(self) -> str:
+        """The root as an error names it (absolute, see :func:`remote_root`)."""
+        return remote_root(self.machine, self.root)
+
+    def path_of(self, rel: str) -> str:
+        """The machine's path (under :attr:`base`) of the file ``rel``."""
         return self.names.get(rel, rel)
+
+    def scan(self, checksum: bool, rules: IgnoreRules, same_as: SourceWalk | Listing | None = None) -> Listing | None:
+        """The listing its agent sends (see :func:`read_listing`): None when ``same_as``, the
+        walk of this computer's source, has the machine's fingerprint."""
+        return read_listing(self.ch, same_as if isinstance(same_as, SourceWalk) else None)
+
+    def entries(self, listing: Listing, rules: IgnoreRules, destination: LocalSide) -> tuple[dict[str, Entry], bool]:
+        """The source's entries (less what ``rules`` leave out; its one file under its name
+        at the destination), and whether it is one file.  A root that is absent or a
+        special file is refused; one file is fetched from its folder with ``get``: the
+        ``serve`` agent ends."""
+        if "." in listing.specials:
+            _refuse_special(self.path, _SPECIAL_MODES.get(listing.specials["."], 0), self.machine.name)
+        if listing.root is None:
+            raise SyncError(f"no file or directory {self.path} on {self.machine.name}",
+                            f"check the path; relative paths start at {self.machine.cwd or 'the login directory'}")
+        if listing.root.kind == "d":
+            return filter_listing(listing, rules).entries, False
+        self._end()
+        name = destination.one_file(posixpath.basename(self.root))
+        self.base, self.names = posixpath.dirname(self.root) or ".", {name: posixpath.basename(self.root)}
+        return _resolve_single_file(listing, name), True
+
+    def check(self, listing: Listing, single: bool, checksum: bool) -> Listing:
+        """The destination's listing: a root that is not a folder is refused."""
+        if listing.root is not None and listing.root.kind != "d":
+            raise SyncError(f"{self.label} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        return listing
 
     def _end(self) -> None:
         if not self.ended:
