@@ -1672,51 +1672,20 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
     delete, checksum, dry_run, compress = options.delete, options.checksum, options.dry_run, options.compress
     start = time.monotonic()
     pushing = direction == "push"
-    root = whole_file_system(direction, machine, src, dst) if delete else None
-    if root is not None and root[0] == "destination":
-        raise SyncError(f"--delete into {root[1]} would delete everything there that {src} lacks, "
-                        "so nothing was changed", "name a folder below it as the destination (e.g. :/data/)")
-    if pushing:
-        seps = local_seps()
-        if not os.path.lexists(src.rstrip(seps) or src):
-            raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
-                            f"the notebook's directory, {os.getcwd()})")
-        if src.endswith(tuple(seps)) and not os.path.isdir(src):  # rsync: change_dir ... Not a directory
-            raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
-                            f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
-        _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
-    if delete and pushing and os.path.isdir(src) and _is_home_path(destination_root(src, dst, src_seps=seps),
-                                                                     machine.cwd):
-        refuse_wide_delete(f"{machine.name}:{dst or '~'}", dst, (), True, 0, None, src)  # before it is listed
+    _refuse_before_listing(direction, machine, src, dst, delete)
     use_files = pushing if options.ignore_files is None else options.ignore_files
     rules = IgnoreRules(options.exclude, use_files=use_files)
-    # What the laptop's folder keeps (modes, case, normalisation), asked before it is walked
-    if pushing:
-        fs = laptop.probe(src if os.path.isdir(src) else os.path.dirname(src) or ".")
-    else:
-        fs = laptop.probe(dst)
-    if pushing:
-        names = None
-        if os.path.isdir(src):
-            dst_root = destination_root(src, dst, src_seps=seps)
-        else:
-            dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
-            names = [name]
-        ch = open_listing(machine, dst_root, digests=checksum, names=names, compare=names is None)
-        source: Side = LocalSide(machine, src, sends=True, one=names[0] if names else None)
-        destination: Side = RemoteSide(machine, ch, dst_root)
-    else:
-        ch = open_listing(machine, src, digests=checksum)
-        ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
-        source = RemoteSide(machine, ch, src)
-        destination = LocalSide(machine, destination_root(src, dst, dst_join=os.path.join), sends=False, asked=dst)
+    source, destination = _open_sides(direction, machine, src, dst, checksum)
+    here = source if isinstance(source, LocalSide) else destination
+    there = destination if here is source else source
+    assert isinstance(here, LocalSide) and isinstance(there, RemoteSide)
+    ch = there.ch
     listing = None
     if progress is not None:
-        where = remote_root(machine, dst_root if pushing else src)
-        listing = ch.on_listed = _ListingProgress(progress, f"{machine.name}:{where}")
+        listing = ch.on_listed = _ListingProgress(progress, there.label)
     try:
         walk = None
-        if pushing and names is None and not dry_run:
+        if here is source and here.one is None and not dry_run:
             # The walk starts at once; when the agent says the destination is empty, it
             # turns into a push that sends each folder's files as soon as they are listed.
             first = _DestinationEmptyReader(ch)
@@ -1726,22 +1695,25 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             except _Empty:
                 walk = None
             if first.wait() and _is_empty(early_listing(ch)):
-                summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
+                summary = SyncSummary(direction, src, there.label)
                 level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
                 run = _Run(Plan(), summary, progress, counting=walk is None, level=level, attempt=attempt)
                 with _no_cyclic_gc():
-                    plan = _stream_into_empty(source, destination, rules, run, walk, modes=fs.modes)
-                return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
+                    plan = _stream_into_empty(here, there, rules, run, walk, modes=here.fs.modes)
+                return _complete(_finished(summary, plan, run, start), here.where, here.path)
         with _no_cyclic_gc():
-            sides = _list_sides(source, destination, rules, checksum, fs, walk, options.rename_clashes)
+            sides = _list_sides(source, destination, rules, checksum, walk, options.rename_clashes)
             if sides.same is not None:  # both trees give the same rows: nothing differs
                 plan = Plan(unchanged=sides.same)
             else:
+                fs = here.fs
                 plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
                                  update=options.update, rules=rules, unreadable=sides.unreadable,
                                  fold=fs.key if fs.folds else None, whole_dest=not sides.single_source)
         if delete and plan.delete:
-            _guard_delete(machine, pushing, sides, plan, options, src)
+            top = [rel for rel in sides.dest.entries if "/" not in rel and rel != "."]
+            where, root, home = destination.delete_guarded()
+            refuse_wide_delete(where, root, top, home, 0 if dry_run else len(plan.delete), options.max_delete, src)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
                               skipped=plan.unchanged, newer=plan.newer, kept_dirs=list(plan.kept_dirs),
                               dry_run=dry_run,
@@ -1749,45 +1721,67 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                               vanished=dict(sides.vanished), specials=dict(sides.specials),
                               renamed={r: p for p, r in sides.remote_of.items()})
         if dry_run:
-            if not sides.listed:
-                ch.close_stdin()
-                ch.finish()
+            there.end()
             if listing is not None:
-                listing.done(len(sides.dest.entries if pushing else sides.source))
+                listing.done(len(sides.dest.entries if there is destination else sides.source))
             summary.would_send = [e.path for e in plan.send]
             summary.seconds = time.monotonic() - start
             return summary
         run = carry_out(source, destination, plan, sides, summary, progress, compress, attempt)
     finally:
         ch.close()
-    return _complete(_finished(summary, plan, run, start),
-                     "this computer" if pushing else machine.name, sides.source_root, sides.single_source)
+    return _complete(_finished(summary, plan, run, start), source.where, sides.source_root, sides.single_source)
 
 
-def _guard_delete(machine, pushing: bool, sides: "_Sides", plan: Plan, options: SyncOptions, src: str) -> None:
-    """:func:`refuse_wide_delete` for this sync's destination (the machine's for a push, this
-    computer's for a pull); a dry run is refused by the guards too, but not by the count (it is
-    how the count is looked at)."""
-    top = [rel for rel in sides.dest.entries if "/" not in rel and rel != "."]
-    if pushing:
-        root = sides.dst_root
-        home = _is_home_path(root, machine.cwd)
-        where = sides.dest_name
-    else:
-        root = os.path.abspath(sides.dst_root)
-        here = os.path.realpath(root)
-        home = here == os.path.realpath(os.path.expanduser("~"))
-        try:
-            from ..paths import data_dir
+def _refuse_before_listing(direction: str, machine, src: str, dst: str, delete: bool) -> None:
+    """What is refused before anything is listed: a ``--delete`` into a whole file system or
+    into the machine's home; a push of a local path that is absent, a file written as a
+    folder (a trailing separator), or a special file.
 
-            mine = os.path.realpath(data_dir())
-            if here == mine or here.startswith(mine + os.sep):
-                root = os.path.join(root, ".gpumagic")  # counted as gpumagic's own folder
-        except Exception:  # noqa: BLE001 - no data dir: nothing of ours there
-            pass
-        where = f"this computer's {sides.dst_root}"
-    count = 0 if options.dry_run else len(plan.delete)
-    refuse_wide_delete(where, root, top, home, count, options.max_delete, src)
+    Raises
+    ------
+    SyncError
+        One line naming what was found and what to write instead.
+    """
+    root = whole_file_system(direction, machine, src, dst) if delete else None
+    if root is not None and root[0] == "destination":
+        raise SyncError(f"--delete into {root[1]} would delete everything there that {src} lacks, "
+                        "so nothing was changed", "name a folder below it as the destination (e.g. :/data/)")
+    if direction != "push":
+        return
+    seps = local_seps()
+    if not os.path.lexists(src.rstrip(seps) or src):
+        raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
+                        f"the notebook's directory, {os.getcwd()})")
+    if src.endswith(tuple(seps)) and not os.path.isdir(src):  # rsync: change_dir ... Not a directory
+        raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
+                        f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
+    _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
+    if delete and os.path.isdir(src) and _is_home_path(destination_root(src, dst, src_seps=seps), machine.cwd):
+        refuse_wide_delete(f"{machine.name}:{dst or '~'}", dst, (), True, 0, None, src)  # before it is listed
+
+
+def _open_sides(direction: str, machine, src: str, dst: str, checksum: bool) -> tuple["Side", "Side"]:
+    """The source and the destination of a ``direction`` sync, the machine's listing already
+    under way on its ``serve`` channel (see :func:`open_listing`: a push's compares
+    fingerprints first).  What this computer's folder keeps (modes, case, normalisation) is
+    asked before it is walked."""
+    if direction == "push":
+        here = LocalSide(machine, src, sends=True, asked=src)
+        here.probe()
+        names = None
+        if os.path.isdir(src):
+            dst_root = destination_root(src, dst, src_seps=local_seps())
+        else:
+            dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
+            here.one, names = name, [name]
+        ch = open_listing(machine, dst_root, digests=checksum, names=names, compare=names is None)
+        return here, RemoteSide(machine, ch, dst_root)
+    here = LocalSide(machine, destination_root(src, dst, dst_join=os.path.join), sends=False, asked=dst)
+    here.probe()
+    ch = open_listing(machine, src, digests=checksum)
+    ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
+    return RemoteSide(machine, ch, src), here
 
 
 #: A mode of each kind of special file (named by :func:`gpumagic.sync.agent.special_kind`).
@@ -1850,7 +1844,7 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _list_sides(source: "Side", destination: "Side", rules: IgnoreRules, checksum: bool, fs: LocalFs,
+def _list_sides(source: "Side", destination: "Side", rules: IgnoreRules, checksum: bool,
                 walk: SourceWalk | None = None, rename_clashes: bool = False) -> _Sides:
     """Both ends listed, for the plan: this computer's first, while the machine walks its own
     (its agent started when its channel opened), then the machine's, from that channel (for
@@ -1873,7 +1867,7 @@ def _list_sides(source: "Side", destination: "Side", rules: IgnoreRules, checksu
     listed, dest = (mine, theirs) if here is source else (theirs, mine)
     entries, single = source.entries(listed, rules, destination)
     dest = destination.check(dest, single, checksum)
-    entries, dest, remote_of = here.fold(entries, dest, fs, rename_clashes)
+    entries, dest, remote_of = here.fold(entries, dest, here.fs, rename_clashes)
     there.names.update(remote_of)
     return _Sides(entries, dest, listed.errors, source.label, destination.label, destination.root,
                   listed=there.ended, remote_of=remote_of, vanished=listed.vanished, specials=listed.specials,
@@ -1935,12 +1929,22 @@ class LocalSide:
         self.asked = asked
         #: Why this destination cannot take a folder (it is a file), noted by :meth:`scan`.
         self.refused: SyncError | None = None
+        #: What the folder here keeps (modes, case, normalisation): see :meth:`probe`.
+        self.fs = LocalFs()
         self._path_of: Callable[[str], str] | None = None
 
     @property
     def label(self) -> str:
         """The root as the summary names it (as written)."""
         return self.root
+
+    def probe(self) -> None:
+        """Ask the folder here what it keeps (modes, case, normalisation: :attr:`fs`), before
+        it is walked: the source's folder (the one file's), the destination as written."""
+        folder = self.asked
+        if self.sends and not os.path.isdir(folder):
+            folder = os.path.dirname(folder) or "."
+        self.fs = laptop.probe(folder)
 
     @property
     def path(self) -> str:
@@ -1993,6 +1997,22 @@ class LocalSide:
             raise SyncError(f"{self.root} exists and is not a directory",
                             "choose another destination, or remove that file first")
         return listing
+
+    def delete_guarded(self) -> tuple[str, str, bool]:
+        """For :func:`refuse_wide_delete`, this destination as the message names it, its
+        root (inside gpumagic's own folder: counted as one), and whether it is the home."""
+        root = os.path.abspath(self.root)
+        here = os.path.realpath(root)
+        home = here == os.path.realpath(os.path.expanduser("~"))
+        try:
+            from ..paths import data_dir
+
+            mine = os.path.realpath(data_dir())
+            if here == mine or here.startswith(mine + os.sep):
+                root = os.path.join(root, ".gpumagic")  # counted as gpumagic's own folder
+        except Exception:  # noqa: BLE001 - no data dir: nothing of ours there
+            pass
+        return f"this computer's {self.root}", root, home
 
     def fold(self, source: dict[str, Entry], dest: Listing, fs: LocalFs,
              rename_clashes: bool) -> tuple[dict[str, Entry], Listing, dict[str, str]]:
@@ -2220,10 +2240,15 @@ class RemoteSide:
                             f"check the path; relative paths start at {self.machine.cwd or 'the login directory'}")
         if listing.root.kind == "d":
             return filter_listing(listing, rules).entries, False
-        self._end()
+        self.end()
         name = destination.one_file(posixpath.basename(self.root))
         self.base, self.names = posixpath.dirname(self.root) or ".", {name: posixpath.basename(self.root)}
         return _resolve_single_file(listing, name), True
+
+    def delete_guarded(self) -> tuple[str, str, bool]:
+        """For :func:`refuse_wide_delete`, this destination as the message names it, its
+        root, and whether it is the login home."""
+        return self.label, self.root, _is_home_path(self.root, self.machine.cwd)
 
     def check(self, listing: Listing, single: bool, checksum: bool) -> Listing:
         """The destination's listing: a root that is not a folder is refused."""
@@ -2232,7 +2257,8 @@ class RemoteSide:
                             "choose another destination, or remove that file first")
         return listing
 
-    def _end(self) -> None:
+    def end(self) -> None:
+        """End the ``serve`` agent (its stdin closed, its exit status read), once."""
         if not self.ended:
             self.ended = True
             self.ch.close_stdin()
@@ -2253,7 +2279,7 @@ class RemoteSide:
 
     def supplied(self) -> None:
         """Nothing more is asked of the ``serve`` agent: it ends now."""
-        self._end()
+        self.end()
 
     # -- as the destination ---------------------------------------------------------------
 
@@ -2368,7 +2394,7 @@ class RemoteSide:
 
     def written(self) -> None:
         """Nothing more goes to the ``serve`` agent: it ends now."""
-        self._end()
+        self.end()
 
     def finish(self, plan: Plan, summary: SyncSummary) -> None:
         """Nothing after the files: the agent stamped the folders at the tar's end."""
