@@ -1867,7 +1867,7 @@ def _list_sides(source: "Side", destination: "Side", rules: IgnoreRules, checksu
     listed, dest = (mine, theirs) if here is source else (theirs, mine)
     entries, single = source.entries(listed, rules, destination)
     dest = destination.check(dest, single, checksum)
-    entries, dest, remote_of = here.fold(entries, dest, here.fs, rename_clashes)
+    entries, dest, remote_of = here.fold(entries, dest, rename_clashes)
     there.names.update(remote_of)
     return _Sides(entries, dest, listed.errors, source.label, destination.label, destination.root,
                   listed=there.ended, remote_of=remote_of, vanished=listed.vanished, specials=listed.specials,
@@ -1916,8 +1916,8 @@ class LocalSide:
 
     ``sends``: whether it is the source.  ``one``: the name of the one file a sync copies,
     at its destination (a push of one file: the name rsync's rule gives it there).
-    ``asked``: the destination as written (a pull: where its one file goes is known once
-    the machine has listed it)."""
+    ``asked``: the path as written (a pull's destination: where its one file goes is known
+    once the machine has listed it)."""
 
     where = "this computer"
 
@@ -1950,6 +1950,8 @@ class LocalSide:
     def path(self) -> str:
         """The root as an error names it (absolute)."""
         return os.path.abspath(self.root)
+
+    # -- the listing ----------------------------------------------------------------------
 
     def scan(self, checksum: bool, rules: IgnoreRules, walk: SourceWalk | None = None) -> SourceWalk | Listing:
         """This computer's listing, made while the machine walks its own.  The source's: its
@@ -2014,14 +2016,15 @@ class LocalSide:
             pass
         return f"this computer's {self.root}", root, home
 
-    def fold(self, source: dict[str, Entry], dest: Listing, fs: LocalFs,
+    def fold(self, source: dict[str, Entry], dest: Listing,
              rename_clashes: bool) -> tuple[dict[str, Entry], Listing, dict[str, str]]:
-        """What this computer's folder makes of the machine's names (``fs``: case, Unicode
+        """What this computer's folder makes of the machine's names (:attr:`fs`: case, Unicode
         normalisation, modes): the source's entries, the destination's listing, and the
         machine's path of each file renamed here (local path -> machine path).  Sending: a
         name here that the machine spells otherwise is compared with it, never sent beside
         it, and without modes here the machine's are kept.  Receiving: names that would be
         one file here are refused, or renamed (``rename_clashes``)."""
+        fs = self.fs
         if self.sends:
             if fs.folds:  # A.txt here is the machine's a.txt: compared with it, never sent beside it
                 source = laptop.respelled(source, dest.entries, fs)
@@ -2222,6 +2225,8 @@ class RemoteSide:
     def path_of(self, rel: str) -> str:
         """The machine's path (under :attr:`base`) of the file ``rel``."""
         return self.names.get(rel, rel)
+
+    # -- the listing ----------------------------------------------------------------------
 
     def scan(self, checksum: bool, rules: IgnoreRules, same_as: SourceWalk | Listing | None = None) -> Listing | None:
         """The listing its agent sends (see :func:`read_listing`): None when ``same_as``, the
