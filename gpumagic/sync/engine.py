@@ -5,7 +5,9 @@ diff) and :mod:`gpumagic.sync.ignore` (``.gitignore`` / ``.gpuignore`` / ``--exc
 git matches them).  Here: one round trip lists the remote tree, small files travel in one
 tar stream over one exec channel, files of :data:`LARGE_FILE` bytes or more stream on
 their own channel with resume.  The remote half is :mod:`gpumagic.sync.agent`, run by the
-machine's ``python3`` (stdlib only; its source is sent with each request).
+machine's ``python3`` (stdlib only; its source is sent with each request).  The two ends are
+:class:`LocalSide` and :class:`RemoteSide`, with the same methods (scan, supply, stage, write,
+finish); a push and a pull are one sequence, :func:`carry_out`, with the sides swapped.
 
 Every file is written to a part file of its writer's own beside its target
 (``.NAME.TOKEN.gpumagic-part``) and renamed only when whole (size checked; a resumed
@@ -2140,12 +2142,7 @@ class LocalSide:
                     ch.finish()
                     run.skip(e.path, e.size, json.loads(line[len(agent.SKIPPED):]))
                     return
-                if not line.startswith(b"OFFSET "):
-                    raise ch.failure(line)
-                kept = int(line.split()[1])
-                if kept not in (0, have):
-                    raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
-                                    "run the sync again; if it repeats, report it with this message")
+                kept = _kept(ch, line, e.path, have)
                 f.truncate(kept)
                 f.seek(kept)
                 run.add_bytes(kept, resumed=True, path=e.path)
@@ -2351,13 +2348,7 @@ class RemoteSide:
             if channels is not None:
                 channels.append(ch)
             try:
-                line = ch.readline()
-                if not line.startswith(b"OFFSET "):
-                    raise ch.failure(line + ch.read())
-                kept = int(line.split()[1])
-                if kept not in (0, offset):
-                    raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
-                                    "run the sync again; if it repeats, report it with this message")
+                kept = _kept(ch, ch.readline(), e.path, offset, more=True)
                 run.add_bytes(kept, resumed=True, path=e.path)
                 whole = whole if kept else None
                 f.seek(kept)
@@ -2406,6 +2397,19 @@ class RemoteSide:
 
 
 Side = LocalSide | RemoteSide
+
+
+def _kept(ch: _Channel, line: bytes, rel: str, offered: int, more: bool = False) -> int:
+    """The first answer of a large file's agent (``put``/``get``), ``OFFSET N``: how many
+    bytes of the ``offered`` part it keeps (0, or all of them).  Any other line is its
+    failure (``more``: with the rest of its output)."""
+    if not line.startswith(b"OFFSET "):
+        raise ch.failure(line + ch.read() if more else line)
+    kept = int(line.split()[1])
+    if kept not in (0, offered):
+        raise SyncError(f"the sync helper on {ch.machine.name} answered OFFSET {kept} for {rel}",
+                        "run the sync again; if it repeats, report it with this message")
+    return kept
 
 
 def carry_out(source: Side, destination: Side, plan: Plan, sides: _Sides, summary: SyncSummary,
