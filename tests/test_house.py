@@ -357,9 +357,7 @@ STATE_ALLOWED = {
     "gpumagic.sync.agent._SERIAL": "the machine-side program's process: the next part-file token",
     "gpumagic.sync.agent._ACTIVE": "the part files this process writes now, which no other sync may take over",
     "gpumagic.ssh.config.KEYWORDS": "readconf.c's keyword table, filled once at import by _kw",
-    # left to their owners (issue 45): the sync's current attempt (item 1, sync as two equal
-    # sides, passes it explicitly); remote/move.py is being split by job (item 4)
-    "gpumagic.sync.engine._attempt": "the current sync attempt, for _Run.__init__ (item 1 passes it)",
+    # left to their owners (issue 45): remote/move.py is being split by job (item 4)
     "gpumagic.remote.move.store.lock": "one writer at a time of the start records (a process-wide lock)",
     "gpumagic.remote.move.standby._moving": "one move at a time in this process (a process-wide lock)",
 }

@@ -488,13 +488,13 @@ def test_a_source_file_deleted_mid_pull_is_named_as_vanished_and_no_part_is_left
     remote = tmp_path / "remote"
     remote.mkdir()
     (remote / "ckpt.pt").write_bytes(os.urandom(sync.LARGE_FILE + 10))
-    real = sync._pull_large
+    real = sync.LocalSide.write_large
 
-    def delete_first(machine, run, src_root, dst_root, e, remote_rel):
+    def delete_first(side, source, run, e, offset):
         (remote / "ckpt.pt").unlink()
-        return real(machine, run, src_root, dst_root, e, remote_rel)
+        return real(side, source, run, e, offset)
 
-    monkeypatch.setattr(sync, "_pull_large", delete_first)
+    monkeypatch.setattr(sync.LocalSide, "write_large", delete_first)
     summary = machine.pull(str(remote) + "/", str(tmp_path / "local"))
     assert summary.vanished == {"ckpt.pt": "No such file or directory"} and summary.files_sent == 0
     assert "file has vanished, not synced (1):\n  ckpt.pt" in str(summary)

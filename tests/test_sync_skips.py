@@ -201,16 +201,16 @@ def test_pull_of_a_tree_whose_file_became_a_folder_names_the_machine_and_pulls_t
     """The machine's side, as root too: secret.txt is a folder by the time its agent reads it
     (made so by a hook before the ``send`` command)."""
     remote = _tree(tmp_path / "remote", {"secret.txt": "hidden\n"})
-    real = sync._pull_tar
+    real = sync.RemoteSide.supply
     calls = []
 
-    def pull_tar(ch, run, dst_root, small):
+    def supply(side, small, level):
         calls.append([e.path for e in small])
         (remote / "secret.txt").unlink()
         (remote / "secret.txt").mkdir()  # open() there: EISDIR, whoever runs it
-        real(ch, run, dst_root, small)
+        return real(side, small, level)
 
-    monkeypatch.setattr(sync, "_pull_tar", pull_tar)
+    monkeypatch.setattr(sync.RemoteSide, "supply", supply)
     here = tmp_path / "here"
     with pytest.raises(SyncIncomplete) as e:
         machine.pull(f"{remote}/", str(here))
@@ -289,8 +289,9 @@ def test_pull_of_a_file_vanishing_on_the_machine_before_its_read_warns_and_pulls
     if shim is not None:  # rsync's sender is the local process here too
         rc, err = _rsync(remote, judge, shim, "m.tmp", errno.ENOENT)
         assert rc == 24 and "file has vanished" in err
-    step = "_pull_large" if large else "_pull_tar"
-    real = getattr(sync, step)
+    # (the large file's get, or the small files' send)
+    side, step = (sync.LocalSide, "write_large") if large else (sync.RemoteSide, "supply")
+    real = getattr(side, step)
     calls = []
 
     def gone_first(*args, **kw):
@@ -299,7 +300,7 @@ def test_pull_of_a_file_vanishing_on_the_machine_before_its_read_warns_and_pulls
             (remote / "m.tmp").unlink()
         return real(*args, **kw)
 
-    monkeypatch.setattr(sync, step, gone_first)
+    monkeypatch.setattr(side, step, gone_first)
     here = tmp_path / "here"
     summary = machine.pull(f"{remote}/", str(here))
     assert calls == [step]

@@ -5,7 +5,9 @@ diff) and :mod:`gpumagic.sync.ignore` (``.gitignore`` / ``.gpuignore`` / ``--exc
 git matches them).  Here: one round trip lists the remote tree, small files travel in one
 tar stream over one exec channel, files of :data:`LARGE_FILE` bytes or more stream on
 their own channel with resume.  The remote half is :mod:`gpumagic.sync.agent`, run by the
-machine's ``python3`` (stdlib only; its source is sent with each request).
+machine's ``python3`` (stdlib only; its source is sent with each request).  The two ends are
+:class:`LocalSide` and :class:`RemoteSide`, with the same methods (scan, supply, stage, write,
+finish); a push and a pull are one sequence, :func:`carry_out`, with the sides swapped.
 
 Every file is written to a part file of its writer's own beside its target
 (``.NAME.TOKEN.gpumagic-part``) and renamed only when whole (size checked; a resumed
@@ -389,20 +391,31 @@ class _Channel:
     data has the connection's keepalive behind it (or, where it sends none, a probe of the
     server after :data:`PROBE_AFTER` idle seconds), and the wait for the marker has
     :data:`START_TIMEOUT`.  A connection that drops raises :class:`ConnectionLost`.
+
+    Made in two phases: the constructor only records what to run (no I/O), :meth:`start`
+    starts the agent; :meth:`open` does both.
     """
+
+    @classmethod
+    def open(cls, machine, op: str, *args: str) -> "_Channel":
+        """A channel with the agent's ``op`` started on it (see :meth:`start`)."""
+        ch = cls(machine, op, *args)
+        ch.start()
+        return ch
 
     def __init__(self, machine, op: str, *args: str):
         self.machine = machine
         self.op = op
+        #: The agent operation's arguments (see :func:`agent_command`).
+        self.args = args
         #: Closed by this side (:meth:`close`): a failing send is no news then.
         self.closed_here = False
         #: What the agent does to its files, for error messages ("reading": it sends them).
         self.doing = "reading" if op == "get" else "writing"
-        nonce = self.nonce = os.urandom(8).hex()
-        self.marker = agent.MARKER_PREFIX + nonce.encode() + b"\n"
+        self.nonce = os.urandom(8).hex()
+        self.marker = agent.MARKER_PREFIX + self.nonce.encode() + b"\n"
         #: The transport the agent was started on (see :func:`_started`), once it was.
         self._running: paramiko.Transport | None = None
-        conn = machine.connection
         #: The agent's hash, and whether this channel ran the copy kept on the machine
         #: (known once the connection it starts on is: see :meth:`_command`).
         self.digest = agent_digest()
@@ -424,17 +437,34 @@ class _Channel:
         self.listed = 0
         self.on_listed: Callable[[int], None] | None = None
         self._listed_told = 0
+        #: The thread that started the channel (see :meth:`start`).
         self._owner = threading.get_ident()
         #: A ``serve`` channel's first byte (its root is empty; its agent reads xz frames)
         #: and its listing, when :func:`early_listing` read them before the local walk.
         self.empty: bool | None = None
         self.reads = 0  # the codecs the agent reads beyond zlib (agent.READS_XZ | READS_BZ2)
         self.early: Listing | None = None
-        self.started = time.monotonic()
+        self.started = 0.0  # (time.monotonic() at start)
         #: Moves the agent's bytes: stdout into ``buf``, stderr into ``err`` (its tail).
         self.pump: ChannelPump | RunnerPipe
         #: The agent's channel, or its pipe in the runner.
         self.chan: paramiko.Channel | RunnerPipe
+
+    def start(self) -> None:
+        """Start the agent: in the cell runner (a ``serve``, where it is up and free), else
+        on a channel of its own through the login shell.
+
+        Raises
+        ------
+        SyncError
+            The login shell did not start it within :data:`START_TIMEOUT` s.
+        ConnectionLost
+            The connection failed meanwhile.
+        """
+        machine, op, args, nonce = self.machine, self.op, self.args, self.nonce
+        conn = machine.connection
+        self._owner = threading.get_ident()
+        self.started = time.monotonic()
         command: str | None = None
         if op == "serve":
             try:
@@ -793,7 +823,7 @@ def stop_cut_agents(machine) -> int:
         return 0
     stopped = 0
     try:
-        ch = _Channel(machine, "stop", ".", "", *sorted(set().union(*dead.values())))
+        ch = _Channel.open(machine, "stop", ".", "", *sorted(set().union(*dead.values())))
         try:
             line = ch.readline()
             if ch.finish() != 0 or not line.startswith(b"STOPPED "):
@@ -873,7 +903,7 @@ def open_listing(machine, root: str, *, digests: bool = False,
     """Start the agent's ``serve`` operation on ``root``: it lists the tree at once, then
     waits on the same channel for one command (see :mod:`gpumagic.sync.agent`).  With
     ``compare``, read it with :func:`read_listing` given the local tree."""
-    return _Channel(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
+    return _Channel.open(machine, "serve", root, machine.cwd or "", "1" if digests else "0",
                     json.dumps(names) if names is not None else "-", "1" if compare else "0")
 
 
@@ -1177,7 +1207,7 @@ class _Run:
     """
 
     def __init__(self, plan: Plan, summary: SyncSummary, progress: ProgressCallback | None,
-                 counting: bool = False, level: int = 0):
+                 counting: bool = False, level: int = 0, attempt: list[_Run] | None = None):
         self.plan = plan
         #: Top level of the file streams: 0 as they are, zlib's 1-9, xz's above (see
         #: :func:`decide_compression`).
@@ -1195,9 +1225,8 @@ class _Run:
         #: The files counted sent (a file of the tar once it is in the stream: when the
         #: connection is cut, the last ones may not have arrived, and are sent again).
         self.names: set[str] = set()
-        runs = getattr(_attempt, "runs", None)
-        if runs is not None:  # a resume after a reconnect adds up what each attempt did
-            runs.append(self)
+        if attempt is not None:  # a resume after a reconnect adds up what each attempt did
+            attempt.append(self)
         self.tick(force=True)
 
     def grow(self, files: int, nbytes: int, counting: bool = True) -> None:
@@ -1507,8 +1536,6 @@ class _Sides:
 #: its grace (issue 28's; ``SyncOptions.grace`` for one sync, 0: never), at most 5 times, the
 #: bar saying so before each try.
 RECONNECT = reconnect.RECONNECT.but(times=5, say_after=0)
-#: The :class:`_Run` objects of the sync attempt running on this thread (see :func:`_sync`).
-_attempt = threading.local()
 
 
 def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
@@ -1531,11 +1558,11 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
     seeking = reconnect.Reconnects(conn, policy, say)
     cut: list[_Run] = []
     while True:
-        _attempt.runs = runs = []
+        runs: list[_Run] = []  # this attempt's (see _add_up)
         try:
             with conn.in_flight(quick=True):
                 stop_cut_agents(machine)  # after a reconnect: their parts become the resume's
-                summary = _sync_once(direction, machine, src, dst, options, shown)
+                summary = _sync_once(direction, machine, src, dst, options, shown, runs)
         except ConnectionLost as e:
             if policy.grace <= 0:
                 raise
@@ -1555,8 +1582,6 @@ def _sync(direction: str, machine, src: str, dst: str, options: SyncOptions,
             if e.summary is not None:
                 _add_up(e.summary, cut, runs, seeking.count, start)
             raise
-        finally:
-            _attempt.runs = None
         return _add_up(summary, cut, runs, seeking.count, start)
 
 
@@ -1617,53 +1642,28 @@ class _Resumed:
 
 
 def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions,
-               progress: ProgressCallback | None) -> SyncSummary:
+               progress: ProgressCallback | None, attempt: list[_Run] | None = None) -> SyncSummary:
     """:func:`push` (``direction`` ``"push"``) or :func:`pull` (``"pull"``): list both
-    sides (the remote one on the channel that then carries the small files), plan, copy."""
+    sides (the remote one on the channel that then carries the small files), plan, copy.
+    ``attempt`` collects the :class:`_Run` objects made (what :func:`_sync` adds up when
+    this attempt is cut)."""
     delete, checksum, dry_run, compress = options.delete, options.checksum, options.dry_run, options.compress
     start = time.monotonic()
     pushing = direction == "push"
-    root = whole_file_system(direction, machine, src, dst) if delete else None
-    if root is not None and root[0] == "destination":
-        raise SyncError(f"--delete into {root[1]} would delete everything there that {src} lacks, "
-                        "so nothing was changed", "name a folder below it as the destination (e.g. :/data/)")
-    if pushing:
-        seps = local_seps()
-        if not os.path.lexists(src.rstrip(seps) or src):
-            raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
-                            f"the notebook's directory, {os.getcwd()})")
-        if src.endswith(tuple(seps)) and not os.path.isdir(src):  # rsync: change_dir ... Not a directory
-            raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
-                            f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
-        _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
-    if delete and pushing and os.path.isdir(src) and _is_home_path(destination_root(src, dst, src_seps=seps),
-                                                                     machine.cwd):
-        refuse_wide_delete(f"{machine.name}:{dst or '~'}", dst, (), True, 0, None, src)  # before it is listed
+    _refuse_before_listing(direction, machine, src, dst, delete)
     use_files = pushing if options.ignore_files is None else options.ignore_files
     rules = IgnoreRules(options.exclude, use_files=use_files)
-    # What the laptop's folder keeps (modes, case, normalisation), asked before it is walked
-    if pushing:
-        fs = laptop.probe(src if os.path.isdir(src) else os.path.dirname(src) or ".")
-    else:
-        fs = laptop.probe(dst)
-    if pushing:
-        names = None
-        if os.path.isdir(src):
-            dst_root = destination_root(src, dst, src_seps=seps)
-        else:
-            dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
-            names = [name]
-        ch = open_listing(machine, dst_root, digests=checksum, names=names, compare=names is None)
-    else:
-        ch = open_listing(machine, src, digests=checksum)
-        ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
+    source, destination = _open_sides(direction, machine, src, dst, checksum)
+    here = source if isinstance(source, LocalSide) else destination
+    there = destination if here is source else source
+    assert isinstance(here, LocalSide) and isinstance(there, RemoteSide)
+    ch = there.ch
     listing = None
     if progress is not None:
-        where = remote_root(machine, dst_root if pushing else src)
-        listing = ch.on_listed = _ListingProgress(progress, f"{machine.name}:{where}")
+        listing = ch.on_listed = _ListingProgress(progress, there.label)
     try:
         walk = None
-        if pushing and names is None and not dry_run:
+        if here is source and here.one is None and not dry_run:
             # The walk starts at once; when the agent says the destination is empty, it
             # turns into a push that sends each folder's files as soon as they are listed.
             first = _DestinationEmptyReader(ch)
@@ -1673,25 +1673,25 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
             except _Empty:
                 walk = None
             if first.wait() and _is_empty(early_listing(ch)):
-                summary = SyncSummary(direction, src, f"{machine.name}:{remote_root(machine, dst_root)}")
+                summary = SyncSummary(direction, src, there.label)
                 level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
-                run = _Run(Plan(), summary, progress, counting=walk is None, level=level)
+                run = _Run(Plan(), summary, progress, counting=walk is None, level=level, attempt=attempt)
                 with _no_cyclic_gc():
-                    plan = _push_into_empty(machine, ch, src, dst_root, rules, run, walk, modes=fs.modes)
-                return _complete(_finished(summary, plan, run, start), "this computer", os.path.abspath(src))
+                    plan = _stream_into_empty(here, there, rules, run, walk, modes=here.fs.modes)
+                return _complete(_finished(summary, plan, run, start), here.where, here.path)
         with _no_cyclic_gc():
-            if pushing:
-                sides = _push_sides(machine, ch, src, dst_root, names, rules, checksum, walk, fs)
-            else:
-                sides = _pull_sides(machine, ch, src, dst, rules, checksum, fs, options.rename_clashes)
+            sides = _list_sides(source, destination, rules, checksum, walk, options.rename_clashes)
             if sides.same is not None:  # both trees give the same rows: nothing differs
                 plan = Plan(unchanged=sides.same)
             else:
+                fs = here.fs
                 plan = make_plan(sides.source, sides.dest.entries, delete=delete, checksum=checksum,
                                  update=options.update, rules=rules, unreadable=sides.unreadable,
                                  fold=fs.key if fs.folds else None, whole_dest=not sides.single_source)
         if delete and plan.delete:
-            _guard_delete(machine, pushing, sides, plan, options, src)
+            top = [rel for rel in sides.dest.entries if "/" not in rel and rel != "."]
+            where, root, home = destination.delete_guarded()
+            refuse_wide_delete(where, root, top, home, 0 if dry_run else len(plan.delete), options.max_delete, src)
         summary = SyncSummary(direction, sides.source_name, sides.dest_name,
                               skipped=plan.unchanged, newer=plan.newer, kept_dirs=list(plan.kept_dirs),
                               dry_run=dry_run,
@@ -1699,48 +1699,67 @@ def _sync_once(direction: str, machine, src: str, dst: str, options: SyncOptions
                               vanished=dict(sides.vanished), specials=dict(sides.specials),
                               renamed={r: p for p, r in sides.remote_of.items()})
         if dry_run:
-            if not sides.listed:
-                ch.close_stdin()
-                ch.finish()
+            there.end()
             if listing is not None:
-                listing.done(len(sides.dest.entries if pushing else sides.source))
+                listing.done(len(sides.dest.entries if there is destination else sides.source))
             summary.would_send = [e.path for e in plan.send]
             summary.seconds = time.monotonic() - start
             return summary
-        if pushing:
-            run = _push_files(machine, ch, src, sides, plan, summary, progress, compress)
-        else:
-            run = _pull_files(machine, ch, src, sides, plan, summary, progress, compress)
+        run = carry_out(source, destination, plan, sides, summary, progress, compress, attempt)
     finally:
         ch.close()
-    return _complete(_finished(summary, plan, run, start),
-                     "this computer" if pushing else machine.name, sides.source_root, sides.single_source)
+    return _complete(_finished(summary, plan, run, start), source.where, sides.source_root, sides.single_source)
 
 
-def _guard_delete(machine, pushing: bool, sides: "_Sides", plan: Plan, options: SyncOptions, src: str) -> None:
-    """:func:`refuse_wide_delete` for this sync's destination (the machine's for a push, this
-    computer's for a pull); a dry run is refused by the guards too, but not by the count (it is
-    how the count is looked at)."""
-    top = [rel for rel in sides.dest.entries if "/" not in rel and rel != "."]
-    if pushing:
-        root = sides.dst_root
-        home = _is_home_path(root, machine.cwd)
-        where = sides.dest_name
-    else:
-        root = os.path.abspath(sides.dst_root)
-        here = os.path.realpath(root)
-        home = here == os.path.realpath(os.path.expanduser("~"))
-        try:
-            from ..paths import data_dir
+def _refuse_before_listing(direction: str, machine, src: str, dst: str, delete: bool) -> None:
+    """What is refused before anything is listed: a ``--delete`` into a whole file system or
+    into the machine's home; a push of a local path that is absent, a file written as a
+    folder (a trailing separator), or a special file.
 
-            mine = os.path.realpath(data_dir())
-            if here == mine or here.startswith(mine + os.sep):
-                root = os.path.join(root, ".gpumagic")  # counted as gpumagic's own folder
-        except Exception:  # noqa: BLE001 - no data dir: nothing of ours there
-            pass
-        where = f"this computer's {sides.dst_root}"
-    count = 0 if options.dry_run else len(plan.delete)
-    refuse_wide_delete(where, root, top, home, count, options.max_delete, src)
+    Raises
+    ------
+    SyncError
+        One line naming what was found and what to write instead.
+    """
+    root = whole_file_system(direction, machine, src, dst) if delete else None
+    if root is not None and root[0] == "destination":
+        raise SyncError(f"--delete into {root[1]} would delete everything there that {src} lacks, "
+                        "so nothing was changed", "name a folder below it as the destination (e.g. :/data/)")
+    if direction != "push":
+        return
+    seps = local_seps()
+    if not os.path.lexists(src.rstrip(seps) or src):
+        raise SyncError(f"no local file or directory {src}", "check the path (relative paths start at "
+                        f"the notebook's directory, {os.getcwd()})")
+    if src.endswith(tuple(seps)) and not os.path.isdir(src):  # rsync: change_dir ... Not a directory
+        raise SyncError(f"{src} is a file, not a directory (a trailing / means the folder's contents)",
+                        f"drop the trailing / to copy the file itself: {src.rstrip(seps)}")
+    _refuse_special(src, os.lstat(src.rstrip(seps) or src).st_mode, "this computer")
+    if delete and os.path.isdir(src) and _is_home_path(destination_root(src, dst, src_seps=seps), machine.cwd):
+        refuse_wide_delete(f"{machine.name}:{dst or '~'}", dst, (), True, 0, None, src)  # before it is listed
+
+
+def _open_sides(direction: str, machine, src: str, dst: str, checksum: bool) -> tuple["Side", "Side"]:
+    """The source and the destination of a ``direction`` sync, the machine's listing already
+    under way on its ``serve`` channel (see :func:`open_listing`: a push's compares
+    fingerprints first).  What this computer's folder keeps (modes, case, normalisation) is
+    asked before it is walked."""
+    if direction == "push":
+        here = LocalSide(machine, src, sends=True, asked=src)
+        here.probe()
+        names = None
+        if os.path.isdir(src):
+            dst_root = destination_root(src, dst, src_seps=local_seps())
+        else:
+            dst_root, name = _single_file_target(machine, dst, os.path.basename(src))
+            here.one, names = name, [name]
+        ch = open_listing(machine, dst_root, digests=checksum, names=names, compare=names is None)
+        return here, RemoteSide(machine, ch, dst_root)
+    here = LocalSide(machine, destination_root(src, dst, dst_join=os.path.join), sends=False, asked=dst)
+    here.probe()
+    ch = open_listing(machine, src, digests=checksum)
+    ch.doing = "reading"  # a pull reads there: an error names the source, not a destination
+    return RemoteSide(machine, ch, src), here
 
 
 #: A mode of each kind of special file (named by :func:`gpumagic.sync.agent.special_kind`).
@@ -1803,83 +1822,34 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _push_sides(machine, ch: "_Channel", src: str, dst_root: str, names: list[str] | None,
-                rules: IgnoreRules, checksum: bool, walk: SourceWalk | None = None,
-                fs: LocalFs = LocalFs()) -> _Sides:
-    # The local walk runs while the remote one does (``walk``: already made).
-    dest_name = f"{machine.name}:{remote_root(machine, dst_root)}"
-    if names is None:
-        if walk is None:
-            walk = walk_source(src, rules, digests=checksum)
-        remote = read_listing(ch, walk)
-        if remote is None:
-            return _Sides({}, Listing(), {}, src, dest_name, dst_root, same=walk.unchanged,
-                          source_root=os.path.abspath(src),
-                          vanished={rel: text for kind, rel, text in walk.left_out if kind == "v"},
-                          specials={rel: text for kind, rel, text in walk.left_out if kind == "s"})
-        local = walk.listing()
-        src_entries = local.entries
-    else:
-        local = walk_local(src, None, digests=checksum)
-        src_entries = _resolve_single_file(local, names[0])
-        remote = read_listing(ch)
-    assert remote is not None
-    if remote.root is not None and remote.root.kind != "d":
-        raise SyncError(f"{machine.name}:{remote_root(machine, dst_root)} exists and is not a directory",
-                        "choose another destination, or remove that file first")
-    if fs.folds:  # A.txt here is the machine's a.txt: compared with it, never sent beside it
-        src_entries = laptop.respelled(src_entries, remote.entries, fs)
-    if not fs.modes:  # no modes here: the machine's are kept, new ones chosen by content
-        src_entries = laptop.machine_modes(src_entries, remote.entries)
-    return _Sides(src_entries, remote, local.errors, src, dest_name, dst_root, vanished=local.vanished,
-                  specials=local.specials, source_root=os.path.abspath(src), single_source=names is not None)
-
-
-def _pull_sides(machine, ch: "_Channel", src: str, dst: str, rules: IgnoreRules,
-                checksum: bool, fs: LocalFs = LocalFs(), rename_clashes: bool = False) -> _Sides:
-    # Listed while the remote side lists (assuming SRC is a directory, the usual case).
-    dst_root = destination_root(src, dst, dst_join=os.path.join)
-    try:
-        local = _local_listing(dst_root, checksum, None)
-        refused = None
-    except SyncError as exc:  # DST is a file: fine when SRC is one too (known below)
-        local, refused = Listing(), exc
-    remote = read_listing(ch)
-    assert remote is not None
-    if "." in remote.specials:
-        _refuse_special(remote_root(machine, src), _SPECIAL_MODES.get(remote.specials["."], 0), machine.name)
-    if remote.root is None:
-        raise SyncError(f"no file or directory {remote_root(machine, src)} on {machine.name}",
-                        f"check the path; relative paths start at {machine.cwd or 'the login directory'}")
-    single = remote.root.kind != "d"
-    if single:
-        # One file: fetched with `get` (resumable) from its directory.
-        ch.close_stdin()
-        ch.finish()
-        name = posixpath.basename(src)
-        if dst.endswith(tuple(local_seps())) or os.path.isdir(dst):
-            dst_root = dst
-        else:
-            dst_root, name = os.path.split(dst)
-            dst_root = dst_root or "."
-        src_entries = _resolve_single_file(remote, name)
-        local = _local_listing(dst_root, checksum, [name])
-    else:
-        if refused is not None:
-            raise refused
-        src_entries = filter_listing(remote, rules).entries
-    if os.path.lexists(dst_root) and not os.path.isdir(dst_root):
-        raise SyncError(f"{dst_root} exists and is not a directory",
-                        "choose another destination, or remove that file first")
-    remote_of: dict[str, str] = {}
-    local_entries = local.entries
-    if fs.folds:
-        src_entries, remote_of = _clashes_here(machine, src_entries, dst_root, fs, rename_clashes)
-        local_entries = laptop.respelled(local.entries, src_entries, fs)
-    local = Listing(local_entries, local.partials, local.parts, local.ignore_texts, local.errors)
-    return _Sides(src_entries, local, remote.errors, f"{machine.name}:{remote_root(machine, src)}",
-                  dst_root, dst_root, listed=single, remote_of=remote_of, vanished=remote.vanished,
-                  specials=remote.specials, source_root=remote_root(machine, src), single_source=single)
+def _list_sides(source: "Side", destination: "Side", rules: IgnoreRules, checksum: bool,
+                walk: SourceWalk | None = None, rename_clashes: bool = False) -> _Sides:
+    """Both ends listed, for the plan: this computer's first, while the machine walks its own
+    (its agent started when its channel opened), then the machine's, from that channel (for
+    a push, only when the fingerprints of the two trees differ: else :attr:`_Sides.same`).
+    Then the source says what it holds, the destination checks its root, and this computer's
+    folder says what it makes of the machine's names (:meth:`LocalSide.fold`)."""
+    here = source if isinstance(source, LocalSide) else destination
+    there = destination if here is source else source
+    assert isinstance(here, LocalSide) and isinstance(there, RemoteSide)
+    mine = here.scan(checksum, rules, walk)
+    theirs = there.scan(checksum, rules, mine)
+    if theirs is None:  # the same fingerprint: both trees give the same rows
+        assert isinstance(mine, SourceWalk)
+        return _Sides({}, Listing(), {}, source.label, destination.label, destination.root, same=mine.unchanged,
+                      source_root=source.path,
+                      vanished={rel: text for kind, rel, text in mine.left_out if kind == "v"},
+                      specials={rel: text for kind, rel, text in mine.left_out if kind == "s"})
+    if isinstance(mine, SourceWalk):
+        mine = mine.listing()
+    listed, dest = (mine, theirs) if here is source else (theirs, mine)
+    entries, single = source.entries(listed, rules, destination)
+    dest = destination.check(dest, single, checksum)
+    entries, dest, remote_of = here.fold(entries, dest, rename_clashes)
+    there.names.update(remote_of)
+    return _Sides(entries, dest, listed.errors, source.label, destination.label, destination.root,
+                  listed=there.ended, remote_of=remote_of, vanished=listed.vanished, specials=listed.specials,
+                  source_root=source.path, single_source=single)
 
 
 def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
@@ -1905,36 +1875,569 @@ def _clashes_here(machine, src: dict[str, Entry], dst_root: str, fs: LocalFs,
     return out, {local: remote for remote, local in names.items()}
 
 
-def _push_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None, compress: bool | None = None) -> _Run | None:
-    """Send what the plan says; ``None`` when there was nothing to do."""
-    remote, dst_root = sides.dest, sides.dst_root
-    grown = _grown(plan, remote.entries)
-    large = [e for e in plan.send if e.size >= LARGE_FILE or e.path in grown]
-    small = [e for e in plan.send if e.size < LARGE_FILE and e.path not in grown]
-    resumed = {e.path for e in large}
-    clean = [p for p, target in remote.parts.items() if target not in resumed]
+# -- the two sides ---------------------------------------------------------------------
+#
+# A sync moves files from a source side to a destination side: this computer's folder
+# (:class:`LocalSide`) or the machine's (:class:`RemoteSide`).  Both have the same methods,
+# in the roles of mutagen's ``Endpoint``: a source ``supply``-s bytes (and says when it
+# has nothing more to supply on the listing's channel), a destination ``stage``-s (what
+# goes before the files: removals, abandoned parts, folders), writes the small files
+# (``write_small``, one tar stream) and the large ones (``write_large``, each on its own
+# channel, resumed), and ``finish``-es (links, metadata, the folders' mtimes, last).  The
+# agent runs the machine's half of each (``recv``/``send`` on the ``serve`` channel,
+# ``put``/``get`` on a large file's); this computer's half runs here, with the agent's own
+# functions.  :func:`carry_out` is the one sequence of a push and a pull: the sides swapped.
+
+
+class LocalSide:
+    """This computer's end of a sync: ``root`` here (a folder, or one source file).
+
+    ``sends``: whether it is the source.  ``one``: the name of the one file a sync copies,
+    at its destination (a push of one file: the name rsync's rule gives it there).
+    ``asked``: the path as written (a pull's destination: where its one file goes is known
+    once the machine has listed it)."""
+
+    where = "this computer"
+
+    def __init__(self, machine, root: str, *, sends: bool, one: str | None = None, asked: str = ""):
+        self.machine = machine
+        self.root = root
+        self.sends = sends
+        self.one = one
+        self.asked = asked
+        #: Why this destination cannot take a folder (it is a file), noted by :meth:`scan`.
+        self.refused: SyncError | None = None
+        #: What the folder here keeps (modes, case, normalisation): see :meth:`probe`.
+        self.fs = LocalFs()
+        self._path_of: Callable[[str], str] | None = None
+
+    @property
+    def label(self) -> str:
+        """The root as the summary names it (as written)."""
+        return self.root
+
+    def probe(self) -> None:
+        """Ask the folder here what it keeps (modes, case, normalisation: :attr:`fs`), before
+        it is walked: the source's folder (the one file's), the destination as written."""
+        folder = self.asked
+        if self.sends and not os.path.isdir(folder):
+            folder = os.path.dirname(folder) or "."
+        self.fs = laptop.probe(folder)
+
+    @property
+    def path(self) -> str:
+        """The root as an error names it (absolute)."""
+        return os.path.abspath(self.root)
+
+    # -- the listing ----------------------------------------------------------------------
+
+    def scan(self, checksum: bool, rules: IgnoreRules, walk: SourceWalk | None = None) -> SourceWalk | Listing:
+        """This computer's listing, made while the machine walks its own.  The source's: its
+        walk (``walk``: made already), whose fingerprint the machine compares with its own,
+        or its one file.  The destination's: with its part files; a root that is a file is
+        noted (:attr:`refused`: an error only when the source is a folder)."""
+        if self.sends:
+            if self.one is not None:
+                return walk_local(self.root, None, digests=checksum)
+            return walk if walk is not None else walk_source(self.root, rules, digests=checksum)
+        try:
+            return _local_listing(self.root, checksum, None)
+        except SyncError as exc:  # a file: fine when the source is one too (known below)
+            self.refused = exc
+            return Listing()
+
+    def entries(self, listing: Listing, rules: IgnoreRules, destination: "RemoteSide") -> tuple[dict[str, Entry], bool]:
+        """The source's entries (its one file under its name at the destination), and
+        whether it is one file."""
+        if self.one is not None:
+            return _resolve_single_file(listing, self.one), True
+        return listing.entries, False
+
+    def one_file(self, name: str) -> str:
+        """The destination of one file called ``name``, as rsync decides: into the folder
+        written when it ends in a separator or is a folder, else that path is the file's
+        (:attr:`root` becomes its folder); the file's name here."""
+        if self.asked.endswith(tuple(local_seps())) or os.path.isdir(self.asked):
+            self.root = self.asked
+        else:
+            root, name = os.path.split(self.asked)
+            self.root = root or "."
+        self.one = name
+        return name
+
+    def check(self, listing: Listing, single: bool, checksum: bool) -> Listing:
+        """The destination's listing once the source's is known: for one file, that file's
+        (it may go into a folder other than the one listed); a root that is not a folder is
+        refused."""
+        if single:
+            listing = _local_listing(self.root, checksum, [self.one] if self.one is not None else None)
+        elif self.refused is not None:
+            raise self.refused
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise SyncError(f"{self.root} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        return listing
+
+    def delete_guarded(self) -> tuple[str, str, bool]:
+        """For :func:`refuse_wide_delete`, this destination as the message names it, its
+        root (inside gpumagic's own folder: counted as one), and whether it is the home."""
+        root = os.path.abspath(self.root)
+        here = os.path.realpath(root)
+        home = here == os.path.realpath(os.path.expanduser("~"))
+        try:
+            from ..paths import data_dir
+
+            mine = os.path.realpath(data_dir())
+            if here == mine or here.startswith(mine + os.sep):
+                root = os.path.join(root, ".gpumagic")  # counted as gpumagic's own folder
+        except Exception:  # noqa: BLE001 - no data dir: nothing of ours there
+            pass
+        return f"this computer's {self.root}", root, home
+
+    def fold(self, source: dict[str, Entry], dest: Listing,
+             rename_clashes: bool) -> tuple[dict[str, Entry], Listing, dict[str, str]]:
+        """What this computer's folder makes of the machine's names (:attr:`fs`: case, Unicode
+        normalisation, modes): the source's entries, the destination's listing, and the
+        machine's path of each file renamed here (local path -> machine path).  Sending: a
+        name here that the machine spells otherwise is compared with it, never sent beside
+        it, and without modes here the machine's are kept.  Receiving: names that would be
+        one file here are refused, or renamed (``rename_clashes``)."""
+        fs = self.fs
+        if self.sends:
+            if fs.folds:  # A.txt here is the machine's a.txt: compared with it, never sent beside it
+                source = laptop.respelled(source, dest.entries, fs)
+            if not fs.modes:  # no modes here: the machine's are kept, new ones chosen by content
+                source = laptop.machine_modes(source, dest.entries)
+            return source, dest, {}
+        if not fs.folds:
+            return source, dest, {}
+        source, remote_of = _clashes_here(self.machine, source, self.root, fs, rename_clashes)
+        entries = laptop.respelled(dest.entries, source, fs)
+        return source, Listing(entries, dest.partials, dest.parts, dest.ignore_texts, dest.errors), remote_of
+
+    # -- as the source --------------------------------------------------------------------
+
+    def supply(self, rel: str, size: int) -> tuple[bytes | None, list | None]:
+        """The first ``size`` bytes of the file ``rel`` (a small one, for the tar) and None;
+        or None and why it is left out (see :func:`_read_source`)."""
+        if self._path_of is None:  # (whether the root is a file is asked once)
+            self._path_of = _local_paths(self.root)
+        return _read_source(self._path_of(rel), size)
+
+    def open(self, rel: str):
+        """The file ``rel`` opened for reading (a large file), or raises OSError."""
+        return _open_source(_local_path(self.root, rel))
+
+    def supplied(self) -> None:
+        """Nothing more goes through the listing's channel from here (it is the machine's)."""
+
+    # -- as the destination ---------------------------------------------------------------
+
+    #: The codecs this side reads beyond zlib (what :func:`decide_compression` asks).
+    reads = agent.READS_XZ | agent.READS_BZ2
+
+    def needs_tar(self, plan: Plan, small: list[Entry], clean: list[str]) -> bool:
+        """Whether :meth:`write_small` has anything to do: here, only the small files go in
+        a tar (removals, folders, links and metadata are done here)."""
+        return bool(small)
+
+    @contextlib.contextmanager
+    def writing(self, source: "RemoteSide"):
+        """Errors of this computer's writes, as the sync's errors."""
+        try:
+            yield
+        except OSError as exc:
+            raise agent_error(agent.error_record(exc), "this computer") from None
+        except agent.Damaged as exc:
+            raise SyncError(f"refused the file stream from {self.machine.name}: {exc}; that file was not written",
+                            "run the sync again; if it repeats, sync with --no-compress") from None
+        except agent.AgentError as exc:
+            raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
+
+    def stage(self, plan: Plan, clean: list[str]) -> None:
+        """Before the files: abandoned part files and removed paths go, folders are made."""
+        agent.remove_abandoned([_local_path(self.root, p) for p in clean])
+        for rel in plan.removals:
+            agent.remove(_local_path(self.root, rel))
+        os.makedirs(self.root, exist_ok=True)
+        for e in plan.dirs:
+            if e.path != ".":  # the root is made above (a link to a folder stays a link: followed)
+                agent.make_dir(_local_path(self.root, e.path), e.mode)
+
+    def write_small(self, source: "RemoteSide", run: _Run, plan: Plan, small: list[Entry],
+                    clean: list[str], before_end: Callable[[], None] | None = None) -> None:
+        """The tar of ``small`` that ``source`` supplies, extracted via temp names; then
+        ``before_end`` (the large files beside the tar)."""
+        ch = source.ch
+        stream = source.supply(small, run.level)
+        try:
+            agent.extract(self.root, stream, on_file=run.file_done, on_bytes=run.add_bytes,
+                          allowed={e.path for e in small})
+            rest = stream.read()  # the tar's last zero block, then the files left out, if any
+        except agent.AgentError as exc:
+            raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
+                            "run the sync again; if it repeats, check the machine") from None
+        except EOFError as exc:
+            if ch.finish() != 0:
+                raise ch.failure() from None
+            raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
+                            "run the sync again: files already complete are kept") from None
+        if isinstance(stream, agent.ZReader):
+            run.add_wire(stream.wire)
+        if ch.finish() != 0:
+            raise ch.failure(rest)
+        sizes = {e.path: e.size for e in small}
+        for rel, why in _skipped(rest).items():
+            if rel in sizes:
+                run.skip(rel, sizes[rel], why)
+        if before_end is not None:
+            before_end()
+
+    def write_large(self, source: "RemoteSide", run: _Run, e: Entry, offset: int,
+                    channels: list | None = None) -> None:
+        """Fetch one file on its own channel (``get``), continuing an abandoned local part
+        when the source's first bytes hash the same (the part says how many: ``offset``,
+        the listing's, is not needed here); a resumed file is checked against the sha256 of
+        the source that follows its bytes before it is renamed (see ``get`` in
+        :mod:`gpumagic.sync.agent`)."""
+        machine = self.machine
+        path = _local_path(self.root, e.path)
+        f, have, tmp, token = agent.take_part(path)
+        try:
+            if not have:
+                have = _copy_grown(path, f, e.size)
+            have = min(have, e.size)
+            digest = agent.hash_file(f, have).hexdigest() if have else "-"
+            ch = _Channel.open(machine, "get", source.base, machine.cwd or "", source.path_of(e.path), str(e.size),
+                               str(have), digest, str(run.level))
+            if channels is not None:
+                channels.append(ch)
+            try:
+                line = ch.readline()
+                if line.startswith(agent.SKIPPED):  # it vanished or cannot be read there: the rest goes on
+                    ch.finish()
+                    run.skip(e.path, e.size, json.loads(line[len(agent.SKIPPED):]))
+                    return
+                kept = _kept(ch, line, e.path, have)
+                f.truncate(kept)
+                f.seek(kept)
+                run.add_bytes(kept, resumed=True, path=e.path)
+                want = None
+                stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
+                try:
+                    try:
+                        agent.write_rest(f, stream, e.size - kept, path,
+                                         on_bytes=lambda n: run.add_bytes(n, path=e.path))
+                    except OSError as exc:
+                        agent.drop_part(f, tmp, exc)
+                        raise
+                    if kept:
+                        want = agent.read_exact(stream, 64).decode("ascii", "replace")
+                        if len(want) < 64:
+                            raise EOFError(f"the stream ended before the sha256 of {e.path}")
+                    if isinstance(stream, agent.ZReader):
+                        run.add_wire(stream.wire)
+                except EOFError:
+                    exc = ch.failure()
+                    rec = ch.record()
+                    if rec is not None and rec.get("errno") == "CHANGED":  # it shrank there: left out
+                        run.skip(e.path, 0, ["CHANGED", f"shrank below its listed {e.size} bytes while it was read"])
+                        return
+                    raise exc from None
+                if ch.finish() != 0:
+                    raise ch.failure()
+            finally:
+                ch.close()
+            agent.finish_part(f, tmp, path, e.size, e.mode, e.mtime_ns, want)
+            run.file_done(e.path)
+        finally:
+            agent.leave_part(f, tmp)  # a part not renamed is kept for a resume
+            agent.release(token)
+
+    def written(self) -> None:
+        """Nothing more goes through the listing's channel to here (it is the machine's)."""
+
+    def finish(self, plan: Plan, summary: SyncSummary) -> None:
+        """After the files: links, metadata, then the folders' modes and mtimes."""
+        for e in plan.links:
+            _make_link_here(summary, _local_path(self.root, e.path), e)
+        for rel, mode, mtime in plan.meta:
+            agent.set_meta(_local_path(self.root, rel), mode, mtime, ns=True)
+        agent.stamp_dirs([(_local_path(self.root, e.path), e.mode, e.mtime_ns) for e in plan.dirs], ns=True)
+
+
+class RemoteSide:
+    """The machine's end of a sync: ``root`` there, and the ``serve`` channel ``ch`` that
+    lists it and carries the small files' tar."""
+
+    def __init__(self, machine, ch: _Channel, root: str):
+        self.machine = machine
+        self.ch = ch
+        self.root = root
+        #: The folder a large file's ``get`` reads from, and the machine's path there of a
+        #: file whose name here differs (a pull's renamed clash, its one file).
+        self.base = root
+        self.names: dict[str, str] = {}
+        #: The ``serve`` channel's agent has exited (stdin closed, status read).
+        self.ended = False
+
+    @property
+    def where(self) -> str:
+        return self.machine.name
+
+    @property
+    def label(self) -> str:
+        """The root as the summary names it (``NAME:/abs/path``)."""
+        return f"{self.machine.name}:{self.path}"
+
+    @property
+    def path(self) -> str:
+        """The root as an error names it (absolute, see :func:`remote_root`)."""
+        return remote_root(self.machine, self.root)
+
+    def path_of(self, rel: str) -> str:
+        """The machine's path (under :attr:`base`) of the file ``rel``."""
+        return self.names.get(rel, rel)
+
+    # -- the listing ----------------------------------------------------------------------
+
+    def scan(self, checksum: bool, rules: IgnoreRules, same_as: SourceWalk | Listing | None = None) -> Listing | None:
+        """The listing its agent sends (see :func:`read_listing`): None when ``same_as``, the
+        walk of this computer's source, has the machine's fingerprint."""
+        return read_listing(self.ch, same_as if isinstance(same_as, SourceWalk) else None)
+
+    def entries(self, listing: Listing, rules: IgnoreRules, destination: LocalSide) -> tuple[dict[str, Entry], bool]:
+        """The source's entries (less what ``rules`` leave out; its one file under its name
+        at the destination), and whether it is one file.  A root that is absent or a
+        special file is refused; one file is fetched from its folder with ``get``: the
+        ``serve`` agent ends."""
+        if "." in listing.specials:
+            _refuse_special(self.path, _SPECIAL_MODES.get(listing.specials["."], 0), self.machine.name)
+        if listing.root is None:
+            raise SyncError(f"no file or directory {self.path} on {self.machine.name}",
+                            f"check the path; relative paths start at {self.machine.cwd or 'the login directory'}")
+        if listing.root.kind == "d":
+            return filter_listing(listing, rules).entries, False
+        self.end()
+        name = destination.one_file(posixpath.basename(self.root))
+        self.base, self.names = posixpath.dirname(self.root) or ".", {name: posixpath.basename(self.root)}
+        return _resolve_single_file(listing, name), True
+
+    def delete_guarded(self) -> tuple[str, str, bool]:
+        """For :func:`refuse_wide_delete`, this destination as the message names it, its
+        root, and whether it is the login home."""
+        return self.label, self.root, _is_home_path(self.root, self.machine.cwd)
+
+    def check(self, listing: Listing, single: bool, checksum: bool) -> Listing:
+        """The destination's listing: a root that is not a folder is refused."""
+        if listing.root is not None and listing.root.kind != "d":
+            raise SyncError(f"{self.label} exists and is not a directory",
+                            "choose another destination, or remove that file first")
+        return listing
+
+    def end(self) -> None:
+        """End the ``serve`` agent (its stdin closed, its exit status read), once."""
+        if not self.ended:
+            self.ended = True
+            self.ch.close_stdin()
+            self.ch.finish()
+
+    # -- as the source --------------------------------------------------------------------
+
+    def supply(self, small: list[Entry], level: int) -> "_Channel | agent.ZReader":
+        """Ask the ``serve`` agent for a tar of ``small`` (its ``send``); the stream to read it
+        from (decompressed at ``level`` > 0)."""
+        head = _json_bytes({"op": "send", "paths": [e.path for e in small],
+                            **({"z": level} if level else {})})
+        self.ch.doing = "reading"
+        self.ch.send(struct.pack(">I", len(head)) + head)
+        self.ch.close_stdin()
+        self.ended = True  # (its exit status is read after the tar)
+        return agent.ZReader(self.ch) if level else self.ch
+
+    def supplied(self) -> None:
+        """Nothing more is asked of the ``serve`` agent: it ends now."""
+        self.end()
+
+    # -- as the destination ---------------------------------------------------------------
+
+    @property
+    def reads(self) -> int:
+        """The codecs the agent reads beyond zlib (from the ``serve`` channel's first byte)."""
+        return self.ch.reads
+
+    def needs_tar(self, plan: Plan, small: list[Entry], clean: list[str]) -> bool:
+        """Whether :meth:`write_small` has anything to do: the ``recv`` command carries the
+        removals, abandoned parts, folders, links and metadata too."""
+        return bool(small or plan.links or plan.dirs or plan.meta or plan.removals or clean)
+
+    def writing(self, source: LocalSide):
+        """The agent names its own errors (see :meth:`_Channel.failure`)."""
+        return contextlib.nullcontext()
+
+    def stage(self, plan: Plan, clean: list[str]) -> None:
+        """Nothing ahead of the files: the ``recv`` command carries the removals and the
+        abandoned parts, and its tar the folders, ahead of its files."""
+
+    def write_small(self, source: LocalSide, run: _Run, plan: Plan, small: list[Entry],
+                    clean: list[str], before_end: Callable[[], None] | None = None) -> None:
+        """Send the ``recv`` command and the tar stream on the ``serve`` channel; wait for
+        the result.  ``clean``: abandoned part files to remove; ``before_end``: called
+        before the tar's end (the large files beside it: folders are stamped after them)."""
+        self.ended = True
+        try:
+            tar = _TarSender(self.ch, run, source, plan.removals, plan.meta, clean)
+            tar.folders(plan.dirs)  # every folder before the first file (removals came first)
+            for e in small:
+                tar.file(e.path, e.size, e.mode, e.mtime_ns)
+            tar.finish(plan.links, before_end)
+        except KeyboardInterrupt:
+            self.ch.close()
+            raise
+
+    def write_large(self, source: LocalSide, run: _Run, e: Entry, offset: int,
+                    channels: list | None = None) -> None:
+        """Send one file on its own channel (``put``), continuing an abandoned part there
+        whose first ``offset`` bytes match (the listing's); a resumed file is followed by
+        the sha256 of the whole, which the agent checks the part against before renaming
+        it."""
+        machine = self.machine
+        offset = offset if 0 < offset <= e.size else 0
+        try:
+            f = source.open(e.path)
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                f.close()
+                run.skip(e.path, e.size, ["EISDIR", "became a folder after it was listed"])
+                return
+        except OSError as exc:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
+            run.skip(e.path, e.size, agent.skip_reason(exc))
+            return
+        with f:
+            mode = e.mode
+            if mode == laptop.BY_CONTENT:
+                mode = laptop.mode_by_content(f.read(2))
+                f.seek(0)
+            whole = agent.hash_file(f, offset) if offset else None
+            ch = _Channel.open(machine, "put", self.root, machine.cwd or "", e.path, str(e.size),
+                               str(e.mtime_ns), "%o" % mode, str(offset), whole.hexdigest() if whole else "-",
+                               str(run.level))
+            if channels is not None:
+                channels.append(ch)
+            try:
+                kept = _kept(ch, ch.readline(), e.path, offset, more=True)
+                run.add_bytes(kept, resumed=True, path=e.path)
+                whole = whole if kept else None
+                f.seek(kept)
+                left = e.size - kept
+                out: _Channel | agent.ZWriter = ch
+                if run.level:
+                    out = agent.ZWriter(_Direct(ch), run.level)
+                send = out.send if isinstance(out, _Channel) else out.write
+                while left > 0:
+                    try:
+                        b = f.read(min(1 << 20, left))
+                    except OSError as exc:
+                        b, why = b"", agent.skip_reason(exc)
+                    else:
+                        why = ["CHANGED", f"shrank from {e.size} to {e.size - left} bytes while it was read"]
+                    if not b:
+                        # closed before its end: the machine keeps the part, never the file's name
+                        ch.close()
+                        run.skip(e.path, left, why)  # the bytes sent stay counted as sent
+                        return
+                    if whole is not None:
+                        whole.update(b)
+                    send(b)
+                    left -= len(b)
+                    run.add_bytes(len(b), path=e.path)
+                if whole is not None:
+                    send(whole.hexdigest().encode())
+                if isinstance(out, agent.ZWriter):
+                    out.flush()
+                    run.add_wire(out.wire)
+                    _retuned(machine, e.path, out)
+                ch.close_stdin()
+                reply = ch.read()
+                if ch.finish() != 0:
+                    raise ch.failure(reply)
+                run.file_done(e.path)
+            finally:
+                ch.close()
+
+    def written(self) -> None:
+        """Nothing more goes to the ``serve`` agent: it ends now."""
+        self.end()
+
+    def finish(self, plan: Plan, summary: SyncSummary) -> None:
+        """Nothing after the files: the agent stamped the folders at the tar's end."""
+
+
+Side = LocalSide | RemoteSide
+
+
+def _kept(ch: _Channel, line: bytes, rel: str, offered: int, more: bool = False) -> int:
+    """The first answer of a large file's agent (``put``/``get``), ``OFFSET N``: how many
+    bytes of the ``offered`` part it keeps (0, or all of them).  Any other line is its
+    failure (``more``: with the rest of its output)."""
+    if not line.startswith(b"OFFSET "):
+        raise ch.failure(line + ch.read() if more else line)
+    kept = int(line.split()[1])
+    if kept not in (0, offered):
+        raise SyncError(f"the sync helper on {ch.machine.name} answered OFFSET {kept} for {rel}",
+                        "run the sync again; if it repeats, report it with this message")
+    return kept
+
+
+def carry_out(source: Side, destination: Side, plan: Plan, sides: _Sides, summary: SyncSummary,
+             progress: ProgressCallback | None, compress: bool | None,
+             attempt: list[_Run] | None = None) -> _Run | None:
+    """Carry out ``plan`` from ``source`` to ``destination`` (one is this computer, the other
+    the machine): a push and a pull are this one sequence with the sides swapped.
+
+    Files of :data:`LARGE_FILE` bytes or more (and those whose destination may hold their
+    first bytes, a pull's renamed ones, a pull of one file) go each on its own channel,
+    resumed; the rest in one tar stream on the listing's channel, beside them.  ``sides``:
+    both listings (the destination's parts decide what is resumed and what is cleaned).
+    ``attempt`` collects the :class:`_Run` made.  None when a push has nothing to do."""
+    remote = destination if isinstance(destination, RemoteSide) else source
+    assert isinstance(remote, RemoteSide)
+    grown = _grown(plan, sides.dest.entries)
+    alone = {e.path for e in plan.send if e.size >= LARGE_FILE or sides.listed or e.path in grown
+             or e.path in sides.remote_of}  # (fetched one by one: the tar names each file as the machine does)
+    large = [e for e in plan.send if e.path in alone]
+    small = [e for e in plan.send if e.path not in alone]
+    clean = [p for p, target in sides.dest.parts.items() if target not in alone]
     _restamp_parents(plan, sides.source, clean)
-    offsets = {e.path: remote.partials.get(e.path, 0) or grown.get(e.path, 0) for e in large}
-    rest = small or plan.links or plan.dirs or plan.meta or plan.removals or clean
-    if not (large or rest):
-        ch.close_stdin()
-        ch.finish()
-        return None
+    offsets = {e.path: sides.dest.partials.get(e.path, 0) or grown.get(e.path, 0) for e in large}
+    tar = destination.needs_tar(plan, small, clean)
+    if not small:
+        source.supplied()
+    if not (large or tar) and isinstance(destination, RemoteSide):
+        destination.written()
+        return None  # nothing at all to do (a no-change push): no run, no progress
     level = 0
     if large or small:
-        level, summary.compression = decide_compression(machine, compress, ch.rtt, ch.reads)
-    run = _Run(plan, summary, progress, level=level)
-    if large and small:
-        _push_overlapped(machine, ch, run, src, dst_root, plan, small, large, offsets, clean)
-    else:
-        for e in large:
-            _push_large(machine, run, src, dst_root, e, offsets[e.path])
-        if rest:
-            _push_tar(ch, run, src, plan, small, clean)
+        level, summary.compression = decide_compression(remote.machine, compress, remote.ch.rtt,
+                                                        destination.reads)
+    run = _Run(plan, summary, progress, level=level, attempt=attempt)
+    with destination.writing(source):
+        destination.stage(plan, clean)
+        if large and small:
+            # Large files on a worker thread while the tar of small files streams: a
+            # many-small-files tar is bound by file creation, not the network, so the large
+            # files' bytes flow meanwhile.  The tar ends (and the folders are stamped, last)
+            # only after the large files are in place, so their mtimes stay right.
+            _beside_the_tar(run, large,
+                            lambda e, chs: destination.write_large(source, run, e, offsets[e.path], chs),
+                            lambda wait: destination.write_small(source, run, plan, small, clean, before_end=wait))
         else:
-            ch.close_stdin()
-            ch.finish()
+            for e in large:
+                destination.write_large(source, run, e, offsets[e.path])
+            if tar:
+                destination.write_small(source, run, plan, small, clean)
+            else:
+                destination.written()
+        destination.finish(plan, summary)
     return run
 
 
@@ -1963,59 +2466,6 @@ def _grown(plan: Plan, dest: dict[str, Entry]) -> dict[str, int]:
     return out
 
 
-def _pull_files(machine, ch: "_Channel", src: str, sides: _Sides, plan: Plan, summary: SyncSummary,
-                progress: ProgressCallback | None, compress: bool | None = None) -> _Run:
-    """Fetch what the plan says and apply it here (removals, dirs, files, links, metadata)."""
-    local, dst_root, single = sides.dest, sides.dst_root, sides.listed
-    grown = _grown(plan, local.entries)
-    renamed = sides.remote_of  # fetched one by one: the tar names each file as the machine does
-    large = [e for e in plan.send if e.size >= LARGE_FILE or single or e.path in grown or e.path in renamed]
-    small = [e for e in plan.send if e.size < LARGE_FILE and not single and e.path not in grown
-             and e.path not in renamed]
-    if not small and not single:
-        ch.close_stdin()
-        ch.finish()
-    level = 0
-    if plan.send:
-        level, summary.compression = decide_compression(machine, compress, ch.rtt)
-    run = _Run(plan, summary, progress, level=level)
-    resumed = {e.path for e in large}
-    clean = [p for p, target in local.parts.items() if target not in resumed]
-    _restamp_parents(plan, sides.source, clean)
-    try:
-        agent.remove_abandoned([_local_path(dst_root, p) for p in clean])
-        for rel in plan.removals:
-            agent.remove(_local_path(dst_root, rel))
-        os.makedirs(dst_root, exist_ok=True)
-        for e in plan.dirs:
-            if e.path != ".":  # the root is made above (a link to a folder stays a link: followed)
-                agent.make_dir(_local_path(dst_root, e.path), e.mode)
-        if single:
-            for e in large:
-                _pull_large(machine, run, posixpath.dirname(src) or ".", dst_root, e,
-                            posixpath.basename(src))
-        elif small and large:
-            _pull_overlapped(machine, ch, run, src, dst_root, small, large, renamed)
-        else:
-            if small:
-                _pull_tar(ch, run, dst_root, small)
-            for e in large:
-                _pull_large(machine, run, src, dst_root, e, renamed.get(e.path, e.path))
-        for e in plan.links:
-            _make_link_here(summary, _local_path(dst_root, e.path), e)
-        for rel, mode, mtime in plan.meta:
-            agent.set_meta(_local_path(dst_root, rel), mode, mtime, ns=True)
-        agent.stamp_dirs([(_local_path(dst_root, e.path), e.mode, e.mtime_ns) for e in plan.dirs], ns=True)
-    except OSError as exc:
-        raise agent_error(agent.error_record(exc), "this computer") from None
-    except agent.Damaged as exc:
-        raise SyncError(f"refused the file stream from {machine.name}: {exc}; that file was not written",
-                        "run the sync again; if it repeats, sync with --no-compress") from None
-    except agent.AgentError as exc:
-        raise SyncError(f"{exc}", "run the sync again: that file starts over") from None
-    return run
-
-
 def _make_link_here(summary: SyncSummary, path: str, e: Entry) -> None:
     """Make a pulled symlink; where this computer cannot make one (Windows without Developer
     Mode or admin rights: EPERM/ERROR_PRIVILEGE_NOT_HELD; FAT, exFAT: EOPNOTSUPP), record it
@@ -2027,20 +2477,6 @@ def _make_link_here(summary: SyncSummary, path: str, e: Entry) -> None:
                 and getattr(exc, "winerror", None) != 1314:
             raise
         summary.links_refused[e.path] = e.target
-
-
-def _pull_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str,
-                     small: list[Entry], large: list[Entry], renamed: dict[str, str] | None = None) -> None:
-    """Large files on a worker thread (each on its own channel) while the tar of small files
-    streams, as :func:`_push_overlapped` does for a push; folders are stamped after both."""
-    def stream(wait_for_large: Callable[[], None]) -> None:
-        _pull_tar(ch, run, dst_root, small)
-        wait_for_large()
-
-    renamed = renamed or {}
-    _beside_the_tar(run, large,
-                    lambda e, chs: _pull_large(machine, run, src, dst_root, e, renamed.get(e.path, e.path), chs),
-                    stream)
 
 
 class _Channels(list):
@@ -2097,20 +2533,6 @@ def _single_file_target(machine, dst: str, name: str) -> tuple[str, str]:
     return d or ".", n
 
 
-def _push_overlapped(machine, ch: "_Channel", run: _Run, src: str, dst_root: str, plan: Plan,
-                     small: list[Entry], large: list[Entry], offsets: dict[str, int],
-                     clean: list[str]) -> None:
-    """Large files on a worker thread while the tar of small files streams.
-
-    The remote side of a many-small-files tar is bound by file creation, not the network,
-    so the large files' bytes flow meanwhile.  The tar ends (and the agent stamps the
-    directories, last) only after the large files are in place, so their mtimes stay right.
-    """
-    _beside_the_tar(run, large,
-                    lambda e, chs: _push_large(machine, run, src, dst_root, e, offsets[e.path], chs),
-                    lambda wait: _push_tar(ch, run, src, plan, small, clean, before_end=wait))
-
-
 class _TarSender:
     """The ``recv`` command on a ``serve`` channel and its tar stream: directories first
     (:meth:`folders`), then small files one by one (each read whole), then links, then the
@@ -2122,20 +2544,19 @@ class _TarSender:
     without a journal").  ``removals``, ``meta``, ``clean``: see ``apply_push`` in
     :mod:`gpumagic.sync.agent`."""
 
-    def __init__(self, ch: "_Channel", run: _Run, src: str, removals: Iterable[str] = (),
+    def __init__(self, ch: "_Channel", run: _Run, source: LocalSide, removals: Iterable[str] = (),
                  meta: Iterable[tuple[str, int, int]] = (), clean: Iterable[str] = ()):
-        self.ch, self.run = ch, run
+        self.ch, self.run, self.source = ch, run, source
         self.sink: _TarSink | agent.ZWriter = _TarSink(ch)
         if run.level:  # frames of their own size go straight to the channel
             self.sink = agent.ZWriter(_Direct(ch), run.level)
-        self.path_of = _local_paths(src)
         head = _json_bytes({"op": "recv", "delete": list(removals),
                             "meta": [[p, m, t] for p, m, t in meta], "clean": list(clean),
                             **({"z": run.level} if run.level else {})})
         ch.send(struct.pack(">I", len(head)) + head)
 
     def file(self, rel: str, size: int, mode: int, mtime_ns: int) -> None:
-        data, why = _read_source(self.path_of(rel), size)
+        data, why = self.source.supply(rel, size)
         if data is None:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
             self.run.skip(rel, size, why)
             return
@@ -2167,32 +2588,17 @@ class _TarSender:
             raise self.ch.failure(reply)
 
 
-def _push_tar(ch: "_Channel", run: _Run, src: str, plan: Plan, small: list[Entry],
-              clean: list[str] = (), before_end: Callable[[], None] | None = None) -> None:
-    """Send the ``recv`` command and the tar stream on a ``serve`` channel; wait for the
-    result.  ``clean``: abandoned part files to remove."""
-    try:
-        tar = _TarSender(ch, run, src, plan.removals, plan.meta, clean)
-        tar.folders(plan.dirs)  # every folder before the first file (removals came first)
-        for e in small:
-            tar.file(e.path, e.size, e.mode, e.mtime_ns)
-        tar.finish(plan.links, before_end)
-    except KeyboardInterrupt:
-        ch.close()
-        raise
-
-
 class _StreamedWalk(SourceWalk):
-    """The sink of :func:`_push_into_empty`'s walk: records' fields only, until handed off (no
+    """The sink of :func:`_stream_into_empty`'s walk: records' fields only, until handed off (no
     fingerprint rows, no part files)."""
 
     parts = False
     keeps_rows = False
 
 
-def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: IgnoreRules,
-                run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
-    """A push into an empty destination: with nothing there to compare, each folder's files
+def _stream_into_empty(source: LocalSide, destination: RemoteSide, rules: IgnoreRules,
+                       run: _Run, walked: SourceWalk | None = None, modes: bool = True) -> Plan:
+    """A push into an empty destination (``destination``, whose agent said so): with nothing there to compare, each folder's files
     go as soon as the walk has listed them, so the machine writes while this side still
     walks (rsync's incremental recursion).  The folders the walk has found go ahead of the
     files of each batch (a folder's subfolders are made before its files, as rsync's receiver
@@ -2201,6 +2607,7 @@ def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: Ig
     grow meanwhile (``counting``).  ``walked``: the whole tree, when the walk ended before
     the agent said the destination was empty.  Returns the plan carried out (its links and
     dirs)."""
+    ch, src = destination.ch, source.root
     walk = _StreamedWalk() if walked is None else walked
     walk.all_fields()  # a whole walk's plain files are kept as rows (see agent.Listed)
     plan = Plan()
@@ -2208,7 +2615,7 @@ def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: Ig
 
     def stream(wait_for_large: Callable[[], None]) -> None:
         try:
-            tar = _TarSender(ch, run, src)
+            tar = _TarSender(ch, run, source)
 
             def hand_off(counting: bool = True) -> None:
                 # what the walk added since the last call: its folders (the subfolders of
@@ -2252,7 +2659,7 @@ def _push_into_empty(machine, ch: "_Channel", src: str, dst_root: str, rules: Ig
 
     try:
         _beside_the_tar(run, iter(large.get, None),
-                        lambda e, chs: _push_large(machine, run, src, dst_root, e, 0, chs), stream)
+                        lambda e, chs: destination.write_large(source, run, e, 0, chs), stream)
     except KeyboardInterrupt:
         ch.close()
         raise
@@ -2263,81 +2670,6 @@ def _json_bytes(obj) -> bytes:
     """JSON as ASCII: names that are not UTF-8 travel as ``\\udcXX`` escapes and come back
     as the same bytes through ``surrogateescape``."""
     return json.dumps(obj, ensure_ascii=True).encode("ascii")
-
-
-def _push_large(machine, run: _Run, src: str, dst_root: str, e: Entry, partial: int,
-                channels: list | None = None) -> None:
-    """Send one file on its own channel, continuing an abandoned remote part whose first
-    ``partial`` bytes match; a resumed file is followed by the sha256 of the whole, which
-    the agent checks the part against before renaming it."""
-    path = _local_path(src, e.path)
-    offset = partial if 0 < partial <= e.size else 0
-    try:
-        f = _open_source(path)
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            f.close()
-            run.skip(e.path, e.size, ["EISDIR", "became a folder after it was listed"])
-            return
-    except OSError as exc:  # left out, the rest goes on (rsync: exit 23, or 24 when it vanished)
-        run.skip(e.path, e.size, agent.skip_reason(exc))
-        return
-    with f:
-        mode = e.mode
-        if mode == laptop.BY_CONTENT:
-            mode = laptop.mode_by_content(f.read(2))
-            f.seek(0)
-        whole = agent.hash_file(f, offset) if offset else None
-        ch = _Channel(machine, "put", dst_root, machine.cwd or "", e.path, str(e.size),
-                      str(e.mtime_ns), "%o" % mode, str(offset), whole.hexdigest() if whole else "-",
-                      str(run.level))
-        if channels is not None:
-            channels.append(ch)
-        try:
-            line = ch.readline()
-            if not line.startswith(b"OFFSET "):
-                raise ch.failure(line + ch.read())
-            kept = int(line.split()[1])
-            if kept not in (0, offset):
-                raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
-                                "run the sync again; if it repeats, report it with this message")
-            run.add_bytes(kept, resumed=True, path=e.path)
-            whole = whole if kept else None
-            f.seek(kept)
-            left = e.size - kept
-            out: _Channel | agent.ZWriter = ch
-            if run.level:
-                out = agent.ZWriter(_Direct(ch), run.level)
-            send = out.send if isinstance(out, _Channel) else out.write
-            while left > 0:
-                try:
-                    b = f.read(min(1 << 20, left))
-                except OSError as exc:
-                    b, why = b"", agent.skip_reason(exc)
-                else:
-                    why = ["CHANGED", f"shrank from {e.size} to {e.size - left} bytes while it was read"]
-                if not b:
-                    # closed before its end: the machine keeps the part, never the file's name
-                    ch.close()
-                    run.skip(e.path, left, why)  # the bytes sent stay counted as sent
-                    return
-                if whole is not None:
-                    whole.update(b)
-                send(b)
-                left -= len(b)
-                run.add_bytes(len(b), path=e.path)
-            if whole is not None:
-                send(whole.hexdigest().encode())
-            if isinstance(out, agent.ZWriter):
-                out.flush()
-                run.add_wire(out.wire)
-                _retuned(machine, e.path, out)
-            ch.close_stdin()
-            reply = ch.read()
-            if ch.finish() != 0:
-                raise ch.failure(reply)
-            run.file_done(e.path)
-        finally:
-            ch.close()
 
 
 def pull(machine, src: str, dst: str, options: SyncOptions | None = None, *,
@@ -2377,36 +2709,6 @@ def _local_listing(root: str, digests: bool, names: list[str] | None) -> Listing
         raise agent_error(agent.error_record(exc), "this computer", "reading") from None
 
 
-def _pull_tar(ch: "_Channel", run: _Run, dst_root: str, small: list[Entry]) -> None:
-    """Ask a ``serve`` channel for a tar of ``small`` and extract it via temp names."""
-    head = _json_bytes({"op": "send", "paths": [e.path for e in small],
-                        **({"z": run.level} if run.level else {})})
-    ch.doing = "reading"
-    ch.send(struct.pack(">I", len(head)) + head)
-    ch.close_stdin()
-    stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
-    try:
-        agent.extract(dst_root, stream, on_file=run.file_done, on_bytes=run.add_bytes,
-                      allowed={e.path for e in small})
-        rest = stream.read()  # the tar's last zero block, then the files left out, if any
-    except agent.AgentError as exc:
-        raise SyncError(f"refused the file stream from {ch.machine.name}: {exc}",
-                        "run the sync again; if it repeats, check the machine") from None
-    except EOFError as exc:
-        if ch.finish() != 0:
-            raise ch.failure() from None
-        raise SyncError(f"the file stream from {ch.machine.name} was cut short: {exc}",
-                        "run the sync again: files already complete are kept") from None
-    if isinstance(stream, agent.ZReader):
-        run.add_wire(stream.wire)
-    if ch.finish() != 0:
-        raise ch.failure(rest)
-    sizes = {e.path: e.size for e in small}
-    for rel, why in _skipped(rest).items():
-        if rel in sizes:
-            run.skip(rel, sizes[rel], why)
-
-
 def _skipped(rest: bytes) -> dict:
     """The files a ``send`` tar left out (see :func:`gpumagic.sync.agent.send_tar`): rel ->
     ``[errno name, reason]``; ``{}`` when none."""
@@ -2435,68 +2737,3 @@ def _copy_grown(path: str, f, size: int) -> int:
         f.seek(0)
         f.truncate(0)
         return 0
-
-
-def _pull_large(machine, run: _Run, src_root: str, dst_root: str, e: Entry, remote_rel: str,
-                channels: list | None = None) -> None:
-    """Fetch one file on its own channel, continuing an abandoned local part when the
-    source's first bytes hash the same; a resumed file is checked against the sha256 of
-    the source that follows its bytes before it is renamed (see ``get`` in
-    :mod:`gpumagic.sync.agent`)."""
-    path = _local_path(dst_root, e.path)
-    f, have, tmp, token = agent.take_part(path)
-    try:
-        if not have:
-            have = _copy_grown(path, f, e.size)
-        have = min(have, e.size)
-        digest = agent.hash_file(f, have).hexdigest() if have else "-"
-        ch = _Channel(machine, "get", src_root, machine.cwd or "", remote_rel, str(e.size), str(have), digest,
-                      str(run.level))
-        if channels is not None:
-            channels.append(ch)
-        try:
-            line = ch.readline()
-            if line.startswith(agent.SKIPPED):  # it vanished or cannot be read there: the rest goes on
-                ch.finish()
-                run.skip(e.path, e.size, json.loads(line[len(agent.SKIPPED):]))
-                return
-            if not line.startswith(b"OFFSET "):
-                raise ch.failure(line)
-            kept = int(line.split()[1])
-            if kept not in (0, have):
-                raise SyncError(f"the sync helper on {machine.name} answered OFFSET {kept} for {e.path}",
-                                "run the sync again; if it repeats, report it with this message")
-            f.truncate(kept)
-            f.seek(kept)
-            run.add_bytes(kept, resumed=True, path=e.path)
-            want = None
-            stream: _Channel | agent.ZReader = agent.ZReader(ch) if run.level else ch
-            try:
-                try:
-                    agent.write_rest(f, stream, e.size - kept, path,
-                                     on_bytes=lambda n: run.add_bytes(n, path=e.path))
-                except OSError as exc:
-                    agent.drop_part(f, tmp, exc)
-                    raise
-                if kept:
-                    want = agent.read_exact(stream, 64).decode("ascii", "replace")
-                    if len(want) < 64:
-                        raise EOFError(f"the stream ended before the sha256 of {e.path}")
-                if isinstance(stream, agent.ZReader):
-                    run.add_wire(stream.wire)
-            except EOFError:
-                exc = ch.failure()
-                rec = ch.record()
-                if rec is not None and rec.get("errno") == "CHANGED":  # it shrank there: left out
-                    run.skip(e.path, 0, ["CHANGED", f"shrank below its listed {e.size} bytes while it was read"])
-                    return
-                raise exc from None
-            if ch.finish() != 0:
-                raise ch.failure()
-        finally:
-            ch.close()
-        agent.finish_part(f, tmp, path, e.size, e.mode, e.mtime_ns, want)
-        run.file_done(e.path)
-    finally:
-        agent.leave_part(f, tmp)  # a part not renamed is kept for a resume
-        agent.release(token)
