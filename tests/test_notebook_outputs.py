@@ -292,6 +292,77 @@ def test_tutorial_10_lends_the_stand_in_proxy_sets_mirrors_and_undoes_both(execu
     assert text("%%remote\nenv | grep") == "no proxy variable left\nHF_ENDPOINT=[]\n"
 
 
+@pytest.mark.parametrize("name", ["12-rent-a-machine.ipynb", "zh-CN/12-rent-a-machine.ipynb"])
+def test_tutorial_12_rents_from_the_runpod_stand_in_stops_guards_starts_and_releases(executed, name):
+    """Run as saved against the RunPod stand-in (tests/tutorials.py: ``stand_in``), which its
+    login reaches through the environment; every request and answer was checked against
+    RunPod's published documents."""
+    import json
+
+    nb = executed[name]
+    saw = json.loads((executed.path(name).parent / tutorials.STAND_IN).read_text(encoding="utf-8"))
+    assert saw["violations"] == [] and saw["undocumented"] == []
+    errors = [(c.source, o.ename, o.evalue) for c in nb.cells if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert errors == []
+
+    def texts(source):
+        """The text of each code cell whose source is ``source`` (or starts with it, for a cell of
+        several lines), in order: its prints, and its displays' text/plain."""
+        cells = [c for c in nb.cells if c.cell_type == "code" and (c.source == source or
+                                                                   c.source.startswith(source + "\n"))]
+        assert cells, source
+        return ["".join(o.get("text", "") if o.output_type == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
+                        for o in c.outputs) for c in cells]
+
+    everything = json.dumps([c.get("outputs", []) for c in nb.cells])
+    assert "good-key" not in everything  # the key from the environment is never shown
+    login, = texts("%gpu provider login runpod")
+    assert login.splitlines() == [
+        f"runpod: the key in $GPUMAGIC_RUNPOD_API_KEY works; kept in {executed.data(name) / 'gpumagic' / 'keys'} "
+        "(mode 0600)",
+        "runpod: --base-url from $GPUMAGIC_RUNPOD_BASE_URL, --catalog-url from $GPUMAGIC_RUNPOD_CATALOG_URL, "
+        "--user from $GPUMAGIC_RUNPOD_USER"]
+    offers, = texts("%gpu offers --max-price 1")
+    rows = offers.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["runpod:NVIDIA", "runpod:NVIDIA"]  # the two 4090s; no H100 (2.99)
+    assert "community" in rows[0] and "0.340" in rows[0] and "secure" in rows[1] and "0.690" in rows[1]
+    rent, = texts("%gpu rent --gpu 4090 --max-price 0.5 --name my-4090 --trust-new-host")
+    assert rent.startswith("renting runpod:NVIDIA GeForce RTX 4090/community (RTX 4090, 0.340 USD/h) as my-4090\n")
+    # its cells run in the pod's volume (the stand-in's is its sshd's home; RunPod's /workspace)
+    volume = next(executed.data(name).glob("runpod/pod-*/home"))
+    assert rent.splitlines()[-1] == (f"my-4090's cells run in {volume}, its volume: what a stop keeps "
+                                     "(the rest of its disk is not kept)")
+    ports = [int(m) for t in [rent] + texts("%gpu start my-4090")
+             for m in re.findall(r"^connected to my-4090 \(\S+@127\.0\.0\.1:(\d+)\)", t, re.M)]
+    assert len(ports) == 3 and len(set(ports)) == 3  # the rent and each start: a new port every time
+    first, second = texts("%%remote")
+    assert first.rstrip().endswith("epoch 1 written: epoch-1.json")
+    assert second.splitlines()[-2:] == ["epoch-1.json", "epoch 2 written"]  # the volume was kept through the stop
+    assert sorted(p.name for p in (volume / "runs").iterdir()) == ["epoch-1.json", "epoch-2.json"]
+    stop, = texts("%gpu stop my-4090")
+    assert stop.startswith("my-4090 is stopped; its disk costs 0.014 USD/h while stopped")
+    after_stop, after_guard, after_release = texts("%gpu rentals")
+    assert "my-4090" in after_stop and "EXITED" in after_stop and "EXITED" in after_guard
+    assert after_release == "no instances on any platform with a key\n"
+    guard, = texts("%gpu budget guard --idle 1m --poll 10")
+    assert "it ends the bill with the runpod API's stop, sent from my-4090 itself (the laptop may be closed)" in guard
+    waited, = texts("import time\nfrom gpumagic.rent import Renter")
+    assert waited == "my-4090 is stopped (EXITED), as RunPod's API reads it\n"
+    named, = texts("%gpu wrapup --pull :runs/ ./runs/")
+    assert "results :runs/ -> ./runs/: 1 not pulled yet; pulled 1 files (26 B)\n  epoch-1.json\n" in named
+    pulled, = texts("%gpu wrapup")  # the folder named above, remembered
+    assert "results :runs/ -> ./runs/: 1 not pulled yet; pulled 1 files (26 B)\n  epoch-2.json\n" in pulled
+    assert pulled.splitlines()[-1] == "here: ['epoch-1.json', 'epoch-2.json']"
+    release, = texts("%gpu release my-4090")
+    assert release == "my-4090 is released: the platform has terminated it and its disk\n"
+    # one pod, stopped twice: by `%gpu stop` with the account's key, then by the guard, from the
+    # pod, with the pod-scoped key RunPod injects; then released
+    (pod, state), = saw["pods"].items()
+    assert state == "TERMINATED"
+    assert saw["stops"] == [[pod, "stop", "account"], [pod, "stop", "instance"], [pod, "release", "account"]]
+
+
 def test_run_notebook_leaves_ctrl_c_as_it_found_it_when_the_kernel_cannot_start(tmp_path):
     # nbclient installs a SIGINT handler of its event loop and keeps it when the kernel fails
     # to start: Ctrl-C in the caller (a test's interrupt, a script) then did nothing at all

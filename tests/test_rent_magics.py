@@ -5,6 +5,7 @@ instance a real sshd."""
 from __future__ import annotations
 
 import getpass
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from IPython.core.error import UsageError  # noqa: E402
 
 from gpumagic.errors import BadKey, NoOffer, NotSupported, RateLimited, ReleaseRefused, UnknownHostKey  # noqa: E402
 from gpumagic.keys import keygen  # noqa: E402
-from gpumagic.rent import KeyStore, Renter  # noqa: E402
+from gpumagic.rent import PROVIDERS, KeyStore, Renter  # noqa: E402
 
 from platforms import LambdaServer, RunPodServer  # noqa: E402
 
@@ -42,8 +43,11 @@ def lam(tmp_path):
 @pytest.fixture
 def shell(ip, tmp_path, monkeypatch):
     """``ip`` with a Renter of its own (data under tmp_path, no keychain, quick polls), the key
-    prompt answering what ``shell.typed`` holds, and an SSH key pair."""
+    prompt answering what ``shell.typed`` holds (no ``GPUMAGIC_P_...`` variable of this
+    environment), and an SSH key pair."""
     monkeypatch.chdir(tmp_path)
+    for var in [v for v in os.environ if v.startswith("GPUMAGIC_") and v.split("_")[1].lower() in PROVIDERS]:
+        monkeypatch.delenv(var)  # a login takes a key (and options) from there: the typed one here
     ip._gpumagic.state.renter = Renter(tmp_path / "data", keys=KeyStore(tmp_path / "data" / "keys", use_keyring=False),
                                  poll_s=0.02, wait_s=20)
     typed = {"key": "good-key"}
@@ -75,6 +79,46 @@ def test_login_checks_the_key_and_a_bad_one_is_not_stored_nor_shown(shell, runpo
     assert "good-key" not in "".join(str(h) for h in shell.history_manager.input_hist_raw)
 
 
+def test_login_takes_the_key_and_options_from_the_environment_where_no_one_can_type(shell, runpod, capsys,
+                                                                                   monkeypatch):
+    from IPython.core.error import StdinNotImplementedError
+
+    from gpumagic.errors import ConfigError, RentError
+
+    def no_stdin(prompt=""):  # a notebook run by nbclient: input is not allowed
+        raise StdinNotImplementedError("raw_input was called, but this frontend does not support input requests.")
+
+    monkeypatch.setattr("gpumagic.rent.keystore.getpass.getpass", no_stdin)
+    with pytest.raises(RentError) as e:
+        gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url}")
+    assert e.value.message == "no key was entered for runpod"
+    assert e.value.hint.endswith("or set $GPUMAGIC_RUNPOD_API_KEY where no one can type it")
+    monkeypatch.setenv("GPUMAGIC_RUNPOD_API_KEY", " sk-WRONG-987654\n")
+    with pytest.raises(BadKey) as e:
+        gpu(shell, "provider login runpod")
+    assert "sk-WRONG-987654" not in str(e.value)
+    assert e.value.hint == ("the key came from $GPUMAGIC_RUNPOD_API_KEY: set it to a working key, or unset it to "
+                            "be asked for one")
+    assert shell._gpumagic.state.renter.keys.get("runpod") is None
+    # the options the line leaves out come from the environment too; one on the line wins
+    monkeypatch.setenv("GPUMAGIC_RUNPOD_API_KEY", "good-key")
+    monkeypatch.setenv("GPUMAGIC_RUNPOD_BASE_URL", "http://127.0.0.1:9/nowhere")
+    monkeypatch.setenv("GPUMAGIC_RUNPOD_USER", USER)
+    capsys.readouterr()
+    gpu(shell, f"provider login runpod --base-url {runpod.rest_url}")
+    assert capsys.readouterr().out.splitlines() == [
+        f"runpod: the key in $GPUMAGIC_RUNPOD_API_KEY works; kept in {shell._gpumagic.state.renter.keys.where}",
+        "runpod: --user from $GPUMAGIC_RUNPOD_USER"]
+    assert shell._gpumagic.state.renter.keys.get("runpod") == "good-key"
+    settings = shell._gpumagic.state.renter.load().providers["runpod"]
+    assert (settings.base_url, settings.user) == (runpod.rest_url, USER)
+    assert "good-key" not in "".join(str(h) for h in shell.history_manager.input_hist_raw)
+    monkeypatch.setenv("GPUMAGIC_LAMBDA_SSH_PORT", "22x")
+    with pytest.raises(ConfigError) as e:
+        gpu(shell, "provider login lambda")
+    assert e.value.message.startswith("$GPUMAGIC_LAMBDA_SSH_PORT='22x': ") and "\n" not in e.value.message
+
+
 def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pulled(shell, runpod, capsys):
     gpu(shell, f"provider login runpod --base-url {runpod.rest_url} --catalog-url {runpod.url} --user {USER}")
     capsys.readouterr()
@@ -97,6 +141,9 @@ def test_rent_cell_stop_start_on_a_new_port_and_release_after_the_results_are_pu
     first_port = shell._gpumagic.fleet.get("rp1").spec.port
     shell.run_cell_magic("remote", "", "mkdir -p runs && echo 0.93 > runs/acc.txt && echo cell-ran")
     assert "cell-ran" in capsys.readouterr().out
+    # the cell ran in the pod's volume (volumeMountPath: RunPod's /workspace, the stand-in's home of
+    # its sshd), the folder a stop keeps, not in the login's home
+    assert (list(runpod.boxes.values())[0].home / "runs" / "acc.txt").read_text(encoding="utf-8") == "0.93\n"
     with pytest.raises(ReleaseRefused) as e:
         gpu(shell, "release rp1")
     assert "no results folder of rp1 was ever checked" in e.value.message

@@ -9,13 +9,24 @@ this one).  The executed copy is kept in a folder shared by the run's workers (t
 each worker's base temp), behind a file lock per tutorial: the first worker to ask runs it,
 the others wait and read the file.  A run that failed is not kept; the next ask runs it again
 and fails the same way, with nbclient's message.
+
+Tutorial 12 rents a machine from RunPod: it runs against the RunPod stand-in of
+tests/providers/ (:func:`stand_in`), which its login cell reaches through the environment
+variables every real user may set too (``GPUMAGIC_RUNPOD_API_KEY``, ``GPUMAGIC_RUNPOD_BASE_URL``...),
+so the notebook is run as it is saved.  What the stand-in saw is kept beside the executed copy
+(:data:`STAND_IN`) for the tests to read: every request and answer checked against RunPod's
+published documents, the pods, and each stop with the kind of key that sent it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import json
 import os
 import shutil
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import nbformat
@@ -28,6 +39,10 @@ CHINESE = sorted((NOTEBOOKS / "zh-CN").glob("*.ipynb"))
 ALL = [str(p.relative_to(NOTEBOOKS)) for p in ENGLISH + CHINESE]
 #: Seconds one cell may run (nbclient's timeout).
 CELL_TIMEOUT = 300
+#: The tutorial that rents a machine (run against the RunPod stand-in), and the file beside
+#: its executed copy that says what the stand-in saw.
+RENT_TUTORIAL = "12-rent-a-machine.ipynb"
+STAND_IN = "stand-in.json"
 
 
 def runnable() -> list[str]:
@@ -103,19 +118,52 @@ class Executed(Mapping):
 def _run(notebook: Path, out: Path, data: Path) -> Path:
     from gpumagic.__main__ import run_notebook
 
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "GPUMAGIC_DATA_DIR", "XDG_DATA_HOME")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved["PYTHONPATH"]]))
-    os.environ["GPUMAGIC_DATA_DIR"] = str(data / "gpumagic")
-    os.environ["XDG_DATA_HOME"] = str(data / "xdg")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "GPUMAGIC_DATA_DIR": str(data / "gpumagic"), "XDG_DATA_HOME": str(data / "xdg")}
+    with contextlib.ExitStack() as stack:
+        if notebook.name == RENT_TUTORIAL:
+            env.update(stack.enter_context(stand_in(data, out / STAND_IN)))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return Path(run_notebook(notebook, out, timeout=CELL_TIMEOUT))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            remove_tutorial_jobs(data / "xdg")
+
+
+@contextlib.contextmanager
+def stand_in(data: Path, record: Path) -> Iterator[dict[str, str]]:
+    """The RunPod stand-in (tests/providers/platforms.py) for a run of tutorial 12: yields the
+    environment its kernel needs, and at the end writes ``record`` (JSON: ``violations`` and
+    ``undocumented`` answers of the checked documents, ``pods`` as ``{id: desiredStatus}``,
+    ``stops`` as ``[pod id, "stop"|"release", "instance"|"account"]``, ``requests`` as
+    ``[method, path]``) and stops it and its machines.
+
+    The kernel gets a home of its own (``data/home``: the SSH key the tutorial makes, and
+    its known hosts, stay there) and no keychain (``PYTHON_KEYRING_BACKEND``: the key goes to
+    the 0600 file in its data dir, never this user's keychain).  Its machines' sshd runs as
+    this user, so the SSH user is this user's name, not RunPod's ``root``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "providers"))
+    from platforms import RunPodServer
+
+    server = RunPodServer(data / "runpod")
+    (data / "home").mkdir(parents=True, exist_ok=True)
     try:
-        return Path(run_notebook(notebook, out, timeout=CELL_TIMEOUT))
+        yield {"HOME": str(data / "home"), "PYTHON_KEYRING_BACKEND": "keyring.backends.null.Keyring",
+               "GPUMAGIC_RUNPOD_API_KEY": sorted(server.keys)[0], "GPUMAGIC_RUNPOD_BASE_URL": server.rest_url,
+               "GPUMAGIC_RUNPOD_CATALOG_URL": server.url, "GPUMAGIC_RUNPOD_USER": getpass.getuser()}
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        remove_tutorial_jobs(data / "xdg")
+        server.close()
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({
+            "violations": server.violations, "undocumented": server.undocumented,
+            "pods": {pid: pod["desiredStatus"] for pid, pod in server.pods.items()},
+            "stops": server.stops, "requests": server.requests}, indent=1), encoding="utf-8")
 
 
 def remove_tutorial_jobs(xdg_data: Path | None = None):

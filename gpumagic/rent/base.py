@@ -68,7 +68,10 @@ class Instance:
 
     ``state`` is one of :data:`STATES`; ``host``/``port`` are ``None`` until the platform
     has assigned them (read again after every start: a port may change).  ``stopped_at``
-    (epoch seconds) is when it stopped, where the platform says.
+    (epoch seconds) is when it stopped, where the platform says.  ``workdir`` is the folder on
+    the machine whose files a stop keeps, where the platform mounts one apart from the rest of
+    the disk (RunPod's pod volume: ``volumeMountPath``, /workspace; what is outside it is lost at
+    every stop): the rental's cells run there unless ``--cwd`` says otherwise.
     """
 
     provider: str
@@ -84,6 +87,7 @@ class Instance:
     gpu: str = ""
     currency: str = "USD"
     stopped_at: float | None = None
+    workdir: str | None = None
 
     @property
     def ssh_ready(self) -> bool:

@@ -6,6 +6,12 @@ stored under the service ``gpumagic`` with the provider's name as the user name 
 Service), else in ``DATA/keys/PROVIDER`` (mode 0600, in a 0700 folder,
 :func:`gpumagic._fs.private_dir`).  No key is ever written to the ledger, the rentals file or
 a log.
+
+For a run with no one to type the key (a test, a script, CI), ``%gpu provider login P`` takes
+it from the environment variable ``GPUMAGIC_P_API_KEY`` (:func:`env_var`) when that is set,
+instead of asking; the other options of the login likewise default to ``GPUMAGIC_P_BASE_URL``
+and so on.  The names carry gpumagic's prefix so that they never mean the key a platform
+itself injects into its machines (RunPod puts a pod-scoped ``RUNPOD_API_KEY`` in every pod).
 """
 
 from __future__ import annotations
@@ -105,6 +111,17 @@ class KeyStore:
         except OSError:
             pass
         return gone
+
+
+def env_var(provider: str, what: str = "api_key") -> str:
+    """The environment variable that gives ``what`` (``api_key``, ``base_url``...) of
+    ``provider``'s login: ``env_var("runpod") == "GPUMAGIC_RUNPOD_API_KEY"``."""
+    return f"GPUMAGIC_{provider.upper()}_{what.upper()}"
+
+
+def env_key(provider: str) -> str | None:
+    """The key set in :func:`env_var` (stripped), or ``None`` where it is unset or empty."""
+    return os.environ.get(env_var(provider), "").strip() or None
 
 
 def ask_key(provider: str) -> str:

@@ -151,10 +151,14 @@ class RunPod(Provider):
             state = "pending"
         volume = pod.get("volumeInGb") or 0
         gpu = (pod.get("gpu") or {}).get("displayName") or ""
+        # the volume's mount (/workspace) is what a stop keeps: docs.runpod.io/pods/storage/types,
+        # "Container disk ... Lost on stop/restart", "Volume disk ... Retained until Pod deleted"
+        workdir = (pod.get("volumeMountPath") or None) if volume or pod.get("networkVolume") else None
         return Instance(self.name, pod["id"], pod.get("name") or "", state, raw,
                         price_hr=pod.get("costPerHr"),
                         stopped_hr=volume * STOPPED_VOLUME_GB_MONTH / HOURS_A_MONTH,
-                        host=host, port=int(port) if port else None, user=self.user, gpu=gpu)
+                        host=host, port=int(port) if port else None, user=self.user, gpu=gpu,
+                        workdir=workdir)
 
 
 def _create_error(e: RentError, offer: Offer | None) -> RentError:

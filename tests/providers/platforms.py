@@ -7,7 +7,9 @@ documentation (1 request/s, 1 launch per 10 s) unless a test sets others.
 
 Each created instance starts a real sshd (``SshServer``) that accepts the public key the
 request carried (RunPod: ``env.PUBLIC_KEY``; Lambda: the named SSH key), after ``boot_reads``
-reads of its state.  A RunPod stop stops the sshd; a start starts it on a new port.
+reads of its state.  A RunPod stop stops the sshd; a start starts it on a new port.  A pod's
+volume is its sshd's home folder: ``volumeMountPath`` reads that folder, not the ``/workspace``
+the create asked for (a folder at the root of this computer's file system needs root).
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ class RunPodServer(_InstanceKeys, SpecServer):
                "containerDiskInGb": body.get("containerDiskInGb", 50), "interruptible": body.get("interruptible", False),
                "gpu": {"id": gpu["id"], "count": body.get("gpuCount", 1), "displayName": gpu["name"]},
                "publicIp": None, "portMappings": None, "env": body.get("env", {}), "ports": body.get("ports", [])}
+        if body.get("volumeMountPath"):
+            pod["volumeMountPath"] = str(box.home)
         self.pods[pid] = pod
         self._reads[pid] = 0
         return 201, self._read(pod, count=False)

@@ -204,13 +204,15 @@ def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | 
     later than the API says "running": a refused or unanswered connection is tried again, every
     poll interval, for :data:`SSHD_WAIT_S`.  An unknown host key is trusted with ``trust``, or
     when it is the key recorded for this rental (a start moved it to a new port); the key it
-    was reached with is recorded.  Returns the machine."""
+    was reached with is recorded.  With no ``cwd``, cells run in the folder a stop keeps where
+    the platform has one (``inst.workdir``: RunPod's /workspace).  Returns the machine."""
     from ...errors import ConnectionRefused, ConnectTimeout, UnknownHostKey
     from ...ssh.known_hosts import fingerprint
 
     r = renter(magics)
     start = time.monotonic()
     target = f"{inst.user}@{inst.host}:{inst.port}"
+    cwd = cwd or inst.workdir
     trusted: bool | str = True if trust else (r.record(name).host_key or False)
     while True:
         try:
@@ -237,6 +239,8 @@ def _connect(magics: GpuMagics, name: str, inst: Instance, key: str, cwd: str | 
         say(note)
     say(f"connected to {name} ({inst.user}@{inst.host}:{inst.port}) in {time.monotonic() - start:.2f} s; "
         f"%%remote cells run there")
+    if inst.workdir and cwd == inst.workdir:
+        say(f"{name}'s cells run in {inst.workdir}, its volume: what a stop keeps (the rest of its disk is not kept)")
     return m
 
 
@@ -377,30 +381,84 @@ def _rentals(magics: GpuMagics, line: str):
 # -- %gpu provider ----------------------------------------------------------------------------
 
 
+#: The options of `%gpu provider login P` that an environment variable may give when the line
+#: does not (``GPUMAGIC_P_BASE_URL``...: :func:`gpumagic.rent.keystore.env_var`).
+ENV_OPTIONS = ("base_url", "catalog_url", "user", "ssh_port")
+
+
+def _options_from_env(args) -> list[str]:
+    """Fill each option of ``args`` (a parsed login) that the line left out from its variable;
+    returns the ones taken, as ``--base-url from $GPUMAGIC_RUNPOD_BASE_URL``."""
+    import argparse
+    import os
+
+    from ...rent.keystore import env_var
+
+    taken = []
+    for opt in ENV_OPTIONS:
+        var = env_var(args.provider, opt)
+        value = os.environ.get(var, "").strip()
+        if getattr(args, opt) is not None or not value:
+            continue
+        if opt == "ssh_port":
+            try:
+                value = PORT(value)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"${var}={value!r}: {e}", f"set {var} to a TCP port, or unset it") from None
+        setattr(args, opt, value)
+        taken.append(f"--{opt.replace('_', '-')} from ${var}")
+    return taken
+
+
 @magic_arguments()
 @argument("provider", choices=PROVIDER_NAMES)
-@argument("--base-url", metavar="URL", help="the API's root (default: the platform's)")
-@argument("--catalog-url", metavar="URL", help="RunPod: the v2 catalog's root (default https://api.runpod.io)")
-@argument("--user", help="SSH user on its machines (default: root on RunPod, vast.ai and AutoDL, ubuntu on Lambda)")
-@argument("--ssh-port", type=PORT, help="Lambda: the SSH port of its machines (default 22)")
+@argument("--base-url", metavar="URL", help="the API's root (default: $GPUMAGIC_P_BASE_URL where set, "
+                                            "else the platform's)")
+@argument("--catalog-url", metavar="URL", help="RunPod: the v2 catalog's root (default $GPUMAGIC_RUNPOD_CATALOG_URL "
+                                               "where set, else https://api.runpod.io)")
+@argument("--user", help="SSH user on its machines (default: $GPUMAGIC_P_USER where set, else root on RunPod, "
+                         "vast.ai and AutoDL, ubuntu on Lambda)")
+@argument("--ssh-port", type=PORT, help="Lambda: the SSH port of its machines (default $GPUMAGIC_LAMBDA_SSH_PORT "
+                                        "where set, else 22)")
 def _provider_login(magics: GpuMagics, line: str):
     """Store a platform's API key: asked here without echo (never on the command line),
-    checked with one API call, kept in the OS keychain or a 0600 file."""
-    args = parse(_provider_login, line, "provider login")
-    from ...rent.keystore import ask_key
+    checked with one API call, kept in the OS keychain or a 0600 file.
 
+    Where no one can type it (a script, CI, a notebook run by `gpumagic run-notebook`), the
+    key is taken from the environment variable GPUMAGIC_P_API_KEY when it is set (P the
+    platform in capitals: GPUMAGIC_RUNPOD_API_KEY), instead of asking; it is checked and kept
+    the same way, and never shown.  Each option left out of the line likewise comes from
+    GPUMAGIC_P_BASE_URL, GPUMAGIC_P_CATALOG_URL, GPUMAGIC_P_USER or GPUMAGIC_P_SSH_PORT where
+    set (a test server, a proxy of the API), and the output says which did."""
+    args = parse(_provider_login, line, "provider login")
+    from ...errors import BadKey
+    from ...rent.keystore import ask_key, env_key, env_var
+
+    taken = _options_from_env(args)
     r = renter(magics)
     r.configure(args.provider, base_url=args.base_url, catalog_url=args.catalog_url, user=args.user,
                 ssh_port=args.ssh_port)
-    try:
-        key = ask_key(args.provider).strip()
-    except (EOFError, OSError):
-        key = ""
+    var = env_var(args.provider)
+    key = env_key(args.provider)
+    from_env = key is not None
+    if key is None:
+        try:
+            key = ask_key(args.provider).strip()
+        except (EOFError, OSError, NotImplementedError):  # no terminal; no stdin (IPython's is a NotImplementedError)
+            key = ""
     if not key:
         raise RentError(f"no key was entered for {args.provider}",
-                        f"run `%gpu provider login {args.provider}` in a notebook and paste the key")
-    where = r.login(args.provider, key)
-    print(f"{args.provider}: the key works; kept in {where}")
+                        f"run `%gpu provider login {args.provider}` in a notebook and paste the key, "
+                        f"or set ${var} where no one can type it")
+    try:
+        where = r.login(args.provider, key)
+    except BadKey as e:
+        if from_env:
+            e.hint = f"the key came from ${var}: set it to a working key, or unset it to be asked for one"
+        raise
+    print(f"{args.provider}: the key{' in $' + var if from_env else ''} works; kept in {where}")
+    if taken:
+        print(f"{args.provider}: {', '.join(taken)}")
 
 
 @magic_arguments()
