@@ -699,7 +699,10 @@ class Lines:
 def lose(server) -> None:
     """Machine ``server`` goes: its sshd, every connection it serves and every process they
     started (Linux's ``/proc``; a job's tmux keeps its group out of this tree: its caller
-    kills that)."""
+    kills that).  Its port stays bound, and not listening, until :func:`come_back`: a
+    connection to it is refused, as to a machine that went, and no other test's sshd takes
+    the port meanwhile (CI once saw another server's host key there: gpumagic refused it as
+    a changed key, rightly, and the test read that as the wrong loss)."""
     parents = {}
     for proc in Path("/proc").iterdir():
         try:
@@ -717,3 +720,20 @@ def lose(server) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        held.bind((server.host, server.port))
+    except OSError:  # taken already in the moment between: the test sees what it sees
+        held.close()
+        return
+    server.held_port = held
+
+
+def come_back(server) -> None:
+    """Machine ``server``, lost by :func:`lose`, answers again on its port."""
+    held = getattr(server, "held_port", None)
+    if held is not None:
+        held.close()
+        server.held_port = None
+    server.start()

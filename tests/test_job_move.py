@@ -29,7 +29,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import add_client_entry, make_server, wait_until
-from linkemu import lose
+from linkemu import come_back, lose
 from gpumagic._stored import write_json
 from gpumagic.errors import JobError
 from gpumagic.remote import move
@@ -454,7 +454,7 @@ def test_a_machine_that_comes_back_after_a_standby_move_gets_no_second_copy_and_
         assert abs((ga.armed_at + ga.deadline_in) - (gb.armed_at + gb.deadline_in)) < 5  # the same deadline
         assert not (a_job / "exit_code").exists()  # A's copy still runs there: A is only cut off
         # A comes back; the next connect sees to it
-        servers["a"].start()
+        come_back(servers["a"])
         with capture_output():
             ip.run_line_magic("gpu", f"connect {servers['a'].alias} --name a")
         said = after_a_cell(ip)
