@@ -102,8 +102,9 @@ class Fleet:
 
     def check_move(self, job: str, rec: StartRecord, to: str, *, yes: bool = False, src: str | None = None,
                    torchrun: int | str | None = None, from_start: bool = False, no_src: bool = False) -> None:
-        """What a move of ``job`` (started as ``rec`` says) to a machine named ``to`` would
-        refuse, checked before that machine exists (one yet to be rented): it reads only
+        """What a move of ``job`` (started as ``rec`` says) to ``to`` would refuse, checked
+        before that machine exists (``new:PROVIDER...``, yet to be rented; the messages name
+        it so, and the commands they suggest work as typed): it reads only
         (:func:`gpumagic.remote.move.check_move`).
 
         Raises

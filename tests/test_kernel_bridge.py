@@ -163,6 +163,8 @@ def test_install_sandbox_and_a_host_that_cannot_name_a_kernelspec(jupyter_dirs, 
     capsys.readouterr()
     assert gpumagic_main(["kernel", "install", "@@@"]) == 1
     assert "'@@@' cannot name a kernelspec" in capsys.readouterr().err
+    assert gpumagic_main(["kernel", "uninstall", "--sandbox"]) == 0  # as install and stop take it
+    assert not (jupyter_dirs / "kernels" / "gpumagic-sandbox").exists()
 
 
 def _spec_json(jupyter_dirs: Path, name: str) -> dict:
@@ -404,6 +406,23 @@ def test_interrupt_reaches_a_busy_loop_and_restart_gives_a_new_namespace(jupyter
     finally:
         fe.close()
         stop_session("kb3")
+
+
+def test_a_restart_whose_front_end_keeps_its_sockets_is_ready_with_a_fresh_namespace(jupyter_dirs, sshd):
+    """As jupyter_client's own restart_kernel leaves it (and a trial found hanging for 120 s):
+    the same client, its SUB socket's subscription not heard by the new process; the bridge
+    publishes once the front end asks on shell (SUBSCRIBED_AFTER), as ipykernel always does."""
+    name = install("kbr")
+    fe = Frontend(name)
+    try:
+        fe.run("y = 5")
+        fe.km.restart_kernel()
+        fe.kc.wait_for_ready(timeout=TIMEOUT)
+        _, out = fe.run("print('y' in globals())")
+        assert summary(out) == [("stream", "stdout", "False\n")]
+    finally:
+        fe.close()
+        stop_session("kbr")
 
 
 def test_input_reaches_the_front_end_and_its_answer_the_machine(jupyter_dirs, sshd):

@@ -116,6 +116,7 @@ def test_a_move_that_would_be_refused_rents_nothing(shell, runpod, tmp_path):
     with pytest.raises(JobError) as e:
         gpu(shell, "job move plain --to new:runpod --trust-new-host --yes")
     assert "started without --resume-arg" in e.value.message
+    assert "`%gpu job move plain --to new:runpod --from-start`" in e.value.message  # as it can be typed
     assert len(runpod.pods) == 1  # nothing was rented for it
     with pytest.raises(UsageError, match="go with --to new:PROVIDER"):
         gpu(shell, "job move plain --to rpa --max-price 1")

@@ -82,6 +82,9 @@ CELLS_KEPT = 8
 CELL_OUTPUT_KEPT = 16 * 2**20
 #: The iopub messages that are a cell's output.
 OUTPUTS = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
+#: Seconds after a front end's first shell request with no iopub subscription heard, after
+#: which the bridge publishes anyway (a front end that kept its sockets through a restart).
+SUBSCRIBED_AFTER = 2.0
 #: Seconds a restart asked by the front end may take before the bridge replies anyway.
 RESTART_WAIT = 60.0
 #: What ``kernel_info_reply`` says while the machine cannot be reached (the machine's kernel
@@ -211,6 +214,9 @@ class Bridge:
         self.interrupt_at: float | None = None
         #: A front end has subscribed to iopub: the session's messages may go out.
         self.subscribed = False
+        #: When a front end first asked on shell while no subscription was heard (see
+        #: :data:`SUBSCRIBED_AFTER`).
+        self.asked_unsubscribed: float | None = None
         #: The machine's cells' output as it went out, by execute request id, oldest first.
         self.cells: collections.OrderedDict[str, CellRecord] = collections.OrderedDict()
         #: ``%gpu kernel attach`` cells still following a running cell.
@@ -370,6 +376,8 @@ class Bridge:
             self.idents.popitem(last=False)
         if ch == "shell":
             self.last_shell = idents
+            if not self.subscribed and self.asked_unsubscribed is None:
+                self.asked_unsubscribed = time.monotonic()
         if ch == "control" and kind == "interrupt_request":
             # sent on after INTERRUPT_GRACE, unless a shutdown comes first (jupyter_client's
             # shutdown_kernel interrupts first: a detach must leave the running cell alone)
@@ -636,6 +644,13 @@ class Bridge:
                     self.drain_inbox()
                 else:
                     self.recv_request(by_sock[s])
+            if (not self.subscribed and self.asked_unsubscribed is not None
+                    and time.monotonic() - self.asked_unsubscribed >= SUBSCRIBED_AFTER):
+                # a front end that kept its sockets through a restart asks, and its SUB
+                # socket's subscription never reached this new process: publish, as
+                # ipykernel always does (it would wait for kernel_info's status for good)
+                log.info("a front end asks on shell and no iopub subscription came: publishing")
+                self.subscribed = True
             self.drain_inbox()
             if self.interrupt_at is not None and time.monotonic() >= self.interrupt_at:
                 self.send_interrupt()

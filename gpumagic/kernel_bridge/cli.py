@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
     lst.set_defaults(func=_list)
     u = ks.add_parser("uninstall", help="remove a kernelspec (the session on the machine keeps running)",
                       allow_abbrev=False)
-    u.add_argument("kernel", help="gpumagic-HOST, or HOST")
+    u_where = u.add_mutually_exclusive_group(required=True)
+    u_where.add_argument("kernel", nargs="?", help="gpumagic-HOST, or HOST")
+    u_where.add_argument("--sandbox", action="store_true", help="the sandbox machine's kernelspec")
     u.set_defaults(func=_uninstall)
     s = ks.add_parser("stop", help="stop the session on the machine (its variables are lost)", allow_abbrev=False)
     s_where = s.add_mutually_exclusive_group(required=True)
@@ -54,7 +56,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _uninstall(args: argparse.Namespace) -> int:
-    print(spec.uninstalled_text(spec.uninstall(args.kernel)))
+    print(spec.uninstalled_text(spec.uninstall(spec.SANDBOX if args.sandbox else args.kernel)))
     return 0
 
 

@@ -369,7 +369,7 @@ def _job_move(magics: GpuMagics, line: str):
             raise UsageError(f"--to {args.to}: a machine named {new} is connected already; "
                              "--name-new NAME names the new one")
         # what the move would refuse, refused before anything is rented
-        magics.fleet.check_move(name, rec, new, yes=args.yes, src=args.src, torchrun=torchrun,
+        magics.fleet.check_move(name, rec, args.to, yes=args.yes, src=args.src, torchrun=torchrun,
                                 from_start=args.from_start, no_src=args.no_src)
         target = rent_and_connect(magics, new, provider=spec.provider, filters=spec.filters,
                                   key=_rental_key(magics, rec.machine), trust=spec.trust_new_host)
