@@ -68,6 +68,8 @@ from kernel_wire import dumps, frame, take_frames  # beside this file, in the pr
 ROOT = os.path.join(os.path.expanduser("~"), ".gpumagic", "kernels")
 #: Seconds a kernel gets to answer its first kernel_info_request.
 READY_TIMEOUT = 90.0
+#: Starts of the kernel on new ports when one of them was taken before it bound it.
+PORT_TRIES = 3
 #: Seconds between the shutdown request and SIGTERM, and between SIGTERM and SIGKILL.
 SHUTDOWN_GRACE = 3.0
 #: Bytes queued to one client before the rest waits in the journal.
@@ -237,6 +239,34 @@ class Keeper:
         self.socks, self.by_sock = {}, {}
 
     def start_kernel(self):
+        """Start the kernel and wait until it is ready.  Its ports were free when the
+        connection file was written, and another process may take one before the kernel
+        binds it (a busy host): then the file gets new ports and the kernel starts again, up
+        to :data:`PORT_TRIES` times."""
+        for attempt in range(PORT_TRIES):
+            try:
+                return self._start_kernel()
+            except RuntimeError as e:
+                if "Address already in use" not in str(e) or attempt == PORT_TRIES - 1:
+                    raise
+                log("a port of the kernel was taken before it bound it; new ports (%s)" % e)
+                self.new_ports()
+
+    def new_ports(self):
+        """The connection file again, with the same key and new free ports; the keeper's
+        sockets connect to them."""
+        from jupyter_client.connect import write_connection_file
+
+        write_connection_file(self.cf, ip="127.0.0.1", key=self.session.key, transport="tcp",
+                              kernel_name="python3")
+        os.chmod(self.cf, 0o600)
+        with open(self.cf) as f:
+            info = json.load(f)
+        self.ports = {ch: info[ch + "_port"] for ch in ("shell", "iopub", "stdin", "control", "hb")}
+        self.close_sockets()
+        self.connect_sockets()
+
+    def _start_kernel(self):
         env = dict(os.environ)
         env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         env["JPY_PARENT_PID"] = str(os.getpid())  # the kernel exits if the keeper dies
