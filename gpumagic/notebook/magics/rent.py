@@ -59,6 +59,14 @@ def _money(v: float | None, currency: str = "USD") -> str:
     return text if currency == "USD" or v is None else f"{text} {currency}"
 
 
+def _stopped_cost(inst: Instance) -> str:
+    """``; its disk costs 0.014 USD/h while stopped`` (empty where the platform says nothing)."""
+    if inst.stopped_hr is None:
+        return ""
+    per_hour = "USD/h" if inst.currency == "USD" else f"{inst.currency}/h"
+    return f"; its disk costs {_money(inst.stopped_hr)} {per_hour} while stopped"
+
+
 def offers_table(offers: list[Offer]) -> str:
     """Text table of offers, as ``%gpu offers`` prints it (already sorted, cheapest first)."""
     rows = [("OFFER", "GPU", "N", "VRAM", "USD/H", "STOPPED/H", "INTERRUPTIBLE")]
@@ -172,9 +180,7 @@ def leave_old_rental(magics: GpuMagics, name: str, how: str, say=print) -> None:
                     f"`%gpu release {name}` once its results are pulled")
                 return
             inst = r.stop(name, progress=say)
-            per_hour = "USD/h" if inst.currency == "USD" else f"{inst.currency}/h"
-            cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} {per_hour} while stopped"
-            say(f"{name} is stopped{cost} (`%gpu release {name}` ends it)")
+            say(f"{name} is stopped{_stopped_cost(inst)} (`%gpu release {name}` ends it)")
     except GpumagicError as e:  # the check could not reach it, or the platform refused
         say(f"{name} was not {'released' if how == 'release' else 'stopped'}: {e.message} ({e.hint})")
         return
@@ -260,8 +266,8 @@ def _stop(magics: GpuMagics, line: str):
         print(f"{args.name} is stopped, and no longer billed; {p.name} cannot start it again: "
               f"`%gpu release {args.name}` deletes it, `%gpu rent` makes a new one")
         return
-    cost = "" if inst.stopped_hr is None else f"; its disk costs {_money(inst.stopped_hr)} USD/h while stopped"
-    print(f"{args.name} is stopped{cost} (`%gpu start {args.name}` resumes it, `%gpu release {args.name}` ends it)")
+    print(f"{args.name} is stopped{_stopped_cost(inst)} (`%gpu start {args.name}` resumes it, "
+          f"`%gpu release {args.name}` ends it)")
 
 
 @magic_arguments()
